@@ -1,1 +1,13 @@
-//! placeholder
+//! fx-data is the data layer of fx: it reads users' OHLCV bars (strictly
+//! validated CSV), computes the 51 market and 4 calendar features of
+//! `spec/DATA.md` in f64, writes and memory-maps safetensors feature files,
+//! generates a seeded synthetic market for the default run, normalises and
+//! splits the rows chronologically, and feeds training through seeded
+//! samplers and a background prefetcher so the GPU never waits for data.
+
+pub mod bars;
+pub mod error;
+pub mod features;
+
+pub use bars::Bars;
+pub use error::Error;

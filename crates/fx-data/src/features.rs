@@ -1,0 +1,2 @@
+//! placeholder
+pub const WARMUP: usize = 100;
