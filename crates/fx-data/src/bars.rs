@@ -56,11 +56,7 @@ impl Bars {
     pub fn from_csv_reader<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
         let bars = read_rows(reader, path)?;
         if bars.len() <= WARMUP {
-            return Err(Error::TooFewBars {
-                path: path.to_path_buf(),
-                bars: bars.len(),
-                warmup: WARMUP,
-            });
+            return Err(Error::TooFewBars { path: path.to_path_buf(), bars: bars.len(), warmup: WARMUP });
         }
         Ok(bars)
     }
@@ -70,13 +66,7 @@ impl Bars {
     /// the reported line is the bar index + 2, as if it were a CSV with header.
     pub fn validate(&self, what: &Path) -> Result<(), Error> {
         let n = self.len();
-        let lens = [
-            self.open.len(),
-            self.high.len(),
-            self.low.len(),
-            self.close.len(),
-            self.volume.len(),
-        ];
+        let lens = [self.open.len(), self.high.len(), self.low.len(), self.close.len(), self.volume.len()];
         if lens.iter().any(|&l| l != n) {
             return Err(Error::format(what, "bar columns have different lengths"));
         }
@@ -129,10 +119,7 @@ fn check_row(r: &RowValues, prev_ts: Option<i64>, raw: Option<&[&str; 4]>) -> Re
                 Some(raw) => raw[k].to_string(),
                 None => format!("{p}"),
             };
-            return Err(format!(
-                "prices must be finite and positive ({} = {shown})",
-                COLUMNS[k + 1]
-            ));
+            return Err(format!("prices must be finite and positive ({} = {shown})", COLUMNS[k + 1]));
         }
     }
     if r.low > r.open.min(r.close) {
@@ -153,15 +140,8 @@ fn check_row(r: &RowValues, prev_ts: Option<i64>, raw: Option<&[&str; 4]>) -> Re
 }
 
 fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
-    let err = |line: u64, rule: String| Error::Input {
-        path: path.to_path_buf(),
-        line,
-        rule,
-    };
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(false)
-        .flexible(true)
-        .from_reader(reader);
+    let err = |line: u64, rule: String| Error::Input { path: path.to_path_buf(), line, rule };
+    let mut rdr = csv::ReaderBuilder::new().has_headers(false).flexible(true).from_reader(reader);
     let mut records = rdr.records();
 
     // Header: the first non-blank record.
@@ -179,17 +159,11 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
     let mut index: [Option<usize>; 6] = [None; 6];
     for (i, name) in header.iter().enumerate() {
         let name = name.trim().to_ascii_lowercase();
-        let col = if TIMESTAMP_ALIASES.contains(&name.as_str()) {
-            Some(0)
-        } else {
-            COLUMNS.iter().position(|c| *c == name)
-        };
+        let col =
+            if TIMESTAMP_ALIASES.contains(&name.as_str()) { Some(0) } else { COLUMNS.iter().position(|c| *c == name) };
         if let Some(col) = col {
             if index[col].is_some() {
-                return Err(err(
-                    header_line,
-                    format!("column `{}` appears more than once", COLUMNS[col]),
-                ));
+                return Err(err(header_line, format!("column `{}` appears more than once", COLUMNS[col])));
             }
             index[col] = Some(i);
         }
@@ -197,11 +171,7 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
     let mut idx = [0usize; 6];
     for (k, slot) in index.iter().enumerate() {
         idx[k] = slot.ok_or_else(|| {
-            let what = if k == 0 {
-                "timestamp (or date, time, datetime)"
-            } else {
-                COLUMNS[k]
-            };
+            let what = if k == 0 { "timestamp (or date, time, datetime)" } else { COLUMNS[k] };
             err(header_line, format!("missing required column `{what}`"))
         })?;
     }
@@ -216,40 +186,19 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
         }
         let line = line_of(&rec);
         if rec.len() < n_fields {
-            return Err(err(
-                line,
-                format!(
-                    "row has fewer fields than the header ({} < {n_fields})",
-                    rec.len()
-                ),
-            ));
+            return Err(err(line, format!("row has fewer fields than the header ({} < {n_fields})", rec.len())));
         }
         let cell = |k: usize| rec.get(idx[k]).unwrap_or("").trim();
         let ts_text = cell(0);
-        let ts = parse_timestamp(ts_text).ok_or_else(|| {
-            err(
-                line,
-                format!("timestamp is neither unix seconds nor ISO-8601 (`{ts_text}`)"),
-            )
-        })?;
+        let ts = parse_timestamp(ts_text)
+            .ok_or_else(|| err(line, format!("timestamp is neither unix seconds nor ISO-8601 (`{ts_text}`)")))?;
         let mut vals = [0.0f64; 5];
         for k in 1..6 {
             let text = cell(k);
-            vals[k - 1] = text.parse::<f64>().map_err(|_| {
-                err(
-                    line,
-                    format!("`{}` is not a number (`{text}`)", COLUMNS[k]),
-                )
-            })?;
+            vals[k - 1] =
+                text.parse::<f64>().map_err(|_| err(line, format!("`{}` is not a number (`{text}`)", COLUMNS[k])))?;
         }
-        let row = RowValues {
-            ts,
-            open: vals[0],
-            high: vals[1],
-            low: vals[2],
-            close: vals[3],
-            volume: vals[4],
-        };
+        let row = RowValues { ts, open: vals[0], high: vals[1], low: vals[2], close: vals[3], volume: vals[4] };
         let raw = [cell(1), cell(2), cell(3), cell(4)];
         check_row(&row, prev_ts, Some(&raw)).map_err(|rule| err(line, rule))?;
         prev_ts = Some(ts);
@@ -273,11 +222,7 @@ fn csv_error(path: &Path, e: csv::Error) -> Error {
         csv::ErrorKind::Io(io) => return Error::io(path, std::io::Error::new(io.kind(), io.to_string())),
         _ => format!("malformed CSV ({e})"),
     };
-    Error::Input {
-        path: path.to_path_buf(),
-        line,
-        rule,
-    }
+    Error::Input { path: path.to_path_buf(), line, rule }
 }
 
 /// Parses a timestamp cell: an integer is Unix seconds; anything else is
@@ -444,9 +389,7 @@ mod tests {
     fn header_aliases_case_and_extra_columns() {
         for alias in ["Date", " DATETIME ", "time", "TimeStamp"] {
             let text = csv_text(&format!("extra,{alias},Open,HIGH,low,close,Volume"), 0)
-                + &(0..101)
-                    .map(|i| format!("x,{},2,3,1,2,5\n", 1000 + i))
-                    .collect::<String>();
+                + &(0..101).map(|i| format!("x,{},2,3,1,2,5\n", 1000 + i)).collect::<String>();
             let bars = parse(&text).unwrap();
             assert_eq!(bars.len(), 101);
             assert_eq!(bars.high[0], 3.0);

@@ -66,23 +66,14 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
 
     pub(crate) fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::Format {
-            path: path.into(),
-            msg: msg.into(),
-        }
+        Error::Format { path: path.into(), msg: msg.into() }
     }
 
     pub(crate) fn config(what: &'static str, msg: impl Into<String>) -> Self {
-        Error::Config {
-            what,
-            msg: msg.into(),
-        }
+        Error::Config { what, msg: msg.into() }
     }
 }

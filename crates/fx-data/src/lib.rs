@@ -7,7 +7,9 @@
 
 pub mod bars;
 pub mod error;
+pub mod feature_file;
 pub mod features;
 
 pub use bars::Bars;
 pub use error::Error;
+pub use feature_file::{build_feature_file, FeatureFileSummary, FeatureStore, FeatureTable};
