@@ -9,7 +9,11 @@ pub mod bars;
 pub mod error;
 pub mod feature_file;
 pub mod features;
+pub mod rng;
+pub mod synthetic;
 
 pub use bars::Bars;
 pub use error::Error;
 pub use feature_file::{build_feature_file, FeatureFileSummary, FeatureStore, FeatureTable};
+pub use rng::Rng;
+pub use synthetic::{Interval, Regime, SyntheticConfig};
