@@ -9,11 +9,15 @@ pub mod bars;
 pub mod error;
 pub mod feature_file;
 pub mod features;
+pub mod normalize;
 pub mod rng;
+pub mod split;
 pub mod synthetic;
 
 pub use bars::Bars;
 pub use error::Error;
 pub use feature_file::{build_feature_file, FeatureFileSummary, FeatureStore, FeatureTable};
+pub use normalize::Normalizer;
 pub use rng::Rng;
+pub use split::{Fold, SplitConfig, Splits, WalkForwardConfig};
 pub use synthetic::{Interval, Regime, SyntheticConfig};
