@@ -11,6 +11,7 @@ pub mod feature_file;
 pub mod features;
 pub mod normalize;
 pub mod rng;
+pub mod sampler;
 pub mod split;
 pub mod synthetic;
 
@@ -19,5 +20,6 @@ pub use error::Error;
 pub use feature_file::{build_feature_file, FeatureFileSummary, FeatureStore, FeatureTable};
 pub use normalize::Normalizer;
 pub use rng::Rng;
+pub use sampler::{BatchIndex, EpochStream, Sampler};
 pub use split::{Fold, SplitConfig, Splits, WalkForwardConfig};
 pub use synthetic::{Interval, Regime, SyntheticConfig};
