@@ -6,6 +6,7 @@
 //! samplers and a background prefetcher so the GPU never waits for data.
 
 pub mod bars;
+pub mod batch;
 pub mod error;
 pub mod feature_file;
 pub mod features;
@@ -18,6 +19,7 @@ pub mod split;
 pub mod synthetic;
 
 pub use bars::Bars;
+pub use batch::{assemble, BatchLayout, BatchLoader, HostBatch};
 pub use error::Error;
 pub use feature_file::{build_feature_file, FeatureFileSummary, FeatureStore, FeatureTable};
 pub use normalize::Normalizer;

@@ -1,15 +1,18 @@
 //! Background preparation of work items (batches) ahead of the consumer.
-//! Worker threads take jobs in order from a shared source, run them, and hand
-//! results over a bounded crossbeam channel; the consumer re-orders them so
-//! the output order is the job order whatever the worker count. A worker
-//! error (or panic) reaches the consumer as `Err` at that job's position and
-//! ends the stream, never as a hang; dropping the consumer stops the workers.
+//! Worker threads take jobs from a shared source in turn (job `s` goes to
+//! worker `s mod W`), run them, and hand results over a bounded crossbeam
+//! channel per worker; the consumer reads the channels round-robin, so the
+//! output is in job order whatever the worker count, and memory stays bounded
+//! (at most `depth` finished items per worker plus one in progress). A worker
+//! error (or panic) reaches the consumer as `Err` at that job's position,
+//! after every earlier item, and ends the stream, never as a hang; dropping
+//! the consumer stops the workers.
 
-use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver};
 use serde::{Deserialize, Serialize};
@@ -20,7 +23,7 @@ use crate::error::Error;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PrefetchConfig {
-    /// Finished items that may wait in the channel (the prefetch depth).
+    /// Finished items that may wait per worker (the prefetch depth).
     pub depth: usize,
     /// Worker threads.
     pub workers: usize,
@@ -32,16 +35,27 @@ impl Default for PrefetchConfig {
     }
 }
 
-type Msg<T> = (u64, Result<T, Error>);
+/// The shared job source: jobs are handed out strictly in sequence.
+struct Source<I> {
+    next_seq: u64,
+    jobs: I,
+    /// No more jobs will be handed out (source ended, failed, or stopped).
+    closed: bool,
+}
+
+struct Shared<I> {
+    source: Mutex<Source<I>>,
+    turn: Condvar,
+    stop: AtomicBool,
+}
 
 /// Items produced in the background, consumed in job order (an iterator of
 /// `Result<T, Error>`).
 pub struct Prefetcher<T: Send + 'static> {
-    rx: Option<Receiver<Msg<T>>>,
-    stop: Arc<AtomicBool>,
+    rxs: Vec<Receiver<Result<T, Error>>>,
+    stop: Box<dyn Fn() + Send + Sync>,
     handles: Vec<JoinHandle<()>>,
     next_seq: u64,
-    pending: BTreeMap<u64, Result<T, Error>>,
     done: bool,
 }
 
@@ -66,70 +80,83 @@ impl<T: Send + 'static> Prefetcher<T> {
         if cfg.depth == 0 || cfg.workers == 0 {
             return Err(Error::config("prefetch", "depth and workers must be > 0".to_string()));
         }
-        let (tx, rx) = bounded::<Msg<T>>(cfg.depth);
-        let stop = Arc::new(AtomicBool::new(false));
-        let source = Arc::new(Mutex::new((0u64, jobs)));
+        let w_count = cfg.workers as u64;
+        let shared = Arc::new(Shared {
+            source: Mutex::new(Source { next_seq: 0, jobs, closed: false }),
+            turn: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
         let work = Arc::new(work);
         let mut handles = Vec::with_capacity(cfg.workers);
-        for w in 0..cfg.workers {
-            let (tx, stop, source, work) = (tx.clone(), stop.clone(), source.clone(), work.clone());
-            let h = std::thread::Builder::new()
-                .name(format!("fx-data-prefetch-{w}"))
-                .spawn(move || loop {
-                    if stop.load(Ordering::Acquire) {
-                        break;
+        let mut rxs = Vec::with_capacity(cfg.workers);
+        let sh = shared.clone();
+        let stop: Box<dyn Fn() + Send + Sync> = Box::new(move || {
+            sh.stop.store(true, Ordering::Release);
+            sh.source.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
+            sh.turn.notify_all();
+        });
+        for w in 0..w_count {
+            let (tx, rx) = bounded::<Result<T, Error>>(cfg.depth);
+            rxs.push(rx);
+            let (shared, work) = (shared.clone(), work.clone());
+            let spawned = std::thread::Builder::new().name(format!("fx-data-prefetch-{w}")).spawn(move || loop {
+                // Wait for this worker's turn, then take the next job.
+                let (seq, job) = {
+                    let mut g = shared.source.lock().unwrap_or_else(|p| p.into_inner());
+                    while !g.closed && g.next_seq % w_count != w {
+                        // The timeout only guards against a missed wake-up.
+                        g = shared.turn.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(|p| p.into_inner()).0;
                     }
-                    // Take the next job (and its sequence number) under the lock.
-                    let next = catch_unwind(AssertUnwindSafe(|| {
-                        let mut g = source.lock().unwrap_or_else(|p| p.into_inner());
-                        let seq = g.0;
-                        let job = g.1.next();
-                        if job.is_some() {
-                            g.0 += 1;
+                    if g.closed || shared.stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let seq = g.next_seq;
+                    let next = catch_unwind(AssertUnwindSafe(|| g.jobs.next()));
+                    let job = match next {
+                        Ok(Some(job)) => Ok(job),
+                        Ok(None) => {
+                            g.closed = true;
+                            shared.turn.notify_all();
+                            return;
                         }
-                        job.map(|j| (seq, j))
-                    }));
-                    let (seq, result) = match next {
-                        Ok(None) => break,
-                        Ok(Some((seq, job))) => {
-                            let r = catch_unwind(AssertUnwindSafe(|| work(job))).unwrap_or_else(|p| {
-                                Err(Error::Worker(format!("job {seq} panicked: {}", panic_text(&*p))))
-                            });
-                            (seq, r)
-                        }
-                        Err(p) => {
-                            // The source itself panicked: report at the position it failed.
-                            let seq = source.lock().unwrap_or_else(|p| p.into_inner()).0;
-                            (seq, Err(Error::Worker(format!("job source panicked: {}", panic_text(&*p)))))
-                        }
+                        Err(p) => Err(Error::Worker(format!("job source panicked: {}", panic_text(&*p)))),
                     };
-                    let failed = result.is_err();
-                    if failed {
-                        // Nothing after a failure will be consumed: let the others stop.
-                        stop.store(true, Ordering::Release);
+                    g.next_seq += 1;
+                    if job.is_err() {
+                        g.closed = true;
                     }
-                    // A closed channel means the consumer is gone: stop.
-                    if tx.send((seq, result)).is_err() || failed {
-                        break;
-                    }
-                })
-                .map_err(|e| Error::Worker(format!("cannot start a worker thread: {e}")))?;
-            handles.push(h);
+                    shared.turn.notify_all();
+                    (seq, job)
+                };
+                let result = job.and_then(|job| {
+                    catch_unwind(AssertUnwindSafe(|| work(job)))
+                        .unwrap_or_else(|p| Err(Error::Worker(format!("job {seq} panicked: {}", panic_text(&*p)))))
+                });
+                let failed = result.is_err();
+                if failed {
+                    // Jobs already handed out still finish; no new ones start.
+                    shared.source.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
+                    shared.turn.notify_all();
+                }
+                // A closed channel means the consumer is gone: stop.
+                if tx.send(result).is_err() || failed {
+                    return;
+                }
+            });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    stop();
+                    return Err(Error::Worker(format!("cannot start a worker thread: {e}")));
+                }
+            }
         }
-        Ok(Prefetcher { rx: Some(rx), stop, handles, next_seq: 0, pending: BTreeMap::new(), done: false })
+        Ok(Prefetcher { rxs, stop, handles, next_seq: 0, done: false })
     }
 
-    /// Items handed over but not yet consumed (for diagnostics and tests).
+    /// Finished items waiting in the channels (for diagnostics and tests).
     pub fn ready(&self) -> usize {
-        self.rx.as_ref().map_or(0, |r| r.len()) + self.pending.len()
-    }
-
-    fn finish(&mut self, item: Result<T, Error>) -> Option<Result<T, Error>> {
-        if item.is_err() {
-            self.done = true;
-        }
-        self.next_seq += 1;
-        Some(item)
+        self.rxs.iter().map(|r| r.len()).sum()
     }
 }
 
@@ -138,30 +165,22 @@ impl<T: Send + 'static> Iterator for Prefetcher<T> {
 
     /// Blocks until the next item in job order is ready; `None` at the end.
     fn next(&mut self) -> Option<Result<T, Error>> {
-        if self.done {
+        if self.done || self.rxs.is_empty() {
             return None;
         }
-        loop {
-            if let Some(item) = self.pending.remove(&self.next_seq) {
-                return self.finish(item);
-            }
-            let rx = self.rx.as_ref()?;
-            match rx.recv() {
-                Ok((seq, item)) if seq == self.next_seq => return self.finish(item),
-                Ok((seq, item)) => {
-                    self.pending.insert(seq, item);
-                }
-                // All workers have exited: a clean end unless an item is missing.
-                Err(_) => {
+        let w = (self.next_seq % self.rxs.len() as u64) as usize;
+        match self.rxs[w].recv() {
+            Ok(item) => {
+                self.next_seq += 1;
+                if item.is_err() {
                     self.done = true;
-                    if self.pending.is_empty() {
-                        return None;
-                    }
-                    return Some(Err(Error::Worker(format!(
-                        "item {} was never produced (a worker exited early)",
-                        self.next_seq
-                    ))));
                 }
+                Some(item)
+            }
+            // The worker owning this position exited: the source has ended.
+            Err(_) => {
+                self.done = true;
+                None
             }
         }
     }
@@ -169,10 +188,9 @@ impl<T: Send + 'static> Iterator for Prefetcher<T> {
 
 impl<T: Send + 'static> Drop for Prefetcher<T> {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Closing the channel wakes workers blocked on a full channel.
-        self.rx = None;
-        self.pending.clear();
+        (self.stop)();
+        // Closing the channels wakes workers blocked on a full channel.
+        self.rxs.clear();
         for h in self.handles.drain(..) {
             let _ = h.join();
         }
@@ -261,7 +279,7 @@ mod tests {
         assert_eq!(p.next().unwrap().unwrap(), 0);
         // Workers fill the channel and then block; they must not run ahead unboundedly.
         std::thread::sleep(Duration::from_millis(20));
-        assert!(ran.load(Ordering::Relaxed) <= 1 + cfg.depth + cfg.workers + 1);
+        assert!(ran.load(Ordering::Relaxed) <= 1 + cfg.workers * (cfg.depth + 1));
         let t = Instant::now();
         drop(p);
         assert!(t.elapsed() < Duration::from_secs(1));

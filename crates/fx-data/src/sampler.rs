@@ -78,6 +78,11 @@ impl Sampler {
         self.n_starts
     }
 
+    /// One past the last row any window may touch.
+    pub fn rows_end(&self) -> usize {
+        self.ranges.last().map_or(0, |r| r.end)
+    }
+
     /// Batches per epoch.
     pub fn batches_per_epoch(&self) -> usize {
         if self.drop_last {
