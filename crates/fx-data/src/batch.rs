@@ -11,7 +11,7 @@ use crate::feature_file::FeatureStore;
 use crate::features::N_KNOWN;
 use crate::normalize::Normalizer;
 use crate::pinned::{HostBufferPool, PooledBuffer};
-use crate::prefetch::{PrefetchConfig, Prefetcher};
+use crate::prefetch::{PrefetchConfig, Prefetcher, TryNext};
 use crate::sampler::{BatchIndex, Sampler};
 
 /// Shape of a batch buffer. Regions sit at fixed offsets computed from the
@@ -190,6 +190,13 @@ impl BatchLoader {
     }
 }
 
+impl BatchLoader {
+    /// The next batch if it is already assembled, without blocking.
+    pub fn try_next(&mut self) -> TryNext<HostBatch> {
+        self.inner.try_next()
+    }
+}
+
 impl Iterator for BatchLoader {
     type Item = Result<HostBatch, Error>;
     fn next(&mut self) -> Option<Self::Item> {
@@ -198,6 +205,7 @@ impl Iterator for BatchLoader {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one-range samplers are the common case
 mod tests {
     use super::*;
     use crate::features::N_MARKET;

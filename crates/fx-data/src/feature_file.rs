@@ -264,7 +264,7 @@ impl FeatureStore {
             }
             let data = view.data();
             let start = data.as_ptr() as usize - base;
-            let aligned = (data.as_ptr() as usize) % (dtype.bitsize() / 8) == 0;
+            let aligned = (data.as_ptr() as usize).is_multiple_of(dtype.bitsize() / 8);
             if !aligned {
                 copied += data.len();
             }

@@ -7,6 +7,7 @@
 
 pub mod bars;
 pub mod batch;
+pub mod double_buffer;
 pub mod error;
 pub mod feature_file;
 pub mod features;
@@ -20,11 +21,14 @@ pub mod synthetic;
 
 pub use bars::Bars;
 pub use batch::{assemble, BatchLayout, BatchLoader, HostBatch};
+#[cfg(feature = "cuda")]
+pub use double_buffer::DeviceBatch;
+pub use double_buffer::DoubleBufferedLoader;
 pub use error::Error;
 pub use feature_file::{build_feature_file, FeatureFileSummary, FeatureStore, FeatureTable};
 pub use normalize::Normalizer;
 pub use pinned::{HostBuffer, HostBufferPool, PooledBuffer};
-pub use prefetch::{PrefetchConfig, Prefetcher};
+pub use prefetch::{PrefetchConfig, Prefetcher, TryNext};
 pub use rng::Rng;
 pub use sampler::{BatchIndex, EpochStream, Sampler};
 pub use split::{Fold, SplitConfig, Splits, WalkForwardConfig};

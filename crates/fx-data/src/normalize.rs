@@ -39,7 +39,7 @@ impl Normalizer {
     /// Fits on rows `train` of a row-major `[rows, width]` matrix, in f64 with
     /// two passes (mean, then deviations).
     pub fn fit_rows(data: &[f32], width: usize, train: Range<usize>) -> Result<Self, Error> {
-        if width == 0 || data.len() % width != 0 || train.end * width > data.len() {
+        if width == 0 || !data.len().is_multiple_of(width) || train.end * width > data.len() {
             return Err(Error::config(
                 "normalisation rows",
                 format!("{train:?} of a [{}, {width}] matrix", data.len() / width.max(1)),
@@ -112,7 +112,7 @@ impl Normalizer {
 
     /// Reads the flat `[2, F]` form back (validated).
     pub fn from_flat(flat: &[f32]) -> Result<Self, Error> {
-        if flat.is_empty() || flat.len() % 2 != 0 {
+        if flat.is_empty() || !flat.len().is_multiple_of(2) {
             return Err(Error::config("normaliser tensor", format!("{} values, expected [2, F]", flat.len())));
         }
         let f = flat.len() / 2;

@@ -49,6 +49,17 @@ struct Shared<I> {
     stop: AtomicBool,
 }
 
+/// The outcome of [`Prefetcher::try_next`].
+#[derive(Debug)]
+pub enum TryNext<T> {
+    /// The next item (or the error that ends the stream).
+    Ready(Result<T, Error>),
+    /// The next item is still being prepared.
+    Pending,
+    /// The stream has ended.
+    End,
+}
+
 /// Items produced in the background, consumed in job order (an iterator of
 /// `Result<T, Error>`).
 pub struct Prefetcher<T: Send + 'static> {
@@ -152,6 +163,28 @@ impl<T: Send + 'static> Prefetcher<T> {
             }
         }
         Ok(Prefetcher { rxs, stop, handles, next_seq: 0, done: false })
+    }
+
+    /// The next item if it is already finished, without blocking.
+    pub fn try_next(&mut self) -> TryNext<T> {
+        if self.done || self.rxs.is_empty() {
+            return TryNext::End;
+        }
+        let w = (self.next_seq % self.rxs.len() as u64) as usize;
+        match self.rxs[w].try_recv() {
+            Ok(item) => {
+                self.next_seq += 1;
+                if item.is_err() {
+                    self.done = true;
+                }
+                TryNext::Ready(item)
+            }
+            Err(crossbeam_channel::TryRecvError::Empty) => TryNext::Pending,
+            Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                self.done = true;
+                TryNext::End
+            }
+        }
     }
 
     /// Finished items waiting in the channels (for diagnostics and tests).
@@ -285,6 +318,32 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(1));
         // The closure (and its captured Arc) is gone: every worker has exited.
         assert_eq!(Arc::strong_count(&alive), 1);
+    }
+
+    #[test]
+    fn try_next_does_not_block() {
+        let gate = Arc::new(AtomicBool::new(false));
+        let g = gate.clone();
+        let mut p = Prefetcher::spawn(&PrefetchConfig::default(), 0..3u32, move |j| {
+            while !g.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(j)
+        })
+        .unwrap();
+        assert!(matches!(p.try_next(), TryNext::Pending));
+        gate.store(true, Ordering::Release);
+        assert_eq!(p.next().unwrap().unwrap(), 0);
+        let mut got = vec![];
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            match p.try_next() {
+                TryNext::Ready(r) => got.push(r.unwrap()),
+                TryNext::Pending => std::thread::yield_now(),
+                TryNext::End => break,
+            }
+        }
+        assert_eq!(got, vec![1, 2]);
     }
 
     #[test]

@@ -174,6 +174,7 @@ impl Iterator for EpochStream {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one-range samplers are the common case
 mod tests {
     use super::*;
     use proptest::prelude::*;
