@@ -12,8 +12,10 @@ mod clip;
 mod error;
 pub mod ops;
 mod optim;
+mod precision;
 
 pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
+pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};
