@@ -10,6 +10,7 @@
 mod checkpoint_io;
 mod clip;
 mod error;
+mod grad_scaler;
 pub mod ops;
 mod optim;
 mod precision;
@@ -17,5 +18,6 @@ mod precision;
 pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
+pub use grad_scaler::{GradScaler, GradScalerConfig, GradScalerState, GRAD_SCALER_METADATA_KEY};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};
