@@ -248,7 +248,7 @@ mod tests {
                 clean_run = 0;
             } else {
                 clean_run += 1;
-                if clean_run % interval == 0 {
+                if clean_run.is_multiple_of(interval) {
                     if ((scale * 2.0) as f32).is_finite() {
                         scale *= 2.0;
                     }
@@ -328,16 +328,16 @@ mod tests {
         let loss = Tensor::new(1.5f32, &Device::Cpu).unwrap();
         assert_eq!(s.scale(&loss).unwrap().to_scalar::<f32>().unwrap(), 6.0);
         let mut g = grads_for(&var, 0);
-        assert!(!s.unscale(&[var.clone()], &mut g).unwrap());
+        assert!(!s.unscale(std::slice::from_ref(&var), &mut g).unwrap());
         assert_eq!(g.get(var.as_tensor()).unwrap().to_vec1::<f32>().unwrap(), [0.125, -0.25, 0.5]);
 
         let off = GradScaler::for_precision(Precision::Bf16);
         assert!(!off.is_enabled() && GradScaler::for_precision(Precision::F16).is_enabled());
         assert_eq!(off.scale(&loss).unwrap().to_scalar::<f32>().unwrap(), 1.5);
         let mut g = grads_for(&var, 1);
-        assert!(off.unscale(&[var.clone()], &mut g).unwrap());
+        assert!(off.unscale(std::slice::from_ref(&var), &mut g).unwrap());
         let mut g = grads_for(&var, 0);
-        assert!(!off.unscale(&[var.clone()], &mut g).unwrap());
+        assert!(!off.unscale(std::slice::from_ref(&var), &mut g).unwrap());
         assert_eq!(g.get(var.as_tensor()).unwrap().to_vec1::<f32>().unwrap(), [0.5, -1.0, 2.0]);
     }
 
