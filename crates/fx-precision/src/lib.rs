@@ -7,6 +7,7 @@
 //! clipping ([`clip_grad_norm`]) and a precision policy ([`Precision`], [`Linear`]).
 //! Master weights are always F32 `Var`s; only matmul-heavy ops run in the compute dtype.
 
+mod accumulate;
 mod checkpoint_io;
 mod clip;
 mod error;
@@ -15,6 +16,7 @@ pub mod ops;
 mod optim;
 mod precision;
 
+pub use accumulate::{Accumulated, GradAccumulator};
 pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
