@@ -1,1 +1,25 @@
-//! placeholder
+//! The RL agents of MODELS.md (dueling double DQN and the PPO actor-critic) on candle,
+//! with the spec's parameter names so weights move both ways between fx and the
+//! PyTorch reference.
+//!
+//! `fx-models` holds the networks, their losses (double-DQN Huber against a soft-updated
+//! target network; PPO clipped surrogate + value + entropy), tape-free inference and
+//! action selection, and the training algorithms around them (DQN with a replay buffer,
+//! PPO with E×T rollouts and GAE). The algorithms only see the `fx_kernels::VecEnv`
+//! trait, so the CPU environment and the GPU experience kernels plug in the same way;
+//! optimisers, clipping and the precision policy come from `fx-precision`. The
+//! sequence models (TFT, MAMBA-2) live beside these in their own modules.
+
+pub mod dqn;
+mod error;
+mod linear;
+pub mod param_io;
+pub mod ppo;
+
+#[cfg(test)]
+mod fixtures;
+
+pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
+pub use error::{Error, Result};
+pub use param_io::{ParamSet, ParamSpec};
+pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
