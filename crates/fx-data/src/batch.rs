@@ -191,6 +191,11 @@ impl BatchLoader {
 }
 
 impl BatchLoader {
+    /// Assembled batches waiting to be consumed.
+    pub fn ready(&self) -> usize {
+        self.inner.ready()
+    }
+
     /// The next batch if it is already assembled, without blocking.
     pub fn try_next(&mut self) -> TryNext<HostBatch> {
         self.inner.try_next()
@@ -290,6 +295,28 @@ mod tests {
         // Buffers are recycled: the pool holds about the pipeline depth
         // (per worker: channel depth + one in progress; plus the consumer's).
         assert!(pool.allocated() <= 2 * (2 + 1) + 1, "{}", pool.allocated());
+    }
+
+    #[test]
+    fn next_epoch_is_ready_before_the_current_one_ends() {
+        let st = store(200, 6);
+        let sampler = Sampler::rows(&[0..60], 20, 2).unwrap(); // 3 batches per epoch
+        let pool = HostBufferPool::new(BatchLayout { batch_size: 20, window: 1, n_market: N_MARKET }.buffer_len());
+        let mut loader = BatchLoader::new(st, None, &sampler, 0..2, pool, &PrefetchConfig::default()).unwrap();
+        assert_eq!(loader.next().unwrap().unwrap().index.epoch, 0);
+        assert_eq!(loader.next().unwrap().unwrap().index.epoch, 0);
+        // While the consumer works on batch 2 of epoch 0, the workers finish
+        // the last batch of epoch 0 and the first of epoch 1.
+        let t = std::time::Instant::now();
+        while loader.ready() < 2 && t.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(loader.ready(), 2);
+        assert_eq!(loader.next().unwrap().unwrap().index.epoch, 0);
+        match loader.try_next() {
+            TryNext::Ready(b) => assert_eq!(b.unwrap().index, sampler.epoch_batches(1)[0]),
+            other => panic!("epoch 1 was not ready: {other:?}"),
+        }
     }
 
     #[test]

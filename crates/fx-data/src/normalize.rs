@@ -110,6 +110,18 @@ impl Normalizer {
         v
     }
 
+    /// The checkpoint form as a tensor pair `(mean [F], std [F])`.
+    pub fn to_pair(&self) -> (Vec<f32>, Vec<f32>) {
+        (self.mean.clone(), self.std.clone())
+    }
+
+    /// Reads the tensor pair back (validated); the clip bound is [`CLIP`].
+    pub fn from_pair(mean: &[f32], std: &[f32]) -> Result<Self, Error> {
+        let n = Normalizer { mean: mean.to_vec(), std: std.to_vec(), clip: CLIP };
+        n.check()?;
+        Ok(n)
+    }
+
     /// Reads the flat `[2, F]` form back (validated).
     pub fn from_flat(flat: &[f32]) -> Result<Self, Error> {
         if flat.is_empty() || !flat.len().is_multiple_of(2) {
@@ -172,6 +184,9 @@ mod tests {
     fn serialisation_roundtrips() {
         let n = Normalizer { mean: vec![1.0, -2.0], std: vec![0.5, 3.0], clip: CLIP };
         assert_eq!(Normalizer::from_flat(&n.to_flat()).unwrap(), n);
+        let (m, s) = n.to_pair();
+        assert_eq!(Normalizer::from_pair(&m, &s).unwrap(), n);
+        assert!(Normalizer::from_pair(&m, &s[..1]).is_err());
         let json = serde_json::to_string(&n).unwrap();
         assert_eq!(serde_json::from_str::<Normalizer>(&json).unwrap(), n);
         assert!(Normalizer::from_flat(&[1.0, 0.0]).is_err());
