@@ -11,15 +11,21 @@
 //! sequence models (TFT, MAMBA-2) live beside these in their own modules.
 
 pub mod dqn;
+pub mod dqn_trainer;
 mod error;
 mod linear;
 pub mod param_io;
 pub mod ppo;
+pub mod schedule;
 
 #[cfg(test)]
 mod fixtures;
+#[cfg(test)]
+mod synthetic;
 
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
+pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
+pub use schedule::LinearSchedule;
