@@ -8,6 +8,7 @@
 //! Master weights are always F32 `Var`s; only matmul-heavy ops run in the compute dtype.
 
 mod accumulate;
+mod checkpoint;
 mod checkpoint_io;
 mod clip;
 mod error;
@@ -18,6 +19,7 @@ mod optim;
 mod precision;
 
 pub use accumulate::{Accumulated, GradAccumulator};
+pub use checkpoint::{CheckpointTape, Checkpointed, Segment};
 pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
