@@ -544,11 +544,14 @@ mod tests {
             ..Default::default()
         };
         let mut tr = DqnTrainer::new(cfg, &Device::Cpu).unwrap();
+        let held_out = || ar1_env(16, 64, 2_000, 2);
+        // The untrained network does not pass the bar (the test can fail).
+        let untrained = evaluate(&mut held_out(), 256, Policy::Dqn(tr.online())).unwrap();
+        assert!(untrained < 2e-3, "untrained policy already earns {untrained:e}");
         let mut env = ar1_env(16, 64, 3_000, 1);
         for _ in 0..400 {
             tr.step(&mut env).unwrap();
         }
-        let held_out = || ar1_env(16, 64, 2_000, 2);
         let greedy = evaluate(&mut held_out(), 256, Policy::Dqn(tr.online())).unwrap();
         let flat = evaluate(&mut held_out(), 256, Policy::Flat).unwrap();
         let random = evaluate(&mut held_out(), 256, Policy::Random).unwrap();

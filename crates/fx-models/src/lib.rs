@@ -16,6 +16,7 @@ mod error;
 mod linear;
 pub mod param_io;
 pub mod ppo;
+pub mod ppo_trainer;
 pub mod schedule;
 
 #[cfg(test)]
@@ -28,4 +29,5 @@ pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
+pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
 pub use schedule::LinearSchedule;
