@@ -459,6 +459,22 @@ mod tests {
     }
 
     #[test]
+    fn action_selection_uses_the_env_draws() {
+        let env = ar1_env(8, 32, 400, 3);
+        let tr = DqnTrainer::new(tiny_cfg(), &Device::Cpu).unwrap();
+        let obs = env.observe().unwrap();
+        let greedy: Vec<u32> = tr.online().greedy_actions(&obs).unwrap().to_vec1().unwrap();
+        let a0: Vec<u32> = tr.act(&env, 0.0).unwrap().to_vec1().unwrap();
+        assert_eq!(a0, greedy);
+        // ε = 0.5: the host reference of the counter-based ε-greedy on the same Q values.
+        let q: Vec<f32> = tr.online().forward_inference(&obs).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let want = fx_kernels::epsilon_greedy(&q, 3, 0.5, env.seed(), &env.env_ids(), env.step_counters()).unwrap();
+        let got: Vec<u32> = tr.act(&env, 0.5).unwrap().to_vec1().unwrap();
+        assert_eq!(got, want);
+        assert_ne!(got, greedy, "ε = 0.5 over 8 envs should explore somewhere with this seed");
+    }
+
+    #[test]
     fn non_finite_batch_skips_the_update() {
         let fx = Fixture::load("dqn.safetensors");
         let mut tr = DqnTrainer::new(small_cfg(), &Device::Cpu).unwrap();

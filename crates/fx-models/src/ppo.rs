@@ -146,6 +146,13 @@ impl ActorCritic {
         log_softmax(&logits).and_then(|l| l.exp()).ctx("ActorCritic::probs_inference")
     }
 
+    /// Greedy actions `argmax_a logits` as U32 `[B]` (no graph; ties to the lowest
+    /// index on the CPU).
+    pub fn greedy_actions(&self, s: &Tensor) -> Result<Tensor> {
+        let (logits, _) = self.forward_inference(s)?;
+        logits.argmax(D::Minus1).ctx("ActorCritic::greedy_actions")
+    }
+
     fn forward_with(&self, s: &Tensor, w: &[&Tensor]) -> Result<(Tensor, Tensor)> {
         const CTX: &str = "ActorCritic::forward";
         check_states(s, self.cfg.state_dim, CTX)?;

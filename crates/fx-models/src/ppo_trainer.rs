@@ -486,6 +486,17 @@ mod tests {
     }
 
     #[test]
+    fn sampling_uses_the_env_draws() {
+        let env = ar1_env(8, 16, 300, 4);
+        let tr = PpoTrainer::new(tiny_cfg(), 8, &Device::Cpu).unwrap();
+        let probs = tr.model.probs_inference(&env.observe().unwrap()).unwrap();
+        let p: Vec<f32> = probs.flatten_all().unwrap().to_vec1().unwrap();
+        let want = fx_kernels::sample_from_probs(&p, 3, env.seed(), &env.env_ids(), env.step_counters()).unwrap();
+        let got: Vec<u32> = tr.act(&env).unwrap().to_vec1().unwrap();
+        assert_eq!(got, want);
+    }
+
+    #[test]
     fn permutation_is_a_permutation_and_depends_on_epoch() {
         for n in [1usize, 2, 7, 100] {
             let mut p = permutation(n, 3, 0);

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use fx_kernels::{rng, CpuTradingEnv, EnvConfig, EnvData, VecEnv, N_MARKET};
 
 use crate::dqn::DuelingDqn;
@@ -59,7 +59,7 @@ pub(crate) fn evaluate(env: &mut CpuTradingEnv, steps: usize, policy: Policy<'_>
         let obs = env.observe().unwrap();
         let actions = match &policy {
             Policy::Dqn(net) => net.greedy_actions(&obs)?,
-            Policy::Ppo(m) => m.forward_inference(&obs)?.0.argmax(D::Minus1).unwrap(),
+            Policy::Ppo(m) => m.greedy_actions(&obs)?,
             Policy::Flat => Tensor::ones(e, DType::U32, &Device::Cpu).unwrap(),
             Policy::Random => {
                 env.epsilon_greedy(&Tensor::zeros((e, 3), DType::F32, &Device::Cpu).unwrap(), 1.0).unwrap()
