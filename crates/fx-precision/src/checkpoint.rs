@@ -124,6 +124,7 @@ impl<'a> Checkpointed<'a> {
             let ctx = "checkpointed backward, empty stack";
             let surrogate = input.mul(&grad_out).and_then(|t| t.sum_all()).ctx(ctx)?;
             let mut g = surrogate.backward().ctx(ctx)?;
+            g.remove(&grad_out);
             detach_all(&mut g);
             grads.extend(g).ctx(ctx)?;
             return Ok(grads);
@@ -138,8 +139,11 @@ impl<'a> Checkpointed<'a> {
                 (input.clone(), None)
             };
             let out = seg(&inp).ctx(&ctx)?;
-            let surrogate = out.mul(&grad_out.detach()).and_then(|t| t.sum_all()).ctx(&ctx)?;
+            let grad_out_leaf = grad_out.detach();
+            let surrogate = out.mul(&grad_out_leaf).and_then(|t| t.sum_all()).ctx(&ctx)?;
             let mut seg_grads = surrogate.backward().ctx(&ctx)?;
+            // candle also stores a gradient for the untracked `grad_out` operand; drop it.
+            seg_grads.remove(&grad_out_leaf);
             detach_all(&mut seg_grads);
             drop((out, surrogate));
             if let Some(leaf) = leaf {

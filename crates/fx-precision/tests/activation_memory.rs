@@ -133,16 +133,27 @@ fn checkpointing_halves_activation_memory_of_a_deep_mlp() {
         c.held_after_forward,
         p.held_after_forward
     );
-    assert!(c.peak_above_baseline < p.peak_above_baseline);
+    // Backward recomputes one segment at a time, so the peak falls too.
+    assert!(
+        (c.peak_above_baseline as f64) <= 0.5 * p.peak_above_baseline as f64,
+        "checkpointed peak {} B, plain {} B",
+        c.peak_above_baseline,
+        p.peak_above_baseline
+    );
 
     // Gradient accumulation must not pin the micro-batches' graphs either: after N
     // backward passes (losses dropped) only the F32 gradient sums remain.
-    let vars: Vec<Var> = layers.iter().flat_map(|(w, b, _)| [w.clone(), b.clone()]).collect();
+    // The loss multiplies a Var straight into the last activation: candle's gradient for
+    // that Var is `grad * activation`, which on its own would pin the whole graph.
+    let gate = Var::ones((batch, width), DType::F32, &dev).unwrap();
+    let mut vars: Vec<Var> = layers.iter().flat_map(|(w, b, _)| [w.clone(), b.clone()]).collect();
+    vars.push(gate.clone());
     let param_bytes: usize = vars.iter().map(|v| v.elem_count() * 4).sum();
     let mut acc = fx_precision::GradAccumulator::new(vars, 4).unwrap();
     let base = LIVE.load(Ordering::SeqCst);
     for _ in 0..4 {
-        let loss = stack.forward_plain(&x).unwrap().sqr().unwrap().mean_all().unwrap();
+        let out = stack.forward_plain(&x).unwrap();
+        let loss = (out * gate.as_tensor()).unwrap().sqr().unwrap().mean_all().unwrap();
         acc.backward(&loss).unwrap();
     }
     let held = LIVE.load(Ordering::SeqCst) - base;
