@@ -252,8 +252,14 @@ impl DqnTrainer {
         let actions = self.act(env, eps)?;
         let step = env.step_into_replay(&actions, &mut self.replay).ctx(CTX)?;
         self.env_steps += 1;
-        let mean_reward = step.reward.mean_all().and_then(|m| m.to_scalar::<f32>()).ctx(CTX)? as f64;
-        let episodes_done = step.done.sum_all().and_then(|m| m.to_scalar::<f32>()).ctx(CTX)? as u32;
+        // One read for both statistics.
+        let sums: Vec<f64> = Tensor::stack(&[&step.reward, &step.done], 0)
+            .and_then(|t| t.to_dtype(candle_core::DType::F64))
+            .and_then(|t| t.sum(1))
+            .and_then(|t| t.to_vec1())
+            .ctx(CTX)?;
+        let mean_reward = sums[0] / env.num_envs() as f64;
+        let episodes_done = sums[1] as u32;
         let mut updates = Vec::new();
         if self.replay.len() >= self.cfg.learning_starts.max(1) && self.env_steps.is_multiple_of(self.cfg.train_every) {
             for _ in 0..self.cfg.gradient_steps {

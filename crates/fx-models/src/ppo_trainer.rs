@@ -151,6 +151,8 @@ pub struct PpoTrainer {
     model: ActorCritic,
     step: TrainStep<Adam>,
     rollout: Rollout,
+    /// `[2, E]` sums of rewards and dones over the current rollout (on the device).
+    collected: Option<Tensor>,
     num_envs: usize,
     iterations: u64,
     env_steps: u64,
@@ -186,6 +188,7 @@ impl PpoTrainer {
             model,
             step,
             rollout,
+            collected: None,
             num_envs,
             iterations: 0,
             env_steps: 0,
@@ -226,30 +229,51 @@ impl PpoTrainer {
         env.sample_from_probs(&probs).ctx("PpoTrainer::act")
     }
 
-    /// One iteration: a rollout of `T` steps from `env`, GAE, and `K` epochs of
-    /// shuffled minibatch updates.
+    /// One iteration: a rollout of `T` steps from `env` ([`PpoTrainer::collect_step`]
+    /// until full), then [`PpoTrainer::update`].
     pub fn iterate(&mut self, env: &mut dyn VecEnv) -> Result<PpoIterStats> {
-        const CTX: &str = "PpoTrainer::iterate";
+        while !self.collect_step(env)? {}
+        self.update(env)
+    }
+
+    /// Steps in the current rollout (0 between iterations).
+    pub fn rollout_len(&self) -> usize {
+        self.rollout.len()
+    }
+
+    /// One collection step: the policy's actions (stream-3 draws) for all `E`
+    /// environments, stored in the rollout. Returns true when the rollout is full and
+    /// [`PpoTrainer::update`] is due. Rewards and dones are summed on the device and read
+    /// once per iteration.
+    pub fn collect_step(&mut self, env: &mut dyn VecEnv) -> Result<bool> {
+        const CTX: &str = "PpoTrainer::collect_step";
         if env.num_envs() != self.num_envs {
             return Err(Error::shape("env", CTX, format!("{} environments", self.num_envs), env.num_envs()));
         }
-        // Collect.
-        self.rollout.clear();
-        let mut reward_sum = 0.0f64;
-        let mut episodes = 0.0f64;
-        for _ in 0..self.cfg.num_steps {
-            let obs = env.observe().ctx(CTX)?;
-            let (logits, values) = self.model.forward_inference(&obs)?;
-            let step = env.step_into_rollout(&logits, &values, &mut self.rollout).ctx(CTX)?;
-            self.env_steps += 1;
-            reward_sum += step
-                .reward
-                .to_dtype(DType::F64)
-                .and_then(|r| r.sum_all())
-                .and_then(|r| r.to_scalar::<f64>())
-                .ctx(CTX)?;
-            episodes +=
-                step.done.to_dtype(DType::F64).and_then(|r| r.sum_all()).and_then(|r| r.to_scalar::<f64>()).ctx(CTX)?;
+        if self.rollout.is_full() {
+            return Ok(true);
+        }
+        let obs = env.observe().ctx(CTX)?;
+        let (logits, values) = self.model.forward_inference(&obs)?;
+        let step = env.step_into_rollout(&logits, &values, &mut self.rollout).ctx(CTX)?;
+        self.env_steps += 1;
+        let both = Tensor::stack(&[&step.reward, &step.done], 0).ctx(CTX)?;
+        self.collected = Some(match self.collected.take() {
+            Some(acc) => (acc + both).ctx(CTX)?,
+            None => both,
+        });
+        Ok(self.rollout.is_full())
+    }
+
+    /// The update after a full rollout: GAE from the critic's value of `env`'s current
+    /// states, then `K` epochs of shuffled minibatch steps; clears the rollout.
+    pub fn update(&mut self, env: &dyn VecEnv) -> Result<PpoIterStats> {
+        const CTX: &str = "PpoTrainer::update";
+        if !self.rollout.is_full() {
+            return Err(Error::config(
+                CTX,
+                format!("the rollout holds {} of {} steps", self.rollout.len(), self.cfg.num_steps),
+            ));
         }
         let (_, last_value) = self.model.forward_inference(&env.observe().ctx(CTX)?)?;
         let (adv, ret) = self.rollout.advantages(&last_value, self.cfg.gae).ctx(CTX)?;
@@ -261,8 +285,14 @@ impl PpoTrainer {
         let values = flat(self.rollout.values())?;
         let (adv, ret) = (flat(&adv)?, flat(&ret)?);
         let explained_variance = explained_variance(&values, &ret)?;
+        let (reward_sum, episodes) = match self.collected.take() {
+            Some(acc) => {
+                let v: Vec<f64> = acc.to_dtype(DType::F64).and_then(|t| t.sum(1)).and_then(|t| t.to_vec1()).ctx(CTX)?;
+                (v[0], v[1])
+            }
+            None => (0.0, 0.0),
+        };
 
-        // Update.
         let mut sum = PpoMinibatchStats::default();
         let mut count = 0u32;
         let mut skipped = 0u32;
@@ -291,6 +321,7 @@ impl PpoTrainer {
                 count += 1;
             }
         }
+        self.rollout.clear();
         self.iterations += 1;
         Ok(PpoIterStats {
             iteration: self.iterations,
@@ -333,11 +364,14 @@ impl PpoTrainer {
         })
     }
 
-    /// Writes weights, Adam state, counters and config atomically to one safetensors
-    /// file (taken between iterations, the rollout holds nothing that must survive).
-    /// The environment's own state is not part of it.
+    /// Writes weights, Adam state, loss-scaler and guard state, counters and config
+    /// atomically to one safetensors file. Only between iterations (an empty rollout);
+    /// the environment's own state is not part of it.
     pub fn save_state(&self, path: &Path) -> Result<()> {
         const CTX: &str = "PpoTrainer::save_state";
+        if !self.rollout.is_empty() {
+            return Err(Error::config(CTX, "save between iterations: the rollout is partly collected"));
+        }
         let mut t: HashMap<String, Tensor> = self.model.params().to_tensors("model.")?;
         let mut meta = HashMap::new();
         self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
@@ -584,9 +618,14 @@ mod tests {
         assert!((0.0..=1.0).contains(&st.mean.clip_frac));
         assert!(st.explained_variance.is_finite() && st.explained_variance <= 1.0);
         assert!(st.mean.entropy > 0.0 && st.mean.entropy <= (3f64).ln() + 1e-6);
-        let wrong = ar1_env(3, 16, 300, 4);
-        let mut wrong = wrong;
+        let mut wrong = ar1_env(3, 16, 300, 4);
         assert!(tr.iterate(&mut wrong).unwrap_err().to_string().contains("4 environments"));
+        // Mid-rollout: no update, no save.
+        assert!(!tr.collect_step(&mut env).unwrap());
+        assert_eq!(tr.rollout_len(), 1);
+        assert!(tr.update(&env).unwrap_err().to_string().contains("1 of 8"));
+        let dir = tempfile::tempdir().unwrap();
+        assert!(tr.save_state(&dir.path().join("x.safetensors")).is_err());
     }
 
     /// Learning check on the AR(1) series (see `synthetic`): the greedy policy (argmax
