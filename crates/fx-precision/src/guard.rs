@@ -175,7 +175,13 @@ impl<O: Optimizer> TrainStep<O> {
         Ok(report)
     }
 
-    /// `loss * scale`, for callers doing their own backward (e.g. accumulation).
+    /// The factor the loss is multiplied by before backward (1 without scaling); pass it
+    /// to [`crate::GradAccumulator::backward_scaled`].
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.scale_factor()
+    }
+
+    /// `loss * scale`, for callers doing their own backward (e.g. checkpointing).
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         self.scaler.scale(loss)
     }
@@ -321,6 +327,42 @@ mod tests {
             let skips = (want.nonfinite_loss + want.nonfinite_grad) as i32;
             let expect_scale = if f16 { 65536.0 * 0.5f64.powi(skips) } else { 1.0 };
             prop_assert_eq!(ts.scaler().scale_factor(), expect_scale);
+        }
+    }
+
+    /// Accumulation through `TrainStep::apply` under F16 loss scaling takes the same step
+    /// as one full-batch `TrainStep::step`.
+    #[test]
+    fn accumulated_step_equals_full_batch_step() {
+        let mut rng = Rng::new(4);
+        let dev = Device::Cpu;
+        let xs: Vec<f32> = rng.vec(8 * 6, -1.0, 1.0).iter().map(|&x| x as f32).collect();
+        let xs = Tensor::from_vec(xs, (8, 6), &dev).unwrap();
+        let w = var(&mut rng, 6);
+        let w2 = Var::from_tensor(&w.as_tensor().copy().unwrap()).unwrap();
+        let loss_on = |w: &Var, x: &Tensor| {
+            x.broadcast_mul(w.as_tensor()).unwrap().tanh().unwrap().sqr().unwrap().mean_all().unwrap()
+        };
+        let make = |w: &Var| {
+            let opt = AdamW::new([("w".to_string(), w.clone())], AdamWConfig::default()).unwrap();
+            TrainStep::new(opt, GradScaler::for_precision(Precision::F16), Some(0.05)).unwrap()
+        };
+        let (mut full, mut acc_ts) = (make(&w), make(&w2));
+        let r_full = full.step(&loss_on(&w, &xs)).unwrap();
+        let mut acc = crate::GradAccumulator::new(vec![w2.clone()], 4).unwrap();
+        for k in 0..4 {
+            let l = loss_on(&w2, &xs.narrow(0, 2 * k, 2).unwrap());
+            acc.backward_scaled(&l, acc_ts.loss_scale()).unwrap();
+        }
+        let out = acc.take().unwrap();
+        let r_acc = acc_ts.apply(&out.mean_loss, out.grads).unwrap();
+        assert!((r_full.loss - r_acc.loss).abs() <= 1e-6, "{} vs {}", r_full.loss, r_acc.loss);
+        assert!((r_full.grad_norm - r_acc.grad_norm).abs() <= 1e-5 * r_full.grad_norm);
+        assert!(r_full.clipped && r_acc.clipped);
+        let a: Vec<f32> = w.as_tensor().to_vec1().unwrap();
+        let b: Vec<f32> = w2.as_tensor().to_vec1().unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6, "{x} vs {y}");
         }
     }
 
