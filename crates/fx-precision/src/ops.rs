@@ -309,4 +309,23 @@ pub(crate) mod tests {
         }
     }
     type GradsOut = (Tensor, Tensor, Tensor);
+
+    /// Causal-attention style masks (-inf entries) give exact zeros there and finite
+    /// gradients everywhere.
+    #[test]
+    fn masked_softmax_has_finite_gradients() {
+        let dev = Device::Cpu;
+        let ninf = f32::NEG_INFINITY;
+        let x = Var::from_tensor(&Tensor::new(&[[0.3f32, ninf, -1.2], [ninf, ninf, 2.0]], &dev).unwrap()).unwrap();
+        let y = softmax_last_dim(x.as_tensor()).unwrap();
+        let v = y.to_vec2::<f32>().unwrap();
+        assert_eq!((v[0][1], v[1][0], v[1][1], v[1][2]), (0.0, 0.0, 0.0, 1.0));
+        let w = Tensor::new(&[[1f32, 2., 3.], [4., 5., 6.]], &dev).unwrap();
+        let g = (y * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(g.iter().all(|v| v.is_finite()), "{g:?}");
+        // d/dx0 of softmax([x0, -inf, x2]) . [1, 3] = p0 p2 (1 - 3)
+        let (p0, p2) = (v[0][0] as f64, v[0][2] as f64);
+        assert!((g[0] as f64 - p0 * p2 * (1.0 - 3.0)).abs() < 1e-6);
+    }
 }
