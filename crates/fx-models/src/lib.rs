@@ -22,6 +22,8 @@ pub mod schedule;
 #[cfg(test)]
 mod fixtures;
 #[cfg(test)]
+mod reference_f64;
+#[cfg(test)]
 mod synthetic;
 
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
