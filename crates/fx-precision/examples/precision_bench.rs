@@ -9,6 +9,7 @@
 //! ```text
 //! cargo run --release -p fx-precision --example precision_bench -- --device cpu --batch 256 --steps 5 --train-steps 20
 //! precision_bench --device cuda --batch 8192            # on the GPU (feature `cuda`)
+//! precision_bench --mode checkpoint --device cuda --batch 4096   # checkpointing memory
 //! ```
 //! Output: one JSON line per precision, then a table.
 
@@ -123,6 +124,7 @@ fn device_used_bytes(dev: &Device) -> Option<u64> {
 }
 
 struct Args {
+    mode: String,
     device: String,
     batch: usize,
     steps: usize,
@@ -132,6 +134,7 @@ struct Args {
 
 fn parse_args() -> Res<Args> {
     let mut a = Args {
+        mode: "dqn".into(),
         device: "cpu".into(),
         batch: 8192,
         steps: 100,
@@ -143,6 +146,7 @@ fn parse_args() -> Res<Args> {
     while i < argv.len() {
         let val = argv.get(i + 1).cloned().ok_or_else(|| format!("{} needs a value", argv[i]))?;
         match argv[i].as_str() {
+            "--mode" => a.mode = val,
             "--device" => a.device = val,
             "--batch" => a.batch = val.parse()?,
             "--steps" => a.steps = val.parse()?,
@@ -171,6 +175,9 @@ fn main() -> Res<()> {
         .sum_all()?
         .to_dtype(DType::F32)?
         .to_scalar::<f32>()?;
+    if args.mode == "checkpoint" {
+        return checkpoint_memory(&dev, &args);
+    }
     let mut rng = Rng(20261129);
     let mut init = Vec::new();
     for (name, i, o) in LAYERS {
@@ -266,6 +273,84 @@ fn main() -> Res<()> {
             n as f64 / (med / 1e3),
             st.nonfinite_grad + st.nonfinite_loss
         );
+    }
+    Ok(())
+}
+
+/// Activation checkpointing on the device: a deep MLP stack (16 segments of two
+/// 1024-wide Linear+tanh layers), plain vs checkpointed: device memory in use after the
+/// forward (what the backward needs kept) and the step time (recompute costs a forward).
+fn checkpoint_memory(dev: &Device, args: &Args) -> Res<()> {
+    use fx_precision::Checkpointed;
+    let (segments, width, n) = (16usize, 1024usize, args.batch);
+    let p = args.precisions.first().copied().unwrap_or(Precision::F32);
+    let mut rng = Rng(7);
+    let mut layers = Vec::new();
+    for _ in 0..segments * 2 {
+        let bound = 1.0 / (width as f64).sqrt();
+        let w = Var::from_tensor(&rng.tensor(&[width, width], |r| (2.0 * r.next() - 1.0) * bound, dev)?)?;
+        let b = Var::from_tensor(&rng.tensor(&[width], |_| 0.0, dev)?)?;
+        layers.push(Linear::from_parts(w.as_tensor().clone(), Some(b.as_tensor().clone()), p)?);
+    }
+    let mut stack = Checkpointed::new();
+    for pair in layers.chunks(2) {
+        let pair = pair.to_vec();
+        stack = stack.push(move |h: &Tensor| {
+            let mut y = h.clone();
+            for l in &pair {
+                y = l.forward(&y)?.tanh()?;
+            }
+            Ok(y)
+        });
+    }
+    let x = rng.tensor(&[n, width], |r| r.normal(), dev)?;
+    let _ = device_used_bytes(dev);
+    let base = device_used_bytes(dev);
+    let mut rows = Vec::new();
+    for checkpointed in [false, true] {
+        let mut held = None;
+        let mut times = Vec::new();
+        for k in 0..(args.steps.clamp(1, 20) + 2) {
+            let t0 = Instant::now();
+            let grads = if checkpointed {
+                let tape = stack.forward(&x)?;
+                let loss = to_f32(tape.output())?.sqr()?.mean_all()?;
+                if k == 0 {
+                    held = device_used_bytes(dev);
+                }
+                stack.backward(tape, &loss)?
+            } else {
+                let loss = to_f32(&stack.forward_plain(&x)?)?.sqr()?.mean_all()?;
+                if k == 0 {
+                    held = device_used_bytes(dev);
+                }
+                loss.backward()?
+            };
+            drop(grads);
+            dev.synchronize()?;
+            if k >= 2 {
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        let med = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        let mib = match (held, base) {
+            (Some(h), Some(b)) => Some(h.saturating_sub(b) as f64 / (1 << 20) as f64),
+            _ => None,
+        };
+        println!(
+            "{}",
+            serde_json::json!({"case": "checkpoint_mlp", "precision": p.as_str(), "checkpointed": checkpointed,
+                "segments": segments, "width": width, "batch": n, "device_mib_after_forward": mib,
+                "step_ms_median": med})
+        );
+        rows.push((checkpointed, mib, med));
+    }
+    println!("\n| stack | device MiB held after forward | fwd+bwd ms (median) |");
+    println!("| --- | --- | --- |");
+    for (c, mib, med) in rows {
+        let mib = mib.map(|m| format!("{m:.1}")).unwrap_or_else(|| "n/a".into());
+        println!("| {} | {mib} | {med:.2} |", if c { "checkpointed" } else { "plain" });
     }
     Ok(())
 }

@@ -259,7 +259,7 @@ mod tests {
         match poison {
             0 => base,
             // Non-finite loss with finite gradients: + a constant inf that has no gradient.
-            1 => (base + Tensor::new(f32::INFINITY, &Device::Cpu).unwrap()).unwrap(),
+            1 => (base + Tensor::new(f32::INFINITY, w.device()).unwrap()).unwrap(),
             // NaN in loss and gradient.
             2 => (base * f64::NAN).unwrap(),
             // Finite loss, infinite gradient: sqrt at 0 has an infinite slope.
@@ -328,6 +328,42 @@ mod tests {
             let expect_scale = if f16 { 65536.0 * 0.5f64.powi(skips) } else { 1.0 };
             prop_assert_eq!(ts.scaler().scale_factor(), expect_scale);
         }
+    }
+
+    /// On the GPU: the one-reduction guard detects NaN/+inf/-inf the same way, and clean
+    /// steps (F16 scaling, clipping, AdamW) match the CPU's. Skips without a device.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_guard_matches_cpu() {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return;
+        };
+        let mut rng = Rng::new(77);
+        let w_cpu = var(&mut rng, 6);
+        let c_cpu =
+            Tensor::from_vec(rng.vec(6, 0.5, 3.0).iter().map(|&x| x as f32).collect::<Vec<_>>(), 6, &Device::Cpu)
+                .unwrap();
+        let w_gpu = Var::from_tensor(&w_cpu.as_tensor().to_device(&gpu).unwrap()).unwrap();
+        let c_gpu = c_cpu.to_device(&gpu).unwrap();
+        let make = |w: &Var| {
+            let opt =
+                AdamW::new([("w".to_string(), w.clone())], AdamWConfig { lr: 0.05, ..Default::default() }).unwrap();
+            TrainStep::new(opt, GradScaler::for_precision(Precision::F16), Some(0.5)).unwrap()
+        };
+        let (mut a, mut b) = (make(&w_cpu), make(&w_gpu));
+        for p in [0u8, 1, 0, 2, 3, 0, 0] {
+            let ra = a.step(&loss_of(&w_cpu, &c_cpu, p)).unwrap();
+            let rb = b.step(&loss_of(&w_gpu, &c_gpu, p)).unwrap();
+            assert_eq!(ra.skipped, rb.skipped, "poison {p}");
+            assert_eq!(ra.loss_scale, rb.loss_scale);
+            let x: Vec<f32> = w_cpu.as_tensor().to_vec1().unwrap();
+            let y: Vec<f32> = w_gpu.as_tensor().to_device(&Device::Cpu).unwrap().to_vec1().unwrap();
+            for (u, v) in x.iter().zip(&y) {
+                assert!((u - v).abs() <= 1e-5, "poison {p}: {u} vs {v}");
+            }
+        }
+        assert_eq!(a.stats(), b.stats());
     }
 
     /// Accumulation through `TrainStep::apply` under F16 loss scaling takes the same step
