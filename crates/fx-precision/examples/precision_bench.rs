@@ -113,11 +113,13 @@ fn soft_update(target: &VarMap, online: &VarMap, tau: f64) -> Res<()> {
 
 fn device_used_bytes(dev: &Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
-    if let Ok(cd) = dev.as_cuda_device() {
-        let stream = cd.cuda_stream();
-        stream.synchronize().ok()?;
-        let (free, total) = stream.context().mem_get_info().ok()?;
-        return Some((total - free) as u64);
+    {
+        if let Ok(cd) = dev.as_cuda_device() {
+            let stream = cd.cuda_stream();
+            stream.synchronize().ok()?;
+            let (free, total) = stream.context().mem_get_info().ok()?;
+            return Some((total - free) as u64);
+        }
     }
     let _ = dev;
     None
