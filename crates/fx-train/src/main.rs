@@ -29,7 +29,16 @@ fn run(cli: cli::Cli) -> anyhow::Result<()> {
 }
 
 fn features(args: &cli::FeaturesArgs) -> anyhow::Result<()> {
-    let summary = fx_data::build_feature_file(&args.input, &args.output)?;
-    println!("{summary}");
+    let s = fx_data::build_feature_file(&args.input, &args.output)?;
+    println!(
+        "wrote {}: {} rows x {} market + 4 calendar features from {} bars ({} warm-up bars dropped), timestamps {}..{}",
+        s.output.display(),
+        s.rows,
+        s.n_market,
+        s.bars,
+        s.bars - s.rows,
+        s.first_timestamp,
+        s.last_timestamp
+    );
     Ok(())
 }
