@@ -1,6 +1,7 @@
 //! `fx-train`: the command users run. It composes the fx crates and holds no logic that
 //! another service could reuse: parsing flags, printing, and wiring crates together.
 
+mod bench;
 mod cli;
 mod hw;
 
@@ -25,6 +26,7 @@ fn run(cli: cli::Cli) -> anyhow::Result<()> {
         None => hw::run(&cli::HwArgs::default()),
         Some(cli::Command::Hw(args)) => hw::run(&args),
         Some(cli::Command::Features(args)) => features(&args),
+        Some(cli::Command::Bench(args)) => bench::run(&args),
     }
 }
 
