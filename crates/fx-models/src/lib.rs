@@ -21,8 +21,10 @@
 //! - [`ppo_trainer`]: [`PpoTrainer`] — `collect_step(env)` / `update(env)` or
 //!   `iterate(env)`, `update_minibatch(batch)`, `save_state`/`load_state`;
 //! - [`param_io`]: [`ParamSet`], the named F32 variables (a candle `VarMap`) with strict
-//!   safetensors load/save; [`schedule`]: [`LinearSchedule`].
+//!   safetensors load/save; [`schedule`]: [`LinearSchedule`];
+//! - [`backtest`]: a policy replayed over held-out rows, with trading statistics.
 
+pub mod backtest;
 pub mod dqn;
 pub mod dqn_trainer;
 mod error;
@@ -39,6 +41,7 @@ mod reference_f64;
 #[cfg(test)]
 mod synthetic;
 
+pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
 pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
