@@ -223,10 +223,12 @@ fn main() -> Res<()> {
         };
         let mut times = Vec::new();
         let mut last = f64::NAN;
+        let mut losses = Vec::new();
         let total = args.train_steps.max(args.steps + 5);
         for k in 0..total {
             let t0 = Instant::now();
             last = step(&mut ts)?; // each step reads its loss back: a full device sync
+            losses.push(last);
             if k >= 5 && times.len() < args.steps {
                 times.push(t0.elapsed().as_secs_f64() * 1e3);
             }
@@ -235,8 +237,13 @@ fn main() -> Res<()> {
             }
         }
         let train_loss = last;
-        // Memory held at the end of a backward (activations + gradients + weights +
-        // optimiser moments), read from the driver while the gradients are alive.
+        let tail = &losses[losses.len().saturating_sub(50)..];
+        let tail_mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
+        // Working set of a step: device memory in use at the end of a backward (the
+        // graph's activations and the gradients alive) minus in use with the model and
+        // optimiser idle. Kernel modules and cuBLAS workspaces are loaded by then, so
+        // they fall out of the difference. The driver counts in 2 MiB pages.
+        let idle = device_used_bytes(&dev);
         let held = {
             let loss = dqn_loss(&online, &target, &batch)?;
             let grads = ts.scale_loss(&loss)?.backward()?;
@@ -246,8 +253,13 @@ fn main() -> Res<()> {
         };
         times.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
         let med = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-        let mem_mib = match (held, base) {
-            (Some(h), Some(b)) => Some((h.saturating_sub(b)) as f64 / (1 << 20) as f64),
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let mem_mib = match (held, idle) {
+            (Some(h), Some(i)) => Some(mib(h.saturating_sub(i))),
+            _ => None,
+        };
+        let idle_mib = match (idle, base) {
+            (Some(i), Some(b)) => Some(mib(i.saturating_sub(b))),
             _ => None,
         };
         let stats = ts.stats();
@@ -256,22 +268,27 @@ fn main() -> Res<()> {
             "compute_dtype": format!("{:?}", p.compute_dtype()),
             "steps_timed": times.len(), "step_ms_median": med, "samples_per_s": n as f64 / (med / 1e3),
             "train_steps": args.train_steps, "final_loss": train_loss,
-            "device_mem_mib_during_backward": mem_mib,
+            "step_working_set_mib": mem_mib, "idle_above_start_mib": idle_mib,
+            "mean_loss_last_50": tail_mean,
             "loss_scale": ts.scaler().scale_factor(),
             "skipped_steps": stats.nonfinite_loss + stats.nonfinite_grad,
             "optimizer_steps": ts.optimizer().step_count(),
         });
         println!("{line}");
-        rows.push((p, med, train_loss, mem_mib, stats));
+        rows.push((p, med, train_loss, mem_mib, stats, tail_mean));
     }
-    let f32_loss = rows.iter().find(|r| r.0 == Precision::F32).map(|r| r.2);
-    println!("\n| precision | step ms (median) | samples/s | device MiB during backward | loss after {} steps | vs F32 | skipped |", args.train_steps);
+    let f32_loss = rows.iter().find(|r| r.0 == Precision::F32).map(|r| (r.2, r.5));
+    println!(
+        "\n| precision | step ms (median) | samples/s | step working set MiB | loss after {} steps (vs F32) | mean of last 50 (vs F32) | skipped |",
+        args.train_steps
+    );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for (p, med, loss, mem, st) in &rows {
-        let rel = f32_loss.map(|f| format!("{:+.3}%", (loss - f) / f * 100.0)).unwrap_or_default();
+    for (p, med, loss, mem, st, tail) in &rows {
+        let rel = |x: f64, f: f64| format!("{:+.2}%", (x - f) / f * 100.0);
+        let (r1, r2) = f32_loss.map(|(f, ft)| (rel(*loss, f), rel(*tail, ft))).unwrap_or_default();
         let mem = mem.map(|m| format!("{m:.1}")).unwrap_or_else(|| "n/a".into());
         println!(
-            "| {p} | {med:.3} | {:.3e} | {mem} | {loss:.6} | {rel} | {} |",
+            "| {p} | {med:.3} | {:.3e} | {mem} | {loss:.6} ({r1}) | {tail:.6} ({r2}) | {} |",
             n as f64 / (med / 1e3),
             st.nonfinite_grad + st.nonfinite_loss
         );
@@ -306,24 +323,26 @@ fn checkpoint_memory(dev: &Device, args: &Args) -> Res<()> {
         });
     }
     let x = rng.tensor(&[n, width], |r| r.normal(), dev)?;
-    let _ = device_used_bytes(dev);
-    let base = device_used_bytes(dev);
     let mut rows = Vec::new();
     for checkpointed in [false, true] {
-        let mut held = None;
+        let (mut held, mut idle) = (None, None);
         let mut times = Vec::new();
         for k in 0..(args.steps.clamp(1, 20) + 2) {
+            // Measured on the second pass, once kernels and workspaces are loaded.
+            if k == 1 {
+                idle = device_used_bytes(dev);
+            }
             let t0 = Instant::now();
             let grads = if checkpointed {
                 let tape = stack.forward(&x)?;
                 let loss = to_f32(tape.output())?.sqr()?.mean_all()?;
-                if k == 0 {
+                if k == 1 {
                     held = device_used_bytes(dev);
                 }
                 stack.backward(tape, &loss)?
             } else {
                 let loss = to_f32(&stack.forward_plain(&x)?)?.sqr()?.mean_all()?;
-                if k == 0 {
+                if k == 1 {
                     held = device_used_bytes(dev);
                 }
                 loss.backward()?
@@ -336,7 +355,7 @@ fn checkpoint_memory(dev: &Device, args: &Args) -> Res<()> {
         }
         times.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
         let med = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-        let mib = match (held, base) {
+        let mib = match (held, idle) {
             (Some(h), Some(b)) => Some(h.saturating_sub(b) as f64 / (1 << 20) as f64),
             _ => None,
         };
