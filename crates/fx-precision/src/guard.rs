@@ -74,6 +74,19 @@ impl fmt::Display for GuardStats {
     }
 }
 
+/// Names of the variables of `varmap` that received no gradient in `grads`, sorted.
+///
+/// A parameter the loss depends on can still end up without a gradient in candle when a
+/// forward-only fused kernel sits on its path (`candle_nn::ops::softmax_last_dim`,
+/// `rms_norm`, `LayerNorm`, ...). Models assert this is empty in their tests.
+pub fn missing_gradients(varmap: &candle_nn::VarMap, grads: &GradStore) -> Vec<String> {
+    crate::optim::sorted_vars(varmap)
+        .into_iter()
+        .filter(|(_, v)| grads.get(v.as_tensor()).is_none())
+        .map(|(n, _)| n)
+        .collect()
+}
+
 /// Metadata key of the guard's counts in a checkpoint.
 pub const GUARD_METADATA_KEY: &str = "fx.guard_stats";
 
@@ -400,6 +413,21 @@ mod tests {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() <= 1e-6, "{x} vs {y}");
         }
+    }
+
+    #[test]
+    fn missing_gradients_names_dropped_parameters() {
+        let dev = Device::Cpu;
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev);
+        let a = vb.get_with_hints(3, "a", candle_nn::Init::Const(0.5)).unwrap();
+        let b = vb.get_with_hints(3, "b", candle_nn::Init::Const(0.5)).unwrap();
+        let _unused = vb.get_with_hints(3, "c", candle_nn::Init::Const(0.5)).unwrap();
+        // `b` goes through candle's fused softmax: the loss depends on it, the gradient is lost.
+        let y = (crate::ops::softmax_last_dim(&a).unwrap() + candle_nn::ops::softmax_last_dim(&b).unwrap()).unwrap();
+        let w = Tensor::new(&[1f32, 2., 3.], &dev).unwrap();
+        let g = (y * w).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(missing_gradients(&vm, &g), ["b", "c"]);
     }
 
     #[test]
