@@ -4,8 +4,12 @@
     python3 scripts/compare.py fx.json torch.json [--markdown]
 
 Both files hold {"meta": ..., "results": [case records]}; records are matched by their
-`case` name (e.g. dqn_train_b8192). For training cases the ratio is fx samples/s over
-PyTorch samples/s (> 1: fx is faster); for latency cases it is PyTorch p50 over fx p50.
+`case` name (e.g. dqn_train_b8192). Every PyTorch mode of a case gets one row, paired
+with the fx record of the same mode, else the fx record of the same precision (torch's
+*_bf16 modes with fx `eager_bf16`, *_fp32 with `eager_fp32`), else the case's first fx
+record. fx cases without a PyTorch counterpart (e.g. dqn_train_b2048, h2d_*) are listed
+on their own. The ratio is fx over PyTorch throughput (samples/s for training,
+env_steps/s for the environment) and PyTorch over fx p50 latency: > 1 means fx is faster.
 """
 import json
 import sys
@@ -17,6 +21,54 @@ def load(path):
     return doc.get("meta", {}), [r for r in doc.get("results", []) if r.get("status", "ok") == "ok"]
 
 
+def precision_of(mode):
+    for p in ("bf16", "fp16", "fp32"):
+        if mode.endswith(p):
+            return p
+    return None
+
+
+def pick_fx(fx_recs, torch_mode):
+    """The fx record a torch mode is compared with (see the module doc)."""
+    for r in fx_recs:
+        if r.get("mode") == torch_mode:
+            return r
+    p = precision_of(torch_mode)
+    if p:
+        for r in fx_recs:
+            if precision_of(r.get("mode", "")) == p:
+                return r
+    return fx_recs[0] if fx_recs else None
+
+
+def num(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def describe(r):
+    """The value shown for one record, and the number the ratio uses (higher = better
+    for throughput; latency is inverted in the ratio)."""
+    kind = r.get("kind")
+    mem = r.get("peak_mem_mib")
+    mem_s = f", {mem:.1f} MiB" if isinstance(mem, (int, float)) else ""
+    if kind == "latency":
+        return f"{num(r.get('p50_us'), '.1f')} us p50 / {num(r.get('p99_us'), '.1f')} p99", r.get("p50_us")
+    if kind == "env":
+        v = r.get("env_steps_per_s")
+        return f"{num(v, '.4g')} env-steps/s{mem_s}", v
+    if kind == "h2d":
+        v = r.get("gb_per_s")
+        return f"{num(v, '.2f')} GB/s", v
+    v = r.get("samples_per_s")
+    return f"{num(v, '.4g')}/s{mem_s}", v
+
+
+def ratio(kind, ours, theirs):
+    if not ours or not theirs:
+        return None
+    return theirs / ours if kind == "latency" else ours / theirs
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     md = "--markdown" in sys.argv
@@ -25,40 +77,51 @@ def main():
         sys.exit(2)
     fx_meta, fx = load(args[0])
     th_meta, th = load(args[1])
-    by_case = {}
-    for r in th:
-        by_case.setdefault(r["case"], {})[r["mode"]] = r
-    rows = []
+    fx_by_case, th_by_case, order = {}, {}, []
     for r in fx:
-        ref = by_case.get(r["case"], {})
-        if r.get("kind") == "latency":
-            ours = r.get("p50_us")
-            for mode, t in sorted(ref.items()):
-                theirs = t.get("p50_us")
-                ratio = theirs / ours if ours and theirs else None
-                rows.append((r["case"], r["mode"], f"{ours:.1f} us p50 / {r.get('p99_us', 0):.1f} p99",
-                             mode, f"{theirs:.1f} us p50 / {t.get('p99_us', 0):.1f} p99", ratio))
-        else:
-            key = "env_steps_per_s" if r.get("kind") == "env" else "samples_per_s"
-            ours = r.get(key)
-            for mode, t in sorted(ref.items()):
-                theirs = t.get(key)
-                ratio = ours / theirs if ours and theirs else None
-                mem = f", {r.get('peak_mem_mib', float('nan')):.1f} MiB" if "peak_mem_mib" in r else ""
-                tmem = f", {t.get('peak_mem_mib', float('nan')):.1f} MiB" if "peak_mem_mib" in t else ""
-                rows.append((r["case"], r["mode"], f"{ours:.4g}/s{mem}", mode, f"{theirs:.4g}/s{tmem}", ratio))
+        if r["case"] not in fx_by_case:
+            order.append(r["case"])
+        fx_by_case.setdefault(r["case"], []).append(r)
+    for r in th:
+        th_by_case.setdefault(r["case"], []).append(r)
+    rows = []
+    for case in order:
+        fx_recs = fx_by_case[case]
+        refs = th_by_case.get(case, [])
+        if not refs:
+            for r in fx_recs:
+                rows.append((case, r["mode"], describe(r)[0], "-", "-", None))
+            continue
+        used = set()
+        for t in refs:
+            r = pick_fx(fx_recs, t["mode"])
+            used.add(id(r))
+            ours_s, ours = describe(r)
+            theirs_s, theirs = describe(t)
+            rows.append((case, r["mode"], ours_s, t["mode"], theirs_s, ratio(r.get("kind"), ours, theirs)))
+        for r in fx_recs:
+            if id(r) not in used:
+                rows.append((case, r["mode"], describe(r)[0], "-", "-", None))
     head = ("case", "fx mode", "fx", "torch mode", "torch", "fx speed-up")
-    fmt = lambda row: [str(c) if not isinstance(c, float) else f"{c:.2f}x" for c in row]
+
+    def fmt(row):
+        return [f"{c:.2f}x" if isinstance(c, float) else ("-" if c is None else str(c)) for c in row]
+
+    fx_dev = fx_meta.get("gpu") or fx_meta.get("device", "?")
+    th_dev = th_meta.get("gpu") or th_meta.get("device", "?")
     if md:
-        print(f"fx: {fx_meta.get('gpu', '?')}; torch {th_meta.get('torch', '?')} on {th_meta.get('gpu', '?')}\n")
+        print(f"fx {fx_meta.get('fx_version', '?')} on {fx_dev} (timing {fx_meta.get('timing', '?')}, "
+              f"memory {fx_meta.get('mem_method') or '-'}, {fx_meta.get('timed_steps', '?')} timed steps); "
+              f"torch {th_meta.get('torch', '?')} on {th_dev} ({th_meta.get('timed_steps', '?')} timed steps)\n")
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
         for row in rows:
             print("| " + " | ".join(fmt(row)) + " |")
     else:
-        widths = [max(len(x) for x in col) for col in zip(*([head] + [fmt(r) for r in rows]))]
-        for row in [head] + [tuple(fmt(r)) for r in rows]:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        table = [list(head)] + [fmt(r) for r in rows]
+        widths = [max(len(x) for x in col) for col in zip(*table)]
+        for row in table:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
 if __name__ == "__main__":

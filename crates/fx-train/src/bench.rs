@@ -1,15 +1,587 @@
-//! `fx-train bench`: training throughput, peak memory and batch-1 latency.
+//! `fx-train bench`: training throughput, peak memory and batch-1 latency of the library's
+//! DQN and PPO, in the shape of `../shared/reference/bench.py`'s output, so that one
+//! device call can run both and `scripts/compare.py` prints the ratios.
+//!
+//! Cases (names and batches as bench.py's, so rows match by `case`):
+//! - `dqn_train_b{8192,2048,230}` and `ppo_train_b2048` (CPU: DQN 1024/230, PPO 512), mode
+//!   `eager_fp32` / `eager_bf16` (our F32 / BF16 precision policy): one step is the
+//!   trainers' whole update (see [`train`]); `samples_per_s` = batch / median step time
+//!   over `--steps` timed steps after 10 warm-up steps (2 with `--quick`);
+//! - `dqn_infer_b1`, `ppo_infer_b1`: batch-1 greedy action latency, p50/p99/mean over
+//!   2000 calls (`eager_fp32`);
+//! - `env_step_E4096`, `dqn_collect_E4096` (CPU: E = 512), mode `eager`;
+//! - `h2d_*` (CUDA only): upload bandwidth from pinned and pageable host buffers.
+//!
+//! Timing on CUDA is device-side (an event pair on candle's stream around each step, no
+//! host sync inside the loop: `timing: "cuda_events"`), on the CPU the host clock. Peak
+//! memory on CUDA comes from the memory pool's high-water mark (see [`memory`]); on the
+//! CPU it is null. A failing case is reported with `status: "error"` and the run goes on;
+//! the exit code is 1 if any case failed.
 
-use anyhow::Result;
-use clap::Args;
+mod data;
+mod env_step;
+mod memory;
+mod timing;
+mod train;
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::{Args, ValueEnum};
+use fx_precision::Precision;
+use serde_json::{json, Map, Value};
+
+use env_step::EnvWhat;
+use memory::MemProbe;
+use timing::StepTimer;
+
+/// One JSON record (bench.py's per-case dict).
+pub(crate) type Record = Map<String, Value>;
+
+/// Which models to benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchModel {
+    /// DQN training and latency.
+    Dqn,
+    /// PPO training and latency.
+    Ppo,
+    /// The environment cases only.
+    Env,
+    /// Host-to-device bandwidth only (CUDA).
+    H2d,
+    /// Everything.
+    All,
+}
+
+/// Which compute precisions the training cases run in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchPrecision {
+    /// F32 (`eager_fp32`).
+    F32,
+    /// BF16 compute, F32 master weights (`eager_bf16`).
+    Bf16,
+    /// Both.
+    All,
+}
+
+/// Where to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchDevice {
+    /// The CPU (smaller batches, like bench.py --cpu).
+    Cpu,
+    /// The first CUDA device (needs a build with the `cuda` feature).
+    Cuda,
+}
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Print JSON (bench.py's shape) instead of a table.
+    /// Models to benchmark.
+    #[arg(long, value_enum, default_value_t = BenchModel::All)]
+    pub model: BenchModel,
+    /// Compute precision of the training cases.
+    #[arg(long, value_enum, default_value_t = BenchPrecision::All)]
+    pub precision: BenchPrecision,
+    /// Print one JSON document {"meta": ..., "results": [...]} (bench.py's shape) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Timed steps per training case (default 100; 5 with --quick).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Smoke test: 5 timed steps, 2 warm-up steps, 50 latency calls.
+    #[arg(long)]
+    pub quick: bool,
+    /// Device (default: cuda when built with it and one is present, else cpu).
+    #[arg(long, value_enum)]
+    pub device: Option<BenchDevice>,
 }
 
-pub fn run(_args: &BenchArgs) -> Result<()> {
-    anyhow::bail!("fx-train bench is not implemented yet")
+/// The two networks with training and latency cases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Model {
+    Dqn,
+    Ppo,
+}
+
+impl Model {
+    fn name(self) -> &'static str {
+        match self {
+            Model::Dqn => "dqn",
+            Model::Ppo => "ppo",
+        }
+    }
+}
+
+/// What to run (sizes and counts), decided from the flags and the device.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub(crate) train: Vec<(Model, Vec<usize>)>,
+    pub(crate) precisions: Vec<Precision>,
+    pub(crate) latency: Vec<Model>,
+    pub(crate) env_e: Option<usize>,
+    pub(crate) env_series: usize,
+    /// Buffer sizes (f32 count) of the upload cases; empty off CUDA.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) h2d: Vec<usize>,
+    pub(crate) warmup: usize,
+    pub(crate) steps: usize,
+    pub(crate) lat_warm: usize,
+    pub(crate) lat_n: usize,
+    pub(crate) env_n: usize,
+    pub(crate) quick: bool,
+}
+
+impl Plan {
+    fn from_args(args: &BenchArgs, cuda: bool) -> Self {
+        let q = args.quick;
+        let m = args.model;
+        let want = |x: BenchModel| m == x || m == BenchModel::All;
+        let (dqn_b, ppo_b) = if cuda { (vec![8192, 2048, 230], vec![2048]) } else { (vec![1024, 230], vec![512]) };
+        let mut train = Vec::new();
+        let mut latency = Vec::new();
+        if want(BenchModel::Dqn) {
+            train.push((Model::Dqn, dqn_b));
+            latency.push(Model::Dqn);
+        }
+        if want(BenchModel::Ppo) {
+            train.push((Model::Ppo, ppo_b));
+            latency.push(Model::Ppo);
+        }
+        let precisions = match args.precision {
+            BenchPrecision::F32 => vec![Precision::F32],
+            BenchPrecision::Bf16 => vec![Precision::Bf16],
+            BenchPrecision::All => vec![Precision::F32, Precision::Bf16],
+        };
+        Plan {
+            train,
+            precisions,
+            latency,
+            env_e: want(BenchModel::Env).then_some(if cuda { 4096 } else { 512 }),
+            env_series: if cuda { 100_000 } else { 20_000 },
+            // 64 MiB, and one DQN batch of 8192 transitions (s, a, r, s', done: 115 f32 each).
+            h2d: if cuda && want(BenchModel::H2d) { vec![16 << 20, 8192 * 115] } else { Vec::new() },
+            warmup: if q { 2 } else { 10 },
+            steps: args.steps.unwrap_or(if q { 5 } else { 100 }).max(1),
+            lat_warm: if q { 10 } else { 200 },
+            lat_n: if q { 50 } else { 2000 },
+            env_n: if q { 10 } else { 200 },
+            quick: q,
+        }
+    }
+}
+
+/// What every case needs: the device, the timer, the memory probe and the counts.
+pub(crate) struct Ctx {
+    pub(crate) device: Device,
+    pub(crate) timer: StepTimer,
+    pub(crate) mem: MemProbe,
+    pub(crate) warmup: usize,
+    pub(crate) steps: usize,
+    pub(crate) lat_warm: usize,
+    pub(crate) lat_n: usize,
+    pub(crate) env_n: usize,
+    pub(crate) env_series: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) quick: bool,
+}
+
+impl Ctx {
+    fn new(device: Device, plan: &Plan) -> Result<Self> {
+        Ok(Ctx {
+            timer: StepTimer::for_device(&device)?,
+            mem: MemProbe::for_device(&device),
+            device,
+            warmup: plan.warmup,
+            steps: plan.steps,
+            lat_warm: plan.lat_warm,
+            lat_n: plan.lat_n,
+            env_n: plan.env_n,
+            env_series: plan.env_series,
+            quick: plan.quick,
+        })
+    }
+
+    fn device_label(&self) -> &'static str {
+        if self.device.is_cuda() {
+            "cuda"
+        } else {
+            "cpu"
+        }
+    }
+}
+
+/// The case's identity fields, as bench.py writes them first.
+fn base(ctx: &Ctx, case: String, kind: &str, model: &str, mode: &str, batch: usize) -> Record {
+    let mut r = Record::new();
+    r.insert("case".into(), json!(case));
+    r.insert("kind".into(), json!(kind));
+    r.insert("model".into(), json!(model));
+    r.insert("mode".into(), json!(mode));
+    r.insert("batch".into(), json!(batch));
+    r.insert("device".into(), json!(ctx.device_label()));
+    r
+}
+
+/// Runs one case; an error becomes `status: "error"` with the message (the run goes on).
+fn guarded(
+    ctx: &mut Ctx,
+    t_start: Instant,
+    mut rec: Record,
+    f: impl FnOnce(&mut Ctx, &mut Record) -> Result<()>,
+) -> Record {
+    if let Err(e) = f(ctx, &mut rec) {
+        rec.insert("status".into(), json!("error"));
+        let msg: String = format!("{e:#}").chars().take(400).collect();
+        rec.insert("error".into(), json!(msg));
+    }
+    if let Some(m) = ctx.mem.method() {
+        rec.insert("mem_method".into(), json!(m));
+    }
+    rec.insert("t_elapsed_s".into(), json!(timing::round(t_start.elapsed().as_secs_f64(), 1)));
+    eprintln!("bench: {}", summary_line(&rec));
+    rec
+}
+
+/// Every case of `plan`, in bench.py's order.
+pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    for (model, batches) in &plan.train {
+        for &b in batches {
+            for &p in &plan.precisions {
+                let rec =
+                    base(ctx, format!("{}_train_b{b}", model.name()), "train", model.name(), train::mode_name(p), b);
+                rec_timing(ctx, &mut out, t0, rec, |ctx, r| train::train_case(ctx, *model, b, p, r));
+            }
+        }
+    }
+    for &model in &plan.latency {
+        let rec = base(ctx, format!("{}_infer_b1", model.name()), "latency", model.name(), "eager_fp32", 1);
+        out.push(guarded(ctx, t0, rec, |ctx, r| train::latency_case(ctx, model, r)));
+    }
+    if let Some(e) = plan.env_e {
+        for what in [EnvWhat::Step, EnvWhat::DqnCollect] {
+            let rec = base(ctx, format!("{}_E{e}", what.case_prefix()), "env", "env", "eager", e);
+            out.push(guarded(ctx, t0, rec, |ctx, r| env_step::env_case(ctx, what, e, r)));
+        }
+    }
+    #[cfg(feature = "cuda")]
+    for &floats in &plan.h2d {
+        for pinned in [true, false] {
+            let mode = if pinned { "pinned" } else { "pageable" };
+            let case = format!("h2d_{:.1}MiB", (floats * 4) as f64 / (1u64 << 20) as f64);
+            let rec = base(ctx, case, "h2d", "h2d", mode, floats);
+            out.push(guarded(ctx, t0, rec, |ctx, r| env_step::h2d_case(ctx, pinned, floats, r)));
+        }
+    }
+    out
+}
+
+/// A training case with its timing method noted.
+fn rec_timing(
+    ctx: &mut Ctx,
+    out: &mut Vec<Record>,
+    t0: Instant,
+    mut rec: Record,
+    f: impl FnOnce(&mut Ctx, &mut Record) -> Result<()>,
+) {
+    rec.insert("timing".into(), json!(ctx.timer.method()));
+    out.push(guarded(ctx, t0, rec, f));
+}
+
+/// Relative Frobenius error of a 512³ F32 matmul on the device against F64 on the CPU:
+/// ~1e-7 with TF32 off, ~1e-3 with it on (bench.py's `fp32_matmul_rel_err`).
+fn fp32_matmul_rel_err(device: &Device) -> Result<f64> {
+    let n = 512;
+    let a = Tensor::from_vec(data::normals(5, 40, n * n), (n, n), &Device::Cpu)?.to_dtype(DType::F64)?;
+    let b = Tensor::from_vec(data::normals(5, 41, n * n), (n, n), &Device::Cpu)?.to_dtype(DType::F64)?;
+    let want = a.matmul(&b)?;
+    let da = a.to_dtype(DType::F32)?.to_device(device)?;
+    let db = b.to_dtype(DType::F32)?.to_device(device)?;
+    let got = da.matmul(&db)?.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let err = (got - &want)?.sqr()?.sum_all()?.sqrt()?.to_scalar::<f64>()?;
+    let norm = want.sqr()?.sum_all()?.sqrt()?.to_scalar::<f64>()?;
+    Ok(err / norm)
+}
+
+/// The device the flags ask for, and the GPU's name from the hardware budget.
+fn pick_device(req: Option<BenchDevice>) -> Result<(Device, Option<String>)> {
+    let want = match req {
+        None => "auto",
+        Some(BenchDevice::Cpu) => "cpu",
+        Some(BenchDevice::Cuda) => "cuda",
+    };
+    let budget = fx_hw::HardwareBudget::detect_with(&fx_hw::Overrides::default().try_with_device(want)?);
+    match budget.device.value {
+        fx_hw::DeviceKind::Cuda(n) => {
+            let name = budget.gpu.as_ref().map(|g| g.name.clone());
+            Ok((Device::new_cuda(n)?, name))
+        }
+        fx_hw::DeviceKind::Cpu => {
+            if req == Some(BenchDevice::Cuda) {
+                let why = budget.cpu_fallback_reason.unwrap_or_else(|| "no CUDA device".into());
+                bail!("--device cuda: no usable GPU ({why}; the cuda feature is needed at build time)");
+            }
+            Ok((Device::Cpu, None))
+        }
+    }
+}
+
+fn meta(ctx: &Ctx, plan: &Plan, gpu: Option<String>) -> Record {
+    let mut m = Record::new();
+    m.insert("kind".into(), json!("meta"));
+    m.insert("fx_version".into(), json!(env!("CARGO_PKG_VERSION")));
+    m.insert("device".into(), json!(ctx.device_label()));
+    m.insert("gpu".into(), json!(gpu));
+    m.insert("quick".into(), json!(plan.quick));
+    // candle's F32 GEMMs on CUDA use full precision unless set_gemm_reduced_precision_f32(true)
+    // (the CPU build's stub answers true, but CPU GEMMs have no TF32).
+    let tf32 = ctx.device.is_cuda() && candle_core::cuda::gemm_reduced_precision_f32();
+    m.insert("tf32_matmul".into(), json!(tf32));
+    m.insert("tf32_cudnn".into(), json!(false));
+    m.insert("warmup_steps".into(), json!(plan.warmup));
+    m.insert("timed_steps".into(), json!(plan.steps));
+    m.insert("latency_calls".into(), json!(plan.lat_n));
+    let modes: Vec<&str> = plan.precisions.iter().map(|&p| train::mode_name(p)).collect();
+    m.insert("precision_modes".into(), json!(modes));
+    m.insert("timing".into(), json!(ctx.timer.method()));
+    m.insert("mem_method".into(), json!(ctx.mem.method()));
+    m.insert(
+        "step".into(),
+        json!("DqnTrainer::update / PpoTrainer::update_minibatch (TrainStep: one loss+grad-norm read per step)"),
+    );
+    match fp32_matmul_rel_err(&ctx.device) {
+        Ok(e) => m.insert("fp32_matmul_rel_err".into(), json!(e)),
+        Err(e) => m.insert("fp32_matmul_rel_err_error".into(), json!(format!("{e:#}"))),
+    };
+    m
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let (device, gpu) = pick_device(args.device)?;
+    let plan = Plan::from_args(args, device.is_cuda());
+    let mut ctx = Ctx::new(device, &plan)?;
+    let meta = meta(&ctx, &plan, gpu);
+    eprintln!("bench: {}", serde_json::to_string(&meta)?);
+    let results = run_cases(&mut ctx, &plan);
+    let n_err = results.iter().filter(|r| r.get("status") != Some(&json!("ok"))).count();
+    let total_s = timing::round(t0.elapsed().as_secs_f64(), 1);
+    if args.json {
+        let doc = json!({ "meta": meta, "results": results, "total_s": total_s });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", table(&results));
+        println!("bench done in {total_s} s: {} ok, {n_err} errors", results.len() - n_err);
+    }
+    if n_err > 0 {
+        bail!("{n_err} bench case(s) failed (see their `error` fields)");
+    }
+    Ok(())
+}
+
+fn fmt_num(v: Option<&Value>, nd: usize) -> String {
+    match v {
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(x) if n.is_f64() && x.abs() >= 1e6 => format!("{x:.3e}"),
+            Some(x) if n.is_f64() => format!("{x:.nd$}"),
+            _ => n.to_string(),
+        },
+        Some(Value::String(s)) => s.clone(),
+        _ => "-".into(),
+    }
+}
+
+fn status_text(r: &Record) -> String {
+    let s = r.get("status").and_then(Value::as_str).unwrap_or("?");
+    match r.get("error").and_then(Value::as_str) {
+        Some(e) => format!("{s}: {}", e.chars().take(60).collect::<String>()),
+        None => s.to_string(),
+    }
+}
+
+fn summary_line(r: &Record) -> String {
+    let g = |k: &str| r.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+    let value = if let Some(v) = r.get("samples_per_s") {
+        format!("{} samples/s, {} ms/step", fmt_num(Some(v), 1), fmt_num(r.get("step_ms_median"), 3))
+    } else if let Some(v) = r.get("p50_us") {
+        format!("p50 {} us, p99 {} us", fmt_num(Some(v), 1), fmt_num(r.get("p99_us"), 1))
+    } else if let Some(v) = r.get("env_steps_per_s") {
+        format!("{} env-steps/s", fmt_num(Some(v), 1))
+    } else if let Some(v) = r.get("gb_per_s") {
+        format!("{} GB/s", fmt_num(Some(v), 2))
+    } else {
+        String::new()
+    };
+    format!("{} {} {} [{}]", g("case"), g("mode"), value, status_text(r))
+}
+
+/// bench.py's table layout.
+fn table(rows: &[Record]) -> String {
+    let hdr = [
+        "case",
+        "mode",
+        "batch",
+        "samples/s",
+        "step ms",
+        "p50 us",
+        "p99 us",
+        "env steps/s",
+        "GB/s",
+        "peak MiB",
+        "status",
+    ];
+    let mut t: Vec<Vec<String>> = vec![hdr.iter().map(|s| s.to_string()).collect()];
+    for r in rows {
+        t.push(vec![
+            fmt_num(r.get("case"), 0),
+            fmt_num(r.get("mode"), 0),
+            fmt_num(r.get("batch"), 0),
+            fmt_num(r.get("samples_per_s"), 1),
+            fmt_num(r.get("step_ms_median"), 3),
+            fmt_num(r.get("p50_us"), 1),
+            fmt_num(r.get("p99_us"), 1),
+            fmt_num(r.get("env_steps_per_s"), 1),
+            fmt_num(r.get("gb_per_s"), 2),
+            fmt_num(r.get("peak_mem_mib"), 1),
+            status_text(r),
+        ]);
+    }
+    let w: Vec<usize> = (0..hdr.len()).map(|i| t.iter().map(|row| row[i].chars().count()).max().unwrap_or(0)).collect();
+    let mut out = String::from("\n");
+    for (i, row) in t.iter().enumerate() {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(j, c)| if j < 2 || j == hdr.len() - 1 { format!("{c:<0$}", w[j]) } else { format!("{c:>0$}", w[j]) })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+        if i == 0 {
+            out.push_str(&w.iter().map(|&n| "-".repeat(n)).collect::<Vec<_>>().join("  "));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny CPU plan: every case kind, a few steps.
+    fn tiny_plan() -> Plan {
+        Plan {
+            train: vec![(Model::Dqn, vec![32]), (Model::Ppo, vec![16])],
+            precisions: vec![Precision::F32, Precision::Bf16],
+            latency: vec![Model::Dqn, Model::Ppo],
+            env_e: Some(8),
+            env_series: 400,
+            h2d: Vec::new(),
+            warmup: 1,
+            steps: 3,
+            lat_warm: 1,
+            lat_n: 5,
+            env_n: 3,
+            quick: true,
+        }
+    }
+
+    fn num(r: &Record, k: &str) -> f64 {
+        r.get(k).and_then(Value::as_f64).unwrap_or_else(|| panic!("{k} missing or not a number in {r:?}"))
+    }
+
+    #[test]
+    fn records_have_what_compare_py_reads() {
+        let plan = tiny_plan();
+        let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
+        let recs = run_cases(&mut ctx, &plan);
+        // 2 models x 1 batch x 2 precisions, 2 latency, 2 env
+        assert_eq!(recs.len(), 8, "{recs:#?}");
+        for r in &recs {
+            assert_eq!(r.get("status"), Some(&json!("ok")), "{r:?}");
+            for k in ["case", "kind", "model", "mode", "device"] {
+                assert!(r.get(k).and_then(Value::as_str).is_some(), "{k} missing in {r:?}");
+            }
+            assert!(r.get("batch").and_then(Value::as_u64).is_some());
+            // compare.py formats memory: present (null on the CPU)
+            assert_eq!(r.get("peak_mem_mib"), Some(&Value::Null), "{r:?}");
+        }
+        let train: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "train").collect();
+        assert_eq!(train.len(), 4);
+        let cases: Vec<(&str, &str)> =
+            train.iter().map(|r| (r["case"].as_str().unwrap(), r["mode"].as_str().unwrap())).collect();
+        assert_eq!(
+            cases,
+            [
+                ("dqn_train_b32", "eager_fp32"),
+                ("dqn_train_b32", "eager_bf16"),
+                ("ppo_train_b16", "eager_fp32"),
+                ("ppo_train_b16", "eager_bf16")
+            ]
+        );
+        for r in &train {
+            let sps = num(r, "samples_per_s");
+            assert!(sps.is_finite() && sps > 0.0, "{r:?}");
+            let wall = num(r, "samples_per_s_wall");
+            assert!(wall.is_finite() && wall > 0.0, "{r:?}");
+            let (p10, med, p90) = (num(r, "step_ms_p10"), num(r, "step_ms_median"), num(r, "step_ms_p90"));
+            assert!(p10 <= med && med <= p90 && p10 >= 0.0, "{r:?}");
+            // samples/s is batch over the (rounded) median step
+            let want = num(r, "batch") / (med / 1e3);
+            assert!((sps - want).abs() <= 1e-3 * want + 1.0, "{sps} vs {want}");
+            assert_eq!(num(r, "steps_timed"), 3.0);
+            assert!(num(r, "loss_last").is_finite());
+            assert!(num(r, "params") > 1000.0);
+            assert_eq!(r["timing"], "host_clock");
+        }
+        for r in recs.iter().filter(|r| r["kind"] == "latency") {
+            let (p50, p99, mean) = (num(r, "p50_us"), num(r, "p99_us"), num(r, "mean_us"));
+            assert!(p50 > 0.0 && p50 <= p99 && mean > 0.0, "{r:?}");
+            assert_eq!(num(r, "n"), 5.0);
+        }
+        let env: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "env").collect();
+        assert_eq!(env[0]["case"], "env_step_E8");
+        assert_eq!(env[1]["case"], "dqn_collect_E8");
+        for r in env {
+            let s = num(r, "env_steps_per_s");
+            assert!(s.is_finite() && s > 0.0);
+            assert!((s / num(r, "calls_per_s") - 8.0).abs() < 1e-3 * 8.0 + 1e-6, "{r:?}");
+        }
+        // the table prints every case
+        let t = table(&recs);
+        assert_eq!(t.lines().count(), 1 + 2 + recs.len());
+    }
+
+    #[test]
+    fn a_failing_case_is_an_error_record_not_a_crash() {
+        let plan = tiny_plan();
+        let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
+        let rec = base(&ctx, "x".into(), "train", "dqn", "eager_fp32", 0);
+        let r =
+            guarded(&mut ctx, Instant::now(), rec, |ctx, r| train::train_case(ctx, Model::Dqn, 0, Precision::F32, r));
+        assert_eq!(r["status"], "error");
+        assert!(r["error"].as_str().unwrap().contains("DQN"), "{r:?}");
+    }
+
+    #[test]
+    fn cpu_plan_uses_bench_py_cpu_sizes() {
+        let args = BenchArgs {
+            model: BenchModel::All,
+            precision: BenchPrecision::All,
+            json: true,
+            steps: None,
+            quick: true,
+            device: None,
+        };
+        let p = Plan::from_args(&args, false);
+        assert_eq!(p.train[0], (Model::Dqn, vec![1024, 230]));
+        assert_eq!(p.train[1], (Model::Ppo, vec![512]));
+        assert_eq!(p.env_e, Some(512));
+        assert_eq!((p.steps, p.warmup), (5, 2));
+        let g = Plan::from_args(&BenchArgs { quick: false, steps: Some(7), ..args }, true);
+        assert_eq!(g.train[0], (Model::Dqn, vec![8192, 2048, 230]));
+        assert_eq!(g.train[1], (Model::Ppo, vec![2048]));
+        assert_eq!((g.steps, g.warmup, g.lat_n), (7, 10, 2000));
+    }
 }
