@@ -1,7 +1,8 @@
-// Trading environment kernels: plain step, observation, action selection, and the fused
+// Trading environment kernels: observation, plain step, action selection, and the fused
 // DQN experience step (step E accounts and write (s, a, r, s', done) into the replay
-// ring). One thread per account, grid-stride loops (the host sizes the grid from the SM
-// count and the occupancy of the chosen block size).
+// ring). One thread per account in warp-uniform grid-stride loops (the host sizes the grid
+// from the SM count and the occupancy of the chosen block size); observation rows are
+// written warp-cooperatively (fx_warp_write_rows) so the stores coalesce.
 #include "fx_env.cuh"
 
 #define FX_ENV_ARGS                                                                               \
@@ -24,13 +25,14 @@
     env.ep = st_ep;                                                                              \
     env.counter = st_counter;
 
-#define FX_GRID_STRIDE(e, n) \
-    for (fx_u32 e = blockIdx.x * blockDim.x + threadIdx.x; e < (n); e += gridDim.x * blockDim.x)
-
 // obs[e] = observation of account e's current state.
 extern "C" __global__ void fx_env_observe(FX_ENV_ARGS, float* __restrict__ obs) {
     FX_ENV_MAKE
-    FX_GRID_STRIDE(e, E) { fx_observe(env, e, obs + (size_t)e * FX_OBS_DIM); }
+    FX_WARP_LOOP(e, valid, E) {
+        FxRow cur = {0u, 0.0f, 0.0f, 0.0f};
+        if (valid) cur = fx_current(env, e);
+        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, market);
+    }
 }
 
 // One step of every account. next_obs may be null.
@@ -38,13 +40,17 @@ extern "C" __global__ void fx_env_step(FX_ENV_ARGS, const fx_u32* __restrict__ a
                                        float* __restrict__ next_obs, float* __restrict__ reward,
                                        float* __restrict__ done, float* __restrict__ obs, int* err) {
     FX_ENV_MAKE
-    FX_GRID_STRIDE(e, E) {
-        double r;
-        bool d;
-        fx_step(env, e, actions[e], next_obs ? next_obs + (size_t)e * FX_OBS_DIM : 0, &r, &d, err);
-        reward[e] = (float)r;
-        done[e] = d ? 1.0f : 0.0f;
-        fx_observe(env, e, obs + (size_t)e * FX_OBS_DIM);
+    FX_WARP_LOOP(e, valid, E) {
+        FxRow next = {0u, 0.0f, 0.0f, 0.0f}, cur = {0u, 0.0f, 0.0f, 0.0f};
+        if (valid) {
+            double r;
+            bool d;
+            fx_step(env, e, actions[e], &next, &cur, &r, &d, err);
+            reward[e] = (float)r;
+            done[e] = d ? 1.0f : 0.0f;
+        }
+        if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, market);
+        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, market);
     }
 }
 
@@ -53,8 +59,8 @@ extern "C" __global__ void fx_select_epsilon_greedy(const float* __restrict__ q,
                                                     fx_u64 env_offset, fx_u32 E,
                                                     const fx_u64* __restrict__ counter,
                                                     fx_u32* __restrict__ actions) {
-    FX_GRID_STRIDE(e, E) {
-        actions[e] = fx_epsilon_greedy(q + (size_t)e * FX_N_ACTIONS, eps, seed, env_offset + e, counter[e]);
+    for (fx_u64 e = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; e < E; e += (fx_u64)gridDim.x * blockDim.x) {
+        actions[e] = fx_epsilon_greedy(q + e * FX_N_ACTIONS, eps, seed, env_offset + e, counter[e]);
     }
 }
 
@@ -62,9 +68,9 @@ extern "C" __global__ void fx_select_epsilon_greedy(const float* __restrict__ q,
 extern "C" __global__ void fx_select_from_probs(const float* __restrict__ probs, fx_u64 seed, fx_u64 env_offset,
                                                 fx_u32 E, const fx_u64* __restrict__ counter,
                                                 fx_u32* __restrict__ actions) {
-    FX_GRID_STRIDE(e, E) {
+    for (fx_u64 e = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; e < E; e += (fx_u64)gridDim.x * blockDim.x) {
         double u = fx_draw(seed, FX_STREAM_POLICY, env_offset + e, counter[e]);
-        actions[e] = fx_categorical(probs + (size_t)e * FX_N_ACTIONS, u);
+        actions[e] = fx_categorical(probs + e * FX_N_ACTIONS, u);
     }
 }
 
@@ -81,30 +87,31 @@ extern "C" __global__ void fx_dqn_experience(FX_ENV_ARGS, const fx_u32* __restri
                                              float* __restrict__ reward_out, float* __restrict__ done_out,
                                              float* __restrict__ obs, int* err) {
     FX_ENV_MAKE
-    FX_GRID_STRIDE(e, E) {
-        fx_u32 a;
-        if (q) {
-            a = fx_epsilon_greedy(q + (size_t)e * FX_N_ACTIONS, eps, seed, env_offset + e, st_counter[e]);
-        } else {
-            a = actions[e];
+    FX_WARP_LOOP(e, valid, E) {
+        FxRow s = {0u, 0.0f, 0.0f, 0.0f}, next = s, cur = s;
+        fx_u64 slot = 0;
+        if (valid) {
+            fx_u32 a;
+            if (q) {
+                a = fx_epsilon_greedy(q + (size_t)e * FX_N_ACTIONS, eps, seed, env_offset + e, st_counter[e]);
+            } else {
+                a = actions[e];
+            }
+            if (actions_out) actions_out[e] = a;
+            slot = (ring_pos + e) % capacity;
+            s = fx_current(env, e);
+            double r;
+            bool d;
+            fx_step(env, e, a, &next, &cur, &r, &d, err);
+            rb_a[slot] = a < FX_N_ACTIONS ? a : 1;
+            rb_r[slot] = (float)r;
+            rb_d[slot] = d ? 1.0f : 0.0f;
+            if (reward_out) reward_out[e] = (float)r;
+            if (done_out) done_out[e] = d ? 1.0f : 0.0f;
         }
-        if (actions_out) actions_out[e] = a;
-        fx_u64 slot = (ring_pos + e) % capacity;
-        float* s = rb_s + slot * FX_OBS_DIM;
-        float* s2 = rb_s2 + slot * FX_OBS_DIM;
-        fx_observe(env, e, s);
-        double r;
-        bool d;
-        fx_step(env, e, a, s2, &r, &d, err);
-        rb_a[slot] = a < FX_N_ACTIONS ? a : 1;
-        rb_r[slot] = (float)r;
-        rb_d[slot] = d ? 1.0f : 0.0f;
-        if (next_obs) {
-#pragma unroll
-            for (int j = 0; j < FX_OBS_DIM; ++j) next_obs[(size_t)e * FX_OBS_DIM + j] = s2[j];
-        }
-        if (reward_out) reward_out[e] = (float)r;
-        if (done_out) done_out[e] = d ? 1.0f : 0.0f;
-        fx_observe(env, e, obs + (size_t)e * FX_OBS_DIM);
+        fx_warp_write_rows(rb_s + slot * FX_OBS_DIM, valid, s, market);
+        fx_warp_write_rows(rb_s2 + slot * FX_OBS_DIM, valid, next, market);
+        if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, market);
+        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, market);
     }
 }

@@ -40,20 +40,62 @@ __device__ __forceinline__ fx_u32 fx_reset_start(fx_u64 seed, fx_u64 env, fx_u64
     return (fx_u32)floor(__dmul_rn(u, (double)(T - L)));
 }
 
-// One observation row: [market[t] (51), p, p*ln(close[t]/entry) (0 when flat), sip/L, 0, 0].
-__device__ __forceinline__ void fx_write_obs(const float* __restrict__ market, const double* __restrict__ close,
-                                             fx_u32 L, fx_u32 t, int pos, double entry, fx_u32 sip,
-                                             float* __restrict__ out) {
-    const float* row = market + (size_t)t * FX_N_MARKET;
-#pragma unroll
-    for (int j = 0; j < FX_N_MARKET; ++j) out[j] = __ldg(row + j);
+// The portfolio part of an observation row: p, p*ln(close[t]/entry) (0 when flat),
+// sip/L; the row is [market[t] (51), p, upnl, tip, 0, 0].
+struct FxRow {
+    fx_u32 t;
+    float p, upnl, tip;
+};
+
+__device__ __forceinline__ FxRow fx_row(const double* __restrict__ close, fx_u32 L, fx_u32 t, int pos, double entry,
+                                        fx_u32 sip) {
+    FxRow r;
+    r.t = t;
     double upnl = 0.0;
     if (pos != 0) upnl = __dmul_rn((double)pos, log(__ddiv_rn(close[t], entry)));
-    out[FX_N_MARKET] = (float)pos;
-    out[FX_N_MARKET + 1] = (float)upnl;
-    out[FX_N_MARKET + 2] = (float)__ddiv_rn((double)sip, (double)L);
-    out[FX_N_MARKET + 3] = 0.0f;
-    out[FX_N_MARKET + 4] = 0.0f;
+    r.p = (float)pos;
+    r.upnl = (float)upnl;
+    r.tip = (float)__ddiv_rn((double)sip, (double)L);
+    return r;
+}
+
+// Writes the observation rows of the 32 accounts of a warp cooperatively: lane i owns row
+// `dst` (any address; rows of consecutive lanes are usually consecutive) and its values
+// `row`; rows with valid == false are skipped. The warp walks the 32 rows together, each
+// lane storing columns `lane` and `lane + 32` of the current row, so every store and every
+// market-row load is coalesced (instead of each lane striding through its own 224-byte
+// row), and the unrolled row loop keeps many loads in flight. Must be called by all 32
+// lanes of the warp (warp-uniform control flow).
+__device__ __forceinline__ void fx_warp_write_rows(float* dst, bool valid, FxRow row,
+                                                   const float* __restrict__ market) {
+    const unsigned full = 0xffffffffu;
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned vmask = __ballot_sync(full, valid);
+    if (vmask == 0u) return;
+    const unsigned long long my_dst = (unsigned long long)dst;
+    const unsigned c2 = lane + 32u;
+#pragma unroll 8
+    for (unsigned r = 0; r < 32u; ++r) {
+        const unsigned long long d = __shfl_sync(full, my_dst, r);
+        const fx_u32 t = __shfl_sync(full, row.t, r);
+        const float p = __shfl_sync(full, row.p, r);
+        const float u = __shfl_sync(full, row.upnl, r);
+        const float q = __shfl_sync(full, row.tip, r);
+        if ((vmask >> r) & 1u) {
+            const float* m = market + (size_t)t * FX_N_MARKET;
+            float* o = (float*)d;
+            o[lane] = __ldg(m + lane);  // columns 0..31 are all market features
+            if (c2 < FX_OBS_DIM) {
+                float v;
+                if (c2 < FX_N_MARKET) v = __ldg(m + c2);
+                else if (c2 == FX_N_MARKET) v = p;
+                else if (c2 == FX_N_MARKET + 1) v = u;
+                else if (c2 == FX_N_MARKET + 2) v = q;
+                else v = 0.0f;
+                o[c2] = v;
+            }
+        }
+    }
 }
 
 // Argmax of a row of Q-values, ties to the lowest index.
@@ -124,16 +166,17 @@ struct FxEnv {
     fx_u64* counter;
 };
 
-// Observation of account e's current state.
-__device__ __forceinline__ void fx_observe(const FxEnv& env, fx_u32 e, float* out) {
-    fx_write_obs(env.market, env.close, env.L, env.t[e], env.pos[e], env.entry[e], env.sip[e], out);
+// The observation values of account e's current state.
+__device__ __forceinline__ FxRow fx_current(const FxEnv& env, fx_u32 e) {
+    return fx_row(env.close, env.L, env.t[e], env.pos[e], env.entry[e], env.sip[e]);
 }
 
-// Steps account e with action a (invalid actions are treated as flat and flagged).
-// Writes the pre-reset next state to next_obs (if not null), returns reward and done,
-// and auto-resets. The post-reset state can then be written with fx_observe.
-__device__ __forceinline__ void fx_step(const FxEnv& env, fx_u32 e, fx_u32 a, float* next_obs, double* reward,
-                                        bool* done, int* err) {
+// Steps account e with action a (invalid actions are treated as flat and flagged): returns
+// the pre-reset next state's row values in *next, the post-reset ones in *cur (equal to
+// *next unless the episode ended: the reset row is flat, so it needs no log), the reward
+// and done, and auto-resets.
+__device__ __forceinline__ void fx_step(const FxEnv& env, fx_u32 e, fx_u32 a, FxRow* next, FxRow* cur,
+                                        double* reward, bool* done, int* err) {
     if (a >= FX_N_ACTIONS) {
         atomicOr(err, FX_ERR_ACTION);
         a = 1;
@@ -157,7 +200,7 @@ __device__ __forceinline__ void fx_step(const FxEnv& env, fx_u32 e, fx_u32 a, fl
     t += 1;
     fx_u32 ep = env.ep[e] + 1;
     fx_u64 counter = env.counter[e] + 1;
-    if (next_obs) fx_write_obs(env.market, env.close, env.L, t, p_new, entry, sip, next_obs);
+    *next = fx_row(env.close, env.L, t, p_new, entry, sip);
     *done = ep >= env.L;
     if (*done) {
         t = fx_reset_start(env.seed, env.env_offset + e, counter, env.T, env.L);
@@ -165,6 +208,12 @@ __device__ __forceinline__ void fx_step(const FxEnv& env, fx_u32 e, fx_u32 a, fl
         entry = env.close[t];
         sip = 0;
         ep = 0;
+        cur->t = t;
+        cur->p = 0.0f;
+        cur->upnl = 0.0f;
+        cur->tip = 0.0f;
+    } else {
+        *cur = *next;
     }
     env.t[e] = t;
     env.pos[e] = p_new;
@@ -173,3 +222,13 @@ __device__ __forceinline__ void fx_step(const FxEnv& env, fx_u32 e, fx_u32 a, fl
     env.ep[e] = ep;
     env.counter[e] = counter;
 }
+
+// Warp-uniform grid-stride loop over accounts: every lane of a warp runs the same number of
+// iterations (fx_warp_write_rows needs all 32 lanes); on the last one `e` may be >= n and
+// `valid` is false for such lanes. Needs blockDim.x to be a multiple of 32 (the host's
+// LaunchPlan guarantees it).
+#define FX_WARP_LOOP(e, valid, n)                                                                  \
+    for (fx_u64 fx_base = (fx_u64)((blockIdx.x * blockDim.x + threadIdx.x) & ~31u); fx_base < (n);  \
+         fx_base += (fx_u64)gridDim.x * blockDim.x)                                                \
+        if (const fx_u32 e = (fx_u32)(fx_base + (threadIdx.x & 31u)); true)                        \
+            if (const bool valid = e < (n); true)

@@ -1,6 +1,7 @@
 // PPO experience: sample every account's action from its logits (softmax in f64, stream-3
 // draw), step, and write (s, a, log pi(a|s), value, r, done) into row `row` of the [T, E]
-// rollout storage. One thread per account, grid-stride loop.
+// rollout storage. One thread per account in a warp-uniform grid-stride loop; state rows
+// are written warp-cooperatively.
 #include "fx_env.cuh"
 
 extern "C" __global__ void fx_ppo_experience(
@@ -24,20 +25,25 @@ extern "C" __global__ void fx_ppo_experience(
     env.sip = st_sip;
     env.ep = st_ep;
     env.counter = st_counter;
-    for (fx_u32 e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
-        size_t k = (size_t)row * E + e;
-        double u = fx_draw(seed, FX_STREAM_POLICY, env_offset + e, st_counter[e]);
-        double logp;
-        fx_u32 a = fx_sample_logits(logits + (size_t)e * FX_N_ACTIONS, u, &logp);
-        fx_observe(env, e, ro_s + k * FX_OBS_DIM);
-        double r;
-        bool d;
-        fx_step(env, e, a, next_obs ? next_obs + (size_t)e * FX_OBS_DIM : 0, &r, &d, err);
-        ro_a[k] = a;
-        ro_logp[k] = (float)logp;
-        ro_v[k] = values[e];
-        ro_r[k] = (float)r;
-        ro_d[k] = d ? 1.0f : 0.0f;
-        fx_observe(env, e, obs + (size_t)e * FX_OBS_DIM);
+    FX_WARP_LOOP(e, valid, E) {
+        const size_t k = (size_t)row * E + e;
+        FxRow s = {0u, 0.0f, 0.0f, 0.0f}, next = s, cur = s;
+        if (valid) {
+            double u = fx_draw(seed, FX_STREAM_POLICY, env_offset + e, st_counter[e]);
+            double logp;
+            fx_u32 a = fx_sample_logits(logits + (size_t)e * FX_N_ACTIONS, u, &logp);
+            s = fx_current(env, e);
+            double r;
+            bool d;
+            fx_step(env, e, a, &next, &cur, &r, &d, err);
+            ro_a[k] = a;
+            ro_logp[k] = (float)logp;
+            ro_v[k] = values[e];
+            ro_r[k] = (float)r;
+            ro_d[k] = d ? 1.0f : 0.0f;
+        }
+        fx_warp_write_rows(ro_s + k * FX_OBS_DIM, valid, s, market);
+        if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, market);
+        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, market);
     }
 }

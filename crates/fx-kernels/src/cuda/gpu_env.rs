@@ -23,12 +23,16 @@ pub struct GpuEnvOptions {
     /// SM count for the launch grid (e.g. `fx_hw::GpuInfo::sm_count` from the
     /// `HardwareBudget`); `None` queries the device.
     pub sm_count: Option<u32>,
+    /// Grid bound in "waves" of resident blocks (SMs × blocks per SM × waves); 0 or 1 =
+    /// one wave, the kernels then loop grid-stride over the remaining accounts. More waves
+    /// let the block scheduler overlap memory latency across more accounts at large E.
+    pub grid_waves: u32,
 }
 
 impl GpuEnvOptions {
     /// Takes the SM count from a detected hardware budget (None when it found no GPU).
     pub fn from_budget(budget: &fx_hw::HardwareBudget) -> Self {
-        Self { sm_count: budget.gpu.as_ref().map(|g| g.sm_count).filter(|&n| n > 0) }
+        Self { sm_count: budget.gpu.as_ref().map(|g| g.sm_count).filter(|&n| n > 0), ..Self::default() }
     }
 }
 
@@ -40,15 +44,27 @@ struct Kernel {
 }
 
 impl Kernel {
-    fn load(dev: &CudaDevice, name: &str, module: &str, ptx: &str, sm: Option<u32>, ctx: &'static str) -> Result<Self> {
+    fn load(
+        dev: &CudaDevice,
+        name: &str,
+        module: &str,
+        ptx: &str,
+        opts: &GpuEnvOptions,
+        ctx: &'static str,
+    ) -> Result<Self> {
         let func = dev.get_or_load_custom_func(name, module, ptx).ctx(ctx)?.into_cuda_function();
-        let plan = LaunchPlan::for_function(&func, dev, sm, ctx)?;
+        let mut plan = LaunchPlan::for_function(&func, dev, opts.sm_count, ctx)?;
+        plan.max_grid = plan.max_grid.saturating_mul(opts.grid_waves.max(1));
         Ok(Self { func, plan })
     }
 }
 
 /// The kernels' common leading arguments (series, parameters, state pointers), matching
-/// `FX_ENV_ARGS` in `kernels/env_step.cu` and the head of `fx_ppo_experience`.
+/// `FX_ENV_ARGS` in `kernels/env_step.cu` and the head of `fx_ppo_experience`. The
+/// addresses are taken once at construction: asking cudarc for them on every step would
+/// add a stream-wait and an event record per buffer, pointless on candle's single stream
+/// and the bulk of the per-step host overhead at small E.
+#[derive(Clone, Copy, Debug)]
 struct EnvArgs {
     market: u64,
     close: u64,
@@ -98,19 +114,29 @@ pub struct GpuEnvState {
 /// treats them as flat and raises a flag that [`check_errors`](Self::check_errors) reports.
 pub struct GpuTradingEnv {
     cfg: EnvConfig,
-    t_len: usize,
     device: Device,
     cdev: CudaDevice,
     stream: Arc<CudaStream>,
+    // The device buffers. Several are only read by kernels, through the addresses cached
+    // in `args`; the fields own the memory and keep it alive.
+    #[allow(dead_code)]
     market: CudaSlice<f32>,
+    #[allow(dead_code)]
     close: CudaSlice<f64>,
     t: CudaSlice<u32>,
     pos: CudaSlice<i32>,
+    #[allow(dead_code)]
     entry: CudaSlice<f64>,
+    #[allow(dead_code)]
     sip: CudaSlice<u32>,
+    #[allow(dead_code)]
     ep: CudaSlice<u32>,
     counter: CudaSlice<u64>,
     err: CudaSlice<i32>,
+    /// Cached kernel arguments (addresses of the buffers above).
+    args: EnvArgs,
+    /// Cached address of `err`.
+    p_err: u64,
     k_observe: Kernel,
     k_step: Kernel,
     k_eps: Kernel,
@@ -139,24 +165,51 @@ impl GpuTradingEnv {
             .collect();
         let entry0: Vec<f64> = t0.iter().map(|&t| data.close()[t as usize]).collect();
         let up = "GpuTradingEnv::new (upload)";
-        let sm = opts.sm_count;
+        let o = &opts;
+        let market = stream.clone_htod(data.market()).map_err(driver(up))?;
+        let close = stream.clone_htod(data.close()).map_err(driver(up))?;
+        let t = stream.clone_htod(&t0).map_err(driver(up))?;
+        let pos = stream.alloc_zeros::<i32>(e).map_err(driver(up))?;
+        let entry = stream.clone_htod(&entry0).map_err(driver(up))?;
+        let sip = stream.alloc_zeros::<u32>(e).map_err(driver(up))?;
+        let ep = stream.alloc_zeros::<u32>(e).map_err(driver(up))?;
+        let counter = stream.alloc_zeros::<u64>(e).map_err(driver(up))?;
+        let err = stream.alloc_zeros::<i32>(1).map_err(driver(up))?;
+        let args = EnvArgs {
+            market: raw(&market, &stream),
+            close: raw(&close, &stream),
+            t_len: data.len() as u32,
+            ep_len: cfg.episode_len as u32,
+            cost: cfg.cost,
+            seed: cfg.seed,
+            offset: cfg.env_offset,
+            e: e as u32,
+            t: raw(&t, &stream),
+            pos: raw(&pos, &stream),
+            entry: raw(&entry, &stream),
+            sip: raw(&sip, &stream),
+            ep: raw(&ep, &stream),
+            counter: raw(&counter, &stream),
+        };
+        let p_err = raw(&err, &stream);
         Ok(Self {
-            market: stream.clone_htod(data.market()).map_err(driver(up))?,
-            close: stream.clone_htod(data.close()).map_err(driver(up))?,
-            t: stream.clone_htod(&t0).map_err(driver(up))?,
-            pos: stream.alloc_zeros::<i32>(e).map_err(driver(up))?,
-            entry: stream.clone_htod(&entry0).map_err(driver(up))?,
-            sip: stream.alloc_zeros::<u32>(e).map_err(driver(up))?,
-            ep: stream.alloc_zeros::<u32>(e).map_err(driver(up))?,
-            counter: stream.alloc_zeros::<u64>(e).map_err(driver(up))?,
-            err: stream.alloc_zeros::<i32>(1).map_err(driver(up))?,
-            k_observe: Kernel::load(&cdev, "fx_env_observe", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
-            k_step: Kernel::load(&cdev, "fx_env_step", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
-            k_eps: Kernel::load(&cdev, "fx_select_epsilon_greedy", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
-            k_probs: Kernel::load(&cdev, "fx_select_from_probs", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
-            k_dqn: Kernel::load(&cdev, "fx_dqn_experience", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
-            k_ppo: Kernel::load(&cdev, "fx_ppo_experience", "fx_ppo_experience", PTX_PPO, sm, ctx)?,
-            t_len: data.len(),
+            k_observe: Kernel::load(&cdev, "fx_env_observe", "fx_env_step", PTX_ENV_STEP, o, ctx)?,
+            k_step: Kernel::load(&cdev, "fx_env_step", "fx_env_step", PTX_ENV_STEP, o, ctx)?,
+            k_eps: Kernel::load(&cdev, "fx_select_epsilon_greedy", "fx_env_step", PTX_ENV_STEP, o, ctx)?,
+            k_probs: Kernel::load(&cdev, "fx_select_from_probs", "fx_env_step", PTX_ENV_STEP, o, ctx)?,
+            k_dqn: Kernel::load(&cdev, "fx_dqn_experience", "fx_env_step", PTX_ENV_STEP, o, ctx)?,
+            k_ppo: Kernel::load(&cdev, "fx_ppo_experience", "fx_ppo_experience", PTX_PPO, o, ctx)?,
+            market,
+            close,
+            t,
+            pos,
+            entry,
+            sip,
+            ep,
+            counter,
+            err,
+            args,
+            p_err,
             device: device.clone(),
             cdev,
             stream,
@@ -174,24 +227,30 @@ impl GpuTradingEnv {
         self.k_step.plan
     }
 
-    fn env_args(&self) -> EnvArgs {
-        let s = &self.stream;
-        EnvArgs {
-            market: raw(&self.market, s),
-            close: raw(&self.close, s),
-            t_len: self.t_len as u32,
-            ep_len: self.cfg.episode_len as u32,
-            cost: self.cfg.cost,
-            seed: self.cfg.seed,
-            offset: self.cfg.env_offset,
-            e: self.cfg.num_envs as u32,
-            t: raw(&self.t, s),
-            pos: raw(&self.pos, s),
-            entry: raw(&self.entry, s),
-            sip: raw(&self.sip, s),
-            ep: raw(&self.ep, s),
-            counter: raw(&self.counter, s),
-        }
+    /// One uninitialised f32 block of `n` elements for a launch's outputs (one allocation
+    /// and one address lookup instead of one per output), and its address.
+    fn alloc_block(&self, n: usize, ctx: &'static str) -> Result<(Tensor, u64)> {
+        let block = alloc_tensor::<f32>(&self.cdev, &[n], ctx)?;
+        let p = dev_ptr::<f32>(&block, &self.stream, "outputs", ctx)?;
+        Ok((block, p))
+    }
+
+    /// A step's outputs as views of one block: next_obs `[E, 56]`, obs `[E, 56]`, reward
+    /// `[E]`, done `[E]`, with their addresses in that order.
+    fn step_outputs(&self, ctx: &'static str) -> Result<(Step, [u64; 4])> {
+        let e = self.cfg.num_envs;
+        let row = e * OBS_DIM;
+        let (block, p) = self.alloc_block(2 * row + 2 * e, ctx)?;
+        let view =
+            |off: usize, len: usize, shape: &[usize]| block.narrow(0, off, len).and_then(|x| x.reshape(shape)).ctx(ctx);
+        let step = Step {
+            next_obs: view(0, row, &[e, OBS_DIM])?,
+            obs: view(row, row, &[e, OBS_DIM])?,
+            reward: view(2 * row, e, &[e])?,
+            done: view(2 * row + e, e, &[e])?,
+        };
+        let at = |off: usize| p + (off * std::mem::size_of::<f32>()) as u64;
+        Ok((step, [at(0), at(row), at(2 * row), at(2 * row + e)]))
     }
 
     /// Copies the per-account state to the host (syncs the stream).
@@ -248,9 +307,9 @@ impl GpuTradingEnv {
         let q = self.rows_arg(q, "q", ctx)?;
         let e = self.cfg.num_envs;
         let actions_out = alloc_tensor::<u32>(&self.cdev, &[e], ctx)?;
-        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
-        self.launch_dqn(None, Some((&q, eps, &actions_out)), replay, None, &obs, ctx)?;
-        Ok((actions_out, obs))
+        let (obs, p_obs) = self.alloc_block(e * OBS_DIM, ctx)?;
+        self.launch_dqn(None, Some((&q, eps, &actions_out)), replay, None, p_obs, ctx)?;
+        Ok((actions_out, obs.reshape((e, OBS_DIM)).ctx(ctx)?))
     }
 
     /// Launches `fx_dqn_experience` after the host-side checks.
@@ -259,8 +318,8 @@ impl GpuTradingEnv {
         actions: Option<&Tensor>,
         fused: Option<(&Tensor, f64, &Tensor)>,
         replay: &mut ReplayBuffer,
-        step_out: Option<(&Tensor, &Tensor, &Tensor)>,
-        obs: &Tensor,
+        step_out: Option<(u64, u64, u64)>,
+        p_obs: u64,
         ctx: &'static str,
     ) -> Result<()> {
         let e = self.cfg.num_envs;
@@ -299,17 +358,10 @@ impl GpuTradingEnv {
         let p_rd = dev_ptr::<f32>(&replay.dones, &s, "replay.dones", ctx)?;
         let capacity = replay.capacity() as u64;
         let ring_pos = replay.position() as u64;
-        let (p_next, p_rew, p_done) = match step_out {
-            Some((n, r, d)) => (
-                dev_ptr::<f32>(n, &s, "next_obs", ctx)?,
-                dev_ptr::<f32>(r, &s, "reward", ctx)?,
-                dev_ptr::<f32>(d, &s, "done", ctx)?,
-            ),
-            None => (null, null, null),
-        };
-        let p_obs = dev_ptr::<f32>(obs, &s, "obs", ctx)?;
-        let p_err = raw(&self.err, &s);
-        let args = self.env_args();
+        // Addresses of E·56 (next_obs) and E (reward, done) f32 from step_outputs.
+        let (p_next, p_rew, p_done) = step_out.unwrap_or((null, null, null));
+        let p_err = self.p_err;
+        let args = self.args;
         let mut b = s.launch_builder(&self.k_dqn.func);
         args.push(&mut b);
         b.arg(&p_actions).arg(&p_q).arg(&eps).arg(&p_aout);
@@ -329,7 +381,7 @@ impl GpuTradingEnv {
         let out = alloc_tensor::<u32>(&self.cdev, &[e], ctx)?;
         let p_x = dev_ptr::<f32>(x, &s, "q/probs", ctx)?;
         let p_out = dev_ptr::<u32>(&out, &s, "actions", ctx)?;
-        let p_counter = raw(&self.counter, &s);
+        let p_counter = self.args.counter;
         let (seed, off, e32) = (self.cfg.seed, self.cfg.env_offset, e as u32);
         let mut b = s.launch_builder(&k.func);
         b.arg(&p_x);
@@ -368,7 +420,7 @@ impl VecEnv for GpuTradingEnv {
         let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
         let s = self.stream.clone();
         let p_obs = dev_ptr::<f32>(&obs, &s, "obs", ctx)?;
-        let args = self.env_args();
+        let args = self.args;
         let mut b = s.launch_builder(&self.k_observe.func);
         args.push(&mut b);
         b.arg(&p_obs);
@@ -381,24 +433,18 @@ impl VecEnv for GpuTradingEnv {
         let ctx = "GpuTradingEnv::step";
         let e = self.cfg.num_envs;
         let actions = self.actions_arg(actions, ctx)?;
-        let next_obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
-        let reward = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
-        let done = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
-        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let (step, [p_n, p_o, p_r, p_d]) = self.step_outputs(ctx)?;
         let s = self.stream.clone();
         let p_a = dev_ptr::<u32>(&actions, &s, "actions", ctx)?;
-        let p_n = dev_ptr::<f32>(&next_obs, &s, "next_obs", ctx)?;
-        let p_r = dev_ptr::<f32>(&reward, &s, "reward", ctx)?;
-        let p_d = dev_ptr::<f32>(&done, &s, "done", ctx)?;
-        let p_o = dev_ptr::<f32>(&obs, &s, "obs", ctx)?;
-        let p_err = raw(&self.err, &s);
-        let args = self.env_args();
+        let p_err = self.p_err;
+        let args = self.args;
         let mut b = s.launch_builder(&self.k_step.func);
         args.push(&mut b);
         b.arg(&p_a).arg(&p_n).arg(&p_r).arg(&p_d).arg(&p_o).arg(&p_err);
-        // SAFETY: arguments match fx_env_step; all outputs hold E (·56) f32, actions E u32.
+        // SAFETY: arguments match fx_env_step; the output block holds 2·E·56 + 2·E f32,
+        // actions E u32.
         unsafe { b.launch(self.k_step.plan.config(e)) }.map_err(driver(ctx))?;
-        Ok(Step { next_obs, reward, done, obs })
+        Ok(step)
     }
 
     fn counters(&self) -> Result<Vec<u64>> {
@@ -419,14 +465,10 @@ impl VecEnv for GpuTradingEnv {
 
     fn step_into_replay(&mut self, actions: &Tensor, replay: &mut ReplayBuffer) -> Result<Step> {
         let ctx = "GpuTradingEnv::step_into_replay";
-        let e = self.cfg.num_envs;
         let actions = self.actions_arg(actions, ctx)?;
-        let next_obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
-        let reward = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
-        let done = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
-        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
-        self.launch_dqn(Some(&actions), None, replay, Some((&next_obs, &reward, &done)), &obs, ctx)?;
-        Ok(Step { next_obs, reward, done, obs })
+        let (step, [p_n, p_o, p_r, p_d]) = self.step_outputs(ctx)?;
+        self.launch_dqn(Some(&actions), None, replay, Some((p_n, p_r, p_d)), p_o, ctx)?;
+        Ok(step)
     }
 
     fn step_into_rollout(&mut self, logits: &Tensor, values: &Tensor, rollout: &mut Rollout) -> Result<Step> {
@@ -447,8 +489,11 @@ impl VecEnv for GpuTradingEnv {
             return Err(Error::Full { what: "rollout", capacity: rollout.horizon(), context: ctx });
         }
         let row = rollout.len();
-        let next_obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
-        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let (block, p_n) = self.alloc_block(2 * e * OBS_DIM, ctx)?;
+        let p_o = p_n + (e * OBS_DIM * std::mem::size_of::<f32>()) as u64;
+        let rows =
+            |i: usize| block.narrow(0, i * e * OBS_DIM, e * OBS_DIM).and_then(|x| x.reshape((e, OBS_DIM))).ctx(ctx);
+        let (next_obs, obs) = (rows(0)?, rows(1)?);
         let s = self.stream.clone();
         let p_l = dev_ptr::<f32>(&logits, &s, "logits", ctx)?;
         let p_v = dev_ptr::<f32>(&values, &s, "values", ctx)?;
@@ -458,11 +503,9 @@ impl VecEnv for GpuTradingEnv {
         let p_rv = dev_ptr::<f32>(&rollout.values, &s, "rollout.values", ctx)?;
         let p_r = dev_ptr::<f32>(&rollout.rewards, &s, "rollout.rewards", ctx)?;
         let p_d = dev_ptr::<f32>(&rollout.dones, &s, "rollout.dones", ctx)?;
-        let p_n = dev_ptr::<f32>(&next_obs, &s, "next_obs", ctx)?;
-        let p_o = dev_ptr::<f32>(&obs, &s, "obs", ctx)?;
-        let p_err = raw(&self.err, &s);
+        let p_err = self.p_err;
         let row32 = row as u32;
-        let args = self.env_args();
+        let args = self.args;
         let mut b = s.launch_builder(&self.k_ppo.func);
         args.push(&mut b);
         b.arg(&p_l).arg(&p_v).arg(&row32);
@@ -496,6 +539,9 @@ pub struct EnvBenchResult {
     pub steps: usize,
     /// Wall time of the timed launches (stream synchronised before and after).
     pub seconds: f64,
+    /// Host time to issue the timed launches (before the final synchronisation): close to
+    /// `seconds` means the loop is bound by host-side work, not by the kernel.
+    pub host_seconds: f64,
     /// `E · steps / seconds`.
     pub env_steps_per_s: f64,
     /// Estimated DRAM bytes one account-step must move (see [`bytes_per_env_step`]).
@@ -519,20 +565,21 @@ pub fn bytes_per_env_step(mode: EnvBenchMode) -> u64 {
 }
 
 /// Measures environment steps per second on `device` (CUDA) for `num_envs` accounts over
-/// a synthetic series of `series_len` rows (episode_len 256): `warmup` untimed steps, then
-/// `steps` timed launches between two stream synchronisations.
+/// a synthetic series of `series_len` rows (episode_len 256) with launch options `opts`:
+/// 10 untimed steps, then `steps` timed launches between two stream synchronisations.
 pub fn bench_env_steps(
     device: &Device,
     num_envs: usize,
     series_len: usize,
     steps: usize,
     mode: EnvBenchMode,
+    opts: GpuEnvOptions,
 ) -> Result<EnvBenchResult> {
     let ctx = "bench_env_steps";
     let cdev = cuda_device(device, "device", ctx)?.clone();
     let data = Arc::new(synthetic_series(series_len.max(258), 12345)?);
     let cfg = EnvConfig { num_envs, episode_len: 256, cost: 1e-4, seed: 7, env_offset: 0 };
-    let mut env = GpuTradingEnv::new(data, cfg, device, GpuEnvOptions::default())?;
+    let mut env = GpuTradingEnv::new(data, cfg, device, opts)?;
     let host_actions: Vec<u32> =
         (0..num_envs as u64).map(|i| (crate::rng::draw(1, 9, i, 0) * 3.0) as u32 % 3).collect();
     let actions = Tensor::from_vec(host_actions, num_envs, device).ctx(ctx)?;
@@ -556,6 +603,7 @@ pub fn bench_env_steps(
     for _ in 0..steps {
         run(&mut env)?;
     }
+    let host_seconds = start.elapsed().as_secs_f64();
     stream.synchronize().map_err(driver(ctx))?;
     let seconds = start.elapsed().as_secs_f64();
     env.check_errors()?;
@@ -566,6 +614,7 @@ pub fn bench_env_steps(
         num_envs,
         steps,
         seconds,
+        host_seconds,
         env_steps_per_s,
         bytes_per_env_step: bytes,
         achieved_gb_per_s: env_steps_per_s * bytes as f64 / 1e9,

@@ -26,7 +26,7 @@ pub struct LaunchPlan {
 
 impl LaunchPlan {
     /// Plans `func` on `dev`: the block size maximising occupancy (driver occupancy API,
-    /// capped at 512 so small E still spreads over many SMs), and the grid bound from
+    /// capped at 512 so small E still spreads over many SMs, a multiple of 32), and the grid bound from
     /// `sm_count` (e.g. `fx_hw::GpuInfo::sm_count`; when `None`, queried from the device).
     pub fn for_function(
         func: &CudaFunction,
@@ -46,14 +46,19 @@ impl LaunchPlan {
             }
         };
         let (_, block) = func.occupancy_max_potential_block_size(no_dynamic_smem, 0, 512, None).map_err(driver(ctx))?;
-        let block = block.clamp(32, 512);
+        // Whole warps only: the env kernels' warp-cooperative row writes need them.
+        let block = block.clamp(32, 512) / 32 * 32;
         let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(block, 0, None).map_err(driver(ctx))?.max(1);
         Ok(Self { block, max_grid: sm_count.saturating_mul(per_sm).max(1), sm_count })
     }
 
-    /// The launch configuration for `n` threads' worth of work.
+    /// The launch configuration for `n` threads' worth of work. When `n` would not fill
+    /// one block per SM, blocks shrink (whole warps, at least one) so the work spreads
+    /// over as many SMs as it can: at small E the step is latency-bound per SM.
     pub fn config(&self, n: usize) -> LaunchConfig {
-        let blocks = n.div_ceil(self.block as usize).clamp(1, self.max_grid as usize) as u32;
-        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (self.block, 1, 1), shared_mem_bytes: 0 }
+        let spread = n.div_ceil(self.sm_count as usize).div_ceil(32) * 32;
+        let block = (self.block as usize).min(spread.max(32)) as u32;
+        let blocks = n.div_ceil(block as usize).clamp(1, self.max_grid as usize) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
     }
 }

@@ -251,8 +251,37 @@ fn invalid_actions_are_flagged() {
 fn benchmark_runs() {
     let Some(dev) = gpu("benchmark_runs") else { return };
     for mode in [EnvBenchMode::Step, EnvBenchMode::DqnCollect] {
-        let r = bench_env_steps(&dev, 4096, 2000, 20, mode).expect("bench");
+        let r = bench_env_steps(&dev, 4096, 2000, 20, mode, GpuEnvOptions::default()).expect("bench");
         assert!(r.env_steps_per_s.is_finite() && r.env_steps_per_s > 0.0, "{r:?}");
         eprintln!("{r:?}");
+    }
+}
+
+/// The numbers for docs/PERFORMANCE.md: `cargo test --release --features cuda -- --ignored
+/// bench_report --nocapture` on the GPU.
+#[test]
+#[ignore = "benchmark; run explicitly on the GPU"]
+fn bench_report() {
+    let Some(dev) = gpu("bench_report") else { return };
+    for e in [4096usize, 65536, 1 << 20] {
+        for mode in [EnvBenchMode::Step, EnvBenchMode::DqnCollect] {
+            for waves in [1u32, 4] {
+                let steps = if e >= 1 << 20 { 100 } else { 500 };
+                let opts = GpuEnvOptions { grid_waves: waves, ..GpuEnvOptions::default() };
+                let r = bench_env_steps(&dev, e, 100_000, steps, mode, opts).expect("bench");
+                println!(
+                    "bench mode={:?} E={} waves={} steps={} env_steps_per_s={:.4e} us_per_step={:.2} host_us_per_step={:.2} bytes_per_env_step={} achieved_GB_per_s={:.1}",
+                    r.mode,
+                    r.num_envs,
+                    waves,
+                    r.steps,
+                    r.env_steps_per_s,
+                    1e6 * r.seconds / r.steps as f64,
+                    1e6 * r.host_seconds / r.steps as f64,
+                    r.bytes_per_env_step,
+                    r.achieved_gb_per_s
+                );
+            }
+        }
     }
 }
