@@ -138,6 +138,11 @@ pub struct DqnStepStats {
     pub replay_len: usize,
     /// The optimiser steps of this call (empty before `learning_starts`).
     pub updates: Vec<DqnUpdateStats>,
+    /// Host seconds spent choosing actions, stepping the env and storing the transitions
+    /// (the step's statistics read synchronises the device, so this includes device time).
+    pub collect_seconds: f64,
+    /// Host seconds spent in the optimiser steps (forward, backward, clip, AdamW, target update).
+    pub update_seconds: f64,
 }
 
 /// Counters saved with the state (JSON in the state file's metadata).
@@ -248,6 +253,7 @@ impl DqnTrainer {
     /// the step count is a multiple of `train_every`.
     pub fn step(&mut self, env: &mut dyn VecEnv) -> Result<DqnStepStats> {
         const CTX: &str = "DqnTrainer::step";
+        let started = std::time::Instant::now();
         let eps = self.epsilon();
         let actions = self.act(env, eps)?;
         let step = env.step_into_replay(&actions, &mut self.replay).ctx(CTX)?;
@@ -260,6 +266,8 @@ impl DqnTrainer {
             .ctx(CTX)?;
         let mean_reward = sums[0] / env.num_envs() as f64;
         let episodes_done = sums[1] as u32;
+        let collect_seconds = started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
         let mut updates = Vec::new();
         if self.replay.len() >= self.cfg.learning_starts.max(1) && self.env_steps.is_multiple_of(self.cfg.train_every) {
             for _ in 0..self.cfg.gradient_steps {
@@ -273,6 +281,8 @@ impl DqnTrainer {
             episodes_done,
             replay_len: self.replay.len(),
             updates,
+            collect_seconds,
+            update_seconds: started.elapsed().as_secs_f64(),
         })
     }
 
@@ -554,10 +564,12 @@ mod tests {
         a.save_state(&path).unwrap();
         let mut env_b = env.clone();
         let mut b = DqnTrainer::load_state(&path, &Device::Cpu).unwrap();
+        // Wall-clock timings differ between any two runs; everything else must not.
+        let untimed = |s: DqnStepStats| DqnStepStats { collect_seconds: 0.0, update_seconds: 0.0, ..s };
         for _ in 0..9 {
             let sa = a.step(&mut env).unwrap();
             let sb = b.step(&mut env_b).unwrap();
-            assert_eq!(sa, sb);
+            assert_eq!(untimed(sa), untimed(sb));
         }
         for (net_a, net_b) in [(&a.online, &b.online), (&a.target, &b.target)] {
             let (ta, tb) = (net_a.params().to_tensors("").unwrap(), net_b.params().to_tensors("").unwrap());

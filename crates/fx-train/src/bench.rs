@@ -506,6 +506,8 @@ mod tests {
             assert!(r.get("batch").and_then(Value::as_u64).is_some());
             // compare.py formats memory: present (null on the CPU)
             assert_eq!(r.get("peak_mem_mib"), Some(&Value::Null), "{r:?}");
+            assert_eq!(r.get("peak_reserved_mib"), Some(&Value::Null), "{r:?}");
+            assert!(r.get("mem_method").is_none(), "{r:?}");
         }
         let train: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "train").collect();
         assert_eq!(train.len(), 4);

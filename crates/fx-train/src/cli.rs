@@ -14,6 +14,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Train a DQN or PPO agent (no --data: the embedded synthetic market), then backtest it.
+    Train(TrainArgs),
+    /// Backtest the latest checkpoint of a run on its test split.
+    Eval(EvalArgs),
     /// Print the hardware budget: device, memory, precision, batch sizes (and their sources).
     Hw(HwArgs),
     /// Read OHLCV bars (CSV) and write the feature file (safetensors, schema fx-features/1).
@@ -49,4 +53,98 @@ pub struct FeaturesArgs {
     /// Feature file to write (safetensors); written to a temporary file, then renamed.
     #[arg(long)]
     pub output: PathBuf,
+}
+
+/// Flags of `fx-train train`; each sets the config field of the same name (they win over
+/// `--config`). Defaults are `RunConfig::default()` (see `config.toml` in a run folder).
+#[derive(Debug, Args, Default)]
+pub struct TrainArgs {
+    /// Agent to train [default: dqn].
+    #[arg(long, value_enum)]
+    pub model: Option<crate::config::ModelChoice>,
+    /// Feature file (.safetensors) or OHLCV bars (.csv) [default: the synthetic market].
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// TOML file with any RunConfig fields.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Run folder [default: runs/default].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Environment steps to train for [default: 2000].
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Seed of weights, environment draws and synthetic market [default: 7].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Compute precision: f32, bf16 or f16 [default: f32].
+    #[arg(long)]
+    pub precision: Option<fx_hw::Precision>,
+    /// Device: auto, cpu, cuda, cuda:N [default: auto].
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Accounts stepped together [default: 32].
+    #[arg(long)]
+    pub num_envs: Option<usize>,
+    /// Environment steps between checkpoints [default: 500].
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Environment steps between metrics lines [default: 50].
+    #[arg(long)]
+    pub log_every: Option<u64>,
+    /// Continue the run in --out from its latest checkpoint.
+    #[arg(long)]
+    pub resume: bool,
+    /// No progress bar (also when stdout is not a terminal).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl TrainArgs {
+    /// The config: defaults, then `--config`, then the flags.
+    pub fn to_config(&self) -> anyhow::Result<crate::config::RunConfig> {
+        let mut cfg = match &self.config {
+            Some(p) => crate::config::RunConfig::from_toml_file(p)?,
+            None => crate::config::RunConfig::default(),
+        };
+        if let Some(m) = self.model {
+            cfg.model = m;
+        }
+        if let Some(d) = &self.data {
+            cfg.data = Some(d.clone());
+        }
+        if let Some(o) = &self.out {
+            cfg.out = o.clone();
+        }
+        if let Some(s) = self.steps {
+            cfg.steps = s;
+        }
+        if let Some(s) = self.seed {
+            cfg.seed = s;
+            cfg.synthetic.seed = s;
+        }
+        if let Some(p) = self.precision {
+            cfg.precision = p;
+        }
+        if let Some(d) = &self.device {
+            cfg.device = d.clone();
+        }
+        if let Some(n) = self.num_envs {
+            cfg.env.num_envs = n;
+        }
+        if let Some(n) = self.checkpoint_every {
+            cfg.checkpoint_every = n;
+        }
+        if let Some(n) = self.log_every {
+            cfg.log_every = n;
+        }
+        Ok(cfg)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// Run folder whose latest checkpoint to evaluate.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
 }

@@ -1,9 +1,16 @@
 //! `fx-train`: the command users run. It composes the fx crates and holds no logic that
 //! another service could reuse: parsing flags, printing, and wiring crates together.
 
+mod agent;
 mod bench;
 mod cli;
+mod config;
+mod dataset;
 mod hw;
+mod plots;
+mod report;
+mod run_dir;
+mod train;
 
 use std::process::ExitCode;
 
@@ -12,7 +19,8 @@ use clap::Parser;
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(train::Outcome::Finished) => ExitCode::SUCCESS,
+        Ok(train::Outcome::Interrupted) => ExitCode::from(train::EXIT_INTERRUPTED),
         Err(e) => {
             // One line with the whole cause chain: what failed and where.
             eprintln!("error: {e:#}");
@@ -21,13 +29,33 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: cli::Cli) -> anyhow::Result<()> {
+fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
+    let done = |r: anyhow::Result<()>| r.map(|()| train::Outcome::Finished);
     match cli.command {
-        None => hw::run(&cli::HwArgs::default()),
-        Some(cli::Command::Hw(args)) => hw::run(&args),
-        Some(cli::Command::Features(args)) => features(&args),
-        Some(cli::Command::Bench(args)) => bench::run(&args),
+        // The embedded default: synthetic market -> features -> DQN -> backtest report.
+        // Each invocation gets a fresh run folder under runs/.
+        None => {
+            let mut cfg = config::RunConfig::default();
+            cfg.out = fresh_run_folder(&cfg.out);
+            train::run(cfg, train::TrainOptions { resume: false, quiet: false })
+        }
+        Some(cli::Command::Train(args)) => {
+            train::run(args.to_config()?, train::TrainOptions { resume: args.resume, quiet: args.quiet })
+        }
+        Some(cli::Command::Eval(args)) => done(train::eval(&args.checkpoint)),
+        Some(cli::Command::Hw(args)) => done(hw::run(&args)),
+        Some(cli::Command::Features(args)) => done(features(&args)),
+        Some(cli::Command::Bench(args)) => done(bench::run(&args)),
     }
+}
+
+/// `base` if it holds no run yet, else `base-2`, `base-3`, ...
+fn fresh_run_folder(base: &std::path::Path) -> std::path::PathBuf {
+    let taken = |p: &std::path::Path| p.join("config.toml").exists();
+    if !taken(base) {
+        return base.to_path_buf();
+    }
+    (2..).map(|i| std::path::PathBuf::from(format!("{}-{i}", base.display()))).find(|p| !taken(p)).expect("unbounded")
 }
 
 fn features(args: &cli::FeaturesArgs) -> anyhow::Result<()> {

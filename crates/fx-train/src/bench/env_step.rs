@@ -141,6 +141,7 @@ pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, e: usize, rec: &mut Record)
     rec.insert("us_per_call".into(), json!(round(1e6 / calls, 2)));
     rec.insert("peak_mem_mib".into(), json!(peak.map(|m| round(m, 1))));
     rec.insert("mem_baseline_mib".into(), json!(ctx.mem.baseline_mib().map(|m| round(m, 1))));
+    rec.insert("peak_reserved_mib".into(), json!(ctx.mem.peak_reserved_mib()?.map(|m| round(m, 1))));
     Ok(())
 }
 

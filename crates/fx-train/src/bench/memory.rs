@@ -19,7 +19,12 @@ pub(crate) enum MemProbe {
     None,
     /// The current memory pool's used-bytes high-water mark.
     #[cfg(feature = "cuda")]
-    Pool { ctx: std::sync::Arc<cudarc::driver::CudaContext>, pool: cudarc::driver::sys::CUmemoryPool, base: u64 },
+    Pool {
+        ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+        pool: cudarc::driver::sys::CUmemoryPool,
+        base: u64,
+        base_reserved: u64,
+    },
     /// `total − free` from `cuMemGetInfo`, sampled.
     #[cfg(feature = "cuda")]
     MemInfo { stream: std::sync::Arc<cudarc::driver::CudaStream>, base: u64, high: u64 },
@@ -37,7 +42,7 @@ impl MemProbe {
             let ctx = stream.context().clone();
             if ctx.has_async_alloc() {
                 if let Ok(pool) = pool::current(&ctx) {
-                    return MemProbe::Pool { ctx, pool, base: 0 };
+                    return MemProbe::Pool { ctx, pool, base: 0, base_reserved: 0 };
                 }
             }
             return MemProbe::MemInfo { stream, base: 0, high: 0 };
@@ -63,9 +68,11 @@ impl MemProbe {
         match self {
             MemProbe::None => {}
             #[cfg(feature = "cuda")]
-            MemProbe::Pool { ctx, pool, base } => {
-                *base = pool::used(ctx, *pool)?;
-                pool::reset_high(ctx, *pool)?;
+            MemProbe::Pool { ctx, pool, base, base_reserved } => {
+                *base = pool::get(ctx, *pool, pool::USED)?;
+                *base_reserved = pool::get(ctx, *pool, pool::RESERVED)?;
+                pool::reset_high(ctx, *pool, pool::USED_HIGH)?;
+                pool::reset_high(ctx, *pool, pool::RESERVED_HIGH)?;
             }
             #[cfg(feature = "cuda")]
             MemProbe::MemInfo { stream, base, high } => {
@@ -100,14 +107,25 @@ impl MemProbe {
         Ok(match self {
             MemProbe::None => None,
             #[cfg(feature = "cuda")]
-            MemProbe::Pool { ctx, pool, base } => {
+            MemProbe::Pool { ctx, pool, base, .. } => {
                 device.synchronize()?;
-                let high = pool::used_high(ctx, *pool)?;
+                let high = pool::get(ctx, *pool, pool::USED_HIGH)?;
                 Some(high.saturating_sub(*base) as f64 / MIB)
             }
             #[cfg(feature = "cuda")]
             MemProbe::MemInfo { base, high, .. } => Some(high.saturating_sub(*base) as f64 / MIB),
         })
+    }
+
+    /// Peak bytes the pool reserved from the device since [`MemProbe::start`] minus what
+    /// it held then, in MiB (bench.py's `peak_reserved_mib`); pool method only.
+    pub(crate) fn peak_reserved_mib(&self) -> Result<Option<f64>> {
+        #[cfg(feature = "cuda")]
+        if let MemProbe::Pool { ctx, pool, base_reserved, .. } = self {
+            let high = pool::get(ctx, *pool, pool::RESERVED_HIGH)?;
+            return Ok(Some(high.saturating_sub(*base_reserved) as f64 / MIB));
+        }
+        Ok(None)
     }
 
     /// Bytes in use at the case's start, in MiB.
@@ -140,7 +158,17 @@ mod pool {
         Ok(pool)
     }
 
-    fn get(ctx: &Arc<CudaContext>, pool: CUmemoryPool, attr: CUmemPool_attribute) -> anyhow::Result<u64> {
+    /// Bytes in use by allocations now.
+    pub(super) const USED: CUmemPool_attribute = CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT;
+    /// High-water mark of the bytes in use since the last reset.
+    pub(super) const USED_HIGH: CUmemPool_attribute = CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+    /// Bytes the pool holds from the device now.
+    pub(super) const RESERVED: CUmemPool_attribute = CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT;
+    /// High-water mark of the bytes the pool held since the last reset.
+    pub(super) const RESERVED_HIGH: CUmemPool_attribute = CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH;
+
+    /// One of the cuuint64_t attributes above.
+    pub(super) fn get(ctx: &Arc<CudaContext>, pool: CUmemoryPool, attr: CUmemPool_attribute) -> anyhow::Result<u64> {
         ctx.bind_to_thread()?;
         let mut v: sys::cuuint64_t = 0;
         // SAFETY: the USED/RESERVED attributes are cuuint64_t values; pool is live.
@@ -148,29 +176,17 @@ mod pool {
         Ok(v)
     }
 
-    /// Bytes of the pool currently in use by allocations.
-    pub(super) fn used(ctx: &Arc<CudaContext>, pool: CUmemoryPool) -> anyhow::Result<u64> {
-        get(ctx, pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
-    }
-
-    /// High-water mark of the bytes in use since the last reset.
-    pub(super) fn used_high(ctx: &Arc<CudaContext>, pool: CUmemoryPool) -> anyhow::Result<u64> {
-        get(ctx, pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
-    }
-
-    /// Resets the high-water mark to the current use (the driver accepts only 0).
-    pub(super) fn reset_high(ctx: &Arc<CudaContext>, pool: CUmemoryPool) -> anyhow::Result<()> {
+    /// Resets a high-water mark (`USED_HIGH` or `RESERVED_HIGH`) to the current value
+    /// (the driver accepts only 0).
+    pub(super) fn reset_high(
+        ctx: &Arc<CudaContext>,
+        pool: CUmemoryPool,
+        attr: CUmemPool_attribute,
+    ) -> anyhow::Result<()> {
         ctx.bind_to_thread()?;
         let mut zero: sys::cuuint64_t = 0;
-        // SAFETY: as in `get`; setting USED_MEM_HIGH to 0 is the documented reset.
-        unsafe {
-            sys::cuMemPoolSetAttribute(
-                pool,
-                CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut zero as *mut u64).cast(),
-            )
-        }
-        .result()?;
+        // SAFETY: as in `get`; setting a *_HIGH attribute to 0 is the documented reset.
+        unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&mut zero as *mut u64).cast()) }.result()?;
         Ok(())
     }
 }

@@ -189,6 +189,7 @@ pub(crate) fn train_case(
     rec.insert("first_step_s".into(), json!(round(first_s, 3)));
     rec.insert("peak_mem_mib".into(), json!(peak.map(|m| round(m, 1))));
     rec.insert("mem_baseline_mib".into(), json!(ctx.mem.baseline_mib().map(|m| round(m, 1))));
+    rec.insert("peak_reserved_mib".into(), json!(ctx.mem.peak_reserved_mib()?.map(|m| round(m, 1))));
     rec.insert("loss_first".into(), json!(first.loss));
     rec.insert("loss_last".into(), json!(last.loss));
     rec.insert("skipped_steps".into(), json!(skipped));
@@ -235,5 +236,6 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, rec: &mut Record) -> Res
     rec.insert("mean_us".into(), json!(round(mean(&ts), 2)));
     rec.insert("peak_mem_mib".into(), json!(peak.map(|m| round(m, 1))));
     rec.insert("mem_baseline_mib".into(), json!(ctx.mem.baseline_mib().map(|m| round(m, 1))));
+    rec.insert("peak_reserved_mib".into(), json!(ctx.mem.peak_reserved_mib()?.map(|m| round(m, 1))));
     Ok(())
 }

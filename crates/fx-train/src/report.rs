@@ -1,0 +1,142 @@
+//! The backtest report of a run: the agent's greedy policy on the test split beside
+//! buy-and-hold, flat and random positions.
+
+use anyhow::Result;
+use candle_core::Device;
+use fx_models::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::agent::Agent;
+use crate::config::RunConfig;
+use crate::dataset::Dataset;
+use crate::run_dir::{write_atomic, RunDir};
+use crate::train::Profile;
+
+#[derive(Serialize)]
+pub struct Report {
+    pub model: &'static str,
+    pub data_source: String,
+    pub test_rows: std::ops::Range<usize>,
+    pub periods_per_year: f64,
+    pub env_steps: u64,
+    pub agent: Backtest,
+    pub buy_and_hold: Backtest,
+    pub flat: Backtest,
+    pub random: Backtest,
+}
+
+impl Report {
+    /// The agent beat flat and random by total return (what "it learned" means here).
+    pub fn learned(&self) -> bool {
+        let a = self.agent.stats.total_return;
+        a > self.flat.stats.total_return && a > self.random.stats.total_return
+    }
+}
+
+pub fn evaluate(cfg: &RunConfig, data: &Dataset, agent: &Agent, device: &Device) -> Result<Report> {
+    let rows = data.splits.test.clone();
+    let series = data.env_data(rows.clone())?;
+    let close = series.close();
+    let cost = cfg.env.cost;
+    let ppy = data.periods_per_year;
+    let positions = replay_policy(&series, cfg.env.episode_len, |obs| {
+        agent
+            .greedy_action(obs, device)
+            .map_err(|e| fx_models::Error::Config { context: "backtest policy", message: e.to_string() })
+    })?;
+    let n = positions.len();
+    Ok(Report {
+        model: cfg.model.as_str(),
+        data_source: data.source.clone(),
+        test_rows: rows,
+        periods_per_year: ppy,
+        env_steps: agent.env_steps(),
+        agent: evaluate_positions(&positions, close, cost, ppy)?,
+        buy_and_hold: evaluate_positions(&vec![1; n], close, cost, ppy)?,
+        flat: evaluate_positions(&vec![0; n], close, cost, ppy)?,
+        random: evaluate_positions(&random_positions(n, cfg.seed), close, cost, ppy)?,
+    })
+}
+
+/// Writes the report as `name` (e.g. `report.json`) into the run folder, and the plots
+/// when `plots` is set.
+pub fn write(
+    dir: &RunDir,
+    name: &str,
+    cfg: &RunConfig,
+    data: &Dataset,
+    rep: &Report,
+    profile: Option<&Profile>,
+    plots: bool,
+) -> Result<()> {
+    let mut doc = serde_json::to_value(rep)?;
+    doc["learned"] = json!(rep.learned());
+    doc["profile"] = serde_json::to_value(profile)?;
+    // Equity curves and positions are in the plots; keep report.json readable.
+    for k in ["agent", "buy_and_hold", "flat", "random"] {
+        if let Some(o) = doc[k].as_object_mut() {
+            o.remove("equity");
+            o.remove("positions");
+        }
+    }
+    write_atomic(&dir.path(name), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    if plots {
+        crate::plots::write_all(dir, cfg, data, rep)?;
+    }
+    Ok(())
+}
+
+fn row(name: &str, s: &BacktestStats) -> String {
+    format!(
+        "{name:<14} {:>9.2}% {:>9.2}% {:>7.2} {:>8.2} {:>7.2}% {:>6.1}% {:>8.3} {:>9.5}",
+        100.0 * s.total_return,
+        100.0 * s.annualised_return,
+        s.sharpe,
+        s.sortino,
+        100.0 * s.max_drawdown,
+        100.0 * s.hit_rate,
+        s.turnover,
+        s.cost_paid
+    )
+}
+
+pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
+    println!(
+        "backtest of {} on the test split ({} rows {}..{} of {}; {:.0} bars/year; after {} env steps)",
+        rep.model,
+        rep.test_rows.len(),
+        rep.test_rows.start,
+        rep.test_rows.end,
+        rep.data_source,
+        rep.periods_per_year,
+        rep.env_steps
+    );
+    println!(
+        "{:<14} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>8} {:>9}",
+        "policy", "total", "annual", "sharpe", "sortino", "max dd", "hit", "turnover", "cost"
+    );
+    for (name, b) in [
+        ("agent (greedy)", &rep.agent),
+        ("buy & hold", &rep.buy_and_hold),
+        ("flat", &rep.flat),
+        ("random", &rep.random),
+    ] {
+        println!("{}", row(name, &b.stats));
+    }
+    println!(
+        "{}",
+        if rep.learned() {
+            "the agent beat flat and random on held-out data"
+        } else {
+            "the agent did NOT beat both flat and random on held-out data"
+        }
+    );
+    if let Some(p) = profile {
+        println!(
+            "time: {:.1}s total = data {:.1}s + env/collect {:.1}s + updates {:.1}s + checkpoints/logs {:.1}s + eval {:.1}s + other {:.1}s",
+            p.total, p.data_prep, p.env_collect, p.update, p.checkpoint_and_logging, p.evaluation, p.other
+        );
+    }
+    println!("run folder: {}", dir.root().display());
+}

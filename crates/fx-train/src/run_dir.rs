@@ -1,0 +1,256 @@
+//! The run folder: `config.toml`, `metrics.jsonl`, `checkpoint-<step>.{safetensors,json}`,
+//! `report.json` and plots. Every file is written to a temporary name in the same folder
+//! and renamed, so a crash never leaves a half-written file behind.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use fx_kernels::EnvState;
+use serde::{Deserialize, Serialize};
+
+use crate::config::ModelChoice;
+
+/// The part of a checkpoint that is not the trainer's own state file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunState {
+    /// Layout version of this file.
+    pub version: u32,
+    pub model: ModelChoice,
+    /// Environment steps done when the checkpoint was taken.
+    pub env_steps: u64,
+    /// The training environment's state.
+    pub env: EnvState,
+    /// Normaliser mean and standard deviation (fitted on the training rows).
+    pub norm_mean: Vec<f32>,
+    pub norm_std: Vec<f32>,
+    /// Where the data came from.
+    pub data_source: String,
+    /// Seconds of training before this checkpoint (for samples/s across resumes).
+    pub train_seconds: f64,
+}
+
+const RUN_STATE_VERSION: u32 = 1;
+
+impl RunState {
+    pub fn new(
+        model: ModelChoice,
+        env_steps: u64,
+        env: EnvState,
+        norm: &fx_data::Normalizer,
+        data_source: String,
+        train_seconds: f64,
+    ) -> Self {
+        let (norm_mean, norm_std) = norm.to_pair();
+        RunState { version: RUN_STATE_VERSION, model, env_steps, env, norm_mean, norm_std, data_source, train_seconds }
+    }
+
+    pub fn normalizer(&self) -> Result<fx_data::Normalizer> {
+        Ok(fx_data::Normalizer::from_pair(&self.norm_mean, &self.norm_std)?)
+    }
+}
+
+/// A checkpoint on disk.
+pub struct Checkpoint {
+    pub env_steps: u64,
+    /// The trainer's state (weights, optimiser, scaler, replay/rollout, counters).
+    pub trainer: PathBuf,
+    pub run: RunState,
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = tmp_path(path);
+    let result = (|| -> std::io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", path.display()))
+}
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(format!(".tmp{}", std::process::id()));
+    path.with_file_name(name)
+}
+
+/// A run folder.
+pub struct RunDir {
+    root: PathBuf,
+}
+
+impl RunDir {
+    /// Opens `root` for a new run (refusing to touch a folder that already holds a run)
+    /// or for `--resume` (requiring one).
+    pub fn open(root: &Path, resume: bool) -> Result<Self> {
+        let dir = RunDir { root: root.to_path_buf() };
+        let has_run = root.join("config.toml").exists();
+        if resume && !has_run {
+            bail!("cannot resume: {} holds no run (no config.toml)", root.display());
+        }
+        if !resume && has_run {
+            bail!(
+                "{} already holds a run; pass --resume to continue it, or choose another --out (nothing was overwritten)",
+                root.display()
+            );
+        }
+        std::fs::create_dir_all(root).with_context(|| format!("creating run folder {}", root.display()))?;
+        Ok(dir)
+    }
+
+    /// An existing run folder, for `eval`.
+    pub fn existing(root: &Path) -> Result<Self> {
+        if !root.join("config.toml").exists() {
+            bail!("{} is not a run folder (no config.toml)", root.display());
+        }
+        Ok(RunDir { root: root.to_path_buf() })
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Every checkpoint step present (both files), oldest first.
+    fn checkpoint_steps(&self) -> Result<Vec<u64>> {
+        let mut steps = Vec::new();
+        for entry in std::fs::read_dir(&self.root).with_context(|| format!("listing {}", self.root.display()))? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if let Some(n) = name.strip_prefix("checkpoint-").and_then(|r| r.strip_suffix(".json")) {
+                if let Ok(step) = n.parse::<u64>() {
+                    if self.trainer_path(step).exists() {
+                        steps.push(step);
+                    }
+                }
+            }
+        }
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    fn trainer_path(&self, step: u64) -> PathBuf {
+        self.root.join(format!("checkpoint-{step:010}.safetensors"))
+    }
+
+    fn run_state_path(&self, step: u64) -> PathBuf {
+        self.root.join(format!("checkpoint-{step:010}.json"))
+    }
+
+    /// The newest complete checkpoint, if any.
+    pub fn latest_checkpoint(&self) -> Result<Option<Checkpoint>> {
+        let Some(&step) = self.checkpoint_steps()?.last() else {
+            return Ok(None);
+        };
+        let path = self.run_state_path(step);
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let run: RunState = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        if run.version != RUN_STATE_VERSION {
+            bail!(
+                "{}: checkpoint layout version {} is not supported (expected {RUN_STATE_VERSION})",
+                path.display(),
+                run.version
+            );
+        }
+        Ok(Some(Checkpoint { env_steps: step, trainer: self.trainer_path(step), run }))
+    }
+
+    /// Writes a checkpoint: the trainer's state file (through `save`, itself atomic), then
+    /// the run state; a checkpoint counts only once both exist. Older checkpoints beyond
+    /// `keep` are removed.
+    pub fn write_checkpoint(
+        &self,
+        run: &RunState,
+        keep: usize,
+        save: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<PathBuf> {
+        let trainer = self.trainer_path(run.env_steps);
+        save(&trainer)?;
+        write_atomic(&self.run_state_path(run.env_steps), serde_json::to_string_pretty(run)?.as_bytes())?;
+        let steps = self.checkpoint_steps()?;
+        for &old in steps.iter().take(steps.len().saturating_sub(keep)) {
+            let _ = std::fs::remove_file(self.run_state_path(old));
+            let _ = std::fs::remove_file(self.trainer_path(old));
+        }
+        Ok(trainer)
+    }
+
+    /// `metrics.jsonl` for appending; on resume, lines after the checkpoint's step are
+    /// dropped first (they were logged after the state the run continues from).
+    pub fn metrics(&self, resume_from: Option<u64>) -> Result<MetricsLog> {
+        let path = self.path("metrics.jsonl");
+        if let Some(step) = resume_from {
+            if path.exists() {
+                let kept: Vec<String> = BufReader::new(File::open(&path)?)
+                    .lines()
+                    .map_while(|l| l.ok())
+                    .filter(|l| {
+                        serde_json::from_str::<serde_json::Value>(l)
+                            .ok()
+                            .and_then(|v| v["env_steps"].as_u64())
+                            .is_some_and(|s| s <= step)
+                    })
+                    .collect();
+                let mut text = kept.join("\n");
+                if !text.is_empty() {
+                    text.push('\n');
+                }
+                write_atomic(&path, text.as_bytes())?;
+            }
+        } else if path.exists() {
+            std::fs::remove_file(&path)?;
+        }
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(MetricsLog { file, path })
+    }
+}
+
+/// Appends one JSON object per line.
+pub struct MetricsLog {
+    file: File,
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    pub fn write(&mut self, record: &serde_json::Value) -> Result<()> {
+        writeln!(self.file, "{record}").with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_to_overwrite_and_to_resume_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("run");
+        assert!(RunDir::open(&root, true).unwrap_err().to_string().contains("no config.toml"));
+        RunDir::open(&root, false).unwrap();
+        write_atomic(&root.join("config.toml"), b"x").unwrap();
+        assert!(RunDir::open(&root, false).unwrap_err().to_string().contains("--resume"));
+        RunDir::open(&root, true).unwrap();
+    }
+
+    #[test]
+    fn atomic_write_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.txt");
+        write_atomic(&p, b"hello").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"hello");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        assert!(write_atomic(&dir.path().join("missing/b.txt"), b"x").is_err());
+    }
+}

@@ -1,0 +1,258 @@
+//! `fx-train train` and the default command: data → environment → agent → checkpoints →
+//! backtest report.
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use fx_kernels::{CpuTradingEnv, VecEnv};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+use crate::agent::Agent;
+use crate::config::RunConfig;
+use crate::dataset::Dataset;
+use crate::report;
+use crate::run_dir::{write_atomic, RunDir, RunState};
+
+/// Set by the Ctrl-C handler; the loop checkpoints and stops at the next step.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Exit status of a run stopped by Ctrl-C after its checkpoint was written.
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+pub struct TrainOptions {
+    pub resume: bool,
+    pub quiet: bool,
+}
+
+/// How a run ended.
+pub enum Outcome {
+    Finished,
+    Interrupted,
+}
+
+/// Wall-clock split of a run (seconds).
+#[derive(Default, serde::Serialize)]
+pub struct Profile {
+    /// Loading/computing features, splitting, normalising (the RL data pipeline).
+    pub data_prep: f64,
+    /// Choosing actions (policy forward), stepping the environment, writing transitions.
+    pub env_collect: f64,
+    /// Optimiser steps: forward, loss, backward, clipping, optimiser, target update.
+    pub update: f64,
+    /// Writing checkpoints and metrics.
+    pub checkpoint_and_logging: f64,
+    /// The backtest of the test split.
+    pub evaluation: f64,
+    /// Everything else (setup, progress display).
+    pub other: f64,
+    pub total: f64,
+}
+
+/// The candle device a config asks for (through fx-hw, so `FX_DEVICE` applies).
+pub fn device_for(cfg: &RunConfig) -> Result<Device> {
+    let overrides = fx_hw::Overrides::from_env()?.layered(fx_hw::Overrides::default().try_with_device(&cfg.device)?);
+    let budget = fx_hw::HardwareBudget::detect_with(&overrides);
+    match budget.device.value {
+        fx_hw::DeviceKind::Cpu => Ok(Device::Cpu),
+        fx_hw::DeviceKind::Cuda(n) => Ok(Device::new_cuda(n)?),
+    }
+}
+
+pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
+    let t_start = Instant::now();
+    let mut profile = Profile::default();
+    let dir = RunDir::open(&cfg.out, opts.resume)?;
+    // A resumed run continues under the config it started with (only `steps` may grow).
+    let cfg = if opts.resume {
+        let saved = RunConfig::from_toml_file(&dir.path("config.toml"))?;
+        RunConfig { steps: cfg.steps.max(saved.steps), ..saved }
+    } else {
+        cfg
+    };
+    let cfg = cfg.resolve()?;
+    let device = device_for(&cfg)?;
+    if device.is_cuda() {
+        bail!(
+            "training on CUDA needs the GPU environment, which this build does not wire in yet; \
+             run with --device cpu (the `cuda` build benchmarks the GPU with `fx-train bench`)"
+        );
+    }
+    let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
+    if let Some(c) = &checkpoint {
+        if c.run.model != cfg.model {
+            bail!(
+                "{}: checkpoint is a {} run, the config asks for {}",
+                c.trainer.display(),
+                c.run.model.as_str(),
+                cfg.model.as_str()
+            );
+        }
+    }
+
+    let t = Instant::now();
+    let saved_norm = checkpoint.as_ref().map(|c| c.run.normalizer()).transpose()?;
+    let data = Dataset::load(&cfg, saved_norm)?;
+    if let Some(c) = &checkpoint {
+        if c.run.data_source != data.source {
+            bail!(
+                "{}: checkpoint was trained on {}, the config now names {}",
+                c.trainer.display(),
+                c.run.data_source,
+                data.source
+            );
+        }
+    }
+    let train_rows = data.env_data(data.splits.train.clone())?;
+    profile.data_prep = t.elapsed().as_secs_f64();
+
+    let mut env = CpuTradingEnv::new(train_rows, cfg.env.clone())?;
+    let mut agent = match &checkpoint {
+        Some(c) => {
+            env.restore(&c.run.env)
+                .with_context(|| format!("restoring the environment from {}", c.trainer.display()))?;
+            Agent::load(cfg.model, &c.trainer, &device)?
+        }
+        None => Agent::new(&cfg, env.num_envs(), &device)?,
+    };
+    if !opts.resume {
+        write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
+    }
+    let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.env_steps))?;
+    let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
+
+    let quiet = opts.quiet || !std::io::stdout().is_terminal();
+    let bar = progress_bar(&cfg, agent.env_steps(), quiet);
+    install_ctrlc();
+
+    let e = env.num_envs() as u64;
+    let t_loop = Instant::now();
+    let (mut samples_since, mut since) = (0u64, Instant::now());
+    let (mut total_updates, mut total_skipped) = (0u64, 0u64);
+    let mut next_log = next_multiple(agent.env_steps(), cfg.log_every);
+    let mut next_ckpt = next_multiple(agent.env_steps(), cfg.checkpoint_every);
+    let mut interrupted = false;
+    let save = |agent: &Agent, env: &CpuTradingEnv, profile: &mut Profile, secs: f64| -> Result<()> {
+        let t = Instant::now();
+        let run = RunState::new(cfg.model, agent.env_steps(), env.state(), &data.normalizer, data.source.clone(), secs);
+        dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| agent.save(p))?;
+        profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
+        Ok(())
+    };
+    while agent.env_steps() < cfg.steps {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            interrupted = true;
+            break;
+        }
+        let p = agent.advance(&mut env)?;
+        profile.env_collect += p.collect_seconds;
+        profile.update += p.update_seconds;
+        total_updates += p.updates;
+        total_skipped += p.skipped;
+        samples_since += p.update_samples;
+        let steps = agent.env_steps();
+        bar.set_position(steps.min(cfg.steps));
+        if steps >= next_log {
+            let t = Instant::now();
+            let dt = since.elapsed().as_secs_f64().max(1e-9);
+            let mut rec = p.metrics.clone();
+            rec.insert("env_steps".into(), json!(steps));
+            rec.insert("updates".into(), json!(total_updates));
+            rec.insert("skipped_steps".into(), json!(total_skipped));
+            rec.insert("train_samples_per_s".into(), json!(samples_since as f64 / dt));
+            rec.insert("env_samples_per_s".into(), json!((cfg.log_every * e) as f64 / dt));
+            rec.insert("gpu_mem_mib".into(), serde_json::Value::Null);
+            rec.insert("elapsed_s".into(), json!(prior_seconds + t_loop.elapsed().as_secs_f64()));
+            metrics.write(&serde_json::Value::Object(rec))?;
+            if let Some(loss) = p.loss {
+                bar.set_message(format!("loss {loss:.4} | {:.0} samples/s", samples_since as f64 / dt));
+            }
+            samples_since = 0;
+            since = Instant::now();
+            next_log = next_multiple(steps, cfg.log_every);
+            profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
+        }
+        if steps >= next_ckpt {
+            save(&agent, &env, &mut profile, prior_seconds + t_loop.elapsed().as_secs_f64())?;
+            next_ckpt = next_multiple(steps, cfg.checkpoint_every);
+        }
+    }
+    bar.finish_and_clear();
+    // The final state is always on disk (end of run, or Ctrl-C).
+    save(&agent, &env, &mut profile, prior_seconds + t_loop.elapsed().as_secs_f64())?;
+    if interrupted {
+        eprintln!(
+            "interrupted at step {}: checkpoint written to {}; continue with `fx-train train --resume --out {}`",
+            agent.env_steps(),
+            dir.root().display(),
+            dir.root().display()
+        );
+        return Ok(Outcome::Interrupted);
+    }
+
+    let t = Instant::now();
+    let rep = report::evaluate(&cfg, &data, &agent, &device)?;
+    profile.evaluation = t.elapsed().as_secs_f64();
+    profile.total = t_start.elapsed().as_secs_f64();
+    let accounted =
+        profile.data_prep + profile.env_collect + profile.update + profile.checkpoint_and_logging + profile.evaluation;
+    profile.other = (profile.total - accounted).max(0.0);
+    report::write(&dir, "report.json", &cfg, &data, &rep, Some(&profile), true)?;
+    report::print(&rep, Some(&profile), &dir);
+    Ok(Outcome::Finished)
+}
+
+fn next_multiple(steps: u64, every: u64) -> u64 {
+    (steps / every + 1) * every
+}
+
+fn progress_bar(cfg: &RunConfig, start: u64, quiet: bool) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(cfg.steps).with_position(start);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} env steps ({eta}) {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("train {}", cfg.model.as_str()));
+    bar
+}
+
+fn install_ctrlc() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // If a handler cannot be installed the run still works; Ctrl-C then kills it and
+        // --resume continues from the last periodic checkpoint.
+        let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
+    });
+}
+
+/// `fx-train eval`: the latest checkpoint of a run, backtested on its test split
+/// (written to `eval.json` in the run folder).
+pub fn eval(run: &std::path::Path) -> Result<()> {
+    let dir = RunDir::existing(run)?;
+    let cfg = RunConfig::from_toml_file(&dir.path("config.toml"))?.resolve()?;
+    let Some(c) = dir.latest_checkpoint()? else {
+        bail!("{} holds no checkpoint yet", run.display());
+    };
+    if c.run.model != cfg.model {
+        bail!(
+            "{}: checkpoint is a {} run, config.toml says {}",
+            c.trainer.display(),
+            c.run.model.as_str(),
+            cfg.model.as_str()
+        );
+    }
+    let device = device_for(&cfg)?;
+    let data = Dataset::load(&cfg, Some(c.run.normalizer()?))?;
+    let agent = Agent::load(cfg.model, &c.trainer, &device)?;
+    let rep = report::evaluate(&cfg, &data, &agent, &device)?;
+    report::write(&dir, "eval.json", &cfg, &data, &rep, None, false)?;
+    report::print(&rep, None, &dir);
+    Ok(())
+}
