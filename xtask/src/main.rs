@@ -81,7 +81,11 @@ fn find_nvcc() -> Option<(PathBuf, &'static str)> {
 /// Compiles one kernel and returns the PTX with our header line in front.
 fn compile(nvcc: &Path, cu: &Path) -> Result<String> {
     let source = std::fs::read(cu).with_context(|| format!("reading {}", cu.display()))?;
-    let tmp = std::env::temp_dir().join(format!("fx-xtask-{}-{}.ptx", std::process::id(), cu.file_stem().unwrap().to_string_lossy()));
+    let tmp = std::env::temp_dir().join(format!(
+        "fx-xtask-{}-{}.ptx",
+        std::process::id(),
+        cu.file_stem().unwrap().to_string_lossy()
+    ));
     let status = Command::new(nvcc)
         .args(["-ptx", &format!("-arch={ARCH}"), "-O3", "-lineinfo", "-o"])
         .arg(&tmp)
