@@ -1,0 +1,1 @@
+//! MAMBA-2 (SSD) regressor (in progress).

@@ -1,0 +1,252 @@
+//! Differentiable building blocks shared by the TFT and MAMBA-2 and the forward
+//! context (compute dtype, training mode, gradient tape on/off).
+//!
+//! candle's fused `LayerNorm`, `softmax_last_dim` and `rms_norm` are forward-only and
+//! silently drop gradients, so these are compositions of basic ops.
+//!
+//! Reduced precision follows PyTorch autocast: parameters and the activations between
+//! layers stay F32, and only the matmuls run in the compute dtype (operands cast down,
+//! result cast back). Elementwise ops, normalisations, softmax, the scans' decays and
+//! the loss stay F32, so the backward's reductions (bias and embedding gradients
+//! summed over the batch) do not accumulate in BF16.
+//! TODO(fx-precision): switch to `fx_precision::ops` once that crate lands, so the
+//! concept lives in one place.
+
+use candle_core::{DType, Tensor, Var, D};
+
+use crate::error::Result;
+
+/// How a forward pass runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Ctx {
+    /// Dtype of the matmuls (F32, BF16 or F16); parameters and other activations stay
+    /// F32.
+    pub compute: DType,
+    /// Training mode: dropout active.
+    pub train: bool,
+    /// Record the gradient tape. Off for inference: parameters enter detached, so no
+    /// graph is kept alive.
+    pub grad: bool,
+}
+
+impl Ctx {
+    /// Training forward in `compute` dtype: dropout on, tape on.
+    pub fn train(compute: DType) -> Self {
+        Self {
+            compute,
+            train: true,
+            grad: true,
+        }
+    }
+    /// Evaluation forward with a tape (parity tests, validation gradients): dropout off.
+    pub fn eval_with_grad(compute: DType) -> Self {
+        Self {
+            compute,
+            train: false,
+            grad: true,
+        }
+    }
+    /// Inference: dropout off, no tape.
+    pub fn inference(compute: DType) -> Self {
+        Self {
+            compute,
+            train: false,
+            grad: false,
+        }
+    }
+
+    /// A parameter as it enters the computation: detached from the tape when
+    /// gradients are off.
+    pub fn p(&self, v: &Var) -> Result<Tensor> {
+        Ok(if self.grad {
+            v.as_tensor().clone()
+        } else {
+            v.as_tensor().detach()
+        })
+    }
+
+    /// `a · b` (batched) with both operands in the compute dtype; the result comes
+    /// back in `a`'s dtype.
+    pub fn mm(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let dt = a.dtype();
+        if dt == self.compute {
+            return Ok(a.matmul(&b.to_dtype(dt)?)?);
+        }
+        let y = a
+            .to_dtype(self.compute)?
+            .matmul(&b.to_dtype(self.compute)?)?;
+        Ok(y.to_dtype(dt)?)
+    }
+
+    /// `y = x · wᵀ + b` over the last axis of `x` (PyTorch layout `w [o, i]`), the
+    /// matmul in the compute dtype, the bias added in `x`'s dtype.
+    pub fn linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let i = dims[dims.len() - 1];
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = self.mm(&x.reshape((rows, i))?, &w.t()?)?;
+        let y = match b {
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
+            None => y,
+        };
+        let mut out = dims;
+        let last = out.len() - 1;
+        out[last] = w.dim(0)?;
+        Ok(y.reshape(out)?)
+    }
+
+    /// Inverted dropout with probability `p`, only in training mode.
+    pub fn dropout(&self, x: &Tensor, p: f64) -> Result<Tensor> {
+        if !self.train || p <= 0.0 {
+            return Ok(x.clone());
+        }
+        Ok(candle_nn::ops::dropout(x, p as f32)?)
+    }
+}
+
+/// The dtype reductions run in: F32 for half types, the input dtype otherwise (F64
+/// stays F64 for reference computations).
+fn acc_dtype(dt: DType) -> DType {
+    match dt {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+/// LayerNorm over the last axis with affine `w`, `b` (broadcastable), computed in F32
+/// for half inputs.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let dt = x.dtype();
+    let xf = x.to_dtype(acc_dtype(dt))?;
+    let mean = xf.mean_keepdim(D::Minus1)?;
+    let xc = xf.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let y = y
+        .broadcast_mul(&w.to_dtype(y.dtype())?)?
+        .broadcast_add(&b.to_dtype(y.dtype())?)?;
+    Ok(y.to_dtype(dt)?)
+}
+
+/// RMSNorm `x · rsqrt(mean(x²) + eps) · w` over the last axis, in F32 for half
+/// inputs.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dt = x.dtype();
+    let xf = x.to_dtype(acc_dtype(dt))?;
+    let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = xf.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    let y = y.broadcast_mul(&w.to_dtype(y.dtype())?)?;
+    Ok(y.to_dtype(dt)?)
+}
+
+/// Softmax over the last axis, in F32 for half inputs. The max shift is detached
+/// (softmax is invariant to it), which also keeps `-inf` mask entries out of the
+/// backward pass.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let dt = x.dtype();
+    let xf = x.to_dtype(acc_dtype(dt))?;
+    let m = xf.detach().max_keepdim(D::Minus1)?;
+    let e = xf.broadcast_sub(&m)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    Ok(e.broadcast_div(&s)?.to_dtype(dt)?)
+}
+
+/// Logistic sigmoid (candle-nn's op has a backward pass).
+pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::ops::sigmoid(x)?)
+}
+
+/// Numerically stable softplus `ln(1 + eˣ) = max(x, 0) + ln(1 + e^{-|x|})`.
+pub fn softplus(x: &Tensor) -> Result<Tensor> {
+    let t = ((x.abs()?.neg()?.exp()? + 1.0)?).log()?;
+    Ok((x.relu()? + t)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn close(a: &Tensor, b: &Tensor, tol: f64) {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let d = d.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+        assert!(d <= tol, "max diff {d}");
+    }
+
+    /// Central differences of sum(f(x) * r) against the tape gradient, in f64.
+    fn grad_check(f: impl Fn(&Tensor) -> Tensor) {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f64, 1.0, (3, 5), &dev).unwrap()).unwrap();
+        let r = Tensor::randn(0f64, 1.0, (3, 5), &dev).unwrap();
+        let loss = (f(x.as_tensor()) * &r).unwrap().sum_all().unwrap();
+        let g = loss.backward().unwrap();
+        let g = g
+            .get(x.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let x0 = x
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let h = 1e-6;
+        for i in 0..x0.len() {
+            let eval = |d: f64| {
+                let mut xs = x0.clone();
+                xs[i] += d;
+                let t = Tensor::from_vec(xs, (3, 5), &dev).unwrap();
+                (f(&t) * &r)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
+            };
+            let num = (eval(h) - eval(-h)) / (2.0 * h);
+            assert!(
+                (num - g[i]).abs() < 1e-6 * (1.0 + num.abs()),
+                "{i}: {num} vs {}",
+                g[i]
+            );
+        }
+    }
+
+    #[test]
+    fn ops_match_definitions_and_have_gradients() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(1f64, 0.1, 5, &dev).unwrap();
+        let b = Tensor::randn(0f64, 0.1, 5, &dev).unwrap();
+        let x = Tensor::randn(0f64, 1.0, (3, 5), &dev).unwrap();
+        // references from candle's forward-only fused ops
+        close(
+            &layer_norm(&x, &w, &b, 1e-5).unwrap(),
+            &candle_nn::ops::layer_norm(
+                &x.to_dtype(DType::F32).unwrap(),
+                &w.to_dtype(DType::F32).unwrap(),
+                &b.to_dtype(DType::F32).unwrap(),
+                1e-5,
+            )
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap(),
+            1e-5,
+        );
+        close(
+            &softmax_last_dim(&x).unwrap(),
+            &candle_nn::ops::softmax_last_dim(&x).unwrap(),
+            1e-12,
+        );
+        let sp = softplus(&x).unwrap();
+        let sp_ref = (x.exp().unwrap() + 1.0).unwrap().log().unwrap();
+        close(&sp, &sp_ref, 1e-12);
+        grad_check(|x| layer_norm(x, &w, &b, 1e-5).unwrap());
+        grad_check(|x| rms_norm(x, &w, 1e-5).unwrap());
+        grad_check(|x| softmax_last_dim(x).unwrap());
+        grad_check(|x| softplus(x).unwrap());
+        grad_check(|x| sigmoid(x).unwrap());
+    }
+}

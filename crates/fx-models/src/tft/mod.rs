@@ -1,0 +1,317 @@
+//! Temporal fusion transformer (MODELS.md "TFT"): quantile forecasts of the forward
+//! log-return over `H` horizon steps from `L_enc` encoder steps of market features and
+//! calendar features known for encoder and decoder steps.
+//!
+//! Parameters carry the spec's names (`enc_embed.{j}`, `enc_vsn.vars.{j}.fc1`,
+//! `lstm_enc.weight_ih_l0`, `attn.q.{k}`, ...); per-variable embeddings, variable GRNs
+//! and attention heads are stacked internally so that each is one batched matmul
+//! (see [`crate::seq_params`]).
+
+mod blocks;
+#[cfg(test)]
+mod tests;
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::seq_ops::Ctx;
+use crate::seq_params::ParamStore;
+use blocks::{EmbedVsn, Glu, Grn, InterpretableMha, Lin, Ln, Lstm};
+
+/// TFT dimensions and hyper-parameters; defaults are the spec's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TftConfig {
+    /// Observed (market) variables per encoder step.
+    pub n_observed: usize,
+    /// Known (calendar) variables per encoder and decoder step.
+    pub n_known: usize,
+    /// Width `d`.
+    pub d: usize,
+    /// Attention heads; must divide `d`.
+    pub n_head: usize,
+    /// Encoder steps.
+    #[serde(rename = "L_enc")]
+    pub l_enc: usize,
+    /// Horizon (decoder) steps.
+    #[serde(rename = "H")]
+    pub h: usize,
+    /// Dropout probability (training only).
+    pub dropout: f64,
+    /// Forecast quantiles.
+    pub quantiles: Vec<f64>,
+    /// LayerNorm epsilon.
+    pub ln_eps: f64,
+}
+
+impl Default for TftConfig {
+    fn default() -> Self {
+        Self {
+            n_observed: 51,
+            n_known: 4,
+            d: 128,
+            n_head: 4,
+            l_enc: 64,
+            h: 8,
+            dropout: 0.1,
+            quantiles: vec![0.1, 0.5, 0.9],
+            ln_eps: 1e-5,
+        }
+    }
+}
+
+/// Intermediate activations of one forward pass (debugging aids; the fixture's
+/// `mid.*` tensors).
+#[derive(Debug, Clone)]
+pub struct TftAux {
+    /// `[B, L_enc, n_observed + n_known]` encoder variable selection weights.
+    pub enc_vsn_weights: Tensor,
+    /// `[B, H, n_known]` decoder variable selection weights.
+    pub dec_vsn_weights: Tensor,
+    /// `[B, L_enc + H, d]` VSN outputs.
+    pub vsn_out: Tensor,
+    /// `[B, L_enc + H, d]` LSTM outputs.
+    pub lstm_out: Tensor,
+    /// `[B, L_enc + H, d]` gated skip after the LSTMs.
+    pub phi: Tensor,
+    /// `[B, L_enc + H, d]` enrichment GRN output.
+    pub enriched: Tensor,
+    /// `[B, n_head, H, L_enc + H]` attention weights.
+    pub attn_weights: Tensor,
+    /// `[B, H, d]` attention output (after `out`).
+    pub attn_out: Tensor,
+}
+
+/// The temporal fusion transformer.
+#[derive(Debug, Clone)]
+pub struct Tft {
+    cfg: TftConfig,
+    params: ParamStore,
+    enc: EmbedVsn,
+    dec: EmbedVsn,
+    lstm_enc: Lstm,
+    lstm_dec: Lstm,
+    post_lstm_glu: Glu,
+    post_lstm_norm: Ln,
+    enrich: Grn,
+    attn: InterpretableMha,
+    post_attn_glu: Glu,
+    post_attn_norm: Ln,
+    ff: Grn,
+    pre_out_glu: Glu,
+    pre_out_norm: Ln,
+    head: Lin,
+}
+
+impl Tft {
+    /// A freshly initialised model (PyTorch default initialisation, LayerNorm 1/0).
+    pub fn new(cfg: TftConfig, device: &Device) -> Result<Self> {
+        if cfg.d == 0 || cfg.n_head == 0 || cfg.d % cfg.n_head != 0 {
+            return Err(Error::Config(format!(
+                "TFT: n_head ({}) must divide d ({})",
+                cfg.n_head, cfg.d
+            )));
+        }
+        if cfg.l_enc == 0
+            || cfg.h == 0
+            || cfg.quantiles.is_empty()
+            || !(0.0..1.0).contains(&cfg.dropout)
+        {
+            return Err(Error::Config(format!(
+                "TFT: need L_enc > 0, H > 0, quantiles and dropout in [0, 1); got {cfg:?}"
+            )));
+        }
+        let (d, e, p) = (cfg.d, cfg.ln_eps, cfg.dropout);
+        let n_enc = cfg.n_observed + cfg.n_known;
+        let mut ps = ParamStore::new(device);
+        // Registration order follows the reference's state_dict order.
+        let enc = EmbedVsn::new(&mut ps, "enc_embed", "enc_vsn", n_enc, d, p, e)?;
+        let dec = EmbedVsn::new(&mut ps, "dec_embed", "dec_vsn", cfg.n_known, d, p, e)?;
+        let lstm_enc = Lstm::new(&mut ps, "lstm_enc", d)?;
+        let lstm_dec = Lstm::new(&mut ps, "lstm_dec", d)?;
+        let post_lstm_glu = Glu::new(&mut ps, "post_lstm_glu", d, d)?;
+        let post_lstm_norm = Ln::new(&mut ps, "post_lstm_norm", d, e)?;
+        let enrich = Grn::new(&mut ps, "enrich", d, d, d, p, e)?;
+        let attn = InterpretableMha::new(&mut ps, "attn", d, cfg.n_head)?;
+        let post_attn_glu = Glu::new(&mut ps, "post_attn_glu", d, d)?;
+        let post_attn_norm = Ln::new(&mut ps, "post_attn_norm", d, e)?;
+        let ff = Grn::new(&mut ps, "ff", d, d, d, p, e)?;
+        let pre_out_glu = Glu::new(&mut ps, "pre_out_glu", d, d)?;
+        let pre_out_norm = Ln::new(&mut ps, "pre_out_norm", d, e)?;
+        let head = Lin::new(&mut ps, "head", d, cfg.quantiles.len())?;
+        Ok(Self {
+            cfg,
+            params: ps,
+            enc,
+            dec,
+            lstm_enc,
+            lstm_dec,
+            post_lstm_glu,
+            post_lstm_norm,
+            enrich,
+            attn,
+            post_attn_glu,
+            post_attn_norm,
+            ff,
+            pre_out_glu,
+            pre_out_norm,
+            head,
+        })
+    }
+
+    /// Builds the model for `cfg` and loads its weights from a safetensors file.
+    pub fn load(cfg: TftConfig, path: &Path, device: &Device) -> Result<Self> {
+        let m = Self::new(cfg, device)?;
+        m.params.load(path)?;
+        Ok(m)
+    }
+
+    /// Writes the weights under their spec names.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.params.save(path)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TftConfig {
+        &self.cfg
+    }
+
+    /// The named parameters (load/save, gradients by name).
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// The tensors an optimiser updates.
+    pub fn vars(&self) -> Vec<Var> {
+        self.params.vars()
+    }
+
+    /// `[H, L_enc + H]` additive causal mask: decoder step `i` (absolute `L_enc + i`)
+    /// sees absolute steps `≤ L_enc + i`.
+    fn causal_mask(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let (l, h) = (self.cfg.l_enc, self.cfg.h);
+        let mut m = vec![0f32; h * (l + h)];
+        for i in 0..h {
+            for j in (l + i + 1)..(l + h) {
+                m[i * (l + h) + j] = f32::NEG_INFINITY;
+            }
+        }
+        Ok(Tensor::from_vec(m, (h, l + h), device)?.to_dtype(dtype)?)
+    }
+
+    /// Forward pass: `observed [B, L_enc, n_observed]`, `known [B, L_enc + H, n_known]`
+    /// → quantiles `[B, H, n_quantiles]` (F32) and the intermediate
+    /// activations.
+    pub fn forward_aux(
+        &self,
+        c: &Ctx,
+        observed: &Tensor,
+        known: &Tensor,
+    ) -> Result<(Tensor, TftAux)> {
+        let cfg = &self.cfg;
+        let (l, h, d) = (cfg.l_enc, cfg.h, cfg.d);
+        let b = observed.dim(0).map_err(|_| Error::InputShape {
+            name: "observed",
+            expected: "[B, L_enc, n_observed]".into(),
+            got: observed.dims().to_vec(),
+        })?;
+        if observed.dims() != [b, l, cfg.n_observed] {
+            return Err(Error::InputShape {
+                name: "observed",
+                expected: format!("[{b}, {l}, {}]", cfg.n_observed),
+                got: observed.dims().to_vec(),
+            });
+        }
+        if known.dims() != [b, l + h, cfg.n_known] {
+            return Err(Error::InputShape {
+                name: "known",
+                expected: format!("[{b}, {}, {}]", l + h, cfg.n_known),
+                got: known.dims().to_vec(),
+            });
+        }
+        let observed = observed.to_dtype(DType::F32)?;
+        let known = known.to_dtype(DType::F32)?;
+        let n_enc = cfg.n_observed + cfg.n_known;
+        let enc_in = Tensor::cat(&[&observed, &known.narrow(1, 0, l)?], 2)?;
+        let dec_in = known.narrow(1, l, h)?.contiguous()?;
+
+        let (enc_x, enc_w) = self.enc.fwd(c, &enc_in.reshape((b * l, n_enc))?)?;
+        let (dec_x, dec_w) = self.dec.fwd(c, &dec_in.reshape((b * h, cfg.n_known))?)?;
+        let enc_x = enc_x.reshape((b, l, d))?;
+        let dec_x = dec_x.reshape((b, h, d))?;
+
+        let zeros = Tensor::zeros((b, d), DType::F32, observed.device())?;
+        let (enc_out, state) = self.lstm_enc.fwd(c, &enc_x, (zeros.clone(), zeros))?;
+        let (dec_out, _) = self.lstm_dec.fwd(c, &dec_x, state)?;
+        let vsn_out = Tensor::cat(&[&enc_x, &dec_x], 1)?;
+        let lstm_out = Tensor::cat(&[&enc_out, &dec_out], 1)?;
+        let gated = self
+            .post_lstm_glu
+            .fwd(c, &c.dropout(&lstm_out, cfg.dropout)?)?;
+        let phi = self.post_lstm_norm.fwd(c, &(&vsn_out + gated)?)?;
+        let enriched = self.enrich.fwd(c, &phi)?;
+
+        let mask = self.causal_mask(DType::F32, observed.device())?;
+        let enriched_dec = enriched.narrow(1, l, h)?;
+        let (attn_out, attn_w) = self.attn.fwd(c, &enriched_dec, &enriched, &mask)?;
+        let gated = self
+            .post_attn_glu
+            .fwd(c, &c.dropout(&attn_out, cfg.dropout)?)?;
+        let x = self.post_attn_norm.fwd(c, &(&enriched_dec + gated)?)?;
+        let x = self.ff.fwd(c, &x)?;
+        let x = self
+            .pre_out_norm
+            .fwd(c, &(phi.narrow(1, l, h)? + self.pre_out_glu.fwd(c, &x)?)?)?;
+        let out = self.head.fwd(c, &x)?;
+        let aux = TftAux {
+            enc_vsn_weights: enc_w.reshape((b, l, n_enc))?,
+            dec_vsn_weights: dec_w.reshape((b, h, cfg.n_known))?,
+            vsn_out,
+            lstm_out,
+            phi,
+            enriched,
+            attn_weights: attn_w,
+            attn_out,
+        };
+        Ok((out, aux))
+    }
+
+    /// Forward pass returning only the quantiles `[B, H, n_quantiles]`.
+    pub fn forward(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_aux(c, observed, known)?.0)
+    }
+
+    /// Mean pinball loss of `pred [B, H, Q]` against `target [B, H]` (F32 scalar).
+    pub fn loss(&self, pred: &Tensor, target: &Tensor) -> Result<Tensor> {
+        quantile_loss(pred, target, &self.cfg.quantiles)
+    }
+}
+
+/// Mean pinball loss over batch, horizons and quantiles: per element
+/// `max(q e, (q − 1) e)` with `e = y − ŷ_q`; computed in F32 (F64 stays F64).
+pub fn quantile_loss(pred: &Tensor, target: &Tensor, quantiles: &[f64]) -> Result<Tensor> {
+    let dt = if pred.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let (b, h, nq) = pred.dims3()?;
+    if target.dims() != [b, h] || nq != quantiles.len() {
+        return Err(Error::InputShape {
+            name: "target",
+            expected: format!("[{b}, {h}] with {} quantiles", quantiles.len()),
+            got: target.dims().to_vec(),
+        });
+    }
+    let q = Tensor::new(quantiles, pred.device())?.to_dtype(dt)?;
+    let e = target
+        .to_dtype(dt)?
+        .unsqueeze(2)?
+        .broadcast_sub(&pred.to_dtype(dt)?)?;
+    let a = e.broadcast_mul(&q)?;
+    let bb = e.broadcast_mul(&(q - 1.0)?)?;
+    Ok(a.maximum(&bb)?.mean_all()?)
+}
