@@ -68,6 +68,27 @@ impl Ctx {
     /// `a · b` (batched) with both operands in the compute dtype; the result comes
     /// back in `a`'s dtype.
     pub fn mm(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        // candle's CPU matmul handles at most one batch axis and accepts transposed
+        // matrices but not arbitrary batch strides: higher-rank operands are made
+        // contiguous and their batch axes flattened. Plain 2-D operands (weights
+        // viewed transposed) pass as they are.
+        let rank = a.rank();
+        if rank > 3 {
+            let lead = &a.dims()[..rank - 2];
+            let batch: usize = lead.iter().product();
+            let (m, k) = (a.dim(rank - 2)?, a.dim(rank - 1)?);
+            let n = b.dim(rank - 1)?;
+            let a3 = a.contiguous()?.reshape((batch, m, k))?;
+            let b3 = b.contiguous()?.reshape((batch, k, n))?;
+            let mut out = lead.to_vec();
+            out.extend_from_slice(&[m, n]);
+            return self.mm(&a3, &b3)?.reshape(out).map_err(Into::into);
+        }
+        let (a, b) = if rank == 3 {
+            (&a.contiguous()?, &b.contiguous()?)
+        } else {
+            (a, b)
+        };
         let dt = a.dtype();
         if dt == self.compute {
             return Ok(a.matmul(&b.to_dtype(dt)?)?);
@@ -131,12 +152,17 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 /// RMSNorm `x · rsqrt(mean(x²) + eps) · w` over the last axis, in F32 for half
 /// inputs.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let y = rms_normalize(x, eps)?;
+    Ok(y.broadcast_mul(&w.to_dtype(y.dtype())?)?)
+}
+
+/// `x · rsqrt(mean(x²) + eps)` over the last axis (no weight), in F32 for half inputs
+/// and cast back.
+pub fn rms_normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
     let dt = x.dtype();
     let xf = x.to_dtype(acc_dtype(dt))?;
     let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
-    let y = xf.broadcast_div(&(ms + eps)?.sqrt()?)?;
-    let y = y.broadcast_mul(&w.to_dtype(y.dtype())?)?;
-    Ok(y.to_dtype(dt)?)
+    Ok(xf.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(dt)?)
 }
 
 /// Softmax over the last axis, in F32 for half inputs. The max shift is detached

@@ -1,1 +1,0 @@
-//! MAMBA-2 (SSD) regressor (in progress).

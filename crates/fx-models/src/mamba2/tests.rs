@@ -1,0 +1,203 @@
+use candle_core::{DType, Device, Tensor};
+
+use super::*;
+use crate::seq_testing::{max_abs, rel_err, Fixture};
+
+fn fixture_model() -> (Fixture, Mamba2) {
+    let fx = Fixture::load("mamba2.safetensors");
+    let cfg: Mamba2Config = serde_json::from_str(&fx.metadata["config"]).expect("config json");
+    let m = Mamba2::new(cfg, &Device::Cpu).unwrap();
+    m.params()
+        .load_map(&fx.params(), "mamba2.safetensors")
+        .unwrap();
+    (fx, m)
+}
+
+#[test]
+fn names_and_shapes_match_fixture() {
+    let (fx, m) = fixture_model();
+    let params = fx.params();
+    let ours = m.params().names_and_shapes();
+    assert_eq!(ours.len(), params.len());
+    for (n, s) in &ours {
+        assert_eq!(params[n].dims(), s.as_slice(), "{n}");
+    }
+    assert_eq!(
+        m.params().param_count().to_string(),
+        fx.metadata["param_count"]
+    );
+    let d = Mamba2::new(Mamba2Config::default(), &Device::Cpu).unwrap();
+    assert_eq!(d.params().param_count(), 1_741_921);
+}
+
+#[test]
+fn f32_parity_outputs_mid_loss_and_gradients() {
+    let (fx, m) = fixture_model();
+    let c = Ctx::eval_with_grad(DType::F32);
+    let (out, aux) = m.forward_aux(&c, fx.get("in.x")).unwrap();
+    let tol = 1e-4;
+    let e = rel_err(&out, fx.get("out.pred"));
+    assert!(e <= tol, "out.pred rel err {e}");
+    for (i, a) in aux.iter().enumerate() {
+        for (k, t) in [
+            ("xBC", &a.xbc),
+            ("dt", &a.dt),
+            ("y_ssd", &a.y_ssd),
+            ("y_gated", &a.y_gated),
+            ("out", &a.out),
+        ] {
+            let e = rel_err(t, fx.get(&format!("mid.layers.{i}.{k}")));
+            assert!(e <= tol, "mid.layers.{i}.{k} rel err {e}");
+        }
+    }
+    let loss = m.loss(&out, fx.get("in.target")).unwrap();
+    let e = rel_err(&loss, fx.get("loss"));
+    assert!(e <= tol, "loss rel err {e}");
+    let grads = m.params().named_grads(&loss.backward().unwrap()).unwrap();
+    for (name, _) in m.params().names_and_shapes() {
+        let g = grads
+            .get(&name)
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let e = rel_err(g, fx.get(&format!("grad.{name}")));
+        assert!(e <= tol, "grad.{name} rel err {e}");
+    }
+}
+
+#[test]
+fn bf16_parity() {
+    let (fx, m) = fixture_model();
+    let c = Ctx::eval_with_grad(DType::BF16);
+    let out = m.forward(&c, fx.get("in.x")).unwrap();
+    let e = rel_err(&out, fx.get("out.pred"));
+    assert!(e <= 2e-2, "bf16 out rel err {e}");
+    let loss = m.loss(&out, fx.get("in.target")).unwrap();
+    let e = rel_err(&loss, fx.get("loss"));
+    assert!(e <= 2e-2, "bf16 loss rel err {e}");
+    let grads = m.params().named_grads(&loss.backward().unwrap()).unwrap();
+    let mut worst = (0.0, String::new());
+    for (name, g) in &grads {
+        let e = rel_err(g, fx.get(&format!("grad.{name}")));
+        eprintln!("bf16 grad.{name}: {e}");
+        if e > worst.0 {
+            worst = (e, name.clone());
+        }
+    }
+    assert!(worst.0 <= 2e-2, "bf16 worst grad rel err {worst:?}");
+}
+
+fn small_cfg() -> Mamba2Config {
+    Mamba2Config {
+        n_in: 5,
+        d_model: 8,
+        n_layer: 2,
+        expand: 2,
+        d_state: 4,
+        headdim: 4,
+        ngroups: 2,
+        d_conv: 3,
+        chunk_size: 5,
+        norm_eps: 1e-5,
+    }
+}
+
+#[test]
+fn every_parameter_receives_a_gradient() {
+    let dev = Device::Cpu;
+    let m = Mamba2::new(small_cfg(), &dev).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 13, 5), &dev).unwrap();
+    let y = Tensor::randn(0f32, 1.0, (2, 13), &dev).unwrap();
+    let out = m.forward(&Ctx::train(DType::F32), &x).unwrap();
+    let grads = m
+        .params()
+        .named_grads(&m.loss(&out, &y).unwrap().backward().unwrap())
+        .unwrap();
+    for (name, _) in m.params().names_and_shapes() {
+        let g = grads
+            .get(&name)
+            .unwrap_or_else(|| panic!("{name} receives no gradient"));
+        let a = max_abs(g);
+        assert!(a > 0.0 && a.is_finite(), "{name}: zero/non-finite gradient");
+    }
+}
+
+#[test]
+fn recurrent_step_equals_chunked_forward() {
+    // ngroups 2, chunk 5 not dividing L = 13: every step's output equals the chunked
+    // forward's output at that position, in particular the last.
+    let dev = Device::Cpu;
+    let m = Mamba2::new(small_cfg(), &dev).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 13, 5), &dev).unwrap();
+    let c = Ctx::inference(DType::F32);
+    let full = m.forward(&c, &x).unwrap();
+    let mut st = m.init_state(2).unwrap();
+    let mut outs = Vec::new();
+    for t in 0..13 {
+        outs.push(
+            m.step(&c, &x.narrow(1, t, 1).unwrap().squeeze(1).unwrap(), &mut st)
+                .unwrap(),
+        );
+    }
+    let stepped = Tensor::stack(&outs, 1).unwrap();
+    let e = rel_err(&stepped, &full);
+    assert!(e < 1e-5, "step vs chunked rel err {e}");
+    let e = rel_err(
+        &outs[12],
+        &full.narrow(1, 12, 1).unwrap().squeeze(1).unwrap(),
+    );
+    assert!(e < 1e-5, "last output rel err {e}");
+}
+
+#[test]
+fn causal_and_chunk_size_invariant() {
+    let dev = Device::Cpu;
+    let m = Mamba2::new(small_cfg(), &dev).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (1, 11, 5), &dev).unwrap();
+    let c = Ctx::inference(DType::F32);
+    let a = m.forward(&c, &x).unwrap();
+    let mut m2 = m.clone();
+    m2.cfg.chunk_size = 3;
+    let b = m2.forward(&c, &x).unwrap();
+    assert!(rel_err(&a, &b) < 1e-5);
+    // changing the last step moves only the last output
+    let x2 = Tensor::cat(
+        &[
+            &x.narrow(1, 0, 10).unwrap(),
+            &(x.narrow(1, 10, 1).unwrap() + 1.0).unwrap(),
+        ],
+        1,
+    )
+    .unwrap();
+    let b = m.forward(&c, &x2).unwrap();
+    assert_eq!(
+        max_abs(&(a.narrow(1, 0, 10).unwrap() - b.narrow(1, 0, 10).unwrap()).unwrap()),
+        0.0
+    );
+    assert!(max_abs(&(a.narrow(1, 10, 1).unwrap() - b.narrow(1, 10, 1).unwrap()).unwrap()) > 0.0);
+}
+
+#[test]
+fn inference_without_tape_and_save_load() {
+    let (fx, m) = fixture_model();
+    let out = m
+        .forward(&Ctx::inference(DType::F32), fx.get("in.x"))
+        .unwrap();
+    assert!(rel_err(&out, fx.get("out.pred")) <= 1e-4);
+    let g = out.sum_all().unwrap().backward().unwrap();
+    assert!(m.params().named_grads(&g).unwrap().is_empty());
+
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.safetensors");
+    m.save(&p).unwrap();
+    let m2 = Mamba2::load(m.config().clone(), &p, &Device::Cpu).unwrap();
+    let out2 = m2
+        .forward(&Ctx::inference(DType::F32), fx.get("in.x"))
+        .unwrap();
+    assert_eq!(rel_err(&out2, &out), 0.0);
+    let mut bad = fx.params();
+    bad.insert(
+        "layers.0.mixer.in_proj.bias".into(),
+        Tensor::zeros(164, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let err = m.params().load_map(&bad, "x").unwrap_err().to_string();
+    assert!(err.contains("in_proj.bias"), "{err}");
+}
