@@ -1,1 +1,33 @@
-//! placeholder
+//! Hardware detection and per-device budgets.
+//!
+//! `fx-hw` is the bottom layer of fx: it answers "what am I running on, and how much of
+//! it may a training run use?". [`HardwareBudget::detect`] reads the GPU (through
+//! cudarc's driver API when built with the `cuda` feature) and the host, never panics,
+//! and falls back to the CPU with the reason recorded. From that it derives the compute
+//! [`Precision`], batch sizes per model ([`CostModel`], [`batch_size`]) and aligned
+//! dimensions ([`align`]). Every derived value carries its [`Source`], so a user can see
+//! whether it was detected, estimated, measured by a probe, or overridden through the
+//! config or the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`).
+//!
+//! ```
+//! let budget = fx_hw::HardwareBudget::detect_with(&fx_hw::Overrides::default().with_device("cpu"));
+//! assert_eq!(budget.precision.value, fx_hw::Precision::F32);
+//! assert!(budget.batch_size(fx_hw::ModelKind::Dqn).value >= 64);
+//! ```
+
+pub mod align;
+mod budget;
+mod device;
+mod error;
+mod overrides;
+mod precision;
+#[cfg(feature = "cuda")]
+mod probe;
+
+pub use budget::{batch_size, CostModel, ModelKind, BATCH_MAX, BATCH_MIN};
+pub use device::{DeviceKind, GpuInfo, HardwareBudget, HostInfo};
+pub use error::Error;
+pub use overrides::{DeviceRequest, Overrides, Source, Sourced};
+pub use precision::Precision;
+#[cfg(feature = "cuda")]
+pub use probe::probe_bytes_per_sample;

@@ -1,1 +1,37 @@
-//! placeholder
+//! The vectorised trading environment of MODELS.md and the storage RL agents fill from it.
+//!
+//! `fx-kernels` steps `E` independent trading accounts over one normalised feature series
+//! (position change, 1 bp cost per unit of change, unrealised PnL, time in position,
+//! auto-reset, the 56-wide padded state) with randomness from the counter-based
+//! SplitMix64 draws of [`rng`], so every backend produces the same trajectories for the
+//! same seed. [`CpuTradingEnv`] is the reference (it reproduces the PyTorch fixtures
+//! exactly); under the `cuda` feature `GpuTradingEnv` runs the same step as one CUDA
+//! thread per account and writes experience straight into device-resident storage.
+//! Agents and trainers only see the [`VecEnv`] trait and the tensor-backed
+//! [`ReplayBuffer`] (DQN) and [`Rollout`] (PPO, with [`gae`]), so they never know which
+//! backend they run on.
+
+// Index loops over accounts mirror the one-thread-per-account CUDA kernels line by line;
+// iterator chains over several parallel arrays would hide that correspondence.
+#![allow(clippy::needless_range_loop)]
+
+mod checks;
+pub mod env;
+mod error;
+pub mod gae;
+pub mod replay;
+pub mod rng;
+pub mod rollout;
+pub mod select;
+pub mod vec_env;
+
+#[cfg(test)]
+mod fixtures;
+
+pub use env::{CpuTradingEnv, EnvConfig, EnvData, N_ACTIONS, N_MARKET, OBS_DIM};
+pub use error::{Error, Result};
+pub use gae::{gae, GaeConfig};
+pub use replay::{ReplayBatch, ReplayBuffer};
+pub use rollout::Rollout;
+pub use select::{epsilon_greedy, sample_from_probs};
+pub use vec_env::{Step, VecEnv};

@@ -1,15 +1,34 @@
-//! fx-models: the model zoo of `shared/spec/MODELS.md` on candle — DQN, PPO, the
-//! temporal fusion transformer (quantile forecasts) and the MAMBA-2 (SSD) regressor —
-//! with the spec's parameter names and shapes (safetensors interchangeable with the
-//! PyTorch reference), their losses, and the helpers that train them.
+//! The RL agents of MODELS.md (dueling double DQN and the PPO actor-critic) on candle,
+//! with the spec's parameter names so weights move both ways between fx and the
+//! PyTorch reference.
+//!
+//! `fx-models` holds the networks, their losses (double-DQN Huber against a soft-updated
+//! target network; PPO clipped surrogate + value + entropy), tape-free inference and
+//! action selection, and the training algorithms around them (DQN with a replay buffer,
+//! PPO with E×T rollouts and GAE). The algorithms only see the `fx_kernels::VecEnv`
+//! trait, so the CPU environment and the GPU experience kernels plug in the same way;
+//! optimisers, clipping and the precision policy come from `fx-precision`. The
+//! sequence models (TFT, MAMBA-2) live beside these in their own modules.
 
-pub mod error;
+pub mod dqn;
+mod error;
+mod linear;
 pub mod mamba2;
+pub mod param_io;
+pub mod ppo;
 pub mod seq_ops;
 pub mod seq_params;
 pub mod tft;
 
 #[cfg(test)]
+mod fixtures;
+#[cfg(test)]
 mod seq_testing;
 
+pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
 pub use error::{Error, Result};
+pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
+pub use param_io::{ParamSet, ParamSpec};
+pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
+pub use seq_ops::Ctx;
+pub use tft::{quantile_loss, Tft, TftConfig};

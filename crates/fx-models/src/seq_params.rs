@@ -13,7 +13,7 @@ use std::path::Path;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 
 /// How a parameter is initialised when a model is built from scratch.
 #[derive(Debug, Clone, Copy)]
@@ -30,10 +30,7 @@ enum Names {
     /// One spec name for the whole tensor.
     One(String),
     /// `names[i]` is slice `i` of the leading axis, of shape `part_shape`.
-    Stacked {
-        names: Vec<String>,
-        part_shape: Vec<usize>,
-    },
+    Stacked { names: Vec<String>, part_shape: Vec<usize> },
 }
 
 #[derive(Debug, Clone)]
@@ -45,11 +42,12 @@ struct Entry {
 /// The parameters of one model, in registration order.
 #[derive(Debug, Clone)]
 pub struct ParamStore {
+    model: &'static str,
     device: Device,
     entries: Vec<Entry>,
 }
 
-fn init_tensor(shape: &[usize], init: Init, device: &Device) -> Result<Tensor> {
+fn init_tensor(shape: &[usize], init: Init, device: &Device) -> candle_core::Result<Tensor> {
     Ok(match init {
         Init::Uniform(b) => Tensor::rand(-b as f32, b as f32, shape, device)?,
         Init::Const(v) => (Tensor::ones(shape, DType::F32, device)? * v)?,
@@ -57,13 +55,10 @@ fn init_tensor(shape: &[usize], init: Init, device: &Device) -> Result<Tensor> {
 }
 
 impl ParamStore {
-    /// An empty store whose parameters will live on `device` (always F32: master
-    /// weights; lower precision is a compute-time cast).
-    pub fn new(device: &Device) -> Self {
-        Self {
-            device: device.clone(),
-            entries: Vec::new(),
-        }
+    /// An empty store for `model` (named in error messages) whose parameters will live
+    /// on `device` (always F32: master weights; lower precision is a compute-time cast).
+    pub fn new(model: &'static str, device: &Device) -> Self {
+        Self { model, device: device.clone(), entries: Vec::new() }
     }
 
     /// The device of the parameters.
@@ -72,33 +67,19 @@ impl ParamStore {
     }
 
     /// Registers one parameter under `name`.
-    pub fn add(&mut self, name: impl Into<String>, shape: &[usize], init: Init) -> Result<Var> {
+    pub fn add(&mut self, name: impl Into<String>, shape: &[usize], init: Init) -> candle_core::Result<Var> {
         let var = Var::from_tensor(&init_tensor(shape, init, &self.device)?)?;
-        self.entries.push(Entry {
-            var: var.clone(),
-            names: Names::One(name.into()),
-        });
+        self.entries.push(Entry { var: var.clone(), names: Names::One(name.into()) });
         Ok(var)
     }
 
     /// Registers `names.len()` parameters of shape `part_shape` held as one tensor
     /// `[names.len(), part_shape...]`.
-    pub fn add_stacked(
-        &mut self,
-        names: Vec<String>,
-        part_shape: &[usize],
-        init: Init,
-    ) -> Result<Var> {
+    pub fn add_stacked(&mut self, names: Vec<String>, part_shape: &[usize], init: Init) -> candle_core::Result<Var> {
         let mut shape = vec![names.len()];
         shape.extend_from_slice(part_shape);
         let var = Var::from_tensor(&init_tensor(&shape, init, &self.device)?)?;
-        self.entries.push(Entry {
-            var: var.clone(),
-            names: Names::Stacked {
-                names,
-                part_shape: part_shape.to_vec(),
-            },
-        });
+        self.entries.push(Entry { var: var.clone(), names: Names::Stacked { names, part_shape: part_shape.to_vec() } });
         Ok(var)
     }
 
@@ -130,34 +111,38 @@ impl ParamStore {
     /// present with its exact shape and no other name may appear; `source_desc` names
     /// the origin in error messages. Values are cast to F32.
     pub fn load_map(&self, tensors: &HashMap<String, Tensor>, source_desc: &str) -> Result<()> {
+        const CTX: &str = "ParamStore::load_map";
+        let model = self.model;
         let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            let t = tensors.get(name).ok_or_else(|| Error::MissingParam {
+            let t = tensors.get(name).ok_or_else(|| Error::MissingTensor {
                 name: name.to_string(),
-                source_desc: source_desc.to_string(),
+                file: source_desc.to_string(),
+                model,
             })?;
             if t.dims() != shape {
-                return Err(Error::ParamShape {
+                return Err(Error::TensorShape {
                     name: name.to_string(),
+                    file: source_desc.to_string(),
                     expected: shape.to_vec(),
                     got: t.dims().to_vec(),
-                    source_desc: source_desc.to_string(),
+                });
+            }
+            if !t.dtype().is_float() {
+                return Err(Error::TensorDType {
+                    name: name.to_string(),
+                    file: source_desc.to_string(),
+                    expected: "a floating-point dtype",
+                    got: format!("{:?}", t.dtype()),
                 });
             }
             // A fresh copy: a Var cannot be set from a tensor sharing its storage.
-            Ok(t.to_dtype(DType::F32)?.to_device(&self.device)?.copy()?)
+            t.to_dtype(DType::F32).and_then(|t| t.to_device(&self.device)).and_then(|t| t.copy()).ctx(CTX)
         };
-        let known: HashSet<String> = self
-            .names_and_shapes()
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect();
+        let known: HashSet<String> = self.names_and_shapes().into_iter().map(|(n, _)| n).collect();
         let mut unknown: Vec<&String> = tensors.keys().filter(|k| !known.contains(*k)).collect();
         unknown.sort();
         if let Some(name) = unknown.first() {
-            return Err(Error::UnknownParam {
-                name: (*name).clone(),
-                source_desc: source_desc.to_string(),
-            });
+            return Err(Error::UnknownTensor { name: (*name).clone(), file: source_desc.to_string(), model });
         }
         // Check everything before touching any parameter, so a failed load leaves the
         // model as it was.
@@ -166,24 +151,22 @@ impl ParamStore {
             let v = match &e.names {
                 Names::One(n) => get(n, e.var.dims())?,
                 Names::Stacked { names, part_shape } => {
-                    let parts = names
-                        .iter()
-                        .map(|n| get(n, part_shape))
-                        .collect::<Result<Vec<_>>>()?;
-                    Tensor::stack(&parts, 0)?
+                    let parts = names.iter().map(|n| get(n, part_shape)).collect::<Result<Vec<_>>>()?;
+                    Tensor::stack(&parts, 0).ctx(CTX)?
                 }
             };
             values.push(v);
         }
         for (e, v) in self.entries.iter().zip(values) {
-            e.var.set(&v)?;
+            e.var.set(&v).ctx(CTX)?;
         }
         Ok(())
     }
 
     /// Loads a safetensors file written by this crate or by the reference.
     pub fn load(&self, path: &Path) -> Result<()> {
-        let tensors = candle_core::safetensors::load(path, &Device::Cpu)?;
+        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+            .map_err(|e| Error::SafeTensors { file: path.display().to_string(), message: e.to_string() })?;
         self.load_map(&tensors, &path.display().to_string())
     }
 
@@ -191,7 +174,8 @@ impl ParamStore {
     pub fn to_map(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();
         for e in &self.entries {
-            split_into(&mut out, &e.names, e.var.as_tensor())?;
+            split_into(&mut out, &e.names, &e.var.as_tensor().detach().copy().ctx("ParamStore::to_map")?)
+                .ctx("ParamStore::to_map")?;
         }
         Ok(out)
     }
@@ -199,8 +183,7 @@ impl ParamStore {
     /// Writes the parameters to a safetensors file under their spec names.
     pub fn save(&self, path: &Path) -> Result<()> {
         let map: HashMap<String, Tensor> = self.to_map()?.into_iter().collect();
-        candle_core::safetensors::save(&map, path)?;
-        Ok(())
+        fx_precision::save_tensors_atomic(path, &map, &HashMap::new()).ctx("ParamStore::save")
     }
 
     /// Gradients under the spec names; a parameter the loss does not reach is absent.
@@ -208,14 +191,14 @@ impl ParamStore {
         let mut out = BTreeMap::new();
         for e in &self.entries {
             if let Some(g) = grads.get(e.var.as_tensor()) {
-                split_into(&mut out, &e.names, g)?;
+                split_into(&mut out, &e.names, g).ctx("ParamStore::named_grads")?;
             }
         }
         Ok(out)
     }
 }
 
-fn split_into(out: &mut BTreeMap<String, Tensor>, names: &Names, t: &Tensor) -> Result<()> {
+fn split_into(out: &mut BTreeMap<String, Tensor>, names: &Names, t: &Tensor) -> candle_core::Result<()> {
     match names {
         Names::One(n) => {
             out.insert(n.clone(), t.clone());
@@ -234,14 +217,9 @@ mod tests {
     use super::*;
 
     fn store() -> ParamStore {
-        let mut ps = ParamStore::new(&Device::Cpu);
+        let mut ps = ParamStore::new("test", &Device::Cpu);
         ps.add("a.weight", &[2, 3], Init::Uniform(0.5)).unwrap();
-        ps.add_stacked(
-            vec!["e.0.w".into(), "e.1.w".into()],
-            &[3, 1],
-            Init::Const(0.0),
-        )
-        .unwrap();
+        ps.add_stacked(vec!["e.0.w".into(), "e.1.w".into()], &[3, 1], Init::Const(0.0)).unwrap();
         ps
     }
 
@@ -253,37 +231,20 @@ mod tests {
         m.insert("e.1.w".into(), e1.clone());
         ps.load_map(&m, "test").unwrap();
         let back = ps.to_map().unwrap();
-        let d = (back["e.1.w"].clone() - e1)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .sum_all()
-            .unwrap();
+        let d = (back["e.1.w"].clone() - e1).unwrap().abs().unwrap().sum_all().unwrap();
         assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
         assert_eq!(ps.param_count(), 12);
 
         let mut bad = m.clone();
-        bad.insert(
-            "zzz".into(),
-            Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap(),
-        );
-        assert!(matches!(
-            ps.load_map(&bad, "t"),
-            Err(Error::UnknownParam { .. })
-        ));
+        bad.insert("zzz".into(), Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap());
+        assert!(matches!(ps.load_map(&bad, "t"), Err(Error::UnknownTensor { .. })));
         let mut bad = m.clone();
         bad.remove("e.0.w");
-        assert!(matches!(
-            ps.load_map(&bad, "t"),
-            Err(Error::MissingParam { .. })
-        ));
+        assert!(matches!(ps.load_map(&bad, "t"), Err(Error::MissingTensor { .. })));
         let mut bad = m.clone();
-        bad.insert(
-            "a.weight".into(),
-            Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap(),
-        );
+        bad.insert("a.weight".into(), Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap());
         let err = ps.load_map(&bad, "t").unwrap_err();
-        assert!(matches!(err, Error::ParamShape { .. }));
+        assert!(matches!(err, Error::TensorShape { .. }));
         assert!(err.to_string().contains("a.weight"));
     }
 

@@ -14,7 +14,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 use crate::seq_ops::{rms_norm, rms_normalize, softplus, Ctx};
 use crate::seq_params::{Init, ParamStore};
 
@@ -89,9 +89,10 @@ impl Mamba2Config {
         if ok {
             Ok(())
         } else {
-            Err(Error::Config(format!(
-                "MAMBA-2: need headdim | d_inner, ngroups | nheads and positive sizes; got {self:?}"
-            )))
+            Err(Error::config(
+                "Mamba2::new",
+                format!("need headdim | d_inner, ngroups | nheads and positive sizes; got {self:?}"),
+            ))
         }
     }
 }
@@ -154,26 +155,27 @@ pub struct Mamba2 {
 
 /// Values for the SSM parameters (Mamba-2's usual init, not normative): dt
 /// log-uniform in [1e-3, 1e-1] stored as softplus⁻¹, `A_log = ln U(1, 16)`.
-fn ssm_init(nh: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+fn ssm_init(nh: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
     let u = Tensor::rand(0f64, 1.0, nh, &Device::Cpu)?;
     let (lo, hi) = (1e-3f64.ln(), 1e-1f64.ln());
     let dt = ((u * (hi - lo))? + lo)?.exp()?.clamp(1e-4, f64::INFINITY)?;
     // softplus⁻¹(dt) = dt + ln(1 − e^{−dt})
     let dt_bias = (&dt + (1.0 - dt.neg()?.exp()?)?.log()?)?;
     let a = ((Tensor::rand(0f64, 1.0, nh, &Device::Cpu)? * 15.0)? + 1.0)?.log()?;
-    Ok((
-        dt_bias.to_dtype(DType::F32)?.to_device(device)?,
-        a.to_dtype(DType::F32)?.to_device(device)?,
-    ))
+    Ok((dt_bias.to_dtype(DType::F32)?.to_device(device)?, a.to_dtype(DType::F32)?.to_device(device)?))
 }
 
 impl Mamba2 {
     /// A freshly initialised model.
     pub fn new(cfg: Mamba2Config, device: &Device) -> Result<Self> {
         cfg.validate()?;
+        Self::build(cfg, device).ctx("Mamba2::new")
+    }
+
+    fn build(cfg: Mamba2Config, device: &Device) -> candle_core::Result<Self> {
         let (dm, di, nh) = (cfg.d_model, cfg.d_inner(), cfg.nheads());
         let gn = cfg.ngroups * cfg.d_state;
-        let mut ps = ParamStore::new(device);
+        let mut ps = ParamStore::new("mamba2", device);
         let u = |i: usize| Init::Uniform(1.0 / (i as f64).sqrt());
         let embed_w = ps.add("embed.weight", &[dm, cfg.n_in], u(cfg.n_in))?;
         let embed_b = ps.add("embed.bias", &[dm], u(cfg.n_in))?;
@@ -182,16 +184,8 @@ impl Mamba2 {
             let p = format!("layers.{i}");
             let m = format!("{p}.mixer");
             let norm_w = ps.add(format!("{p}.norm.weight"), &[dm], Init::Const(1.0))?;
-            let in_proj = ps.add(
-                format!("{m}.in_proj.weight"),
-                &[2 * di + 2 * gn + nh, dm],
-                u(dm),
-            )?;
-            let conv_w = ps.add(
-                format!("{m}.conv1d.weight"),
-                &[cfg.conv_dim(), 1, cfg.d_conv],
-                u(cfg.d_conv),
-            )?;
+            let in_proj = ps.add(format!("{m}.in_proj.weight"), &[2 * di + 2 * gn + nh, dm], u(dm))?;
+            let conv_w = ps.add(format!("{m}.conv1d.weight"), &[cfg.conv_dim(), 1, cfg.d_conv], u(cfg.d_conv))?;
             let conv_b = ps.add(format!("{m}.conv1d.bias"), &[cfg.conv_dim()], u(cfg.d_conv))?;
             let dt_bias = ps.add(format!("{m}.dt_bias"), &[nh], Init::Const(0.0))?;
             let a_log = ps.add(format!("{m}.A_log"), &[nh], Init::Const(0.0))?;
@@ -203,31 +197,13 @@ impl Mamba2 {
             let out_proj = ps.add(format!("{m}.out_proj.weight"), &[dm, di], u(di))?;
             layers.push(Layer {
                 norm_w,
-                mixer: Mixer {
-                    in_proj,
-                    conv_w,
-                    conv_b,
-                    dt_bias,
-                    a_log,
-                    d,
-                    norm_w: mnorm,
-                    out_proj,
-                },
+                mixer: Mixer { in_proj, conv_w, conv_b, dt_bias, a_log, d, norm_w: mnorm, out_proj },
             });
         }
         let norm_f = ps.add("norm_f.weight", &[dm], Init::Const(1.0))?;
         let head_w = ps.add("head.weight", &[1, dm], u(dm))?;
         let head_b = ps.add("head.bias", &[1], u(dm))?;
-        Ok(Self {
-            cfg,
-            params: ps,
-            embed_w,
-            embed_b,
-            layers,
-            norm_f,
-            head_w,
-            head_b,
-        })
+        Ok(Self { cfg, params: ps, embed_w, embed_b, layers, norm_f, head_w, head_b })
     }
 
     /// Builds the model for `cfg` and loads its weights from a safetensors file.
@@ -259,10 +235,14 @@ impl Mamba2 {
 
     /// Forward pass `x [B, L, n_in] → [B, L]` (F32) with the per-layer activations.
     pub fn forward_aux(&self, c: &Ctx, x: &Tensor) -> Result<(Tensor, Vec<Mamba2LayerAux>)> {
-        let (b, l, n_in) = x.dims3().map_err(|_| self.input_err(x))?;
-        if n_in != self.cfg.n_in || l == 0 || b == 0 {
-            return Err(self.input_err(x));
+        let ok = matches!(x.dims(), &[b, l, n] if b > 0 && l > 0 && n == self.cfg.n_in);
+        if !ok {
+            return Err(self.input_err(x, "Mamba2::forward", "[B, L, n_in] with B, L > 0"));
         }
+        self.forward_impl(c, x).ctx("Mamba2::forward")
+    }
+
+    fn forward_impl(&self, c: &Ctx, x: &Tensor) -> candle_core::Result<(Tensor, Vec<Mamba2LayerAux>)> {
         let x = x.to_dtype(DType::F32)?;
         let mut h = c.linear(&x, &c.p(&self.embed_w)?, Some(&c.p(&self.embed_b)?))?;
         let mut aux = Vec::with_capacity(self.layers.len());
@@ -287,21 +267,17 @@ impl Mamba2 {
         mse_loss(pred, target)
     }
 
-    fn input_err(&self, x: &Tensor) -> Error {
-        Error::InputShape {
-            name: "x",
-            expected: format!("[B, L, {}] with B, L > 0", self.cfg.n_in),
-            got: x.dims().to_vec(),
-        }
+    fn input_err(&self, x: &Tensor, context: &'static str, what: &str) -> Error {
+        Error::shape("x", context, format!("{what}, n_in = {}", self.cfg.n_in), format!("{:?}", x.dims()))
     }
 
-    fn head(&self, c: &Ctx, h: &Tensor) -> Result<Tensor> {
+    fn head(&self, c: &Ctx, h: &Tensor) -> candle_core::Result<Tensor> {
         let h = rms_norm(h, &c.p(&self.norm_f)?, self.cfg.norm_eps)?;
         c.linear(&h, &c.p(&self.head_w)?, Some(&c.p(&self.head_b)?))
     }
 
     /// Splits `in_proj`'s output `[.., 2·d_inner + 2·G·N + nheads]` into `z`, `xBC`, `dt`.
-    fn split_in_proj(&self, zxbcdt: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn split_in_proj(&self, zxbcdt: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let di = self.cfg.d_inner();
         let cd = self.cfg.conv_dim();
         let last = zxbcdt.rank() - 1;
@@ -314,7 +290,7 @@ impl Mamba2 {
 
     /// `B` or `C` `[.., G·N]` → per head `[.., nheads, N]` (head `k` uses group
     /// `k / (nheads/G)`).
-    fn expand_groups(&self, t: &Tensor) -> Result<Tensor> {
+    fn expand_groups(&self, t: &Tensor) -> candle_core::Result<Tensor> {
         let (g, n, nh) = (self.cfg.ngroups, self.cfg.d_state, self.cfg.nheads());
         let lead = &t.dims()[..t.rank() - 1];
         let mut s1 = lead.to_vec();
@@ -327,7 +303,7 @@ impl Mamba2 {
     }
 
     /// Gated RMSNorm `rmsnorm(y ⊙ silu(z)) · w`, normalised within each group.
-    fn gated_norm(&self, c: &Ctx, mx: &Mixer, y: &Tensor, z: &Tensor) -> Result<Tensor> {
+    fn gated_norm(&self, c: &Ctx, mx: &Mixer, y: &Tensor, z: &Tensor) -> candle_core::Result<Tensor> {
         let g = self.cfg.ngroups;
         let di = self.cfg.d_inner();
         let yz = (y * z.silu()?)?;
@@ -338,16 +314,10 @@ impl Mamba2 {
         Ok(normed.broadcast_mul(&c.p(&mx.norm_w)?)?)
     }
 
-    fn mixer_fwd(&self, c: &Ctx, mx: &Mixer, u: &Tensor) -> Result<(Tensor, Mamba2LayerAux)> {
+    fn mixer_fwd(&self, c: &Ctx, mx: &Mixer, u: &Tensor) -> candle_core::Result<(Tensor, Mamba2LayerAux)> {
         let cfg = &self.cfg;
         let (b, l, _) = u.dims3()?;
-        let (di, nh, hp, gn, k) = (
-            cfg.d_inner(),
-            cfg.nheads(),
-            cfg.headdim,
-            cfg.ngroups * cfg.d_state,
-            cfg.d_conv,
-        );
+        let (di, nh, hp, gn, k) = (cfg.d_inner(), cfg.nheads(), cfg.headdim, cfg.ngroups * cfg.d_state, cfg.d_conv);
         let zxbcdt = c.linear(u, &c.p(&mx.in_proj)?, None)?;
         let (z, xbc, dt) = self.split_in_proj(&zxbcdt)?;
 
@@ -356,11 +326,7 @@ impl Mamba2 {
         // and are trivially differentiable.
         let w = c.p(&mx.conv_w)?.squeeze(1)?; // [cd, K]
         let xpad = xbc.pad_with_zeros(1, k - 1, 0)?;
-        let mut conv = c
-            .p(&mx.conv_b)?
-            .reshape((1, 1, cfg.conv_dim()))?
-            .broadcast_as(xbc.shape())?
-            .contiguous()?;
+        let mut conv = c.p(&mx.conv_b)?.reshape((1, 1, cfg.conv_dim()))?.broadcast_as(xbc.shape())?.contiguous()?;
         for j in 0..k {
             let wj = w.narrow(1, j, 1)?.squeeze(1)?;
             conv = (conv + xpad.narrow(1, j, l)?.broadcast_mul(&wj)?)?;
@@ -375,30 +341,23 @@ impl Mamba2 {
         let xh = x.reshape((b, l, nh, hp))?;
         let xs = xh.broadcast_mul(&dt.unsqueeze(3)?)?;
         let as_ = dt.broadcast_mul(&a)?;
-        // The scan stays F32 under reduced precision: its decays multiply across the
-        // whole sequence and the A_log / dt_bias gradients are sums with heavy
-        // cancellation (BF16 matmuls here put them ~6% off).
-        let scan = Ctx {
-            compute: DType::F32,
-            ..*c
-        };
-        let (y, _) = ssd::ssd_chunked(&scan, &xs, &as_, &bm, &cm, cfg.chunk_size)?;
+        // As under PyTorch autocast: decays (dt, A·dt, segment sums, exponentials) are
+        // F32 and only the scan's matmuls use the compute dtype.
+        let (y, _) = ssd::ssd_chunked(c, &xs, &as_, &bm, &cm, cfg.chunk_size)?;
         let y_ssd = y.reshape((b, l, di))?;
         let y = (y + xh.broadcast_mul(&c.p(&mx.d)?.reshape((nh, 1))?)?)?.reshape((b, l, di))?;
         let y_gated = self.gated_norm(c, mx, &y, &z)?;
         let out = c.linear(&y_gated, &c.p(&mx.out_proj)?, None)?;
-        let aux = Mamba2LayerAux {
-            xbc,
-            dt,
-            y_ssd,
-            y_gated,
-            out: out.clone(),
-        };
+        let aux = Mamba2LayerAux { xbc, dt, y_ssd, y_gated, out: out.clone() };
         Ok((out, aux))
     }
 
     /// A zero recurrent state for `batch` sequences (the state before the first bar).
     pub fn init_state(&self, batch: usize) -> Result<Mamba2State> {
+        self.init_state_impl(batch).ctx("Mamba2::init_state")
+    }
+
+    fn init_state_impl(&self, batch: usize) -> candle_core::Result<Mamba2State> {
         let cfg = &self.cfg;
         let dev = self.params.device();
         let n = cfg.n_layer;
@@ -407,13 +366,7 @@ impl Mamba2 {
                 .map(|_| Tensor::zeros((batch, cfg.d_conv - 1, cfg.conv_dim()), DType::F32, dev))
                 .collect::<candle_core::Result<_>>()?,
             ssm: (0..n)
-                .map(|_| {
-                    Tensor::zeros(
-                        (batch, cfg.nheads(), cfg.headdim, cfg.d_state),
-                        DType::F32,
-                        dev,
-                    )
-                })
+                .map(|_| Tensor::zeros((batch, cfg.nheads(), cfg.headdim, cfg.d_state), DType::F32, dev))
                 .collect::<candle_core::Result<_>>()?,
         })
     }
@@ -422,23 +375,28 @@ impl Mamba2 {
     /// updating `state` in place. Constant memory per bar; no gradient tape; equal to
     /// the last output of [`Mamba2::forward`] over the whole sequence so far.
     pub fn step(&self, c: &Ctx, x: &Tensor, state: &mut Mamba2State) -> Result<Tensor> {
-        let c = Ctx {
-            grad: false,
-            train: false,
-            ..*c
-        };
-        let cfg = &self.cfg;
-        let (b, n_in) = x.dims2().map_err(|_| self.input_err(x))?;
-        if n_in != cfg.n_in {
-            return Err(self.input_err(x));
+        let ok = matches!(x.dims(), &[b, n] if b > 0 && n == self.cfg.n_in);
+        if !ok {
+            return Err(self.input_err(x, "Mamba2::step", "[B, n_in]"));
         }
-        let (di, nh, hp, gn, k) = (
-            cfg.d_inner(),
-            cfg.nheads(),
-            cfg.headdim,
-            cfg.ngroups * cfg.d_state,
-            cfg.d_conv,
-        );
+        let fits =
+            state.ssm.len() == self.layers.len() && state.ssm.first().and_then(|t| t.dim(0).ok()) == Some(x.dims()[0]);
+        if !fits {
+            return Err(Error::shape(
+                "state",
+                "Mamba2::step",
+                "a state from init_state(B) of this model",
+                "another batch size or layer count",
+            ));
+        }
+        self.step_impl(c, x, state).ctx("Mamba2::step")
+    }
+
+    fn step_impl(&self, c: &Ctx, x: &Tensor, state: &mut Mamba2State) -> candle_core::Result<Tensor> {
+        let c = Ctx { grad: false, train: false, ..*c };
+        let cfg = &self.cfg;
+        let b = x.dim(0)?;
+        let (di, nh, hp, gn, k) = (cfg.d_inner(), cfg.nheads(), cfg.headdim, cfg.ngroups * cfg.d_state, cfg.d_conv);
         let x = x.to_dtype(DType::F32)?;
         let mut h = c.linear(&x, &c.p(&self.embed_w)?, Some(&c.p(&self.embed_b)?))?; // [b, dm]
         for (i, layer) in self.layers.iter().enumerate() {
@@ -449,11 +407,7 @@ impl Mamba2 {
             let window = Tensor::cat(&[&state.conv[i], &xbc.unsqueeze(1)?], 1)?; // [b, K, cd]
             state.conv[i] = window.narrow(1, 1, k - 1)?.contiguous()?;
             let w = c.p(&mx.conv_w)?.squeeze(1)?.t()?; // [K, cd]
-            let xbc = window
-                .broadcast_mul(&w)?
-                .sum(1)?
-                .broadcast_add(&c.p(&mx.conv_b)?)?
-                .silu()?;
+            let xbc = window.broadcast_mul(&w)?.sum(1)?.broadcast_add(&c.p(&mx.conv_b)?)?.silu()?;
             let xt = xbc.narrow(1, 0, di)?;
             let bm = self.expand_groups(&xbc.narrow(1, di, gn)?)?; // [b, nh, N]
             let cm = self.expand_groups(&xbc.narrow(1, di + gn, gn)?)?;
@@ -467,25 +421,21 @@ impl Mamba2 {
             let y = self.gated_norm(&c, mx, &y, &z)?;
             h = (h + c.linear(&y, &c.p(&mx.out_proj)?, None)?)?;
         }
-        Ok(self.head(&c, &h)?.squeeze(1)?)
+        self.head(&c, &h)?.squeeze(1)
     }
 }
 
 /// Mean squared error of `pred` against `target` (same shape), in F32 (F64 stays F64).
 pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
     if pred.dims() != target.dims() {
-        return Err(Error::InputShape {
-            name: "target",
-            expected: format!("{:?} (the prediction's shape)", pred.dims()),
-            got: target.dims().to_vec(),
-        });
+        return Err(Error::shape(
+            "target",
+            "mse_loss",
+            format!("{:?} (the prediction's shape)", pred.dims()),
+            format!("{:?}", target.dims()),
+        ));
     }
-    let dt = if pred.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    Ok((pred.to_dtype(dt)? - target.to_dtype(dt)?)?
-        .sqr()?
-        .mean_all()?)
+    let dt = if pred.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let run = || (pred.to_dtype(dt)? - target.to_dtype(dt)?)?.sqr()?.mean_all();
+    run().ctx("mse_loss")
 }

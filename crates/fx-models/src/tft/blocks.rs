@@ -3,9 +3,9 @@
 
 use candle_core::{Tensor, Var};
 
-use crate::error::Result;
 use crate::seq_ops::{layer_norm, sigmoid, softmax_last_dim, Ctx};
 use crate::seq_params::{Init, ParamStore};
+use candle_core::Result;
 
 /// `Linear(i→o)` with bias, PyTorch layout.
 #[derive(Debug, Clone)]
@@ -36,19 +36,9 @@ pub(crate) struct StackedLin {
 }
 
 impl StackedLin {
-    pub(crate) fn new(
-        ps: &mut ParamStore,
-        prefixes: &[String],
-        i: usize,
-        o: usize,
-    ) -> Result<Self> {
+    pub(crate) fn new(ps: &mut ParamStore, prefixes: &[String], i: usize, o: usize) -> Result<Self> {
         let bound = 1.0 / (i as f64).sqrt();
-        let names = |s: &str| {
-            prefixes
-                .iter()
-                .map(|p| format!("{p}.{s}"))
-                .collect::<Vec<_>>()
-        };
+        let names = |s: &str| prefixes.iter().map(|p| format!("{p}.{s}")).collect::<Vec<_>>();
         Ok(Self {
             w: ps.add_stacked(names("weight"), &[o, i], Init::Uniform(bound))?,
             b: ps.add_stacked(names("bias"), &[o], Init::Uniform(bound))?,
@@ -110,10 +100,7 @@ pub(crate) struct Glu {
 
 impl Glu {
     pub(crate) fn new(ps: &mut ParamStore, name: &str, i: usize, o: usize) -> Result<Self> {
-        Ok(Self {
-            fc4: Lin::new(ps, &format!("{name}.fc4"), i, o)?,
-            fc5: Lin::new(ps, &format!("{name}.fc5"), i, o)?,
-        })
+        Ok(Self { fc4: Lin::new(ps, &format!("{name}.fc4"), i, o)?, fc5: Lin::new(ps, &format!("{name}.fc5"), i, o)? })
     }
 
     pub(crate) fn fwd(&self, c: &Ctx, x: &Tensor) -> Result<Tensor> {
@@ -147,11 +134,7 @@ impl Grn {
             fc2: Lin::new(ps, &format!("{name}.fc2"), d, d)?,
             glu: Glu::new(ps, &format!("{name}.glu"), d, o)?,
             norm: Ln::new(ps, &format!("{name}.norm"), o, eps)?,
-            skip: if i != o {
-                Some(Lin::new(ps, &format!("{name}.skip"), i, o)?)
-            } else {
-                None
-            },
+            skip: if i != o { Some(Lin::new(ps, &format!("{name}.skip"), i, o)?) } else { None },
             dropout,
         })
     }
@@ -181,19 +164,8 @@ pub(crate) struct StackedGrn {
 }
 
 impl StackedGrn {
-    pub(crate) fn new(
-        ps: &mut ParamStore,
-        prefixes: &[String],
-        d: usize,
-        dropout: f64,
-        eps: f64,
-    ) -> Result<Self> {
-        let sub = |s: &str| {
-            prefixes
-                .iter()
-                .map(|p| format!("{p}.{s}"))
-                .collect::<Vec<_>>()
-        };
+    pub(crate) fn new(ps: &mut ParamStore, prefixes: &[String], d: usize, dropout: f64, eps: f64) -> Result<Self> {
+        let sub = |s: &str| prefixes.iter().map(|p| format!("{p}.{s}")).collect::<Vec<_>>();
         Ok(Self {
             fc1: StackedLin::new(ps, &sub("fc1"), d, d)?,
             fc2: StackedLin::new(ps, &sub("fc2"), d, d)?,
@@ -243,13 +215,7 @@ impl EmbedVsn {
         let flat = Grn::new(ps, &format!("{vsn_name}.flat"), n * d, n, d, dropout, eps)?;
         let vars: Vec<String> = (0..n).map(|j| format!("{vsn_name}.vars.{j}")).collect();
         let vars = StackedGrn::new(ps, &vars, d, dropout, eps)?;
-        Ok(Self {
-            embed,
-            flat,
-            vars,
-            n,
-            d,
-        })
+        Ok(Self { embed, flat, vars, n, d })
     }
 
     /// `x [M, n]` raw variables → (`[M, d]` selected mix, `[M, n]` selection weights).
@@ -279,16 +245,8 @@ impl Lstm {
     pub(crate) fn new(ps: &mut ParamStore, name: &str, d: usize) -> Result<Self> {
         let bound = 1.0 / (d as f64).sqrt();
         Ok(Self {
-            w_ih: ps.add(
-                format!("{name}.weight_ih_l0"),
-                &[4 * d, d],
-                Init::Uniform(bound),
-            )?,
-            w_hh: ps.add(
-                format!("{name}.weight_hh_l0"),
-                &[4 * d, d],
-                Init::Uniform(bound),
-            )?,
+            w_ih: ps.add(format!("{name}.weight_ih_l0"), &[4 * d, d], Init::Uniform(bound))?,
+            w_hh: ps.add(format!("{name}.weight_hh_l0"), &[4 * d, d], Init::Uniform(bound))?,
             b_ih: ps.add(format!("{name}.bias_ih_l0"), &[4 * d], Init::Uniform(bound))?,
             b_hh: ps.add(format!("{name}.bias_hh_l0"), &[4 * d], Init::Uniform(bound))?,
             d,
@@ -296,12 +254,7 @@ impl Lstm {
     }
 
     /// `x [B, T, d]`, state `(h, c)` each `[B, d]` → (`[B, T, d]`, final `(h, c)`).
-    pub(crate) fn fwd(
-        &self,
-        c: &Ctx,
-        x: &Tensor,
-        state: (Tensor, Tensor),
-    ) -> Result<(Tensor, (Tensor, Tensor))> {
+    pub(crate) fn fwd(&self, c: &Ctx, x: &Tensor, state: (Tensor, Tensor)) -> Result<(Tensor, (Tensor, Tensor))> {
         let d = self.d;
         let t_len = x.dim(1)?;
         // The input projection of every step is one matmul; only the recurrent part loops.
@@ -340,11 +293,7 @@ pub(crate) struct InterpretableMha {
 impl InterpretableMha {
     pub(crate) fn new(ps: &mut ParamStore, name: &str, d: usize, n_head: usize) -> Result<Self> {
         let dk = d / n_head;
-        let heads = |s: &str| {
-            (0..n_head)
-                .map(|k| format!("{name}.{s}.{k}"))
-                .collect::<Vec<_>>()
-        };
+        let heads = |s: &str| (0..n_head).map(|k| format!("{name}.{s}.{k}")).collect::<Vec<_>>();
         Ok(Self {
             q: StackedLin::new(ps, &heads("q"), d, dk)?,
             k: StackedLin::new(ps, &heads("k"), d, dk)?,
@@ -357,35 +306,18 @@ impl InterpretableMha {
 
     /// `xq [B, Q, d]`, `xkv [B, K, d]`, additive mask `[Q, K]` → (`[B, Q, d]`,
     /// attention weights `[B, n_head, Q, K]`).
-    pub(crate) fn fwd(
-        &self,
-        c: &Ctx,
-        xq: &Tensor,
-        xkv: &Tensor,
-        mask: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn fwd(&self, c: &Ctx, xq: &Tensor, xkv: &Tensor, mask: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, nq, _) = xq.dims3()?;
         let nk = xkv.dim(1)?;
         let (h, dk) = (self.n_head, self.dk);
         let (wq, bq) = self.q.concat(c)?;
         let (wk, bk) = self.k.concat(c)?;
-        let q = c
-            .linear(xq, &wq, Some(&bq))?
-            .reshape((b, nq, h, dk))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let k = c
-            .linear(xkv, &wk, Some(&bk))?
-            .reshape((b, nk, h, dk))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let q = c.linear(xq, &wq, Some(&bq))?.reshape((b, nq, h, dk))?.transpose(1, 2)?.contiguous()?;
+        let k = c.linear(xkv, &wk, Some(&bk))?.reshape((b, nk, h, dk))?.transpose(1, 2)?.contiguous()?;
         let v = self.v.fwd(c, xkv)?; // [B, K, dk]
         let scores = (c.mm(&q, &k.transpose(2, 3)?.contiguous()?)? / (dk as f64).sqrt())?;
         let attn = softmax_last_dim(&scores.broadcast_add(mask)?)?; // [B, h, Q, K]
-        let heads = c.mm(
-            &attn,
-            &v.unsqueeze(1)?.broadcast_as((b, h, nk, dk))?.contiguous()?,
-        )?;
+        let heads = c.mm(&attn, &v.unsqueeze(1)?.broadcast_as((b, h, nk, dk))?.contiguous()?)?;
         let avg = heads.mean(1)?; // [B, Q, dk]
         Ok((self.out.fwd(c, &avg)?, attn))
     }

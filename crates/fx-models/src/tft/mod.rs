@@ -16,7 +16,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 use crate::seq_ops::Ctx;
 use crate::seq_params::ParamStore;
 use blocks::{EmbedVsn, Glu, Grn, InterpretableMha, Lin, Ln, Lstm};
@@ -110,23 +110,20 @@ impl Tft {
     /// A freshly initialised model (PyTorch default initialisation, LayerNorm 1/0).
     pub fn new(cfg: TftConfig, device: &Device) -> Result<Self> {
         if cfg.d == 0 || cfg.n_head == 0 || cfg.d % cfg.n_head != 0 {
-            return Err(Error::Config(format!(
-                "TFT: n_head ({}) must divide d ({})",
-                cfg.n_head, cfg.d
-            )));
+            let msg = format!("n_head ({}) must divide d ({})", cfg.n_head, cfg.d);
+            return Err(Error::config("Tft::new", msg));
         }
-        if cfg.l_enc == 0
-            || cfg.h == 0
-            || cfg.quantiles.is_empty()
-            || !(0.0..1.0).contains(&cfg.dropout)
-        {
-            return Err(Error::Config(format!(
-                "TFT: need L_enc > 0, H > 0, quantiles and dropout in [0, 1); got {cfg:?}"
-            )));
+        if cfg.l_enc == 0 || cfg.h == 0 || cfg.quantiles.is_empty() || !(0.0..1.0).contains(&cfg.dropout) {
+            let msg = format!("need L_enc > 0, H > 0, quantiles and dropout in [0, 1); got {cfg:?}");
+            return Err(Error::config("Tft::new", msg));
         }
+        Self::build(cfg, device).ctx("Tft::new")
+    }
+
+    fn build(cfg: TftConfig, device: &Device) -> candle_core::Result<Self> {
         let (d, e, p) = (cfg.d, cfg.ln_eps, cfg.dropout);
         let n_enc = cfg.n_observed + cfg.n_known;
-        let mut ps = ParamStore::new(device);
+        let mut ps = ParamStore::new("tft", device);
         // Registration order follows the reference's state_dict order.
         let enc = EmbedVsn::new(&mut ps, "enc_embed", "enc_vsn", n_enc, d, p, e)?;
         let dec = EmbedVsn::new(&mut ps, "dec_embed", "dec_vsn", cfg.n_known, d, p, e)?;
@@ -191,7 +188,7 @@ impl Tft {
 
     /// `[H, L_enc + H]` additive causal mask: decoder step `i` (absolute `L_enc + i`)
     /// sees absolute steps `≤ L_enc + i`.
-    fn causal_mask(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+    fn causal_mask(&self, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
         let (l, h) = (self.cfg.l_enc, self.cfg.h);
         let mut m = vec![0f32; h * (l + h)];
         for i in 0..h {
@@ -199,39 +196,40 @@ impl Tft {
                 m[i * (l + h) + j] = f32::NEG_INFINITY;
             }
         }
-        Ok(Tensor::from_vec(m, (h, l + h), device)?.to_dtype(dtype)?)
+        Tensor::from_vec(m, (h, l + h), device)?.to_dtype(dtype)
     }
 
     /// Forward pass: `observed [B, L_enc, n_observed]`, `known [B, L_enc + H, n_known]`
     /// → quantiles `[B, H, n_quantiles]` (F32) and the intermediate
     /// activations.
-    pub fn forward_aux(
-        &self,
-        c: &Ctx,
-        observed: &Tensor,
-        known: &Tensor,
-    ) -> Result<(Tensor, TftAux)> {
+    pub fn forward_aux(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> Result<(Tensor, TftAux)> {
         let cfg = &self.cfg;
-        let (l, h, d) = (cfg.l_enc, cfg.h, cfg.d);
-        let b = observed.dim(0).map_err(|_| Error::InputShape {
-            name: "observed",
-            expected: "[B, L_enc, n_observed]".into(),
-            got: observed.dims().to_vec(),
-        })?;
-        if observed.dims() != [b, l, cfg.n_observed] {
-            return Err(Error::InputShape {
-                name: "observed",
-                expected: format!("[{b}, {l}, {}]", cfg.n_observed),
-                got: observed.dims().to_vec(),
-            });
+        let (l, h) = (cfg.l_enc, cfg.h);
+        const CTX: &str = "Tft::forward";
+        let b = observed.dims().first().copied().unwrap_or(0);
+        if b == 0 || observed.dims() != [b, l, cfg.n_observed] {
+            return Err(Error::shape(
+                "observed",
+                CTX,
+                format!("[B, {l}, {}]", cfg.n_observed),
+                format!("{:?}", observed.dims()),
+            ));
         }
         if known.dims() != [b, l + h, cfg.n_known] {
-            return Err(Error::InputShape {
-                name: "known",
-                expected: format!("[{b}, {}, {}]", l + h, cfg.n_known),
-                got: known.dims().to_vec(),
-            });
+            return Err(Error::shape(
+                "known",
+                CTX,
+                format!("[{b}, {}, {}]", l + h, cfg.n_known),
+                format!("{:?}", known.dims()),
+            ));
         }
+        self.forward_impl(c, observed, known).ctx(CTX)
+    }
+
+    fn forward_impl(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> candle_core::Result<(Tensor, TftAux)> {
+        let cfg = &self.cfg;
+        let (l, h, d) = (cfg.l_enc, cfg.h, cfg.d);
+        let b = observed.dim(0)?;
         let observed = observed.to_dtype(DType::F32)?;
         let known = known.to_dtype(DType::F32)?;
         let n_enc = cfg.n_observed + cfg.n_known;
@@ -248,23 +246,17 @@ impl Tft {
         let (dec_out, _) = self.lstm_dec.fwd(c, &dec_x, state)?;
         let vsn_out = Tensor::cat(&[&enc_x, &dec_x], 1)?;
         let lstm_out = Tensor::cat(&[&enc_out, &dec_out], 1)?;
-        let gated = self
-            .post_lstm_glu
-            .fwd(c, &c.dropout(&lstm_out, cfg.dropout)?)?;
+        let gated = self.post_lstm_glu.fwd(c, &c.dropout(&lstm_out, cfg.dropout)?)?;
         let phi = self.post_lstm_norm.fwd(c, &(&vsn_out + gated)?)?;
         let enriched = self.enrich.fwd(c, &phi)?;
 
         let mask = self.causal_mask(DType::F32, observed.device())?;
         let enriched_dec = enriched.narrow(1, l, h)?;
         let (attn_out, attn_w) = self.attn.fwd(c, &enriched_dec, &enriched, &mask)?;
-        let gated = self
-            .post_attn_glu
-            .fwd(c, &c.dropout(&attn_out, cfg.dropout)?)?;
+        let gated = self.post_attn_glu.fwd(c, &c.dropout(&attn_out, cfg.dropout)?)?;
         let x = self.post_attn_norm.fwd(c, &(&enriched_dec + gated)?)?;
         let x = self.ff.fwd(c, &x)?;
-        let x = self
-            .pre_out_norm
-            .fwd(c, &(phi.narrow(1, l, h)? + self.pre_out_glu.fwd(c, &x)?)?)?;
+        let x = self.pre_out_norm.fwd(c, &(phi.narrow(1, l, h)? + self.pre_out_glu.fwd(c, &x)?)?)?;
         let out = self.head.fwd(c, &x)?;
         let aux = TftAux {
             enc_vsn_weights: enc_w.reshape((b, l, n_enc))?,
@@ -293,25 +285,23 @@ impl Tft {
 /// Mean pinball loss over batch, horizons and quantiles: per element
 /// `max(q e, (q − 1) e)` with `e = y − ŷ_q`; computed in F32 (F64 stays F64).
 pub fn quantile_loss(pred: &Tensor, target: &Tensor, quantiles: &[f64]) -> Result<Tensor> {
-    let dt = if pred.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let (b, h, nq) = pred.dims3()?;
-    if target.dims() != [b, h] || nq != quantiles.len() {
-        return Err(Error::InputShape {
-            name: "target",
-            expected: format!("[{b}, {h}] with {} quantiles", quantiles.len()),
-            got: target.dims().to_vec(),
-        });
+    const CTX: &str = "quantile_loss";
+    let dt = if pred.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let pd = pred.dims();
+    if pd.len() != 3 || pd[2] != quantiles.len() || target.dims() != &pd[..2] {
+        return Err(Error::shape(
+            "pred/target",
+            CTX,
+            format!("pred [B, H, {}] and target [B, H]", quantiles.len()),
+            format!("{:?} and {:?}", pd, target.dims()),
+        ));
     }
-    let q = Tensor::new(quantiles, pred.device())?.to_dtype(dt)?;
-    let e = target
-        .to_dtype(dt)?
-        .unsqueeze(2)?
-        .broadcast_sub(&pred.to_dtype(dt)?)?;
-    let a = e.broadcast_mul(&q)?;
-    let bb = e.broadcast_mul(&(q - 1.0)?)?;
-    Ok(a.maximum(&bb)?.mean_all()?)
+    let run = || -> candle_core::Result<Tensor> {
+        let q = Tensor::new(quantiles, pred.device())?.to_dtype(dt)?;
+        let e = target.to_dtype(dt)?.unsqueeze(2)?.broadcast_sub(&pred.to_dtype(dt)?)?;
+        let a = e.broadcast_mul(&q)?;
+        let bb = e.broadcast_mul(&(q - 1.0)?)?;
+        a.maximum(&bb)?.mean_all()
+    };
+    run().ctx(CTX)
 }

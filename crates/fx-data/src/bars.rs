@@ -1,0 +1,467 @@
+//! OHLCV bars and their CSV reader (DATA.md "Input bars" and "Exact readings /
+//! Input"). The reader is strict: the first row that breaks a rule stops the
+//! run with `file:line: rule`, because silently repairing market data moves
+//! every downstream feature.
+
+use std::io::Read;
+use std::path::Path;
+
+use chrono::NaiveDate;
+
+use crate::error::Error;
+use crate::features::WARMUP;
+
+/// A series of OHLCV bars, one entry per bar in every column.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Bars {
+    /// Unix seconds (UTC), strictly increasing.
+    pub timestamp: Vec<i64>,
+    /// Opening prices.
+    pub open: Vec<f64>,
+    /// Highest prices.
+    pub high: Vec<f64>,
+    /// Lowest prices.
+    pub low: Vec<f64>,
+    /// Closing prices.
+    pub close: Vec<f64>,
+    /// Traded volume.
+    pub volume: Vec<f64>,
+}
+
+/// The required columns in their canonical order.
+const COLUMNS: [&str; 6] = ["timestamp", "open", "high", "low", "close", "volume"];
+
+/// Header names accepted for the timestamp column (after trim + lowercase).
+const TIMESTAMP_ALIASES: [&str; 4] = ["timestamp", "date", "time", "datetime"];
+
+impl Bars {
+    /// Number of bars.
+    pub fn len(&self) -> usize {
+        self.timestamp.len()
+    }
+
+    /// True when there are no bars.
+    pub fn is_empty(&self) -> bool {
+        self.timestamp.is_empty()
+    }
+
+    /// Reads and validates a CSV file of bars. Refuses files of at most
+    /// [`WARMUP`] bars, after every row has been checked.
+    pub fn from_csv_path(path: &Path) -> Result<Bars, Error> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        Self::from_csv_reader(std::io::BufReader::new(file), path)
+    }
+
+    /// Reads bars from any reader; `path` is only used in error messages.
+    pub fn from_csv_reader<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
+        let bars = read_rows(reader, path)?;
+        if bars.len() <= WARMUP {
+            return Err(Error::TooFewBars { path: path.to_path_buf(), bars: bars.len(), warmup: WARMUP });
+        }
+        Ok(bars)
+    }
+
+    /// Checks every bar against the row rules (used for bars that did not come
+    /// from a CSV file, e.g. the synthetic generator). `what` names the source;
+    /// the reported line is the bar index + 2, as if it were a CSV with header.
+    pub fn validate(&self, what: &Path) -> Result<(), Error> {
+        let n = self.len();
+        let lens = [self.open.len(), self.high.len(), self.low.len(), self.close.len(), self.volume.len()];
+        if lens.iter().any(|&l| l != n) {
+            return Err(Error::format(what, "bar columns have different lengths"));
+        }
+        for i in 0..n {
+            let prev = if i == 0 { None } else { Some(self.timestamp[i - 1]) };
+            let row = RowValues {
+                ts: self.timestamp[i],
+                open: self.open[i],
+                high: self.high[i],
+                low: self.low[i],
+                close: self.close[i],
+                volume: self.volume[i],
+            };
+            check_row(&row, prev, None).map_err(|rule| Error::Input {
+                path: what.to_path_buf(),
+                line: i as u64 + 2,
+                rule,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, r: &RowValues) {
+        self.timestamp.push(r.ts);
+        self.open.push(r.open);
+        self.high.push(r.high);
+        self.low.push(r.low);
+        self.close.push(r.close);
+        self.volume.push(r.volume);
+    }
+}
+
+struct RowValues {
+    ts: i64,
+    open: f64,
+    high: f64,
+    low: f64,
+    close: f64,
+    volume: f64,
+}
+
+/// The value checks of DATA.md in their normative order (prices, low, high,
+/// volume, increasing timestamp). `raw` holds the price cells as written so a
+/// message quotes the user's text (`nan`, `-1.1`) rather than Rust's spelling.
+fn check_row(r: &RowValues, prev_ts: Option<i64>, raw: Option<&[&str; 4]>) -> Result<(), String> {
+    let prices = [r.open, r.high, r.low, r.close];
+    for (k, &p) in prices.iter().enumerate() {
+        if !(p.is_finite() && p > 0.0) {
+            let shown = match raw {
+                Some(raw) => raw[k].to_string(),
+                None => format!("{p}"),
+            };
+            return Err(format!("prices must be finite and positive ({} = {shown})", COLUMNS[k + 1]));
+        }
+    }
+    if r.low > r.open.min(r.close) {
+        return Err("low must be <= min(open, close)".into());
+    }
+    if r.high < r.open.max(r.close) {
+        return Err("high must be >= max(open, close)".into());
+    }
+    if !(r.volume.is_finite() && r.volume >= 0.0) {
+        return Err("volume must be finite and non-negative".into());
+    }
+    if let Some(p) = prev_ts {
+        if r.ts <= p {
+            return Err("timestamps must be strictly increasing".into());
+        }
+    }
+    Ok(())
+}
+
+fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
+    let err = |line: u64, rule: String| Error::Input { path: path.to_path_buf(), line, rule };
+    let mut rdr = csv::ReaderBuilder::new().has_headers(false).flexible(true).from_reader(reader);
+    let mut records = rdr.records();
+
+    // Header: the first non-blank record.
+    let mut header = None;
+    for rec in records.by_ref() {
+        let rec = rec.map_err(|e| csv_error(path, e))?;
+        if is_blank(&rec) {
+            continue;
+        }
+        header = Some(rec);
+        break;
+    }
+    let header = header.ok_or_else(|| err(1, "empty file (no header row)".into()))?;
+    let header_line = line_of(&header);
+    let mut index: [Option<usize>; 6] = [None; 6];
+    for (i, name) in header.iter().enumerate() {
+        let name = name.trim().to_ascii_lowercase();
+        let col =
+            if TIMESTAMP_ALIASES.contains(&name.as_str()) { Some(0) } else { COLUMNS.iter().position(|c| *c == name) };
+        if let Some(col) = col {
+            if index[col].is_some() {
+                return Err(err(header_line, format!("column `{}` appears more than once", COLUMNS[col])));
+            }
+            index[col] = Some(i);
+        }
+    }
+    let mut idx = [0usize; 6];
+    for (k, slot) in index.iter().enumerate() {
+        idx[k] = slot.ok_or_else(|| {
+            let what = if k == 0 { "timestamp (or date, time, datetime)" } else { COLUMNS[k] };
+            err(header_line, format!("missing required column `{what}`"))
+        })?;
+    }
+    let n_fields = header.len();
+
+    let mut bars = Bars::default();
+    let mut prev_ts = None;
+    for rec in records {
+        let rec = rec.map_err(|e| csv_error(path, e))?;
+        if is_blank(&rec) {
+            continue;
+        }
+        let line = line_of(&rec);
+        if rec.len() < n_fields {
+            return Err(err(line, format!("row has fewer fields than the header ({} < {n_fields})", rec.len())));
+        }
+        let cell = |k: usize| rec.get(idx[k]).unwrap_or("").trim();
+        let ts_text = cell(0);
+        let ts = parse_timestamp(ts_text)
+            .ok_or_else(|| err(line, format!("timestamp is neither unix seconds nor ISO-8601 (`{ts_text}`)")))?;
+        let mut vals = [0.0f64; 5];
+        for k in 1..6 {
+            let text = cell(k);
+            vals[k - 1] =
+                text.parse::<f64>().map_err(|_| err(line, format!("`{}` is not a number (`{text}`)", COLUMNS[k])))?;
+        }
+        let row = RowValues { ts, open: vals[0], high: vals[1], low: vals[2], close: vals[3], volume: vals[4] };
+        let raw = [cell(1), cell(2), cell(3), cell(4)];
+        check_row(&row, prev_ts, Some(&raw)).map_err(|rule| err(line, rule))?;
+        prev_ts = Some(ts);
+        bars.push(&row);
+    }
+    Ok(bars)
+}
+
+fn is_blank(rec: &csv::StringRecord) -> bool {
+    rec.iter().all(|f| f.trim().is_empty())
+}
+
+fn line_of(rec: &csv::StringRecord) -> u64 {
+    rec.position().map(|p| p.line()).unwrap_or(0)
+}
+
+fn csv_error(path: &Path, e: csv::Error) -> Error {
+    let line = e.position().map(|p| p.line()).unwrap_or(0);
+    let rule = match e.kind() {
+        csv::ErrorKind::Utf8 { .. } => "row is not valid UTF-8".to_string(),
+        csv::ErrorKind::Io(io) => return Error::io(path, std::io::Error::new(io.kind(), io.to_string())),
+        _ => format!("malformed CSV ({e})"),
+    };
+    Error::Input { path: path.to_path_buf(), line, rule }
+}
+
+/// Parses a timestamp cell: an integer is Unix seconds; anything else is
+/// ISO-8601 (`YYYY-MM-DD`, then optionally `T` or space and `HH:MM[:SS[.f]]`,
+/// then optionally `Z` or `±HH[:MM]`). Naive times are UTC; fractional
+/// seconds are floored. Returns `None` when the text is neither.
+pub fn parse_timestamp(text: &str) -> Option<i64> {
+    let t = text.trim();
+    if t.is_empty() {
+        return None;
+    }
+    let digits = t.strip_prefix(['-', '+']).unwrap_or(t);
+    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        return t.parse::<i64>().ok();
+    }
+    parse_iso(t)
+}
+
+fn parse_iso(t: &str) -> Option<i64> {
+    let b = t.as_bytes();
+    // Date part: YYYY-MM-DD.
+    if b.len() < 10 || b[4] != b'-' || b[7] != b'-' {
+        return None;
+    }
+    let year: i32 = num(&t[0..4])?;
+    let month: u32 = num(&t[5..7])?;
+    let day: u32 = num(&t[8..10])?;
+    let date = NaiveDate::from_ymd_opt(year, month, day)?;
+    let days = date.signed_duration_since(NaiveDate::from_ymd_opt(1970, 1, 1)?).num_days();
+    let mut secs = days * 86_400;
+    let mut rest = &t[10..];
+    if rest.is_empty() {
+        return Some(secs);
+    }
+    let sep = rest.as_bytes()[0];
+    if sep != b'T' && sep != b't' && sep != b' ' {
+        return None;
+    }
+    rest = &rest[1..];
+    // Time part: HH:MM[:SS[.fff]].
+    let rb = rest.as_bytes();
+    if rb.len() < 5 || rb[2] != b':' {
+        return None;
+    }
+    let hh: i64 = num(&rest[0..2])?;
+    let mm: i64 = num(&rest[3..5])?;
+    rest = &rest[5..];
+    let mut ss: i64 = 0;
+    if rest.as_bytes().first() == Some(&b':') {
+        if rest.len() < 3 {
+            return None;
+        }
+        ss = num(&rest[1..3])?;
+        rest = &rest[3..];
+        if let Some(frac) = rest.strip_prefix(['.', ',']) {
+            let n = frac.bytes().take_while(|c| c.is_ascii_digit()).count();
+            if n == 0 {
+                return None;
+            }
+            // Floored: the fraction is dropped (time is non-negative here).
+            rest = &frac[n..];
+        }
+    }
+    if hh > 23 || mm > 59 || ss > 60 {
+        return None;
+    }
+    secs += hh * 3600 + mm * 60 + ss;
+    // Offset part: Z, ±HH, ±HHMM, ±HH:MM.
+    if rest.is_empty() || rest == "Z" || rest == "z" {
+        return Some(secs);
+    }
+    let sign = match rest.as_bytes()[0] {
+        b'+' => 1,
+        b'-' => -1,
+        _ => return None,
+    };
+    let off = &rest[1..];
+    let (oh, om): (i64, i64) = match off.len() {
+        2 => (num(off)?, 0),
+        4 => (num(&off[0..2])?, num(&off[2..4])?),
+        5 if off.as_bytes()[2] == b':' => (num(&off[0..2])?, num(&off[3..5])?),
+        _ => return None,
+    };
+    if oh > 23 || om > 59 {
+        return None;
+    }
+    Some(secs - sign * (oh * 3600 + om * 60))
+}
+
+fn num<T: std::str::FromStr>(s: &str) -> Option<T> {
+    if s.is_empty() || !s.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures")).join(name)
+    }
+
+    fn data_dir() -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data"))
+    }
+
+    fn parse(text: &str) -> Result<Bars, Error> {
+        Bars::from_csv_reader(text.as_bytes(), Path::new("t.csv"))
+    }
+
+    /// A valid CSV body with `n` hourly bars; `header` is the header line.
+    fn csv_text(header: &str, n: usize) -> String {
+        let mut s = format!("{header}\n");
+        for i in 0..n {
+            let c = 100.0 + (i % 7) as f64;
+            s += &format!("{},{},{},{},{},{}\n", 1_700_000_000 + 3600 * i as i64, c, c + 1.0, c - 1.0, c, 10 * i);
+        }
+        s
+    }
+
+    #[test]
+    fn bad_fixtures_refused_with_expected_line_and_rule() {
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("features_bad.json")).unwrap()).unwrap();
+        let cases = json["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 6);
+        for case in cases {
+            let file = case["file"].as_str().unwrap();
+            let path = fixture(file);
+            match Bars::from_csv_path(&path) {
+                Err(Error::Input { line, rule, path: p }) => {
+                    assert_eq!(line, case["line"].as_u64().unwrap(), "{file}");
+                    assert_eq!(rule, case["rule"].as_str().unwrap(), "{file}");
+                    assert_eq!(p, path);
+                }
+                other => panic!("{file}: expected an input error, got {other:?}"),
+            }
+            let msg = Bars::from_csv_path(&path).unwrap_err().to_string();
+            assert!(msg.starts_with(&format!("{}:{}: ", path.display(), case["line"])), "{msg}");
+        }
+    }
+
+    #[test]
+    fn iso_fixture_equals_unix_fixture() {
+        let a = Bars::from_csv_path(&fixture("features_small.csv")).unwrap();
+        let b = Bars::from_csv_path(&fixture("features_small_iso.csv")).unwrap();
+        assert_eq!(a.len(), 400);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn real_data_loads_including_splits() {
+        for name in ["aapl_daily_2000_2013.csv", "ibm_daily_2000_2013.csv", "msft_daily_2000_2013.csv"] {
+            let bars = Bars::from_csv_path(&data_dir().join(name)).unwrap();
+            assert_eq!(bars.len(), 3270, "{name}");
+            assert_eq!(bars.timestamp[0], 951868800, "{name}"); // 2000-03-01
+        }
+    }
+
+    #[test]
+    fn header_aliases_case_and_extra_columns() {
+        for alias in ["Date", " DATETIME ", "time", "TimeStamp"] {
+            let text = csv_text(&format!("extra,{alias},Open,HIGH,low,close,Volume"), 0)
+                + &(0..101).map(|i| format!("x,{},2,3,1,2,5\n", 1000 + i)).collect::<String>();
+            let bars = parse(&text).unwrap();
+            assert_eq!(bars.len(), 101);
+            assert_eq!(bars.high[0], 3.0);
+        }
+    }
+
+    #[test]
+    fn header_errors_at_line_one() {
+        let e = parse("timestamp,open,high,low,close\n1,1,1,1,1\n").unwrap_err();
+        assert!(matches!(&e, Error::Input { line: 1, rule, .. } if rule.contains("volume")), "{e}");
+        let e = parse("date,timestamp,open,high,low,close,volume\n").unwrap_err();
+        assert!(matches!(&e, Error::Input { line: 1, rule, .. } if rule.contains("more than once")), "{e}");
+        let e = parse("").unwrap_err();
+        assert!(matches!(&e, Error::Input { line: 1, .. }), "{e}");
+    }
+
+    #[test]
+    fn row_errors_in_order() {
+        let h = "timestamp,open,high,low,close,volume\n";
+        let cases = [
+            ("1,2,3,1\n", "fewer fields"),
+            ("yesterday,2,3,1,2,5\n", "timestamp"),
+            ("1,2,x,1,2,5\n", "`high` is not a number"),
+            // Non-numeric volume wins over a bad price: numbers come first.
+            ("1,-2,3,1,2,x\n", "`volume` is not a number"),
+            ("1,2,3,1,inf,5\n", "prices must be finite and positive (close = inf)"),
+            ("1,2,3,0,2,5\n", "prices must be finite and positive (low = 0)"),
+            // low above body beats high below body.
+            ("1,2,1,3,2,5\n", "low must be"),
+            ("1,2,3,1,2,NaN\n", "volume must be"),
+        ];
+        for (row, want) in cases {
+            let text = format!("{h}\n0,2,3,1,2,5\n\n{row}");
+            let e = parse(&text).unwrap_err();
+            match &e {
+                Error::Input { line, rule, .. } => {
+                    assert_eq!(*line, 4, "{row}");
+                    assert!(rule.contains(want), "{row}: {rule}");
+                }
+                _ => panic!("{row}: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn too_few_bars_after_row_checks() {
+        let e = parse(&csv_text("timestamp,open,high,low,close,volume", 100)).unwrap_err();
+        assert!(matches!(e, Error::TooFewBars { bars: 100, .. }), "{e}");
+        assert_eq!(parse(&csv_text("timestamp,open,high,low,close,volume", 101)).unwrap().len(), 101);
+    }
+
+    #[test]
+    fn timestamps() {
+        assert_eq!(parse_timestamp("1704070800"), Some(1704070800));
+        assert_eq!(parse_timestamp("-5"), Some(-5));
+        assert_eq!(parse_timestamp("2024-01-01"), Some(1704067200));
+        assert_eq!(parse_timestamp("2024-01-01 01:00"), Some(1704070800));
+        assert_eq!(parse_timestamp("2024-01-01T01:00:00Z"), Some(1704070800));
+        assert_eq!(parse_timestamp("2024-01-01T01:00:00.999"), Some(1704070800));
+        assert_eq!(parse_timestamp("2024-01-01T03:00:00+02:00"), Some(1704070800));
+        assert_eq!(parse_timestamp("1969-12-31 23:59:59"), Some(-1));
+        for bad in ["", "2024-13-01", "2024-01-01X", "2024/01/01", "1.5", "2024-01-01 25:00", "abc"] {
+            assert_eq!(parse_timestamp(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn validate_in_memory_bars() {
+        let mut b = parse(&csv_text("timestamp,open,high,low,close,volume", 101)).unwrap();
+        b.validate(Path::new("mem")).unwrap();
+        b.low[5] = 1e9;
+        let e = b.validate(Path::new("mem")).unwrap_err();
+        assert!(e.to_string().starts_with("mem:7: low must be"), "{e}");
+    }
+}

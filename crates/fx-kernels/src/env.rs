@@ -1,0 +1,559 @@
+//! The CPU reference trading environment (MODELS.md "Trading environment").
+//!
+//! Per account `e` (global index `env_offset + e`) the state is the time index `t`, the
+//! position `p ∈ {-1, 0, +1}`, the entry price, the steps in position, the episode step
+//! and the step counter (the RNG `step`). The semantics follow the reference
+//! `fx_reference/env.py` exactly, including its readings listed under NOTES
+//! "Environment and RNG":
+//!
+//! - reset (at creation with counter 0, and automatically when an episode ends, with the
+//!   counter already incremented): `t = floor(u · (T − episode_len))`,
+//!   `u = draw(seed, 0, env, counter)`, `p = 0`, `entry = close[t]`, counters 0;
+//! - step with action `a`: `p' = a − 1`,
+//!   `reward = p'·ln(close[t+1]/close[t]) − cost·|p' − p|` (f64, then f32);
+//!   if `p' ≠ p` the entry becomes `close[t]` (before `t` advances) and the time in
+//!   position restarts at 0, else it counts up (also while flat); `t += 1`;
+//! - `done` when the episode step reaches `episode_len`; `next_obs` is the pre-reset
+//!   state, `obs` the post-reset state the agent acts on next;
+//! - observation `[market[t] (51), p, p·ln(close[t]/entry) (0 when flat),
+//!   steps_in_pos / episode_len, 0, 0]`, portfolio values computed in f64, stored f32.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CandleContext, Error, Result};
+use crate::rng;
+use crate::vec_env::{Step, VecEnv};
+
+/// Market features per time step (DATA.md).
+pub const N_MARKET: usize = 51;
+/// Width of the padded RL state: 51 market values, 3 portfolio values, 2 zeros.
+pub const OBS_DIM: usize = 56;
+/// Actions: 0 short, 1 flat, 2 long (target position `a − 1`).
+pub const N_ACTIONS: usize = 3;
+
+/// Environment parameters; defaults follow MODELS.md (`episode_len` 256, cost 1 bp).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EnvConfig {
+    /// Number of accounts `E` stepped together.
+    pub num_envs: usize,
+    /// Steps per episode; an account auto-resets after this many steps.
+    pub episode_len: usize,
+    /// Cost per unit of position change (1e-4 = 1 basis point).
+    pub cost: f64,
+    /// Seed of the counter-based draws.
+    pub seed: u64,
+    /// Global index of this instance's first account (for sharding: the draws use
+    /// `env_offset + e`, so shards draw as one big batch would).
+    pub env_offset: u64,
+}
+
+impl Default for EnvConfig {
+    fn default() -> Self {
+        Self { num_envs: 4096, episode_len: 256, cost: 1e-4, seed: 0, env_offset: 0 }
+    }
+}
+
+impl EnvConfig {
+    /// Checks the configuration against a series of `t_len` rows.
+    pub fn validate(&self, t_len: usize) -> Result<()> {
+        let ctx = "EnvConfig::validate";
+        let fail = |message: String| Err(Error::Config { context: ctx, message });
+        if self.num_envs == 0 {
+            return fail("num_envs must be at least 1".into());
+        }
+        if self.episode_len == 0 {
+            return fail("episode_len must be at least 1".into());
+        }
+        if t_len < self.episode_len + 1 {
+            return fail(format!(
+                "series of {t_len} rows is too short for episode_len {} (needs at least episode_len + 1)",
+                self.episode_len
+            ));
+        }
+        if !(self.cost.is_finite() && self.cost >= 0.0) {
+            return fail(format!("cost must be finite and >= 0, got {}", self.cost));
+        }
+        if self.env_offset.checked_add(self.num_envs as u64).is_none() {
+            return fail("env_offset + num_envs overflows u64".into());
+        }
+        Ok(())
+    }
+}
+
+/// One feature series: `market` row-major `[T, 51]` (normalised features) and `close`
+/// `[T]` (prices, f64). Validated on construction: finite values, positive prices.
+#[derive(Clone, Debug)]
+pub struct EnvData {
+    market: Vec<f32>,
+    close: Vec<f64>,
+}
+
+impl EnvData {
+    /// Builds the series, checking `market.len() == 51 · close.len()`, finite market
+    /// values and finite positive prices.
+    pub fn new(market: Vec<f32>, close: Vec<f64>) -> Result<Self> {
+        let ctx = "EnvData::new";
+        if market.len() != close.len() * N_MARKET {
+            return Err(Error::shape(
+                "market",
+                ctx,
+                format!("[{}, {N_MARKET}] (from close's length)", close.len()),
+                format!("{} values", market.len()),
+            ));
+        }
+        if close.len() < 2 {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!("series needs at least 2 rows, got {}", close.len()),
+            });
+        }
+        if let Some((index, v)) = market.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(Error::NonFinite { what: "market", index, value: *v as f64, context: ctx });
+        }
+        if let Some((index, v)) = close.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
+            return Err(Error::NonFinite { what: "close (must be finite and > 0)", index, value: *v, context: ctx });
+        }
+        Ok(Self { market, close })
+    }
+
+    /// Number of rows `T`.
+    pub fn len(&self) -> usize {
+        self.close.len()
+    }
+
+    /// Always false (a series has at least two rows).
+    pub fn is_empty(&self) -> bool {
+        self.close.is_empty()
+    }
+
+    /// The market features, row-major `[T, 51]`.
+    pub fn market(&self) -> &[f32] {
+        &self.market
+    }
+
+    /// The close prices `[T]`.
+    pub fn close(&self) -> &[f64] {
+        &self.close
+    }
+}
+
+/// The result of one CPU step as host vectors (row-major, `E` rows).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostStep {
+    /// `[E, 56]` state after the step, before any auto-reset.
+    pub next_obs: Vec<f32>,
+    /// `[E]` rewards.
+    pub reward: Vec<f32>,
+    /// `[E]` 1.0 where the episode ended at this step.
+    pub done: Vec<f32>,
+    /// `[E, 56]` state the agent acts on next (after auto-reset).
+    pub obs: Vec<f32>,
+}
+
+/// The CPU reference environment: `E` accounts over one [`EnvData`].
+#[derive(Clone, Debug)]
+pub struct CpuTradingEnv {
+    data: Arc<EnvData>,
+    cfg: EnvConfig,
+    device: Device,
+    t: Vec<usize>,
+    pos: Vec<i8>,
+    entry: Vec<f64>,
+    steps_in_pos: Vec<u64>,
+    ep_step: Vec<u64>,
+    counter: Vec<u64>,
+}
+
+/// Start index of a reset: `floor(u · (T − episode_len))` with `u` from stream 0.
+#[inline]
+pub(crate) fn reset_start(t_len: usize, episode_len: usize, seed: u64, env: u64, counter: u64) -> usize {
+    let u = rng::draw(seed, rng::STREAM_RESET, env, counter);
+    (u * (t_len - episode_len) as f64).floor() as usize
+}
+
+/// Writes one observation row.
+#[inline]
+fn write_obs(data: &EnvData, episode_len: usize, t: usize, pos: i8, entry: f64, sip: u64, out: &mut [f32]) {
+    out[..N_MARKET].copy_from_slice(&data.market[t * N_MARKET..(t + 1) * N_MARKET]);
+    let upnl = if pos != 0 { pos as f64 * (data.close[t] / entry).ln() } else { 0.0 };
+    out[N_MARKET] = pos as f32;
+    out[N_MARKET + 1] = upnl as f32;
+    out[N_MARKET + 2] = (sip as f64 / episode_len as f64) as f32;
+    out[N_MARKET + 3] = 0.0;
+    out[N_MARKET + 4] = 0.0;
+}
+
+impl CpuTradingEnv {
+    /// Creates the environment and resets every account with counter 0.
+    pub fn new(data: Arc<EnvData>, cfg: EnvConfig) -> Result<Self> {
+        cfg.validate(data.len())?;
+        let e = cfg.num_envs;
+        let mut env = Self {
+            data,
+            device: Device::Cpu,
+            t: vec![0; e],
+            pos: vec![0; e],
+            entry: vec![0.0; e],
+            steps_in_pos: vec![0; e],
+            ep_step: vec![0; e],
+            counter: vec![0; e],
+            cfg,
+        };
+        for i in 0..e {
+            env.reset_one(i);
+        }
+        Ok(env)
+    }
+
+    fn reset_one(&mut self, i: usize) {
+        let env_id = self.cfg.env_offset + i as u64;
+        let t0 = reset_start(self.data.len(), self.cfg.episode_len, self.cfg.seed, env_id, self.counter[i]);
+        self.t[i] = t0;
+        self.pos[i] = 0;
+        self.entry[i] = self.data.close[t0];
+        self.steps_in_pos[i] = 0;
+        self.ep_step[i] = 0;
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EnvConfig {
+        &self.cfg
+    }
+
+    /// The series.
+    pub fn data(&self) -> &Arc<EnvData> {
+        &self.data
+    }
+
+    /// Time index of each account.
+    pub fn times(&self) -> &[usize] {
+        &self.t
+    }
+
+    /// Position of each account (−1, 0, +1).
+    pub fn positions(&self) -> &[i8] {
+        &self.pos
+    }
+
+    /// Step counter of each account (the RNG `step` of the next action draw).
+    pub fn step_counters(&self) -> &[u64] {
+        &self.counter
+    }
+
+    /// Global account indices `env_offset .. env_offset + E` (the RNG `env`).
+    pub fn env_ids(&self) -> Vec<u64> {
+        (0..self.cfg.num_envs as u64).map(|i| self.cfg.env_offset + i).collect()
+    }
+
+    /// The current observations, row-major `[E, 56]`.
+    pub fn observe_host(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.cfg.num_envs * OBS_DIM];
+        for (i, row) in out.chunks_exact_mut(OBS_DIM).enumerate() {
+            write_obs(
+                &self.data,
+                self.cfg.episode_len,
+                self.t[i],
+                self.pos[i],
+                self.entry[i],
+                self.steps_in_pos[i],
+                row,
+            );
+        }
+        out
+    }
+
+    /// Steps every account with `actions[e] ∈ {0, 1, 2}`; errors (and changes nothing)
+    /// when an action is out of range or the length is not `E`.
+    pub fn step_host(&mut self, actions: &[u32]) -> Result<HostStep> {
+        let ctx = "CpuTradingEnv::step";
+        let e = self.cfg.num_envs;
+        if actions.len() != e {
+            return Err(Error::shape("actions", ctx, format!("[{e}]"), format!("[{}]", actions.len())));
+        }
+        if let Some((i, &a)) = actions.iter().enumerate().find(|(_, &a)| a as usize >= N_ACTIONS) {
+            return Err(Error::OutOfRange {
+                what: format!("actions[{i}]"),
+                value: a as u64,
+                bound: N_ACTIONS as u64,
+                context: ctx,
+            });
+        }
+        let l = self.cfg.episode_len;
+        let mut out = HostStep {
+            next_obs: vec![0.0; e * OBS_DIM],
+            reward: vec![0.0; e],
+            done: vec![0.0; e],
+            obs: vec![0.0; e * OBS_DIM],
+        };
+        for i in 0..e {
+            let t = self.t[i];
+            let p_old = self.pos[i];
+            let p_new = actions[i] as i8 - 1;
+            let c_t = self.data.close[t];
+            let c_t1 = self.data.close[t + 1];
+            let reward = p_new as f64 * (c_t1 / c_t).ln() - self.cfg.cost * (p_new - p_old).unsigned_abs() as f64;
+            if p_new != p_old {
+                self.entry[i] = c_t;
+                self.steps_in_pos[i] = 0;
+            } else {
+                self.steps_in_pos[i] += 1;
+            }
+            self.t[i] = t + 1;
+            self.pos[i] = p_new;
+            self.ep_step[i] += 1;
+            self.counter[i] += 1;
+            write_obs(
+                &self.data,
+                l,
+                t + 1,
+                p_new,
+                self.entry[i],
+                self.steps_in_pos[i],
+                &mut out.next_obs[i * OBS_DIM..(i + 1) * OBS_DIM],
+            );
+            out.reward[i] = reward as f32;
+            if self.ep_step[i] >= l as u64 {
+                out.done[i] = 1.0;
+                self.reset_one(i);
+            }
+            write_obs(
+                &self.data,
+                l,
+                self.t[i],
+                self.pos[i],
+                self.entry[i],
+                self.steps_in_pos[i],
+                &mut out.obs[i * OBS_DIM..(i + 1) * OBS_DIM],
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// Checks that `t` is a rank-1 `[n]` tensor on the CPU-compatible path and copies it out.
+fn actions_to_host(actions: &Tensor, n: usize, ctx: &'static str) -> Result<Vec<u32>> {
+    if actions.dims() != [n] {
+        return Err(Error::shape("actions", ctx, format!("[{n}]"), format!("{:?}", actions.dims())));
+    }
+    if actions.dtype() != DType::U32 {
+        return Err(Error::DType { what: "actions", expected: DType::U32, got: actions.dtype(), context: ctx });
+    }
+    actions.to_vec1::<u32>().ctx(ctx)
+}
+
+impl VecEnv for CpuTradingEnv {
+    fn num_envs(&self) -> usize {
+        self.cfg.num_envs
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn seed(&self) -> u64 {
+        self.cfg.seed
+    }
+
+    fn env_offset(&self) -> u64 {
+        self.cfg.env_offset
+    }
+
+    fn observe(&self) -> Result<Tensor> {
+        Tensor::from_vec(self.observe_host(), (self.cfg.num_envs, OBS_DIM), &self.device).ctx("CpuTradingEnv::observe")
+    }
+
+    fn step(&mut self, actions: &Tensor) -> Result<Step> {
+        let ctx = "CpuTradingEnv::step";
+        let a = actions_to_host(actions, self.cfg.num_envs, ctx)?;
+        let s = self.step_host(&a)?;
+        let e = self.cfg.num_envs;
+        Ok(Step {
+            next_obs: Tensor::from_vec(s.next_obs, (e, OBS_DIM), &self.device).ctx(ctx)?,
+            reward: Tensor::from_vec(s.reward, e, &self.device).ctx(ctx)?,
+            done: Tensor::from_vec(s.done, e, &self.device).ctx(ctx)?,
+            obs: Tensor::from_vec(s.obs, (e, OBS_DIM), &self.device).ctx(ctx)?,
+        })
+    }
+
+    fn counters(&self) -> Result<Vec<u64>> {
+        Ok(self.counter.clone())
+    }
+
+    fn epsilon_greedy(&self, q: &Tensor, eps: f64) -> Result<Tensor> {
+        let ctx = "CpuTradingEnv::epsilon_greedy";
+        let e = self.cfg.num_envs;
+        let qv = host_matrix(q, e, "q", ctx)?;
+        let a = crate::select::epsilon_greedy(&qv, N_ACTIONS, eps, self.cfg.seed, &self.env_ids(), &self.counter)?;
+        Tensor::from_vec(a, e, &self.device).ctx(ctx)
+    }
+
+    fn sample_from_probs(&self, probs: &Tensor) -> Result<Tensor> {
+        let ctx = "CpuTradingEnv::sample_from_probs";
+        let e = self.cfg.num_envs;
+        let pv = host_matrix(probs, e, "probs", ctx)?;
+        let a = crate::select::sample_from_probs(&pv, N_ACTIONS, self.cfg.seed, &self.env_ids(), &self.counter)?;
+        Tensor::from_vec(a, e, &self.device).ctx(ctx)
+    }
+}
+
+/// Copies an `[e, 3]` float tensor to the host as f32.
+fn host_matrix(x: &Tensor, e: usize, what: &'static str, ctx: &'static str) -> Result<Vec<f32>> {
+    if x.dims() != [e, N_ACTIONS] {
+        return Err(Error::shape(what, ctx, format!("[{e}, {N_ACTIONS}]"), format!("{:?}", x.dims())));
+    }
+    x.to_dtype(DType::F32).and_then(|x| x.flatten_all()).and_then(|x| x.to_vec1::<f32>()).ctx(ctx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::Fixture;
+
+    fn fixture_env() -> (Fixture, CpuTradingEnv) {
+        let fx = Fixture::load("env.safetensors");
+        let data = EnvData::new(fx.f32s("in.market"), fx.f64s("in.close")).expect("fixture data");
+        let cfg = EnvConfig { num_envs: 8, episode_len: 32, cost: 1e-4, seed: 20240601, env_offset: 0 };
+        let env = CpuTradingEnv::new(Arc::new(data), cfg).expect("env");
+        (fx, env)
+    }
+
+    fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what} length");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(g.to_bits() == w.to_bits(), "{what}[{i}]: got {g}, want {w}");
+        }
+    }
+
+    #[test]
+    fn reproduces_fixture_trajectory_exactly() {
+        let (fx, mut env) = fixture_env();
+        let (e, d) = (8, OBS_DIM);
+        let steps = fx.shape("in.actions")[0];
+        assert_eq!(steps, 100);
+        let actions = fx.i64s("in.actions");
+        let obs = fx.f32s("out.obs");
+        let next_obs = fx.f32s("out.next_obs");
+        let rewards = fx.f32s("out.rewards");
+        let dones = fx.f32s("out.dones");
+        let positions = fx.i64s("out.positions");
+        let t_after = fx.i64s("out.t");
+        let t_before = fx.i64s("out.t_before");
+        let counter_before = fx.i64s("out.counter_before");
+        let mut n_done = 0;
+        for k in 0..steps {
+            let tb: Vec<i64> = env.times().iter().map(|&t| t as i64).collect();
+            assert_eq!(tb, &t_before[k * e..(k + 1) * e], "t_before step {k}");
+            let cb: Vec<i64> = env.step_counters().iter().map(|&c| c as i64).collect();
+            assert_eq!(cb, &counter_before[k * e..(k + 1) * e], "counter_before step {k}");
+            assert_bits_eq(&env.observe_host(), &obs[k * e * d..(k + 1) * e * d], &format!("obs step {k}"));
+            let a: Vec<u32> = actions[k * e..(k + 1) * e].iter().map(|&a| a as u32).collect();
+            let s = env.step_host(&a).expect("step");
+            assert_bits_eq(&s.next_obs, &next_obs[k * e * d..(k + 1) * e * d], &format!("next_obs step {k}"));
+            assert_bits_eq(&s.reward, &rewards[k * e..(k + 1) * e], &format!("rewards step {k}"));
+            assert_bits_eq(&s.done, &dones[k * e..(k + 1) * e], &format!("dones step {k}"));
+            assert_bits_eq(&s.obs, &env.observe_host(), "step's obs equals observe()");
+            let p: Vec<i64> = env.positions().iter().map(|&p| p as i64).collect();
+            assert_eq!(p, &positions[k * e..(k + 1) * e], "positions step {k}");
+            let t: Vec<i64> = env.times().iter().map(|&t| t as i64).collect();
+            assert_eq!(t, &t_after[k * e..(k + 1) * e], "t step {k}");
+            n_done += s.done.iter().filter(|&&x| x == 1.0).count();
+        }
+        assert_eq!(n_done, 24);
+        assert_bits_eq(&env.observe_host(), &fx.f32s("out.final_obs"), "final_obs");
+    }
+
+    #[test]
+    fn vec_env_step_matches_host_step() {
+        let (fx, mut env) = fixture_env();
+        let mut twin = env.clone();
+        let actions = fx.i64s("in.actions");
+        for k in 0..40 {
+            let a: Vec<u32> = actions[k * 8..(k + 1) * 8].iter().map(|&a| a as u32).collect();
+            let at = Tensor::from_vec(a.clone(), 8, &Device::Cpu).expect("tensor");
+            let s = VecEnv::step(&mut env, &at).expect("step");
+            let h = twin.step_host(&a).expect("step");
+            assert_eq!(s.reward.to_vec1::<f32>().expect("r"), h.reward);
+            assert_eq!(s.done.to_vec1::<f32>().expect("d"), h.done);
+            assert_eq!(s.obs.flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("o"), h.obs);
+            assert_eq!(s.next_obs.flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("o"), h.next_obs);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_actions_without_changing_state() {
+        let (_, mut env) = fixture_env();
+        let before = env.observe_host();
+        let err = env.step_host(&[0, 1, 2, 3, 0, 0, 0, 0]).unwrap_err();
+        assert!(err.to_string().contains("actions[3]"), "{err}");
+        assert!(env.step_host(&[0, 1]).is_err());
+        let wrong_dtype = Tensor::zeros(8, DType::I64, &Device::Cpu).expect("t");
+        assert!(VecEnv::step(&mut env, &wrong_dtype).is_err());
+        assert_eq!(env.observe_host(), before);
+        assert_eq!(env.step_counters(), &[0; 8]);
+    }
+
+    #[test]
+    fn rejects_bad_data_and_config() {
+        assert!(EnvData::new(vec![0.0; 51 * 3], vec![1.0; 2]).is_err());
+        assert!(EnvData::new(vec![0.0; 51 * 2], vec![1.0, -1.0]).is_err());
+        assert!(EnvData::new(vec![f32::NAN; 51 * 2], vec![1.0, 1.0]).is_err());
+        let data = Arc::new(EnvData::new(vec![0.0; 51 * 10], vec![1.0; 10]).expect("data"));
+        let cfg = EnvConfig { num_envs: 2, episode_len: 10, ..EnvConfig::default() };
+        assert!(CpuTradingEnv::new(data.clone(), cfg).is_err());
+        let cfg = EnvConfig { num_envs: 2, episode_len: 9, ..EnvConfig::default() };
+        assert!(CpuTradingEnv::new(data, cfg).is_ok());
+    }
+
+    fn random_walk(t_len: usize, seed: u64) -> Arc<EnvData> {
+        let mut close = Vec::with_capacity(t_len);
+        let mut p = 1.1f64;
+        for i in 0..t_len {
+            p *= 1.0 + 0.002 * (rng::draw(seed, 9, 0, i as u64) - 0.5);
+            close.push(p);
+        }
+        let market = (0..t_len * N_MARKET).map(|i| rng::draw(seed, 10, 0, i as u64) as f32 - 0.5).collect();
+        Arc::new(EnvData::new(market, close).expect("data"))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// Invariants of the state machine on random series, seeds and actions: times stay
+        /// in range, dones come exactly every episode_len steps, the padding stays zero,
+        /// the portfolio slots hold the position and counters, everything finite.
+        #[test]
+        fn state_machine_invariants(seed: u64, offset in 0u64..1_000_000, e in 1usize..6,
+                                    ep_len in 1usize..12, t_len in 13usize..60,
+                                    acts in proptest::collection::vec(0u32..3, 60)) {
+            let data = random_walk(t_len, seed ^ 0x55);
+            let cfg = EnvConfig { num_envs: e, episode_len: ep_len, cost: 1e-4, seed, env_offset: offset };
+            let mut env = CpuTradingEnv::new(data.clone(), cfg).expect("env");
+            for (k, chunk) in acts.chunks(1).enumerate().take(40) {
+                let a: Vec<u32> = (0..e).map(|i| (chunk[0] + i as u32) % 3).collect();
+                let s = env.step_host(&a).expect("step");
+                for i in 0..e {
+                    let done = s.done[i] == 1.0;
+                    proptest::prop_assert_eq!(done, (k + 1) % ep_len == 0);
+                    proptest::prop_assert!(env.times()[i] + 1 < t_len);
+                    for row in [&s.next_obs[i * OBS_DIM..(i + 1) * OBS_DIM], &s.obs[i * OBS_DIM..(i + 1) * OBS_DIM]] {
+                        proptest::prop_assert!(row.iter().all(|v| v.is_finite()));
+                        proptest::prop_assert_eq!(row[54], 0.0);
+                        proptest::prop_assert_eq!(row[55], 0.0);
+                        proptest::prop_assert!((0.0..=1.0).contains(&row[53]));
+                    }
+                    proptest::prop_assert_eq!(s.next_obs[i * OBS_DIM + 51], a[i] as f32 - 1.0);
+                    if done {
+                        proptest::prop_assert_eq!(env.positions()[i], 0);
+                        proptest::prop_assert_eq!(s.obs[i * OBS_DIM + 52], 0.0);
+                    }
+                    // reward bound: |ln ratio| <= 0.0011 per step here plus cost <= 2e-4
+                    proptest::prop_assert!(s.reward[i].abs() < 0.0015);
+                    proptest::prop_assert_eq!(env.step_counters()[i], k as u64 + 1);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! The DQN replay buffer: a fixed-capacity ring of transitions stored as candle tensors on
+//! one device. On a CUDA device the whole buffer is device-resident: pushes are device
+//! copies (or direct kernel writes by `GpuTradingEnv`) and sampling draws its indices on
+//! the device, so nothing crosses to the host.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::checks::expect_tensor;
+use crate::env::OBS_DIM;
+use crate::error::{CandleContext, Error, Result};
+
+/// A sampled minibatch, all on the buffer's device.
+#[derive(Clone, Debug)]
+pub struct ReplayBatch {
+    /// `[B, 56]` f32 states `s`.
+    pub states: Tensor,
+    /// `[B]` u32 actions.
+    pub actions: Tensor,
+    /// `[B]` f32 rewards.
+    pub rewards: Tensor,
+    /// `[B, 56]` f32 next states `s'` (pre-reset).
+    pub next_states: Tensor,
+    /// `[B]` f32 done flags (0/1).
+    pub dones: Tensor,
+}
+
+/// Ring buffer of `(s, a, r, s', done)` with uniform sampling with replacement.
+#[derive(Debug)]
+pub struct ReplayBuffer {
+    capacity: usize,
+    len: usize,
+    pos: usize,
+    device: Device,
+    pub(crate) states: Tensor,
+    pub(crate) actions: Tensor,
+    pub(crate) rewards: Tensor,
+    pub(crate) next_states: Tensor,
+    pub(crate) dones: Tensor,
+}
+
+impl ReplayBuffer {
+    /// An empty buffer of `capacity` transitions on `device` (allocated up front:
+    /// `capacity · 460` bytes).
+    pub fn new(capacity: usize, device: &Device) -> Result<Self> {
+        let ctx = "ReplayBuffer::new";
+        if capacity == 0 || capacity > u32::MAX as usize {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!("capacity must be in 1..=2^32-1, got {capacity}"),
+            });
+        }
+        let z = |shape: &[usize], dt| Tensor::zeros(shape, dt, device).ctx(ctx);
+        Ok(Self {
+            capacity,
+            len: 0,
+            pos: 0,
+            device: device.clone(),
+            states: z(&[capacity, OBS_DIM], DType::F32)?,
+            actions: z(&[capacity], DType::U32)?,
+            rewards: z(&[capacity], DType::F32)?,
+            next_states: z(&[capacity, OBS_DIM], DType::F32)?,
+            dones: z(&[capacity], DType::F32)?,
+        })
+    }
+
+    /// Maximum number of transitions held.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Number of transitions held (at most `capacity`).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True before the first push.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The ring position the next push writes to.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// The device the buffer lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Appends `n` transitions at the ring position, wrapping around and overwriting the
+    /// oldest ones; exactly as `n` single pushes would (if `n > capacity`, only the last
+    /// `capacity` rows stay). `s`, `s2`: `[n, 56]` f32; `a`: `[n]` u32; `r`, `done`:
+    /// `[n]` f32; all on the buffer's device.
+    pub fn push_batch(&mut self, s: &Tensor, a: &Tensor, r: &Tensor, s2: &Tensor, done: &Tensor) -> Result<()> {
+        let ctx = "ReplayBuffer::push_batch";
+        let n = a.dims().first().copied().unwrap_or(0);
+        let dev = &self.device;
+        expect_tensor(s, "s", ctx, &[n, OBS_DIM], DType::F32, dev)?;
+        expect_tensor(a, "a", ctx, &[n], DType::U32, dev)?;
+        expect_tensor(r, "r", ctx, &[n], DType::F32, dev)?;
+        expect_tensor(s2, "s2", ctx, &[n, OBS_DIM], DType::F32, dev)?;
+        expect_tensor(done, "done", ctx, &[n], DType::F32, dev)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let skip = n.saturating_sub(self.capacity);
+        let kept = n - skip;
+        let start = (self.pos + skip) % self.capacity;
+        let first = kept.min(self.capacity - start);
+        let pairs =
+            [(&self.states, s), (&self.actions, a), (&self.rewards, r), (&self.next_states, s2), (&self.dones, done)];
+        for (dst, src) in pairs {
+            let src = src.contiguous().ctx(ctx)?;
+            dst.slice_set(&src.narrow(0, skip, first).ctx(ctx)?.contiguous().ctx(ctx)?, 0, start).ctx(ctx)?;
+            if kept > first {
+                dst.slice_set(&src.narrow(0, skip + first, kept - first).ctx(ctx)?.contiguous().ctx(ctx)?, 0, 0)
+                    .ctx(ctx)?;
+            }
+        }
+        self.advance(n);
+        Ok(())
+    }
+
+    /// Moves the ring position and length after `n` rows were written (also used by the
+    /// GPU env, whose kernel writes the rows itself).
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.pos = (self.pos + n) % self.capacity;
+        self.len = (self.len + n).min(self.capacity);
+    }
+
+    /// `batch` transitions drawn uniformly with replacement from the `len` held ones. The
+    /// indices come from the device's generator (`Tensor::rand` in f64, scaled, floored),
+    /// so on CUDA nothing is copied to the host; seed them with `Device::set_seed`.
+    pub fn sample(&self, batch: usize) -> Result<ReplayBatch> {
+        let ctx = "ReplayBuffer::sample";
+        if self.len == 0 {
+            return Err(Error::Empty { what: "replay buffer", context: ctx });
+        }
+        let n = self.len as f64;
+        // floor(u · len) < len for u < 1 in f64 up to len = 2^32; the clamp guards the rest.
+        let idx = Tensor::rand(0f64, 1f64, batch, &self.device)
+            .and_then(|u| u.affine(n, 0.0))
+            .and_then(|x| x.floor())
+            .and_then(|x| x.clamp(0f64, n - 1.0))
+            .and_then(|x| x.to_dtype(DType::U32))
+            .ctx(ctx)?;
+        self.select(&idx, ctx)
+    }
+
+    /// The transitions at `indices` (`[B]` u32, each < `len`), checked on the host (this
+    /// copies the indices; use [`sample`](Self::sample) in training loops).
+    pub fn gather(&self, indices: &Tensor) -> Result<ReplayBatch> {
+        let ctx = "ReplayBuffer::gather";
+        let b = indices.dims().first().copied().unwrap_or(0);
+        expect_tensor(indices, "indices", ctx, &[b], DType::U32, &self.device)?;
+        let host = indices.to_vec1::<u32>().ctx(ctx)?;
+        if let Some((i, &v)) = host.iter().enumerate().find(|(_, &v)| v as usize >= self.len) {
+            return Err(Error::OutOfRange {
+                what: format!("indices[{i}]"),
+                value: v as u64,
+                bound: self.len as u64,
+                context: ctx,
+            });
+        }
+        self.select(indices, ctx)
+    }
+
+    fn select(&self, idx: &Tensor, ctx: &'static str) -> Result<ReplayBatch> {
+        Ok(ReplayBatch {
+            states: self.states.index_select(idx, 0).ctx(ctx)?,
+            actions: self.actions.index_select(idx, 0).ctx(ctx)?,
+            rewards: self.rewards.index_select(idx, 0).ctx(ctx)?,
+            next_states: self.next_states.index_select(idx, 0).ctx(ctx)?,
+            dones: self.dones.index_select(idx, 0).ctx(ctx)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows whose every value encodes the row's global id `k`, so any stored row can be
+    /// traced back to the push it came from.
+    fn rows(k0: usize, n: usize) -> [Tensor; 5] {
+        let dev = Device::Cpu;
+        let s: Vec<f32> = (0..n * OBS_DIM).map(|i| (k0 + i / OBS_DIM) as f32).collect();
+        let s2: Vec<f32> = s.iter().map(|v| v + 0.5).collect();
+        let a: Vec<u32> = (0..n).map(|i| ((k0 + i) % 3) as u32).collect();
+        let r: Vec<f32> = (0..n).map(|i| -((k0 + i) as f32)).collect();
+        let d: Vec<f32> = (0..n).map(|i| ((k0 + i) % 2) as f32).collect();
+        [
+            Tensor::from_vec(s, (n, OBS_DIM), &dev).expect("s"),
+            Tensor::from_vec(a, n, &dev).expect("a"),
+            Tensor::from_vec(r, n, &dev).expect("r"),
+            Tensor::from_vec(s2, (n, OBS_DIM), &dev).expect("s2"),
+            Tensor::from_vec(d, n, &dev).expect("d"),
+        ]
+    }
+
+    fn push(buf: &mut ReplayBuffer, k0: usize, n: usize) {
+        let [s, a, r, s2, d] = rows(k0, n);
+        buf.push_batch(&s, &a, &r, &s2, &d).expect("push");
+    }
+
+    /// Checks that every row of the batch is one consistent pushed transition and returns
+    /// the ids.
+    fn ids(b: &ReplayBatch) -> Vec<usize> {
+        let s = b.states.to_vec2::<f32>().expect("s");
+        let s2 = b.next_states.to_vec2::<f32>().expect("s2");
+        let a = b.actions.to_vec1::<u32>().expect("a");
+        let r = b.rewards.to_vec1::<f32>().expect("r");
+        let d = b.dones.to_vec1::<f32>().expect("d");
+        (0..a.len())
+            .map(|i| {
+                let k = s[i][0] as usize;
+                assert!(s[i].iter().all(|&v| v == k as f32 && v.is_finite()), "row {i} mixed");
+                assert!(s2[i].iter().all(|&v| v == k as f32 + 0.5));
+                assert_eq!(a[i] as usize, k % 3);
+                assert_eq!(r[i], -(k as f32));
+                assert_eq!(d[i], (k % 2) as f32);
+                k
+            })
+            .collect()
+    }
+
+    #[test]
+    fn wraps_around_like_single_pushes() {
+        let mut buf = ReplayBuffer::new(10, &Device::Cpu).expect("buf");
+        assert!(buf.sample(4).is_err());
+        push(&mut buf, 0, 7);
+        assert_eq!((buf.len(), buf.position()), (7, 7));
+        push(&mut buf, 7, 6); // rows 7..13: 7,8,9 at 7..10, then 10,11,12 at 0..3
+        assert_eq!((buf.len(), buf.position()), (10, 3));
+        let all = buf.gather(&Tensor::arange(0u32, 10, &Device::Cpu).expect("idx")).expect("gather");
+        assert_eq!(ids(&all), vec![10, 11, 12, 3, 4, 5, 6, 7, 8, 9]);
+        // a batch larger than the capacity keeps its last rows, at the same places as
+        // one-by-one pushes would put them
+        push(&mut buf, 100, 23); // ids 100..123 starting at 3 -> final pos (3+23)%10 = 6
+        assert_eq!(buf.position(), 6);
+        let all = buf.gather(&Tensor::arange(0u32, 10, &Device::Cpu).expect("idx")).expect("gather");
+        let mut want = [0usize; 10];
+        for k in 0..23 {
+            want[(3 + k) % 10] = 100 + k;
+        }
+        assert_eq!(ids(&all), want.to_vec());
+    }
+
+    #[test]
+    fn samples_only_pushed_rows() {
+        let mut buf = ReplayBuffer::new(64, &Device::Cpu).expect("buf");
+        push(&mut buf, 0, 5);
+        let got = ids(&buf.sample(200).expect("sample"));
+        assert!(got.iter().all(|&k| k < 5), "{got:?}");
+        // all five rows show up in 200 draws (fails with probability 5·0.8^200)
+        for k in 0..5 {
+            assert!(got.contains(&k));
+        }
+        push(&mut buf, 5, 100);
+        let got = ids(&buf.sample(300).expect("sample"));
+        assert!(got.iter().all(|&k| (41..105).contains(&k)), "{got:?}");
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        let mut buf = ReplayBuffer::new(8, &Device::Cpu).expect("buf");
+        let [s, a, r, s2, d] = rows(0, 3);
+        assert!(buf.push_batch(&s, &a, &r, &s2, &d.narrow(0, 0, 2).expect("n")).is_err());
+        assert!(buf.push_batch(&s, &a.to_dtype(DType::I64).expect("c"), &r, &s2, &d).is_err());
+        assert!(buf.push_batch(&s.narrow(1, 0, 54).expect("n"), &a, &r, &s2, &d).is_err());
+        assert!(buf.is_empty());
+        buf.push_batch(&s, &a, &r, &s2, &d).expect("push");
+        let bad = Tensor::new(&[0u32, 3], &Device::Cpu).expect("idx");
+        assert!(buf.gather(&bad).is_err());
+        assert!(ReplayBuffer::new(0, &Device::Cpu).is_err());
+    }
+}

@@ -1,0 +1,211 @@
+//! Atomic saving and strict loading of named tensors (training checkpoints).
+//!
+//! A checkpoint is one safetensors file: named tensors plus string metadata (JSON for
+//! structured state such as the GradScaler's). Saving writes a temporary file in the same
+//! directory, syncs it and renames it over the target, so a crash leaves either the old
+//! or the new checkpoint, never a torn one. Loading hands back a [`NamedTensors`], from
+//! which the caller *takes* what it expects; missing, mis-shaped and left-over (unknown)
+//! tensors are errors that name the file and the tensor.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+
+use crate::error::{Context, Error, Result};
+use crate::optim::sorted_vars;
+
+/// A bag of named tensors with the name of where they came from, consumed by `take`.
+#[derive(Debug)]
+pub struct NamedTensors {
+    source: String,
+    tensors: HashMap<String, Tensor>,
+    metadata: HashMap<String, String>,
+}
+
+impl NamedTensors {
+    /// Wraps `tensors`; `source` names them in error messages (e.g. a file path).
+    pub fn new(source: impl Into<String>, tensors: HashMap<String, Tensor>) -> Self {
+        NamedTensors { source: source.into(), tensors, metadata: HashMap::new() }
+    }
+
+    /// The string metadata stored with the tensors.
+    pub fn metadata(&self) -> &HashMap<String, String> {
+        &self.metadata
+    }
+
+    /// The names not yet taken, sorted.
+    pub fn remaining(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Removes and returns tensor `name`, which must have shape `dims`.
+    pub fn take(&mut self, name: &str, dims: &[usize]) -> Result<Tensor> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { source_name: self.source.clone(), name: name.to_string() })?;
+        if t.dims() != dims {
+            return Err(Error::ShapeMismatch {
+                source_name: self.source.clone(),
+                name: name.to_string(),
+                got: t.dims().to_vec(),
+                expected: dims.to_vec(),
+            });
+        }
+        Ok(self.tensors.remove(name).expect("checked above"))
+    }
+
+    /// Sets every variable of `varmap` from tensor `{prefix}{name}` (shape-checked, cast
+    /// to the variable's dtype and device). Nothing is changed unless all are present.
+    pub fn restore_varmap(&mut self, varmap: &VarMap, prefix: &str) -> Result<()> {
+        let vars = sorted_vars(varmap);
+        let mut staged = Vec::with_capacity(vars.len());
+        for (name, var) in &vars {
+            let t = self.take(&format!("{prefix}{name}"), var.dims())?;
+            let t = t
+                .to_dtype(var.dtype())
+                .and_then(|t| t.to_device(var.device()))
+                .ctx(&format!("restoring {prefix}{name} from {}", self.source))?;
+            staged.push((var, t));
+        }
+        for (var, t) in staged {
+            var.set(&t).ctx("restore_varmap")?;
+        }
+        Ok(())
+    }
+
+    /// Succeeds only if every tensor was taken; otherwise names the leftovers.
+    pub fn finish(self) -> Result<()> {
+        if self.tensors.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::UnknownTensors { names: self.remaining(), source_name: self.source })
+        }
+    }
+}
+
+/// The variables of `varmap` as `{prefix}{name}` → tensor, ready for
+/// [`save_tensors_atomic`].
+pub fn varmap_tensors(varmap: &VarMap, prefix: &str) -> HashMap<String, Tensor> {
+    sorted_vars(varmap).into_iter().map(|(n, v)| (format!("{prefix}{n}"), v.as_tensor().detach())).collect()
+}
+
+/// Writes `tensors` and `metadata` to `path` as safetensors, atomically (temp file in the
+/// same directory, fsync, rename, fsync of the directory where supported).
+pub fn save_tensors_atomic(
+    path: impl AsRef<Path>,
+    tensors: &HashMap<String, Tensor>,
+    metadata: &HashMap<String, String>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let mut host = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        // safetensors' View copies to the host and unwraps; do it here with errors.
+        let t = t
+            .to_device(&Device::Cpu)
+            .and_then(|t| t.contiguous())
+            .ctx(&format!("saving tensor {name:?} to {}", path.display()))?;
+        host.push((name.clone(), t));
+    }
+    host.sort_by(|a, b| a.0.cmp(&b.0));
+    let bytes = safetensors::tensor::serialize(host, Some(metadata.clone()))
+        .map_err(|e| Error::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
+    let file_name = path.file_name().ok_or_else(|| Error::Io {
+        op: "saving to",
+        path: path.to_path_buf(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "path has no file name"),
+    })?;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let tmp: PathBuf = dir.join(format!(".{}.tmp.{}", file_name.to_string_lossy(), std::process::id()));
+    let io = |op: &'static str, p: &Path| {
+        let p = p.to_path_buf();
+        move |source| Error::Io { op, path: p, source }
+    };
+    let write = || -> Result<()> {
+        let mut f = std::fs::File::create(&tmp).map_err(io("creating", &tmp))?;
+        f.write_all(&bytes).map_err(io("writing", &tmp))?;
+        f.sync_all().map_err(io("syncing", &tmp))?;
+        std::fs::rename(&tmp, path).map_err(io("renaming onto", path))?;
+        Ok(())
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    // Make the rename itself durable; not all platforms let a directory be synced.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Reads a safetensors file onto `device`; take its tensors with [`NamedTensors::take`].
+pub fn load_tensors(path: impl AsRef<Path>, device: &Device) -> Result<NamedTensors> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { op: "reading", path: path.to_path_buf(), source })?;
+    let st_err = |message: String| Error::Safetensors { path: path.to_path_buf(), message };
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| st_err(e.to_string()))?;
+    let metadata = meta.metadata().clone().unwrap_or_default();
+    let tensors = candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| st_err(e.to_string()))?;
+    Ok(NamedTensors { source: path.display().to_string(), tensors, metadata })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    #[test]
+    fn round_trip_with_metadata_and_strict_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ck.safetensors");
+        let dev = Device::Cpu;
+        let mut map = HashMap::new();
+        let w = Tensor::arange(0f32, 6.0, &dev).unwrap().reshape((2, 3)).unwrap();
+        map.insert("w".to_string(), w.t().unwrap()); // non-contiguous on purpose
+        map.insert("step".to_string(), Tensor::new(7i64, &dev).unwrap());
+        let meta = HashMap::from([("scaler".to_string(), "{\"scale\":2.0}".to_string())]);
+        save_tensors_atomic(&path, &map, &meta).unwrap();
+        // Overwrite is atomic and leaves no temp file behind.
+        save_tensors_atomic(&path, &map, &meta).unwrap();
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+
+        let mut ck = load_tensors(&path, &dev).unwrap();
+        assert_eq!(ck.metadata()["scaler"], "{\"scale\":2.0}");
+        let err = ck.take("w", &[2, 3]).unwrap_err().to_string();
+        assert!(err.contains("\"w\" has shape [3, 2], expected [2, 3]") && err.contains("ck.safetensors"), "{err}");
+        let w2 = ck.take("w", &[3, 2]).unwrap();
+        assert_eq!(w2.to_vec2::<f32>().unwrap(), w.t().unwrap().to_vec2::<f32>().unwrap());
+        let err = ck.take("w", &[3, 2]).unwrap_err().to_string();
+        assert!(err.contains("missing tensor \"w\""), "{err}");
+        let err = ck.finish().unwrap_err().to_string();
+        assert!(err.contains("unknown tensor(s) [\"step\"]"), "{err}");
+
+        let err = load_tensors(dir.path().join("nope"), &dev).unwrap_err().to_string();
+        assert!(err.contains("reading") && err.contains("nope"), "{err}");
+        std::fs::write(dir.path().join("junk"), b"not a safetensors file").unwrap();
+        assert!(load_tensors(dir.path().join("junk"), &dev).is_err());
+    }
+
+    #[test]
+    fn varmap_round_trip() {
+        let dev = Device::Cpu;
+        let vm = VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev);
+        let _ = vb.pp("l").get_with_hints((2, 2), "weight", candle_nn::Init::Randn { mean: 0., stdev: 1. }).unwrap();
+        let saved = varmap_tensors(&vm, "model.");
+        let vm2 = VarMap::new();
+        let vb2 = candle_nn::VarBuilder::from_varmap(&vm2, DType::F32, &dev);
+        let w2 = vb2.pp("l").get_with_hints((2, 2), "weight", candle_nn::Init::Const(0.)).unwrap();
+        let mut src = NamedTensors::new("mem", saved.clone());
+        src.restore_varmap(&vm2, "model.").unwrap();
+        src.finish().unwrap();
+        assert_eq!(w2.to_vec2::<f32>().unwrap(), saved["model.l.weight"].to_vec2::<f32>().unwrap());
+    }
+}
