@@ -81,10 +81,10 @@ impl Ctx {
         let (a, b) = if rank == 3 { (&a.contiguous()?, &b.contiguous()?) } else { (a, b) };
         let dt = a.dtype();
         if dt == self.compute {
-            return Ok(a.matmul(&b.to_dtype(dt)?)?);
+            return a.matmul(&b.to_dtype(dt)?);
         }
         let y = a.to_dtype(self.compute)?.matmul(&b.to_dtype(self.compute)?)?;
-        Ok(y.to_dtype(dt)?)
+        y.to_dtype(dt)
     }
 
     /// `y = x · wᵀ + b` over the last axis of `x` (PyTorch layout `w [o, i]`), the
@@ -101,7 +101,7 @@ impl Ctx {
         let mut out = dims;
         let last = out.len() - 1;
         out[last] = w.dim(0)?;
-        Ok(y.reshape(out)?)
+        y.reshape(out)
     }
 
     /// Inverted dropout with probability `p`, only in training mode.

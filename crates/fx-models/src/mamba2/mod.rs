@@ -79,10 +79,10 @@ impl Mamba2Config {
         let ok = self.d_model > 0
             && self.n_layer > 0
             && self.headdim > 0
-            && self.d_inner() % self.headdim == 0
+            && self.d_inner().is_multiple_of(self.headdim)
             && self.ngroups > 0
-            && self.nheads() % self.ngroups == 0
-            && self.d_inner() % self.ngroups == 0
+            && self.nheads().is_multiple_of(self.ngroups)
+            && self.d_inner().is_multiple_of(self.ngroups)
             && self.d_conv > 0
             && self.chunk_size > 0
             && self.d_state > 0;
@@ -299,7 +299,7 @@ impl Mamba2 {
         s2.extend_from_slice(&[g, nh / g, n]);
         let mut s3 = lead.to_vec();
         s3.extend_from_slice(&[nh, n]);
-        Ok(t.reshape(s1)?.broadcast_as(s2)?.contiguous()?.reshape(s3)?)
+        t.reshape(s1)?.broadcast_as(s2)?.contiguous()?.reshape(s3)
     }
 
     /// Gated RMSNorm `rmsnorm(y ⊙ silu(z)) · w`, normalised within each group.
@@ -311,7 +311,7 @@ impl Mamba2 {
         let mut grouped = dims[..dims.len() - 1].to_vec();
         grouped.extend_from_slice(&[g, di / g]);
         let normed = rms_normalize(&yz.reshape(grouped)?, self.cfg.norm_eps)?.reshape(dims)?;
-        Ok(normed.broadcast_mul(&c.p(&mx.norm_w)?)?)
+        normed.broadcast_mul(&c.p(&mx.norm_w)?)
     }
 
     fn mixer_fwd(&self, c: &Ctx, mx: &Mixer, u: &Tensor) -> candle_core::Result<(Tensor, Mamba2LayerAux)> {

@@ -23,7 +23,7 @@ pub(crate) fn segsum_exp(x: &Tensor) -> Result<Tensor> {
     // then back to [..., i, j].
     let xxt = x.unsqueeze(D::Minus2)?.broadcast_mul(&strict_lower.t()?)?;
     let s = cumsum_last(&xxt)?.transpose(D::Minus1, D::Minus2)?;
-    Ok(s.exp()?.broadcast_mul(&lower)?.contiguous()?)
+    s.exp()?.broadcast_mul(&lower)?.contiguous()
 }
 
 /// Inclusive cumulative sum over the last axis as one 2-D matmul with an
@@ -37,7 +37,7 @@ pub(crate) fn cumsum_last(x: &Tensor) -> Result<Tensor> {
     let k = Tensor::arange(0u32, t as u32, dev)?.reshape((t, 1))?.broadcast_as((t, t))?;
     let i = Tensor::arange(0u32, t as u32, dev)?.reshape((1, t))?.broadcast_as((t, t))?;
     let upper = k.le(&i)?.to_dtype(x.dtype())?; // upper[k, i] = 1 for k ≤ i
-    Ok(x.contiguous()?.reshape((rows, t))?.matmul(&upper)?.reshape(dims)?)
+    x.contiguous()?.reshape((rows, t))?.matmul(&upper)?.reshape(dims)
 }
 
 /// Chunked SSD. `x [b, l, h, p]` (already `x·dt`), `a [b, l, h]` (already `A·dt`,

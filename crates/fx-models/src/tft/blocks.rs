@@ -49,7 +49,7 @@ impl StackedLin {
     fn fwd(&self, c: &Ctx, x: &Tensor) -> Result<Tensor> {
         let w = c.p(&self.w)?; // [n, o, i]
         let b = c.p(&self.b)?.unsqueeze(1)?; // [n, 1, o]
-        Ok(c.mm(x, &w.transpose(1, 2)?)?.broadcast_add(&b)?)
+        c.mm(x, &w.transpose(1, 2)?)?.broadcast_add(&b)
     }
 
     /// Per-variable scalar embedding (i = 1): `x [M, n] → [n, M, o]`.
@@ -57,7 +57,7 @@ impl StackedLin {
         let w = c.p(&self.w)?.squeeze(2)?.unsqueeze(1)?; // [n, 1, o]
         let b = c.p(&self.b)?.unsqueeze(1)?;
         let xt = x.t()?.unsqueeze(2)?; // [n, M, 1]
-        Ok(xt.broadcast_mul(&w)?.broadcast_add(&b)?)
+        xt.broadcast_mul(&w)?.broadcast_add(&b)
     }
 
     /// Concatenated along the output axis: `[n·o, i]` weight and `[n·o]` bias (the
@@ -104,7 +104,7 @@ impl Glu {
     }
 
     pub(crate) fn fwd(&self, c: &Ctx, x: &Tensor) -> Result<Tensor> {
-        Ok((sigmoid(&self.fc4.fwd(c, x)?)? * self.fc5.fwd(c, x)?)?)
+        sigmoid(&self.fc4.fwd(c, x)?)? * self.fc5.fwd(c, x)?
     }
 }
 

@@ -109,7 +109,7 @@ pub struct Tft {
 impl Tft {
     /// A freshly initialised model (PyTorch default initialisation, LayerNorm 1/0).
     pub fn new(cfg: TftConfig, device: &Device) -> Result<Self> {
-        if cfg.d == 0 || cfg.n_head == 0 || cfg.d % cfg.n_head != 0 {
+        if cfg.d == 0 || cfg.n_head == 0 || !cfg.d.is_multiple_of(cfg.n_head) {
             let msg = format!("n_head ({}) must divide d ({})", cfg.n_head, cfg.d);
             return Err(Error::config("Tft::new", msg));
         }
