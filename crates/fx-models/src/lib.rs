@@ -18,6 +18,7 @@ pub mod param_io;
 pub mod ppo;
 pub mod seq_ops;
 pub mod seq_params;
+pub mod seq_train;
 pub mod tft;
 
 #[cfg(test)]

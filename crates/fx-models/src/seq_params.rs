@@ -88,6 +88,22 @@ impl ParamStore {
         self.entries.iter().map(|e| e.var.clone()).collect()
     }
 
+    /// The internal tensors with a name each, for optimisers (state keys): a plain
+    /// parameter under its spec name, a stacked one under its names' common pattern
+    /// with the varying segment as `*` (`enc_vsn.vars.*.fc1.weight`).
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        self.entries
+            .iter()
+            .map(|e| {
+                let name = match &e.names {
+                    Names::One(n) => n.clone(),
+                    Names::Stacked { names, .. } => stacked_pattern(names),
+                };
+                (name, e.var.clone())
+            })
+            .collect()
+    }
+
     /// Spec names and shapes, in registration order.
     pub fn names_and_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let mut out = Vec::new();
@@ -198,6 +214,19 @@ impl ParamStore {
     }
 }
 
+fn stacked_pattern(names: &[String]) -> String {
+    let first: Vec<&str> = names[0].split('.').collect();
+    let mut pattern: Vec<String> = first.iter().map(|s| s.to_string()).collect();
+    for n in &names[1..] {
+        for (k, seg) in n.split('.').enumerate() {
+            if k < pattern.len() && pattern[k] != seg {
+                pattern[k] = "*".into();
+            }
+        }
+    }
+    pattern.join(".")
+}
+
 fn split_into(out: &mut BTreeMap<String, Tensor>, names: &Names, t: &Tensor) -> candle_core::Result<()> {
     match names {
         Names::One(n) => {
@@ -234,6 +263,8 @@ mod tests {
         let d = (back["e.1.w"].clone() - e1).unwrap().abs().unwrap().sum_all().unwrap();
         assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
         assert_eq!(ps.param_count(), 12);
+        let names: Vec<String> = ps.named_vars().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["a.weight", "e.*.w"]);
 
         let mut bad = m.clone();
         bad.insert("zzz".into(), Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap());
