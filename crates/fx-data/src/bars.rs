@@ -141,21 +141,18 @@ fn check_row(r: &RowValues, prev_ts: Option<i64>, raw: Option<&[&str; 4]>) -> Re
 
 fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
     let err = |line: u64, rule: String| Error::Input { path: path.to_path_buf(), line, rule };
-    let mut rdr = csv::ReaderBuilder::new().has_headers(false).flexible(true).from_reader(reader);
-    let mut records = rdr.records();
+    // Lines are split here (not by the csv crate, whose line numbers skip
+    // blank lines and miscount CRLF) so `file:line` is the editor's line.
+    let mut lines = Lines::new(reader, path);
 
-    // Header: the first non-blank record.
-    let mut header = None;
-    for rec in records.by_ref() {
-        let rec = rec.map_err(|e| csv_error(path, e))?;
-        if is_blank(&rec) {
-            continue;
+    // Header: the first non-blank line.
+    let (header_line, header) = loop {
+        match lines.next_record()? {
+            None => return Err(err(1, "empty file (no header row)".into())),
+            Some((_, rec)) if is_blank(&rec) => continue,
+            Some(x) => break x,
         }
-        header = Some(rec);
-        break;
-    }
-    let header = header.ok_or_else(|| err(1, "empty file (no header row)".into()))?;
-    let header_line = line_of(&header);
+    };
     let mut index: [Option<usize>; 6] = [None; 6];
     for (i, name) in header.iter().enumerate() {
         let name = name.trim().to_ascii_lowercase();
@@ -179,16 +176,14 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
 
     let mut bars = Bars::default();
     let mut prev_ts = None;
-    for rec in records {
-        let rec = rec.map_err(|e| csv_error(path, e))?;
+    while let Some((line, rec)) = lines.next_record()? {
         if is_blank(&rec) {
             continue;
         }
-        let line = line_of(&rec);
         if rec.len() < n_fields {
             return Err(err(line, format!("row has fewer fields than the header ({} < {n_fields})", rec.len())));
         }
-        let cell = |k: usize| rec.get(idx[k]).unwrap_or("").trim();
+        let cell = |k: usize| rec[idx[k]].trim();
         let ts_text = cell(0);
         let ts = parse_timestamp(ts_text)
             .ok_or_else(|| err(line, format!("timestamp is neither unix seconds nor ISO-8601 (`{ts_text}`)")))?;
@@ -207,22 +202,87 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
     Ok(bars)
 }
 
-fn is_blank(rec: &csv::StringRecord) -> bool {
+fn is_blank(rec: &[String]) -> bool {
     rec.iter().all(|f| f.trim().is_empty())
 }
 
-fn line_of(rec: &csv::StringRecord) -> u64 {
-    rec.position().map(|p| p.line()).unwrap_or(0)
+/// Physical lines of the input, numbered from 1, split into CSV fields.
+struct Lines<'p, R: Read> {
+    reader: std::io::BufReader<R>,
+    path: &'p Path,
+    line: u64,
+    buf: Vec<u8>,
 }
 
-fn csv_error(path: &Path, e: csv::Error) -> Error {
-    let line = e.position().map(|p| p.line()).unwrap_or(0);
-    let rule = match e.kind() {
-        csv::ErrorKind::Utf8 { .. } => "row is not valid UTF-8".to_string(),
-        csv::ErrorKind::Io(io) => return Error::io(path, std::io::Error::new(io.kind(), io.to_string())),
-        _ => format!("malformed CSV ({e})"),
-    };
-    Error::Input { path: path.to_path_buf(), line, rule }
+impl<'p, R: Read> Lines<'p, R> {
+    fn new(reader: R, path: &'p Path) -> Self {
+        Lines { reader: std::io::BufReader::new(reader), path, line: 0, buf: Vec::new() }
+    }
+
+    /// The next line's number and fields; `None` at the end of the input.
+    fn next_record(&mut self) -> Result<Option<(u64, Vec<String>)>, Error> {
+        use std::io::BufRead;
+        self.buf.clear();
+        let n = self.reader.read_until(b'\n', &mut self.buf).map_err(|e| Error::io(self.path, e))?;
+        if n == 0 {
+            return Ok(None);
+        }
+        self.line += 1;
+        let mut bytes = &self.buf[..];
+        if let Some(b) = bytes.strip_suffix(b"\n") {
+            bytes = b;
+        }
+        if let Some(b) = bytes.strip_suffix(b"\r") {
+            bytes = b;
+        }
+        if self.line == 1 {
+            // A UTF-8 byte-order mark (Excel exports) is not part of the data.
+            bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
+        }
+        let text = std::str::from_utf8(bytes).map_err(|_| Error::Input {
+            path: self.path.to_path_buf(),
+            line: self.line,
+            rule: "row is not valid UTF-8".into(),
+        })?;
+        let fields = split_fields(text).ok_or_else(|| Error::Input {
+            path: self.path.to_path_buf(),
+            line: self.line,
+            rule: "unbalanced quotes".into(),
+        })?;
+        Ok(Some((self.line, fields)))
+    }
+}
+
+/// Splits one CSV line on commas outside double quotes; a quoted field may
+/// contain commas and doubled quotes (`""`). `None` when a quote is left open.
+fn split_fields(line: &str) -> Option<Vec<String>> {
+    let mut fields = Vec::new();
+    let mut cur = String::new();
+    let mut chars = line.chars().peekable();
+    let mut quoted = false;
+    while let Some(c) = chars.next() {
+        match (quoted, c) {
+            (false, ',') => fields.push(std::mem::take(&mut cur)),
+            (false, '"') if cur.trim().is_empty() => {
+                cur.clear();
+                quoted = true;
+            }
+            (true, '"') => {
+                if chars.peek() == Some(&'"') {
+                    chars.next();
+                    cur.push('"');
+                } else {
+                    quoted = false;
+                }
+            }
+            (_, c) => cur.push(c),
+        }
+    }
+    if quoted {
+        return None;
+    }
+    fields.push(cur);
+    Some(fields)
 }
 
 /// Parses a timestamp cell: an integer is Unix seconds; anything else is
@@ -397,6 +457,36 @@ mod tests {
     }
 
     #[test]
+    fn bom_crlf_quotes_and_blank_lines() {
+        let mut text = String::from("\u{feff}\"Date\",open,high,low,close,volume\r\n\r\n");
+        for i in 0..101 {
+            text += &format!("\"2024-01-{:02}\",2,3,1,2,5\r\n", 1 + i % 28);
+            if i == 27 {
+                break;
+            }
+        }
+        // 28 distinct days, then a non-increasing repeat of day 1 at line 31.
+        text += "2024-01-01,2,3,1,2,5\r\n";
+        let e = parse(&text).unwrap_err();
+        match e {
+            Error::Input { line, rule, .. } => {
+                assert_eq!(line, 31);
+                assert_eq!(rule, "timestamps must be strictly increasing");
+            }
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn field_splitting() {
+        assert_eq!(split_fields("a, b ,,c").unwrap(), ["a", " b ", "", "c"]);
+        assert_eq!(split_fields(r#""x,y",1,"say ""hi""""#).unwrap(), ["x,y", "1", r#"say "hi""#]);
+        assert!(split_fields(r#""open,1"#).is_none());
+        let e = parse("timestamp,open,high,low,close,volume\n\n1,\"2,3,1,2,5\n").unwrap_err();
+        assert!(matches!(&e, Error::Input { line: 3, rule, .. } if rule == "unbalanced quotes"), "{e}");
+    }
+
+    #[test]
     fn header_errors_at_line_one() {
         let e = parse("timestamp,open,high,low,close\n1,1,1,1,1\n").unwrap_err();
         assert!(matches!(&e, Error::Input { line: 1, rule, .. } if rule.contains("volume")), "{e}");
@@ -422,11 +512,12 @@ mod tests {
             ("1,2,3,1,2,NaN\n", "volume must be"),
         ];
         for (row, want) in cases {
+            // Header, blank line, a good row, blank line, the bad row at line 5.
             let text = format!("{h}\n0,2,3,1,2,5\n\n{row}");
             let e = parse(&text).unwrap_err();
             match &e {
                 Error::Input { line, rule, .. } => {
-                    assert_eq!(*line, 4, "{row}");
+                    assert_eq!(*line, 5, "{row}");
                     assert!(rule.contains(want), "{row}: {rule}");
                 }
                 _ => panic!("{row}: {e}"),

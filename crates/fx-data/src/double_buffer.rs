@@ -1,7 +1,7 @@
 //! `DoubleBufferedLoader`: the GPU feed. With the `cuda` feature it uploads
 //! batch n+1 into a second device buffer on its own copy stream while the
 //! model computes on batch n, ordered with events (no host-side waits on the
-//! GPU). Without `cuda` it is the [`BatchLoader`] itself: host batches from
+//! GPU). Without `cuda` it is the [`BatchLoader`](crate::batch::BatchLoader) itself: host batches from
 //! the prefetch workers.
 //!
 //! Ordering (cuda): each call first records an event on the compute stream

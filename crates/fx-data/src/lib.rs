@@ -5,6 +5,8 @@
 //! splits the rows chronologically, and feeds training through seeded
 //! samplers and a background prefetcher so the GPU never waits for data.
 
+#![warn(missing_docs)]
+
 pub mod bars;
 pub mod batch;
 pub mod double_buffer;

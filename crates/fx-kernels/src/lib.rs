@@ -16,6 +16,8 @@
 #![allow(clippy::needless_range_loop)]
 
 mod checks;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod env;
 mod error;
 pub mod gae;
@@ -28,6 +30,8 @@ pub mod vec_env;
 #[cfg(test)]
 mod fixtures;
 
+#[cfg(feature = "cuda")]
+pub use cuda::{GpuEnvOptions, GpuTradingEnv};
 pub use env::{CpuTradingEnv, EnvConfig, EnvData, N_ACTIONS, N_MARKET, OBS_DIM};
 pub use error::{Error, Result};
 pub use gae::{gae, GaeConfig};

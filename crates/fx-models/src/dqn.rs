@@ -9,6 +9,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, D};
+use fx_precision::Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
@@ -62,7 +63,7 @@ impl DqnNetConfig {
 pub struct DuelingDqn {
     cfg: DqnNetConfig,
     params: ParamSet,
-    compute: DType,
+    precision: Precision,
 }
 
 impl DuelingDqn {
@@ -71,7 +72,7 @@ impl DuelingDqn {
     pub fn new(cfg: DqnNetConfig, device: &Device, seed: u64) -> Result<Self> {
         cfg.validate()?;
         let params = ParamSet::new_linear_init("dqn", cfg.param_specs(), device, seed)?;
-        Ok(Self { cfg, params, compute: DType::F32 })
+        Ok(Self { cfg, params, precision: Precision::F32 })
     }
 
     /// The network dimensions.
@@ -84,14 +85,14 @@ impl DuelingDqn {
         &self.params
     }
 
-    /// The dtype the forward pass computes in (F32, BF16 or F16; weights stay F32).
-    pub fn compute_dtype(&self) -> DType {
-        self.compute
+    /// The precision policy of the forward pass (weights stay F32).
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
-    /// Sets the compute dtype (the precision policy).
-    pub fn set_compute_dtype(&mut self, dtype: DType) {
-        self.compute = dtype;
+    /// Sets the precision policy (F32, BF16 or F16 compute).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 
     /// Loads weights from a safetensors file (strict names and shapes).
@@ -127,7 +128,7 @@ impl DuelingDqn {
     fn forward_with(&self, s: &Tensor, w: &[&Tensor]) -> Result<Tensor> {
         const CTX: &str = "DuelingDqn::forward";
         check_states(s, self.cfg.state_dim, CTX)?;
-        let c = self.compute;
+        let c = self.precision;
         let mut z = s.clone();
         for l in 0..3 {
             z = linear(&z, w[2 * l], w[2 * l + 1], c).and_then(|t| t.relu()).ctx(CTX)?;
@@ -237,20 +238,20 @@ pub fn soft_update(target: &DuelingDqn, online: &DuelingDqn, tau: f64) -> Result
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::fixtures::{rel_err, Fixture};
 
     /// The fixture's networks: h = 64, online weights at the top level, target under
     /// `target.`.
-    pub(crate) fn fixture_nets(fx: &Fixture, compute: DType) -> (DuelingDqn, DuelingDqn) {
+    pub(crate) fn fixture_nets(fx: &Fixture, compute: Precision) -> (DuelingDqn, DuelingDqn) {
         let cfg = DqnNetConfig { hidden: 64, ..Default::default() };
         let mut online = DuelingDqn::new(cfg, &Device::Cpu, 1).unwrap();
         let mut target = DuelingDqn::new(cfg, &Device::Cpu, 2).unwrap();
         online.params().assign_from(&fx.map, &fx.path, "", false).unwrap();
         target.params().assign_from(&fx.map, &fx.path, "target.", false).unwrap();
-        online.set_compute_dtype(compute);
-        target.set_compute_dtype(compute);
+        online.set_precision(compute);
+        target.set_precision(compute);
         (online, target)
     }
 
@@ -266,7 +267,7 @@ mod tests {
 
     /// `tol` bounds outputs, loss and gradients; `first_layers_tol` the gradients of
     /// `trunk.0` and `trunk.1` (see `parity_bf16`).
-    fn check_parity(compute: DType, tol: f64, first_layers_tol: f64) {
+    fn check_parity(compute: Precision, tol: f64, first_layers_tol: f64) {
         let fx = Fixture::load("dqn.safetensors");
         let (online, target) = fixture_nets(&fx, compute);
         let parts = dqn_loss(&online, &target, fixture_batch(&fx), 0.99, 1.0).unwrap();
@@ -283,7 +284,7 @@ mod tests {
         let a_star: Vec<i64> = fx.get("out.a_star").to_vec1().unwrap();
         let got: Vec<u32> = parts.a_star.to_vec1().unwrap();
         let got: Vec<i64> = got.into_iter().map(i64::from).collect();
-        if compute == DType::F32 {
+        if compute == Precision::F32 {
             assert_eq!(got, a_star);
         } else {
             // BF16 may flip near-ties; the target values above already bound the effect.
@@ -311,7 +312,7 @@ mod tests {
 
     #[test]
     fn parity_f32() {
-        check_parity(DType::F32, 1e-4, 1e-4);
+        check_parity(Precision::F32, 1e-4, 1e-4);
     }
 
     /// BF16 compute: outputs, loss and the gradients of the last three layers within the
@@ -324,7 +325,7 @@ mod tests {
     /// those two layers is PyTorch's error with 35% headroom.
     #[test]
     fn parity_bf16() {
-        check_parity(DType::BF16, 2e-2, 7.5e-2);
+        check_parity(Precision::Bf16, 2e-2, 7.5e-2);
     }
 
     #[test]
@@ -342,9 +343,9 @@ mod tests {
         let p = net.params();
         let mut z = s.clone();
         for l in 0..3 {
-            z = linear(&z, p.t(2 * l), p.t(2 * l + 1), DType::F32).unwrap().relu().unwrap();
+            z = linear(&z, p.t(2 * l), p.t(2 * l + 1), Precision::F32).unwrap().relu().unwrap();
         }
-        let v = linear(&z, p.t(6), p.t(7), DType::F32).unwrap().squeeze(1).unwrap();
+        let v = linear(&z, p.t(6), p.t(7), Precision::F32).unwrap().squeeze(1).unwrap();
         let e = rel_err(&q.mean(1).unwrap(), &v);
         assert!(e < 1e-6, "mean_a Q != V: {e:e}");
     }
@@ -389,7 +390,7 @@ mod tests {
     #[test]
     fn forward_inference_records_no_graph() {
         let fx = Fixture::load("dqn.safetensors");
-        let (online, _) = fixture_nets(&fx, DType::F32);
+        let (online, _) = fixture_nets(&fx, Precision::F32);
         let s = fx.get("in.obs");
         let q_train = online.forward(s).unwrap();
         let q_inf = online.forward_inference(s).unwrap();
@@ -406,7 +407,7 @@ mod tests {
     #[test]
     fn save_load_round_trip_and_reference_file() {
         let fx = Fixture::load("dqn.safetensors");
-        let (online, _) = fixture_nets(&fx, DType::F32);
+        let (online, _) = fixture_nets(&fx, Precision::F32);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dqn.safetensors");
         online.save(&path).unwrap();
@@ -425,7 +426,7 @@ mod tests {
     #[test]
     fn load_errors_name_the_tensor_and_file() {
         let fx = Fixture::load("dqn.safetensors");
-        let (online, _) = fixture_nets(&fx, DType::F32);
+        let (online, _) = fixture_nets(&fx, Precision::F32);
         let dir = tempfile::tempdir().unwrap();
         let mut t = online.params().to_tensors("").unwrap();
 

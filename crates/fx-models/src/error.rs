@@ -113,7 +113,7 @@ pub enum Error {
         context: &'static str,
         /// The underlying error.
         #[source]
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     /// An error from the environment / storage kernels.
     #[error("fx-kernels error in {context}: {source}")]
@@ -122,7 +122,7 @@ pub enum Error {
         context: &'static str,
         /// The underlying error.
         #[source]
-        source: fx_kernels::Error,
+        source: Box<fx_kernels::Error>,
     },
     /// An error from the optimiser / precision layer.
     #[error("fx-precision error in {context}: {source}")]
@@ -131,7 +131,7 @@ pub enum Error {
         context: &'static str,
         /// The underlying error.
         #[source]
-        source: fx_precision::Error,
+        source: Box<fx_precision::Error>,
     },
 }
 
@@ -145,19 +145,19 @@ pub(crate) trait Context<T> {
 
 impl<T> Context<T> for std::result::Result<T, candle_core::Error> {
     fn ctx(self, context: &'static str) -> Result<T> {
-        self.map_err(|source| Error::Candle { context, source })
+        self.map_err(|source| Error::Candle { context, source: Box::new(source) })
     }
 }
 
 impl<T> Context<T> for std::result::Result<T, fx_kernels::Error> {
     fn ctx(self, context: &'static str) -> Result<T> {
-        self.map_err(|source| Error::Kernels { context, source })
+        self.map_err(|source| Error::Kernels { context, source: Box::new(source) })
     }
 }
 
 impl<T> Context<T> for std::result::Result<T, fx_precision::Error> {
     fn ctx(self, context: &'static str) -> Result<T> {
-        self.map_err(|source| Error::Precision { context, source })
+        self.map_err(|source| Error::Precision { context, source: Box::new(source) })
     }
 }
 

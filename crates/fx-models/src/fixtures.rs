@@ -21,15 +21,6 @@ impl Fixture {
     pub fn get(&self, key: &str) -> &Tensor {
         self.map.get(key).unwrap_or_else(|| panic!("fixture {} lacks {key}", self.path))
     }
-
-    /// The entries whose key starts with `prefix`, with the prefix removed.
-    pub fn with_prefix(&self, prefix: &str) -> HashMap<String, Tensor> {
-        self.map.iter().filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone()))).collect()
-    }
-
-    pub fn scalar(&self, key: &str) -> f64 {
-        self.get(key).to_dtype(DType::F64).and_then(|t| t.to_scalar::<f64>()).unwrap()
-    }
 }
 
 /// `‖a − b‖ / ‖b‖` in f64 (`b` the reference); NaN in `a` gives NaN, which fails any

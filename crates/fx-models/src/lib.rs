@@ -11,11 +11,14 @@
 //! sequence models (TFT, MAMBA-2) live beside these in their own modules.
 
 pub mod dqn;
+pub mod dqn_trainer;
 mod error;
 mod linear;
 pub mod mamba2;
 pub mod param_io;
 pub mod ppo;
+pub mod ppo_trainer;
+pub mod schedule;
 pub mod seq_ops;
 pub mod seq_params;
 pub mod seq_train;
@@ -25,11 +28,16 @@ pub mod tft;
 mod fixtures;
 #[cfg(test)]
 mod seq_testing;
+#[cfg(test)]
+mod synthetic;
 
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
+pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
 pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
+pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
+pub use schedule::LinearSchedule;
 pub use seq_ops::Ctx;
 pub use tft::{quantile_loss, Tft, TftConfig};

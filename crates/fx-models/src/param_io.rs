@@ -226,7 +226,7 @@ impl ParamSet {
     }
 
     /// Saves the parameters as F32 under their spec names (atomically: a temporary
-    /// file renamed into place, so a crash never leaves a truncated file).
+    /// file synced and renamed into place, so a crash never leaves a truncated file).
     pub fn save(&self, path: &Path) -> Result<()> {
         write_safetensors(&self.to_tensors("")?, path)
     }
@@ -244,12 +244,8 @@ pub fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, 
         .map_err(|e| Error::SafeTensors { file: path.display().to_string(), message: e.to_string() })
 }
 
-/// Writes tensors to a safetensors file through a temporary file and a rename.
+/// Writes tensors to a safetensors file atomically (fx-precision's temporary file,
+/// fsync and rename), names sorted, no metadata.
 pub fn write_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    candle_core::safetensors::save(tensors, &tmp)
-        .map_err(|e| Error::SafeTensors { file: tmp.display().to_string(), message: e.to_string() })?;
-    std::fs::rename(&tmp, path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+    fx_precision::save_tensors_atomic(path, tensors, &HashMap::new()).ctx("write_safetensors")
 }

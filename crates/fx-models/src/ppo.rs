@@ -9,6 +9,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, D};
+use fx_precision::Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::dqn::check_states;
@@ -84,7 +85,7 @@ impl Default for PpoLossConfig {
 pub struct ActorCritic {
     cfg: PpoNetConfig,
     params: ParamSet,
-    compute: DType,
+    precision: Precision,
 }
 
 impl ActorCritic {
@@ -93,7 +94,7 @@ impl ActorCritic {
     pub fn new(cfg: PpoNetConfig, device: &Device, seed: u64) -> Result<Self> {
         cfg.validate()?;
         let params = ParamSet::new_linear_init("ppo", cfg.param_specs(), device, seed)?;
-        Ok(Self { cfg, params, compute: DType::F32 })
+        Ok(Self { cfg, params, precision: Precision::F32 })
     }
 
     /// The network dimensions.
@@ -106,14 +107,14 @@ impl ActorCritic {
         &self.params
     }
 
-    /// The dtype the forward pass computes in.
-    pub fn compute_dtype(&self) -> DType {
-        self.compute
+    /// The precision policy of the forward pass (weights stay F32).
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
-    /// Sets the compute dtype (the precision policy).
-    pub fn set_compute_dtype(&mut self, dtype: DType) {
-        self.compute = dtype;
+    /// Sets the precision policy (F32, BF16 or F16 compute).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 
     /// Loads weights from a safetensors file (strict names and shapes).
@@ -145,10 +146,17 @@ impl ActorCritic {
         log_softmax(&logits).and_then(|l| l.exp()).ctx("ActorCritic::probs_inference")
     }
 
+    /// Greedy actions `argmax_a logits` as U32 `[B]` (no graph; ties to the lowest
+    /// index on the CPU).
+    pub fn greedy_actions(&self, s: &Tensor) -> Result<Tensor> {
+        let (logits, _) = self.forward_inference(s)?;
+        logits.argmax(D::Minus1).ctx("ActorCritic::greedy_actions")
+    }
+
     fn forward_with(&self, s: &Tensor, w: &[&Tensor]) -> Result<(Tensor, Tensor)> {
         const CTX: &str = "ActorCritic::forward";
         check_states(s, self.cfg.state_dim, CTX)?;
-        let c = self.compute;
+        let c = self.precision;
         let mlp = |o: usize| -> candle_core::Result<Tensor> {
             let x = linear(s, w[o], w[o + 1], c)?.tanh()?;
             let x = linear(&x, w[o + 2], w[o + 3], c)?.tanh()?;
@@ -282,15 +290,15 @@ pub fn ppo_loss(model: &ActorCritic, batch: PpoBatch<'_>, cfg: &PpoLossConfig) -
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::fixtures::{rel_err, Fixture};
 
-    pub(crate) fn fixture_model(fx: &Fixture, compute: DType) -> ActorCritic {
+    pub(crate) fn fixture_model(fx: &Fixture, compute: Precision) -> ActorCritic {
         let cfg = PpoNetConfig { hidden: 64, ..Default::default() };
         let mut m = ActorCritic::new(cfg, &Device::Cpu, 5).unwrap();
         m.params().assign_from(&fx.map, &fx.path, "", false).unwrap();
-        m.set_compute_dtype(compute);
+        m.set_precision(compute);
         m
     }
 
@@ -304,7 +312,7 @@ mod tests {
         }
     }
 
-    fn check_parity(compute: DType, tol: f64) {
+    fn check_parity(compute: Precision, tol: f64) {
         let fx = Fixture::load("ppo.safetensors");
         let model = fixture_model(&fx, compute);
         let p = ppo_loss(&model, fixture_batch(&fx), &PpoLossConfig::default()).unwrap();
@@ -333,20 +341,20 @@ mod tests {
 
     #[test]
     fn parity_f32() {
-        check_parity(DType::F32, 1e-4);
+        check_parity(Precision::F32, 1e-4);
     }
 
     /// PyTorch's own bf16 autocast is within 6.1e-3 of this fixture on every tensor
     /// (`tools/bf16_torch_check.py`); the spec's bound is 2e-2.
     #[test]
     fn parity_bf16() {
-        check_parity(DType::BF16, 2e-2);
+        check_parity(Precision::Bf16, 2e-2);
     }
 
     #[test]
     fn fixture_exercises_the_clip_branch_and_metrics() {
         let fx = Fixture::load("ppo.safetensors");
-        let model = fixture_model(&fx, DType::F32);
+        let model = fixture_model(&fx, Precision::F32);
         let p = ppo_loss(&model, fixture_batch(&fx), &PpoLossConfig::default()).unwrap();
         let ratio: Vec<f32> = p.ratio.to_vec1().unwrap();
         let outside = ratio.iter().filter(|r| (**r - 1.0).abs() > 0.2).count();
@@ -373,7 +381,7 @@ mod tests {
     #[test]
     fn forward_inference_records_no_graph() {
         let fx = Fixture::load("ppo.safetensors");
-        let m = fixture_model(&fx, DType::F32);
+        let m = fixture_model(&fx, Precision::F32);
         let s = fx.get("in.obs");
         let (l, v) = m.forward(s).unwrap();
         let (li, vi) = m.forward_inference(s).unwrap();
@@ -390,7 +398,7 @@ mod tests {
     #[test]
     fn save_load_round_trip() {
         let fx = Fixture::load("ppo.safetensors");
-        let m = fixture_model(&fx, DType::F32);
+        let m = fixture_model(&fx, Precision::F32);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ppo.safetensors");
         m.save(&path).unwrap();

@@ -73,7 +73,9 @@ impl GradAccumulator {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
-            let g = g.to_dtype(DType::F32).ctx(ctx)?;
+            // Detached: a gradient from candle's backward may still pin the forward graph
+            // (see `checkpoint::detach_all`), and sums outlive many micro-batches.
+            let g = g.detach().to_dtype(DType::F32).ctx(ctx)?;
             *sum = Some(match sum.take() {
                 None => g,
                 Some(s) => (s + g).ctx(ctx)?,

@@ -31,6 +31,20 @@ impl NamedTensors {
         NamedTensors { source: source.into(), tensors, metadata: HashMap::new() }
     }
 
+    /// As [`NamedTensors::new`], with string metadata.
+    pub fn with_metadata(
+        source: impl Into<String>,
+        tensors: HashMap<String, Tensor>,
+        metadata: HashMap<String, String>,
+    ) -> Self {
+        NamedTensors { source: source.into(), tensors, metadata }
+    }
+
+    /// The tensors not yet taken.
+    pub fn into_tensors(self) -> HashMap<String, Tensor> {
+        self.tensors
+    }
+
     /// The string metadata stored with the tensors.
     pub fn metadata(&self) -> &HashMap<String, String> {
         &self.metadata

@@ -2,24 +2,68 @@
 //!
 //! candle has no autocast, no GradScaler, no gradient checkpointing, its AdamW keeps the
 //! moments in the weights' dtype, and several of its fused ops (softmax, RMSNorm,
-//! LayerNorm) silently drop gradients. `fx-precision` fills those gaps for the fx models:
-//! differentiable [`ops`], F32-moment [`AdamW`]/[`Adam`] optimisers, global-norm
-//! clipping ([`clip_grad_norm`]) and a precision policy ([`Precision`], [`Linear`]).
-//! Master weights are always F32 `Var`s; only matmul-heavy ops run in the compute dtype.
+//! LayerNorm) silently drop gradients. `fx-precision` fills those gaps for the fx models,
+//! each piece tested against a PyTorch formula or an f64 reference:
+//!
+//! - the precision policy: [`Precision`] (from `fx-hw`) with [`PrecisionExt`], the
+//!   [`Linear`] layer that applies it and [`to_f32`]. Master weights are always F32
+//!   `Var`s; matmuls run in the compute dtype; normalisation, softmax, losses and
+//!   reductions in F32;
+//! - differentiable [`ops`] (`layer_norm`, `rms_norm`, `softmax_last_dim`,
+//!   `log_softmax_last_dim`) to use instead of candle's fused, gradient-dropping ones;
+//! - [`AdamW`] / [`Adam`] (`torch.optim` semantics, F32 moments, a skipped step is no
+//!   step) behind the [`Optimizer`] trait, and [`clip_grad_norm`] (`clip_grad_norm_`);
+//! - [`GradScaler`] (`torch.amp.GradScaler`: 2^16, ×2 per 2000 clean steps, ×0.5 on
+//!   overflow; on by default only under F16);
+//! - [`TrainStep`]: scaled backward → one device pass + one host read for the NaN/Inf
+//!   guard and the gradient norm → unscale + clip → optimiser → scaler update; non-finite
+//!   losses or gradients never reach the weights and are counted ([`GuardStats`]);
+//! - [`GradAccumulator`] (N micro-batches, loss / N, F32 sums) and [`Checkpointed`]
+//!   (activation checkpointing by segment recompute);
+//! - [`save_tensors_atomic`] / [`load_tensors`] for crash-safe training checkpoints with
+//!   strict, named errors.
+//!
+//! Tensor-level functions (`ops`, `Linear`) return `candle_core::Result` so they compose
+//! inside model code; the training machinery returns this crate's [`Error`].
+//!
+//! ```
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use fx_precision::{AdamW, AdamWConfig, GradScaler, Linear, Precision, TrainStep};
+//!
+//! let dev = Device::Cpu;
+//! let precision: Precision = "bf16".parse().unwrap();
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+//! let layer = Linear::new(4, 1, vb.pp("head"), precision)?;
+//! let opt = AdamW::from_varmap(&varmap, AdamWConfig::default())?;
+//! let mut step = TrainStep::new(opt, GradScaler::for_precision(precision), Some(1.0))?;
+//!
+//! let x = Tensor::ones((8, 4), DType::F32, &dev)?;
+//! let pred = fx_precision::to_f32(&layer.forward(&x)?)?; // loss in F32
+//! let loss = pred.sqr()?.mean_all()?;
+//! let report = step.step(&loss)?;
+//! assert!(report.skipped.is_none());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod accumulate;
+mod checkpoint;
 mod checkpoint_io;
 mod clip;
 mod error;
 mod grad_scaler;
+mod guard;
 pub mod ops;
 mod optim;
 mod precision;
 
 pub use accumulate::{Accumulated, GradAccumulator};
+pub use checkpoint::{CheckpointTape, Checkpointed, Segment};
 pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
 pub use grad_scaler::{GradScaler, GradScalerConfig, GradScalerState, GRAD_SCALER_METADATA_KEY};
+pub use guard::{GuardStats, SkipReason, StepReport, TrainStep, GUARD_METADATA_KEY};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};

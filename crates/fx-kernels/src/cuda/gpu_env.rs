@@ -1,0 +1,586 @@
+//! `GpuTradingEnv`: the trading environment as CUDA kernels, one thread per account, with
+//! its state resident on the device (structure of arrays).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{CudaDevice, DType, Device, Tensor};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchArgs, PushKernelArg};
+use serde::{Deserialize, Serialize};
+
+use super::{alloc_tensor, cuda_device, dev_ptr, driver, LaunchPlan, PTX_ENV_STEP, PTX_PPO};
+use crate::checks::expect_tensor;
+use crate::env::{reset_start, EnvConfig, EnvData, N_ACTIONS, N_MARKET, OBS_DIM};
+use crate::error::{CandleContext, Error, Result};
+use crate::replay::ReplayBuffer;
+use crate::rollout::Rollout;
+use crate::vec_env::{Step, VecEnv};
+
+/// Options of the GPU backend.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GpuEnvOptions {
+    /// SM count for the launch grid (e.g. `fx_hw::GpuInfo::sm_count` from the
+    /// `HardwareBudget`); `None` queries the device.
+    pub sm_count: Option<u32>,
+}
+
+impl GpuEnvOptions {
+    /// Takes the SM count from a detected hardware budget (None when it found no GPU).
+    pub fn from_budget(budget: &fx_hw::HardwareBudget) -> Self {
+        Self { sm_count: budget.gpu.as_ref().map(|g| g.sm_count).filter(|&n| n > 0) }
+    }
+}
+
+/// A loaded kernel and its launch plan.
+#[derive(Clone, Debug)]
+struct Kernel {
+    func: CudaFunction,
+    plan: LaunchPlan,
+}
+
+impl Kernel {
+    fn load(dev: &CudaDevice, name: &str, module: &str, ptx: &str, sm: Option<u32>, ctx: &'static str) -> Result<Self> {
+        let func = dev.get_or_load_custom_func(name, module, ptx).ctx(ctx)?.into_cuda_function();
+        let plan = LaunchPlan::for_function(&func, dev, sm, ctx)?;
+        Ok(Self { func, plan })
+    }
+}
+
+/// The kernels' common leading arguments (series, parameters, state pointers), matching
+/// `FX_ENV_ARGS` in `kernels/env_step.cu` and the head of `fx_ppo_experience`.
+struct EnvArgs {
+    market: u64,
+    close: u64,
+    t_len: u32,
+    ep_len: u32,
+    cost: f64,
+    seed: u64,
+    offset: u64,
+    e: u32,
+    t: u64,
+    pos: u64,
+    entry: u64,
+    sip: u64,
+    ep: u64,
+    counter: u64,
+}
+
+impl EnvArgs {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.market).arg(&self.close).arg(&self.t_len).arg(&self.ep_len).arg(&self.cost);
+        b.arg(&self.seed).arg(&self.offset).arg(&self.e);
+        b.arg(&self.t).arg(&self.pos).arg(&self.entry).arg(&self.sip).arg(&self.ep).arg(&self.counter);
+    }
+}
+
+/// Raw device address of one of the env's own buffers (all on the candle stream).
+fn raw<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _record) = s.device_ptr(stream);
+    p
+}
+
+/// Host copy of the GPU env's per-account state (for tests and diagnostics).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuEnvState {
+    /// Time index per account.
+    pub t: Vec<u32>,
+    /// Position per account (−1, 0, +1).
+    pub pos: Vec<i32>,
+    /// Step counter per account.
+    pub counter: Vec<u64>,
+}
+
+/// The trading environment on a CUDA device (see the crate docs); same semantics and
+/// draws as [`CpuTradingEnv`](crate::CpuTradingEnv).
+///
+/// Invalid actions (≥ 3) cannot be checked on the host without a device sync: a kernel
+/// treats them as flat and raises a flag that [`check_errors`](Self::check_errors) reports.
+pub struct GpuTradingEnv {
+    cfg: EnvConfig,
+    t_len: usize,
+    device: Device,
+    cdev: CudaDevice,
+    stream: Arc<CudaStream>,
+    market: CudaSlice<f32>,
+    close: CudaSlice<f64>,
+    t: CudaSlice<u32>,
+    pos: CudaSlice<i32>,
+    entry: CudaSlice<f64>,
+    sip: CudaSlice<u32>,
+    ep: CudaSlice<u32>,
+    counter: CudaSlice<u64>,
+    err: CudaSlice<i32>,
+    k_observe: Kernel,
+    k_step: Kernel,
+    k_eps: Kernel,
+    k_probs: Kernel,
+    k_dqn: Kernel,
+    k_ppo: Kernel,
+}
+
+impl GpuTradingEnv {
+    /// Uploads the series, resets every account (counter 0, as the CPU env) and loads the
+    /// kernels on `device` (must be `Device::Cuda`).
+    pub fn new(data: Arc<EnvData>, cfg: EnvConfig, device: &Device, opts: GpuEnvOptions) -> Result<Self> {
+        let ctx = "GpuTradingEnv::new";
+        cfg.validate(data.len())?;
+        let cdev = cuda_device(device, "device", ctx)?.clone();
+        if data.len() > u32::MAX as usize || cfg.num_envs > u32::MAX as usize || cfg.episode_len > u32::MAX as usize {
+            return Err(Error::Config {
+                context: ctx,
+                message: "series length, num_envs and episode_len must be below 2^32 on the GPU".into(),
+            });
+        }
+        let stream = cdev.cuda_stream();
+        let e = cfg.num_envs;
+        let t0: Vec<u32> = (0..e)
+            .map(|i| reset_start(data.len(), cfg.episode_len, cfg.seed, cfg.env_offset + i as u64, 0) as u32)
+            .collect();
+        let entry0: Vec<f64> = t0.iter().map(|&t| data.close()[t as usize]).collect();
+        let up = "GpuTradingEnv::new (upload)";
+        let sm = opts.sm_count;
+        Ok(Self {
+            market: stream.clone_htod(data.market()).map_err(driver(up))?,
+            close: stream.clone_htod(data.close()).map_err(driver(up))?,
+            t: stream.clone_htod(&t0).map_err(driver(up))?,
+            pos: stream.alloc_zeros::<i32>(e).map_err(driver(up))?,
+            entry: stream.clone_htod(&entry0).map_err(driver(up))?,
+            sip: stream.alloc_zeros::<u32>(e).map_err(driver(up))?,
+            ep: stream.alloc_zeros::<u32>(e).map_err(driver(up))?,
+            counter: stream.alloc_zeros::<u64>(e).map_err(driver(up))?,
+            err: stream.alloc_zeros::<i32>(1).map_err(driver(up))?,
+            k_observe: Kernel::load(&cdev, "fx_env_observe", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
+            k_step: Kernel::load(&cdev, "fx_env_step", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
+            k_eps: Kernel::load(&cdev, "fx_select_epsilon_greedy", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
+            k_probs: Kernel::load(&cdev, "fx_select_from_probs", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
+            k_dqn: Kernel::load(&cdev, "fx_dqn_experience", "fx_env_step", PTX_ENV_STEP, sm, ctx)?,
+            k_ppo: Kernel::load(&cdev, "fx_ppo_experience", "fx_ppo_experience", PTX_PPO, sm, ctx)?,
+            t_len: data.len(),
+            device: device.clone(),
+            cdev,
+            stream,
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EnvConfig {
+        &self.cfg
+    }
+
+    /// The launch plan of the step kernel (block size, grid bound, SM count).
+    pub fn launch_plan(&self) -> LaunchPlan {
+        self.k_step.plan
+    }
+
+    fn env_args(&self) -> EnvArgs {
+        let s = &self.stream;
+        EnvArgs {
+            market: raw(&self.market, s),
+            close: raw(&self.close, s),
+            t_len: self.t_len as u32,
+            ep_len: self.cfg.episode_len as u32,
+            cost: self.cfg.cost,
+            seed: self.cfg.seed,
+            offset: self.cfg.env_offset,
+            e: self.cfg.num_envs as u32,
+            t: raw(&self.t, s),
+            pos: raw(&self.pos, s),
+            entry: raw(&self.entry, s),
+            sip: raw(&self.sip, s),
+            ep: raw(&self.ep, s),
+            counter: raw(&self.counter, s),
+        }
+    }
+
+    /// Copies the per-account state to the host (syncs the stream).
+    pub fn state_host(&self) -> Result<GpuEnvState> {
+        let ctx = "GpuTradingEnv::state_host";
+        Ok(GpuEnvState {
+            t: self.stream.clone_dtoh(&self.t).map_err(driver(ctx))?,
+            pos: self.stream.clone_dtoh(&self.pos).map_err(driver(ctx))?,
+            counter: self.stream.clone_dtoh(&self.counter).map_err(driver(ctx))?,
+        })
+    }
+
+    /// Reports (and clears) the device-side error flag: an action ≥ 3 was passed to a step
+    /// since the last check (it was applied as flat). Syncs the stream.
+    pub fn check_errors(&mut self) -> Result<()> {
+        let ctx = "GpuTradingEnv::check_errors";
+        let flag = self.stream.clone_dtoh(&self.err).map_err(driver(ctx))?;
+        if flag.first().copied().unwrap_or(0) != 0 {
+            self.stream.memset_zeros(&mut self.err).map_err(driver(ctx))?;
+            return Err(Error::OutOfRange {
+                what: "an action passed to a GPU step (applied as flat)".into(),
+                value: 3,
+                bound: N_ACTIONS as u64,
+                context: "GpuTradingEnv kernels",
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks and converts a `[E]` u32 action tensor (contiguous, on this device).
+    fn actions_arg(&self, actions: &Tensor, ctx: &'static str) -> Result<Tensor> {
+        expect_tensor(actions, "actions", ctx, &[self.cfg.num_envs], DType::U32, &self.device)?;
+        actions.contiguous().ctx(ctx)
+    }
+
+    /// Checks an `[E, 3]` float tensor and returns it contiguous in f32.
+    fn rows_arg(&self, x: &Tensor, what: &'static str, ctx: &'static str) -> Result<Tensor> {
+        let e = self.cfg.num_envs;
+        if x.dims() != [e, N_ACTIONS] {
+            return Err(Error::shape(what, ctx, format!("[{e}, {N_ACTIONS}]"), format!("{:?}", x.dims())));
+        }
+        if !x.device().same_device(&self.device) {
+            return Err(Error::Device { what, expected: crate::checks::device_name(&self.device), context: ctx });
+        }
+        x.to_dtype(DType::F32).and_then(|x| x.contiguous()).ctx(ctx)
+    }
+
+    /// Fused DQN collection without host round trips: ε-greedy actions from `q` (`[E, 3]`),
+    /// step, and `(s, a, r, s', done)` written straight into `replay` at its ring position.
+    /// Returns `(actions, obs)`: the actions taken (`[E]` u32) and the post-reset states
+    /// for the next Q forward (`[E, 56]`). Needs `E ≤ replay.capacity()`.
+    pub fn collect_dqn(&mut self, q: &Tensor, eps: f64, replay: &mut ReplayBuffer) -> Result<(Tensor, Tensor)> {
+        let ctx = "GpuTradingEnv::collect_dqn";
+        let q = self.rows_arg(q, "q", ctx)?;
+        let e = self.cfg.num_envs;
+        let actions_out = alloc_tensor::<u32>(&self.cdev, &[e], ctx)?;
+        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        self.launch_dqn(None, Some((&q, eps, &actions_out)), replay, None, &obs, ctx)?;
+        Ok((actions_out, obs))
+    }
+
+    /// Launches `fx_dqn_experience` after the host-side checks.
+    fn launch_dqn(
+        &mut self,
+        actions: Option<&Tensor>,
+        fused: Option<(&Tensor, f64, &Tensor)>,
+        replay: &mut ReplayBuffer,
+        step_out: Option<(&Tensor, &Tensor, &Tensor)>,
+        obs: &Tensor,
+        ctx: &'static str,
+    ) -> Result<()> {
+        let e = self.cfg.num_envs;
+        if !replay.device().same_device(&self.device) {
+            return Err(Error::Device {
+                what: "replay",
+                expected: crate::checks::device_name(&self.device),
+                context: ctx,
+            });
+        }
+        if e > replay.capacity() {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!(
+                    "num_envs {e} exceeds the replay capacity {} (slots would collide)",
+                    replay.capacity()
+                ),
+            });
+        }
+        let s = self.stream.clone();
+        let null = 0u64;
+        let p_actions = match actions {
+            Some(a) => dev_ptr::<u32>(a, &s, "actions", ctx)?,
+            None => null,
+        };
+        let (p_q, eps, p_aout) = match fused {
+            Some((q, eps, aout)) => {
+                (dev_ptr::<f32>(q, &s, "q", ctx)?, eps, dev_ptr::<u32>(aout, &s, "actions_out", ctx)?)
+            }
+            None => (null, 0.0, null),
+        };
+        let p_rs = dev_ptr::<f32>(&replay.states, &s, "replay.states", ctx)?;
+        let p_ra = dev_ptr::<u32>(&replay.actions, &s, "replay.actions", ctx)?;
+        let p_rr = dev_ptr::<f32>(&replay.rewards, &s, "replay.rewards", ctx)?;
+        let p_rs2 = dev_ptr::<f32>(&replay.next_states, &s, "replay.next_states", ctx)?;
+        let p_rd = dev_ptr::<f32>(&replay.dones, &s, "replay.dones", ctx)?;
+        let capacity = replay.capacity() as u64;
+        let ring_pos = replay.position() as u64;
+        let (p_next, p_rew, p_done) = match step_out {
+            Some((n, r, d)) => (
+                dev_ptr::<f32>(n, &s, "next_obs", ctx)?,
+                dev_ptr::<f32>(r, &s, "reward", ctx)?,
+                dev_ptr::<f32>(d, &s, "done", ctx)?,
+            ),
+            None => (null, null, null),
+        };
+        let p_obs = dev_ptr::<f32>(obs, &s, "obs", ctx)?;
+        let p_err = raw(&self.err, &s);
+        let args = self.env_args();
+        let mut b = s.launch_builder(&self.k_dqn.func);
+        args.push(&mut b);
+        b.arg(&p_actions).arg(&p_q).arg(&eps).arg(&p_aout);
+        b.arg(&p_rs).arg(&p_ra).arg(&p_rr).arg(&p_rs2).arg(&p_rd).arg(&capacity).arg(&ring_pos);
+        b.arg(&p_next).arg(&p_rew).arg(&p_done).arg(&p_obs).arg(&p_err);
+        // SAFETY: arguments match fx_dqn_experience; every buffer was checked for shape,
+        // dtype and device; E <= capacity keeps the ring slots distinct and in range.
+        unsafe { b.launch(self.k_dqn.plan.config(e)) }.map_err(driver(ctx))?;
+        replay.advance(e);
+        Ok(())
+    }
+
+    /// Launches one of the two selection kernels.
+    fn select(&self, k: &Kernel, x: &Tensor, eps: Option<f64>, ctx: &'static str) -> Result<Tensor> {
+        let e = self.cfg.num_envs;
+        let s = self.stream.clone();
+        let out = alloc_tensor::<u32>(&self.cdev, &[e], ctx)?;
+        let p_x = dev_ptr::<f32>(x, &s, "q/probs", ctx)?;
+        let p_out = dev_ptr::<u32>(&out, &s, "actions", ctx)?;
+        let p_counter = raw(&self.counter, &s);
+        let (seed, off, e32) = (self.cfg.seed, self.cfg.env_offset, e as u32);
+        let mut b = s.launch_builder(&k.func);
+        b.arg(&p_x);
+        // Only fx_select_epsilon_greedy takes eps (second argument).
+        if let Some(eps) = eps.as_ref() {
+            b.arg(eps);
+        }
+        b.arg(&seed).arg(&off).arg(&e32).arg(&p_counter).arg(&p_out);
+        // SAFETY: arguments match fx_select_epsilon_greedy / fx_select_from_probs; x is
+        // [E, 3] f32 contiguous, out [E] u32.
+        unsafe { b.launch(k.plan.config(e)) }.map_err(driver(ctx))?;
+        Ok(out)
+    }
+}
+
+impl VecEnv for GpuTradingEnv {
+    fn num_envs(&self) -> usize {
+        self.cfg.num_envs
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn seed(&self) -> u64 {
+        self.cfg.seed
+    }
+
+    fn env_offset(&self) -> u64 {
+        self.cfg.env_offset
+    }
+
+    fn observe(&self) -> Result<Tensor> {
+        let ctx = "GpuTradingEnv::observe";
+        let e = self.cfg.num_envs;
+        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let s = self.stream.clone();
+        let p_obs = dev_ptr::<f32>(&obs, &s, "obs", ctx)?;
+        let args = self.env_args();
+        let mut b = s.launch_builder(&self.k_observe.func);
+        args.push(&mut b);
+        b.arg(&p_obs);
+        // SAFETY: arguments match fx_env_observe; obs holds E·56 f32.
+        unsafe { b.launch(self.k_observe.plan.config(e)) }.map_err(driver(ctx))?;
+        Ok(obs)
+    }
+
+    fn step(&mut self, actions: &Tensor) -> Result<Step> {
+        let ctx = "GpuTradingEnv::step";
+        let e = self.cfg.num_envs;
+        let actions = self.actions_arg(actions, ctx)?;
+        let next_obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let reward = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
+        let done = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
+        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let s = self.stream.clone();
+        let p_a = dev_ptr::<u32>(&actions, &s, "actions", ctx)?;
+        let p_n = dev_ptr::<f32>(&next_obs, &s, "next_obs", ctx)?;
+        let p_r = dev_ptr::<f32>(&reward, &s, "reward", ctx)?;
+        let p_d = dev_ptr::<f32>(&done, &s, "done", ctx)?;
+        let p_o = dev_ptr::<f32>(&obs, &s, "obs", ctx)?;
+        let p_err = raw(&self.err, &s);
+        let args = self.env_args();
+        let mut b = s.launch_builder(&self.k_step.func);
+        args.push(&mut b);
+        b.arg(&p_a).arg(&p_n).arg(&p_r).arg(&p_d).arg(&p_o).arg(&p_err);
+        // SAFETY: arguments match fx_env_step; all outputs hold E (·56) f32, actions E u32.
+        unsafe { b.launch(self.k_step.plan.config(e)) }.map_err(driver(ctx))?;
+        Ok(Step { next_obs, reward, done, obs })
+    }
+
+    fn counters(&self) -> Result<Vec<u64>> {
+        self.stream.clone_dtoh(&self.counter).map_err(driver("GpuTradingEnv::counters"))
+    }
+
+    fn epsilon_greedy(&self, q: &Tensor, eps: f64) -> Result<Tensor> {
+        let ctx = "GpuTradingEnv::epsilon_greedy";
+        let q = self.rows_arg(q, "q", ctx)?;
+        self.select(&self.k_eps, &q, Some(eps), ctx)
+    }
+
+    fn sample_from_probs(&self, probs: &Tensor) -> Result<Tensor> {
+        let ctx = "GpuTradingEnv::sample_from_probs";
+        let p = self.rows_arg(probs, "probs", ctx)?;
+        self.select(&self.k_probs, &p, None, ctx)
+    }
+
+    fn step_into_replay(&mut self, actions: &Tensor, replay: &mut ReplayBuffer) -> Result<Step> {
+        let ctx = "GpuTradingEnv::step_into_replay";
+        let e = self.cfg.num_envs;
+        let actions = self.actions_arg(actions, ctx)?;
+        let next_obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let reward = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
+        let done = alloc_tensor::<f32>(&self.cdev, &[e], ctx)?;
+        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        self.launch_dqn(Some(&actions), None, replay, Some((&next_obs, &reward, &done)), &obs, ctx)?;
+        Ok(Step { next_obs, reward, done, obs })
+    }
+
+    fn step_into_rollout(&mut self, logits: &Tensor, values: &Tensor, rollout: &mut Rollout) -> Result<Step> {
+        let ctx = "GpuTradingEnv::step_into_rollout";
+        let e = self.cfg.num_envs;
+        let logits = self.rows_arg(logits, "logits", ctx)?;
+        expect_tensor(values, "values", ctx, &[e], DType::F32, &self.device)?;
+        let values = values.contiguous().ctx(ctx)?;
+        if rollout.num_envs() != e || !rollout.device().same_device(&self.device) {
+            return Err(Error::shape(
+                "rollout",
+                ctx,
+                format!("{e} envs on this device"),
+                format!("{} envs", rollout.num_envs()),
+            ));
+        }
+        if rollout.is_full() {
+            return Err(Error::Full { what: "rollout", capacity: rollout.horizon(), context: ctx });
+        }
+        let row = rollout.len();
+        let next_obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
+        let s = self.stream.clone();
+        let p_l = dev_ptr::<f32>(&logits, &s, "logits", ctx)?;
+        let p_v = dev_ptr::<f32>(&values, &s, "values", ctx)?;
+        let p_s = dev_ptr::<f32>(&rollout.states, &s, "rollout.states", ctx)?;
+        let p_a = dev_ptr::<u32>(&rollout.actions, &s, "rollout.actions", ctx)?;
+        let p_lp = dev_ptr::<f32>(&rollout.log_probs, &s, "rollout.log_probs", ctx)?;
+        let p_rv = dev_ptr::<f32>(&rollout.values, &s, "rollout.values", ctx)?;
+        let p_r = dev_ptr::<f32>(&rollout.rewards, &s, "rollout.rewards", ctx)?;
+        let p_d = dev_ptr::<f32>(&rollout.dones, &s, "rollout.dones", ctx)?;
+        let p_n = dev_ptr::<f32>(&next_obs, &s, "next_obs", ctx)?;
+        let p_o = dev_ptr::<f32>(&obs, &s, "obs", ctx)?;
+        let p_err = raw(&self.err, &s);
+        let row32 = row as u32;
+        let args = self.env_args();
+        let mut b = s.launch_builder(&self.k_ppo.func);
+        args.push(&mut b);
+        b.arg(&p_l).arg(&p_v).arg(&row32);
+        b.arg(&p_s).arg(&p_a).arg(&p_lp).arg(&p_rv).arg(&p_r).arg(&p_d);
+        b.arg(&p_n).arg(&p_o).arg(&p_err);
+        // SAFETY: arguments match fx_ppo_experience; row < T and the rollout holds T·E rows.
+        unsafe { b.launch(self.k_ppo.plan.config(e)) }.map_err(driver(ctx))?;
+        rollout.advance();
+        Ok(Step { next_obs, reward: rollout.rewards.get(row).ctx(ctx)?, done: rollout.dones.get(row).ctx(ctx)?, obs })
+    }
+}
+
+/// What [`bench_env_steps`] measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EnvBenchMode {
+    /// [`VecEnv::step`] with fixed actions: next_obs, reward, done and obs written.
+    Step,
+    /// [`GpuTradingEnv::collect_dqn`]: fused ε-greedy from fixed Q-values, replay write
+    /// of `(s, a, r, s', done)` and the next states.
+    DqnCollect,
+}
+
+/// One benchmark measurement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EnvBenchResult {
+    /// What was measured.
+    pub mode: EnvBenchMode,
+    /// Accounts `E`.
+    pub num_envs: usize,
+    /// Timed launches.
+    pub steps: usize,
+    /// Wall time of the timed launches (stream synchronised before and after).
+    pub seconds: f64,
+    /// `E · steps / seconds`.
+    pub env_steps_per_s: f64,
+    /// Estimated DRAM bytes one account-step must move (see [`bytes_per_env_step`]).
+    pub bytes_per_env_step: u64,
+    /// `env_steps_per_s · bytes_per_env_step` in GB/s (compare with the device's peak).
+    pub achieved_gb_per_s: f64,
+}
+
+/// Minimum DRAM traffic of one account-step, in bytes: state read and written
+/// (t 4, pos 4, entry 8, steps-in-position 4, episode step 4, counter 8: 32 B each way),
+/// the market row of the new time index (51·4 B), close prices (3·8 B), the action (4 B);
+/// [`EnvBenchMode::Step`] writes next_obs and obs (2·56·4 B), reward and done (8 B);
+/// [`EnvBenchMode::DqnCollect`] reads Q (12 B) and writes s, s' (2·224 B), a, r, done
+/// (12 B), the action out (4 B) and obs (224 B).
+pub fn bytes_per_env_step(mode: EnvBenchMode) -> u64 {
+    let common = 2 * 32 + (N_MARKET as u64) * 4 + 3 * 8;
+    match mode {
+        EnvBenchMode::Step => common + 4 + 2 * (OBS_DIM as u64) * 4 + 8,
+        EnvBenchMode::DqnCollect => common + 12 + 2 * (OBS_DIM as u64) * 4 + 12 + 4 + (OBS_DIM as u64) * 4,
+    }
+}
+
+/// Measures environment steps per second on `device` (CUDA) for `num_envs` accounts over
+/// a synthetic series of `series_len` rows (episode_len 256): `warmup` untimed steps, then
+/// `steps` timed launches between two stream synchronisations.
+pub fn bench_env_steps(
+    device: &Device,
+    num_envs: usize,
+    series_len: usize,
+    steps: usize,
+    mode: EnvBenchMode,
+) -> Result<EnvBenchResult> {
+    let ctx = "bench_env_steps";
+    let cdev = cuda_device(device, "device", ctx)?.clone();
+    let data = Arc::new(synthetic_series(series_len.max(258), 12345)?);
+    let cfg = EnvConfig { num_envs, episode_len: 256, cost: 1e-4, seed: 7, env_offset: 0 };
+    let mut env = GpuTradingEnv::new(data, cfg, device, GpuEnvOptions::default())?;
+    let host_actions: Vec<u32> =
+        (0..num_envs as u64).map(|i| (crate::rng::draw(1, 9, i, 0) * 3.0) as u32 % 3).collect();
+    let actions = Tensor::from_vec(host_actions, num_envs, device).ctx(ctx)?;
+    let q = Tensor::rand(-1f32, 1f32, (num_envs, N_ACTIONS), device).ctx(ctx)?;
+    let mut replay = match mode {
+        EnvBenchMode::DqnCollect => Some(ReplayBuffer::new(num_envs * 4, device)?),
+        EnvBenchMode::Step => None,
+    };
+    let mut run = |env: &mut GpuTradingEnv| -> Result<()> {
+        match replay.as_mut() {
+            Some(r) => env.collect_dqn(&q, 0.1, r).map(|_| ()),
+            None => env.step(&actions).map(|_| ()),
+        }
+    };
+    for _ in 0..10 {
+        run(&mut env)?;
+    }
+    let stream = cdev.cuda_stream();
+    stream.synchronize().map_err(driver(ctx))?;
+    let start = Instant::now();
+    for _ in 0..steps {
+        run(&mut env)?;
+    }
+    stream.synchronize().map_err(driver(ctx))?;
+    let seconds = start.elapsed().as_secs_f64();
+    env.check_errors()?;
+    let env_steps_per_s = (num_envs * steps) as f64 / seconds;
+    let bytes = bytes_per_env_step(mode);
+    Ok(EnvBenchResult {
+        mode,
+        num_envs,
+        steps,
+        seconds,
+        env_steps_per_s,
+        bytes_per_env_step: bytes,
+        achieved_gb_per_s: env_steps_per_s * bytes as f64 / 1e9,
+    })
+}
+
+/// A deterministic synthetic series (random walk prices, uniform features) from the
+/// counter-based draws.
+pub(crate) fn synthetic_series(t_len: usize, seed: u64) -> Result<EnvData> {
+    let mut close = Vec::with_capacity(t_len);
+    let mut p = 1.1f64;
+    for i in 0..t_len {
+        p *= 1.0 + 0.003 * (crate::rng::draw(seed, 11, 0, i as u64) - 0.5);
+        close.push(p);
+    }
+    let market = (0..t_len * N_MARKET).map(|i| 2.0 * crate::rng::draw(seed, 12, 0, i as u64) as f32 - 1.0).collect();
+    EnvData::new(market, close)
+}

@@ -1,0 +1,258 @@
+//! Device tests: the CUDA kernels against the CPU reference. Each test returns early with a
+//! printed note when no CUDA device can be opened.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::gpu_env::synthetic_series;
+use super::{bench_env_steps, gae_device, EnvBenchMode, GpuEnvOptions, GpuTradingEnv};
+use crate::env::{CpuTradingEnv, EnvConfig, EnvData, N_ACTIONS, OBS_DIM};
+use crate::gae::{gae, GaeConfig};
+use crate::replay::ReplayBuffer;
+use crate::rng;
+use crate::rollout::Rollout;
+use crate::vec_env::VecEnv;
+
+/// The first CUDA device, or None (with a note) when there is none or the driver cannot be
+/// loaded (cudarc's dynamic loading panics in that case, hence catch_unwind).
+fn gpu(test: &str) -> Option<Device> {
+    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
+        Ok(Ok(d)) => Some(d),
+        Ok(Err(e)) => {
+            eprintln!("{test}: skipped, no CUDA device ({e})");
+            None
+        }
+        Err(_) => {
+            eprintln!("{test}: skipped, the CUDA driver could not be loaded");
+            None
+        }
+    }
+}
+
+fn host_f32(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().and_then(|x| x.to_dtype(DType::F32)).and_then(|x| x.to_vec1::<f32>()).expect("to host")
+}
+
+fn host_u32(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().and_then(|x| x.to_vec1::<u32>()).expect("to host")
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}[{i}] = {g} is not finite");
+        assert!((g - w).abs() <= tol, "{what}[{i}]: gpu {g} vs cpu {w}");
+    }
+}
+
+fn random_actions(e: usize, k: u64, salt: u64) -> Vec<u32> {
+    (0..e as u64).map(|i| ((rng::draw(salt, 5, i, k) * 3.0) as u32).min(2)).collect()
+}
+
+fn pair(dev: &Device, data: &Arc<EnvData>, cfg: &EnvConfig) -> (CpuTradingEnv, GpuTradingEnv) {
+    let cpu = CpuTradingEnv::new(data.clone(), cfg.clone()).expect("cpu env");
+    let gpu = GpuTradingEnv::new(data.clone(), cfg.clone(), dev, GpuEnvOptions::default()).expect("gpu env");
+    (cpu, gpu)
+}
+
+fn assert_same_state(cpu: &CpuTradingEnv, gpu: &GpuTradingEnv, what: &str) {
+    let st = gpu.state_host().expect("state");
+    let t: Vec<u32> = cpu.times().iter().map(|&t| t as u32).collect();
+    let p: Vec<i32> = cpu.positions().iter().map(|&p| p as i32).collect();
+    assert_eq!(st.t, t, "{what}: t");
+    assert_eq!(st.pos, p, "{what}: positions");
+    assert_eq!(st.counter, cpu.step_counters(), "{what}: counters");
+}
+
+#[test]
+fn trajectories_match_cpu_reference() {
+    let Some(dev) = gpu("trajectories_match_cpu_reference") else { return };
+    let data = Arc::new(synthetic_series(3000, 99).expect("data"));
+    let cases: [(usize, u64, u64, usize); 4] =
+        [(1, 5, 0, 200), (7, (1 << 63) + 12345, 3, 150), (4096, 20240601, 0, 80), (65536, 42, 1 << 20, 40)];
+    for (e, seed, offset, steps) in cases {
+        let cfg = EnvConfig { num_envs: e, episode_len: 24, cost: 1e-4, seed, env_offset: offset };
+        let (mut cpu, mut gpu) = pair(&dev, &data, &cfg);
+        assert_close(&host_f32(&gpu.observe().expect("obs")), &cpu.observe_host(), 1e-6, "initial obs");
+        let mut dones = 0usize;
+        for k in 0..steps {
+            let a = random_actions(e, k as u64, seed);
+            let at = Tensor::from_vec(a.clone(), e, &dev).expect("actions");
+            let g = gpu.step(&at).expect("gpu step");
+            let c = cpu.step_host(&a).expect("cpu step");
+            let what = format!("E={e} step {k}");
+            assert_close(&host_f32(&g.next_obs), &c.next_obs, 1e-6, &format!("{what} next_obs"));
+            assert_close(&host_f32(&g.obs), &c.obs, 1e-6, &format!("{what} obs"));
+            assert_close(&host_f32(&g.reward), &c.reward, 1e-6, &format!("{what} reward"));
+            assert_eq!(host_f32(&g.done), c.done, "{what} done");
+            assert_same_state(&cpu, &gpu, &what);
+            dones += c.done.iter().filter(|&&d| d == 1.0).count();
+        }
+        assert_eq!(dones, e * (steps / 24), "E={e}: auto-resets");
+        gpu.check_errors().expect("no flagged actions");
+    }
+}
+
+#[test]
+fn selection_matches_cpu_reference() {
+    let Some(dev) = gpu("selection_matches_cpu_reference") else { return };
+    let data = Arc::new(synthetic_series(1000, 3).expect("data"));
+    let e = 4096;
+    let cfg = EnvConfig { num_envs: e, episode_len: 16, cost: 1e-4, seed: 77, env_offset: 5 };
+    let (mut cpu, mut gpu) = pair(&dev, &data, &cfg);
+    for k in 0..20 {
+        let q: Vec<f32> = (0..e * N_ACTIONS).map(|i| (rng::draw(1, 7, i as u64, k) * 4.0).floor() as f32).collect();
+        let qc = Tensor::from_vec(q.clone(), (e, N_ACTIONS), &Device::Cpu).expect("q");
+        let qg = qc.to_device(&dev).expect("q");
+        let ac = cpu.epsilon_greedy(&qc, 0.3).expect("cpu eg");
+        let ag = gpu.epsilon_greedy(&qg, 0.3).expect("gpu eg");
+        assert_eq!(host_u32(&ag), host_u32(&ac), "epsilon-greedy step {k} (ties included)");
+        let logits = Tensor::from_vec(q, (e, N_ACTIONS), &Device::Cpu).expect("l");
+        let probs =
+            (logits.exp().expect("e").broadcast_div(&logits.exp().expect("e").sum_keepdim(1).expect("s"))).expect("p");
+        let pc = cpu.sample_from_probs(&probs).expect("cpu sample");
+        let pg = gpu.sample_from_probs(&probs.to_device(&dev).expect("p")).expect("gpu sample");
+        assert_eq!(host_u32(&pg), host_u32(&pc), "sampling step {k}");
+        let a = host_u32(&ac);
+        cpu.step_host(&a).expect("cpu step");
+        gpu.step(&Tensor::from_vec(a, e, &dev).expect("a")).expect("gpu step");
+    }
+}
+
+#[test]
+fn dqn_experience_matches_cpu_replay() {
+    let Some(dev) = gpu("dqn_experience_matches_cpu_replay") else { return };
+    let data = Arc::new(synthetic_series(800, 4).expect("data"));
+    let e = 7;
+    let cfg = EnvConfig { num_envs: e, episode_len: 5, cost: 1e-4, seed: 11, env_offset: 2 };
+    let (mut cpu, mut gpu) = pair(&dev, &data, &cfg);
+    let mut rc = ReplayBuffer::new(20, &Device::Cpu).expect("replay");
+    let mut rg = ReplayBuffer::new(20, &dev).expect("replay");
+    for k in 0..13 {
+        if k % 2 == 0 {
+            let a = random_actions(e, k, 3);
+            let g = gpu.step_into_replay(&Tensor::from_vec(a.clone(), e, &dev).expect("a"), &mut rg).expect("gpu");
+            let c = cpu.step_into_replay(&Tensor::from_vec(a, e, &Device::Cpu).expect("a"), &mut rc).expect("cpu");
+            assert_close(&host_f32(&g.next_obs), &host_f32(&c.next_obs), 1e-6, "next_obs");
+            assert_close(&host_f32(&g.obs), &host_f32(&c.obs), 1e-6, "obs");
+        } else {
+            // fused epsilon-greedy path against select + step on the CPU
+            let q: Vec<f32> = (0..e * N_ACTIONS).map(|i| rng::draw(2, 7, i as u64, k) as f32).collect();
+            let qc = Tensor::from_vec(q, (e, N_ACTIONS), &Device::Cpu).expect("q");
+            let ac = cpu.epsilon_greedy(&qc, 0.5).expect("eg");
+            let c = cpu.step_into_replay(&ac, &mut rc).expect("cpu");
+            let (ag, obs) = gpu.collect_dqn(&qc.to_device(&dev).expect("q"), 0.5, &mut rg).expect("gpu");
+            assert_eq!(host_u32(&ag), host_u32(&ac), "fused actions step {k}");
+            assert_close(&host_f32(&obs), &host_f32(&c.obs), 1e-6, "fused obs");
+        }
+        assert_eq!((rg.len(), rg.position()), (rc.len(), rc.position()));
+        assert_same_state(&cpu, &gpu, "dqn");
+    }
+    let idx = Tensor::arange(0u32, 20, &Device::Cpu).expect("idx");
+    let bc = rc.gather(&idx).expect("cpu gather");
+    let bg = rg.gather(&idx.to_device(&dev).expect("idx")).expect("gpu gather");
+    assert_close(&host_f32(&bg.states), &host_f32(&bc.states), 1e-6, "replay s");
+    assert_close(&host_f32(&bg.next_states), &host_f32(&bc.next_states), 1e-6, "replay s2");
+    assert_close(&host_f32(&bg.rewards), &host_f32(&bc.rewards), 1e-6, "replay r");
+    assert_eq!(host_u32(&bg.actions), host_u32(&bc.actions), "replay a");
+    assert_eq!(host_f32(&bg.dones), host_f32(&bc.dones), "replay done");
+    // device-side sampling returns stored rows only
+    let s = rg.sample(256).expect("sample");
+    let rows = host_f32(&s.states);
+    let stored = host_f32(&bg.states);
+    for r in rows.chunks(OBS_DIM) {
+        assert!(stored.chunks(OBS_DIM).any(|x| x == r), "sampled row not in the buffer");
+    }
+    // E > capacity is refused before any launch
+    let mut small = ReplayBuffer::new(3, &dev).expect("replay");
+    assert!(gpu.step_into_replay(&Tensor::zeros(e, DType::U32, &dev).expect("a"), &mut small).is_err());
+}
+
+#[test]
+fn ppo_experience_matches_cpu_rollout() {
+    let Some(dev) = gpu("ppo_experience_matches_cpu_rollout") else { return };
+    let data = Arc::new(synthetic_series(600, 5).expect("data"));
+    let (e, t_len) = (33, 12);
+    let cfg = EnvConfig { num_envs: e, episode_len: 7, cost: 1e-4, seed: 1234, env_offset: 0 };
+    let (mut cpu, mut gpu) = pair(&dev, &data, &cfg);
+    let mut rc = Rollout::new(t_len, e, &Device::Cpu).expect("rollout");
+    let mut rg = Rollout::new(t_len, e, &dev).expect("rollout");
+    for k in 0..t_len as u64 {
+        let l: Vec<f32> = (0..e * N_ACTIONS).map(|i| 4.0 * rng::draw(8, 1, i as u64, k) as f32 - 2.0).collect();
+        let v: Vec<f32> = (0..e).map(|i| rng::draw(8, 2, i as u64, k) as f32).collect();
+        let lc = Tensor::from_vec(l, (e, N_ACTIONS), &Device::Cpu).expect("l");
+        let vc = Tensor::from_vec(v, e, &Device::Cpu).expect("v");
+        let c = cpu.step_into_rollout(&lc, &vc, &mut rc).expect("cpu");
+        let g = gpu
+            .step_into_rollout(&lc.to_device(&dev).expect("l"), &vc.to_device(&dev).expect("v"), &mut rg)
+            .expect("gpu");
+        assert_close(&host_f32(&g.reward), &host_f32(&c.reward), 1e-6, "reward");
+        assert_eq!(host_f32(&g.done), host_f32(&c.done), "done");
+        assert_close(&host_f32(&g.obs), &host_f32(&c.obs), 1e-6, "obs");
+        assert_same_state(&cpu, &gpu, "ppo");
+    }
+    assert!(rg.is_full());
+    assert_eq!(host_u32(rg.actions()), host_u32(rc.actions()), "actions");
+    assert_close(&host_f32(rg.states()), &host_f32(rc.states()), 1e-6, "states");
+    assert_close(&host_f32(rg.log_probs()), &host_f32(rc.log_probs()), 1e-6, "log_probs");
+    assert_eq!(host_f32(rg.values()), host_f32(rc.values()), "values");
+    assert_close(&host_f32(rg.rewards()), &host_f32(rc.rewards()), 1e-6, "rewards");
+    assert_eq!(host_f32(rg.dones()), host_f32(rc.dones()), "dones");
+    let lv = Tensor::from_vec((0..e).map(|i| i as f32 * 0.01).collect::<Vec<_>>(), e, &Device::Cpu).expect("lv");
+    let (ac, retc) = rc.advantages(&lv, GaeConfig::default()).expect("cpu gae");
+    let (ag, retg) = rg.advantages(&lv.to_device(&dev).expect("lv"), GaeConfig::default()).expect("gpu gae");
+    assert_close(&host_f32(&ag), &host_f32(&ac), 1e-6, "advantages");
+    assert_close(&host_f32(&retg), &host_f32(&retc), 1e-6, "returns");
+}
+
+#[test]
+fn gae_matches_cpu_on_random_inputs() {
+    let Some(dev) = gpu("gae_matches_cpu_on_random_inputs") else { return };
+    for (t_len, e) in [(1usize, 1usize), (16, 4), (64, 1000), (256, 4096)] {
+        let n = t_len * e;
+        let r: Vec<f32> = (0..n).map(|i| 0.2 * rng::draw(3, 1, i as u64, 0) as f32 - 0.1).collect();
+        let v: Vec<f32> = (0..n).map(|i| 2.0 * rng::draw(3, 2, i as u64, 0) as f32 - 1.0).collect();
+        let d: Vec<f32> = (0..n).map(|i| if rng::draw(3, 3, i as u64, 0) < 0.1 { 1.0 } else { 0.0 }).collect();
+        let lv: Vec<f32> = (0..e).map(|i| rng::draw(3, 4, i as u64, 0) as f32).collect();
+        let (ac, rc) = gae(&r, &v, &d, &lv, e, GaeConfig::default()).expect("cpu gae");
+        let up = |x: &Vec<f32>, shape: &[usize]| Tensor::from_vec(x.clone(), shape, &dev).expect("upload");
+        let (ag, rg) = gae_device(
+            &up(&r, &[t_len, e]),
+            &up(&v, &[t_len, e]),
+            &up(&d, &[t_len, e]),
+            &up(&lv, &[e]),
+            GaeConfig::default(),
+        )
+        .expect("gpu gae");
+        assert_close(&host_f32(&ag), &ac, 1e-6, "advantages");
+        assert_close(&host_f32(&rg), &rc, 1e-6, "returns");
+    }
+}
+
+#[test]
+fn invalid_actions_are_flagged() {
+    let Some(dev) = gpu("invalid_actions_are_flagged") else { return };
+    let data = Arc::new(synthetic_series(300, 6).expect("data"));
+    let cfg = EnvConfig { num_envs: 4, episode_len: 8, ..EnvConfig::default() };
+    let mut env = GpuTradingEnv::new(data, cfg, &dev, GpuEnvOptions::default()).expect("env");
+    env.step(&Tensor::from_vec(vec![0u32, 1, 2, 1], 4, &dev).expect("a")).expect("step");
+    env.check_errors().expect("valid actions");
+    env.step(&Tensor::from_vec(vec![0u32, 7, 2, 1], 4, &dev).expect("a")).expect("step");
+    assert!(env.check_errors().is_err());
+    env.check_errors().expect("flag cleared");
+    // host-side checks: wrong length, wrong dtype, host tensor
+    assert!(env.step(&Tensor::zeros(3, DType::U32, &dev).expect("a")).is_err());
+    assert!(env.step(&Tensor::zeros(4, DType::F32, &dev).expect("a")).is_err());
+    assert!(env.step(&Tensor::zeros(4, DType::U32, &Device::Cpu).expect("a")).is_err());
+}
+
+#[test]
+fn benchmark_runs() {
+    let Some(dev) = gpu("benchmark_runs") else { return };
+    for mode in [EnvBenchMode::Step, EnvBenchMode::DqnCollect] {
+        let r = bench_env_steps(&dev, 4096, 2000, 20, mode).expect("bench");
+        assert!(r.env_steps_per_s.is_finite() && r.env_steps_per_s > 0.0, "{r:?}");
+        eprintln!("{r:?}");
+    }
+}

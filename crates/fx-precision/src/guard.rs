@@ -1,0 +1,363 @@
+//! The guarded training step: loss scaling, unscaling, clipping, the NaN/Inf guard and
+//! the optimiser, composed once so that models do not re-assemble them.
+//!
+//! Order per step, as PyTorch AMP prescribes: backward of the scaled loss → one
+//! device-side pass over all gradients that yields both "is anything non-finite" and the
+//! unscaled global norm, read together with the loss in a single device-to-host transfer →
+//! if the loss or any gradient is non-finite, skip (nothing reaches the weights; the
+//! scaler backs off; the skip is counted and reported) → otherwise unscale and clip in one
+//! multiply per gradient → optimiser step → scaler update.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint_io::NamedTensors;
+use crate::clip::{accum_dtype, flat_grads, scale_grads};
+use crate::error::{Context, Error, Result};
+use crate::grad_scaler::GradScaler;
+use crate::optim::Optimizer;
+
+/// Why a step was skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SkipReason {
+    /// The loss was NaN or ±inf.
+    NonFiniteLoss,
+    /// A gradient (or the gradient norm) was NaN or ±inf. Under F16 loss scaling this is
+    /// the expected occasional overflow that makes the scaler back off.
+    NonFiniteGrad,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// The (unscaled) loss as read back from the device.
+    pub loss: f64,
+    /// Global L2 norm of the unscaled gradients before clipping (non-finite if skipped
+    /// for that reason).
+    pub grad_norm: f64,
+    /// Whether clipping scaled the gradients down.
+    pub clipped: bool,
+    /// `Some` when the optimiser did not step.
+    pub skipped: Option<SkipReason>,
+    /// The loss scale used for this step (1 without scaling).
+    pub loss_scale: f64,
+}
+
+/// Running counts of the guard.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuardStats {
+    /// Steps attempted.
+    pub steps: u64,
+    /// Steps that reached the optimiser.
+    pub applied: u64,
+    /// Steps skipped for a non-finite loss.
+    pub nonfinite_loss: u64,
+    /// Steps skipped for a non-finite gradient.
+    pub nonfinite_grad: u64,
+}
+
+impl fmt::Display for GuardStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} steps, {} applied, {} skipped (non-finite loss {}, non-finite gradient {})",
+            self.steps,
+            self.applied,
+            self.nonfinite_loss + self.nonfinite_grad,
+            self.nonfinite_loss,
+            self.nonfinite_grad
+        )
+    }
+}
+
+/// Metadata key of the guard's counts in a checkpoint.
+pub const GUARD_METADATA_KEY: &str = "fx.guard_stats";
+
+/// Optimiser + scaler + clipping + guard; see the module docs.
+pub struct TrainStep<O: Optimizer> {
+    optimizer: O,
+    scaler: GradScaler,
+    max_grad_norm: Option<f64>,
+    vars: Vec<Var>,
+    stats: GuardStats,
+}
+
+impl<O: Optimizer> TrainStep<O> {
+    /// Composes `optimizer` (whose parameters are the ones stepped and clipped), `scaler`
+    /// (use [`GradScaler::for_precision`]) and optional clipping at `max_grad_norm`.
+    pub fn new(optimizer: O, scaler: GradScaler, max_grad_norm: Option<f64>) -> Result<Self> {
+        if let Some(m) = max_grad_norm {
+            if !(m.is_finite() && m > 0.0) {
+                return Err(Error::Config {
+                    what: "TrainStep",
+                    message: format!("max_grad_norm {m} must be finite and > 0"),
+                });
+            }
+        }
+        let vars = optimizer.vars();
+        Ok(TrainStep { optimizer, scaler, max_grad_norm, vars, stats: GuardStats::default() })
+    }
+
+    /// One full step on a scalar `loss` (F32 per the precision policy): scaled backward,
+    /// then [`TrainStep::apply`].
+    pub fn step(&mut self, loss: &Tensor) -> Result<StepReport> {
+        let grads = self.scaler.scale(loss).and_then(|l| l.backward().ctx("TrainStep backward"))?;
+        self.apply(loss, grads)
+    }
+
+    /// The step after backward, for callers that produced the gradients themselves
+    /// (accumulation, checkpointing): `grads` are gradients of `scale_loss(loss)`, and
+    /// `loss` is the unscaled scalar loss (only its value is read).
+    pub fn apply(&mut self, loss: &Tensor, mut grads: GradStore) -> Result<StepReport> {
+        let ctx = "TrainStep::apply";
+        if loss.elem_count() != 1 {
+            return Err(Error::Config {
+                what: "TrainStep loss",
+                message: format!("must be a scalar, got shape {:?}", loss.dims()),
+            });
+        }
+        self.stats.steps += 1;
+        let loss_scale = self.scaler.scale_factor();
+        // PyTorch: inv_scale = float(1 / double(scale)).
+        let inv = (1.0 / loss_scale) as f32 as f64;
+        let acc = accum_dtype(loss.device());
+        let loss_v = loss.detach().to_dtype(acc).and_then(|l| l.reshape(1)).ctx(ctx)?;
+        // One reduction: sum(g*0 + (g*inv)^2) is NaN iff some g is non-finite (each term is
+        // >= 0 or NaN), and the unscaled squared norm otherwise.
+        let probe = match flat_grads(&self.vars, &grads)? {
+            Some(flat) => {
+                let f = flat.to_dtype(acc).ctx(ctx)?;
+                let nan_if_bad = f.affine(0.0, 0.0).ctx(ctx)?;
+                let sq = f.affine(inv, 0.0).and_then(|u| u.sqr()).ctx(ctx)?;
+                (nan_if_bad + sq).and_then(|t| t.sum_all()).and_then(|t| t.reshape(1)).ctx(ctx)?
+            }
+            None => Tensor::zeros(1, acc, loss.device()).ctx(ctx)?,
+        };
+        let read: Vec<f64> = Tensor::cat(&[&probe, &loss_v], 0)
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.to_vec1())
+            .ctx(ctx)?;
+        let (sumsq, loss_value) = (read[0], read[1]);
+        let grad_norm = sumsq.sqrt();
+        let skipped = if !loss_value.is_finite() {
+            Some(SkipReason::NonFiniteLoss)
+        } else if !sumsq.is_finite() {
+            Some(SkipReason::NonFiniteGrad)
+        } else {
+            None
+        };
+        let mut report = StepReport { loss: loss_value, grad_norm, clipped: false, skipped, loss_scale };
+        match skipped {
+            Some(SkipReason::NonFiniteLoss) => self.stats.nonfinite_loss += 1,
+            Some(SkipReason::NonFiniteGrad) => self.stats.nonfinite_grad += 1,
+            None => {
+                let mut factor = inv;
+                if let Some(max) = self.max_grad_norm {
+                    let coef = max / (grad_norm + 1e-6);
+                    if coef < 1.0 {
+                        factor *= coef;
+                        report.clipped = true;
+                    }
+                }
+                if factor != 1.0 {
+                    scale_grads(&self.vars, &mut grads, factor)?;
+                }
+                self.optimizer.step(&grads)?;
+                self.stats.applied += 1;
+            }
+        }
+        // A non-finite scaled loss is an overflow too: back off as for a gradient.
+        self.scaler.update(skipped.is_some());
+        Ok(report)
+    }
+
+    /// `loss * scale`, for callers doing their own backward (e.g. accumulation).
+    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
+        self.scaler.scale(loss)
+    }
+
+    /// The guard's counts so far.
+    pub fn stats(&self) -> GuardStats {
+        self.stats
+    }
+
+    /// The optimiser (e.g. to change the learning rate).
+    pub fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.optimizer
+    }
+
+    /// The optimiser.
+    pub fn optimizer(&self) -> &O {
+        &self.optimizer
+    }
+
+    /// The scaler.
+    pub fn scaler(&self) -> &GradScaler {
+        &self.scaler
+    }
+
+    /// Writes optimiser state (tensors under `{prefix}`), scaler state and guard counts
+    /// (metadata) for a checkpoint.
+    pub fn save_state(
+        &self,
+        tensors: &mut HashMap<String, Tensor>,
+        metadata: &mut HashMap<String, String>,
+        prefix: &str,
+    ) -> Result<()> {
+        self.optimizer.save_state(tensors, prefix)?;
+        self.scaler.save_metadata(metadata)?;
+        let json = serde_json::to_string(&self.stats)
+            .map_err(|e| Error::Metadata { what: "guard stats".into(), message: e.to_string() })?;
+        metadata.insert(GUARD_METADATA_KEY.into(), json);
+        Ok(())
+    }
+
+    /// Restores what [`TrainStep::save_state`] wrote.
+    pub fn load_state(&mut self, from: &mut NamedTensors, prefix: &str) -> Result<()> {
+        let meta = from.metadata().clone();
+        let bad = |message: String| Error::Metadata { what: format!("guard stats ({GUARD_METADATA_KEY})"), message };
+        let json = meta.get(GUARD_METADATA_KEY).ok_or_else(|| bad("key missing".into()))?;
+        let stats: GuardStats = serde_json::from_str(json).map_err(|e| bad(e.to_string()))?;
+        let mut scaler = self.scaler.clone();
+        scaler.load_metadata(&meta)?;
+        self.optimizer.load_state(from, prefix)?;
+        self.scaler = scaler;
+        self.stats = stats;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grad_scaler::GradScalerConfig;
+    use crate::ops::tests::Rng;
+    use crate::optim::{AdamW, AdamWConfig};
+    use crate::precision::Precision;
+    use candle_core::Device;
+    use proptest::prelude::*;
+
+    fn var(rng: &mut Rng, n: usize) -> Var {
+        let v: Vec<f32> = rng.vec(n, -1.0, 1.0).iter().map(|&x| x as f32).collect();
+        Var::from_tensor(&Tensor::from_vec(v, n, &Device::Cpu).unwrap()).unwrap()
+    }
+
+    /// Loss `sum(c * w^2) * k` where `k` may be NaN/inf (poisoning the loss, the
+    /// gradient or both) — built so each failure mode is reachable.
+    fn loss_of(w: &Var, c: &Tensor, poison: u8) -> Tensor {
+        let base = (w.as_tensor().sqr().unwrap() * c).unwrap().sum_all().unwrap();
+        match poison {
+            0 => base,
+            // Non-finite loss with finite gradients: + a constant inf that has no gradient.
+            1 => (base + Tensor::new(f32::INFINITY, &Device::Cpu).unwrap()).unwrap(),
+            // NaN in loss and gradient.
+            2 => (base * f64::NAN).unwrap(),
+            // Finite loss, infinite gradient: sqrt at 0 has an infinite slope.
+            _ => (base + (w.as_tensor() - w.as_tensor().detach()).unwrap().sqrt().unwrap().sum_all().unwrap()).unwrap(),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+        /// Whatever sequence of clean and poisoned steps: poisoned steps never change the
+        /// weights, they are counted by reason, and clean steps equal a manual
+        /// unscale → clip → AdamW on a twin.
+        #[test]
+        fn nothing_non_finite_reaches_the_weights(
+            seed in any::<u64>(),
+            poisons in proptest::collection::vec(prop_oneof![3 => Just(0u8), 1 => 1u8..4], 1..12),
+            f16 in any::<bool>(),
+        ) {
+            let mut rng = Rng::new(seed);
+            let w = var(&mut rng, 6);
+            let twin = Var::from_tensor(&w.as_tensor().copy().unwrap()).unwrap();
+            let c = Tensor::from_vec(rng.vec(6, 0.5, 3.0).iter().map(|&x| x as f32).collect::<Vec<_>>(), 6, &Device::Cpu).unwrap();
+            let cfg = AdamWConfig { lr: 0.05, ..Default::default() };
+            let opt = AdamW::new([("w".to_string(), w.clone())], cfg).unwrap();
+            let mut twin_opt = AdamW::new([("w".to_string(), twin.clone())], cfg).unwrap();
+            let precision = if f16 { Precision::F16 } else { Precision::Bf16 };
+            let mut ts = TrainStep::new(opt, GradScaler::for_precision(precision), Some(0.5)).unwrap();
+            let mut want = GuardStats::default();
+            for &p in &poisons {
+                let before: Vec<f32> = w.as_tensor().to_vec1().unwrap();
+                let r = ts.step(&loss_of(&w, &c, p)).unwrap();
+                want.steps += 1;
+                match p {
+                    0 => {
+                        want.applied += 1;
+                        prop_assert_eq!(r.skipped, None);
+                        let mut g = loss_of(&twin, &c, 0).backward().unwrap();
+                        let norm = crate::clip_grad_norm(std::slice::from_ref(&twin), &mut g, 0.5).unwrap();
+                        prop_assert!((norm - r.grad_norm).abs() <= 1e-4 * norm, "{} vs {}", norm, r.grad_norm);
+                        twin_opt.step(&g).unwrap();
+                        let a: Vec<f32> = w.as_tensor().to_vec1().unwrap();
+                        let b: Vec<f32> = twin.as_tensor().to_vec1().unwrap();
+                        for (x, y) in a.iter().zip(&b) {
+                            prop_assert!((x - y).abs() <= 1e-5, "{} vs {}", x, y);
+                        }
+                    }
+                    1 | 2 => {
+                        want.nonfinite_loss += 1;
+                        prop_assert_eq!(r.skipped, Some(SkipReason::NonFiniteLoss));
+                    }
+                    _ => {
+                        want.nonfinite_grad += 1;
+                        prop_assert_eq!(r.skipped, Some(SkipReason::NonFiniteGrad));
+                    }
+                }
+                let after: Vec<f32> = w.as_tensor().to_vec1().unwrap();
+                prop_assert!(after.iter().all(|v| v.is_finite()));
+                if p != 0 {
+                    prop_assert_eq!(before, after);
+                }
+            }
+            prop_assert_eq!(ts.stats(), want);
+            // Scale backs off once per skip under F16 and never moves under BF16.
+            let skips = (want.nonfinite_loss + want.nonfinite_grad) as i32;
+            let expect_scale = if f16 { 65536.0 * 0.5f64.powi(skips) } else { 1.0 };
+            prop_assert_eq!(ts.scaler().scale_factor(), expect_scale);
+        }
+    }
+
+    #[test]
+    fn state_round_trip_and_report() {
+        let mut rng = Rng::new(9);
+        let w = var(&mut rng, 4);
+        let c = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
+        let opt = AdamW::new([("w".to_string(), w.clone())], AdamWConfig::default()).unwrap();
+        let scaler = GradScaler::new(GradScalerConfig { growth_interval: 2, ..Default::default() }).unwrap();
+        let mut ts = TrainStep::new(opt, scaler, None).unwrap();
+        ts.step(&loss_of(&w, &c, 0)).unwrap();
+        ts.step(&loss_of(&w, &c, 2)).unwrap();
+        ts.step(&loss_of(&w, &c, 0)).unwrap();
+        let (mut t, mut m) = (HashMap::new(), HashMap::new());
+        ts.save_state(&mut t, &mut m, "optim.").unwrap();
+        let w2 = Var::from_tensor(&w.as_tensor().copy().unwrap()).unwrap();
+        let opt2 = AdamW::new([("w".to_string(), w2.clone())], AdamWConfig::default()).unwrap();
+        let mut ts2 = TrainStep::new(opt2, GradScaler::for_precision(Precision::F16), None).unwrap();
+        let mut src = NamedTensors::new("mem", t);
+        // NamedTensors::new carries no metadata: the guard refuses to half-restore.
+        assert!(ts2.load_state(&mut src, "optim.").is_err());
+        let mut src = NamedTensors::with_metadata("mem", src.into_tensors(), m);
+        ts2.load_state(&mut src, "optim.").unwrap();
+        src.finish().unwrap();
+        assert_eq!(ts2.stats(), ts.stats());
+        assert_eq!(ts2.scaler().state(), ts.scaler().state());
+        let a = ts.step(&loss_of(&w, &c, 0)).unwrap();
+        let b = ts2.step(&loss_of(&w2, &c, 0)).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(w.as_tensor().to_vec1::<f32>().unwrap(), w2.as_tensor().to_vec1::<f32>().unwrap());
+        assert!(ts.stats().to_string().contains("1 skipped"));
+        assert!(TrainStep::new(
+            AdamW::new([], AdamWConfig::default()).unwrap(),
+            GradScaler::for_precision(Precision::F32),
+            Some(f64::NAN)
+        )
+        .is_err());
+    }
+}
