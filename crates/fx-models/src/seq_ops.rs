@@ -18,13 +18,16 @@
 
 use candle_core::{DType, Tensor, Var, D};
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+
 use candle_core::Result;
 pub use fx_precision::ops::{layer_norm, rms_norm, softmax_last_dim};
 use fx_precision::{Precision, PrecisionExt};
 
 /// How a forward pass runs.
 #[derive(Debug, Clone, Copy)]
-pub struct Ctx {
+pub struct Ctx<'a> {
     /// Dtype of the matmuls (F32, BF16 or F16; F64 for reference computations in
     /// tests); parameters and other activations stay F32.
     pub compute: DType,
@@ -33,9 +36,13 @@ pub struct Ctx {
     /// Record the gradient tape. Off for inference: parameters enter detached, so no
     /// graph is kept alive.
     pub grad: bool,
+    /// Where dropout masks are recorded and replayed, so that a checkpointed segment
+    /// re-run in the backward drops the same units as its forward; `None` draws fresh
+    /// masks.
+    pub masks: Option<&'a DropoutMasks>,
 }
 
-impl Ctx {
+impl Ctx<'static> {
     /// Training forward: dropout on, tape on.
     pub fn train(p: Precision) -> Self {
         Self::with_dtype(p.compute_dtype(), true, true)
@@ -50,7 +57,14 @@ impl Ctx {
     }
     /// An explicit matmul dtype (F64 reference computations in tests).
     pub fn with_dtype(compute: DType, train: bool, grad: bool) -> Self {
-        Self { compute, train, grad }
+        Self { compute, train, grad, masks: None }
+    }
+}
+
+impl<'a> Ctx<'a> {
+    /// The same context recording/replaying dropout masks in `masks`.
+    pub fn with_masks<'b>(&self, masks: &'b DropoutMasks) -> Ctx<'b> {
+        Ctx { compute: self.compute, train: self.train, grad: self.grad, masks: Some(masks) }
     }
 
     /// A parameter as it enters the computation: detached from the tape when
@@ -109,7 +123,57 @@ impl Ctx {
         if !self.train || p <= 0.0 {
             return Ok(x.clone());
         }
-        candle_nn::ops::dropout(x, p as f32)
+        match self.masks {
+            None => candle_nn::ops::dropout(x, p as f32),
+            Some(m) => {
+                let keep = m.mask(x, p)?;
+                x.mul(&(keep.to_dtype(x.dtype())? * (1.0 / (1.0 - p)))?)
+            }
+        }
+    }
+}
+
+/// Dropout masks keyed by (segment, call number within the segment): the first forward
+/// of a segment draws them, a re-run of the same segment replays them. Masks are kept
+/// as U8 (a quarter of an F32 activation).
+#[derive(Debug, Default)]
+pub struct DropoutMasks {
+    state: RefCell<MaskState>,
+}
+
+#[derive(Debug, Default)]
+struct MaskState {
+    segment: usize,
+    call: usize,
+    masks: HashMap<(usize, usize), Tensor>,
+}
+
+impl DropoutMasks {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts (or restarts) segment `segment`: its dropout calls are numbered from 0.
+    pub fn begin_segment(&self, segment: usize) {
+        let mut s = self.state.borrow_mut();
+        s.segment = segment;
+        s.call = 0;
+    }
+
+    fn mask(&self, x: &Tensor, p: f64) -> Result<Tensor> {
+        let mut s = self.state.borrow_mut();
+        let key = (s.segment, s.call);
+        s.call += 1;
+        if let Some(m) = s.masks.get(&key) {
+            if m.dims() == x.dims() {
+                return Ok(m.clone());
+            }
+            candle_core::bail!("dropout mask replay: shape {:?} recorded, {:?} now", m.dims(), x.dims());
+        }
+        let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?.ge(p)?;
+        s.masks.insert(key, keep.clone());
+        Ok(keep)
     }
 }
 

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use fx_precision::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Precision};
 use serde::{Deserialize, Serialize};
@@ -87,6 +88,8 @@ pub trait SeqTask {
     fn batch(&self, series: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch>;
     /// The training loss of a batch (F32 scalar).
     fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
+    /// The loss and the parameter gradients, optionally with activation checkpointing.
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)>;
     /// The point forecast (TFT: the median quantile), shaped as the target.
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
     /// The parameters.
@@ -132,6 +135,10 @@ impl SeqTask for Tft {
     fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
         let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
         Tft::loss(self, &q, &batch.target)
+    }
+
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)> {
+        Tft::loss_and_grads(self, c, &batch.inputs[0], &batch.inputs[1], &batch.target, checkpoint)
     }
 
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
@@ -190,6 +197,10 @@ impl SeqTask for Mamba2Task<'_> {
         self.model.loss(&p, &batch.target)
     }
 
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)> {
+        self.model.loss_and_grads(c, &batch.inputs[0], &batch.target, checkpoint)
+    }
+
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
         self.model.forward(c, &batch.inputs[0])
     }
@@ -223,6 +234,8 @@ pub struct SeqTrainConfig {
     pub seed: u64,
     /// Matmul precision.
     pub precision: Precision,
+    /// Activation checkpointing (per TFT stage / MAMBA-2 layer).
+    pub checkpoint: bool,
 }
 
 impl Default for SeqTrainConfig {
@@ -239,6 +252,7 @@ impl Default for SeqTrainConfig {
             patience: 5,
             seed: 0,
             precision: Precision::F32,
+            checkpoint: false,
         }
     }
 }
@@ -374,10 +388,9 @@ pub fn train(
             lr = lr_at(step, total, warmup, cfg.lr, cfg.lr * cfg.min_lr_frac);
             opt.set_learning_rate(lr);
             let batch = task.batch(series, &bi.starts, &dev)?;
-            let loss = task.loss(&c, &batch)?;
+            let (loss, mut grads) = task.loss_and_grads(&c, &batch, cfg.checkpoint)?;
             sum += scalar(&loss, "seq_train::train")?;
             nb += 1;
-            let mut grads = loss.backward().ctx("seq_train::train backward")?;
             clip_grad_norm(&vars, &mut grads, cfg.clip_norm).ctx("seq_train::train")?;
             opt.step(&grads).ctx("seq_train::train")?;
             step += 1;
@@ -482,7 +495,14 @@ mod tests {
         let series = synthetic(600, 3);
         let cfg = TftConfig { n_observed: 3, d: 8, n_head: 2, l_enc: 6, h: 2, dropout: 0.0, ..TftConfig::default() };
         let model = Tft::new(cfg, &Device::Cpu).unwrap();
-        let tc = SeqTrainConfig { epochs: 10, batch_size: 32, lr: 1e-2, patience: 3, ..Default::default() };
+        let tc = SeqTrainConfig {
+            epochs: 10,
+            batch_size: 32,
+            lr: 1e-2,
+            patience: 3,
+            checkpoint: true,
+            ..Default::default()
+        };
         let before = evaluate(&model, &series, 500..600, 64, Precision::F32).unwrap();
         let rep = train(&model, &series, 0..400, 400..500, &tc).unwrap();
         let after = evaluate(&model, &series, 500..600, 64, Precision::F32).unwrap();

@@ -11,7 +11,9 @@ mod tests;
 
 use std::path::Path;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use fx_precision::Checkpointed;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
@@ -243,18 +245,62 @@ impl Mamba2 {
     }
 
     fn forward_impl(&self, c: &Ctx, x: &Tensor) -> candle_core::Result<(Tensor, Vec<Mamba2LayerAux>)> {
-        let x = x.to_dtype(DType::F32)?;
-        let mut h = c.linear(&x, &c.p(&self.embed_w)?, Some(&c.p(&self.embed_b)?))?;
+        let mut h = self.embed(c, x)?;
         let mut aux = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let normed = rms_norm(&h, &c.p(&layer.norm_w)?, self.cfg.norm_eps)?;
-            let (m, mut a) = self.mixer_fwd(c, &layer.mixer, &normed)?;
-            h = (h + m)?;
-            a.out = h.clone();
+            let (out, a) = self.layer_fwd(c, layer, &h)?;
+            h = out;
             aux.push(a);
         }
         let out = self.head(c, &h)?.squeeze(2)?;
         Ok((out, aux))
+    }
+
+    fn embed(&self, c: &Ctx, x: &Tensor) -> candle_core::Result<Tensor> {
+        c.linear(&x.to_dtype(DType::F32)?, &c.p(&self.embed_w)?, Some(&c.p(&self.embed_b)?))
+    }
+
+    /// One residual layer `h + mixer(rmsnorm(h))`.
+    fn layer_fwd(&self, c: &Ctx, layer: &Layer, h: &Tensor) -> candle_core::Result<(Tensor, Mamba2LayerAux)> {
+        let normed = rms_norm(h, &c.p(&layer.norm_w)?, self.cfg.norm_eps)?;
+        let (m, mut a) = self.mixer_fwd(c, &layer.mixer, &normed)?;
+        let out = (h + m)?;
+        a.out = out.clone();
+        Ok((out, a))
+    }
+
+    /// MSE loss of `x [B, L, n_in]` against `target [B, L]` and the gradients of every
+    /// parameter. With `checkpoint`, each layer is a recompute segment
+    /// (`fx_precision::Checkpointed`): only the layer inputs are kept between the
+    /// forward and the backward, and every layer runs twice.
+    pub fn loss_and_grads(
+        &self,
+        c: &Ctx,
+        x: &Tensor,
+        target: &Tensor,
+        checkpoint: bool,
+    ) -> Result<(Tensor, GradStore)> {
+        const CTX: &str = "Mamba2::loss_and_grads";
+        if !checkpoint {
+            let pred = self.forward(c, x)?;
+            let loss = self.loss(&pred, target)?;
+            let grads = loss.backward().ctx(CTX)?;
+            return Ok((loss, grads));
+        }
+        let ok = matches!(x.dims(), &[b, l, n] if b > 0 && l > 0 && n == self.cfg.n_in);
+        if !ok {
+            return Err(self.input_err(x, CTX, "[B, L, n_in] with B, L > 0"));
+        }
+        let h0 = self.embed(c, x).ctx(CTX)?;
+        let mut stack = Checkpointed::new();
+        for layer in &self.layers {
+            stack = stack.push(move |h: &Tensor| self.layer_fwd(c, layer, h).map(|(o, _)| o));
+        }
+        let tape = stack.forward(&h0).ctx(CTX)?;
+        let pred = self.head(c, tape.output()).and_then(|t| t.squeeze(2)).ctx(CTX)?;
+        let loss = self.loss(&pred, target)?;
+        let grads = stack.backward(tape, &loss).ctx(CTX)?;
+        Ok((loss, grads))
     }
 
     /// Forward pass `x [B, L, n_in] → [B, L]`.

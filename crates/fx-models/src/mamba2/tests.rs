@@ -169,3 +169,19 @@ fn inference_without_tape_and_save_load() {
     let err = m.params().load_map(&bad, "x").unwrap_err().to_string();
     assert!(err.contains("in_proj.bias"), "{err}");
 }
+
+#[test]
+fn checkpointed_gradients_equal_plain() {
+    let (fx, m) = fixture_model();
+    let c = Ctx::eval_with_grad(Precision::F32);
+    let (l1, g1) = m.loss_and_grads(&c, fx.get("in.x"), fx.get("in.target"), false).unwrap();
+    let (l2, g2) = m.loss_and_grads(&c, fx.get("in.x"), fx.get("in.target"), true).unwrap();
+    assert!(rel_err(&l2, &l1) <= 1e-6);
+    let (g1, g2) = (m.params().named_grads(&g1).unwrap(), m.params().named_grads(&g2).unwrap());
+    assert_eq!(g1.len(), g2.len());
+    for (name, a) in &g1 {
+        let e = rel_err(&g2[name], a);
+        assert!(e <= 1e-5, "{name}: checkpointed vs plain rel err {e}");
+        assert!(rel_err(&g2[name], fx.get(&format!("grad.{name}"))) <= 1e-4, "{name}");
+    }
+}

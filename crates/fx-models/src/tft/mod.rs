@@ -13,11 +13,13 @@ mod tests;
 
 use std::path::Path;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use fx_precision::Checkpointed;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
-use crate::seq_ops::Ctx;
+use crate::seq_ops::{Ctx, DropoutMasks};
 use crate::seq_params::ParamStore;
 use blocks::{EmbedVsn, Glu, Grn, InterpretableMha, Lin, Ln, Lstm};
 
@@ -203,72 +205,152 @@ impl Tft {
     /// → quantiles `[B, H, n_quantiles]` (F32) and the intermediate
     /// activations.
     pub fn forward_aux(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> Result<(Tensor, TftAux)> {
-        let cfg = &self.cfg;
-        let (l, h) = (cfg.l_enc, cfg.h);
         const CTX: &str = "Tft::forward";
-        let b = observed.dims().first().copied().unwrap_or(0);
-        if b == 0 || observed.dims() != [b, l, cfg.n_observed] {
-            return Err(Error::shape(
-                "observed",
-                CTX,
-                format!("[B, {l}, {}]", cfg.n_observed),
-                format!("{:?}", observed.dims()),
-            ));
-        }
-        if known.dims() != [b, l + h, cfg.n_known] {
-            return Err(Error::shape(
-                "known",
-                CTX,
-                format!("[{b}, {}, {}]", l + h, cfg.n_known),
-                format!("{:?}", known.dims()),
-            ));
-        }
+        self.check_inputs(observed, known, CTX)?;
         self.forward_impl(c, observed, known).ctx(CTX)
     }
 
     fn forward_impl(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> candle_core::Result<(Tensor, TftAux)> {
         let cfg = &self.cfg;
-        let (l, h, d) = (cfg.l_enc, cfg.h, cfg.d);
-        let b = observed.dim(0)?;
-        let observed = observed.to_dtype(DType::F32)?;
-        let known = known.to_dtype(DType::F32)?;
+        let (b, l, h, d) = (observed.dim(0)?, cfg.l_enc, cfg.h, cfg.d);
+        let packed = self.pack(observed, known)?;
+        // Segment numbers as in the checkpointed path, so recorded masks replay here.
+        let seg = |k: usize| c.masks.inspect(|m| m.begin_segment(k));
+        seg(0);
+        let (vsn_out, enc_w, dec_w) = self.stage_vsn(c, &packed)?;
+        seg(1);
+        let (phi_enriched, lstm_out) = self.stage_temporal(c, &vsn_out)?;
+        seg(2);
+        let (out, attn_w, attn_out) = self.stage_attention(c, &phi_enriched)?;
+        let aux = TftAux {
+            enc_vsn_weights: enc_w.reshape((b, l, cfg.n_observed + cfg.n_known))?,
+            dec_vsn_weights: dec_w.reshape((b, h, cfg.n_known))?,
+            vsn_out,
+            lstm_out,
+            phi: phi_enriched.narrow(2, 0, d)?,
+            enriched: phi_enriched.narrow(2, d, d)?,
+            attn_weights: attn_w,
+            attn_out,
+        };
+        Ok((out, aux))
+    }
+
+    /// The inputs as one tensor `[B, L_enc + H, n_observed + n_known]` (observed
+    /// zero on the decoder steps), so that each stage has a single input and output
+    /// and the stages can be checkpoint segments.
+    fn pack(&self, observed: &Tensor, known: &Tensor) -> candle_core::Result<Tensor> {
+        let observed = observed.to_dtype(DType::F32)?.pad_with_zeros(1, 0, self.cfg.h)?;
+        Tensor::cat(&[&observed, &known.to_dtype(DType::F32)?], 2)
+    }
+
+    /// Stage 1, embeddings and variable selection: packed inputs → VSN outputs
+    /// `[B, L_enc + H, d]` (and the selection weights).
+    fn stage_vsn(&self, c: &Ctx, packed: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let cfg = &self.cfg;
+        let (b, l, h, d) = (packed.dim(0)?, cfg.l_enc, cfg.h, cfg.d);
         let n_enc = cfg.n_observed + cfg.n_known;
-        let enc_in = Tensor::cat(&[&observed, &known.narrow(1, 0, l)?], 2)?;
-        let dec_in = known.narrow(1, l, h)?.contiguous()?;
-
-        let (enc_x, enc_w) = self.enc.fwd(c, &enc_in.reshape((b * l, n_enc))?)?;
+        let enc_in = packed.narrow(1, 0, l)?.contiguous()?.reshape((b * l, n_enc))?;
+        let dec_in = packed.narrow(1, l, h)?.narrow(2, cfg.n_observed, cfg.n_known)?.contiguous()?;
+        let (enc_x, enc_w) = self.enc.fwd(c, &enc_in)?;
         let (dec_x, dec_w) = self.dec.fwd(c, &dec_in.reshape((b * h, cfg.n_known))?)?;
-        let enc_x = enc_x.reshape((b, l, d))?;
-        let dec_x = dec_x.reshape((b, h, d))?;
+        let vsn_out = Tensor::cat(&[&enc_x.reshape((b, l, d))?, &dec_x.reshape((b, h, d))?], 1)?;
+        Ok((vsn_out, enc_w, dec_w))
+    }
 
-        let zeros = Tensor::zeros((b, d), DType::F32, observed.device())?;
-        let (enc_out, state) = self.lstm_enc.fwd(c, &enc_x, (zeros.clone(), zeros))?;
-        let (dec_out, _) = self.lstm_dec.fwd(c, &dec_x, state)?;
-        let vsn_out = Tensor::cat(&[&enc_x, &dec_x], 1)?;
+    /// Stage 2, LSTM encoder/decoder, gated skip and enrichment: VSN outputs →
+    /// `[φ, enriched]` concatenated on the last axis `[B, L_enc + H, 2d]` (and the LSTM
+    /// outputs).
+    fn stage_temporal(&self, c: &Ctx, vsn_out: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let cfg = &self.cfg;
+        let (b, l, h, d) = (vsn_out.dim(0)?, cfg.l_enc, cfg.h, cfg.d);
+        let zeros = Tensor::zeros((b, d), DType::F32, vsn_out.device())?;
+        let (enc_out, state) = self.lstm_enc.fwd(c, &vsn_out.narrow(1, 0, l)?, (zeros.clone(), zeros))?;
+        let (dec_out, _) = self.lstm_dec.fwd(c, &vsn_out.narrow(1, l, h)?, state)?;
         let lstm_out = Tensor::cat(&[&enc_out, &dec_out], 1)?;
         let gated = self.post_lstm_glu.fwd(c, &c.dropout(&lstm_out, cfg.dropout)?)?;
-        let phi = self.post_lstm_norm.fwd(c, &(&vsn_out + gated)?)?;
+        let phi = self.post_lstm_norm.fwd(c, &(vsn_out + gated)?)?;
         let enriched = self.enrich.fwd(c, &phi)?;
+        Ok((Tensor::cat(&[&phi, &enriched], 2)?, lstm_out))
+    }
 
-        let mask = self.causal_mask(DType::F32, observed.device())?;
+    /// Stage 3, attention, feed-forward and head: `[φ, enriched]` → quantiles
+    /// `[B, H, Q]` (and the attention weights and output).
+    fn stage_attention(&self, c: &Ctx, phi_enriched: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let cfg = &self.cfg;
+        let (l, h, d) = (cfg.l_enc, cfg.h, cfg.d);
+        let phi = phi_enriched.narrow(2, 0, d)?;
+        let enriched = phi_enriched.narrow(2, d, d)?.contiguous()?;
+        let mask = self.causal_mask(DType::F32, enriched.device())?;
         let enriched_dec = enriched.narrow(1, l, h)?;
         let (attn_out, attn_w) = self.attn.fwd(c, &enriched_dec, &enriched, &mask)?;
         let gated = self.post_attn_glu.fwd(c, &c.dropout(&attn_out, cfg.dropout)?)?;
         let x = self.post_attn_norm.fwd(c, &(&enriched_dec + gated)?)?;
         let x = self.ff.fwd(c, &x)?;
         let x = self.pre_out_norm.fwd(c, &(phi.narrow(1, l, h)? + self.pre_out_glu.fwd(c, &x)?)?)?;
-        let out = self.head.fwd(c, &x)?;
-        let aux = TftAux {
-            enc_vsn_weights: enc_w.reshape((b, l, n_enc))?,
-            dec_vsn_weights: dec_w.reshape((b, h, cfg.n_known))?,
-            vsn_out,
-            lstm_out,
-            phi,
-            enriched,
-            attn_weights: attn_w,
-            attn_out,
-        };
-        Ok((out, aux))
+        Ok((self.head.fwd(c, &x)?, attn_w, attn_out))
+    }
+
+    /// Pinball loss of the forecast for `observed`, `known` against `target [B, H]`
+    /// and the gradients of every parameter. With `checkpoint`, the three stages
+    /// (variable selection; LSTMs + gated skip + enrichment; attention to head) are
+    /// recompute segments (`fx_precision::Checkpointed`): only the stage inputs are
+    /// kept for the backward, each stage runs twice, and dropout masks are recorded
+    /// (as U8) so that the re-run drops the same units.
+    pub fn loss_and_grads(
+        &self,
+        c: &Ctx,
+        observed: &Tensor,
+        known: &Tensor,
+        target: &Tensor,
+        checkpoint: bool,
+    ) -> Result<(Tensor, GradStore)> {
+        const CTX: &str = "Tft::loss_and_grads";
+        if !checkpoint {
+            let q = self.forward(c, observed, known)?;
+            let loss = self.loss(&q, target)?;
+            let grads = loss.backward().ctx(CTX)?;
+            return Ok((loss, grads));
+        }
+        // Shape checks as in the plain forward.
+        self.check_inputs(observed, known, CTX)?;
+        // Dropout must replay in the re-run: record masks unless the caller already does.
+        let own = DropoutMasks::new();
+        let masks = c.masks.unwrap_or(&own);
+        let c = c.with_masks(masks);
+        let c = &c;
+        let stack = Checkpointed::new()
+            .push(move |x: &Tensor| {
+                masks.begin_segment(0);
+                self.stage_vsn(c, x).map(|r| r.0)
+            })
+            .push(move |x: &Tensor| {
+                masks.begin_segment(1);
+                self.stage_temporal(c, x).map(|r| r.0)
+            })
+            .push(move |x: &Tensor| {
+                masks.begin_segment(2);
+                self.stage_attention(c, x).map(|r| r.0)
+            });
+        let packed = self.pack(observed, known).ctx(CTX)?;
+        let tape = stack.forward(&packed).ctx(CTX)?;
+        let loss = self.loss(tape.output(), target)?;
+        let grads = stack.backward(tape, &loss).ctx(CTX)?;
+        Ok((loss, grads))
+    }
+
+    fn check_inputs(&self, observed: &Tensor, known: &Tensor, context: &'static str) -> Result<()> {
+        let cfg = &self.cfg;
+        let (l, h) = (cfg.l_enc, cfg.h);
+        let b = observed.dims().first().copied().unwrap_or(0);
+        if b == 0 || observed.dims() != [b, l, cfg.n_observed] {
+            let want = format!("[B, {l}, {}]", cfg.n_observed);
+            return Err(Error::shape("observed", context, want, format!("{:?}", observed.dims())));
+        }
+        if known.dims() != [b, l + h, cfg.n_known] {
+            let want = format!("[{b}, {}, {}]", l + h, cfg.n_known);
+            return Err(Error::shape("known", context, want, format!("{:?}", known.dims())));
+        }
+        Ok(())
     }
 
     /// Forward pass returning only the quantiles `[B, H, n_quantiles]`.
