@@ -87,6 +87,9 @@ pub struct TftAux {
     pub attn_out: Tensor,
 }
 
+/// Encoder-step segments of the variable selection under activation checkpointing.
+const VSN_ENC_SEGMENTS: usize = 4;
+
 /// The temporal fusion transformer.
 #[derive(Debug, Clone)]
 pub struct Tft {
@@ -216,11 +219,11 @@ impl Tft {
         let packed = self.pack(observed, known)?;
         // Segment numbers as in the checkpointed path, so recorded masks replay here.
         let seg = |k: usize| c.masks.inspect(|m| m.begin_segment(k));
-        seg(0);
+        let n_vsn = self.vsn_chunks().len();
         let (vsn_out, enc_w, dec_w) = self.stage_vsn(c, &packed)?;
-        seg(1);
+        seg(n_vsn);
         let (phi_enriched, lstm_out) = self.stage_temporal(c, &vsn_out)?;
-        seg(2);
+        seg(n_vsn + 1);
         let (out, attn_w, attn_out) = self.stage_attention(c, &phi_enriched)?;
         let aux = TftAux {
             enc_vsn_weights: enc_w.reshape((b, l, cfg.n_observed + cfg.n_known))?,
@@ -247,14 +250,51 @@ impl Tft {
     /// `[B, L_enc + H, d]` (and the selection weights).
     fn stage_vsn(&self, c: &Ctx, packed: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let cfg = &self.cfg;
-        let (b, l, h, d) = (packed.dim(0)?, cfg.l_enc, cfg.h, cfg.d);
-        let n_enc = cfg.n_observed + cfg.n_known;
-        let enc_in = packed.narrow(1, 0, l)?.contiguous()?.reshape((b * l, n_enc))?;
-        let dec_in = packed.narrow(1, l, h)?.narrow(2, cfg.n_observed, cfg.n_known)?.contiguous()?;
-        let (enc_x, enc_w) = self.enc.fwd(c, &enc_in)?;
-        let (dec_x, dec_w) = self.dec.fwd(c, &dec_in.reshape((b * h, cfg.n_known))?)?;
-        let vsn_out = Tensor::cat(&[&enc_x.reshape((b, l, d))?, &dec_x.reshape((b, h, d))?], 1)?;
-        Ok((vsn_out, enc_w, dec_w))
+        let (b, l, h) = (packed.dim(0)?, cfg.l_enc, cfg.h);
+        if let Some(masks) = c.masks {
+            // Chunked exactly as the checkpointed path, so that recorded dropout masks
+            // replay here.
+            let (mut xs, mut ws) = (Vec::new(), Vec::new());
+            for (k, &(t0, t1)) in self.vsn_chunks().iter().enumerate() {
+                masks.begin_segment(k);
+                let (x, w) = self.vsn_chunk(c, packed, t0, t1)?;
+                xs.push(x);
+                ws.push(w.reshape((b, t1 - t0, ()))?);
+            }
+            let ws_enc = Tensor::cat(&ws[..ws.len() - 1], 1)?.reshape((b * l, ()))?;
+            let ws_dec = ws[ws.len() - 1].reshape((b * h, ()))?;
+            return Ok((Tensor::cat(&xs, 1)?, ws_enc, ws_dec));
+        }
+        let (enc_x, enc_w) = self.vsn_chunk(c, packed, 0, l)?;
+        let (dec_x, dec_w) = self.vsn_chunk(c, packed, l, l + h)?;
+        Ok((Tensor::cat(&[&enc_x, &dec_x], 1)?, enc_w, dec_w))
+    }
+
+    /// Variable selection of steps `t0..t1`, all encoder or all decoder steps:
+    /// `[B, t1 − t0, d]` and the weights `[B·(t1 − t0), n_vars]`.
+    fn vsn_chunk(&self, c: &Ctx, packed: &Tensor, t0: usize, t1: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let cfg = &self.cfg;
+        let (b, t, d) = (packed.dim(0)?, t1 - t0, cfg.d);
+        let rows = packed.narrow(1, t0, t)?;
+        let (x, w) = if t1 <= cfg.l_enc {
+            self.enc.fwd(c, &rows.contiguous()?.reshape((b * t, cfg.n_observed + cfg.n_known))?)?
+        } else {
+            let known = rows.narrow(2, cfg.n_observed, cfg.n_known)?.contiguous()?;
+            self.dec.fwd(c, &known.reshape((b * t, cfg.n_known))?)?
+        };
+        Ok((x.reshape((b, t, d))?, w))
+    }
+
+    /// Step ranges of the variable-selection segments: the encoder steps in up to
+    /// [`VSN_ENC_SEGMENTS`] parts, then the decoder steps. Variable selection dominates
+    /// the TFT's activation memory and is independent per step, so splitting it is what
+    /// makes checkpointing pay.
+    fn vsn_chunks(&self) -> Vec<(usize, usize)> {
+        let (l, h) = (self.cfg.l_enc, self.cfg.h);
+        let n = VSN_ENC_SEGMENTS.min(l);
+        let mut out: Vec<(usize, usize)> = (0..n).map(|k| (k * l / n, (k + 1) * l / n)).collect();
+        out.push((l, l + h));
+        out
     }
 
     /// Stage 2, LSTM encoder/decoder, gated skip and enrichment: VSN outputs →
@@ -291,9 +331,9 @@ impl Tft {
     }
 
     /// Pinball loss of the forecast for `observed`, `known` against `target [B, H]`
-    /// and the gradients of every parameter. With `checkpoint`, the three stages
-    /// (variable selection; LSTMs + gated skip + enrichment; attention to head) are
-    /// recompute segments (`fx_precision::Checkpointed`): only the stage inputs are
+    /// and the gradients of every parameter. With `checkpoint`, the stages (variable
+    /// selection, split into up to 4 encoder-step chunks and the decoder steps; LSTMs +
+    /// gated skip + enrichment; attention to head) are recompute segments (`fx_precision::Checkpointed`): only the stage inputs are
     /// kept for the backward, each stage runs twice, and dropout masks are recorded
     /// (as U8) so that the re-run drops the same units.
     pub fn loss_and_grads(
@@ -318,20 +358,41 @@ impl Tft {
         let masks = c.masks.unwrap_or(&own);
         let c = c.with_masks(masks);
         let c = &c;
-        let stack = Checkpointed::new()
-            .push(move |x: &Tensor| {
-                masks.begin_segment(0);
-                self.stage_vsn(c, x).map(|r| r.0)
+        // Segments: one per VSN chunk over a carried state [raw inputs | VSN outputs so
+        // far], then the temporal stage, then attention to head.
+        let n_in = self.cfg.n_observed + self.cfg.n_known;
+        let d = self.cfg.d;
+        let chunks = self.vsn_chunks();
+        let mut stack = Checkpointed::new();
+        for (k, &(t0, t1)) in chunks.iter().enumerate() {
+            stack = stack.push(move |s: &Tensor| {
+                masks.begin_segment(k);
+                let raw = s.narrow(2, 0, n_in)?;
+                let (new, _) = self.vsn_chunk(c, &raw, t0, t1)?;
+                let done = s.narrow(2, n_in, d)?;
+                let total = s.dim(1)?;
+                let mut parts = Vec::with_capacity(3);
+                if t0 > 0 {
+                    parts.push(done.narrow(1, 0, t0)?);
+                }
+                parts.push(new);
+                if t1 < total {
+                    parts.push(done.narrow(1, t1, total - t1)?);
+                }
+                Tensor::cat(&[&raw, &Tensor::cat(&parts, 1)?], 2)
+            });
+        }
+        let k = chunks.len();
+        let stack = stack
+            .push(move |s: &Tensor| {
+                masks.begin_segment(k);
+                self.stage_temporal(c, &s.narrow(2, n_in, d)?.contiguous()?).map(|r| r.0)
             })
             .push(move |x: &Tensor| {
-                masks.begin_segment(1);
-                self.stage_temporal(c, x).map(|r| r.0)
-            })
-            .push(move |x: &Tensor| {
-                masks.begin_segment(2);
+                masks.begin_segment(k + 1);
                 self.stage_attention(c, x).map(|r| r.0)
             });
-        let packed = self.pack(observed, known).ctx(CTX)?;
+        let packed = self.pack(observed, known).and_then(|p| p.pad_with_zeros(2, 0, d)).ctx(CTX)?;
         let tape = stack.forward(&packed).ctx(CTX)?;
         let loss = self.loss(tape.output(), target)?;
         let grads = stack.backward(tape, &loss).ctx(CTX)?;
