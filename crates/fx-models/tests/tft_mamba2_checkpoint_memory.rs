@@ -66,7 +66,7 @@ fn checkpointing_lowers_peak_step_memory() {
     let c = Ctx::train(Precision::F32);
 
     let cfg = TftConfig { d: 32, n_head: 4, l_enc: 32, h: 8, ..TftConfig::default() };
-    let tft = Tft::new(cfg, &dev).unwrap();
+    let tft = Tft::new(cfg, &dev, 1).unwrap();
     let obs = Tensor::randn(0f32, 1.0, (8, 32, 51), &dev).unwrap();
     let known = Tensor::randn(0f32, 1.0, (8, 40, 4), &dev).unwrap();
     let y = Tensor::randn(0f32, 0.01, (8, 8), &dev).unwrap();
@@ -78,7 +78,7 @@ fn checkpointing_lowers_peak_step_memory() {
 
     let cfg =
         Mamba2Config { d_model: 64, n_layer: 6, d_state: 16, headdim: 16, chunk_size: 16, ..Mamba2Config::default() };
-    let m = Mamba2::new(cfg, &dev).unwrap();
+    let m = Mamba2::new(cfg, &dev, 1).unwrap();
     let x = Tensor::randn(0f32, 1.0, (4, 64, 51), &dev).unwrap();
     let t = Tensor::randn(0f32, 0.01, (4, 64), &dev).unwrap();
     let m_step = |ck: bool| drop(m.loss_and_grads(&c, &x, &t, ck).unwrap());

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
 use crate::seq_ops::{rms_norm, rms_normalize, softplus, Ctx};
-use crate::seq_params::{Init, ParamStore};
+use crate::seq_params::{init_uniform, Init, ParamStore};
 
 /// MAMBA-2 dimensions; defaults are the spec's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -157,27 +157,28 @@ pub struct Mamba2 {
 
 /// Values for the SSM parameters (Mamba-2's usual init, not normative): dt
 /// log-uniform in [1e-3, 1e-1] stored as softplus⁻¹, `A_log = ln U(1, 16)`.
-fn ssm_init(nh: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
-    let u = Tensor::rand(0f64, 1.0, nh, &Device::Cpu)?;
+fn ssm_init(nh: usize, seed: u64, index: u64, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let draws = init_uniform(seed, index, 2 * nh);
+    let u = Tensor::new(&draws[..nh], &Device::Cpu)?;
     let (lo, hi) = (1e-3f64.ln(), 1e-1f64.ln());
     let dt = ((u * (hi - lo))? + lo)?.exp()?.clamp(1e-4, f64::INFINITY)?;
     // softplus⁻¹(dt) = dt + ln(1 − e^{−dt})
     let dt_bias = (&dt + (1.0 - dt.neg()?.exp()?)?.log()?)?;
-    let a = ((Tensor::rand(0f64, 1.0, nh, &Device::Cpu)? * 15.0)? + 1.0)?.log()?;
+    let a = ((Tensor::new(&draws[nh..], &Device::Cpu)? * 15.0)? + 1.0)?.log()?;
     Ok((dt_bias.to_dtype(DType::F32)?.to_device(device)?, a.to_dtype(DType::F32)?.to_device(device)?))
 }
 
 impl Mamba2 {
-    /// A freshly initialised model.
-    pub fn new(cfg: Mamba2Config, device: &Device) -> Result<Self> {
+    /// A freshly initialised model, drawn from the counter-based generator with `seed`.
+    pub fn new(cfg: Mamba2Config, device: &Device, seed: u64) -> Result<Self> {
         cfg.validate()?;
-        Self::build(cfg, device).ctx("Mamba2::new")
+        Self::build(cfg, device, seed).ctx("Mamba2::new")
     }
 
-    fn build(cfg: Mamba2Config, device: &Device) -> candle_core::Result<Self> {
+    fn build(cfg: Mamba2Config, device: &Device, seed: u64) -> candle_core::Result<Self> {
         let (dm, di, nh) = (cfg.d_model, cfg.d_inner(), cfg.nheads());
         let gn = cfg.ngroups * cfg.d_state;
-        let mut ps = ParamStore::new("mamba2", device);
+        let mut ps = ParamStore::new("mamba2", device, seed);
         let u = |i: usize| Init::Uniform(1.0 / (i as f64).sqrt());
         let embed_w = ps.add("embed.weight", &[dm, cfg.n_in], u(cfg.n_in))?;
         let embed_b = ps.add("embed.bias", &[dm], u(cfg.n_in))?;
@@ -191,7 +192,7 @@ impl Mamba2 {
             let conv_b = ps.add(format!("{m}.conv1d.bias"), &[cfg.conv_dim()], u(cfg.d_conv))?;
             let dt_bias = ps.add(format!("{m}.dt_bias"), &[nh], Init::Const(0.0))?;
             let a_log = ps.add(format!("{m}.A_log"), &[nh], Init::Const(0.0))?;
-            let (dtb, al) = ssm_init(nh, device)?;
+            let (dtb, al) = ssm_init(nh, seed, ps.len() as u64, device)?;
             dt_bias.set(&dtb)?;
             a_log.set(&al)?;
             let d = ps.add(format!("{m}.D"), &[nh], Init::Const(1.0))?;
@@ -210,7 +211,7 @@ impl Mamba2 {
 
     /// Builds the model for `cfg` and loads its weights from a safetensors file.
     pub fn load(cfg: Mamba2Config, path: &Path, device: &Device) -> Result<Self> {
-        let m = Self::new(cfg, device)?;
+        let m = Self::new(cfg, device, 0)?;
         m.params.load(path)?;
         Ok(m)
     }

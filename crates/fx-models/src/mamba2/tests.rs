@@ -7,7 +7,7 @@ use fx_precision::Precision;
 fn fixture_model() -> (Fixture, Mamba2) {
     let fx = Fixture::load("mamba2.safetensors");
     let cfg: Mamba2Config = serde_json::from_str(&fx.metadata["config"]).expect("config json");
-    let m = Mamba2::new(cfg, &Device::Cpu).unwrap();
+    let m = Mamba2::new(cfg, &Device::Cpu, 1).unwrap();
     m.params().load_map(&fx.params(), "mamba2.safetensors").unwrap();
     (fx, m)
 }
@@ -22,7 +22,7 @@ fn names_and_shapes_match_fixture() {
         assert_eq!(params[n].dims(), s.as_slice(), "{n}");
     }
     assert_eq!(m.params().param_count().to_string(), fx.metadata["param_count"]);
-    let d = Mamba2::new(Mamba2Config::default(), &Device::Cpu).unwrap();
+    let d = Mamba2::new(Mamba2Config::default(), &Device::Cpu, 1).unwrap();
     assert_eq!(d.params().param_count(), 1_741_921);
 }
 
@@ -99,7 +99,7 @@ fn small_cfg() -> Mamba2Config {
 #[test]
 fn every_parameter_receives_a_gradient() {
     let dev = Device::Cpu;
-    let m = Mamba2::new(small_cfg(), &dev).unwrap();
+    let m = Mamba2::new(small_cfg(), &dev, 1).unwrap();
     let x = Tensor::randn(0f32, 1.0, (2, 13, 5), &dev).unwrap();
     let y = Tensor::randn(0f32, 1.0, (2, 13), &dev).unwrap();
     let out = m.forward(&Ctx::train(Precision::F32), &x).unwrap();
@@ -116,7 +116,7 @@ fn recurrent_step_equals_chunked_forward() {
     // ngroups 2, chunk 5 not dividing L = 13: every step's output equals the chunked
     // forward's output at that position, in particular the last.
     let dev = Device::Cpu;
-    let m = Mamba2::new(small_cfg(), &dev).unwrap();
+    let m = Mamba2::new(small_cfg(), &dev, 1).unwrap();
     let x = Tensor::randn(0f32, 1.0, (2, 13, 5), &dev).unwrap();
     let c = Ctx::inference(Precision::F32);
     let full = m.forward(&c, &x).unwrap();
@@ -135,7 +135,7 @@ fn recurrent_step_equals_chunked_forward() {
 #[test]
 fn causal_and_chunk_size_invariant() {
     let dev = Device::Cpu;
-    let m = Mamba2::new(small_cfg(), &dev).unwrap();
+    let m = Mamba2::new(small_cfg(), &dev, 1).unwrap();
     let x = Tensor::randn(0f32, 1.0, (1, 11, 5), &dev).unwrap();
     let c = Ctx::inference(Precision::F32);
     let a = m.forward(&c, &x).unwrap();

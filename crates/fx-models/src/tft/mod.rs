@@ -112,8 +112,9 @@ pub struct Tft {
 }
 
 impl Tft {
-    /// A freshly initialised model (PyTorch default initialisation, LayerNorm 1/0).
-    pub fn new(cfg: TftConfig, device: &Device) -> Result<Self> {
+    /// A freshly initialised model (PyTorch's default initialisation scheme,
+    /// LayerNorm 1/0), drawn from the counter-based generator with `seed`.
+    pub fn new(cfg: TftConfig, device: &Device, seed: u64) -> Result<Self> {
         if cfg.d == 0 || cfg.n_head == 0 || !cfg.d.is_multiple_of(cfg.n_head) {
             let msg = format!("n_head ({}) must divide d ({})", cfg.n_head, cfg.d);
             return Err(Error::config("Tft::new", msg));
@@ -122,13 +123,13 @@ impl Tft {
             let msg = format!("need L_enc > 0, H > 0, quantiles and dropout in [0, 1); got {cfg:?}");
             return Err(Error::config("Tft::new", msg));
         }
-        Self::build(cfg, device).ctx("Tft::new")
+        Self::build(cfg, device, seed).ctx("Tft::new")
     }
 
-    fn build(cfg: TftConfig, device: &Device) -> candle_core::Result<Self> {
+    fn build(cfg: TftConfig, device: &Device, seed: u64) -> candle_core::Result<Self> {
         let (d, e, p) = (cfg.d, cfg.ln_eps, cfg.dropout);
         let n_enc = cfg.n_observed + cfg.n_known;
-        let mut ps = ParamStore::new("tft", device);
+        let mut ps = ParamStore::new("tft", device, seed);
         // Registration order follows the reference's state_dict order.
         let enc = EmbedVsn::new(&mut ps, "enc_embed", "enc_vsn", n_enc, d, p, e)?;
         let dec = EmbedVsn::new(&mut ps, "dec_embed", "dec_vsn", cfg.n_known, d, p, e)?;
@@ -166,7 +167,7 @@ impl Tft {
 
     /// Builds the model for `cfg` and loads its weights from a safetensors file.
     pub fn load(cfg: TftConfig, path: &Path, device: &Device) -> Result<Self> {
-        let m = Self::new(cfg, device)?;
+        let m = Self::new(cfg, device, 0)?;
         m.params.load(path)?;
         Ok(m)
     }

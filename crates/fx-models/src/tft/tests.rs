@@ -10,7 +10,7 @@ fn fixture_model() -> (Fixture, Tft) {
     let fx = Fixture::load("tft.safetensors");
     let cfg: TftConfig = serde_json::from_str(&fx.metadata["config"]).expect("config json");
     assert_eq!(cfg.dropout, 0.0);
-    let m = Tft::new(cfg, &Device::Cpu).unwrap();
+    let m = Tft::new(cfg, &Device::Cpu, 1).unwrap();
     m.params().load_map(&fx.params(), "tft.safetensors").unwrap();
     (fx, m)
 }
@@ -33,7 +33,7 @@ fn names_and_shapes_match_fixture() {
 
 #[test]
 fn default_param_count_matches_reference() {
-    let m = Tft::new(TftConfig::default(), &Device::Cpu).unwrap();
+    let m = Tft::new(TftConfig::default(), &Device::Cpu, 1).unwrap();
     assert_eq!(m.params().param_count(), 5_870_026);
 }
 
@@ -86,7 +86,7 @@ fn every_parameter_receives_a_gradient() {
     // analytically-zero key biases must get a non-zero gradient.
     let cfg = TftConfig { d: 8, n_head: 2, l_enc: 6, h: 3, n_observed: 5, ..TftConfig::default() };
     let dev = Device::Cpu;
-    let m = Tft::new(cfg.clone(), &dev).unwrap();
+    let m = Tft::new(cfg.clone(), &dev, 1).unwrap();
     let obs = Tensor::randn(0f32, 1.0, (3, 6, 5), &dev).unwrap();
     let known = Tensor::randn(0f32, 1.0, (3, 9, 4), &dev).unwrap();
     let y = Tensor::randn(0f32, 1.0, (3, 3), &dev).unwrap();
@@ -215,7 +215,7 @@ fn checkpointed_dropout_replays_masks() {
     // recorded masks replayed through the plain path give the same loss and gradients.
     let cfg = TftConfig { d: 8, n_head: 2, l_enc: 5, h: 2, n_observed: 3, dropout: 0.3, ..TftConfig::default() };
     let dev = Device::Cpu;
-    let m = Tft::new(cfg, &dev).unwrap();
+    let m = Tft::new(cfg, &dev, 1).unwrap();
     let obs = Tensor::randn(0f32, 1.0, (4, 5, 3), &dev).unwrap();
     let known = Tensor::randn(0f32, 1.0, (4, 7, 4), &dev).unwrap();
     let y = Tensor::randn(0f32, 1.0, (4, 2), &dev).unwrap();
@@ -234,4 +234,18 @@ fn checkpointed_dropout_replays_masks() {
     // and dropout really was active: a fresh-mask forward differs
     let (l3, _) = m.loss_and_grads(&Ctx::train(Precision::F32), &obs, &known, &y, false).unwrap();
     assert!(rel_err(&l3, &l1) > 0.0);
+}
+
+#[test]
+fn initialisation_is_seeded() {
+    let cfg = TftConfig { d: 8, n_head: 2, l_enc: 4, h: 2, n_observed: 3, ..TftConfig::default() };
+    let a = Tft::new(cfg.clone(), &Device::Cpu, 5).unwrap().params().to_map().unwrap();
+    let b = Tft::new(cfg.clone(), &Device::Cpu, 5).unwrap().params().to_map().unwrap();
+    let c = Tft::new(cfg, &Device::Cpu, 6).unwrap().params().to_map().unwrap();
+    let w = "enc_vsn.vars.2.fc1.weight";
+    assert_eq!(rel_err(&a[w], &b[w]), 0.0);
+    assert!(rel_err(&a[w], &c[w]) > 0.1);
+    // PyTorch's Linear scheme: |w| ≤ 1/sqrt(fan_in)
+    assert!(max_abs(&a[w]) <= 1.0 / 8f64.sqrt());
+    assert!(max_abs(&a["lstm_enc.weight_hh_l0"]) <= 1.0 / 8f64.sqrt());
 }
