@@ -112,6 +112,11 @@ pub struct Mamba2LayerAux {
     pub y_gated: Tensor,
     /// `[B, L, d_model]` residual stream after the layer.
     pub out: Tensor,
+    /// `[B, d_conv − 1, conv_dim]` the last conv inputs (recurrent conv state after
+    /// the last step).
+    pub conv_state: Tensor,
+    /// `[B, nheads, headdim, d_state]` the SSM state after the last step.
+    pub ssm_state: Tensor,
 }
 
 #[derive(Debug, Clone)]
@@ -390,13 +395,26 @@ impl Mamba2 {
         let as_ = dt.broadcast_mul(&a)?;
         // As under PyTorch autocast: decays (dt, A·dt, segment sums, exponentials) are
         // F32 and only the scan's matmuls use the compute dtype.
-        let (y, _) = ssd::ssd_chunked(c, &xs, &as_, &bm, &cm, cfg.chunk_size)?;
+        let (y, ssm_state) = ssd::ssd_chunked(c, &xs, &as_, &bm, &cm, cfg.chunk_size)?;
         let y_ssd = y.reshape((b, l, di))?;
         let y = (y + xh.broadcast_mul(&c.p(&mx.d)?.reshape((nh, 1))?)?)?.reshape((b, l, di))?;
         let y_gated = self.gated_norm(c, mx, &y, &z)?;
         let out = c.linear(&y_gated, &c.p(&mx.out_proj)?, None)?;
-        let aux = Mamba2LayerAux { xbc, dt, y_ssd, y_gated, out: out.clone() };
+        let conv_state = xpad.narrow(1, l, k - 1)?;
+        let aux = Mamba2LayerAux { xbc, dt, y_ssd, y_gated, out: out.clone(), conv_state, ssm_state };
         Ok((out, aux))
+    }
+
+    /// Inference over a whole history `x [B, L, n_in]` with the chunked scan
+    /// ("prefill"): the predictions `[B, L]` and the recurrent state after the last
+    /// step, from which [`Mamba2::step`] continues bar by bar.
+    pub fn forward_with_state(&self, c: &Ctx, x: &Tensor) -> Result<(Tensor, Mamba2State)> {
+        let c = Ctx { grad: false, train: false, ..*c };
+        let (pred, aux) = self.forward_aux(&c, x)?;
+        let ctx = "Mamba2::forward_with_state";
+        let conv = aux.iter().map(|a| a.conv_state.contiguous()).collect::<candle_core::Result<_>>().ctx(ctx)?;
+        let ssm = aux.iter().map(|a| a.ssm_state.to_dtype(DType::F32)).collect::<candle_core::Result<_>>().ctx(ctx)?;
+        Ok((pred, Mamba2State { conv, ssm }))
     }
 
     /// A zero recurrent state for `batch` sequences (the state before the first bar).
