@@ -207,3 +207,52 @@ fn prefill_then_step_continues_the_sequence() {
     let y = m.step(&c, &x.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(), &mut st).unwrap();
     assert!(rel_err(&y, &full.narrow(1, 1, 1).unwrap().squeeze(1).unwrap()) < 1e-5);
 }
+
+/// Where a MAMBA-2 training step spends its time on the GPU: one layer forward +
+/// backward, and the chunked SSD alone, at the benchmark size. Run on the device with
+/// `--ignored --nocapture`.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore]
+fn gpu_layer_timings() {
+    use candle_core::Var;
+    use std::time::Instant;
+    let dev = Device::new_cuda(0).unwrap();
+    let cfg = Mamba2Config::default();
+    let (b, l) = (32, 256);
+    let m = Mamba2::new(cfg.clone(), &dev, 0).unwrap();
+    let c = Ctx::train(Precision::F32);
+    let time = |name: &str, f: &dyn Fn() -> Tensor| {
+        let mut v = Vec::new();
+        for i in 0..8 {
+            dev.synchronize().unwrap();
+            let t0 = Instant::now();
+            let out = f();
+            dev.synchronize().unwrap();
+            let t1 = Instant::now();
+            let g = out.sqr().unwrap().mean_all().unwrap().backward().unwrap();
+            dev.synchronize().unwrap();
+            drop(g);
+            if i >= 3 {
+                v.push(((t1 - t0).as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3));
+            }
+        }
+        v.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let (f, bw) = v[v.len() / 2];
+        eprintln!("STAGE {name}: forward {f:.1} ms, backward {bw:.1} ms");
+    };
+    let h = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, l, cfg.d_model), &dev).unwrap()).unwrap();
+    time("one layer", &|| m.layer_fwd(&c, &m.layers[0], h.as_tensor()).unwrap().0);
+    let (nh, p, n) = (cfg.nheads(), cfg.headdim, cfg.d_state);
+    let v = |s: &[usize], scale: f32| {
+        Var::from_tensor(&(Tensor::randn(0f32, 1.0, s, &dev).unwrap() * scale as f64).unwrap()).unwrap()
+    };
+    let x = v(&[b, l, nh, p], 1.0);
+    let a = Var::from_tensor(&Tensor::rand(-0.5f32, -0.01, (b, l, nh), &dev).unwrap()).unwrap();
+    let bm = v(&[b, l, nh, n], 1.0);
+    let cm = v(&[b, l, nh, n], 1.0);
+    time("ssd_chunked (chunk 64)", &|| {
+        ssd::ssd_chunked(&c, x.as_tensor(), a.as_tensor(), bm.as_tensor(), cm.as_tensor(), 64).unwrap().0
+    });
+    time("in_proj matmul", &|| c.linear(h.as_tensor(), &c.p(&m.layers[0].mixer.in_proj).unwrap(), None).unwrap());
+}

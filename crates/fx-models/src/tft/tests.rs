@@ -249,3 +249,53 @@ fn initialisation_is_seeded() {
     assert!(max_abs(&a[w]) <= 1.0 / 8f64.sqrt());
     assert!(max_abs(&a["lstm_enc.weight_hh_l0"]) <= 1.0 / 8f64.sqrt());
 }
+
+/// Where a TFT training step spends its time on the GPU: forward + backward of each
+/// stage on its own (inputs as leaves), at the benchmark size. Run on the device with
+/// `--ignored --nocapture`.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore]
+fn gpu_stage_timings() {
+    use candle_core::Var;
+    use std::time::Instant;
+    let dev = Device::new_cuda(0).unwrap();
+    let cfg = TftConfig::default();
+    let (b, l, h, d) = (256, cfg.l_enc, cfg.h, cfg.d);
+    let m = Tft::new(cfg, &dev, 0).unwrap();
+    let c = Ctx::train(Precision::F32);
+    let packed = m
+        .pack(
+            &Tensor::randn(0f32, 1.0, (b, l, 51), &dev).unwrap(),
+            &Tensor::randn(0f32, 1.0, (b, l + h, 4), &dev).unwrap(),
+        )
+        .unwrap();
+    let vsn_in = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, l + h, d), &dev).unwrap()).unwrap();
+    let pe_in = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, l + h, 2 * d), &dev).unwrap()).unwrap();
+    let time = |name: &str, f: &dyn Fn() -> Tensor| {
+        let mut v = Vec::new();
+        for i in 0..8 {
+            dev.synchronize().unwrap();
+            let t0 = Instant::now();
+            let out = f();
+            dev.synchronize().unwrap();
+            let t1 = Instant::now();
+            let g = out.sqr().unwrap().mean_all().unwrap().backward().unwrap();
+            dev.synchronize().unwrap();
+            drop(g);
+            if i >= 3 {
+                v.push(((t1 - t0).as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3));
+            }
+        }
+        v.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let (f, bw) = v[v.len() / 2];
+        eprintln!("STAGE {name}: forward {f:.1} ms, backward {bw:.1} ms");
+    };
+    time("vsn (embeddings + enc/dec VSN)", &|| m.stage_vsn(&c, &packed).unwrap().0);
+    time("temporal (LSTMs + gated skip + enrich)", &|| m.stage_temporal(&c, vsn_in.as_tensor()).unwrap().0);
+    time("lstm_enc only", &|| {
+        let z = Tensor::zeros((b, d), DType::F32, &dev).unwrap();
+        m.lstm_enc.fwd(&c, &vsn_in.as_tensor().narrow(1, 0, l).unwrap(), (z.clone(), z)).unwrap().0
+    });
+    time("attention..head", &|| m.stage_attention(&c, pe_in.as_tensor()).unwrap().0);
+}
