@@ -557,3 +557,123 @@ mod tests {
         }
     }
 }
+
+/// Everything that evolves in a [`CpuTradingEnv`] (the series and config aside), so a
+/// training run can checkpoint the environment and resume bit for bit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EnvState {
+    /// Time index per account.
+    pub t: Vec<usize>,
+    /// Position per account (−1, 0, +1).
+    pub pos: Vec<i8>,
+    /// Entry price per account.
+    pub entry: Vec<f64>,
+    /// Steps since the last position change per account.
+    pub steps_in_pos: Vec<u64>,
+    /// Step within the current episode per account.
+    pub ep_step: Vec<u64>,
+    /// RNG step counter per account.
+    pub counter: Vec<u64>,
+}
+
+impl CpuTradingEnv {
+    /// A copy of the evolving state (for checkpoints).
+    pub fn state(&self) -> EnvState {
+        EnvState {
+            t: self.t.clone(),
+            pos: self.pos.clone(),
+            entry: self.entry.clone(),
+            steps_in_pos: self.steps_in_pos.clone(),
+            ep_step: self.ep_step.clone(),
+            counter: self.counter.clone(),
+        }
+    }
+
+    /// Restores a state taken with [`CpuTradingEnv::state`] from an env over the same
+    /// series and config; a state of another size or out of the series is refused.
+    pub fn restore(&mut self, state: &EnvState) -> Result<()> {
+        let e = self.cfg.num_envs;
+        let lens = [state.t.len(), state.pos.len(), state.entry.len(), state.steps_in_pos.len(), state.ep_step.len()];
+        if lens.iter().chain([&state.counter.len()]).any(|&n| n != e) {
+            return Err(Error::Config {
+                context: "CpuTradingEnv::restore",
+                message: format!("state is for a different number of accounts (expected {e})"),
+            });
+        }
+        let bad_t = state.t.iter().any(|&t| t + 1 >= self.data.len());
+        let bad_pos = state.pos.iter().any(|p| !(-1..=1).contains(p));
+        let bad_ep = state.ep_step.iter().any(|&s| s as usize >= self.cfg.episode_len);
+        if bad_t || bad_pos || bad_ep || state.entry.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+            return Err(Error::Config {
+                context: "CpuTradingEnv::restore",
+                message: "state does not fit this series/config (time, position, episode step or entry out of range)"
+                    .into(),
+            });
+        }
+        self.t.clone_from(&state.t);
+        self.pos.clone_from(&state.pos);
+        self.entry.clone_from(&state.entry);
+        self.steps_in_pos.clone_from(&state.steps_in_pos);
+        self.ep_step.clone_from(&state.ep_step);
+        self.counter.clone_from(&state.counter);
+        Ok(())
+    }
+}
+
+/// One observation row (`[market[t] (51), p, unrealised PnL, steps_in_pos / episode_len, 0, 0]`)
+/// exactly as the environment builds it, for code that replays a policy over a series
+/// outside an env (backtests).
+pub fn write_observation(
+    data: &EnvData,
+    episode_len: usize,
+    t: usize,
+    pos: i8,
+    entry: f64,
+    steps_in_pos: u64,
+    out: &mut [f32],
+) {
+    write_obs(data, episode_len, t, pos, entry, steps_in_pos, out)
+}
+
+#[cfg(test)]
+mod state_tests {
+    use super::*;
+
+    fn env() -> CpuTradingEnv {
+        let t_len = 200;
+        let close: Vec<f64> = (0..t_len).map(|i| 100.0 * (1.0 + 0.01 * (i as f64 * 0.37).sin())).collect();
+        let market: Vec<f32> = (0..t_len * N_MARKET).map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0).collect();
+        let data = Arc::new(EnvData::new(market, close).unwrap());
+        CpuTradingEnv::new(data, EnvConfig { num_envs: 5, episode_len: 16, seed: 99, ..Default::default() }).unwrap()
+    }
+
+    #[test]
+    fn restored_env_continues_identically() {
+        let mut a = env();
+        let actions = |k: usize| (0..5).map(|e| ((k * 3 + e * 5) % 3) as u32).collect::<Vec<_>>();
+        for k in 0..23 {
+            a.step_host(&actions(k)).unwrap();
+        }
+        let saved = a.state();
+        let mut b = env();
+        b.restore(&saved).unwrap();
+        for k in 23..60 {
+            let sa = a.step_host(&actions(k)).unwrap();
+            let sb = b.step_host(&actions(k)).unwrap();
+            assert_eq!(sa.obs, sb.obs);
+            assert_eq!(sa.reward, sb.reward);
+        }
+        assert_eq!(a.state(), b.state());
+    }
+
+    #[test]
+    fn mismatched_state_is_refused() {
+        let mut a = env();
+        let mut s = a.state();
+        s.t.pop();
+        assert!(a.restore(&s).is_err());
+        let mut s = a.state();
+        s.t[0] = 10_000;
+        assert!(a.restore(&s).is_err());
+    }
+}

@@ -32,7 +32,7 @@ mod fixtures;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{GpuEnvOptions, GpuTradingEnv};
-pub use env::{CpuTradingEnv, EnvConfig, EnvData, N_ACTIONS, N_MARKET, OBS_DIM};
+pub use env::{write_observation, CpuTradingEnv, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
 pub use error::{Error, Result};
 pub use gae::{gae, GaeConfig};
 pub use replay::{ReplayBatch, ReplayBuffer};

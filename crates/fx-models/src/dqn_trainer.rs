@@ -11,9 +11,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use fx_kernels::{ReplayBuffer, VecEnv};
-use fx_precision::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Precision};
+use fx_precision::{AdamW, AdamWConfig, GradScaler, Precision, TrainStep};
 use serde::{Deserialize, Serialize};
 
 use crate::dqn::{dqn_loss, soft_update, DqnBatch, DqnNetConfig, DuelingDqn};
@@ -114,13 +114,13 @@ impl DqnConfig {
 pub struct DqnUpdateStats {
     /// Loss before the step.
     pub loss: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (unscaled).
     pub grad_norm: f64,
-    /// Mean `Q_online(s)[a]` of the batch.
-    pub q_mean: f64,
     /// True when a non-finite loss or gradient made the trainer skip the step (weights,
     /// moments and target untouched).
     pub skipped: bool,
+    /// Loss scale of the step (1 unless F16 loss scaling is on).
+    pub loss_scale: f64,
 }
 
 /// What one environment step (and any updates it triggered) did.
@@ -157,7 +157,7 @@ pub struct DqnTrainer {
     cfg: DqnConfig,
     online: DuelingDqn,
     target: DuelingDqn,
-    opt: AdamW,
+    step: TrainStep<AdamW>,
     replay: ReplayBuffer,
     env_steps: u64,
     updates: u64,
@@ -186,12 +186,14 @@ impl DqnTrainer {
         target.set_precision(cfg.precision);
         let named = online.params().specs().iter().map(|s| s.name.clone()).zip(online.params().vars().iter().cloned());
         let opt = AdamW::new(named, cfg.optimizer).ctx(CTX)?;
+        // Loss scaling (F16 only), clipping, the NaN/Inf guard and AdamW in one place.
+        let step = TrainStep::new(opt, GradScaler::for_precision(cfg.precision), Some(cfg.max_grad_norm)).ctx(CTX)?;
         let replay = ReplayBuffer::new(cfg.replay_capacity, device).ctx(CTX)?;
         if device.is_cuda() {
             // The replay sampler draws from the device generator on CUDA.
             device.set_seed(cfg.seed).ctx(CTX)?;
         }
-        Ok(Self { cfg, online, target, opt, replay, env_steps: 0, updates: 0, skipped_updates: 0 })
+        Ok(Self { cfg, online, target, step, replay, env_steps: 0, updates: 0, skipped_updates: 0 })
     }
 
     /// The configuration.
@@ -250,8 +252,14 @@ impl DqnTrainer {
         let actions = self.act(env, eps)?;
         let step = env.step_into_replay(&actions, &mut self.replay).ctx(CTX)?;
         self.env_steps += 1;
-        let mean_reward = step.reward.mean_all().and_then(|m| m.to_scalar::<f32>()).ctx(CTX)? as f64;
-        let episodes_done = step.done.sum_all().and_then(|m| m.to_scalar::<f32>()).ctx(CTX)? as u32;
+        // One read for both statistics.
+        let sums: Vec<f64> = Tensor::stack(&[&step.reward, &step.done], 0)
+            .and_then(|t| t.to_dtype(candle_core::DType::F64))
+            .and_then(|t| t.sum(1))
+            .and_then(|t| t.to_vec1())
+            .ctx(CTX)?;
+        let mean_reward = sums[0] / env.num_envs() as f64;
+        let episodes_done = sums[1] as u32;
         let mut updates = Vec::new();
         if self.replay.len() >= self.cfg.learning_starts.max(1) && self.env_steps.is_multiple_of(self.cfg.train_every) {
             for _ in 0..self.cfg.gradient_steps {
@@ -295,36 +303,35 @@ impl DqnTrainer {
         })
     }
 
-    /// One full optimiser step on `batch`: double-DQN loss, backward, clip to
-    /// `max_grad_norm`, AdamW, soft target update. A non-finite loss or gradient norm
-    /// skips the step (nothing changes) and is reported in the stats.
+    /// One full optimiser step on `batch`: double-DQN loss, (scaled) backward, clip to
+    /// `max_grad_norm`, AdamW, soft target update — through fx-precision's
+    /// [`TrainStep`], which reads loss and gradient norm back in one transfer. A
+    /// non-finite loss or gradient skips the step (weights, moments and target
+    /// untouched) and is reported in the stats.
     pub fn update(&mut self, batch: DqnBatch<'_>) -> Result<DqnUpdateStats> {
         const CTX: &str = "DqnTrainer::update";
         let parts = dqn_loss(&self.online, &self.target, batch, self.cfg.gamma, self.cfg.huber_delta)?;
-        let loss = parts.loss.to_dtype(DType::F64).and_then(|l| l.to_scalar::<f64>()).ctx(CTX)?;
-        let q_mean =
-            parts.q_sa.mean_all().and_then(|m| m.to_dtype(DType::F64)).and_then(|m| m.to_scalar::<f64>()).ctx(CTX)?;
-        let mut grads = parts.loss.backward().ctx(CTX)?;
-        let grad_norm = clip_grad_norm(self.online.params().vars(), &mut grads, self.cfg.max_grad_norm).ctx(CTX)?;
-        if !loss.is_finite() || !grad_norm.is_finite() {
+        let report = self.step.step(&parts.loss).ctx(CTX)?;
+        let skipped = report.skipped.is_some();
+        if skipped {
             self.skipped_updates += 1;
-            return Ok(DqnUpdateStats { loss, grad_norm, q_mean, skipped: true });
+        } else {
+            soft_update(&self.target, &self.online, self.cfg.tau)?;
+            self.updates += 1;
         }
-        self.opt.step(&grads).ctx(CTX)?;
-        soft_update(&self.target, &self.online, self.cfg.tau)?;
-        self.updates += 1;
-        Ok(DqnUpdateStats { loss, grad_norm, q_mean, skipped: false })
+        Ok(DqnUpdateStats { loss: report.loss, grad_norm: report.grad_norm, skipped, loss_scale: report.loss_scale })
     }
 
     /// Writes everything a bit-identical resume needs (CPU): online and target weights,
-    /// AdamW moments and step counts, the replay buffer's transitions and ring position,
+    /// AdamW moments and step counts, loss-scaler and guard state, the replay buffer's transitions and ring position,
     /// the step counters and the config, atomically to one safetensors file. The
     /// environment's own state is not part of it (the `VecEnv` owns it).
     pub fn save_state(&self, path: &Path) -> Result<()> {
         const CTX: &str = "DqnTrainer::save_state";
         let mut t: HashMap<String, Tensor> = self.online.params().to_tensors("online.")?;
         t.extend(self.target.params().to_tensors("target.")?);
-        self.opt.save_state(&mut t, "opt.").ctx(CTX)?;
+        let mut meta = HashMap::new();
+        self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
         let n = self.replay.len();
         if n > 0 {
             let idx = Tensor::arange(0u32, n as u32, self.replay.device()).ctx(CTX)?;
@@ -345,7 +352,7 @@ impl DqnTrainer {
             config: self.cfg.clone(),
         };
         let json = serde_json::to_string(&counters).map_err(|source| Error::Json { context: CTX, source })?;
-        let meta = HashMap::from([(STATE_KEY.to_string(), json)]);
+        meta.insert(STATE_KEY.to_string(), json);
         fx_precision::save_tensors_atomic(path, &t, &meta).ctx(CTX)
     }
 
@@ -367,7 +374,7 @@ impl DqnTrainer {
         let mut me = Self::new(c.config, device)?;
         nt.restore_varmap(me.online.params().varmap(), "online.").ctx(CTX)?;
         nt.restore_varmap(me.target.params().varmap(), "target.").ctx(CTX)?;
-        me.opt.load_state(&mut nt, "opt.").ctx(CTX)?;
+        me.step.load_state(&mut nt, "opt.").ctx(CTX)?;
         let n = c.replay_len;
         if n > me.replay.capacity() || c.replay_position >= me.replay.capacity() {
             return Err(Error::config(CTX, format!("{}: replay length/position out of range", path.display())));
@@ -418,8 +425,8 @@ mod tests {
     }
 
     /// `train.*`: two full updates (loss, backward, clip 10, AdamW, soft update) on the
-    /// fixture batch. The deltas are ~1e-4 of the weights; in F32 they agree to ~4e-5
-    /// relative (Adam's first steps divide by |g|, amplifying the last bits of tiny
+    /// fixture batch. The deltas are ~1e-4 of the weights; in F32 they agree to ≤ 3.7e-5
+    /// relative (target deltas ≤ 2.8e-6) (Adam's first steps divide by |g|, amplifying the last bits of tiny
     /// gradient components), so the bound is 1e-3; a wrong sign, missing decay, a missing
     /// bias correction or a target update from stale weights is off by 1e-1 or more.
     #[test]
@@ -472,6 +479,37 @@ mod tests {
         let got: Vec<u32> = tr.act(&env, 0.5).unwrap().to_vec1().unwrap();
         assert_eq!(got, want);
         assert_ne!(got, greedy, "ε = 0.5 over 8 envs should explore somewhere with this seed");
+    }
+
+    #[test]
+    fn config_serde_defaults_and_unknown_fields() {
+        let c: DqnConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(c, DqnConfig::default());
+        assert_eq!(
+            (c.gamma, c.tau, c.max_grad_norm, c.optimizer.lr, c.optimizer.weight_decay),
+            (0.99, 0.005, 10.0, 1e-4, 0.01)
+        );
+        assert_eq!(c.net, DqnNetConfig { state_dim: 56, hidden: 256, n_actions: 3 });
+        let c2: DqnConfig = serde_json::from_str(r#"{"net": {"hidden": 64}, "precision": "bf16"}"#).unwrap();
+        assert_eq!((c2.net.hidden, c2.net.state_dim, c2.precision), (64, 56, Precision::Bf16));
+        let back: DqnConfig = serde_json::from_str(&serde_json::to_string(&c2).unwrap()).unwrap();
+        assert_eq!(back, c2);
+        let err = serde_json::from_str::<DqnConfig>(r#"{"gama": 0.9}"#).unwrap_err().to_string();
+        assert!(err.contains("gama"), "{err}");
+    }
+
+    /// F16 compute runs with loss scaling and stays close to the F32 loss.
+    #[test]
+    fn f16_update_uses_loss_scaling() {
+        let fx = Fixture::load("dqn.safetensors");
+        let cfg = DqnConfig { precision: Precision::F16, ..small_cfg() };
+        let mut tr = DqnTrainer::new(cfg, &Device::Cpu).unwrap();
+        tr.online.params().assign_from(&fx.map, &fx.path, "", false).unwrap();
+        tr.target.params().assign_from(&fx.map, &fx.path, "target.", false).unwrap();
+        let st = tr.update(crate::dqn::tests::fixture_batch(&fx)).unwrap();
+        assert!(!st.skipped && st.loss_scale > 1.0, "{st:?}");
+        let want = fx.get("loss").to_scalar::<f32>().unwrap() as f64;
+        assert!((st.loss - want).abs() <= 2e-2 * want.abs(), "{} vs {want}", st.loss);
     }
 
     #[test]

@@ -7,9 +7,24 @@
 //! action selection, and the training algorithms around them (DQN with a replay buffer,
 //! PPO with E×T rollouts and GAE). The algorithms only see the `fx_kernels::VecEnv`
 //! trait, so the CPU environment and the GPU experience kernels plug in the same way;
-//! optimisers, clipping and the precision policy come from `fx-precision`. The
-//! sequence models (TFT, MAMBA-2) live beside these in their own modules.
+//! optimisers, clipping, loss scaling, the NaN/Inf guard and the precision policy come
+//! from `fx-precision`. The sequence models (TFT, MAMBA-2) live beside these in their own
+//! modules.
+//!
+//! Map:
+//! - [`dqn`]: [`DuelingDqn`] (`forward`, `forward_inference`, `greedy_actions`,
+//!   `save`/`load`), [`dqn_loss`], [`soft_update`];
+//! - [`ppo`]: [`ActorCritic`] (`forward`, `forward_inference`, `probs_inference`,
+//!   `greedy_actions`, `save`/`load`), [`ppo_loss`] with approx KL and clip fraction;
+//! - [`dqn_trainer`]: [`DqnTrainer`] — `step(env)` (ε-greedy collection + updates),
+//!   `update(batch)`, `save_state`/`load_state` (bit-identical resume on the CPU);
+//! - [`ppo_trainer`]: [`PpoTrainer`] — `collect_step(env)` / `update(env)` or
+//!   `iterate(env)`, `update_minibatch(batch)`, `save_state`/`load_state`;
+//! - [`param_io`]: [`ParamSet`], the named F32 variables (a candle `VarMap`) with strict
+//!   safetensors load/save; [`schedule`]: [`LinearSchedule`];
+//! - [`backtest`]: a policy replayed over held-out rows, with trading statistics.
 
+pub mod backtest;
 pub mod dqn;
 pub mod dqn_trainer;
 mod error;
@@ -27,10 +42,13 @@ pub mod tft;
 #[cfg(test)]
 mod fixtures;
 #[cfg(test)]
+mod reference_f64;
+#[cfg(test)]
 mod seq_testing;
 #[cfg(test)]
 mod synthetic;
 
+pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
 pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};

@@ -3,9 +3,10 @@
 //! Each micro-batch loss is scaled by `1/N` before backward and its gradients are added
 //! into F32 sums, so after `N` micro-batches of size `B` the sums equal the gradients of
 //! the mean loss over one batch of size `N·B` (for losses that are means over the batch).
-//! The optimiser then steps once on [`GradAccumulator::take`]'s result. With loss scaling,
-//! pass the scaled loss ([`crate::GradScaler::scale`]); non-finite values survive the
-//! summation, so the usual check on the summed gradients still catches them.
+//! The optimiser then steps once on [`GradAccumulator::take`]'s result, e.g. through
+//! [`crate::TrainStep::apply`]. With loss scaling use
+//! [`GradAccumulator::backward_scaled`]; non-finite values survive the summation, so the
+//! check on the summed gradients still catches them.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -25,8 +26,8 @@ pub struct GradAccumulator {
 pub struct Accumulated {
     /// Summed (F32) gradients of the `1/N`-scaled losses.
     pub grads: GradStore,
-    /// `sum(loss_i) / N` as an F32 scalar on the device (detached), for reporting and for
-    /// the step guard. With a scaled loss this is scaled too.
+    /// `sum(loss_i) / N` (unscaled) as an F32 scalar on the device (detached), for
+    /// reporting and for the step guard.
     pub mean_loss: Tensor,
     /// How many micro-batches went in (may be < N for a final partial group).
     pub micro_batches: usize,
@@ -60,6 +61,12 @@ impl GradAccumulator {
     /// Backward of `loss / N` (loss: a scalar, ideally F32) and accumulation of the
     /// gradients. The graph of `loss` is freed when this returns.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        self.backward_scaled(loss, 1.0)
+    }
+
+    /// As [`GradAccumulator::backward`] for `loss * loss_scale` (loss scaling; pass
+    /// [`crate::TrainStep::loss_scale`]), while the recorded mean loss stays unscaled.
+    pub fn backward_scaled(&mut self, loss: &Tensor, loss_scale: f64) -> Result<()> {
         let ctx = "GradAccumulator::backward";
         if self.is_ready() {
             return Err(Error::Config {
@@ -68,7 +75,7 @@ impl GradAccumulator {
             });
         }
         let inv_n = 1.0 / self.micro_batches as f64;
-        let grads = loss.affine(inv_n, 0.0).and_then(|l| l.backward()).ctx(ctx)?;
+        let grads = loss.affine(loss_scale * inv_n, 0.0).and_then(|l| l.backward()).ctx(ctx)?;
         for (var, sum) in self.vars.iter().zip(self.sums.iter_mut()) {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;

@@ -175,7 +175,13 @@ impl<O: Optimizer> TrainStep<O> {
         Ok(report)
     }
 
-    /// `loss * scale`, for callers doing their own backward (e.g. accumulation).
+    /// The factor the loss is multiplied by before backward (1 without scaling); pass it
+    /// to [`crate::GradAccumulator::backward_scaled`].
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.scale_factor()
+    }
+
+    /// `loss * scale`, for callers doing their own backward (e.g. checkpointing).
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         self.scaler.scale(loss)
     }
@@ -253,7 +259,7 @@ mod tests {
         match poison {
             0 => base,
             // Non-finite loss with finite gradients: + a constant inf that has no gradient.
-            1 => (base + Tensor::new(f32::INFINITY, &Device::Cpu).unwrap()).unwrap(),
+            1 => (base + Tensor::new(f32::INFINITY, w.device()).unwrap()).unwrap(),
             // NaN in loss and gradient.
             2 => (base * f64::NAN).unwrap(),
             // Finite loss, infinite gradient: sqrt at 0 has an infinite slope.
@@ -321,6 +327,78 @@ mod tests {
             let skips = (want.nonfinite_loss + want.nonfinite_grad) as i32;
             let expect_scale = if f16 { 65536.0 * 0.5f64.powi(skips) } else { 1.0 };
             prop_assert_eq!(ts.scaler().scale_factor(), expect_scale);
+        }
+    }
+
+    /// On the GPU: the one-reduction guard detects NaN/+inf/-inf the same way, and clean
+    /// steps (F16 scaling, clipping, AdamW) match the CPU's. Skips without a device.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_guard_matches_cpu() {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return;
+        };
+        let mut rng = Rng::new(77);
+        let w_cpu = var(&mut rng, 6);
+        let c_cpu =
+            Tensor::from_vec(rng.vec(6, 0.5, 3.0).iter().map(|&x| x as f32).collect::<Vec<_>>(), 6, &Device::Cpu)
+                .unwrap();
+        let w_gpu = Var::from_tensor(&w_cpu.as_tensor().to_device(&gpu).unwrap()).unwrap();
+        let c_gpu = c_cpu.to_device(&gpu).unwrap();
+        let make = |w: &Var| {
+            let opt =
+                AdamW::new([("w".to_string(), w.clone())], AdamWConfig { lr: 0.05, ..Default::default() }).unwrap();
+            TrainStep::new(opt, GradScaler::for_precision(Precision::F16), Some(0.5)).unwrap()
+        };
+        let (mut a, mut b) = (make(&w_cpu), make(&w_gpu));
+        for p in [0u8, 1, 0, 2, 3, 0, 0] {
+            let ra = a.step(&loss_of(&w_cpu, &c_cpu, p)).unwrap();
+            let rb = b.step(&loss_of(&w_gpu, &c_gpu, p)).unwrap();
+            assert_eq!(ra.skipped, rb.skipped, "poison {p}");
+            assert_eq!(ra.loss_scale, rb.loss_scale);
+            let x: Vec<f32> = w_cpu.as_tensor().to_vec1().unwrap();
+            let y: Vec<f32> = w_gpu.as_tensor().to_device(&Device::Cpu).unwrap().to_vec1().unwrap();
+            for (u, v) in x.iter().zip(&y) {
+                assert!((u - v).abs() <= 1e-5, "poison {p}: {u} vs {v}");
+            }
+        }
+        assert_eq!(a.stats(), b.stats());
+    }
+
+    /// Accumulation through `TrainStep::apply` under F16 loss scaling takes the same step
+    /// as one full-batch `TrainStep::step`.
+    #[test]
+    fn accumulated_step_equals_full_batch_step() {
+        let mut rng = Rng::new(4);
+        let dev = Device::Cpu;
+        let xs: Vec<f32> = rng.vec(8 * 6, -1.0, 1.0).iter().map(|&x| x as f32).collect();
+        let xs = Tensor::from_vec(xs, (8, 6), &dev).unwrap();
+        let w = var(&mut rng, 6);
+        let w2 = Var::from_tensor(&w.as_tensor().copy().unwrap()).unwrap();
+        let loss_on = |w: &Var, x: &Tensor| {
+            x.broadcast_mul(w.as_tensor()).unwrap().tanh().unwrap().sqr().unwrap().mean_all().unwrap()
+        };
+        let make = |w: &Var| {
+            let opt = AdamW::new([("w".to_string(), w.clone())], AdamWConfig::default()).unwrap();
+            TrainStep::new(opt, GradScaler::for_precision(Precision::F16), Some(0.05)).unwrap()
+        };
+        let (mut full, mut acc_ts) = (make(&w), make(&w2));
+        let r_full = full.step(&loss_on(&w, &xs)).unwrap();
+        let mut acc = crate::GradAccumulator::new(vec![w2.clone()], 4).unwrap();
+        for k in 0..4 {
+            let l = loss_on(&w2, &xs.narrow(0, 2 * k, 2).unwrap());
+            acc.backward_scaled(&l, acc_ts.loss_scale()).unwrap();
+        }
+        let out = acc.take().unwrap();
+        let r_acc = acc_ts.apply(&out.mean_loss, out.grads).unwrap();
+        assert!((r_full.loss - r_acc.loss).abs() <= 1e-6, "{} vs {}", r_full.loss, r_acc.loss);
+        assert!((r_full.grad_norm - r_acc.grad_norm).abs() <= 1e-5 * r_full.grad_norm);
+        assert!(r_full.clipped && r_acc.clipped);
+        let a: Vec<f32> = w.as_tensor().to_vec1().unwrap();
+        let b: Vec<f32> = w2.as_tensor().to_vec1().unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6, "{x} vs {y}");
         }
     }
 

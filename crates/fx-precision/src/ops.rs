@@ -309,4 +309,87 @@ pub(crate) mod tests {
         }
     }
     type GradsOut = (Tensor, Tensor, Tensor);
+
+    /// On the GPU, BF16/F16 inputs: outputs and gradients match the CPU's F32 run within
+    /// half-precision rounding. Skips without a device.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_half_ops_match_cpu() {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return;
+        };
+        let mut rng = Rng::new(3);
+        let x = Tensor::from_vec(
+            rng.vec(40, -2.0, 2.0).iter().map(|&v| v as f32).collect::<Vec<_>>(),
+            (8, 5),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let w = Tensor::from_vec(rng.vec(5, 0.5, 1.5).iter().map(|&v| v as f32).collect::<Vec<_>>(), 5, &Device::Cpu)
+            .unwrap();
+        let b = Tensor::from_vec(rng.vec(5, -0.5, 0.5).iter().map(|&v| v as f32).collect::<Vec<_>>(), 5, &Device::Cpu)
+            .unwrap();
+        let run = |dev: &Device, dt: DType| -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+            let xv = Var::from_tensor(&x.to_device(dev).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let wv = Var::from_tensor(&w.to_device(dev).unwrap()).unwrap();
+            let bv = Var::from_tensor(&b.to_device(dev).unwrap()).unwrap();
+            let out = Tensor::cat(
+                &[
+                    layer_norm(xv.as_tensor(), wv.as_tensor(), bv.as_tensor(), EPS).unwrap(),
+                    rms_norm(xv.as_tensor(), wv.as_tensor(), EPS).unwrap(),
+                    softmax_last_dim(xv.as_tensor()).unwrap(),
+                    log_softmax_last_dim(xv.as_tensor()).unwrap(),
+                ],
+                1,
+            )
+            .unwrap();
+            assert_eq!(out.dtype(), dt);
+            let out = out.to_dtype(DType::F32).unwrap();
+            let g = out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            let flat = |t: &Tensor| {
+                t.to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            let gx = flat(g.get(xv.as_tensor()).unwrap());
+            let mut gp = flat(g.get(wv.as_tensor()).unwrap());
+            gp.extend(flat(g.get(bv.as_tensor()).unwrap()));
+            (flat(&out), gx, gp)
+        };
+        let reference = run(&Device::Cpu, DType::F32);
+        for (dt, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 3e-2), (DType::F16, 4e-3)] {
+            let got = run(&gpu, dt);
+            for (a, r) in [(&got.0, &reference.0), (&got.1, &reference.1), (&got.2, &reference.2)] {
+                let scale = r.iter().fold(1f32, |m, v| m.max(v.abs()));
+                for (u, v) in a.iter().zip(r.iter()) {
+                    assert!((u - v).abs() <= tol * scale, "{dt:?}: {u} vs {v}");
+                }
+            }
+        }
+    }
+
+    /// Causal-attention style masks (-inf entries) give exact zeros there and finite
+    /// gradients everywhere.
+    #[test]
+    fn masked_softmax_has_finite_gradients() {
+        let dev = Device::Cpu;
+        let ninf = f32::NEG_INFINITY;
+        let x = Var::from_tensor(&Tensor::new(&[[0.3f32, ninf, -1.2], [ninf, ninf, 2.0]], &dev).unwrap()).unwrap();
+        let y = softmax_last_dim(x.as_tensor()).unwrap();
+        let v = y.to_vec2::<f32>().unwrap();
+        assert_eq!((v[0][1], v[1][0], v[1][1], v[1][2]), (0.0, 0.0, 0.0, 1.0));
+        let w = Tensor::new(&[[1f32, 2., 3.], [4., 5., 6.]], &dev).unwrap();
+        let g = (y * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(g.iter().all(|v| v.is_finite()), "{g:?}");
+        // d/dx0 of softmax([x0, -inf, x2]) . [1, 3] = p0 p2 (1 - 3)
+        let (p0, p2) = (v[0][0] as f64, v[0][2] as f64);
+        assert!((g[0] as f64 - p0 * p2 * (1.0 - 3.0)).abs() < 1e-6);
+    }
 }

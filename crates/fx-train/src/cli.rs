@@ -18,6 +18,8 @@ pub enum Command {
     Hw(HwArgs),
     /// Read OHLCV bars (CSV) and write the feature file (safetensors, schema fx-features/1).
     Features(FeaturesArgs),
+    /// Measure training throughput, peak memory and batch-1 latency (bench.py's output shape).
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Debug, Args, Default)]
