@@ -92,6 +92,11 @@ pub trait SeqTask {
     fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)>;
     /// The point forecast (TFT: the median quantile), shaped as the target.
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
+    /// Quantile levels and the quantile forecast `[.., n_levels]` shaped as the target
+    /// plus a last axis, for models that forecast quantiles (`None` otherwise).
+    fn quantiles(&self, _c: &Ctx, _batch: &SeqBatch) -> Result<Option<(Vec<f64>, Tensor)>> {
+        Ok(None)
+    }
     /// The parameters.
     fn params(&self) -> &ParamStore;
 }
@@ -139,6 +144,11 @@ impl SeqTask for Tft {
 
     fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)> {
         Tft::loss_and_grads(self, c, &batch.inputs[0], &batch.inputs[1], &batch.target, checkpoint)
+    }
+
+    fn quantiles(&self, c: &Ctx, batch: &SeqBatch) -> Result<Option<(Vec<f64>, Tensor)>> {
+        let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
+        Ok(Some((self.config().quantiles.clone(), q)))
     }
 
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
@@ -352,6 +362,132 @@ pub fn evaluate(
     Ok(EvalReport { loss: loss / n_b.max(1) as f64, mse_model: se_m / n, mse_zero: se_z / n, mse_last: se_l / n })
 }
 
+/// Forecast quality on held-out data, as the training report gives it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ForecastMetrics {
+    /// Number of forecasts (samples × horizon steps).
+    pub n: usize,
+    /// Quantile levels (empty for point forecasters).
+    pub levels: Vec<f64>,
+    /// Mean pinball loss per quantile level.
+    pub pinball: Vec<f64>,
+    /// Fraction of targets inside [lowest, highest] quantile (the 0.1–0.9 band with
+    /// the default levels); `None` for point forecasters.
+    pub interval_coverage: Option<f64>,
+    /// Fraction of forecasts whose sign matches the realised return's (zero targets
+    /// excluded).
+    pub directional_accuracy: f64,
+    /// Spearman rank correlation of point forecast and realised return (average ranks
+    /// for ties).
+    pub rank_correlation: f64,
+}
+
+fn ranks(v: &[f64]) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[a].total_cmp(&v[b]));
+    let mut r = vec![0.0; v.len()];
+    let mut i = 0;
+    while i < idx.len() {
+        let mut j = i;
+        while j + 1 < idx.len() && v[idx[j + 1]] == v[idx[i]] {
+            j += 1;
+        }
+        let avg = (i + j) as f64 / 2.0 + 1.0;
+        for &k in &idx[i..=j] {
+            r[k] = avg;
+        }
+        i = j + 1;
+    }
+    r
+}
+
+fn pearson(a: &[f64], b: &[f64]) -> f64 {
+    let n = a.len() as f64;
+    let (ma, mb) = (a.iter().sum::<f64>() / n, b.iter().sum::<f64>() / n);
+    let (mut sab, mut saa, mut sbb) = (0.0, 0.0, 0.0);
+    for (x, y) in a.iter().zip(b) {
+        sab += (x - ma) * (y - mb);
+        saa += (x - ma) * (x - ma);
+        sbb += (y - mb) * (y - mb);
+    }
+    if saa == 0.0 || sbb == 0.0 {
+        0.0
+    } else {
+        sab / (saa * sbb).sqrt()
+    }
+}
+
+/// Forecast metrics from flat host vectors: `point[i]` and `target[i]`, and for a
+/// quantile forecaster `quantiles[i · L + k]` at `levels[k]` (levels ascending).
+pub fn forecast_metrics(levels: &[f64], quantiles: &[f64], point: &[f64], target: &[f64]) -> Result<ForecastMetrics> {
+    let n = target.len();
+    if point.len() != n || quantiles.len() != n * levels.len() || n == 0 {
+        return Err(Error::shape(
+            "forecasts",
+            "forecast_metrics",
+            format!("{n} points and {n}×{} quantiles, n > 0", levels.len()),
+            format!("{} and {}", point.len(), quantiles.len()),
+        ));
+    }
+    let l = levels.len();
+    let mut pinball = vec![0.0; l];
+    let mut inside = 0usize;
+    for i in 0..n {
+        for (k, &q) in levels.iter().enumerate() {
+            let e = target[i] - quantiles[i * l + k];
+            pinball[k] += (q * e).max((q - 1.0) * e) / n as f64;
+        }
+        if l >= 2 && target[i] >= quantiles[i * l] && target[i] <= quantiles[i * l + l - 1] {
+            inside += 1;
+        }
+    }
+    let (mut hit, mut m) = (0usize, 0usize);
+    for (p, t) in point.iter().zip(target) {
+        if *t != 0.0 {
+            m += 1;
+            if p.signum() == t.signum() && *p != 0.0 {
+                hit += 1;
+            }
+        }
+    }
+    Ok(ForecastMetrics {
+        n,
+        levels: levels.to_vec(),
+        pinball,
+        interval_coverage: (l >= 2).then(|| inside as f64 / n as f64),
+        directional_accuracy: if m == 0 { 0.0 } else { hit as f64 / m as f64 },
+        rank_correlation: pearson(&ranks(point), &ranks(target)),
+    })
+}
+
+fn host(t: &Tensor) -> Result<Vec<f64>> {
+    t.to_dtype(DType::F64).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f64>()).ctx("evaluate_forecasts")
+}
+
+/// [`ForecastMetrics`] over every window in `range` (inference, no tape).
+pub fn evaluate_forecasts(
+    task: &impl SeqTask,
+    series: &SeqSeries,
+    range: Range<usize>,
+    batch_size: usize,
+    precision: Precision,
+) -> Result<ForecastMetrics> {
+    let dev = task.params().device().clone();
+    let smp = sampler(&range, task.window_len(), batch_size, 0)?;
+    let c = Ctx::inference(precision);
+    let (mut levels, mut qs, mut pts, mut ys) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for bi in smp.epoch_batches(0) {
+        let batch = task.batch(series, &bi.starts, &dev)?;
+        pts.extend(host(&task.point(&c, &batch)?)?);
+        ys.extend(host(&batch.target)?);
+        if let Some((lv, q)) = task.quantiles(&c, &batch)? {
+            levels = lv;
+            qs.extend(host(&q)?);
+        }
+    }
+    forecast_metrics(&levels, &qs, &pts, &ys)
+}
+
 /// Trains `task` on windows inside `train_rows`, validating on windows inside
 /// `val_rows` after each epoch; stops after `patience` epochs without improvement and
 /// leaves the model with its best validation weights.
@@ -504,6 +640,33 @@ mod tests {
         assert!(after.loss < before.loss, "{before:?} -> {after:?}");
         assert!(after.mse_model < 0.8 * after.mse_zero, "{after:?}");
         assert!(after.mse_model < 0.8 * after.mse_last, "{after:?}");
+        let fm = evaluate_forecasts(&model, &series, 380..460, 64, Precision::F32).unwrap();
+        assert_eq!(fm.pinball.len(), 3);
+        assert!(fm.interval_coverage.unwrap() > 0.5, "{fm:?}");
+        assert!(fm.directional_accuracy > 0.6 && fm.rank_correlation > 0.5, "{fm:?}");
+    }
+
+    #[test]
+    fn forecast_metrics_by_hand() {
+        let levels = [0.1, 0.5, 0.9];
+        // three forecasts: target inside, above and below the band
+        let q = [-1.0, 0.0, 1.0, -1.0, 0.5, 1.0, 0.0, 1.0, 2.0];
+        let point = [0.0, 0.5, 1.0];
+        let target = [0.5, 2.0, -1.0];
+        let m = forecast_metrics(&levels, &q, &point, &target).unwrap();
+        assert_eq!(m.n, 3);
+        assert!((m.interval_coverage.unwrap() - 1.0 / 3.0).abs() < 1e-12);
+        // q=0.1: e = 1.5, 3, -1 → 0.15, 0.3, 0.9 → mean 0.45
+        assert!((m.pinball[0] - 0.45).abs() < 1e-12);
+        // q=0.5: e = 0.5, 1.5, -2 → 0.25, 0.75, 1.0 → mean 2/3
+        assert!((m.pinball[1] - 2.0 / 3.0).abs() < 1e-12);
+        // signs: 0 vs + (miss), + vs + (hit), + vs − (miss)
+        assert!((m.directional_accuracy - 1.0 / 3.0).abs() < 1e-12);
+        // ranks of point 1,2,3 vs target 2,3,1 → Spearman −0.5
+        assert!((m.rank_correlation + 0.5).abs() < 1e-12);
+        let r = ranks(&[3.0, 1.0, 3.0, 2.0]);
+        assert_eq!(r, vec![3.5, 1.0, 3.5, 2.0]);
+        assert!(forecast_metrics(&levels, &q[..8], &point, &target).is_err());
     }
 
     #[test]
