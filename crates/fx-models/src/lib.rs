@@ -29,15 +29,22 @@ pub mod dqn;
 pub mod dqn_trainer;
 mod error;
 mod linear;
+pub mod mamba2;
 pub mod param_io;
 pub mod ppo;
 pub mod ppo_trainer;
 pub mod schedule;
+pub mod seq_ops;
+pub mod seq_params;
+pub mod seq_train;
+pub mod tft;
 
 #[cfg(test)]
 mod fixtures;
 #[cfg(test)]
 mod reference_f64;
+#[cfg(test)]
+mod seq_testing;
 #[cfg(test)]
 mod synthetic;
 
@@ -45,7 +52,10 @@ pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
 pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
+pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
 pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
 pub use schedule::LinearSchedule;
+pub use seq_ops::Ctx;
+pub use tft::{quantile_loss, Tft, TftConfig};

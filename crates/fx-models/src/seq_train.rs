@@ -1,0 +1,685 @@
+//! Supervised training of the sequence models on windows of a feature series: seeded
+//! window batches from `fx_data::Sampler`, AdamW (F32 moments) with linear warm-up and
+//! cosine decay, global-norm clipping, validation each epoch, early stopping that
+//! restores the best weights, and point-forecast metrics against the zero and
+//! last-value forecasts.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+use fx_precision::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Precision};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Context, Error, Result};
+use crate::mamba2::Mamba2;
+use crate::seq_ops::Ctx;
+use crate::seq_params::ParamStore;
+use crate::tft::Tft;
+
+/// A feature series: per row `n_observed` market features, `n_known` calendar
+/// features and the target, the log-return from this row to the next.
+#[derive(Debug, Clone)]
+pub struct SeqSeries {
+    observed: Vec<f32>,
+    known: Vec<f32>,
+    target: Vec<f32>,
+    n_observed: usize,
+    n_known: usize,
+}
+
+impl SeqSeries {
+    /// Row-major `observed [rows, n_observed]`, `known [rows, n_known]`, `target [rows]`.
+    pub fn new(
+        observed: Vec<f32>,
+        n_observed: usize,
+        known: Vec<f32>,
+        n_known: usize,
+        target: Vec<f32>,
+    ) -> Result<Self> {
+        let rows = target.len();
+        if observed.len() != rows * n_observed || known.len() != rows * n_known {
+            return Err(Error::shape(
+                "observed/known",
+                "SeqSeries::new",
+                format!("{rows}×{n_observed} and {rows}×{n_known} values"),
+                format!("{} and {}", observed.len(), known.len()),
+            ));
+        }
+        if observed.iter().chain(&known).chain(&target).any(|v| !v.is_finite()) {
+            return Err(Error::NonFinite { what: "series value", context: "SeqSeries::new" });
+        }
+        Ok(Self { observed, known, target, n_observed, n_known })
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.target.len()
+    }
+
+    fn gather(src: &[f32], width: usize, starts: &[usize], offset: usize, len: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(starts.len() * len * width);
+        for &s in starts {
+            let a = (s + offset) * width;
+            out.extend_from_slice(&src[a..a + len * width]);
+        }
+        out
+    }
+}
+
+/// One batch of a [`SeqTask`]: model inputs, the target, and the last-value forecast
+/// (the most recent realised return at prediction time) with the target's shape.
+#[derive(Debug, Clone)]
+pub struct SeqBatch {
+    /// Model inputs (TFT: observed, known; MAMBA-2: x).
+    pub inputs: Vec<Tensor>,
+    /// TFT `[B, H]`, MAMBA-2 `[B, L]`.
+    pub target: Tensor,
+    /// The naive "last value" forecast, shaped as `target`.
+    pub last_value: Tensor,
+}
+
+/// What the training loop needs from a model.
+pub trait SeqTask {
+    /// Rows per sample window.
+    fn window_len(&self) -> usize;
+    /// The batch of windows starting at `starts` (each window inside `series`).
+    fn batch(&self, series: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch>;
+    /// The training loss of a batch (F32 scalar).
+    fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
+    /// The loss and the parameter gradients, optionally with activation checkpointing.
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)>;
+    /// The point forecast (TFT: the median quantile), shaped as the target.
+    fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
+    /// Quantile levels and the quantile forecast `[.., n_levels]` shaped as the target
+    /// plus a last axis, for models that forecast quantiles (`None` otherwise).
+    fn quantiles(&self, _c: &Ctx, _batch: &SeqBatch) -> Result<Option<(Vec<f64>, Tensor)>> {
+        Ok(None)
+    }
+    /// The parameters.
+    fn params(&self) -> &ParamStore;
+}
+
+fn tensor(v: Vec<f32>, shape: &[usize], device: &Device) -> Result<Tensor> {
+    Tensor::from_vec(v, shape, device).ctx("SeqTask::batch")
+}
+
+impl SeqTask for Tft {
+    fn window_len(&self) -> usize {
+        self.config().l_enc + self.config().h
+    }
+
+    fn batch(&self, s: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch> {
+        let cfg = self.config();
+        let (b, l, h) = (starts.len(), cfg.l_enc, cfg.h);
+        if s.n_observed != cfg.n_observed || s.n_known != cfg.n_known || l < 2 {
+            return Err(Error::config(
+                "Tft batch",
+                format!(
+                    "series has {}+{} features, model {}+{}; L_enc must be ≥ 2",
+                    s.n_observed, s.n_known, cfg.n_observed, cfg.n_known
+                ),
+            ));
+        }
+        let observed = SeqSeries::gather(&s.observed, s.n_observed, starts, 0, l);
+        let known = SeqSeries::gather(&s.known, s.n_known, starts, 0, l + h);
+        // Decoder step i forecasts the return from row L−1+i to L+i of the window.
+        let target = SeqSeries::gather(&s.target, 1, starts, l - 1, h);
+        let last: Vec<f32> = starts.iter().flat_map(|&st| std::iter::repeat_n(s.target[st + l - 2], h)).collect();
+        Ok(SeqBatch {
+            inputs: vec![
+                tensor(observed, &[b, l, s.n_observed], device)?,
+                tensor(known, &[b, l + h, s.n_known], device)?,
+            ],
+            target: tensor(target, &[b, h], device)?,
+            last_value: tensor(last, &[b, h], device)?,
+        })
+    }
+
+    fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
+        let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
+        Tft::loss(self, &q, &batch.target)
+    }
+
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)> {
+        Tft::loss_and_grads(self, c, &batch.inputs[0], &batch.inputs[1], &batch.target, checkpoint)
+    }
+
+    fn quantiles(&self, c: &Ctx, batch: &SeqBatch) -> Result<Option<(Vec<f64>, Tensor)>> {
+        let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
+        Ok(Some((self.config().quantiles.clone(), q)))
+    }
+
+    fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
+        let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
+        let qs = &self.config().quantiles;
+        // the quantile closest to the median
+        let mid = (0..qs.len()).min_by(|&a, &b| (qs[a] - 0.5).abs().total_cmp(&(qs[b] - 0.5).abs())).unwrap_or(0);
+        q.narrow(2, mid, 1).and_then(|t| t.squeeze(2)).ctx("Tft point forecast")
+    }
+
+    fn params(&self) -> &ParamStore {
+        Tft::params(self)
+    }
+}
+
+/// A MAMBA-2 trained on windows of `seq_len` steps (the model itself has no fixed
+/// length).
+#[derive(Debug, Clone, Copy)]
+pub struct Mamba2Task<'a> {
+    /// The model.
+    pub model: &'a Mamba2,
+    /// Steps per training window.
+    pub seq_len: usize,
+}
+
+impl SeqTask for Mamba2Task<'_> {
+    fn window_len(&self) -> usize {
+        self.seq_len
+    }
+
+    fn batch(&self, s: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch> {
+        let (b, l) = (starts.len(), self.seq_len);
+        if s.n_observed != self.model.config().n_in {
+            return Err(Error::config(
+                "Mamba2 batch",
+                format!("series has {} features, model n_in {}", s.n_observed, self.model.config().n_in),
+            ));
+        }
+        let x = SeqSeries::gather(&s.observed, s.n_observed, starts, 0, l);
+        // Step t predicts the return from row t to t+1.
+        let target = SeqSeries::gather(&s.target, 1, starts, 0, l);
+        let mut last = Vec::with_capacity(b * l);
+        for &st in starts {
+            last.push(if st > 0 { s.target[st - 1] } else { 0.0 });
+            last.extend_from_slice(&s.target[st..st + l - 1]);
+        }
+        Ok(SeqBatch {
+            inputs: vec![tensor(x, &[b, l, s.n_observed], device)?],
+            target: tensor(target, &[b, l], device)?,
+            last_value: tensor(last, &[b, l], device)?,
+        })
+    }
+
+    fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
+        let p = self.model.forward(c, &batch.inputs[0])?;
+        self.model.loss(&p, &batch.target)
+    }
+
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)> {
+        self.model.loss_and_grads(c, &batch.inputs[0], &batch.target, checkpoint)
+    }
+
+    fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
+        self.model.forward(c, &batch.inputs[0])
+    }
+
+    fn params(&self) -> &ParamStore {
+        self.model.params()
+    }
+}
+
+/// Hyper-parameters of [`train`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SeqTrainConfig {
+    /// Maximum number of epochs.
+    pub epochs: usize,
+    /// Windows per batch.
+    pub batch_size: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// Fraction of all steps spent in linear warm-up.
+    pub warmup_frac: f64,
+    /// Final learning rate of the cosine decay, as a fraction of `lr`.
+    pub min_lr_frac: f64,
+    /// Global gradient-norm clip.
+    pub clip_norm: f64,
+    /// Epochs without a validation improvement before stopping.
+    pub patience: usize,
+    /// Sampler seed.
+    pub seed: u64,
+    /// Matmul precision.
+    pub precision: Precision,
+    /// Activation checkpointing (per TFT stage / MAMBA-2 layer).
+    pub checkpoint: bool,
+}
+
+impl Default for SeqTrainConfig {
+    fn default() -> Self {
+        // lr and clipping as the reference benchmark trains these models.
+        Self {
+            epochs: 30,
+            batch_size: 64,
+            lr: 1e-3,
+            weight_decay: 0.01,
+            warmup_frac: 0.05,
+            min_lr_frac: 0.1,
+            clip_norm: 1.0,
+            patience: 5,
+            seed: 0,
+            precision: Precision::F32,
+            checkpoint: false,
+        }
+    }
+}
+
+/// Learning rate at optimiser step `step` (0-based) of `total`: linear warm-up from
+/// `lr/warmup` to `lr` over `warmup` steps, then cosine decay to `min_lr` at the last
+/// step.
+pub fn lr_at(step: usize, total: usize, warmup: usize, lr: f64, min_lr: f64) -> f64 {
+    if step < warmup {
+        return lr * (step + 1) as f64 / warmup as f64;
+    }
+    let span = total.saturating_sub(warmup).max(1);
+    let t = ((step - warmup) as f64 / span as f64).min(1.0);
+    min_lr + 0.5 * (lr - min_lr) * (1.0 + (std::f64::consts::PI * t).cos())
+}
+
+/// One epoch of [`train`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EpochLog {
+    /// Epoch number (0-based).
+    pub epoch: usize,
+    /// Mean training loss over the epoch's batches.
+    pub train_loss: f64,
+    /// Validation loss after the epoch.
+    pub val_loss: f64,
+    /// Learning rate of the epoch's last step.
+    pub lr: f64,
+}
+
+/// Outcome of [`train`]; the model holds the weights of `best_epoch`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainReport {
+    /// Per-epoch log.
+    pub epochs: Vec<EpochLog>,
+    /// The epoch with the lowest validation loss.
+    pub best_epoch: usize,
+    /// Its validation loss.
+    pub best_val_loss: f64,
+    /// Whether patience ran out before `epochs`.
+    pub stopped_early: bool,
+}
+
+/// Held-out metrics of [`evaluate`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalReport {
+    /// The model's loss (pinball for TFT, MSE for MAMBA-2).
+    pub loss: f64,
+    /// MSE of the point forecast.
+    pub mse_model: f64,
+    /// MSE of the zero forecast.
+    pub mse_zero: f64,
+    /// MSE of the last-value forecast.
+    pub mse_last: f64,
+}
+
+fn sampler(range: &Range<usize>, len: usize, batch: usize, seed: u64) -> Result<fx_data::Sampler> {
+    fx_data::Sampler::windows(std::slice::from_ref(range), len, batch, seed)
+        .map_err(|e| Error::config("seq_train sampler", e.to_string()))
+}
+
+fn scalar(t: &Tensor, context: &'static str) -> Result<f64> {
+    let v = t.to_dtype(DType::F64).and_then(|t| t.to_scalar::<f64>()).ctx(context)?;
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(Error::NonFinite { what: "loss", context })
+    }
+}
+
+/// Loss and point-forecast metrics over every window in `range` (inference, no tape).
+pub fn evaluate(
+    task: &impl SeqTask,
+    series: &SeqSeries,
+    range: Range<usize>,
+    batch_size: usize,
+    precision: Precision,
+) -> Result<EvalReport> {
+    let dev = task.params().device().clone();
+    let smp = sampler(&range, task.window_len(), batch_size, 0)?;
+    let c = Ctx::inference(precision);
+    let (mut loss, mut n_b) = (0.0, 0usize);
+    let (mut se_m, mut se_z, mut se_l, mut n) = (0.0, 0.0, 0.0, 0usize);
+    let sse = |a: &Tensor, b: &Tensor| -> Result<f64> {
+        scalar(&(a - b).and_then(|d| d.sqr()).and_then(|d| d.sum_all()).ctx("evaluate")?, "evaluate")
+    };
+    for bi in smp.epoch_batches(0) {
+        let batch = task.batch(series, &bi.starts, &dev)?;
+        loss += scalar(&task.loss(&c, &batch)?, "evaluate")?;
+        n_b += 1;
+        let p = task.point(&c, &batch)?;
+        se_m += sse(&p, &batch.target)?;
+        se_z += scalar(&batch.target.sqr().and_then(|t| t.sum_all()).ctx("evaluate")?, "evaluate")?;
+        se_l += sse(&batch.last_value, &batch.target)?;
+        n += batch.target.elem_count();
+    }
+    let n = n.max(1) as f64;
+    Ok(EvalReport { loss: loss / n_b.max(1) as f64, mse_model: se_m / n, mse_zero: se_z / n, mse_last: se_l / n })
+}
+
+/// Forecast quality on held-out data, as the training report gives it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ForecastMetrics {
+    /// Number of forecasts (samples × horizon steps).
+    pub n: usize,
+    /// Quantile levels (empty for point forecasters).
+    pub levels: Vec<f64>,
+    /// Mean pinball loss per quantile level.
+    pub pinball: Vec<f64>,
+    /// Fraction of targets inside [lowest, highest] quantile (the 0.1–0.9 band with
+    /// the default levels); `None` for point forecasters.
+    pub interval_coverage: Option<f64>,
+    /// Fraction of forecasts whose sign matches the realised return's (zero targets
+    /// excluded).
+    pub directional_accuracy: f64,
+    /// Spearman rank correlation of point forecast and realised return (average ranks
+    /// for ties).
+    pub rank_correlation: f64,
+}
+
+fn ranks(v: &[f64]) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[a].total_cmp(&v[b]));
+    let mut r = vec![0.0; v.len()];
+    let mut i = 0;
+    while i < idx.len() {
+        let mut j = i;
+        while j + 1 < idx.len() && v[idx[j + 1]] == v[idx[i]] {
+            j += 1;
+        }
+        let avg = (i + j) as f64 / 2.0 + 1.0;
+        for &k in &idx[i..=j] {
+            r[k] = avg;
+        }
+        i = j + 1;
+    }
+    r
+}
+
+fn pearson(a: &[f64], b: &[f64]) -> f64 {
+    let n = a.len() as f64;
+    let (ma, mb) = (a.iter().sum::<f64>() / n, b.iter().sum::<f64>() / n);
+    let (mut sab, mut saa, mut sbb) = (0.0, 0.0, 0.0);
+    for (x, y) in a.iter().zip(b) {
+        sab += (x - ma) * (y - mb);
+        saa += (x - ma) * (x - ma);
+        sbb += (y - mb) * (y - mb);
+    }
+    if saa == 0.0 || sbb == 0.0 {
+        0.0
+    } else {
+        sab / (saa * sbb).sqrt()
+    }
+}
+
+/// Forecast metrics from flat host vectors: `point[i]` and `target[i]`, and for a
+/// quantile forecaster `quantiles[i · L + k]` at `levels[k]` (levels ascending).
+pub fn forecast_metrics(levels: &[f64], quantiles: &[f64], point: &[f64], target: &[f64]) -> Result<ForecastMetrics> {
+    let n = target.len();
+    if point.len() != n || quantiles.len() != n * levels.len() || n == 0 {
+        return Err(Error::shape(
+            "forecasts",
+            "forecast_metrics",
+            format!("{n} points and {n}×{} quantiles, n > 0", levels.len()),
+            format!("{} and {}", point.len(), quantiles.len()),
+        ));
+    }
+    let l = levels.len();
+    let mut pinball = vec![0.0; l];
+    let mut inside = 0usize;
+    for i in 0..n {
+        for (k, &q) in levels.iter().enumerate() {
+            let e = target[i] - quantiles[i * l + k];
+            pinball[k] += (q * e).max((q - 1.0) * e) / n as f64;
+        }
+        if l >= 2 && target[i] >= quantiles[i * l] && target[i] <= quantiles[i * l + l - 1] {
+            inside += 1;
+        }
+    }
+    let (mut hit, mut m) = (0usize, 0usize);
+    for (p, t) in point.iter().zip(target) {
+        if *t != 0.0 {
+            m += 1;
+            if p.signum() == t.signum() && *p != 0.0 {
+                hit += 1;
+            }
+        }
+    }
+    Ok(ForecastMetrics {
+        n,
+        levels: levels.to_vec(),
+        pinball,
+        interval_coverage: (l >= 2).then(|| inside as f64 / n as f64),
+        directional_accuracy: if m == 0 { 0.0 } else { hit as f64 / m as f64 },
+        rank_correlation: pearson(&ranks(point), &ranks(target)),
+    })
+}
+
+fn host(t: &Tensor) -> Result<Vec<f64>> {
+    t.to_dtype(DType::F64).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f64>()).ctx("evaluate_forecasts")
+}
+
+/// [`ForecastMetrics`] over every window in `range` (inference, no tape).
+pub fn evaluate_forecasts(
+    task: &impl SeqTask,
+    series: &SeqSeries,
+    range: Range<usize>,
+    batch_size: usize,
+    precision: Precision,
+) -> Result<ForecastMetrics> {
+    let dev = task.params().device().clone();
+    let smp = sampler(&range, task.window_len(), batch_size, 0)?;
+    let c = Ctx::inference(precision);
+    let (mut levels, mut qs, mut pts, mut ys) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for bi in smp.epoch_batches(0) {
+        let batch = task.batch(series, &bi.starts, &dev)?;
+        pts.extend(host(&task.point(&c, &batch)?)?);
+        ys.extend(host(&batch.target)?);
+        if let Some((lv, q)) = task.quantiles(&c, &batch)? {
+            levels = lv;
+            qs.extend(host(&q)?);
+        }
+    }
+    forecast_metrics(&levels, &qs, &pts, &ys)
+}
+
+/// Trains `task` on windows inside `train_rows`, validating on windows inside
+/// `val_rows` after each epoch; stops after `patience` epochs without improvement and
+/// leaves the model with its best validation weights.
+pub fn train(
+    task: &impl SeqTask,
+    series: &SeqSeries,
+    train_rows: Range<usize>,
+    val_rows: Range<usize>,
+    cfg: &SeqTrainConfig,
+) -> Result<TrainReport> {
+    if cfg.epochs == 0 || cfg.batch_size == 0 || cfg.lr.is_nan() || cfg.lr <= 0.0 {
+        return Err(Error::config("seq_train::train", format!("need epochs, batch_size and lr > 0; got {cfg:?}")));
+    }
+    let params = task.params();
+    let dev = params.device().clone();
+    let vars: Vec<_> = params.vars();
+    let mut opt = AdamW::new(
+        params.named_vars(),
+        AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
+    )
+    .ctx("seq_train::train")?;
+    let smp = sampler(&train_rows, task.window_len(), cfg.batch_size, cfg.seed)?;
+    let total = cfg.epochs * smp.batches_per_epoch();
+    let warmup = ((total as f64 * cfg.warmup_frac).ceil() as usize).max(1);
+    let c = Ctx::train(cfg.precision);
+    let mut step = 0usize;
+    let mut log = Vec::new();
+    let mut best: Option<(usize, f64, HashMap<String, Tensor>)> = None;
+    let mut stopped_early = false;
+    for epoch in 0..cfg.epochs {
+        let (mut sum, mut nb) = (0.0, 0usize);
+        let mut lr = cfg.lr;
+        for bi in smp.epoch_batches(epoch as u64) {
+            lr = lr_at(step, total, warmup, cfg.lr, cfg.lr * cfg.min_lr_frac);
+            opt.set_learning_rate(lr);
+            let batch = task.batch(series, &bi.starts, &dev)?;
+            let (loss, mut grads) = task.loss_and_grads(&c, &batch, cfg.checkpoint)?;
+            sum += scalar(&loss, "seq_train::train")?;
+            nb += 1;
+            clip_grad_norm(&vars, &mut grads, cfg.clip_norm).ctx("seq_train::train")?;
+            opt.step(&grads).ctx("seq_train::train")?;
+            step += 1;
+        }
+        let val = evaluate(task, series, val_rows.clone(), cfg.batch_size, cfg.precision)?.loss;
+        log.push(EpochLog { epoch, train_loss: sum / nb.max(1) as f64, val_loss: val, lr });
+        if best.as_ref().is_none_or(|(_, b, _)| val < *b) {
+            best = Some((epoch, val, params.to_map()?.into_iter().collect()));
+        } else if best.as_ref().is_some_and(|(e, _, _)| epoch - e >= cfg.patience) {
+            stopped_early = epoch + 1 < cfg.epochs;
+            break;
+        }
+    }
+    let Some((best_epoch, best_val_loss, weights)) = best else {
+        return Err(Error::config("seq_train::train", "no epoch ran"));
+    };
+    params.load_map(&weights, "best-epoch snapshot")?;
+    Ok(TrainReport { epochs: log, best_epoch, best_val_loss, stopped_early })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mamba2::Mamba2Config;
+    use crate::tft::TftConfig;
+
+    #[test]
+    fn lr_schedule_warms_up_then_decays() {
+        let (lr, min) = (1e-3, 1e-4);
+        assert!((lr_at(0, 100, 10, lr, min) - 1e-4).abs() < 1e-12);
+        assert!((lr_at(9, 100, 10, lr, min) - lr).abs() < 1e-12);
+        assert!((lr_at(10, 100, 10, lr, min) - lr).abs() < 1e-12);
+        assert!((lr_at(100, 100, 10, lr, min) - min).abs() < 1e-12);
+        let mut prev = f64::INFINITY;
+        for s in 10..=100 {
+            let v = lr_at(s, 100, 10, lr, min);
+            assert!(v <= prev + 1e-15 && v >= min - 1e-15);
+            prev = v;
+        }
+    }
+
+    /// A series with learnable structure: the next return is a linear function of two
+    /// observed features of this row plus an hour-of-day seasonal term visible through
+    /// the known calendar features, with small noise.
+    fn synthetic(rows: usize, n_obs: usize) -> SeqSeries {
+        let mut state = 0x2545F4914F6CDD1Du64;
+        let mut unif = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut gauss = move || {
+            let (u1, u2) = (unif().max(1e-12), unif());
+            (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+        };
+        let (mut obs, mut known, mut target) = (Vec::new(), Vec::new(), Vec::new());
+        let mut ar = 0.0;
+        for t in 0..rows {
+            ar = 0.8 * ar + 0.6 * gauss();
+            let f: Vec<f64> = (0..n_obs).map(|k| if k == 0 { ar } else { gauss() }).collect();
+            let hour = 2.0 * std::f64::consts::PI * (t % 24) as f64 / 24.0;
+            let day = 2.0 * std::f64::consts::PI * ((t / 24) % 7) as f64 / 7.0;
+            let season = (hour + 2.0 * std::f64::consts::PI / 24.0).sin();
+            let y = 0.5 * f[0] + 0.3 * f[1] + 0.4 * season + 0.1 * gauss();
+            obs.extend(f.iter().map(|&v| v as f32));
+            known.extend([hour.sin(), hour.cos(), day.sin(), day.cos()].map(|v| v as f32));
+            target.push(y as f32);
+        }
+        SeqSeries::new(obs, n_obs, known, 4, target).unwrap()
+    }
+
+    #[test]
+    fn mamba2_learns_and_beats_naive_forecasts() {
+        let series = synthetic(700, 3);
+        let cfg = Mamba2Config {
+            n_in: 3,
+            d_model: 16,
+            n_layer: 1,
+            expand: 2,
+            d_state: 8,
+            headdim: 8,
+            ngroups: 1,
+            d_conv: 4,
+            chunk_size: 8,
+            norm_eps: 1e-5,
+        };
+        let model = Mamba2::new(cfg, &Device::Cpu, 1).unwrap();
+        let task = Mamba2Task { model: &model, seq_len: 24 };
+        let tc = SeqTrainConfig { epochs: 12, batch_size: 16, lr: 1e-2, patience: 4, ..Default::default() };
+        let before = evaluate(&task, &series, 600..700, 32, Precision::F32).unwrap();
+        let rep = train(&task, &series, 0..500, 500..600, &tc).unwrap();
+        let after = evaluate(&task, &series, 600..700, 32, Precision::F32).unwrap();
+        assert!(rep.best_val_loss.is_finite());
+        assert!(after.mse_model < before.mse_model, "{before:?} -> {after:?}");
+        assert!(after.mse_model < 0.7 * after.mse_zero, "{after:?}");
+        assert!(after.mse_model < 0.7 * after.mse_last, "{after:?}");
+    }
+
+    #[test]
+    fn tft_learns_and_beats_naive_forecasts() {
+        let series = synthetic(460, 3);
+        let cfg = TftConfig { n_observed: 3, d: 16, n_head: 2, l_enc: 6, h: 2, dropout: 0.0, ..TftConfig::default() };
+        // Passes for seeds 1–6 with ≥ 30% margin (checked when the test was written).
+        let model = Tft::new(cfg, &Device::Cpu, 1).unwrap();
+        let tc = SeqTrainConfig { epochs: 8, batch_size: 16, lr: 5e-3, patience: 3, ..Default::default() };
+        let before = evaluate(&model, &series, 380..460, 64, Precision::F32).unwrap();
+        let rep = train(&model, &series, 0..300, 300..380, &tc).unwrap();
+        let after = evaluate(&model, &series, 380..460, 64, Precision::F32).unwrap();
+        assert!(rep.epochs.len() >= 2);
+        assert!(after.loss < before.loss, "{before:?} -> {after:?}");
+        assert!(after.mse_model < 0.8 * after.mse_zero, "{after:?}");
+        assert!(after.mse_model < 0.8 * after.mse_last, "{after:?}");
+        let fm = evaluate_forecasts(&model, &series, 380..460, 64, Precision::F32).unwrap();
+        assert_eq!(fm.pinball.len(), 3);
+        assert!(fm.interval_coverage.unwrap() > 0.5, "{fm:?}");
+        assert!(fm.directional_accuracy > 0.6 && fm.rank_correlation > 0.5, "{fm:?}");
+    }
+
+    #[test]
+    fn forecast_metrics_by_hand() {
+        let levels = [0.1, 0.5, 0.9];
+        // three forecasts: target inside, above and below the band
+        let q = [-1.0, 0.0, 1.0, -1.0, 0.5, 1.0, 0.0, 1.0, 2.0];
+        let point = [0.0, 0.5, 1.0];
+        let target = [0.5, 2.0, -1.0];
+        let m = forecast_metrics(&levels, &q, &point, &target).unwrap();
+        assert_eq!(m.n, 3);
+        assert!((m.interval_coverage.unwrap() - 1.0 / 3.0).abs() < 1e-12);
+        // q=0.1: e = 1.5, 3, -1 → 0.15, 0.3, 0.9 → mean 0.45
+        assert!((m.pinball[0] - 0.45).abs() < 1e-12);
+        // q=0.5: e = 0.5, 1.5, -2 → 0.25, 0.75, 1.0 → mean 2/3
+        assert!((m.pinball[1] - 2.0 / 3.0).abs() < 1e-12);
+        // signs: 0 vs + (miss), + vs + (hit), + vs − (miss)
+        assert!((m.directional_accuracy - 1.0 / 3.0).abs() < 1e-12);
+        // ranks of point 1,2,3 vs target 2,3,1 → Spearman −0.5
+        assert!((m.rank_correlation + 0.5).abs() < 1e-12);
+        let r = ranks(&[3.0, 1.0, 3.0, 2.0]);
+        assert_eq!(r, vec![3.5, 1.0, 3.5, 2.0]);
+        assert!(forecast_metrics(&levels, &q[..8], &point, &target).is_err());
+    }
+
+    #[test]
+    fn bad_inputs_are_refused() {
+        assert!(SeqSeries::new(vec![0.0; 5], 2, vec![0.0; 12], 4, vec![0.0; 3]).is_err());
+        assert!(SeqSeries::new(vec![f32::NAN; 6], 2, vec![0.0; 12], 4, vec![0.0; 3]).is_err());
+        let series = synthetic(50, 3);
+        let model = Tft::new(
+            TftConfig { n_observed: 5, d: 8, n_head: 2, l_enc: 4, h: 2, ..TftConfig::default() },
+            &Device::Cpu,
+            1,
+        )
+        .unwrap();
+        assert!(train(&model, &series, 0..30, 30..50, &SeqTrainConfig::default()).is_err());
+    }
+}
