@@ -16,9 +16,13 @@ import sys
 
 
 def load(path):
+    """(meta, records that ran, records that did not: error or skipped)."""
     with open(path) as f:
         doc = json.load(f)
-    return doc.get("meta", {}), [r for r in doc.get("results", []) if r.get("status", "ok") == "ok"]
+    recs = doc.get("results", [])
+    ok = [r for r in recs if r.get("status", "ok") == "ok"]
+    bad = [r for r in recs if r.get("status", "ok") != "ok"]
+    return doc.get("meta", {}), ok, bad
 
 
 def precision_of(mode):
@@ -75,8 +79,8 @@ def main():
     if len(args) != 2:
         print(__doc__)
         sys.exit(2)
-    fx_meta, fx = load(args[0])
-    th_meta, th = load(args[1])
+    fx_meta, fx, fx_bad = load(args[0])
+    th_meta, th, _ = load(args[1])
     fx_by_case, th_by_case, order = {}, {}, []
     for r in fx:
         if r["case"] not in fx_by_case:
@@ -102,6 +106,9 @@ def main():
         for r in fx_recs:
             if id(r) not in used:
                 rows.append((case, r["mode"], describe(r)[0], "-", "-", None))
+    for r in fx_bad:
+        msg = f"{r.get('status')}: {str(r.get('error', r.get('reason', '')))[:80]}"
+        rows.append((r.get("case", "?"), r.get("mode", "?"), msg, "-", "-", None))
     head = ("case", "fx mode", "fx", "torch mode", "torch", "fx speed-up")
 
     def fmt(row):

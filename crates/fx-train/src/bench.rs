@@ -320,7 +320,7 @@ fn pick_device(req: Option<BenchDevice>) -> Result<(Device, Option<String>)> {
         fx_hw::DeviceKind::Cpu => {
             if req == Some(BenchDevice::Cuda) {
                 let why = budget.cpu_fallback_reason.unwrap_or_else(|| "no CUDA device".into());
-                bail!("--device cuda: no usable GPU ({why}; the cuda feature is needed at build time)");
+                bail!("--device cuda: no usable GPU ({why})");
             }
             Ok((Device::Cpu, None))
         }
