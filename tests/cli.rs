@@ -96,3 +96,234 @@ fn features_missing_input_names_the_path() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/bars.csv"), "{err}");
 }
+
+// ---------------------------------------------------------------- training runs
+
+/// A run small enough for a test: 4 accounts, 16-step episodes, a 32-wide network.
+fn tiny_config(dir: &Path, model: &str, steps: u64, extra: &str) -> PathBuf {
+    let path = dir.join(format!("tiny-{model}.toml"));
+    let text = format!(
+        r#"model = "{model}"
+steps = {steps}
+checkpoint_every = 10
+log_every = 5
+device = "cpu"
+[synthetic]
+bars = 500
+[env]
+num_envs = 4
+episode_len = 16
+[dqn]
+batch_size = 32
+replay_capacity = 2000
+learning_starts = 64
+[dqn.net]
+state_dim = 56
+hidden = 32
+n_actions = 3
+[ppo]
+num_steps = 8
+epochs = 2
+minibatch_size = 16
+[ppo.net]
+state_dim = 56
+hidden = 32
+n_actions = 3
+{extra}
+"#
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn train(config: &Path, out: &Path, extra: &[&str]) -> Output {
+    fx_train().arg("train").arg("--config").arg(config).arg("--out").arg(out).args(extra).output().unwrap()
+}
+
+fn err_line(out: &Output) -> String {
+    assert!(!out.status.success(), "expected failure, got success: {}", String::from_utf8_lossy(&out.stdout));
+    let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(err.lines().count(), 1, "expected a one-line error, got {err:?}");
+    err
+}
+
+/// Every tensor of a safetensors file, as raw bytes by name.
+fn tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<_> = st.tensors().into_iter().map(|(n, v)| (n, v.data().to_vec())).collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn checkpoint(run: &Path, step: u64) -> PathBuf {
+    run.join(format!("checkpoint-{step:010}.safetensors"))
+}
+
+#[test]
+fn train_writes_a_complete_run_folder_and_eval_reads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in ["dqn", "ppo"] {
+        let run = dir.path().join(model);
+        let out = train(&tiny_config(dir.path(), model, 40, ""), &run, &["--quiet"]);
+        let text = ok(&out);
+        assert!(text.contains("backtest of") && text.contains("buy & hold"), "{text}");
+        for f in ["config.toml", "metrics.jsonl", "report.json", "equity.png", "training.png"] {
+            assert!(run.join(f).exists(), "{model}: {f} missing");
+        }
+        assert!(checkpoint(&run, 40).exists());
+        // config.toml holds the resolved config, every default written out.
+        let cfg = std::fs::read_to_string(run.join("config.toml")).unwrap();
+        assert!(cfg.contains("episode_len = 16") && cfg.contains("keep_checkpoints"), "{cfg}");
+        let first: serde_json::Value =
+            serde_json::from_str(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().lines().next().unwrap())
+                .unwrap();
+        for k in ["env_steps", "updates", "skipped_steps", "train_samples_per_s", "elapsed_s"] {
+            assert!(first.get(k).is_some(), "{model}: metrics line lacks {k}: {first}");
+        }
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap();
+        for k in [
+            "total_return",
+            "annualised_return",
+            "sharpe",
+            "sortino",
+            "max_drawdown",
+            "hit_rate",
+            "turnover",
+            "cost_paid",
+        ] {
+            assert!(report["agent"]["stats"][k].is_number(), "{model}: report lacks {k}");
+        }
+        assert!(report["profile"]["update"].as_f64().unwrap() > 0.0);
+        let out = fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap();
+        assert!(ok(&out).contains("backtest of"));
+        assert!(run.join("eval.json").exists());
+    }
+}
+
+#[test]
+fn killed_and_resumed_run_ends_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 400;
+    let cfg = tiny_config(dir.path(), "dqn", steps, "");
+    let straight = dir.path().join("straight");
+    ok(&train(&cfg, &straight, &["--quiet"]));
+
+    let killed = dir.path().join("killed");
+    let mut child = fx_train()
+        .arg("train")
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&killed)
+        .arg("--quiet")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait for a few checkpoints, then SIGKILL (no chance to clean up).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !checkpoint(&killed, 30).exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!checkpoint(&killed, steps).exists(), "the run finished before it was killed; make it longer");
+    // Resuming a killed run continues from its last checkpoint to the end.
+    ok(&train(&cfg, &killed, &["--resume", "--quiet"]));
+    let (a, b) = (tensors(&checkpoint(&straight, steps)), tensors(&checkpoint(&killed, steps)));
+    assert_eq!(a.len(), b.len());
+    for ((na, da), (nb, db)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert!(da == db, "{na} differs between the uninterrupted and the resumed run");
+    }
+}
+
+#[test]
+fn train_on_real_bars_from_csv() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 12, "");
+    let out =
+        train(&cfg, &dir.path().join("aapl"), &["--quiet", "--data", "../../../shared/data/aapl_daily_2000_2013.csv"]);
+    let text = ok(&out);
+    assert!(text.contains("aapl_daily_2000_2013.csv"), "{text}");
+    // Daily equity bars: about 252 bars a year.
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("aapl/report.json")).unwrap()).unwrap();
+    let ppy = report["periods_per_year"].as_f64().unwrap();
+    assert!((240.0..265.0).contains(&ppy), "{ppy}");
+}
+
+#[test]
+fn bad_runs_are_one_line_errors_and_overwrite_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 10, "");
+    let run = dir.path().join("run");
+    ok(&train(&cfg, &run, &["--quiet"]));
+    let before = std::fs::read(run.join("report.json")).unwrap();
+
+    // A second run into the same folder.
+    assert!(err_line(&train(&cfg, &run, &["--quiet"])).contains("--resume"));
+    // A bad config file: unknown key, named with its path.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "stepz = 3\n").unwrap();
+    let e = err_line(&train(&bad, &dir.path().join("x"), &[]));
+    assert!(e.contains("bad.toml") && e.contains("stepz"), "{e}");
+    // A missing data file.
+    let e = err_line(&train(&cfg, &dir.path().join("y"), &["--data", "/nope/bars.csv"]));
+    assert!(e.contains("/nope/bars.csv"), "{e}");
+    // A feature file of the wrong width.
+    let narrow = dir.path().join("narrow.safetensors");
+    write_narrow_feature_file(&narrow);
+    let e = err_line(&train(&cfg, &dir.path().join("z"), &["--data", narrow.to_str().unwrap()]));
+    assert!(e.contains("narrow.safetensors"), "{e}");
+    // A checkpoint of another model: resume the DQN run as PPO.
+    let ppo_cfg = tiny_config(dir.path(), "ppo", 10, "");
+    std::fs::copy(&cfg, dir.path().join("keep.toml")).unwrap();
+    std::fs::write(run.join("config.toml"), std::fs::read(&ppo_cfg).unwrap()).unwrap();
+    let e = err_line(&train(&ppo_cfg, &run, &["--resume"]));
+    assert!(e.contains("dqn") && e.contains("ppo") && e.contains("checkpoint"), "{e}");
+    let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
+    assert!(e.contains("dqn") && e.contains("ppo"), "{e}");
+    assert_eq!(std::fs::read(run.join("report.json")).unwrap(), before, "report.json was overwritten");
+    // Eval of a folder that is no run.
+    let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(dir.path()).output().unwrap());
+    assert!(e.contains("not a run folder"), "{e}");
+}
+
+/// A feature file whose `market` has 50 columns instead of 51 (otherwise valid).
+fn write_narrow_feature_file(path: &Path) {
+    let rows = 300usize;
+    let market: Vec<f32> = (0..rows * 50).map(|i| (i % 17) as f32 * 0.1).collect();
+    let known = vec![0.5f32; rows * 4];
+    let logret = vec![0.0f32; rows];
+    let close: Vec<f64> = (0..rows).map(|i| 100.0 + i as f64).collect();
+    let ts: Vec<i64> = (0..rows as i64).map(|i| 1_700_000_000 + 3600 * i).collect();
+    let bytes = |v: &[u8]| v.to_vec();
+    let m = bytes(bytemuck_cast(&market));
+    let k = bytes(bytemuck_cast(&known));
+    let l = bytes(bytemuck_cast(&logret));
+    let c: Vec<u8> = close.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let t: Vec<u8> = ts.iter().flat_map(|x| x.to_le_bytes()).collect();
+    use safetensors::tensor::{Dtype, TensorView};
+    let views = vec![
+        ("market", TensorView::new(Dtype::F32, vec![rows, 50], &m).unwrap()),
+        ("known", TensorView::new(Dtype::F32, vec![rows, 4], &k).unwrap()),
+        ("logret_next", TensorView::new(Dtype::F32, vec![rows], &l).unwrap()),
+        ("close", TensorView::new(Dtype::F64, vec![rows], &c).unwrap()),
+        ("timestamp", TensorView::new(Dtype::I64, vec![rows], &t).unwrap()),
+    ];
+    let names: Vec<String> = (0..50).map(|i| format!("f{i}")).collect();
+    let meta = std::collections::HashMap::from([
+        ("schema".to_string(), "fx-features/1".to_string()),
+        ("feature_names".to_string(), serde_json::to_string(&names).unwrap()),
+        ("source".to_string(), "narrow".to_string()),
+        ("rows".to_string(), rows.to_string()),
+    ]);
+    safetensors::serialize_to_file(views, Some(meta), path).unwrap();
+}
+
+fn bytemuck_cast(v: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}

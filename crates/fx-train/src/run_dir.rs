@@ -81,6 +81,7 @@ fn tmp_path(path: &Path) -> PathBuf {
 }
 
 /// A run folder.
+#[derive(Debug)]
 pub struct RunDir {
     root: PathBuf,
 }

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
 use fx_kernels::{CpuTradingEnv, EnvConfig, ReplayBuffer, VecEnv};
 use fx_models::{DqnNetConfig, DuelingDqn};
@@ -132,6 +132,14 @@ pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, e: usize, rec: &mut Record)
     dev.synchronize()?;
     let wall = t0.elapsed().as_secs_f64();
     env.check()?;
+    // Every account took every step (the counters are the draws' step index).
+    let want = (ctx.warmup + 3 + ctx.env_n) as u64;
+    let counters = env.env().counters()?;
+    ensure!(
+        counters.len() == e && counters.iter().all(|&c| c == want),
+        "env step counters {:?}.. after {want} steps",
+        &counters[..counters.len().min(4)]
+    );
     let peak = ctx.mem.peak_mib(&dev)?;
     let calls = ctx.env_n as f64 / wall;
     rec.insert("status".into(), json!("ok"));
