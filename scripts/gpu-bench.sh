@@ -8,6 +8,8 @@
 #   ../shared/gpu/pack bin release/fx-train
 # Then ON the H200, from the repo root (with .gpu/ copied along):
 #   OUT=/path/to/out bash scripts/gpu-bench.sh          # $OUT defaults to results/
+# FX_GPU_DIR=.gpu-other uses a pack made with FX_GPU_OUT=$PWD/.gpu-other (default .gpu);
+# FX_BENCH_ARGS adds flags to fx-train bench (e.g. --quick for a smoke test).
 # Writes $OUT/fx.json, fx.log (progress), torch.json, torch.log, compare.md, env.txt.
 # Expected device time: ~16 s PTX JIT on a fresh machine + ~30-60 s fx + ~80-100 s torch
 # (its compile cases ~45 s); each part has a timeout so the whole stays under ~7 minutes.
@@ -16,11 +18,14 @@ OUT=${OUT:-results}
 mkdir -p "$OUT"
 FX_TIMEOUT=${FX_TIMEOUT:-180}
 TORCH_TIMEOUT=${TORCH_TIMEOUT:-240}
+G=${FX_GPU_DIR:-.gpu}
 
-bash .gpu/run.sh env >"$OUT/env.txt" 2>&1 || true
+# (not `run.sh env`: every run.sh call unpacks all packed binaries again)
+nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.sm,clocks.mem --format=csv \
+  >"$OUT/env.txt" 2>&1 || true
 
 t0=$(date +%s)
-timeout "$FX_TIMEOUT" bash .gpu/run.sh bin fx-train bench --json >"$OUT/fx.json" 2>"$OUT/fx.log"
+timeout "$FX_TIMEOUT" bash "$G/run.sh" bin fx-train bench --json ${FX_BENCH_ARGS:-} >"$OUT/fx.json" 2>"$OUT/fx.log"
 fx_rc=$?
 t1=$(date +%s)
 echo "fx-train bench: rc=$fx_rc in $((t1 - t0)) s (exit 1 = some case failed, 124 = timeout)"
@@ -28,7 +33,7 @@ tail -n 30 "$OUT/fx.log"
 
 # --budget-s: compile cases that would start after this many seconds are reported as
 # skipped (the dqn/ppo/env compile cases take ~45 s of the run here).
-PYTHONUNBUFFERED=1 timeout "$TORCH_TIMEOUT" python3 .gpu/shared/reference/bench.py \
+PYTHONUNBUFFERED=1 timeout "$TORCH_TIMEOUT" python3 "$G/shared/reference/bench.py" \
   --models dqn,ppo,env --budget-s 180 --out "$OUT/torch.json" >"$OUT/torch.log" 2>&1
 th_rc=$?
 t2=$(date +%s)
