@@ -8,8 +8,20 @@
 //! exactly); under the `cuda` feature `GpuTradingEnv` runs the same step as one CUDA
 //! thread per account and writes experience straight into device-resident storage.
 //! Agents and trainers only see the [`VecEnv`] trait and the tensor-backed
-//! [`ReplayBuffer`] (DQN) and [`Rollout`] (PPO, with [`gae`]), so they never know which
+//! [`ReplayBuffer`] (DQN) and [`Rollout`] (PPO, with [`gae()`]), so they never know which
 //! backend they run on.
+//!
+//! CUDA (feature `cuda`): the kernels live in `kernels/*.cu` at the workspace root
+//! (`fx_env.cuh` holds the device twins of [`rng`], the env step and the selection rules);
+//! their PTX is committed under `crates/fx-kernels/ptx/` and embedded with `include_str!`.
+//! Rebuild it after editing a kernel with `cargo xtask build-kernels`, or by hand:
+//! `nvcc -ptx -arch=compute_80 -o crates/fx-kernels/ptx/NAME.ptx kernels/NAME.cu` (CUDA
+//! ≤ 13.0, see `../shared/gpu`). The kernels use explicit round-to-nearest intrinsics where
+//! the CPU reference rounds, so trajectories agree with [`CpuTradingEnv`] (integers and
+//! positions exactly, floats within 1e-6; device tests in `cuda/tests.rs`). Beyond
+//! [`VecEnv`], `cuda::GpuTradingEnv::collect_dqn` fuses ε-greedy selection, the step and the
+//! replay write in one launch, `cuda::gae_device` runs GAE, and `cuda::bench_env_steps`
+//! measures env steps per second.
 
 // Index loops over accounts mirror the one-thread-per-account CUDA kernels line by line;
 // iterator chains over several parallel arrays would hide that correspondence.
