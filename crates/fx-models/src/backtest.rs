@@ -116,7 +116,7 @@ pub fn replay_policy(
     let mut obs = vec![0f32; OBS_DIM];
     let (mut pos, mut entry, mut sip) = (0i8, close[0], 0u64);
     let mut positions = Vec::with_capacity(data.len().saturating_sub(1));
-    for t in 0..data.len().saturating_sub(1) {
+    for (t, &price) in close.iter().enumerate().take(data.len().saturating_sub(1)) {
         write_observation(data, episode_len, t, pos, entry, sip.min(episode_len as u64), &mut obs);
         let a = policy(&obs)?;
         if a > 2 {
@@ -127,7 +127,7 @@ pub fn replay_policy(
         }
         let p = a as i8 - 1;
         if p != pos {
-            entry = close[t];
+            entry = price;
             sip = 0;
         } else {
             sip += 1;
@@ -169,8 +169,8 @@ mod tests {
 
     #[test]
     fn matches_a_scalar_reference_on_random_paths() {
-        let mut seed = 1u64;
-        for case in 0..20 {
+        for case in 0..20usize {
+            let seed = case as u64 + 1;
             let n = 50 + case * 7;
             let mut close = vec![100.0];
             for i in 0..n {
@@ -185,7 +185,6 @@ mod tests {
             assert!((bt.equity.last().unwrap() - (1.0 + total)).abs() < 1e-12);
             assert!(bt.stats.max_drawdown >= 0.0 && bt.stats.max_drawdown < 1.0);
             assert!(bt.stats.sharpe.is_finite() && bt.stats.sortino.is_finite());
-            seed += 1;
         }
     }
 
