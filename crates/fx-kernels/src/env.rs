@@ -576,6 +576,41 @@ pub struct EnvState {
     pub counter: Vec<u64>,
 }
 
+impl EnvState {
+    /// Checks that the state fits `num_envs` accounts over a series of `t_len` rows with
+    /// `episode_len`: equal lengths, positions in {−1, 0, 1}, episode steps below
+    /// `episode_len`, finite positive entry prices, and times that leave room for the rest
+    /// of the episode (`t + episode_len − ep_step ≤ T − 1`, so no step reads past the
+    /// series; the GPU env relies on this, as its kernels do not re-check).
+    pub fn check(&self, num_envs: usize, t_len: usize, episode_len: usize, context: &'static str) -> Result<()> {
+        let e = num_envs;
+        let lens = [self.t.len(), self.pos.len(), self.entry.len(), self.steps_in_pos.len(), self.ep_step.len()];
+        if lens.iter().chain([&self.counter.len()]).any(|&n| n != e) {
+            return Err(Error::Config {
+                context,
+                message: format!("state is for a different number of accounts (expected {e})"),
+            });
+        }
+        let bad_t = self
+            .t
+            .iter()
+            .zip(&self.ep_step)
+            .any(|(&t, &s)| (s as usize) < episode_len && t + (episode_len - s as usize) >= t_len);
+        let bad_pos = self.pos.iter().any(|p| !(-1..=1).contains(p));
+        let bad_ep = self.ep_step.iter().any(|&s| s as usize >= episode_len);
+        let bad_sip = self.steps_in_pos.iter().any(|&s| s > u32::MAX as u64);
+        if bad_t || bad_pos || bad_ep || bad_sip || self.entry.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+            return Err(Error::Config {
+                context,
+                message: "state does not fit this series/config (time, position, episode step, steps in position \
+                          or entry out of range)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl CpuTradingEnv {
     /// A copy of the evolving state (for checkpoints).
     pub fn state(&self) -> EnvState {
@@ -592,24 +627,7 @@ impl CpuTradingEnv {
     /// Restores a state taken with [`CpuTradingEnv::state`] from an env over the same
     /// series and config; a state of another size or out of the series is refused.
     pub fn restore(&mut self, state: &EnvState) -> Result<()> {
-        let e = self.cfg.num_envs;
-        let lens = [state.t.len(), state.pos.len(), state.entry.len(), state.steps_in_pos.len(), state.ep_step.len()];
-        if lens.iter().chain([&state.counter.len()]).any(|&n| n != e) {
-            return Err(Error::Config {
-                context: "CpuTradingEnv::restore",
-                message: format!("state is for a different number of accounts (expected {e})"),
-            });
-        }
-        let bad_t = state.t.iter().any(|&t| t + 1 >= self.data.len());
-        let bad_pos = state.pos.iter().any(|p| !(-1..=1).contains(p));
-        let bad_ep = state.ep_step.iter().any(|&s| s as usize >= self.cfg.episode_len);
-        if bad_t || bad_pos || bad_ep || state.entry.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
-            return Err(Error::Config {
-                context: "CpuTradingEnv::restore",
-                message: "state does not fit this series/config (time, position, episode step or entry out of range)"
-                    .into(),
-            });
-        }
+        state.check(self.cfg.num_envs, self.data.len(), self.cfg.episode_len, "CpuTradingEnv::restore")?;
         self.t.clone_from(&state.t);
         self.pos.clone_from(&state.pos);
         self.entry.clone_from(&state.entry);
@@ -675,5 +693,13 @@ mod state_tests {
         let mut s = a.state();
         s.t[0] = 10_000;
         assert!(a.restore(&s).is_err());
+        // in range, but the episode would run past the end of the series (T = 200, L = 16)
+        let mut s = a.state();
+        (s.t[0], s.ep_step[0]) = (200 - 2, 0);
+        assert!(a.restore(&s).is_err());
+        (s.t[0], s.ep_step[0]) = (200 - 1 - 16, 0);
+        assert!(a.restore(&s).is_ok());
+        (s.t[0], s.ep_step[0]) = (200 - 2, 15);
+        assert!(a.restore(&s).is_ok());
     }
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{alloc_tensor, cuda_device, dev_ptr, driver, LaunchPlan, PTX_ENV_STEP, PTX_PPO};
 use crate::checks::expect_tensor;
-use crate::env::{reset_start, EnvConfig, EnvData, N_ACTIONS, N_MARKET, OBS_DIM};
+use crate::env::{reset_start, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
 use crate::error::{CandleContext, Error, Result};
 use crate::replay::ReplayBuffer;
 use crate::rollout::Rollout;
@@ -114,6 +114,7 @@ pub struct GpuEnvState {
 /// treats them as flat and raises a flag that [`check_errors`](Self::check_errors) reports.
 pub struct GpuTradingEnv {
     cfg: EnvConfig,
+    t_len: usize,
     device: Device,
     cdev: CudaDevice,
     stream: Arc<CudaStream>,
@@ -125,11 +126,8 @@ pub struct GpuTradingEnv {
     close: CudaSlice<f64>,
     t: CudaSlice<u32>,
     pos: CudaSlice<i32>,
-    #[allow(dead_code)]
     entry: CudaSlice<f64>,
-    #[allow(dead_code)]
     sip: CudaSlice<u32>,
-    #[allow(dead_code)]
     ep: CudaSlice<u32>,
     counter: CudaSlice<u64>,
     err: CudaSlice<i32>,
@@ -210,6 +208,7 @@ impl GpuTradingEnv {
             err,
             args,
             p_err,
+            t_len: data.len(),
             device: device.clone(),
             cdev,
             stream,
@@ -261,6 +260,48 @@ impl GpuTradingEnv {
             pos: self.stream.clone_dtoh(&self.pos).map_err(driver(ctx))?,
             counter: self.stream.clone_dtoh(&self.counter).map_err(driver(ctx))?,
         })
+    }
+
+    /// A host copy of the evolving state (for checkpoints; syncs the stream). The same
+    /// [`EnvState`] restores a [`CpuTradingEnv`](crate::CpuTradingEnv) or a GPU env over
+    /// the same series and config, which then continue identically.
+    pub fn state(&self) -> Result<EnvState> {
+        let ctx = "GpuTradingEnv::state";
+        let s = &self.stream;
+        let t: Vec<u32> = s.clone_dtoh(&self.t).map_err(driver(ctx))?;
+        let pos: Vec<i32> = s.clone_dtoh(&self.pos).map_err(driver(ctx))?;
+        let sip: Vec<u32> = s.clone_dtoh(&self.sip).map_err(driver(ctx))?;
+        let ep: Vec<u32> = s.clone_dtoh(&self.ep).map_err(driver(ctx))?;
+        Ok(EnvState {
+            t: t.into_iter().map(|x| x as usize).collect(),
+            pos: pos.into_iter().map(|x| x as i8).collect(),
+            entry: s.clone_dtoh(&self.entry).map_err(driver(ctx))?,
+            steps_in_pos: sip.into_iter().map(u64::from).collect(),
+            ep_step: ep.into_iter().map(u64::from).collect(),
+            counter: s.clone_dtoh(&self.counter).map_err(driver(ctx))?,
+        })
+    }
+
+    /// Restores a state from [`state`](Self::state) or `CpuTradingEnv::state`, checked on
+    /// the host first ([`EnvState::check`]: the kernels trust the state to stay inside the
+    /// series).
+    pub fn restore(&mut self, state: &EnvState) -> Result<()> {
+        let ctx = "GpuTradingEnv::restore";
+        state.check(self.cfg.num_envs, self.t_len, self.cfg.episode_len, ctx)?;
+        let t: Vec<u32> = state.t.iter().map(|&x| x as u32).collect();
+        let pos: Vec<i32> = state.pos.iter().map(|&x| i32::from(x)).collect();
+        let sip: Vec<u32> = state.steps_in_pos.iter().map(|&x| x as u32).collect();
+        let ep: Vec<u32> = state.ep_step.iter().map(|&x| x as u32).collect();
+        let s = self.stream.clone();
+        // In-place copies: the buffers keep their addresses, so the cached kernel arguments
+        // stay valid.
+        s.memcpy_htod(&t, &mut self.t).map_err(driver(ctx))?;
+        s.memcpy_htod(&pos, &mut self.pos).map_err(driver(ctx))?;
+        s.memcpy_htod(&state.entry, &mut self.entry).map_err(driver(ctx))?;
+        s.memcpy_htod(&sip, &mut self.sip).map_err(driver(ctx))?;
+        s.memcpy_htod(&ep, &mut self.ep).map_err(driver(ctx))?;
+        s.memcpy_htod(&state.counter, &mut self.counter).map_err(driver(ctx))?;
+        Ok(())
     }
 
     /// Reports (and clears) the device-side error flag: an action ≥ 3 was passed to a step

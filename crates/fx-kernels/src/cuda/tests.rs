@@ -285,3 +285,33 @@ fn bench_report() {
         }
     }
 }
+
+#[test]
+fn state_round_trips_between_backends() {
+    let Some(dev) = gpu("state_round_trips_between_backends") else { return };
+    let data = Arc::new(synthetic_series(500, 8).expect("data"));
+    let e = 37;
+    let cfg = EnvConfig { num_envs: e, episode_len: 9, cost: 1e-4, seed: 321, env_offset: 4 };
+    let (mut cpu, mut gpu) = pair(&dev, &data, &cfg);
+    for k in 0..13 {
+        let a = random_actions(e, k, 1);
+        cpu.step_host(&a).expect("cpu");
+        gpu.step(&Tensor::from_vec(a, e, &dev).expect("a")).expect("gpu");
+    }
+    assert_eq!(gpu.state().expect("state"), cpu.state(), "GPU state equals CPU state");
+    // a fresh GPU env restored from the CPU state, and a fresh CPU env from the GPU state
+    let (mut cpu2, mut gpu2) = pair(&dev, &data, &cfg);
+    gpu2.restore(&cpu.state()).expect("gpu restore");
+    cpu2.restore(&gpu.state().expect("state")).expect("cpu restore");
+    for k in 13..40 {
+        let a = random_actions(e, k, 1);
+        let c = cpu2.step_host(&a).expect("cpu");
+        let g = gpu2.step(&Tensor::from_vec(a, e, &dev).expect("a")).expect("gpu");
+        assert_close(&host_f32(&g.obs), &c.obs, 1e-6, "restored obs");
+        assert_close(&host_f32(&g.reward), &c.reward, 1e-6, "restored reward");
+        assert_same_state(&cpu2, &gpu2, "restored");
+    }
+    let mut bad = cpu.state();
+    bad.t[3] = 499;
+    assert!(gpu2.restore(&bad).is_err(), "a state past the series is refused before any upload");
+}
