@@ -20,7 +20,7 @@
 
 mod data;
 mod env_step;
-mod memory;
+
 mod timing;
 mod train;
 
@@ -32,8 +32,8 @@ use clap::{Args, ValueEnum};
 use fx_precision::Precision;
 use serde_json::{json, Map, Value};
 
+use crate::device_memory::MemProbe;
 use env_step::EnvWhat;
-use memory::MemProbe;
 use timing::StepTimer;
 
 /// One JSON record (bench.py's per-case dict).

@@ -6,11 +6,13 @@ mod bench;
 mod cli;
 mod config;
 mod dataset;
+mod device_memory;
 mod hw;
 mod plots;
 mod report;
 mod run_dir;
 mod train;
+mod train_env;
 
 use std::process::ExitCode;
 

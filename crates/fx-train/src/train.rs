@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use fx_kernels::{CpuTradingEnv, VecEnv};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
@@ -16,6 +15,7 @@ use crate::config::RunConfig;
 use crate::dataset::Dataset;
 use crate::report;
 use crate::run_dir::{write_atomic, RunDir, RunState};
+use crate::train_env::TrainEnv;
 
 /// Set by the Ctrl-C handler; the loop checkpoints and stops at the next step.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -75,12 +75,6 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     };
     let cfg = cfg.resolve()?;
     let device = device_for(&cfg)?;
-    if device.is_cuda() {
-        bail!(
-            "training on CUDA needs the GPU environment, which this build does not wire in yet; \
-             run with --device cpu (the `cuda` build benchmarks the GPU with `fx-train bench`)"
-        );
-    }
     let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
     if let Some(c) = &checkpoint {
         if c.run.model != cfg.model {
@@ -109,7 +103,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let train_rows = data.env_data(data.splits.train.clone())?;
     profile.data_prep = t.elapsed().as_secs_f64();
 
-    let mut env = CpuTradingEnv::new(train_rows, cfg.env.clone())?;
+    let mut env = TrainEnv::new(train_rows, cfg.env.clone(), &device)?;
     let mut agent = match &checkpoint {
         Some(c) => {
             env.restore(&c.run.env)
@@ -129,15 +123,19 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     install_ctrlc();
 
     let e = env.num_envs() as u64;
+    // Peak device memory since the loop started (null on the CPU).
+    let mut mem = crate::device_memory::MemProbe::for_device(&device);
+    mem.start(&device)?;
     let t_loop = Instant::now();
     let (mut samples_since, mut since) = (0u64, Instant::now());
     let (mut total_updates, mut total_skipped) = (0u64, 0u64);
     let mut next_log = next_multiple(agent.env_steps(), cfg.log_every);
     let mut next_ckpt = next_multiple(agent.env_steps(), cfg.checkpoint_every);
     let mut interrupted = false;
-    let save = |agent: &Agent, env: &CpuTradingEnv, profile: &mut Profile, secs: f64| -> Result<()> {
+    let save = |agent: &Agent, env: &TrainEnv, profile: &mut Profile, secs: f64| -> Result<()> {
         let t = Instant::now();
-        let run = RunState::new(cfg.model, agent.env_steps(), env.state(), &data.normalizer, data.source.clone(), secs);
+        let run =
+            RunState::new(cfg.model, agent.env_steps(), env.state()?, &data.normalizer, data.source.clone(), secs);
         dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| agent.save(p))?;
         profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
         Ok(())
@@ -147,7 +145,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
             interrupted = true;
             break;
         }
-        let p = agent.advance(&mut env)?;
+        let p = agent.advance(env.as_vec_env()).map_err(|e| with_oom_hint(e, &cfg))?;
         profile.env_collect += p.collect_seconds;
         profile.update += p.update_seconds;
         total_updates += p.updates;
@@ -164,7 +162,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
             rec.insert("skipped_steps".into(), json!(total_skipped));
             rec.insert("train_samples_per_s".into(), json!(samples_since as f64 / dt));
             rec.insert("env_samples_per_s".into(), json!((cfg.log_every * e) as f64 / dt));
-            rec.insert("gpu_mem_mib".into(), serde_json::Value::Null);
+            rec.insert("gpu_mem_peak_mib".into(), json!(mem.peak_mib(&device)?));
             rec.insert("elapsed_s".into(), json!(prior_seconds + t_loop.elapsed().as_secs_f64()));
             metrics.write(&serde_json::Value::Object(rec))?;
             if let Some(loss) = p.loss {
@@ -203,6 +201,25 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     report::write(&dir, "report.json", &cfg, &data, &rep, Some(&profile), true)?;
     report::print(&rep, Some(&profile), &dir);
     Ok(Outcome::Finished)
+}
+
+/// A device out-of-memory error, restated with the batch the hardware budget says fits.
+fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error {
+    let text = format!("{e:#}");
+    if !(text.contains("OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")) {
+        return e;
+    }
+    let (kind, batch, field) = match cfg.model {
+        crate::config::ModelChoice::Dqn => (fx_hw::ModelKind::Dqn, cfg.dqn.batch_size, "dqn.batch_size"),
+        crate::config::ModelChoice::Ppo => (fx_hw::ModelKind::Ppo, cfg.ppo.minibatch_size, "ppo.minibatch_size"),
+    };
+    let overrides = fx_hw::Overrides::default().with_device(&cfg.device);
+    let fits = fx_hw::HardwareBudget::detect_with(&overrides).batch_size(kind).value;
+    anyhow::anyhow!(
+        "the device ran out of memory at batch {batch}; the hardware budget says batch {fits} fits \
+         (`fx-train hw`): set {field} = {fits} in the config (driver said: {})",
+        text.lines().next().unwrap_or_default()
+    )
 }
 
 fn next_multiple(steps: u64, every: u64) -> u64 {
@@ -255,4 +272,19 @@ pub fn eval(run: &std::path::Path) -> Result<()> {
     report::write(&dir, "eval.json", &cfg, &data, &rep, None, false)?;
     report::print(&rep, None, &dir);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_errors_name_a_batch_that_fits() {
+        let cfg = RunConfig { device: "cpu".into(), ..RunConfig::default() };
+        let e = with_oom_hint(anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"), &cfg);
+        let msg = e.to_string();
+        assert!(msg.contains("batch 256") && msg.contains("dqn.batch_size = "), "{msg}");
+        let other = with_oom_hint(anyhow::anyhow!("shape mismatch"), &cfg);
+        assert_eq!(other.to_string(), "shape mismatch");
+    }
 }

@@ -1,4 +1,4 @@
-//! Peak device memory per case.
+//! Peak device memory (benchmark cases and training metrics).
 //!
 //! candle allocates through cudarc's `CudaStream::alloc`, which uses the stream-ordered
 //! allocator (`cuMemAllocAsync`, the device's current memory pool) whenever the context
