@@ -1,5 +1,23 @@
 //! A small seeded PRNG (SplitMix64) so the synthetic market and the samplers
-//! are reproducible from a `u64` seed without pulling in `rand`.
+//! are reproducible from a `u64` seed without pulling in `rand`, and the SplitMix64
+//! finaliser itself, which the environment's counter-based draws (`fx-kernels`) build on.
+
+/// SplitMix64's additive constant (the golden ratio in 64 bits).
+pub const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+/// First multiplier of the SplitMix64 finaliser.
+pub const MUL1: u64 = 0xBF58_476D_1CE4_E5B9;
+/// Second multiplier of the SplitMix64 finaliser.
+pub const MUL2: u64 = 0x94D0_49BB_1331_11EB;
+
+/// The SplitMix64 finaliser of MODELS.md, `mix(z)`: `z += GOLDEN`, two xor-shift-multiply
+/// rounds and a final xor-shift (all wrapping in u64).
+#[inline]
+pub fn mix(z: u64) -> u64 {
+    let z = z.wrapping_add(GOLDEN);
+    let z = (z ^ (z >> 30)).wrapping_mul(MUL1);
+    let z = (z ^ (z >> 27)).wrapping_mul(MUL2);
+    z ^ (z >> 31)
+}
 
 /// SplitMix64: 64-bit state, passes BigCrush, trivially seedable.
 #[derive(Debug, Clone)]
@@ -15,11 +33,9 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let out = mix(self.state);
+        self.state = self.state.wrapping_add(GOLDEN);
+        out
     }
 
     /// Uniform in `[0, 1)` with 53 random bits.

@@ -5,12 +5,9 @@
 //! compute the same function per thread, see `kernels/fx_rng.cuh`) produce identical
 //! trajectories without sharing any generator state.
 
-/// SplitMix64's additive constant (the golden ratio in 64 bits).
-pub const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
-/// First multiplier of the SplitMix64 finaliser.
-pub const MUL1: u64 = 0xBF58_476D_1CE4_E5B9;
-/// Second multiplier of the SplitMix64 finaliser.
-pub const MUL2: u64 = 0x94D0_49BB_1331_11EB;
+/// The SplitMix64 finaliser and its constants live in `fx-data` (the lowest crate that
+/// needs them); the kernels' `fx_rng.cuh` mirrors them.
+pub use fx_data::rng::{mix, GOLDEN, MUL1, MUL2};
 
 /// Stream 0: the start index of a reset, `t = floor(u * (T - episode_len))`.
 pub const STREAM_RESET: u64 = 0;
@@ -23,15 +20,6 @@ pub const STREAM_POLICY: u64 = 3;
 
 /// `2^-53`: scales the top 53 bits of a draw to `[0, 1)` exactly.
 const TWO_POW_M53: f64 = 1.0 / (1u64 << 53) as f64;
-
-/// The SplitMix64 finaliser (all arithmetic wrapping in u64).
-#[inline]
-pub fn mix(z: u64) -> u64 {
-    let z = z.wrapping_add(GOLDEN);
-    let z = (z ^ (z >> 30)).wrapping_mul(MUL1);
-    let z = (z ^ (z >> 27)).wrapping_mul(MUL2);
-    z ^ (z >> 31)
-}
 
 /// The 64-bit value `mix(mix(mix(seed ^ stream) ^ env) ^ step)` whose top 53 bits give
 /// the draw.
