@@ -77,6 +77,11 @@ impl ParamStore {
         Self { model, seed, device: device.clone(), entries: Vec::new() }
     }
 
+    /// The model's name (`"tft"`, `"mamba2"`), as error messages give it.
+    pub fn model_name(&self) -> &'static str {
+        self.model
+    }
+
     /// The initialisation seed.
     pub fn seed(&self) -> u64 {
         self.seed

@@ -280,7 +280,7 @@ pub fn lr_at(step: usize, total: usize, warmup: usize, lr: f64, min_lr: f64) -> 
 }
 
 /// One epoch of [`train`].
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EpochLog {
     /// Epoch number (0-based).
     pub epoch: usize,
@@ -488,6 +488,277 @@ pub fn evaluate_forecasts(
     forecast_metrics(&levels, &qs, &pts, &ys)
 }
 
+/// Layout version of [`SeqTrainer::save_state`]'s file.
+const SEQ_STATE_VERSION: u32 = 1;
+/// Metadata key of the trainer's counters in its state file.
+const SEQ_STATE_KEY: &str = "fx.seq_trainer";
+
+/// The counters of a [`SeqTrainer`] state file (JSON metadata).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SeqCounters {
+    version: u32,
+    model: String,
+    config: SeqTrainConfig,
+    train_rows: Range<usize>,
+    epochs_done: usize,
+    step: usize,
+    log: Vec<EpochLog>,
+    best: Option<(usize, f64)>,
+    patience_out: bool,
+}
+
+/// [`train`] driven epoch by epoch: holds the optimiser (AdamW, F32 moments), the step
+/// counter, the learning-rate schedule, the best-validation snapshot and the patience
+/// counter, so that a caller can log, checkpoint ([`SeqTrainer::save_state`]) and stop
+/// between epochs, and resume ([`SeqTrainer::load_state`]) to the same weights as an
+/// uninterrupted run (bit-identical on the CPU when the model has no dropout: candle's
+/// dropout draws from the thread RNG).
+///
+/// The trainer does not own the model: every call takes the same `task` it was built
+/// with.
+pub struct SeqTrainer {
+    cfg: SeqTrainConfig,
+    opt: AdamW,
+    vars: Vec<candle_core::Var>,
+    smp: fx_data::Sampler,
+    train_rows: Range<usize>,
+    total: usize,
+    warmup: usize,
+    step: usize,
+    epochs_done: usize,
+    log: Vec<EpochLog>,
+    best: Option<(usize, f64, HashMap<String, Tensor>)>,
+    /// Patience ran out (no further epoch runs).
+    patience_out: bool,
+    /// Set when an epoch was abandoned half-way: the weights are then between two epoch
+    /// boundaries and must not be saved.
+    dirty: bool,
+}
+
+impl SeqTrainer {
+    /// A trainer for `task` on windows inside `train_rows`.
+    pub fn new(task: &impl SeqTask, train_rows: Range<usize>, cfg: &SeqTrainConfig) -> Result<Self> {
+        if cfg.epochs == 0 || cfg.batch_size == 0 || cfg.lr.is_nan() || cfg.lr <= 0.0 {
+            return Err(Error::config("SeqTrainer::new", format!("need epochs, batch_size and lr > 0; got {cfg:?}")));
+        }
+        let params = task.params();
+        let opt = AdamW::new(
+            params.named_vars(),
+            AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
+        )
+        .ctx("SeqTrainer::new")?;
+        let smp = sampler(&train_rows, task.window_len(), cfg.batch_size, cfg.seed)?;
+        let total = cfg.epochs * smp.batches_per_epoch();
+        let warmup = ((total as f64 * cfg.warmup_frac).ceil() as usize).max(1);
+        Ok(Self {
+            cfg: cfg.clone(),
+            opt,
+            vars: params.vars(),
+            smp,
+            train_rows,
+            total,
+            warmup,
+            step: 0,
+            epochs_done: 0,
+            log: Vec::new(),
+            best: None,
+            patience_out: false,
+            dirty: false,
+        })
+    }
+
+    /// The training config.
+    pub fn config(&self) -> &SeqTrainConfig {
+        &self.cfg
+    }
+
+    /// Optimiser steps per epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.smp.batches_per_epoch()
+    }
+
+    /// Epochs completed.
+    pub fn epochs_done(&self) -> usize {
+        self.epochs_done
+    }
+
+    /// Optimiser steps taken.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    /// The per-epoch log so far.
+    pub fn log(&self) -> &[EpochLog] {
+        &self.log
+    }
+
+    /// The best epoch so far and its validation loss.
+    pub fn best(&self) -> Option<(usize, f64)> {
+        self.best.as_ref().map(|(e, v, _)| (*e, *v))
+    }
+
+    /// Whether training is over: every epoch ran, or patience ran out.
+    pub fn is_done(&self) -> bool {
+        self.epochs_done >= self.cfg.epochs || self.patience_out
+    }
+
+    /// One epoch and its validation; `None` when `on_batch` (called after every optimiser
+    /// step with the steps done this epoch and the batch loss) asked to stop half-way, in
+    /// which case the trainer refuses to save (resume from the previous epoch's state).
+    pub fn train_epoch_with(
+        &mut self,
+        task: &impl SeqTask,
+        series: &SeqSeries,
+        val_rows: Range<usize>,
+        mut on_batch: impl FnMut(usize, f64) -> std::ops::ControlFlow<()>,
+    ) -> Result<Option<EpochLog>> {
+        const CTX: &str = "SeqTrainer::train_epoch";
+        if self.dirty || self.is_done() {
+            return Err(Error::config(CTX, "training is over (or an epoch was abandoned half-way)"));
+        }
+        let params = task.params();
+        let dev = params.device().clone();
+        let c = Ctx::train(self.cfg.precision);
+        let epoch = self.epochs_done;
+        let (mut sum, mut nb) = (0.0, 0usize);
+        let mut lr = self.cfg.lr;
+        for bi in self.smp.epoch_batches(epoch as u64) {
+            lr = lr_at(self.step, self.total, self.warmup, self.cfg.lr, self.cfg.lr * self.cfg.min_lr_frac);
+            self.opt.set_learning_rate(lr);
+            let batch = task.batch(series, &bi.starts, &dev)?;
+            let (loss, mut grads) = task.loss_and_grads(&c, &batch, self.cfg.checkpoint)?;
+            let l = scalar(&loss, CTX)?;
+            sum += l;
+            nb += 1;
+            clip_grad_norm(&self.vars, &mut grads, self.cfg.clip_norm).ctx(CTX)?;
+            self.opt.step(&grads).ctx(CTX)?;
+            self.step += 1;
+            if on_batch(nb, l).is_break() {
+                self.dirty = true;
+                return Ok(None);
+            }
+        }
+        let val = evaluate(task, series, val_rows, self.cfg.batch_size, self.cfg.precision)?.loss;
+        let entry = EpochLog { epoch, train_loss: sum / nb.max(1) as f64, val_loss: val, lr };
+        self.log.push(entry.clone());
+        self.epochs_done += 1;
+        if self.best.as_ref().is_none_or(|(_, b, _)| val < *b) {
+            self.best = Some((epoch, val, params.to_map()?.into_iter().collect()));
+        } else if self.best.as_ref().is_some_and(|(e, _, _)| epoch - e >= self.cfg.patience) {
+            self.patience_out = true;
+        }
+        Ok(Some(entry))
+    }
+
+    /// One full epoch and its validation.
+    pub fn train_epoch(&mut self, task: &impl SeqTask, series: &SeqSeries, val_rows: Range<usize>) -> Result<EpochLog> {
+        let log = self.train_epoch_with(task, series, val_rows, |_, _| std::ops::ControlFlow::Continue(()))?;
+        log.ok_or_else(|| Error::config("SeqTrainer::train_epoch", "epoch stopped"))
+    }
+
+    /// Loads the best validation weights into the model and reports the run so far.
+    pub fn finish(&self, task: &impl SeqTask) -> Result<TrainReport> {
+        let Some((best_epoch, best_val_loss, weights)) = &self.best else {
+            return Err(Error::config("SeqTrainer::finish", "no epoch ran"));
+        };
+        task.params().load_map(weights, "best-epoch snapshot")?;
+        Ok(TrainReport {
+            epochs: self.log.clone(),
+            best_epoch: *best_epoch,
+            best_val_loss: *best_val_loss,
+            stopped_early: self.patience_out && self.epochs_done < self.cfg.epochs,
+        })
+    }
+
+    /// Writes the model's current weights (`model.*`), the best-epoch snapshot
+    /// (`best.*`), the optimiser state (`opt.*`) and the counters, atomically to one
+    /// safetensors file.
+    pub fn save_state(&self, task: &impl SeqTask, path: &std::path::Path) -> Result<()> {
+        const CTX: &str = "SeqTrainer::save_state";
+        if self.dirty {
+            return Err(Error::config(
+                CTX,
+                "an epoch was abandoned half-way; the weights are not at an epoch boundary",
+            ));
+        }
+        let params = task.params();
+        let mut t: HashMap<String, Tensor> =
+            params.to_map()?.into_iter().map(|(n, v)| (format!("model.{n}"), v)).collect();
+        if let Some((_, _, w)) = &self.best {
+            t.extend(w.iter().map(|(n, v)| (format!("best.{n}"), v.clone())));
+        }
+        self.opt.save_state(&mut t, "opt.").ctx(CTX)?;
+        let counters = SeqCounters {
+            version: SEQ_STATE_VERSION,
+            model: params.model_name().to_string(),
+            config: self.cfg.clone(),
+            train_rows: self.train_rows.clone(),
+            epochs_done: self.epochs_done,
+            step: self.step,
+            log: self.log.clone(),
+            best: self.best(),
+            patience_out: self.patience_out,
+        };
+        let json = serde_json::to_string(&counters).map_err(|source| Error::Json { context: CTX, source })?;
+        let meta = HashMap::from([(SEQ_STATE_KEY.to_string(), json)]);
+        fx_precision::save_tensors_atomic(path, &t, &meta).ctx(CTX)
+    }
+
+    /// Restores [`SeqTrainer::save_state`]'s file into this trainer and `task`'s model.
+    /// The file must come from the same model, training config and training rows.
+    pub fn load_state(&mut self, task: &impl SeqTask, path: &std::path::Path) -> Result<()> {
+        const CTX: &str = "SeqTrainer::load_state";
+        let params = task.params();
+        let mut nt = fx_precision::load_tensors(path, params.device()).ctx(CTX)?;
+        let bad = |m: String| Error::config(CTX, format!("{}: {m}", path.display()));
+        let json = nt
+            .metadata()
+            .get(SEQ_STATE_KEY)
+            .cloned()
+            .ok_or_else(|| bad(format!("no `{SEQ_STATE_KEY}` metadata (not a sequence-model trainer state)")))?;
+        let c: SeqCounters = serde_json::from_str(&json).map_err(|source| Error::Json { context: CTX, source })?;
+        if c.version != SEQ_STATE_VERSION {
+            return Err(bad(format!("state version {} (expected {SEQ_STATE_VERSION})", c.version)));
+        }
+        if c.model != params.model_name() {
+            return Err(bad(format!("state of a {} model, this is a {}", c.model, params.model_name())));
+        }
+        if c.config != self.cfg || c.train_rows != self.train_rows {
+            return Err(bad(format!(
+                "trained with {:?} on rows {:?}; this trainer has {:?} on rows {:?}",
+                c.config, c.train_rows, self.cfg, self.train_rows
+            )));
+        }
+        let shapes = params.names_and_shapes();
+        let mut take = |prefix: &str| -> Result<HashMap<String, Tensor>> {
+            shapes.iter().map(|(n, s)| Ok((n.clone(), nt.take(&format!("{prefix}{n}"), s).ctx(CTX)?))).collect()
+        };
+        let weights = take("model.")?;
+        let best = match c.best {
+            Some((e, v)) => Some((e, v, take("best.")?)),
+            None => None,
+        };
+        self.opt.load_state(&mut nt, "opt.").ctx(CTX)?;
+        nt.finish().ctx(CTX)?;
+        params.load_map(&weights, &path.display().to_string())?;
+        // Fresh copies, independent of the file's buffers.
+        self.best = match best {
+            Some((e, v, w)) => Some((
+                e,
+                v,
+                w.into_iter().map(|(n, t)| Ok((n, t.copy().ctx(CTX)?))).collect::<Result<HashMap<_, _>>>()?,
+            )),
+            None => None,
+        };
+        self.step = c.step;
+        self.epochs_done = c.epochs_done;
+        self.log = c.log;
+        self.patience_out = c.patience_out;
+        self.dirty = false;
+        Ok(())
+    }
+}
+
 /// Trains `task` on windows inside `train_rows`, validating on windows inside
 /// `val_rows` after each epoch; stops after `patience` epochs without improvement and
 /// leaves the model with its best validation weights.
@@ -498,53 +769,11 @@ pub fn train(
     val_rows: Range<usize>,
     cfg: &SeqTrainConfig,
 ) -> Result<TrainReport> {
-    if cfg.epochs == 0 || cfg.batch_size == 0 || cfg.lr.is_nan() || cfg.lr <= 0.0 {
-        return Err(Error::config("seq_train::train", format!("need epochs, batch_size and lr > 0; got {cfg:?}")));
+    let mut t = SeqTrainer::new(task, train_rows, cfg)?;
+    while !t.is_done() {
+        t.train_epoch(task, series, val_rows.clone())?;
     }
-    let params = task.params();
-    let dev = params.device().clone();
-    let vars: Vec<_> = params.vars();
-    let mut opt = AdamW::new(
-        params.named_vars(),
-        AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..AdamWConfig::default() },
-    )
-    .ctx("seq_train::train")?;
-    let smp = sampler(&train_rows, task.window_len(), cfg.batch_size, cfg.seed)?;
-    let total = cfg.epochs * smp.batches_per_epoch();
-    let warmup = ((total as f64 * cfg.warmup_frac).ceil() as usize).max(1);
-    let c = Ctx::train(cfg.precision);
-    let mut step = 0usize;
-    let mut log = Vec::new();
-    let mut best: Option<(usize, f64, HashMap<String, Tensor>)> = None;
-    let mut stopped_early = false;
-    for epoch in 0..cfg.epochs {
-        let (mut sum, mut nb) = (0.0, 0usize);
-        let mut lr = cfg.lr;
-        for bi in smp.epoch_batches(epoch as u64) {
-            lr = lr_at(step, total, warmup, cfg.lr, cfg.lr * cfg.min_lr_frac);
-            opt.set_learning_rate(lr);
-            let batch = task.batch(series, &bi.starts, &dev)?;
-            let (loss, mut grads) = task.loss_and_grads(&c, &batch, cfg.checkpoint)?;
-            sum += scalar(&loss, "seq_train::train")?;
-            nb += 1;
-            clip_grad_norm(&vars, &mut grads, cfg.clip_norm).ctx("seq_train::train")?;
-            opt.step(&grads).ctx("seq_train::train")?;
-            step += 1;
-        }
-        let val = evaluate(task, series, val_rows.clone(), cfg.batch_size, cfg.precision)?.loss;
-        log.push(EpochLog { epoch, train_loss: sum / nb.max(1) as f64, val_loss: val, lr });
-        if best.as_ref().is_none_or(|(_, b, _)| val < *b) {
-            best = Some((epoch, val, params.to_map()?.into_iter().collect()));
-        } else if best.as_ref().is_some_and(|(e, _, _)| epoch - e >= cfg.patience) {
-            stopped_early = epoch + 1 < cfg.epochs;
-            break;
-        }
-    }
-    let Some((best_epoch, best_val_loss, weights)) = best else {
-        return Err(Error::config("seq_train::train", "no epoch ran"));
-    };
-    params.load_map(&weights, "best-epoch snapshot")?;
-    Ok(TrainReport { epochs: log, best_epoch, best_val_loss, stopped_early })
+    t.finish(task)
 }
 
 #[cfg(test)]
@@ -644,6 +873,87 @@ mod tests {
         assert_eq!(fm.pinball.len(), 3);
         assert!(fm.interval_coverage.unwrap() > 0.5, "{fm:?}");
         assert!(fm.directional_accuracy > 0.6 && fm.rank_correlation > 0.5, "{fm:?}");
+    }
+
+    fn same_weights(a: &ParamStore, b: &ParamStore) {
+        let (a, b) = (a.to_map().unwrap(), b.to_map().unwrap());
+        assert_eq!(a.len(), b.len());
+        for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            let (va, vb) = (
+                ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                tb.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert!(va == vb, "{na} differs");
+        }
+    }
+
+    #[test]
+    fn resume_after_k_epochs_gives_the_uninterrupted_weights() {
+        let series = synthetic(300, 3);
+        let dir = tempfile::tempdir().unwrap();
+        let tc = SeqTrainConfig { epochs: 4, batch_size: 16, lr: 5e-3, patience: 10, ..Default::default() };
+        // TFT without dropout (candle's dropout is not seeded) and MAMBA-2.
+        let tcfg = TftConfig { n_observed: 3, d: 8, n_head: 2, l_enc: 6, h: 2, dropout: 0.0, ..TftConfig::default() };
+        let straight = Tft::new(tcfg.clone(), &Device::Cpu, 3).unwrap();
+        let rep = train(&straight, &series, 0..200, 200..250, &tc).unwrap();
+        assert_eq!(rep.epochs.len(), 4);
+        let first = Tft::new(tcfg.clone(), &Device::Cpu, 3).unwrap();
+        let mut t = SeqTrainer::new(&first, 0..200, &tc).unwrap();
+        t.train_epoch(&first, &series, 200..250).unwrap();
+        t.train_epoch(&first, &series, 200..250).unwrap();
+        let path = dir.path().join("tft.safetensors");
+        t.save_state(&first, &path).unwrap();
+        // A fresh process: another seed's weights, overwritten by the state file.
+        let resumed = Tft::new(tcfg, &Device::Cpu, 99).unwrap();
+        let mut t = SeqTrainer::new(&resumed, 0..200, &tc).unwrap();
+        t.load_state(&resumed, &path).unwrap();
+        assert_eq!((t.epochs_done(), t.log().len()), (2, 2));
+        while !t.is_done() {
+            t.train_epoch(&resumed, &series, 200..250).unwrap();
+        }
+        let rep2 = t.finish(&resumed).unwrap();
+        assert_eq!(rep, rep2);
+        same_weights(straight.params(), resumed.params());
+
+        let mcfg = Mamba2Config {
+            n_in: 3,
+            d_model: 8,
+            n_layer: 1,
+            expand: 2,
+            d_state: 4,
+            headdim: 4,
+            ngroups: 1,
+            d_conv: 4,
+            chunk_size: 4,
+            norm_eps: 1e-5,
+        };
+        let m1 = Mamba2::new(mcfg.clone(), &Device::Cpu, 1).unwrap();
+        train(&Mamba2Task { model: &m1, seq_len: 12 }, &series, 0..200, 200..250, &tc).unwrap();
+        let m2 = Mamba2::new(mcfg.clone(), &Device::Cpu, 1).unwrap();
+        let task2 = Mamba2Task { model: &m2, seq_len: 12 };
+        let mut t = SeqTrainer::new(&task2, 0..200, &tc).unwrap();
+        t.train_epoch(&task2, &series, 200..250).unwrap();
+        let path = dir.path().join("m.safetensors");
+        t.save_state(&task2, &path).unwrap();
+        let m3 = Mamba2::new(mcfg, &Device::Cpu, 5).unwrap();
+        let task3 = Mamba2Task { model: &m3, seq_len: 12 };
+        // An epoch abandoned half-way cannot be saved (m3's weights are overwritten below).
+        let mut probe = SeqTrainer::new(&task3, 0..200, &tc).unwrap();
+        let stopped =
+            probe.train_epoch_with(&task3, &series, 200..250, |_, _| std::ops::ControlFlow::Break(())).unwrap();
+        assert!(stopped.is_none() && probe.save_state(&task3, &dir.path().join("x")).is_err());
+        let mut t = SeqTrainer::new(&task3, 0..200, &tc).unwrap();
+        t.load_state(&task3, &path).unwrap();
+        while !t.is_done() {
+            t.train_epoch(&task3, &series, 200..250).unwrap();
+        }
+        t.finish(&task3).unwrap();
+        same_weights(m1.params(), m3.params());
+        // A TFT state is refused by a MAMBA-2 trainer, naming the file.
+        let mut t = SeqTrainer::new(&task3, 0..200, &tc).unwrap();
+        let e = t.load_state(&task3, &dir.path().join("tft.safetensors")).unwrap_err().to_string();
+        assert!(e.contains("tft.safetensors") && e.contains("tft"), "{e}");
     }
 
     #[test]
