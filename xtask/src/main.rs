@@ -55,9 +55,23 @@ fn ptx_path(root: &Path, cu: &Path) -> PathBuf {
     ptx_dir(root).join(cu.file_stem().expect("a .cu file has a stem")).with_extension("ptx")
 }
 
+/// The PTX's first line: the source it came from and the SHA-256 of that source together
+/// with every shared header in `kernels/` (`*.cuh`), so editing a header makes every PTX stale.
 fn header(cu: &Path, source: &[u8]) -> String {
     let name = cu.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    format!("{HEADER_PREFIX} kernels/{name}; arch {ARCH}; source sha256 {}\n", hex(&Sha256::digest(source)))
+    let mut hasher = Sha256::new();
+    hasher.update(source);
+    if let Some(dir) = cu.parent() {
+        let mut headers: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map(|rd| rd.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "cuh")).collect())
+            .unwrap_or_default();
+        headers.sort();
+        for h in headers {
+            hasher.update(h.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default().as_bytes());
+            hasher.update(std::fs::read(&h).unwrap_or_default());
+        }
+    }
+    format!("{HEADER_PREFIX} kernels/{name}; arch {ARCH}; sources sha256 {}\n", hex(&hasher.finalize()))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -87,7 +101,7 @@ fn compile(nvcc: &Path, cu: &Path) -> Result<String> {
         cu.file_stem().unwrap().to_string_lossy()
     ));
     let status = Command::new(nvcc)
-        .args(["-ptx", &format!("-arch={ARCH}"), "-O3", "-lineinfo", "-o"])
+        .args(["-ptx", &format!("-arch={ARCH}"), "-o"])
         .arg(&tmp)
         .arg(cu)
         .status()
