@@ -10,7 +10,9 @@
 //! - `dqn_infer_b1`, `ppo_infer_b1`: batch-1 greedy action latency, p50/p99/mean over
 //!   2000 calls (`eager_fp32`);
 //! - `env_step_E4096`, `dqn_collect_E4096` (CPU: E = 512), mode `eager`;
-//! - `h2d_*` (CUDA only): upload bandwidth from pinned and pageable host buffers.
+//! - `h2d_*` (CUDA only): upload bandwidth from pinned and pageable host buffers;
+//! - `loader_stall`, `loader_stall_prep_bound`, mode `sync` / `double_buffered`: the
+//!   fraction of wall time a fixed workload waits for fx-data's loader (see [`loader`]).
 //!
 //! Timing on CUDA is device-side (an event pair on candle's stream around each step, no
 //! host sync inside the loop: `timing: "cuda_events"`), on the CPU the host clock. Peak
@@ -20,7 +22,7 @@
 
 mod data;
 mod env_step;
-
+mod loader;
 mod timing;
 mod train;
 
@@ -50,6 +52,8 @@ pub enum BenchModel {
     Env,
     /// Host-to-device bandwidth only (CUDA).
     H2d,
+    /// The GPU feed: stall fraction with and without double buffering.
+    Loader,
     /// Everything.
     All,
 }
@@ -123,6 +127,8 @@ pub(crate) struct Plan {
     /// Buffer sizes (f32 count) of the upload cases; empty off CUDA.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) h2d: Vec<usize>,
+    /// The `loader_*` cases.
+    pub(crate) loader: bool,
     pub(crate) warmup: usize,
     pub(crate) steps: usize,
     pub(crate) lat_warm: usize,
@@ -160,6 +166,7 @@ impl Plan {
             env_series: if cuda { 100_000 } else { 20_000 },
             // 64 MiB, and one DQN batch of 8192 transitions (s, a, r, s', done: 115 f32 each).
             h2d: if cuda && want(BenchModel::H2d) { vec![16 << 20, 8192 * 115] } else { Vec::new() },
+            loader: want(BenchModel::Loader),
             warmup: if q { 2 } else { 10 },
             steps: args.steps.unwrap_or(if q { 5 } else { 100 }).max(1),
             lat_warm: if q { 10 } else { 200 },
@@ -272,6 +279,15 @@ pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
             let case = format!("h2d_{:.1}MiB", (floats * 4) as f64 / (1u64 << 20) as f64);
             let rec = base(ctx, case, "h2d", "h2d", mode, floats);
             out.push(guarded(ctx, t0, rec, |ctx, r| env_step::h2d_case(ctx, pinned, floats, r)));
+        }
+    }
+    if plan.loader {
+        let b = loader::sizes(ctx.device.is_cuda(), ctx.quick).batch;
+        for sc in loader::Scenario::ALL {
+            for mode in loader::Mode::ALL {
+                let rec = base(ctx, sc.case().into(), "loader", "loader", mode.name(), b);
+                out.push(guarded(ctx, t0, rec, |ctx, r| loader::loader_case(ctx, sc, mode, r)));
+            }
         }
     }
     out
@@ -402,7 +418,14 @@ fn status_text(r: &Record) -> String {
 
 fn summary_line(r: &Record) -> String {
     let g = |k: &str| r.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
-    let value = if let Some(v) = r.get("samples_per_s") {
+    let value = if let Some(v) = r.get("stall_frac") {
+        format!(
+            "stall {}, {} ms/batch wall, {} ms/batch compute",
+            fmt_num(Some(v), 4),
+            fmt_num(r.get("wall_ms_per_batch"), 3),
+            fmt_num(r.get("compute_ms_per_batch"), 3)
+        )
+    } else if let Some(v) = r.get("samples_per_s") {
         format!("{} samples/s, {} ms/step", fmt_num(Some(v), 1), fmt_num(r.get("step_ms_median"), 3))
     } else if let Some(v) = r.get("p50_us") {
         format!("p50 {} us, p99 {} us", fmt_num(Some(v), 1), fmt_num(r.get("p99_us"), 1))
@@ -429,6 +452,7 @@ fn table(rows: &[Record]) -> String {
         "env steps/s",
         "GB/s",
         "peak MiB",
+        "stall",
         "status",
     ];
     let mut t: Vec<Vec<String>> = vec![hdr.iter().map(|s| s.to_string()).collect()];
@@ -444,6 +468,7 @@ fn table(rows: &[Record]) -> String {
             fmt_num(r.get("env_steps_per_s"), 1),
             fmt_num(r.get("gb_per_s"), 2),
             fmt_num(r.get("peak_mem_mib"), 1),
+            fmt_num(r.get("stall_frac"), 4),
             status_text(r),
         ]);
     }
@@ -478,6 +503,7 @@ mod tests {
             env_e: Some(8),
             env_series: 400,
             h2d: Vec::new(),
+            loader: false,
             warmup: 1,
             steps: 3,
             lat_warm: 1,
