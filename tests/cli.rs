@@ -327,3 +327,153 @@ fn write_narrow_feature_file(path: &Path) {
 fn bytemuck_cast(v: &[f32]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
+
+// ---------------------------------------------------------------- sequence models
+
+/// A TFT / MAMBA-2 run small enough for a test: 500 synthetic bars, width 8, 3 epochs.
+fn tiny_seq_config(dir: &Path, model: &str) -> PathBuf {
+    let path = dir.join(format!("tiny-{model}.toml"));
+    let text = format!(
+        r#"model = "{model}"
+device = "cpu"
+mamba2_seq_len = 16
+[synthetic]
+bars = 500
+[env]
+episode_len = 16
+[tft]
+d = 8
+n_head = 2
+L_enc = 8
+H = 2
+dropout = 0.0
+[mamba2]
+d_model = 8
+n_layer = 1
+d_state = 4
+headdim = 4
+chunk_size = 4
+[seq]
+epochs = 3
+batch_size = 32
+lr = 0.005
+patience = 5
+"#
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn json_file(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn seq_models_write_a_complete_run_folder_and_eval_reads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in ["tft", "mamba2"] {
+        let run = dir.path().join(model);
+        let text = ok(&train(&tiny_seq_config(dir.path(), model), &run, &["--quiet"]));
+        assert!(text.contains(&format!("forecasts of {model}")) && text.contains("directional accuracy"), "{text}");
+        for f in ["config.toml", "metrics.jsonl", "report.json", "training.png"] {
+            assert!(run.join(f).exists(), "{model}: {f} missing");
+        }
+        assert!(checkpoint(&run, 3).exists(), "{model}: no checkpoint after epoch 3");
+        let cfg = std::fs::read_to_string(run.join("config.toml")).unwrap();
+        assert!(cfg.contains("[seq]") && cfg.contains("L_enc = 8") && cfg.contains("mamba2_seq_len"), "{cfg}");
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 3, "{model}: one metrics line per epoch");
+        for k in ["epoch", "train_loss", "val_loss", "lr", "train_samples_per_s", "elapsed_s"] {
+            assert!(lines[0].get(k).is_some(), "{model}: metrics line lacks {k}: {}", lines[0]);
+        }
+        assert_eq!(lines[2]["epoch"], 3);
+        let rep = json_file(&run.join("report.json"));
+        assert_eq!(rep["model"], model);
+        for k in ["mse_model", "mse_zero", "mse_last"] {
+            assert!(rep["point"][k].is_number(), "{model}: report lacks point.{k}");
+        }
+        for k in ["directional_accuracy", "rank_correlation"] {
+            assert!(rep["forecast"][k].is_number(), "{model}: report lacks forecast.{k}");
+        }
+        if model == "tft" {
+            assert_eq!(rep["forecast"]["pinball"].as_array().unwrap().len(), 3);
+            assert!(rep["forecast"]["interval_coverage"].is_number());
+        }
+        assert!(rep["profile"]["train"].as_f64().unwrap() > 0.0);
+        let out = fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap();
+        assert!(ok(&out).contains(&format!("forecasts of {model}")));
+        // eval scores the same (best) weights the run's report did.
+        let ev = json_file(&run.join("eval.json"));
+        assert_eq!(ev["point"], rep["point"], "{model}");
+    }
+}
+
+#[test]
+fn seq_run_resumed_from_an_epoch_checkpoint_ends_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in ["tft", "mamba2"] {
+        let cfg = tiny_seq_config(dir.path(), model);
+        let straight = dir.path().join(format!("{model}-straight"));
+        ok(&train(&cfg, &straight, &["--quiet"]));
+        // The state a run killed during epoch 2 leaves: checkpoints up to epoch 1 and
+        // metrics lines up to epoch 2 at most.
+        let killed = dir.path().join(format!("{model}-killed"));
+        ok(&train(&cfg, &killed, &["--quiet"]));
+        for step in [2, 3] {
+            std::fs::remove_file(checkpoint(&killed, step)).unwrap();
+            std::fs::remove_file(killed.join(format!("checkpoint-{step:010}.json"))).unwrap();
+        }
+        std::fs::remove_file(killed.join("report.json")).unwrap();
+        let text = ok(&train(&cfg, &killed, &["--resume", "--quiet"]));
+        assert!(text.contains("forecasts of"), "{text}");
+        let (a, b) = (tensors(&checkpoint(&straight, 3)), tensors(&checkpoint(&killed, 3)));
+        assert_eq!(a.len(), b.len());
+        for ((na, da), (nb, db)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            assert!(da == db, "{model}: {na} differs between the uninterrupted and the resumed run");
+        }
+        let epochs: Vec<u64> = std::fs::read_to_string(killed.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["epoch"].as_u64().unwrap())
+            .collect();
+        assert_eq!(epochs, vec![1, 2, 3], "{model}");
+        assert_eq!(json_file(&killed.join("report.json"))["point"], json_file(&straight.join("report.json"))["point"]);
+    }
+}
+
+#[test]
+fn seq_checkpoint_of_another_model_is_a_one_line_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let tft_cfg = tiny_seq_config(dir.path(), "tft");
+    let mamba_cfg = tiny_seq_config(dir.path(), "mamba2");
+    let run = dir.path().join("tft");
+    ok(&train(&tft_cfg, &run, &["--quiet"]));
+    let before = std::fs::read(run.join("report.json")).unwrap();
+    // The run's config now names another sequence model.
+    std::fs::write(run.join("config.toml"), std::fs::read(&mamba_cfg).unwrap()).unwrap();
+    let e = err_line(&train(&mamba_cfg, &run, &["--resume"]));
+    assert!(e.contains("tft") && e.contains("mamba2") && e.contains("checkpoint"), "{e}");
+    let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
+    assert!(e.contains("tft") && e.contains("mamba2"), "{e}");
+    // ... or an RL agent.
+    let dqn_cfg = tiny_config(dir.path(), "dqn", 10, "");
+    std::fs::write(run.join("config.toml"), std::fs::read(&dqn_cfg).unwrap()).unwrap();
+    let e = err_line(&train(&dqn_cfg, &run, &["--resume"]));
+    assert!(e.contains("tft") && e.contains("dqn") && e.contains("checkpoint"), "{e}");
+    let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
+    assert!(e.contains("tft") && e.contains("dqn"), "{e}");
+    assert_eq!(std::fs::read(run.join("report.json")).unwrap(), before, "report.json was overwritten");
+    // A DQN run whose config now names a TFT.
+    let rl = dir.path().join("dqn");
+    ok(&train(&dqn_cfg, &rl, &["--quiet"]));
+    std::fs::write(rl.join("config.toml"), std::fs::read(&tft_cfg).unwrap()).unwrap();
+    let e = err_line(&train(&tft_cfg, &rl, &["--resume"]));
+    assert!(e.contains("dqn") && e.contains("tft") && e.contains("checkpoint"), "{e}");
+    let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&rl).output().unwrap());
+    assert!(e.contains("dqn") && e.contains("tft"), "{e}");
+}

@@ -37,6 +37,9 @@ impl Agent {
         Ok(match cfg.model {
             ModelChoice::Dqn => Agent::Dqn(Box::new(DqnTrainer::new(cfg.dqn.clone(), device)?)),
             ModelChoice::Ppo => Agent::Ppo(Box::new(PpoTrainer::new(cfg.ppo.clone(), num_envs, device)?)),
+            ModelChoice::Tft | ModelChoice::Mamba2 => {
+                anyhow::bail!("{} is a sequence model, not an RL agent", cfg.model.as_str())
+            }
         })
     }
 
@@ -47,6 +50,9 @@ impl Agent {
         Ok(match model {
             ModelChoice::Dqn => Agent::Dqn(Box::new(DqnTrainer::load_state(path, device).with_context(what)?)),
             ModelChoice::Ppo => Agent::Ppo(Box::new(PpoTrainer::load_state(path, device).with_context(what)?)),
+            ModelChoice::Tft | ModelChoice::Mamba2 => {
+                anyhow::bail!("{}: {} is a sequence model, not an RL agent", path.display(), model.as_str())
+            }
         })
     }
 

@@ -14,9 +14,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Train a DQN or PPO agent (no --data: the embedded synthetic market), then backtest it.
+    /// Train a DQN or PPO agent (then backtest it) or a TFT or MAMBA-2 forecaster (then score
+    /// its forecasts); no --data: the embedded synthetic market.
     Train(TrainArgs),
-    /// Backtest the latest checkpoint of a run on its test split.
+    /// Evaluate the latest checkpoint of a run on its test split (backtest or forecast metrics).
     Eval(EvalArgs),
     /// Print the hardware budget: device, memory, precision, batch sizes (and their sources).
     Hw(HwArgs),
@@ -59,7 +60,7 @@ pub struct FeaturesArgs {
 /// `--config`). Defaults are `RunConfig::default()` (see `config.toml` in a run folder).
 #[derive(Debug, Args, Default)]
 pub struct TrainArgs {
-    /// Agent to train [default: dqn].
+    /// Model to train: dqn, ppo (RL agents), tft, mamba2 (return forecasters) [default: dqn].
     #[arg(long, value_enum)]
     pub model: Option<crate::config::ModelChoice>,
     /// Feature file (.safetensors) or OHLCV bars (.csv) [default: the synthetic market].
@@ -71,9 +72,12 @@ pub struct TrainArgs {
     /// Run folder [default: runs/default].
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Environment steps to train for [default: 2000].
+    /// Environment steps to train for (dqn, ppo) [default: 2000].
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Epochs to train for (tft, mamba2; early stopping may end sooner) [default: 6].
+    #[arg(long)]
+    pub epochs: Option<usize>,
     /// Seed of weights, environment draws and synthetic market [default: 7].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -118,6 +122,9 @@ impl TrainArgs {
         }
         if let Some(s) = self.steps {
             cfg.steps = s;
+        }
+        if let Some(n) = self.epochs {
+            cfg.seq.epochs = n;
         }
         if let Some(s) = self.seed {
             cfg.seed = s;

@@ -11,6 +11,7 @@ mod hw;
 mod plots;
 mod report;
 mod run_dir;
+mod seq_run;
 mod train;
 mod train_env;
 

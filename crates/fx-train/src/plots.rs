@@ -19,14 +19,20 @@ pub fn write_all(dir: &RunDir, _cfg: &RunConfig, _data: &Dataset, rep: &Report) 
     ];
     line_chart(&equity, "test-split equity (start = 1)", "bar", &series)
         .map_err(|e| anyhow::anyhow!("plotting {}: {e}", equity.display()))?;
+    training_curves(dir, "env_steps", "env steps", &[("loss", "loss"), ("mean reward per step", "mean_reward")])
+}
+
+/// `training.png`: one panel per `(title, key)` of metrics.jsonl against `x_key`.
+pub fn training_curves(dir: &RunDir, x_key: &str, x_desc: &str, panels: &[(&str, &str)]) -> Result<()> {
+    register_font();
     let metrics = read_metrics(&dir.path("metrics.jsonl"))?;
-    let loss: Vec<(f64, f64)> =
-        metrics.iter().filter_map(|m| Some((m["env_steps"].as_f64()?, m["loss"].as_f64()?))).collect();
-    let reward: Vec<(f64, f64)> =
-        metrics.iter().filter_map(|m| Some((m["env_steps"].as_f64()?, m["mean_reward"].as_f64()?))).collect();
+    let series: Vec<Vec<(f64, f64)>> = panels
+        .iter()
+        .map(|(_, key)| metrics.iter().filter_map(|m| Some((m[x_key].as_f64()?, m[*key].as_f64()?))).collect())
+        .collect();
+    let named: Vec<(&str, &[(f64, f64)])> = panels.iter().zip(&series).map(|((t, _), s)| (*t, s.as_slice())).collect();
     let training = dir.path("training.png");
-    xy_charts(&training, &[("loss", &loss), ("mean reward per step", &reward)])
-        .map_err(|e| anyhow::anyhow!("plotting {}: {e}", training.display()))?;
+    xy_charts(&training, x_desc, &named).map_err(|e| anyhow::anyhow!("plotting {}: {e}", training.display()))?;
     Ok(())
 }
 
@@ -71,7 +77,7 @@ fn line_chart(path: &std::path::Path, title: &str, x_label: &str, series: &[(&st
     Ok(())
 }
 
-fn xy_charts(path: &std::path::Path, panels: &[(&str, &[(f64, f64)])]) -> Fallible {
+fn xy_charts(path: &std::path::Path, x_desc: &str, panels: &[(&str, &[(f64, f64)])]) -> Fallible {
     let root = BitMapBackend::new(path, (900, 300 * panels.len() as u32)).into_drawing_area();
     root.fill(&WHITE)?;
     for (area, (title, pts)) in root.split_evenly((panels.len(), 1)).iter().zip(panels) {
@@ -83,7 +89,7 @@ fn xy_charts(path: &std::path::Path, panels: &[(&str, &[(f64, f64)])]) -> Fallib
             .x_label_area_size(35)
             .y_label_area_size(70)
             .build_cartesian_2d(x0..x1, y0..y1)?;
-        chart.configure_mesh().x_desc("env steps").draw()?;
+        chart.configure_mesh().x_desc(x_desc).draw()?;
         chart.draw_series(LineSeries::new(pts.iter().copied(), RGBColor(31, 119, 180).stroke_width(2)))?;
     }
     root.present()?;

@@ -18,10 +18,12 @@ pub struct RunState {
     /// Layout version of this file.
     pub version: u32,
     pub model: ModelChoice,
-    /// Environment steps done when the checkpoint was taken.
+    /// Environment steps done when the checkpoint was taken (RL agents), or epochs done
+    /// (sequence models); the checkpoint files are numbered by it.
     pub env_steps: u64,
-    /// The training environment's state.
-    pub env: EnvState,
+    /// The training environment's state (RL agents only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<EnvState>,
     /// Normaliser mean and standard deviation (fitted on the training rows).
     pub norm_mean: Vec<f32>,
     pub norm_std: Vec<f32>,
@@ -43,7 +45,37 @@ impl RunState {
         train_seconds: f64,
     ) -> Self {
         let (norm_mean, norm_std) = norm.to_pair();
-        RunState { version: RUN_STATE_VERSION, model, env_steps, env, norm_mean, norm_std, data_source, train_seconds }
+        RunState {
+            version: RUN_STATE_VERSION,
+            model,
+            env_steps,
+            env: Some(env),
+            norm_mean,
+            norm_std,
+            data_source,
+            train_seconds,
+        }
+    }
+
+    /// The run state of a sequence model after `epochs` epochs (no environment).
+    pub fn new_seq(
+        model: ModelChoice,
+        epochs: u64,
+        norm: &fx_data::Normalizer,
+        data_source: String,
+        train_seconds: f64,
+    ) -> Self {
+        let (norm_mean, norm_std) = norm.to_pair();
+        RunState {
+            version: RUN_STATE_VERSION,
+            model,
+            env_steps: epochs,
+            env: None,
+            norm_mean,
+            norm_std,
+            data_source,
+            train_seconds,
+        }
     }
 
     pub fn normalizer(&self) -> Result<fx_data::Normalizer> {
@@ -185,7 +217,8 @@ impl RunDir {
     }
 
     /// `metrics.jsonl` for appending; on resume, lines after the checkpoint's step are
-    /// dropped first (they were logged after the state the run continues from).
+    /// dropped first (they were logged after the state the run continues from). A line's
+    /// step is its `env_steps` (RL) or `epoch` (sequence models).
     pub fn metrics(&self, resume_from: Option<u64>) -> Result<MetricsLog> {
         let path = self.path("metrics.jsonl");
         if let Some(step) = resume_from {
@@ -196,7 +229,7 @@ impl RunDir {
                     .filter(|l| {
                         serde_json::from_str::<serde_json::Value>(l)
                             .ok()
-                            .and_then(|v| v["env_steps"].as_u64())
+                            .and_then(|v| v["env_steps"].as_u64().or_else(|| v["epoch"].as_u64()))
                             .is_some_and(|s| s <= step)
                     })
                     .collect();

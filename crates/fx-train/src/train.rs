@@ -18,7 +18,7 @@ use crate::run_dir::{write_atomic, RunDir, RunState};
 use crate::train_env::TrainEnv;
 
 /// Set by the Ctrl-C handler; the loop checkpoints and stops at the next step.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Exit status of a run stopped by Ctrl-C after its checkpoint was written.
 pub const EXIT_INTERRUPTED: u8 = 130;
@@ -63,6 +63,9 @@ pub fn device_for(cfg: &RunConfig) -> Result<Device> {
 }
 
 pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
+    if crate::seq_run::is_sequence_run(&cfg, &opts) {
+        return crate::seq_run::run(cfg, opts);
+    }
     let t_start = Instant::now();
     let mut profile = Profile::default();
     let dir = RunDir::open(&cfg.out, opts.resume)?;
@@ -106,8 +109,8 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let mut env = TrainEnv::new(train_rows, cfg.env.clone(), &device)?;
     let mut agent = match &checkpoint {
         Some(c) => {
-            env.restore(&c.run.env)
-                .with_context(|| format!("restoring the environment from {}", c.trainer.display()))?;
+            let state = c.run.env.as_ref().with_context(|| format!("{}: no environment state", c.trainer.display()))?;
+            env.restore(state).with_context(|| format!("restoring the environment from {}", c.trainer.display()))?;
             Agent::load(cfg.model, &c.trainer, &device)?
         }
         None => Agent::new(&cfg, env.num_envs(), &device)?,
@@ -204,7 +207,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
 }
 
 /// A device out-of-memory error, restated with the batch the hardware budget says fits.
-fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error {
+pub(crate) fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error {
     let text = format!("{e:#}");
     if !(text.contains("OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")) {
         return e;
@@ -212,6 +215,8 @@ fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error {
     let (kind, batch, field) = match cfg.model {
         crate::config::ModelChoice::Dqn => (fx_hw::ModelKind::Dqn, cfg.dqn.batch_size, "dqn.batch_size"),
         crate::config::ModelChoice::Ppo => (fx_hw::ModelKind::Ppo, cfg.ppo.minibatch_size, "ppo.minibatch_size"),
+        crate::config::ModelChoice::Tft => (fx_hw::ModelKind::Tft, cfg.seq.batch_size, "seq.batch_size"),
+        crate::config::ModelChoice::Mamba2 => (fx_hw::ModelKind::Mamba2, cfg.seq.batch_size, "seq.batch_size"),
     };
     let overrides = fx_hw::Overrides::default().with_device(&cfg.device);
     let fits = fx_hw::HardwareBudget::detect_with(&overrides).batch_size(kind).value;
@@ -240,7 +245,7 @@ fn progress_bar(cfg: &RunConfig, start: u64, quiet: bool) -> ProgressBar {
     bar
 }
 
-fn install_ctrlc() {
+pub(crate) fn install_ctrlc() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // If a handler cannot be installed the run still works; Ctrl-C then kills it and
@@ -254,6 +259,9 @@ fn install_ctrlc() {
 pub fn eval(run: &std::path::Path) -> Result<()> {
     let dir = RunDir::existing(run)?;
     let cfg = RunConfig::from_toml_file(&dir.path("config.toml"))?.resolve()?;
+    if cfg.model.is_sequence() {
+        return crate::seq_run::eval(&dir, cfg);
+    }
     let Some(c) = dir.latest_checkpoint()? else {
         bail!("{} holds no checkpoint yet", run.display());
     };

@@ -1,0 +1,408 @@
+//! `fx-train train|eval` for the sequence models (TFT, MAMBA-2): data → windows →
+//! `fx_models::seq_train::SeqTrainer` epoch by epoch → a checkpoint and a metrics line per
+//! epoch → forecast metrics on the test split. The run folder has the RL runs' layout.
+//!
+//! The target is the next bar's log return in units of its standard deviation over the
+//! training rows (so the losses are of order one whatever the bar frequency); inputs are
+//! the normalised market features (observed) and the calendar features (known). Losses,
+//! MSEs and pinball losses in the report are in those units; directional accuracy,
+//! coverage and rank correlation do not depend on them.
+
+use std::io::IsTerminal;
+use std::ops::{ControlFlow, Range};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use fx_models::seq_train::{
+    evaluate, evaluate_forecasts, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries, SeqTask, SeqTrainer,
+};
+use fx_models::{Mamba2, Tft};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::config::{ModelChoice, RunConfig};
+use crate::dataset::Dataset;
+use crate::run_dir::{write_atomic, Checkpoint, RunDir, RunState};
+use crate::train::{device_for, install_ctrlc, Outcome, TrainOptions, INTERRUPTED};
+
+/// Whether `train` runs a sequence model: the flag's/config's model, or on `--resume` the
+/// model of the run being resumed.
+pub fn is_sequence_run(cfg: &RunConfig, opts: &TrainOptions) -> bool {
+    if opts.resume {
+        if let Ok(saved) = RunConfig::from_toml_file(&cfg.out.join("config.toml")) {
+            return saved.model.is_sequence();
+        }
+    }
+    cfg.model.is_sequence()
+}
+
+/// Wall-clock split of a sequence run (seconds).
+#[derive(Default, Serialize)]
+pub struct SeqProfile {
+    /// Loading/computing features, splitting, normalising, building the series.
+    pub data_prep: f64,
+    /// Training epochs: batches, forward, backward, clipping, optimiser, validation.
+    pub train: f64,
+    /// Writing checkpoints and metrics.
+    pub checkpoint_and_logging: f64,
+    /// Forecast metrics on the test split.
+    pub evaluation: f64,
+    pub other: f64,
+    pub total: f64,
+}
+
+/// The report of a sequence run: forecast quality on the test split.
+#[derive(Serialize)]
+pub struct SeqReport {
+    pub model: &'static str,
+    pub data_source: String,
+    pub test_rows: Range<usize>,
+    /// Standard deviation of the next-bar log return over the training rows: the unit of
+    /// the targets, losses and MSEs.
+    pub target_scale: f64,
+    pub epochs_done: usize,
+    /// 1-based, as in metrics.jsonl.
+    pub best_epoch: usize,
+    pub best_val_loss: f64,
+    pub stopped_early: bool,
+    /// Model loss and MSE of the model, zero and last-value forecasts.
+    pub point: EvalReport,
+    /// Pinball loss per quantile (TFT), 0.1–0.9 coverage (TFT), directional accuracy and
+    /// rank correlation of the point forecast.
+    pub forecast: ForecastMetrics,
+    /// The model's MSE is below both the zero and the last-value forecast's.
+    pub beats_naive: bool,
+}
+
+/// The data as the sequence models see it, and the row ranges of the splits.
+struct SeqData {
+    data: Dataset,
+    series: SeqSeries,
+    target_scale: f64,
+}
+
+fn seq_data(cfg: &RunConfig, saved_norm: Option<fx_data::Normalizer>) -> Result<SeqData> {
+    let data = Dataset::load(cfg, saved_norm)?;
+    let rows = data.store.rows();
+    let mut market = data.store.market_rows(0..rows).to_vec();
+    data.normalizer.apply_in_place(&mut market);
+    let ret = data.store.logret_next();
+    let train = &ret[data.splits.train.clone()];
+    let mean = train.iter().map(|&v| v as f64).sum::<f64>() / train.len().max(1) as f64;
+    let var = train.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / train.len().max(1) as f64;
+    let target_scale = if var.sqrt() > 0.0 { var.sqrt() } else { 1.0 };
+    let target: Vec<f32> = ret.iter().map(|&v| (v as f64 / target_scale) as f32).collect();
+    let series =
+        SeqSeries::new(market, fx_kernels::N_MARKET, data.store.known().to_vec(), fx_data::features::N_KNOWN, target)
+            .with_context(|| format!("building the sequence series from {}", data.source))?;
+    Ok(SeqData { data, series, target_scale })
+}
+
+/// Checks that every split holds at least one window of `len` rows.
+fn check_windows(d: &SeqData, len: usize) -> Result<()> {
+    let s = &d.data.splits;
+    for (name, r) in [("training", &s.train), ("validation", &s.valid), ("test", &s.test)] {
+        if r.len() < len {
+            bail!(
+                "{}: the {name} split has {} rows, a window needs {len} (use more data or a shorter L_enc/H/mamba2_seq_len)",
+                d.data.source,
+                r.len()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn check_checkpoint(c: &Checkpoint, cfg: &RunConfig, what: &str) -> Result<()> {
+    if c.run.model != cfg.model {
+        bail!("{}: checkpoint is a {} run, {what} {}", c.trainer.display(), c.run.model.as_str(), cfg.model.as_str());
+    }
+    Ok(())
+}
+
+/// Calls `f` with the run's model as a [`SeqTask`] (weights seeded by the run's seed).
+fn with_task<R>(cfg: &RunConfig, device: &Device, f: impl FnOnce(&dyn SeqTaskRun) -> Result<R>) -> Result<R> {
+    match cfg.model {
+        ModelChoice::Tft => {
+            let m = Tft::new(cfg.tft.clone(), device, cfg.seed).context("building the TFT")?;
+            f(&m)
+        }
+        ModelChoice::Mamba2 => {
+            let m = Mamba2::new(cfg.mamba2.clone(), device, cfg.seed).context("building the MAMBA-2")?;
+            f(&Mamba2Task { model: &m, seq_len: cfg.mamba2_seq_len })
+        }
+        other => bail!("{} is not a sequence model", other.as_str()),
+    }
+}
+
+/// The generic body of a run, object-safe so that [`with_task`] can hand either model over.
+trait SeqTaskRun {
+    fn train(&self, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome>;
+    fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()>;
+}
+
+struct RunCtx {
+    t_start: Instant,
+    dir: RunDir,
+    device: Device,
+    checkpoint: Option<Checkpoint>,
+    d: SeqData,
+    profile: SeqProfile,
+}
+
+impl<T: SeqTask> SeqTaskRun for T {
+    fn train(&self, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
+        run_task(self, cfg, opts, ctx)
+    }
+    fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()> {
+        let trainer = restored(self, cfg, c, d)?;
+        trainer.finish(self).with_context(|| format!("{}: no epoch is done yet", c.trainer.display()))?;
+        let rep = report(self, cfg, d, &trainer)?;
+        write_report(dir, "eval.json", &rep, None)?;
+        print(&rep, None, dir);
+        Ok(())
+    }
+}
+
+/// A trainer restored from checkpoint `c` (weights, optimiser, counters).
+fn restored(task: &impl SeqTask, cfg: &RunConfig, c: &Checkpoint, d: &SeqData) -> Result<SeqTrainer> {
+    let mut t = SeqTrainer::new(task, d.data.splits.train.clone(), &cfg.seq)?;
+    t.load_state(task, &c.trainer)
+        .with_context(|| format!("loading {} checkpoint {}", cfg.model.as_str(), c.trainer.display()))?;
+    Ok(t)
+}
+
+pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
+    let t_start = Instant::now();
+    let dir = RunDir::open(&cfg.out, opts.resume)?;
+    // A resumed run continues under the config it started with (its schedule spans the
+    // epochs it was started for).
+    let cfg = if opts.resume { RunConfig::from_toml_file(&dir.path("config.toml"))? } else { cfg };
+    let cfg = cfg.resolve()?;
+    let device = device_for(&cfg)?;
+    let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
+    if let Some(c) = &checkpoint {
+        check_checkpoint(c, &cfg, "the config asks for")?;
+    }
+    let t = Instant::now();
+    let saved_norm = checkpoint.as_ref().map(|c| c.run.normalizer()).transpose()?;
+    let d = seq_data(&cfg, saved_norm)?;
+    if let Some(c) = &checkpoint {
+        if c.run.data_source != d.data.source {
+            bail!(
+                "{}: checkpoint was trained on {}, the config now names {}",
+                c.trainer.display(),
+                c.run.data_source,
+                d.data.source
+            );
+        }
+    }
+    let profile = SeqProfile { data_prep: t.elapsed().as_secs_f64(), ..SeqProfile::default() };
+    let ctx = RunCtx { t_start, dir, device: device.clone(), checkpoint, d, profile };
+    with_task(&cfg, &device, |task| task.train(&cfg, &opts, ctx))
+}
+
+fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
+    let RunCtx { t_start, dir, device, checkpoint, d, mut profile } = ctx;
+    check_windows(&d, task.window_len())?;
+    let mut trainer = match &checkpoint {
+        Some(c) => restored(task, cfg, c, &d)?,
+        None => SeqTrainer::new(task, d.data.splits.train.clone(), &cfg.seq)?,
+    };
+    if !opts.resume {
+        write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
+    }
+    let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.env_steps))?;
+    let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
+    let save = |trainer: &SeqTrainer, profile: &mut SeqProfile, secs: f64| -> Result<()> {
+        let t = Instant::now();
+        let run =
+            RunState::new_seq(cfg.model, trainer.epochs_done() as u64, &d.data.normalizer, d.data.source.clone(), secs);
+        dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| Ok(trainer.save_state(task, p)?))?;
+        profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
+        Ok(())
+    };
+    // The initial state is on disk, so Ctrl-C in the first epoch leaves a run to resume.
+    if checkpoint.is_none() {
+        save(&trainer, &mut profile, 0.0)?;
+    }
+
+    let quiet = opts.quiet || !std::io::stdout().is_terminal();
+    let bpe = trainer.batches_per_epoch() as u64;
+    let bar = progress_bar(cfg, bpe * cfg.seq.epochs as u64, bpe * trainer.epochs_done() as u64, quiet);
+    install_ctrlc();
+    let mut mem = crate::device_memory::MemProbe::for_device(&device);
+    mem.start(&device)?;
+    let t_loop = Instant::now();
+    let mut interrupted = false;
+    let samples_per_batch = cfg.seq.batch_size as f64;
+    while !trainer.is_done() {
+        let t_epoch = Instant::now();
+        let epoch = trainer.epochs_done() + 1;
+        let log = trainer
+            .train_epoch_with(task, &d.series, d.data.splits.valid.clone(), |_, loss| {
+                bar.inc(1);
+                bar.set_message(format!("epoch {epoch}/{} | loss {loss:.4}", cfg.seq.epochs));
+                if INTERRUPTED.load(Ordering::SeqCst) {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .map_err(|e| crate::train::with_oom_hint(e.into(), cfg))?;
+        let secs = t_epoch.elapsed().as_secs_f64();
+        profile.train += secs;
+        let Some(log) = log else {
+            interrupted = true;
+            break;
+        };
+        let t = Instant::now();
+        let rec = json!({
+            "epoch": epoch,
+            "steps": trainer.step(),
+            "train_loss": log.train_loss,
+            "val_loss": log.val_loss,
+            "best_val_loss": trainer.best().map(|b| b.1),
+            "lr": log.lr,
+            "train_samples_per_s": bpe as f64 * samples_per_batch / secs.max(1e-9),
+            "gpu_mem_peak_mib": mem.peak_mib(&device)?,
+            "elapsed_s": prior_seconds + t_loop.elapsed().as_secs_f64(),
+        });
+        metrics.write(&rec)?;
+        profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
+        save(&trainer, &mut profile, prior_seconds + t_loop.elapsed().as_secs_f64())?;
+    }
+    bar.finish_and_clear();
+    if interrupted {
+        eprintln!(
+            "interrupted in epoch {}: the checkpoint after epoch {} is in {}; continue with `fx-train train --resume --out {}`",
+            trainer.epochs_done() + 1,
+            trainer.epochs_done(),
+            dir.root().display(),
+            dir.root().display()
+        );
+        return Ok(Outcome::Interrupted);
+    }
+
+    let t = Instant::now();
+    trainer.finish(task)?;
+    let rep = report(task, cfg, &d, &trainer)?;
+    profile.evaluation = t.elapsed().as_secs_f64();
+    profile.total = t_start.elapsed().as_secs_f64();
+    let accounted = profile.data_prep + profile.train + profile.checkpoint_and_logging + profile.evaluation;
+    profile.other = (profile.total - accounted).max(0.0);
+    write_report(&dir, "report.json", &rep, Some(&profile))?;
+    crate::plots::training_curves(
+        &dir,
+        "epoch",
+        "epoch",
+        &[("training loss (mean over the epoch)", "train_loss"), ("validation loss", "val_loss")],
+    )?;
+    print(&rep, Some(&profile), &dir);
+    Ok(Outcome::Finished)
+}
+
+fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTrainer) -> Result<SeqReport> {
+    let test = d.data.splits.test.clone();
+    let (bs, p) = (cfg.seq.batch_size, cfg.precision);
+    let point = evaluate(task, &d.series, test.clone(), bs, p).context("evaluating on the test split")?;
+    let forecast = evaluate_forecasts(task, &d.series, test.clone(), bs, p).context("forecast metrics")?;
+    let (best_epoch, best_val_loss) = trainer.best().context("no epoch ran")?;
+    let rep = trainer.log();
+    Ok(SeqReport {
+        model: cfg.model.as_str(),
+        data_source: d.data.source.clone(),
+        test_rows: test,
+        target_scale: d.target_scale,
+        epochs_done: trainer.epochs_done(),
+        best_epoch: best_epoch + 1,
+        best_val_loss,
+        stopped_early: trainer.is_done() && rep.len() < cfg.seq.epochs,
+        beats_naive: point.mse_model < point.mse_zero && point.mse_model < point.mse_last,
+        point,
+        forecast,
+    })
+}
+
+fn write_report(dir: &RunDir, name: &str, rep: &SeqReport, profile: Option<&SeqProfile>) -> Result<()> {
+    let mut doc = serde_json::to_value(rep)?;
+    doc["profile"] = serde_json::to_value(profile)?;
+    write_atomic(&dir.path(name), serde_json::to_string_pretty(&doc)?.as_bytes())
+}
+
+fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
+    println!(
+        "forecasts of {} on the test split ({} rows {}..{} of {}; after {} epochs, best {} with validation loss {:.4})",
+        rep.model,
+        rep.test_rows.len(),
+        rep.test_rows.start,
+        rep.test_rows.end,
+        rep.data_source,
+        rep.epochs_done,
+        rep.best_epoch,
+        rep.best_val_loss
+    );
+    println!("next-bar log return in units of its training-split std ({:.3e})", rep.target_scale);
+    println!("{:<12} {:>10}", "forecast", "MSE");
+    println!("{:<12} {:>10.4}", "model", rep.point.mse_model);
+    println!("{:<12} {:>10.4}", "zero", rep.point.mse_zero);
+    println!("{:<12} {:>10.4}", "last value", rep.point.mse_last);
+    let f = &rep.forecast;
+    for (q, l) in f.levels.iter().zip(&f.pinball) {
+        println!("pinball loss q={q:<4} {l:.4}");
+    }
+    if let Some(c) = f.interval_coverage {
+        let (lo, hi) = (f.levels.first().copied().unwrap_or(0.0), f.levels.last().copied().unwrap_or(1.0));
+        println!("coverage of the {lo}–{hi} band: {:.1}% (nominal {:.0}%)", 100.0 * c, 100.0 * (hi - lo));
+    }
+    println!(
+        "directional accuracy {:.1}%, rank correlation {:.3} over {} forecasts",
+        100.0 * f.directional_accuracy,
+        f.rank_correlation,
+        f.n
+    );
+    println!(
+        "{}",
+        if rep.beats_naive {
+            "the model beat the zero and last-value forecasts on held-out data"
+        } else {
+            "the model did NOT beat both the zero and last-value forecasts on held-out data"
+        }
+    );
+    if let Some(p) = profile {
+        println!(
+            "time: {:.1}s total = data {:.1}s + training {:.1}s + checkpoints/logs {:.1}s + eval {:.1}s + other {:.1}s",
+            p.total, p.data_prep, p.train, p.checkpoint_and_logging, p.evaluation, p.other
+        );
+    }
+    println!("run folder: {}", dir.root().display());
+}
+
+fn progress_bar(cfg: &RunConfig, len: u64, start: u64, quiet: bool) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len).with_position(start);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} batches ({per_sec}, {eta}) {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("train {}", cfg.model.as_str()));
+    bar
+}
+
+/// `fx-train eval` of a sequence run: the best weights of its latest checkpoint, forecast
+/// metrics on the test split (written to `eval.json`).
+pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
+    let Some(c) = dir.latest_checkpoint()? else {
+        bail!("{} holds no checkpoint yet", dir.root().display());
+    };
+    check_checkpoint(&c, &cfg, "config.toml says")?;
+    let device = device_for(&cfg)?;
+    let d = seq_data(&cfg, Some(c.run.normalizer()?))?;
+    with_task(&cfg, &device, |task| task.eval(&cfg, dir, &c, &d))
+}
