@@ -375,7 +375,7 @@ fn seq_models_write_a_complete_run_folder_and_eval_reads_it() {
         let run = dir.path().join(model);
         let text = ok(&train(&tiny_seq_config(dir.path(), model), &run, &["--quiet"]));
         assert!(text.contains(&format!("forecasts of {model}")) && text.contains("directional accuracy"), "{text}");
-        for f in ["config.toml", "metrics.jsonl", "report.json", "training.png"] {
+        for f in ["config.toml", "metrics.jsonl", "report.json", "training.png", "forecast.png"] {
             assert!(run.join(f).exists(), "{model}: {f} missing");
         }
         assert!(checkpoint(&run, 3).exists(), "{model}: no checkpoint after epoch 3");

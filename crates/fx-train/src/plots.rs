@@ -22,6 +22,13 @@ pub fn write_all(dir: &RunDir, _cfg: &RunConfig, _data: &Dataset, rep: &Report) 
     training_curves(dir, "env_steps", "env steps", &[("loss", "loss"), ("mean reward per step", "mean_reward")])
 }
 
+/// `name` (e.g. `forecast.png`): curves indexed by bar, as the equity plot draws them.
+pub fn curves(dir: &RunDir, name: &str, title: &str, series: &[(&str, &[f64], RGBColor)]) -> Result<()> {
+    register_font();
+    let path = dir.path(name);
+    line_chart(&path, title, "bar", series).map_err(|e| anyhow::anyhow!("plotting {}: {e}", path.display()))
+}
+
 /// `training.png`: one panel per `(title, key)` of metrics.jsonl against `x_key`.
 pub fn training_curves(dir: &RunDir, x_key: &str, x_desc: &str, panels: &[(&str, &str)]) -> Result<()> {
     register_font();

@@ -301,8 +301,49 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
         "epoch",
         &[("training loss (mean over the epoch)", "train_loss"), ("validation loss", "val_loss")],
     )?;
+    forecast_plot(task, cfg, &d, &dir)?;
     print(&rep, Some(&profile), &dir);
     Ok(Outcome::Finished)
+}
+
+/// `forecast.png`: over the test split, the equity of holding the sign of each bar's
+/// one-bar-ahead forecast (long or short, no costs) against buy-and-hold.
+fn forecast_plot(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, dir: &RunDir) -> Result<()> {
+    let test = d.data.splits.test.clone();
+    let len = task.window_len();
+    let starts: Vec<usize> = (test.start..=test.end - len).collect();
+    let c = fx_models::Ctx::inference(cfg.precision);
+    let device = task.params().device().clone();
+    let (mut strat, mut hold) = (vec![1.0f64], vec![1.0f64]);
+    for chunk in starts.chunks(cfg.seq.batch_size.max(1)) {
+        let batch = task.batch(&d.series, chunk, &device)?;
+        let point = task.point(&c, &batch)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+        let target = batch.target.to_vec2::<f32>()?;
+        // The forecast for the bar after the window's last observed row: the TFT's first
+        // decoder step, the MAMBA-2's last step.
+        let col = if cfg.model == ModelChoice::Tft { 0 } else { target[0].len() - 1 };
+        for (p, t) in point.iter().zip(&target) {
+            let r = t[col] as f64 * d.target_scale;
+            let pos = if p[col] > 0.0 {
+                1.0
+            } else if p[col] < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
+            strat.push(strat[strat.len() - 1] * (pos * r).exp());
+            hold.push(hold[hold.len() - 1] * r.exp());
+        }
+    }
+    crate::plots::curves(
+        dir,
+        "forecast.png",
+        "test split: long/short on the sign of the one-bar forecast (no costs)",
+        &[
+            ("sign of forecast", &strat, plotters::style::RGBColor(31, 119, 180)),
+            ("buy & hold", &hold, plotters::style::RGBColor(255, 127, 14)),
+        ],
+    )
 }
 
 fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTrainer) -> Result<SeqReport> {
