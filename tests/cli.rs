@@ -241,6 +241,45 @@ fn killed_and_resumed_run_ends_with_identical_weights() {
 }
 
 #[test]
+fn ctrl_c_checkpoints_exits_130_and_resume_finishes_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 400;
+    let cfg = tiny_config(dir.path(), "dqn", steps, "");
+    let straight = dir.path().join("straight");
+    ok(&train(&cfg, &straight, &["--quiet"]));
+
+    let run = dir.path().join("interrupted");
+    let mut child = fx_train()
+        .arg("train")
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&run)
+        .arg("--quiet")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !checkpoint(&run, 20).exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // SIGINT, as Ctrl-C in a terminal sends it.
+    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("interrupted at step") && err.contains("--resume"), "{err}");
+    assert!(!checkpoint(&run, steps).exists(), "the run finished before the interrupt; make it longer");
+    // The checkpoint written on Ctrl-C is the latest; resuming without flags keeps the
+    // saved length (400 steps, not the default) and ends where the straight run ended.
+    let out = fx_train().args(["train", "--resume", "--quiet", "--out"]).arg(&run).output().unwrap();
+    ok(&out);
+    assert_eq!(tensors(&checkpoint(&straight, steps)), tensors(&checkpoint(&run, steps)));
+}
+
+#[test]
 fn train_on_real_bars_from_csv() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny_config(dir.path(), "dqn", 12, "");

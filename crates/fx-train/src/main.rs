@@ -43,11 +43,12 @@ fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
         None => {
             let mut cfg = config::RunConfig::default();
             cfg.out = fresh_run_folder(&cfg.out);
-            train::run(cfg, train::TrainOptions { resume: false, quiet: false })
+            train::run(cfg, train::TrainOptions { resume: false, quiet: false, steps: None })
         }
-        Some(cli::Command::Train(args)) => {
-            train::run(args.to_config()?, train::TrainOptions { resume: args.resume, quiet: args.quiet })
-        }
+        Some(cli::Command::Train(args)) => train::run(
+            args.to_config()?,
+            train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps },
+        ),
         Some(cli::Command::Eval(args)) => done(train::eval(&args.checkpoint)),
         Some(cli::Command::Hw(args)) => done(hw::run(&args)),
         Some(cli::Command::Features(args)) => done(features(&args)),

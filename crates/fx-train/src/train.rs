@@ -26,6 +26,9 @@ pub const EXIT_INTERRUPTED: u8 = 130;
 pub struct TrainOptions {
     pub resume: bool,
     pub quiet: bool,
+    /// `--steps` when given on the command line: on `--resume` it replaces the saved run's
+    /// step count (to extend a run); otherwise the saved config is used unchanged.
+    pub steps: Option<u64>,
 }
 
 /// How a run ended.
@@ -69,10 +72,11 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let t_start = Instant::now();
     let mut profile = Profile::default();
     let dir = RunDir::open(&cfg.out, opts.resume)?;
-    // A resumed run continues under the config it started with (only `steps` may grow).
+    // A resumed run continues under the config it started with; only an explicit
+    // `--steps` changes its length.
     let cfg = if opts.resume {
         let saved = RunConfig::from_toml_file(&dir.path("config.toml"))?;
-        RunConfig { steps: cfg.steps.max(saved.steps), ..saved }
+        RunConfig { steps: opts.steps.unwrap_or(saved.steps), ..saved }
     } else {
         cfg
     };
