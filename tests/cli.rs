@@ -249,7 +249,7 @@ fn ctrl_c_checkpoints_exits_130_and_resume_finishes_identically() {
     ok(&train(&cfg, &straight, &["--quiet"]));
 
     let run = dir.path().join("interrupted");
-    let mut child = fx_train()
+    let child = fx_train()
         .arg("train")
         .arg("--config")
         .arg(&cfg)
