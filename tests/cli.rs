@@ -280,6 +280,28 @@ fn ctrl_c_checkpoints_exits_130_and_resume_finishes_identically() {
 }
 
 #[test]
+fn environment_overrides_reach_the_run_and_flags_win() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 6, "");
+    let run = dir.path().join("env");
+    let out = fx_train()
+        .arg("train")
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&run)
+        .args(["--quiet", "--precision", "f32"])
+        .env("FX_BATCH_SIZE", "48")
+        .env("FX_PRECISION", "bf16")
+        .output()
+        .unwrap();
+    ok(&out);
+    let saved = std::fs::read_to_string(run.join("config.toml")).unwrap();
+    assert!(saved.contains("batch_size = 48"), "FX_BATCH_SIZE did not reach the run:\n{saved}");
+    assert!(saved.contains("precision = \"f32\""), "the --precision flag must win over FX_PRECISION:\n{saved}");
+}
+
+#[test]
 fn train_on_real_bars_from_csv() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny_config(dir.path(), "dqn", 12, "");

@@ -57,7 +57,7 @@ pub struct FeaturesArgs {
 }
 
 /// Flags of `fx-train train`; each sets the config field of the same name (they win over
-/// `--config`). Defaults are `RunConfig::default()` (see `config.toml` in a run folder).
+/// `FX_DEVICE` / `FX_PRECISION` / `FX_BATCH_SIZE`, which win over `--config`). Defaults are `RunConfig::default()` (see `config.toml` in a run folder).
 #[derive(Debug, Args, Default)]
 pub struct TrainArgs {
     /// Model to train: dqn, ppo (RL agents), tft, mamba2 (return forecasters) [default: dqn].
@@ -114,6 +114,8 @@ impl TrainArgs {
         if let Some(m) = self.model {
             cfg.model = m;
         }
+        // The environment overrides the config file; the flags below override both.
+        cfg.apply_env_overrides(&fx_hw::Overrides::from_env()?);
         if let Some(d) = &self.data {
             cfg.data = Some(d.clone());
         }

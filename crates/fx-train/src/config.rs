@@ -163,6 +163,30 @@ impl RunConfig {
         toml::to_string(self).context("serialising the run config")
     }
 
+    /// Applies `FX_DEVICE`, `FX_PRECISION` and `FX_BATCH_SIZE` (through fx-hw, which
+    /// validates them). Callers apply them after the config file and before command-line
+    /// flags, so flags > environment > config file > defaults. `FX_BATCH_SIZE` sets the
+    /// batch of whichever model the run trains.
+    pub fn apply_env_overrides(&mut self, env: &fx_hw::Overrides) {
+        if let Some(d) = &env.device {
+            self.device = match d.value {
+                fx_hw::DeviceRequest::Auto => "auto".to_string(),
+                fx_hw::DeviceRequest::Cpu => "cpu".to_string(),
+                fx_hw::DeviceRequest::Cuda(n) => format!("cuda:{n}"),
+            };
+        }
+        if let Some(p) = &env.precision {
+            self.precision = p.value;
+        }
+        if let Some(b) = &env.batch_size {
+            match self.model {
+                ModelChoice::Dqn => self.dqn.batch_size = b.value,
+                ModelChoice::Ppo => self.ppo.minibatch_size = b.value,
+                ModelChoice::Tft | ModelChoice::Mamba2 => self.seq.batch_size = b.value,
+            }
+        }
+    }
+
     /// Spreads the run-level settings (seed, precision, env seed) into the model configs
     /// and checks what can be checked before any work starts.
     pub fn resolve(mut self) -> Result<Self> {
@@ -204,6 +228,23 @@ impl RunConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn environment_overrides_reach_the_run() {
+        let env = fx_hw::Overrides::from_vars(|k| match k {
+            "FX_DEVICE" => Some("cpu".into()),
+            "FX_PRECISION" => Some("bf16".into()),
+            "FX_BATCH_SIZE" => Some("96".into()),
+            _ => None,
+        })
+        .unwrap();
+        let mut cfg = RunConfig::default();
+        cfg.apply_env_overrides(&env);
+        assert_eq!((cfg.device.as_str(), cfg.precision, cfg.dqn.batch_size), ("cpu", Precision::Bf16, 96));
+        let mut ppo = RunConfig { model: ModelChoice::Ppo, ..RunConfig::default() };
+        ppo.apply_env_overrides(&env);
+        assert_eq!(ppo.ppo.minibatch_size, 96);
+    }
 
     #[test]
     fn toml_round_trip_keeps_every_field() {

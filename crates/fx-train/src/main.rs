@@ -42,6 +42,7 @@ fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
         // Each invocation gets a fresh run folder under runs/.
         None => {
             let mut cfg = config::RunConfig::default();
+            cfg.apply_env_overrides(&fx_hw::Overrides::from_env()?);
             cfg.out = fresh_run_folder(&cfg.out);
             train::run(cfg, train::TrainOptions { resume: false, quiet: false, steps: None })
         }

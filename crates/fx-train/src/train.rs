@@ -55,9 +55,9 @@ pub struct Profile {
     pub total: f64,
 }
 
-/// The candle device a config asks for (through fx-hw, so `FX_DEVICE` applies).
+/// The candle device a config asks for (`FX_DEVICE` was folded into the config already).
 pub fn device_for(cfg: &RunConfig) -> Result<Device> {
-    let overrides = fx_hw::Overrides::from_env()?.layered(fx_hw::Overrides::default().try_with_device(&cfg.device)?);
+    let overrides = fx_hw::Overrides::default().try_with_device(&cfg.device)?;
     let budget = fx_hw::HardwareBudget::detect_with(&overrides);
     match budget.device.value {
         fx_hw::DeviceKind::Cpu => Ok(Device::Cpu),
