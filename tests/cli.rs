@@ -140,6 +140,11 @@ fn train(config: &Path, out: &Path, extra: &[&str]) -> Output {
     fx_train().arg("train").arg("--config").arg(config).arg("--out").arg(out).args(extra).output().unwrap()
 }
 
+/// `fx-train train --resume --quiet --out RUN`: a resumed run takes its saved config.toml.
+fn resume(out: &Path) -> Output {
+    fx_train().args(["train", "--resume", "--quiet", "--out"]).arg(out).output().unwrap()
+}
+
 fn err_line(out: &Output) -> String {
     assert!(!out.status.success(), "expected failure, got success: {}", String::from_utf8_lossy(&out.stdout));
     let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
@@ -231,7 +236,7 @@ fn killed_and_resumed_run_ends_with_identical_weights() {
     child.wait().unwrap();
     assert!(!checkpoint(&killed, steps).exists(), "the run finished before it was killed; make it longer");
     // Resuming a killed run continues from its last checkpoint to the end.
-    ok(&train(&cfg, &killed, &["--resume", "--quiet"]));
+    ok(&resume(&killed));
     let (a, b) = (tensors(&checkpoint(&straight, steps)), tensors(&checkpoint(&killed, steps)));
     assert_eq!(a.len(), b.len());
     for ((na, da), (nb, db)) in a.iter().zip(&b) {
@@ -339,11 +344,19 @@ fn bad_runs_are_one_line_errors_and_overwrite_nothing() {
     write_narrow_feature_file(&narrow);
     let e = err_line(&train(&cfg, &dir.path().join("z"), &["--data", narrow.to_str().unwrap()]));
     assert!(e.contains("narrow.safetensors"), "{e}");
+    // --resume with a flag that would change the saved run is refused, naming the flag.
+    let e = err_line(&train(&cfg, &run, &["--resume", "--seed", "3"]));
+    assert!(e.contains("--config") && e.contains("--seed") && e.contains("config.toml"), "{e}");
+    // An explicit GPU request that cannot be met is an error, not a silent CPU run.
+    if !cfg!(feature = "cuda") {
+        let e = err_line(&train(&cfg, &dir.path().join("gpu"), &["--device", "cuda"]));
+        assert!(e.contains("cuda") && e.contains("not available"), "{e}");
+    }
     // A checkpoint of another model: resume the DQN run as PPO.
     let ppo_cfg = tiny_config(dir.path(), "ppo", 10, "");
     std::fs::copy(&cfg, dir.path().join("keep.toml")).unwrap();
     std::fs::write(run.join("config.toml"), std::fs::read(&ppo_cfg).unwrap()).unwrap();
-    let e = err_line(&train(&ppo_cfg, &run, &["--resume"]));
+    let e = err_line(&resume(&run));
     assert!(e.contains("dqn") && e.contains("ppo") && e.contains("checkpoint"), "{e}");
     let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
     assert!(e.contains("dqn") && e.contains("ppo"), "{e}");
@@ -489,7 +502,7 @@ fn seq_run_resumed_from_an_epoch_checkpoint_ends_with_identical_weights() {
             std::fs::remove_file(killed.join(format!("checkpoint-{step:010}.json"))).unwrap();
         }
         std::fs::remove_file(killed.join("report.json")).unwrap();
-        let text = ok(&train(&cfg, &killed, &["--resume", "--quiet"]));
+        let text = ok(&resume(&killed));
         assert!(text.contains("forecasts of"), "{text}");
         let (a, b) = (tensors(&checkpoint(&straight, 3)), tensors(&checkpoint(&killed, 3)));
         assert_eq!(a.len(), b.len());
@@ -517,14 +530,14 @@ fn seq_checkpoint_of_another_model_is_a_one_line_error() {
     let before = std::fs::read(run.join("report.json")).unwrap();
     // The run's config now names another sequence model.
     std::fs::write(run.join("config.toml"), std::fs::read(&mamba_cfg).unwrap()).unwrap();
-    let e = err_line(&train(&mamba_cfg, &run, &["--resume"]));
+    let e = err_line(&resume(&run));
     assert!(e.contains("tft") && e.contains("mamba2") && e.contains("checkpoint"), "{e}");
     let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
     assert!(e.contains("tft") && e.contains("mamba2"), "{e}");
     // ... or an RL agent.
     let dqn_cfg = tiny_config(dir.path(), "dqn", 10, "");
     std::fs::write(run.join("config.toml"), std::fs::read(&dqn_cfg).unwrap()).unwrap();
-    let e = err_line(&train(&dqn_cfg, &run, &["--resume"]));
+    let e = err_line(&resume(&run));
     assert!(e.contains("tft") && e.contains("dqn") && e.contains("checkpoint"), "{e}");
     let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
     assert!(e.contains("tft") && e.contains("dqn"), "{e}");
@@ -533,7 +546,7 @@ fn seq_checkpoint_of_another_model_is_a_one_line_error() {
     let rl = dir.path().join("dqn");
     ok(&train(&dqn_cfg, &rl, &["--quiet"]));
     std::fs::write(rl.join("config.toml"), std::fs::read(&tft_cfg).unwrap()).unwrap();
-    let e = err_line(&train(&tft_cfg, &rl, &["--resume"]));
+    let e = err_line(&resume(&rl));
     assert!(e.contains("dqn") && e.contains("tft") && e.contains("checkpoint"), "{e}");
     let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&rl).output().unwrap());
     assert!(e.contains("dqn") && e.contains("tft"), "{e}");

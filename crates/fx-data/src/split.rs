@@ -9,7 +9,7 @@ use crate::error::Error;
 
 /// Train/validation/test fractions.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct SplitConfig {
     /// Fraction of rows for training (first in time).
     pub train: f64,

@@ -24,6 +24,7 @@ pub enum Interval {
 
 /// One market regime.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Regime {
     /// Mean log return per bar.
     pub drift: f64,
@@ -37,7 +38,7 @@ pub struct Regime {
 
 /// Synthetic market settings; the defaults are the embedded default market.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct SyntheticConfig {
     /// PRNG seed; the same seed gives the same bars.
     pub seed: u64,

@@ -36,7 +36,7 @@ pub const N_ACTIONS: usize = 3;
 
 /// Environment parameters; defaults follow MODELS.md (`episode_len` 256, cost 1 bp).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct EnvConfig {
     /// Number of accounts `E` stepped together.
     pub num_envs: usize,

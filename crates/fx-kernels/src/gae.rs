@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 
 /// GAE discounting; defaults from MODELS.md (γ = 0.99, λ = 0.95).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct GaeConfig {
     /// Discount factor γ.
     pub gamma: f64,

@@ -223,6 +223,11 @@ impl PpoTrainer {
         self.updates
     }
 
+    /// Minibatch steps skipped for a non-finite loss or gradient.
+    pub fn skipped_updates(&self) -> u64 {
+        self.skipped_updates
+    }
+
     /// Actions sampled from the policy (`[E]` u32) with the env's stream-3 draws.
     pub fn act(&self, env: &dyn VecEnv) -> Result<Tensor> {
         let probs = self.model.probs_inference(&env.observe().ctx("PpoTrainer::act")?)?;

@@ -222,7 +222,7 @@ impl SeqTask for Mamba2Task<'_> {
 
 /// Hyper-parameters of [`train`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct SeqTrainConfig {
     /// Maximum number of epochs.
     pub epochs: usize,

@@ -51,7 +51,7 @@ pub trait Optimizer {
 
 /// Hyper-parameters of [`AdamW`]; defaults are `torch.optim.AdamW`'s.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct AdamWConfig {
     /// Learning rate.
     pub lr: f64,
@@ -73,7 +73,7 @@ impl Default for AdamWConfig {
 
 /// Hyper-parameters of [`Adam`]; defaults are `torch.optim.Adam`'s.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct AdamConfig {
     /// Learning rate.
     pub lr: f64,

@@ -64,6 +64,14 @@ impl Agent {
         Ok(())
     }
 
+    /// Optimiser steps applied and skipped so far (over the whole run, resumes included).
+    pub fn update_counts(&self) -> (u64, u64) {
+        match self {
+            Agent::Dqn(t) => (t.updates(), t.skipped_updates()),
+            Agent::Ppo(t) => (t.updates(), t.skipped_updates()),
+        }
+    }
+
     pub fn env_steps(&self) -> u64 {
         match self {
             Agent::Dqn(t) => t.env_steps(),
@@ -96,6 +104,7 @@ impl Agent {
                 p.update_samples = p.updates * batch;
             }
             Agent::Ppo(t) => {
+                let updates_before = t.updates();
                 let started = Instant::now();
                 while !t.collect_step(env)? {}
                 p.collect_seconds = started.elapsed().as_secs_f64();
@@ -118,13 +127,11 @@ impl Agent {
                 ] {
                     p.metrics.insert(k.into(), json!(v));
                 }
-                let cfg = t.config();
-                let n = (cfg.num_steps * env.num_envs()) as u64;
-                let per_epoch = n / cfg.minibatch_size.min(n as usize).max(1) as u64;
-                let total = per_epoch * cfg.epochs as u64;
+                let n = (t.config().num_steps * env.num_envs()) as u64;
                 p.skipped = u64::from(s.skipped);
-                p.updates = total.saturating_sub(p.skipped);
-                p.update_samples = p.updates * cfg.minibatch_size as u64;
+                p.updates = t.updates() - updates_before;
+                // Every epoch passes over all n samples once, in minibatches.
+                p.update_samples = n * t.config().epochs as u64;
             }
         }
         Ok(p)

@@ -105,6 +105,38 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// With `--resume` the run continues under its saved `config.toml`: flags that would
+    /// change it are refused rather than silently ignored (only `--steps`, `--out` and
+    /// `--quiet` apply).
+    pub fn check_resume_flags(&self) -> anyhow::Result<()> {
+        if !self.resume {
+            return Ok(());
+        }
+        let given: Vec<&str> = [
+            ("--model", self.model.is_some()),
+            ("--data", self.data.is_some()),
+            ("--config", self.config.is_some()),
+            ("--epochs", self.epochs.is_some()),
+            ("--seed", self.seed.is_some()),
+            ("--precision", self.precision.is_some()),
+            ("--device", self.device.is_some()),
+            ("--num-envs", self.num_envs.is_some()),
+            ("--checkpoint-every", self.checkpoint_every.is_some()),
+            ("--log-every", self.log_every.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect();
+        if !given.is_empty() {
+            anyhow::bail!(
+                "--resume continues the run under its saved config.toml; {} cannot change it \
+                 (only --steps, --out and --quiet apply)",
+                given.join(", ")
+            );
+        }
+        Ok(())
+    }
+
     /// The config: defaults, then `--config`, then the flags.
     pub fn to_config(&self) -> anyhow::Result<crate::config::RunConfig> {
         let mut cfg = match &self.config {
@@ -130,7 +162,6 @@ impl TrainArgs {
         }
         if let Some(s) = self.seed {
             cfg.seed = s;
-            cfg.synthetic.seed = s;
         }
         if let Some(p) = self.precision {
             cfg.precision = p;

@@ -191,6 +191,7 @@ impl RunConfig {
     /// and checks what can be checked before any work starts.
     pub fn resolve(mut self) -> Result<Self> {
         self.env.seed = self.seed;
+        self.synthetic.seed = self.seed;
         self.dqn.seed = self.seed;
         self.ppo.seed = self.seed;
         self.dqn.precision = self.precision;
@@ -260,5 +261,11 @@ mod tests {
         assert_eq!(cfg.model, ModelChoice::Ppo);
         assert_eq!(cfg.env, RunConfig::default().env);
         assert!(toml::from_str::<RunConfig>("stepz = 10\n").is_err());
+        // Typos inside nested tables are errors too, not silently ignored settings.
+        for bad in
+            ["[env]\nnum_env = 3\n", "[seq]\nepoch = 3\n", "[dqn.optimizer]\nlr_ = 1.0\n", "[split]\ntrian = 0.5\n"]
+        {
+            assert!(toml::from_str::<RunConfig>(bad).is_err(), "{bad}");
+        }
     }
 }

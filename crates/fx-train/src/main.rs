@@ -46,10 +46,13 @@ fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
             cfg.out = fresh_run_folder(&cfg.out);
             train::run(cfg, train::TrainOptions { resume: false, quiet: false, steps: None })
         }
-        Some(cli::Command::Train(args)) => train::run(
-            args.to_config()?,
-            train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps },
-        ),
+        Some(cli::Command::Train(args)) => {
+            args.check_resume_flags()?;
+            train::run(
+                args.to_config()?,
+                train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps },
+            )
+        }
         Some(cli::Command::Eval(args)) => done(train::eval(&args.checkpoint)),
         Some(cli::Command::Hw(args)) => done(hw::run(&args)),
         Some(cli::Command::Features(args)) => done(features(&args)),

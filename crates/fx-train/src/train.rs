@@ -56,9 +56,19 @@ pub struct Profile {
 }
 
 /// The candle device a config asks for (`FX_DEVICE` was folded into the config already).
+/// `auto` falls back to the CPU; an explicit `cuda` / `cuda:N` that cannot be had is an
+/// error naming why, never a silent CPU run.
 pub fn device_for(cfg: &RunConfig) -> Result<Device> {
     let overrides = fx_hw::Overrides::default().try_with_device(&cfg.device)?;
     let budget = fx_hw::HardwareBudget::detect_with(&overrides);
+    let wants_gpu = matches!(overrides.device.as_ref().map(|d| d.value), Some(fx_hw::DeviceRequest::Cuda(_)));
+    if wants_gpu && budget.device.value == fx_hw::DeviceKind::Cpu {
+        bail!(
+            "device {} is not available: {}",
+            cfg.device,
+            budget.cpu_fallback_reason.as_deref().unwrap_or("no CUDA device")
+        );
+    }
     match budget.device.value {
         fx_hw::DeviceKind::Cpu => Ok(Device::Cpu),
         fx_hw::DeviceKind::Cuda(n) => Ok(Device::new_cuda(n)?),
@@ -119,7 +129,9 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
         }
         None => Agent::new(&cfg, env.num_envs(), &device)?,
     };
-    if !opts.resume {
+    // A new run records its config; a resumed one records a changed length (`--steps`) so
+    // a later resume continues to the same end.
+    if !opts.resume || opts.steps.is_some() {
         write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
     }
     let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.env_steps))?;
@@ -135,7 +147,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     mem.start(&device)?;
     let t_loop = Instant::now();
     let (mut samples_since, mut since) = (0u64, Instant::now());
-    let (mut total_updates, mut total_skipped) = (0u64, 0u64);
+    let mut last_log_steps = agent.env_steps();
     let mut next_log = next_multiple(agent.env_steps(), cfg.log_every);
     let mut next_ckpt = next_multiple(agent.env_steps(), cfg.checkpoint_every);
     let mut interrupted = false;
@@ -155,8 +167,6 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
         let p = agent.advance(env.as_vec_env()).map_err(|e| with_oom_hint(e, &cfg))?;
         profile.env_collect += p.collect_seconds;
         profile.update += p.update_seconds;
-        total_updates += p.updates;
-        total_skipped += p.skipped;
         samples_since += p.update_samples;
         let steps = agent.env_steps();
         bar.set_position(steps.min(cfg.steps));
@@ -165,10 +175,12 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
             let dt = since.elapsed().as_secs_f64().max(1e-9);
             let mut rec = p.metrics.clone();
             rec.insert("env_steps".into(), json!(steps));
-            rec.insert("updates".into(), json!(total_updates));
-            rec.insert("skipped_steps".into(), json!(total_skipped));
+            let (updates, skipped) = agent.update_counts();
+            rec.insert("updates".into(), json!(updates));
+            rec.insert("skipped_steps".into(), json!(skipped));
             rec.insert("train_samples_per_s".into(), json!(samples_since as f64 / dt));
-            rec.insert("env_samples_per_s".into(), json!((cfg.log_every * e) as f64 / dt));
+            rec.insert("env_samples_per_s".into(), json!(((steps - last_log_steps) * e) as f64 / dt));
+            last_log_steps = steps;
             rec.insert("gpu_mem_peak_mib".into(), json!(mem.peak_mib(&device)?));
             rec.insert("elapsed_s".into(), json!(prior_seconds + t_loop.elapsed().as_secs_f64()));
             metrics.write(&serde_json::Value::Object(rec))?;
@@ -254,7 +266,13 @@ pub(crate) fn install_ctrlc() {
     ONCE.call_once(|| {
         // If a handler cannot be installed the run still works; Ctrl-C then kills it and
         // --resume continues from the last periodic checkpoint.
-        let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
+        // The first Ctrl-C asks the loop to checkpoint and stop; a second one (e.g. during
+        // data preparation or the final backtest, where nothing polls the flag) exits now.
+        let _ = ctrlc::set_handler(|| {
+            if INTERRUPTED.swap(true, Ordering::SeqCst) {
+                std::process::exit(i32::from(EXIT_INTERRUPTED));
+            }
+        });
     });
 }
 
@@ -279,6 +297,14 @@ pub fn eval(run: &std::path::Path) -> Result<()> {
     }
     let device = device_for(&cfg)?;
     let data = Dataset::load(&cfg, Some(c.run.normalizer()?))?;
+    if c.run.data_source != data.source {
+        bail!(
+            "{}: checkpoint was trained on {}, config.toml now names {}",
+            c.trainer.display(),
+            c.run.data_source,
+            data.source
+        );
+    }
     let agent = Agent::load(cfg.model, &c.trainer, &device)?;
     let rep = report::evaluate(&cfg, &data, &agent, &device)?;
     report::write(&dir, "eval.json", &cfg, &data, &rep, None, false)?;
