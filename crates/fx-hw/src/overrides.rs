@@ -127,7 +127,10 @@ impl Overrides {
     ///
     /// Unparseable names fall back to `auto`; use [`Overrides::try_with_device`] to get an error.
     pub fn with_device(self, device: &str) -> Self {
-        self.try_with_device(device).unwrap_or_default()
+        match self.clone().try_with_device(device) {
+            Ok(o) => o,
+            Err(_) => Self { device: None, ..self },
+        }
     }
 
     /// A device override from the config, or an error naming the bad value.

@@ -19,8 +19,11 @@ impl TrainEnv {
         match device {
             Device::Cpu => Ok(TrainEnv::Cpu(CpuTradingEnv::new(data, cfg)?)),
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => {
-                let budget = fx_hw::HardwareBudget::detect();
+            Device::Cuda(cuda) => {
+                // The budget of the GPU the run is on (its SM count sizes the kernel grids).
+                let ordinal = cuda.cuda_stream().context().ordinal();
+                let overrides = fx_hw::Overrides::default().with_device(&format!("cuda:{ordinal}"));
+                let budget = fx_hw::HardwareBudget::detect_with(&overrides);
                 let opts = fx_kernels::GpuEnvOptions::from_budget(&budget);
                 Ok(TrainEnv::Gpu(Box::new(fx_kernels::GpuTradingEnv::new(data, cfg, device, opts)?)))
             }
