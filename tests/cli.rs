@@ -200,7 +200,14 @@ fn train_writes_a_complete_run_folder_and_eval_reads_it() {
         ] {
             assert!(report["agent"]["stats"][k].is_number(), "{model}: report lacks {k}");
         }
-        assert!(report["profile"]["update"].as_f64().unwrap() > 0.0);
+        let profile = &report["profile"];
+        assert!(profile["update"].as_f64().unwrap() > 0.0);
+        for k in ["update_forward", "update_backward", "update_device_wait", "update_optimizer", "env_collect"] {
+            assert!(profile[k].as_f64().is_some_and(|v| v >= 0.0), "{model}: profile lacks {k}");
+        }
+        assert!(
+            profile["update_forward"].as_f64().unwrap() > 0.0 && profile["update_backward"].as_f64().unwrap() > 0.0
+        );
         let out = fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap();
         assert!(ok(&out).contains("backtest of"));
         assert!(run.join("eval.json").exists());

@@ -167,6 +167,8 @@ pub struct DqnTrainer {
     env_steps: u64,
     updates: u64,
     skipped_updates: u64,
+    /// Host seconds building the loss (online and target forwards), for profiles.
+    forward_seconds: f64,
 }
 
 impl std::fmt::Debug for DqnTrainer {
@@ -198,7 +200,17 @@ impl DqnTrainer {
             // The replay sampler draws from the device generator on CUDA.
             device.set_seed(cfg.seed).ctx(CTX)?;
         }
-        Ok(Self { cfg, online, target, step, replay, env_steps: 0, updates: 0, skipped_updates: 0 })
+        Ok(Self {
+            cfg,
+            online,
+            target,
+            step,
+            replay,
+            env_steps: 0,
+            updates: 0,
+            skipped_updates: 0,
+            forward_seconds: 0.0,
+        })
     }
 
     /// The configuration.
@@ -234,6 +246,13 @@ impl DqnTrainer {
     /// Updates skipped for non-finite loss or gradients.
     pub fn skipped_updates(&self) -> u64 {
         self.skipped_updates
+    }
+
+    /// Host seconds of the updates so far: loss forward, then the backward / device-wait /
+    /// optimiser split of [`TrainStep`] (see [`fx_precision::StepTimes`]). Not saved in
+    /// checkpoints.
+    pub fn update_times(&self) -> (f64, fx_precision::StepTimes) {
+        (self.forward_seconds, self.step.times())
     }
 
     /// ε for the next environment step.
@@ -320,7 +339,9 @@ impl DqnTrainer {
     /// untouched) and is reported in the stats.
     pub fn update(&mut self, batch: DqnBatch<'_>) -> Result<DqnUpdateStats> {
         const CTX: &str = "DqnTrainer::update";
+        let started = std::time::Instant::now();
         let parts = dqn_loss(&self.online, &self.target, batch, self.cfg.gamma, self.cfg.huber_delta)?;
+        self.forward_seconds += started.elapsed().as_secs_f64();
         let report = self.step.step(&parts.loss).ctx(CTX)?;
         let skipped = report.skipped.is_some();
         if skipped {

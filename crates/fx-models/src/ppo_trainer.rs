@@ -159,6 +159,8 @@ pub struct PpoTrainer {
     epochs_done: u64,
     updates: u64,
     skipped_updates: u64,
+    /// Host seconds building the loss (forward), for profiles.
+    forward_seconds: f64,
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -195,6 +197,7 @@ impl PpoTrainer {
             epochs_done: 0,
             updates: 0,
             skipped_updates: 0,
+            forward_seconds: 0.0,
         })
     }
 
@@ -226,6 +229,13 @@ impl PpoTrainer {
     /// Minibatch steps skipped for a non-finite loss or gradient.
     pub fn skipped_updates(&self) -> u64 {
         self.skipped_updates
+    }
+
+    /// Host seconds of the minibatch updates so far: loss forward, then the backward /
+    /// device-wait / optimiser split of `TrainStep` (see [`fx_precision::StepTimes`]).
+    /// Not saved in checkpoints.
+    pub fn update_times(&self) -> (f64, fx_precision::StepTimes) {
+        (self.forward_seconds, self.step.times())
     }
 
     /// Actions sampled from the policy (`[E]` u32) with the env's stream-3 draws.
@@ -344,7 +354,9 @@ impl PpoTrainer {
     /// gradient skips the step (nothing changes) and is reported in the stats.
     pub fn update_minibatch(&mut self, batch: PpoBatch<'_>) -> Result<PpoMinibatchStats> {
         const CTX: &str = "PpoTrainer::update_minibatch";
+        let started = std::time::Instant::now();
         let p = ppo_loss(&self.model, batch, &self.cfg.loss)?;
+        self.forward_seconds += started.elapsed().as_secs_f64();
         let report = self.step.step(&p.loss).ctx(CTX)?;
         // The diagnostics in one read (the step above already read loss and norm).
         let d: Vec<f64> = Tensor::stack(&[&p.l_clip, &p.l_v, &p.entropy_mean, &p.approx_kl, &p.clip_frac], 0)

@@ -97,6 +97,22 @@ pub struct TrainStep<O: Optimizer> {
     max_grad_norm: Option<f64>,
     vars: Vec<Var>,
     stats: GuardStats,
+    times: StepTimes,
+}
+
+/// Host wall-clock seconds spent in the phases of [`TrainStep`], summed over its steps
+/// (for run profiles; not saved with checkpoints).
+///
+/// On a GPU the device runs asynchronously: `backward` is the time to record the backward
+/// pass, `device_wait` the one read per step, which waits until the device has finished
+/// the queued forward and backward work, and `optimizer` the time to queue the unscale,
+/// clip and optimiser kernels (their device time shows up in the next step's wait). On
+/// the CPU every phase is compute time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    pub backward: f64,
+    pub device_wait: f64,
+    pub optimizer: f64,
 }
 
 impl<O: Optimizer> TrainStep<O> {
@@ -112,14 +128,28 @@ impl<O: Optimizer> TrainStep<O> {
             }
         }
         let vars = optimizer.vars();
-        Ok(TrainStep { optimizer, scaler, max_grad_norm, vars, stats: GuardStats::default() })
+        Ok(TrainStep {
+            optimizer,
+            scaler,
+            max_grad_norm,
+            vars,
+            stats: GuardStats::default(),
+            times: StepTimes::default(),
+        })
     }
 
     /// One full step on a scalar `loss` (F32 per the precision policy): scaled backward,
     /// then [`TrainStep::apply`].
     pub fn step(&mut self, loss: &Tensor) -> Result<StepReport> {
+        let started = std::time::Instant::now();
         let grads = self.scaler.scale(loss).and_then(|l| l.backward().ctx("TrainStep backward"))?;
+        self.times.backward += started.elapsed().as_secs_f64();
         self.apply(loss, grads)
+    }
+
+    /// Seconds spent per phase so far (see [`StepTimes`]).
+    pub fn times(&self) -> StepTimes {
+        self.times
     }
 
     /// The step after backward, for callers that produced the gradients themselves
@@ -150,10 +180,13 @@ impl<O: Optimizer> TrainStep<O> {
             }
             None => Tensor::zeros(1, acc, loss.device()).ctx(ctx)?,
         };
+        let started = std::time::Instant::now();
         let read: Vec<f64> = Tensor::cat(&[&probe, &loss_v], 0)
             .and_then(|t| t.to_dtype(DType::F64))
             .and_then(|t| t.to_vec1())
             .ctx(ctx)?;
+        self.times.device_wait += started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
         let (sumsq, loss_value) = (read[0], read[1]);
         let grad_norm = sumsq.sqrt();
         let skipped = if !loss_value.is_finite() {
@@ -185,6 +218,7 @@ impl<O: Optimizer> TrainStep<O> {
         }
         // A non-finite scaled loss is an overflow too: back off as for a gradient.
         self.scaler.update(skipped.is_some());
+        self.times.optimizer += started.elapsed().as_secs_f64();
         Ok(report)
     }
 

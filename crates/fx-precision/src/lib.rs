@@ -64,6 +64,6 @@ pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, Named
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
 pub use grad_scaler::{GradScaler, GradScalerConfig, GradScalerState, GRAD_SCALER_METADATA_KEY};
-pub use guard::{missing_gradients, GuardStats, SkipReason, StepReport, TrainStep, GUARD_METADATA_KEY};
+pub use guard::{missing_gradients, GuardStats, SkipReason, StepReport, StepTimes, TrainStep, GUARD_METADATA_KEY};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};

@@ -72,6 +72,15 @@ impl Agent {
         }
     }
 
+    /// Seconds of the updates since this agent was created or loaded: forward, and
+    /// fx-precision's backward / device-wait / optimiser split.
+    pub fn update_times(&self) -> (f64, fx_precision::StepTimes) {
+        match self {
+            Agent::Dqn(t) => t.update_times(),
+            Agent::Ppo(t) => t.update_times(),
+        }
+    }
+
     pub fn env_steps(&self) -> u64 {
         match self {
             Agent::Dqn(t) => t.env_steps(),

@@ -44,8 +44,18 @@ pub struct Profile {
     pub data_prep: f64,
     /// Choosing actions (policy forward), stepping the environment, writing transitions.
     pub env_collect: f64,
-    /// Optimiser steps: forward, loss, backward, clipping, optimiser, target update.
+    /// Optimiser steps: forward, loss, backward, clipping, optimiser, target update; the
+    /// four fields below split it (host clock; on a GPU the device's work on forward and
+    /// backward finishes inside `update_device_wait`, see `fx_precision::StepTimes`).
     pub update: f64,
+    /// Building the loss (the networks' forward passes).
+    pub update_forward: f64,
+    /// Recording the backward pass (and running it, on the CPU).
+    pub update_backward: f64,
+    /// The one device-to-host read per step (the NaN/Inf guard), which waits for the device.
+    pub update_device_wait: f64,
+    /// Unscale, clip and the optimiser (and, for DQN, the soft target update is in `update`).
+    pub update_optimizer: f64,
     /// Writing checkpoints and metrics.
     pub checkpoint_and_logging: f64,
     /// The backtest of the test split.
@@ -210,6 +220,11 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
         return Ok(Outcome::Interrupted);
     }
 
+    let (fwd, times) = agent.update_times();
+    profile.update_forward = fwd;
+    profile.update_backward = times.backward;
+    profile.update_device_wait = times.device_wait;
+    profile.update_optimizer = times.optimizer;
     let t = Instant::now();
     let rep = report::evaluate(&cfg, &data, &agent, &device)?;
     profile.evaluation = t.elapsed().as_secs_f64();
