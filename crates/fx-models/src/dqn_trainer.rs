@@ -157,6 +157,12 @@ struct DqnCounters {
     config: DqnConfig,
 }
 
+impl crate::state_meta::Versioned for DqnCounters {
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
 /// The DQN learner: online and target networks, AdamW, replay buffer and counters.
 pub struct DqnTrainer {
     cfg: DqnConfig,
@@ -382,8 +388,7 @@ impl DqnTrainer {
             replay_position: self.replay.position(),
             config: self.cfg.clone(),
         };
-        let json = serde_json::to_string(&counters).map_err(|source| Error::Json { context: CTX, source })?;
-        meta.insert(STATE_KEY.to_string(), json);
+        crate::state_meta::write(&mut meta, STATE_KEY, &counters, CTX)?;
         fx_precision::save_tensors_atomic(path, &t, &meta).ctx(CTX)
     }
 
@@ -392,16 +397,7 @@ impl DqnTrainer {
     pub fn load_state(path: &Path, device: &Device) -> Result<Self> {
         const CTX: &str = "DqnTrainer::load_state";
         let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
-        let json = nt.metadata().get(STATE_KEY).cloned().ok_or_else(|| {
-            Error::config(CTX, format!("{} has no `{STATE_KEY}` metadata (not a DQN trainer state)", path.display()))
-        })?;
-        let c: DqnCounters = serde_json::from_str(&json).map_err(|source| Error::Json { context: CTX, source })?;
-        if c.version != STATE_VERSION {
-            return Err(Error::config(
-                CTX,
-                format!("{}: state version {} (expected {STATE_VERSION})", path.display(), c.version),
-            ));
-        }
+        let c: DqnCounters = crate::state_meta::read(&nt, path, STATE_KEY, "a DQN trainer state", STATE_VERSION, CTX)?;
         let mut me = Self::new(c.config, device)?;
         nt.restore_varmap(me.online.params().varmap(), "online.").ctx(CTX)?;
         nt.restore_varmap(me.target.params().varmap(), "target.").ctx(CTX)?;

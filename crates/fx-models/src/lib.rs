@@ -37,6 +37,7 @@ pub mod schedule;
 pub mod seq_ops;
 pub mod seq_params;
 pub mod seq_train;
+mod state_meta;
 pub mod tft;
 
 #[cfg(test)]

@@ -145,6 +145,12 @@ struct PpoCounters {
     config: PpoConfig,
 }
 
+impl crate::state_meta::Versioned for PpoCounters {
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
 /// The PPO learner: actor-critic, Adam, rollout storage and counters.
 pub struct PpoTrainer {
     cfg: PpoConfig,
@@ -402,8 +408,7 @@ impl PpoTrainer {
             num_envs: self.num_envs,
             config: self.cfg.clone(),
         };
-        let json = serde_json::to_string(&c).map_err(|source| Error::Json { context: CTX, source })?;
-        meta.insert(STATE_KEY.to_string(), json);
+        crate::state_meta::write(&mut meta, STATE_KEY, &c, CTX)?;
         fx_precision::save_tensors_atomic(path, &t, &meta).ctx(CTX)
     }
 
@@ -411,16 +416,7 @@ impl PpoTrainer {
     pub fn load_state(path: &Path, device: &Device) -> Result<Self> {
         const CTX: &str = "PpoTrainer::load_state";
         let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
-        let json = nt.metadata().get(STATE_KEY).cloned().ok_or_else(|| {
-            Error::config(CTX, format!("{} has no `{STATE_KEY}` metadata (not a PPO trainer state)", path.display()))
-        })?;
-        let c: PpoCounters = serde_json::from_str(&json).map_err(|source| Error::Json { context: CTX, source })?;
-        if c.version != STATE_VERSION {
-            return Err(Error::config(
-                CTX,
-                format!("{}: state version {} (expected {STATE_VERSION})", path.display(), c.version),
-            ));
-        }
+        let c: PpoCounters = crate::state_meta::read(&nt, path, STATE_KEY, "a PPO trainer state", STATE_VERSION, CTX)?;
         let mut me = Self::new(c.config, c.num_envs, device)?;
         nt.restore_varmap(me.model.params().varmap(), "model.").ctx(CTX)?;
         me.step.load_state(&mut nt, "opt.").ctx(CTX)?;
