@@ -98,7 +98,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        std::fs::rename(&tmp, path)?;
+        // The rename itself is durable only once the folder is synced (where the platform
+        // lets a folder be opened; elsewhere the rename is still atomic).
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -213,7 +221,25 @@ impl RunDir {
             let _ = std::fs::remove_file(self.run_state_path(old));
             let _ = std::fs::remove_file(self.trainer_path(old));
         }
+        self.remove_orphans(run.env_steps)?;
         Ok(trainer)
+    }
+
+    /// Trainer files older than `newest` without their run-state file: left by a crash
+    /// between a checkpoint's two writes, never loadable, possibly large (a DQN state holds
+    /// the replay buffer).
+    fn remove_orphans(&self, newest: u64) -> Result<()> {
+        for entry in std::fs::read_dir(&self.root).with_context(|| format!("listing {}", self.root.display()))? {
+            let name = entry.with_context(|| format!("listing {}", self.root.display()))?.file_name();
+            let name = name.to_string_lossy();
+            let step = name.strip_prefix("checkpoint-").and_then(|r| r.strip_suffix(".safetensors"));
+            if let Some(step) = step.and_then(|s| s.parse::<u64>().ok()) {
+                if step < newest && !self.run_state_path(step).exists() {
+                    let _ = std::fs::remove_file(self.trainer_path(step));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `metrics.jsonl` for appending; on resume, lines after the checkpoint's step are
@@ -276,6 +302,31 @@ mod tests {
         write_atomic(&root.join("config.toml"), b"x").unwrap();
         assert!(RunDir::open(&root, false).unwrap_err().to_string().contains("--resume"));
         RunDir::open(&root, true).unwrap();
+    }
+
+    #[test]
+    fn checkpoints_keep_the_newest_and_drop_orphans() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::open(dir.path(), false).unwrap();
+        // A trainer file whose run state was never written (a crash between the writes).
+        write_atomic(&run.trainer_path(5), b"orphan").unwrap();
+        let state = |step| RunState {
+            version: RUN_STATE_VERSION,
+            model: ModelChoice::Dqn,
+            env_steps: step,
+            env: None,
+            norm_mean: vec![0.0],
+            norm_std: vec![1.0],
+            data_source: "test".into(),
+            train_seconds: 0.0,
+        };
+        for step in [10, 20, 30] {
+            run.write_checkpoint(&state(step), 2, |p| write_atomic(p, b"weights")).unwrap();
+        }
+        assert!(!run.trainer_path(5).exists(), "orphaned trainer file kept");
+        assert!(!run.trainer_path(10).exists() && !run.run_state_path(10).exists());
+        assert_eq!(run.checkpoint_steps().unwrap(), vec![20, 30]);
+        assert_eq!(run.latest_checkpoint().unwrap().unwrap().env_steps, 30);
     }
 
     #[test]
