@@ -9,6 +9,7 @@ mod dataset;
 mod device_memory;
 mod hw;
 mod plots;
+mod progress;
 mod report;
 mod run_dir;
 mod seq_run;

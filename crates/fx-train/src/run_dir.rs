@@ -91,6 +91,31 @@ pub struct Checkpoint {
     pub run: RunState,
 }
 
+impl Checkpoint {
+    /// Refuses a checkpoint of another model; `what` says where the expected model came
+    /// from ("the config asks for", "config.toml says").
+    pub fn check_model(&self, model: ModelChoice, what: &str) -> Result<()> {
+        if self.run.model != model {
+            bail!(
+                "{}: checkpoint is a {} run, {what} {}",
+                self.trainer.display(),
+                self.run.model.as_str(),
+                model.as_str()
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuses data other than what the checkpoint was trained on (its normaliser and
+    /// weights belong to that data); `what` as in [`Checkpoint::check_model`].
+    pub fn check_source(&self, source: &str, what: &str) -> Result<()> {
+        if self.run.data_source != source {
+            bail!("{}: checkpoint was trained on {}, {what} {source}", self.trainer.display(), self.run.data_source);
+        }
+        Ok(())
+    }
+}
+
 /// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = tmp_path(path);

@@ -19,7 +19,6 @@ use fx_models::seq_train::{
     evaluate, evaluate_forecasts, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries, SeqTask, SeqTrainer,
 };
 use fx_models::{Mamba2, Tft};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;
 
@@ -116,13 +115,6 @@ fn check_windows(d: &SeqData, len: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_checkpoint(c: &Checkpoint, cfg: &RunConfig, what: &str) -> Result<()> {
-    if c.run.model != cfg.model {
-        bail!("{}: checkpoint is a {} run, {what} {}", c.trainer.display(), c.run.model.as_str(), cfg.model.as_str());
-    }
-    Ok(())
-}
-
 /// Calls `f` with the run's model as a [`SeqTask`] (weights seeded by the run's seed).
 fn with_task<R>(cfg: &RunConfig, device: &Device, f: impl FnOnce(&dyn SeqTaskRun) -> Result<R>) -> Result<R> {
     match cfg.model {
@@ -185,20 +177,13 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let device = device_for(&cfg)?;
     let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
     if let Some(c) = &checkpoint {
-        check_checkpoint(c, &cfg, "the config asks for")?;
+        c.check_model(cfg.model, "the config asks for")?;
     }
     let t = Instant::now();
     let saved_norm = checkpoint.as_ref().map(|c| c.run.normalizer()).transpose()?;
     let d = seq_data(&cfg, saved_norm)?;
     if let Some(c) = &checkpoint {
-        if c.run.data_source != d.data.source {
-            bail!(
-                "{}: checkpoint was trained on {}, the config now names {}",
-                c.trainer.display(),
-                c.run.data_source,
-                d.data.source
-            );
-        }
+        c.check_source(&d.data.source, "the config now names")?;
     }
     let profile = SeqProfile { data_prep: t.elapsed().as_secs_f64(), ..SeqProfile::default() };
     let ctx = RunCtx { t_start, dir, device: device.clone(), checkpoint, d, profile };
@@ -232,7 +217,8 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
 
     let quiet = opts.quiet || !std::io::stdout().is_terminal();
     let bpe = trainer.batches_per_epoch() as u64;
-    let bar = progress_bar(cfg, bpe * cfg.seq.epochs as u64, bpe * trainer.epochs_done() as u64, quiet);
+    let (len, start) = (bpe * cfg.seq.epochs as u64, bpe * trainer.epochs_done() as u64);
+    let bar = crate::progress::bar(format!("train {}", cfg.model.as_str()), len, start, "batches", quiet);
     install_ctrlc();
     let mut mem = crate::device_memory::MemProbe::for_device(&device);
     mem.start(&device)?;
@@ -422,28 +408,15 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
     println!("run folder: {}", dir.root().display());
 }
 
-fn progress_bar(cfg: &RunConfig, len: u64, start: u64, quiet: bool) -> ProgressBar {
-    if quiet {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(len).with_position(start);
-    bar.set_style(
-        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} batches ({per_sec}, {eta}) {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(format!("train {}", cfg.model.as_str()));
-    bar
-}
-
 /// `fx-train eval` of a sequence run: the best weights of its latest checkpoint, forecast
 /// metrics on the test split (written to `eval.json`).
 pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     let Some(c) = dir.latest_checkpoint()? else {
         bail!("{} holds no checkpoint yet", dir.root().display());
     };
-    check_checkpoint(&c, &cfg, "config.toml says")?;
+    c.check_model(cfg.model, "config.toml says")?;
     let device = device_for(&cfg)?;
     let d = seq_data(&cfg, Some(c.run.normalizer()?))?;
+    c.check_source(&d.data.source, "config.toml now names")?;
     with_task(&cfg, &device, |task| task.eval(&cfg, dir, &c, &d))
 }

@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use crate::agent::Agent;
@@ -104,28 +103,14 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let device = device_for(&cfg)?;
     let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
     if let Some(c) = &checkpoint {
-        if c.run.model != cfg.model {
-            bail!(
-                "{}: checkpoint is a {} run, the config asks for {}",
-                c.trainer.display(),
-                c.run.model.as_str(),
-                cfg.model.as_str()
-            );
-        }
+        c.check_model(cfg.model, "the config asks for")?;
     }
 
     let t = Instant::now();
     let saved_norm = checkpoint.as_ref().map(|c| c.run.normalizer()).transpose()?;
     let data = Dataset::load(&cfg, saved_norm)?;
     if let Some(c) = &checkpoint {
-        if c.run.data_source != data.source {
-            bail!(
-                "{}: checkpoint was trained on {}, the config now names {}",
-                c.trainer.display(),
-                c.run.data_source,
-                data.source
-            );
-        }
+        c.check_source(&data.source, "the config now names")?;
     }
     let train_rows = data.env_data(data.splits.train.clone())?;
     profile.data_prep = t.elapsed().as_secs_f64();
@@ -148,7 +133,8 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
 
     let quiet = opts.quiet || !std::io::stdout().is_terminal();
-    let bar = progress_bar(&cfg, agent.env_steps(), quiet);
+    let prefix = format!("train {}", cfg.model.as_str());
+    let bar = crate::progress::bar(prefix, cfg.steps, agent.env_steps(), "env steps", quiet);
     install_ctrlc();
 
     let e = env.num_envs() as u64;
@@ -262,20 +248,6 @@ fn next_multiple(steps: u64, every: u64) -> u64 {
     (steps / every + 1) * every
 }
 
-fn progress_bar(cfg: &RunConfig, start: u64, quiet: bool) -> ProgressBar {
-    if quiet {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(cfg.steps).with_position(start);
-    bar.set_style(
-        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} env steps ({eta}) {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(format!("train {}", cfg.model.as_str()));
-    bar
-}
-
 pub(crate) fn install_ctrlc() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -302,24 +274,10 @@ pub fn eval(run: &std::path::Path) -> Result<()> {
     let Some(c) = dir.latest_checkpoint()? else {
         bail!("{} holds no checkpoint yet", run.display());
     };
-    if c.run.model != cfg.model {
-        bail!(
-            "{}: checkpoint is a {} run, config.toml says {}",
-            c.trainer.display(),
-            c.run.model.as_str(),
-            cfg.model.as_str()
-        );
-    }
+    c.check_model(cfg.model, "config.toml says")?;
     let device = device_for(&cfg)?;
     let data = Dataset::load(&cfg, Some(c.run.normalizer()?))?;
-    if c.run.data_source != data.source {
-        bail!(
-            "{}: checkpoint was trained on {}, config.toml now names {}",
-            c.trainer.display(),
-            c.run.data_source,
-            data.source
-        );
-    }
+    c.check_source(&data.source, "config.toml now names")?;
     let agent = Agent::load(cfg.model, &c.trainer, &device)?;
     let rep = report::evaluate(&cfg, &data, &agent, &device)?;
     report::write(&dir, "eval.json", &cfg, &data, &rep, None, false)?;
