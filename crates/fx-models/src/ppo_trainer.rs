@@ -363,11 +363,10 @@ impl PpoTrainer {
         let started = std::time::Instant::now();
         let p = ppo_loss(&self.model, batch, &self.cfg.loss)?;
         self.forward_seconds += started.elapsed().as_secs_f64();
-        let report = self.step.step(&p.loss).ctx(CTX)?;
-        // The diagnostics in one read (the step above already read loss and norm).
-        let d: Vec<f64> = Tensor::stack(&[&p.l_clip, &p.l_v, &p.entropy_mean, &p.approx_kl, &p.clip_frac], 0)
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.to_vec1())
+        // The diagnostics travel in the step's one device-to-host read.
+        let (report, d) = self
+            .step
+            .step_reading(&p.loss, &[&p.l_clip, &p.l_v, &p.entropy_mean, &p.approx_kl, &p.clip_frac])
             .ctx(CTX)?;
         let skipped = report.skipped.is_some();
         if skipped {

@@ -141,10 +141,17 @@ impl<O: Optimizer> TrainStep<O> {
     /// One full step on a scalar `loss` (F32 per the precision policy): scaled backward,
     /// then [`TrainStep::apply`].
     pub fn step(&mut self, loss: &Tensor) -> Result<StepReport> {
+        Ok(self.step_reading(loss, &[])?.0)
+    }
+
+    /// [`TrainStep::step`] that also returns the values of the scalar tensors `extra`
+    /// (a model's diagnostics), read in the step's one device-to-host transfer instead of
+    /// a second synchronising read.
+    pub fn step_reading(&mut self, loss: &Tensor, extra: &[&Tensor]) -> Result<(StepReport, Vec<f64>)> {
         let started = std::time::Instant::now();
         let grads = self.scaler.scale(loss).and_then(|l| l.backward().ctx("TrainStep backward"))?;
         self.times.backward += started.elapsed().as_secs_f64();
-        self.apply(loss, grads)
+        self.apply_reading(loss, grads, extra)
     }
 
     /// Seconds spent per phase so far (see [`StepTimes`]).
@@ -155,8 +162,23 @@ impl<O: Optimizer> TrainStep<O> {
     /// The step after backward, for callers that produced the gradients themselves
     /// (accumulation, checkpointing): `grads` are gradients of `scale_loss(loss)`, and
     /// `loss` is the unscaled scalar loss (only its value is read).
-    pub fn apply(&mut self, loss: &Tensor, mut grads: GradStore) -> Result<StepReport> {
+    pub fn apply(&mut self, loss: &Tensor, grads: GradStore) -> Result<StepReport> {
+        Ok(self.apply_reading(loss, grads, &[])?.0)
+    }
+
+    fn apply_reading(
+        &mut self,
+        loss: &Tensor,
+        mut grads: GradStore,
+        extra: &[&Tensor],
+    ) -> Result<(StepReport, Vec<f64>)> {
         let ctx = "TrainStep::apply";
+        if let Some(bad) = extra.iter().find(|t| t.elem_count() != 1) {
+            return Err(Error::Config {
+                what: "TrainStep extra reads",
+                message: format!("must be scalars, got shape {:?}", bad.dims()),
+            });
+        }
         if loss.elem_count() != 1 {
             return Err(Error::Config {
                 what: "TrainStep loss",
@@ -181,10 +203,12 @@ impl<O: Optimizer> TrainStep<O> {
             None => Tensor::zeros(1, acc, loss.device()).ctx(ctx)?,
         };
         let started = std::time::Instant::now();
-        let read: Vec<f64> = Tensor::cat(&[&probe, &loss_v], 0)
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.to_vec1())
-            .ctx(ctx)?;
+        let mut parts = vec![probe, loss_v];
+        for t in extra {
+            parts.push(t.detach().to_dtype(acc).and_then(|t| t.reshape(1)).ctx(ctx)?);
+        }
+        let read: Vec<f64> =
+            Tensor::cat(&parts, 0).and_then(|t| t.to_dtype(DType::F64)).and_then(|t| t.to_vec1()).ctx(ctx)?;
         self.times.device_wait += started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
         let (sumsq, loss_value) = (read[0], read[1]);
@@ -219,7 +243,7 @@ impl<O: Optimizer> TrainStep<O> {
         // A non-finite scaled loss is an overflow too: back off as for a gradient.
         self.scaler.update(skipped.is_some());
         self.times.optimizer += started.elapsed().as_secs_f64();
-        Ok(report)
+        Ok((report, read[2..].to_vec()))
     }
 
     /// The factor the loss is multiplied by before backward (1 without scaling); pass it
@@ -499,5 +523,26 @@ mod tests {
             Some(f64::NAN)
         )
         .is_err());
+    }
+
+    #[test]
+    fn step_reading_returns_extras_from_the_same_read() {
+        let dev = Device::Cpu;
+        let w = Var::from_vec(vec![0.5f32, -1.5, 2.0], 3, &dev).unwrap();
+        let c = Tensor::new(&[1f32, 2.0, 3.0], &dev).unwrap();
+        let opt = AdamW::new([("w".to_string(), w.clone())], AdamWConfig::default()).unwrap();
+        let mut ts = TrainStep::new(opt, GradScaler::for_precision(Precision::F32), None).unwrap();
+        let loss = loss_of(&w, &c, 0);
+        let a = Tensor::new(0.25f32, &dev).unwrap();
+        let b = w.as_tensor().sum_all().unwrap();
+        let before = w.as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64;
+        let (report, extra) = ts.step_reading(&loss, &[&a, &b]).unwrap();
+        assert_eq!(extra.len(), 2);
+        assert_eq!(extra[0], 0.25);
+        // Read before the optimiser moved the weights.
+        assert!((extra[1] - before).abs() < 1e-6, "{extra:?} vs {before}");
+        assert!(report.skipped.is_none() && report.loss.is_finite());
+        let not_scalar = Tensor::new(&[1f32, 2.0], &dev).unwrap();
+        assert!(ts.step_reading(&loss_of(&w, &c, 0), &[&not_scalar]).is_err());
     }
 }
