@@ -143,12 +143,6 @@ impl HardwareBudget {
     pub fn set_measured_cost(&mut self, model: ModelKind, cost: CostModel) {
         self.costs.insert(model, Sourced::new(cost, Source::Probe));
     }
-
-    /// The SM count of the GPU, or the CPU core count (used to size kernel grids and
-    /// worker pools).
-    pub fn parallel_units(&self) -> usize {
-        self.gpu.as_ref().map(|g| g.sm_count as usize).unwrap_or(self.host.cpu_cores)
-    }
 }
 
 fn source_of(o: &Overrides) -> Source {

@@ -85,7 +85,6 @@ impl RunState {
 
 /// A checkpoint on disk.
 pub struct Checkpoint {
-    pub env_steps: u64,
     /// The trainer's state (weights, optimiser, scaler, replay/rollout, counters).
     pub trainer: PathBuf,
     pub run: RunState,
@@ -226,7 +225,7 @@ impl RunDir {
                 run.version
             );
         }
-        Ok(Some(Checkpoint { env_steps: step, trainer: self.trainer_path(step), run }))
+        Ok(Some(Checkpoint { trainer: self.trainer_path(step), run }))
     }
 
     /// Writes a checkpoint: the trainer's state file (through `save`, itself atomic), then
@@ -351,7 +350,7 @@ mod tests {
         assert!(!run.trainer_path(5).exists(), "orphaned trainer file kept");
         assert!(!run.trainer_path(10).exists() && !run.run_state_path(10).exists());
         assert_eq!(run.checkpoint_steps().unwrap(), vec![20, 30]);
-        assert_eq!(run.latest_checkpoint().unwrap().unwrap().env_steps, 30);
+        assert_eq!(run.latest_checkpoint().unwrap().unwrap().run.env_steps, 30);
     }
 
     #[test]

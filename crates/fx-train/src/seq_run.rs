@@ -200,7 +200,7 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
     if !opts.resume {
         write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
     }
-    let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.env_steps))?;
+    let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.run.env_steps))?;
     let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
     let save = |trainer: &SeqTrainer, profile: &mut SeqProfile, secs: f64| -> Result<()> {
         let t = Instant::now();

@@ -129,7 +129,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     if !opts.resume || opts.steps.is_some() {
         write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
     }
-    let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.env_steps))?;
+    let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.run.env_steps))?;
     let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
 
     let quiet = opts.quiet || !std::io::stdout().is_terminal();
