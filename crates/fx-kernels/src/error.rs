@@ -50,6 +50,15 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
+    /// A configuration beyond what a fused kernel supports (too wide, too deep, too many
+    /// actions); the caller can fall back to the general (candle) path.
+    #[error("unsupported by {context}: {message}")]
+    Unsupported {
+        /// The kernel or function whose limit was hit.
+        context: &'static str,
+        /// What exceeds which limit.
+        message: String,
+    },
     /// A tensor has the wrong dtype.
     #[error("{what}: expected dtype {expected:?}, got {got:?} in {context}")]
     DType {

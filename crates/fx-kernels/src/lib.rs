@@ -33,6 +33,8 @@ pub mod cuda;
 pub mod env;
 mod error;
 pub mod gae;
+pub mod mlp_ref;
+pub mod optim_ref;
 pub mod replay;
 pub mod rng;
 pub mod rollout;

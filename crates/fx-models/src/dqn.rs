@@ -125,6 +125,20 @@ impl DuelingDqn {
         self.forward_inference(s)?.argmax(D::Minus1).ctx("DuelingDqn::greedy_actions")
     }
 
+    /// The greedy policy as one fused CUDA kernel over this network's own weights, in F32
+    /// whatever the precision policy, seeing their in-place updates (see
+    /// `fx_kernels::cuda::mlp`). Dimensions beyond the kernel's limits are
+    /// `fx_kernels::Error::Unsupported` inside [`Error::Kernels`]: use
+    /// [`Self::greedy_actions`] then.
+    #[cfg(feature = "cuda")]
+    pub fn fused_policy(&self) -> Result<fx_kernels::cuda::mlp::MlpPolicy> {
+        use fx_kernels::mlp_ref::{Activation, GreedyMlp, Head, Linear};
+        let lin = |l: usize| Linear { weight: self.params.t(2 * l), bias: self.params.t(2 * l + 1) };
+        let hidden = [(lin(0), Activation::Relu), (lin(1), Activation::Relu), (lin(2), Activation::Relu)];
+        let head = Head::Dueling { value: lin(3), advantage: lin(4) };
+        fx_kernels::cuda::mlp::MlpPolicy::new(&GreedyMlp { hidden: &hidden, head }).ctx("DuelingDqn::fused_policy")
+    }
+
     fn forward_with(&self, s: &Tensor, w: &[&Tensor]) -> Result<Tensor> {
         const CTX: &str = "DuelingDqn::forward";
         check_states(s, self.cfg.state_dim, CTX)?;
@@ -241,6 +255,26 @@ pub fn soft_update(target: &DuelingDqn, online: &DuelingDqn, tau: f64) -> Result
 pub(crate) mod tests {
     use super::*;
     use crate::fixtures::{rel_err, Fixture};
+
+    /// The fused kernel's actions are candle's, except on near-ties; off CUDA it is refused.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn fused_policy_matches_greedy_actions() {
+        assert!(DuelingDqn::new(DqnNetConfig::default(), &Device::Cpu, 0).unwrap().fused_policy().is_err());
+        let Ok(Ok(dev)) = std::panic::catch_unwind(|| Device::new_cuda(0)) else {
+            eprintln!("fused_policy_matches_greedy_actions: skipped, no CUDA device");
+            return;
+        };
+        let net = DuelingDqn::new(DqnNetConfig { hidden: 64, n_actions: 5, ..Default::default() }, &dev, 5).unwrap();
+        let s = Tensor::randn(0f32, 1.0, (512, 56), &dev).unwrap();
+        let got: Vec<u32> = net.fused_policy().unwrap().greedy(&s).unwrap().to_vec1().unwrap();
+        let want: Vec<u32> = net.greedy_actions(&s).unwrap().to_vec1().unwrap();
+        let q: Vec<Vec<f32>> = net.forward_inference(&s).unwrap().to_vec2().unwrap();
+        for (r, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let (qg, qw) = (q[r][g as usize], q[r][w as usize]);
+            assert!(g == w || (qg - qw).abs() <= 1e-5 * (1.0 + qw.abs()), "row {r}: fused {g}, candle {w}: {:?}", q[r]);
+        }
+    }
 
     /// The fixture's networks: h = 64, online weights at the top level, target under
     /// `target.`.

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use fx_kernels::{ReplayBuffer, VecEnv};
-use fx_precision::{AdamW, AdamWConfig, GradScaler, Precision, TrainStep};
+use fx_precision::{AdamW, AdamWConfig, GradScaler, GraphMode, Precision, TrainStep};
 use serde::{Deserialize, Serialize};
 
 use crate::dqn::{dqn_loss, soft_update, DqnBatch, DqnNetConfig, DuelingDqn};
@@ -60,6 +60,9 @@ pub struct DqnConfig {
     pub epsilon: LinearSchedule,
     /// Seed of the weight initialisation and the replay index draws.
     pub seed: u64,
+    /// On CUDA: each update (loss, backward, guard, clip, AdamW, target update) as one
+    /// replayed CUDA graph (`auto`: fall back to eager with a warning if capture fails).
+    pub graph: GraphMode,
 }
 
 impl Default for DqnConfig {
@@ -79,6 +82,7 @@ impl Default for DqnConfig {
             gradient_steps: 1,
             epsilon: LinearSchedule::default(),
             seed: 0,
+            graph: GraphMode::Auto,
         }
     }
 }
@@ -175,6 +179,12 @@ pub struct DqnTrainer {
     skipped_updates: u64,
     /// Host seconds building the loss (online and target forwards), for profiles.
     forward_seconds: f64,
+    /// The captured update (CUDA, `graph` not off), built at the first update.
+    #[cfg(feature = "cuda")]
+    graph: Option<crate::graph_update::GraphUpdate>,
+    /// Set when `graph = auto` and the capture failed: updates run eagerly.
+    #[cfg(feature = "cuda")]
+    graph_failed: bool,
 }
 
 impl std::fmt::Debug for DqnTrainer {
@@ -216,6 +226,10 @@ impl DqnTrainer {
             updates: 0,
             skipped_updates: 0,
             forward_seconds: 0.0,
+            #[cfg(feature = "cuda")]
+            graph: None,
+            #[cfg(feature = "cuda")]
+            graph_failed: false,
         })
     }
 
@@ -345,6 +359,19 @@ impl DqnTrainer {
     /// untouched) and is reported in the stats.
     pub fn update(&mut self, batch: DqnBatch<'_>) -> Result<DqnUpdateStats> {
         const CTX: &str = "DqnTrainer::update";
+        #[cfg(feature = "cuda")]
+        if self.graph_ready(batch)? {
+            self.update_queued(batch)?;
+            let st = self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx(CTX)?.expect("graph is ready");
+            self.updates = st.guard.applied;
+            self.skipped_updates = st.guard.nonfinite_loss + st.guard.nonfinite_grad;
+            return Ok(DqnUpdateStats {
+                loss: st.last_loss,
+                grad_norm: st.last_grad_norm,
+                skipped: st.last_skipped,
+                loss_scale: st.loss_scale,
+            });
+        }
         let started = std::time::Instant::now();
         let parts = dqn_loss(&self.online, &self.target, batch, self.cfg.gamma, self.cfg.huber_delta)?;
         self.forward_seconds += started.elapsed().as_secs_f64();
@@ -359,6 +386,98 @@ impl DqnTrainer {
         Ok(DqnUpdateStats { loss: report.loss, grad_norm: report.grad_norm, skipped, loss_scale: report.loss_scale })
     }
 
+    /// Sets `graph` (e.g. after [`Self::load_state`], whose config is the saved one).
+    /// A graph already captured stays in use.
+    pub fn set_graph_mode(&mut self, mode: GraphMode) {
+        self.cfg.graph = mode;
+    }
+
+    /// Whether updates run as the captured graph: builds it at the first call on CUDA
+    /// unless `graph = off` (or `auto` and an earlier capture failed). The graph takes
+    /// over the optimiser, scaler and guard state from the eager `TrainStep`.
+    #[cfg(feature = "cuda")]
+    pub fn graph_ready(&mut self, example: DqnBatch<'_>) -> Result<bool> {
+        if self.graph.is_some() {
+            return Ok(true);
+        }
+        if self.graph_failed || self.cfg.graph == GraphMode::Off || !self.online.params().device().is_cuda() {
+            return Ok(false);
+        }
+        match self.capture_graph(example) {
+            Ok(g) => {
+                self.graph = Some(g);
+                Ok(true)
+            }
+            Err(e) if self.cfg.graph == GraphMode::Auto => {
+                eprintln!("warning: DQN update graph not captured, running eagerly: {e}");
+                self.graph_failed = true;
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn capture_graph(&self, ex: DqnBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
+        const CTX: &str = "DqnTrainer::capture_graph";
+        let named = self
+            .online
+            .params()
+            .specs()
+            .iter()
+            .map(|s| s.name.clone())
+            .zip(self.online.params().vars().iter().cloned());
+        let mut fused = fx_precision::FusedStep::new(
+            named.collect(),
+            &self.cfg.optimizer,
+            self.step.scaler(),
+            Some(self.cfg.max_grad_norm),
+        )
+        .and_then(|f| f.with_targets(self.target.params().vars().to_vec(), self.cfg.tau))
+        .ctx(CTX)?;
+        fused.load_from(&self.step).ctx(CTX)?;
+        let mut body = self.graph_body();
+        crate::graph_update::GraphUpdate::capture(
+            fused,
+            &[ex.obs, ex.actions, ex.rewards, ex.next_obs, ex.dones],
+            &mut body,
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn graph_body(&self) -> impl FnMut(&fx_precision::FusedStep, &[Tensor], bool) -> Result<()> + '_ {
+        move |fused, t, dry| {
+            const CTX: &str = "DqnTrainer graph body";
+            let batch = DqnBatch { obs: &t[0], actions: &t[1], rewards: &t[2], next_obs: &t[3], dones: &t[4] };
+            let parts = dqn_loss(&self.online, &self.target, batch, self.cfg.gamma, self.cfg.huber_delta)?;
+            let grads = fused.scale_loss(&parts.loss).ctx(CTX)?.backward().ctx(CTX)?;
+            fused.step(&parts.loss, &grads, &[], dry).ctx(CTX)
+        }
+    }
+
+    /// Queues one captured update on `batch` without reading anything back (benchmarks;
+    /// [`DqnTrainer::update`] reads the step's statistics). Needs [`DqnTrainer::graph_ready`].
+    #[cfg(feature = "cuda")]
+    pub fn update_queued(&self, batch: DqnBatch<'_>) -> Result<()> {
+        let Some(g) = self.graph.as_ref() else {
+            return Err(Error::config("DqnTrainer::update_queued", "no captured graph (see graph_ready)"));
+        };
+        let mut body = self.graph_body();
+        g.run(&[batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.dones], &mut body)
+    }
+
+    /// Nodes (launches) of the captured update, if a graph is in use.
+    #[cfg(feature = "cuda")]
+    pub fn graph_nodes(&self) -> Result<Option<usize>> {
+        self.graph.as_ref().map(|g| g.node_count()).transpose()
+    }
+
+    /// The captured update's device-side statistics (one read), if a graph is in use.
+    #[cfg(feature = "cuda")]
+    pub fn graph_stats(&self) -> Result<Option<fx_precision::FusedStats>> {
+        self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx("DqnTrainer::graph_stats")
+    }
+
     /// Writes everything a bit-identical resume needs (CPU): online and target weights,
     /// AdamW moments and step counts, loss-scaler and guard state, the replay buffer's transitions and ring position,
     /// the step counters and the config, atomically to one safetensors file. The
@@ -368,7 +487,13 @@ impl DqnTrainer {
         let mut t: HashMap<String, Tensor> = self.online.params().to_tensors("online.")?;
         t.extend(self.target.params().to_tensors("target.")?);
         let mut meta = HashMap::new();
-        self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.graph {
+            g.fused().save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
+        }
+        if meta.is_empty() {
+            self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
+        }
         let n = self.replay.len();
         if n > 0 {
             let idx = Tensor::arange(0u32, n as u32, self.replay.device()).ctx(CTX)?;

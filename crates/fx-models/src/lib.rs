@@ -28,6 +28,8 @@ pub mod backtest;
 pub mod dqn;
 pub mod dqn_trainer;
 mod error;
+#[cfg(feature = "cuda")]
+mod graph_update;
 mod linear;
 pub mod mamba2;
 pub mod param_io;

@@ -153,6 +153,20 @@ impl ActorCritic {
         logits.argmax(D::Minus1).ctx("ActorCritic::greedy_actions")
     }
 
+    /// The actor's greedy policy as one fused CUDA kernel over this network's own weights,
+    /// in F32 whatever the precision policy, seeing their in-place updates (see
+    /// `fx_kernels::cuda::mlp`). Dimensions beyond the kernel's limits are
+    /// `fx_kernels::Error::Unsupported` inside [`Error::Kernels`]: use
+    /// [`Self::greedy_actions`] then.
+    #[cfg(feature = "cuda")]
+    pub fn fused_policy(&self) -> Result<fx_kernels::cuda::mlp::MlpPolicy> {
+        use fx_kernels::mlp_ref::{Activation, GreedyMlp, Head, Linear};
+        let lin = |l: usize| Linear { weight: self.params.t(2 * l), bias: self.params.t(2 * l + 1) };
+        let hidden = [(lin(0), Activation::Tanh), (lin(1), Activation::Tanh)];
+        fx_kernels::cuda::mlp::MlpPolicy::new(&GreedyMlp { hidden: &hidden, head: Head::Logits(lin(2)) })
+            .ctx("ActorCritic::fused_policy")
+    }
+
     fn forward_with(&self, s: &Tensor, w: &[&Tensor]) -> Result<(Tensor, Tensor)> {
         const CTX: &str = "ActorCritic::forward";
         check_states(s, self.cfg.state_dim, CTX)?;
@@ -293,6 +307,26 @@ pub fn ppo_loss(model: &ActorCritic, batch: PpoBatch<'_>, cfg: &PpoLossConfig) -
 pub(crate) mod tests {
     use super::*;
     use crate::fixtures::{rel_err, Fixture};
+
+    /// The fused kernel's actions are candle's, except on near-ties; off CUDA it is refused.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn fused_policy_matches_greedy_actions() {
+        assert!(ActorCritic::new(PpoNetConfig::default(), &Device::Cpu, 0).unwrap().fused_policy().is_err());
+        let Ok(Ok(dev)) = std::panic::catch_unwind(|| Device::new_cuda(0)) else {
+            eprintln!("fused_policy_matches_greedy_actions: skipped, no CUDA device");
+            return;
+        };
+        let net = ActorCritic::new(PpoNetConfig { hidden: 64, n_actions: 5, ..Default::default() }, &dev, 5).unwrap();
+        let s = Tensor::randn(0f32, 1.0, (512, 56), &dev).unwrap();
+        let got: Vec<u32> = net.fused_policy().unwrap().greedy(&s).unwrap().to_vec1().unwrap();
+        let want: Vec<u32> = net.greedy_actions(&s).unwrap().to_vec1().unwrap();
+        let q: Vec<Vec<f32>> = net.forward_inference(&s).unwrap().0.to_vec2().unwrap();
+        for (r, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let (qg, qw) = (q[r][g as usize], q[r][w as usize]);
+            assert!(g == w || (qg - qw).abs() <= 1e-5 * (1.0 + qw.abs()), "row {r}: fused {g}, candle {w}: {:?}", q[r]);
+        }
+    }
 
     pub(crate) fn fixture_model(fx: &Fixture, compute: Precision) -> ActorCritic {
         let cfg = PpoNetConfig { hidden: 64, ..Default::default() };

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use fx_kernels::{GaeConfig, Rollout, VecEnv};
-use fx_precision::{Adam, AdamConfig, GradScaler, Precision, TrainStep};
+use fx_precision::{Adam, AdamConfig, GradScaler, GraphMode, Precision, TrainStep};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
@@ -49,6 +49,9 @@ pub struct PpoConfig {
     pub minibatch_size: usize,
     /// Seed of the weight initialisation and the shuffles.
     pub seed: u64,
+    /// On CUDA: each minibatch update (loss, backward, guard, clip, Adam) as one replayed
+    /// CUDA graph (`auto`: fall back to eager with a warning if capture fails).
+    pub graph: GraphMode,
 }
 
 impl Default for PpoConfig {
@@ -64,6 +67,7 @@ impl Default for PpoConfig {
             epochs: 4,
             minibatch_size: 2048,
             seed: 0,
+            graph: GraphMode::Auto,
         }
     }
 }
@@ -167,6 +171,12 @@ pub struct PpoTrainer {
     skipped_updates: u64,
     /// Host seconds building the loss (forward), for profiles.
     forward_seconds: f64,
+    /// The captured minibatch update (CUDA, `graph` not off), built at the first update.
+    #[cfg(feature = "cuda")]
+    graph: Option<crate::graph_update::GraphUpdate>,
+    /// Set when `graph = auto` and the capture failed: updates run eagerly.
+    #[cfg(feature = "cuda")]
+    graph_failed: bool,
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -204,6 +214,10 @@ impl PpoTrainer {
             updates: 0,
             skipped_updates: 0,
             forward_seconds: 0.0,
+            #[cfg(feature = "cuda")]
+            graph: None,
+            #[cfg(feature = "cuda")]
+            graph_failed: false,
         })
     }
 
@@ -360,6 +374,24 @@ impl PpoTrainer {
     /// gradient skips the step (nothing changes) and is reported in the stats.
     pub fn update_minibatch(&mut self, batch: PpoBatch<'_>) -> Result<PpoMinibatchStats> {
         const CTX: &str = "PpoTrainer::update_minibatch";
+        #[cfg(feature = "cuda")]
+        if self.graph_ready(batch)? {
+            self.update_queued(batch)?;
+            let st = self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx(CTX)?.expect("graph is ready");
+            self.updates = st.guard.applied;
+            self.skipped_updates = st.guard.nonfinite_loss + st.guard.nonfinite_grad;
+            let d = st.extra_last;
+            return Ok(PpoMinibatchStats {
+                loss: st.last_loss,
+                l_clip: d[0],
+                l_v: d[1],
+                entropy: d[2],
+                approx_kl: d[3],
+                clip_frac: d[4],
+                grad_norm: st.last_grad_norm,
+                skipped: st.last_skipped,
+            });
+        }
         let started = std::time::Instant::now();
         let p = ppo_loss(&self.model, batch, &self.cfg.loss)?;
         self.forward_seconds += started.elapsed().as_secs_f64();
@@ -386,6 +418,92 @@ impl PpoTrainer {
         })
     }
 
+    /// Sets `graph` (e.g. after [`Self::load_state`], whose config is the saved one).
+    /// A graph already captured stays in use.
+    pub fn set_graph_mode(&mut self, mode: GraphMode) {
+        self.cfg.graph = mode;
+    }
+
+    /// Whether minibatch updates run as the captured graph: builds it at the first call on
+    /// CUDA unless `graph = off` (or `auto` and an earlier capture failed). The graph
+    /// takes over the optimiser, scaler and guard state from the eager `TrainStep`.
+    #[cfg(feature = "cuda")]
+    pub fn graph_ready(&mut self, example: PpoBatch<'_>) -> Result<bool> {
+        if self.graph.is_some() {
+            return Ok(true);
+        }
+        if self.graph_failed || self.cfg.graph == GraphMode::Off || !self.model.params().device().is_cuda() {
+            return Ok(false);
+        }
+        match self.capture_graph(example) {
+            Ok(g) => {
+                self.graph = Some(g);
+                Ok(true)
+            }
+            Err(e) if self.cfg.graph == GraphMode::Auto => {
+                eprintln!("warning: PPO update graph not captured, running eagerly: {e}");
+                self.graph_failed = true;
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn capture_graph(&self, ex: PpoBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
+        const CTX: &str = "PpoTrainer::capture_graph";
+        let p = self.model.params();
+        let named = p.specs().iter().map(|s| s.name.clone()).zip(p.vars().iter().cloned());
+        let mut fused = fx_precision::FusedStep::new(
+            named.collect(),
+            &self.cfg.optimizer,
+            self.step.scaler(),
+            Some(self.cfg.max_grad_norm),
+        )
+        .ctx(CTX)?;
+        fused.load_from(&self.step).ctx(CTX)?;
+        let mut body = self.graph_body();
+        crate::graph_update::GraphUpdate::capture(
+            fused,
+            &[ex.obs, ex.actions, ex.logp_old, ex.advantages, ex.returns],
+            &mut body,
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn graph_body(&self) -> impl FnMut(&fx_precision::FusedStep, &[Tensor], bool) -> Result<()> + '_ {
+        move |fused, t, dry| {
+            const CTX: &str = "PpoTrainer graph body";
+            let batch = PpoBatch { obs: &t[0], actions: &t[1], logp_old: &t[2], advantages: &t[3], returns: &t[4] };
+            let p = ppo_loss(&self.model, batch, &self.cfg.loss)?;
+            let grads = fused.scale_loss(&p.loss).ctx(CTX)?.backward().ctx(CTX)?;
+            fused.step(&p.loss, &grads, &[&p.l_clip, &p.l_v, &p.entropy_mean, &p.approx_kl, &p.clip_frac], dry).ctx(CTX)
+        }
+    }
+
+    /// Queues one captured minibatch update without reading anything back (benchmarks;
+    /// [`PpoTrainer::update_minibatch`] reads the statistics). Needs [`PpoTrainer::graph_ready`].
+    #[cfg(feature = "cuda")]
+    pub fn update_queued(&self, batch: PpoBatch<'_>) -> Result<()> {
+        let Some(g) = self.graph.as_ref() else {
+            return Err(Error::config("PpoTrainer::update_queued", "no captured graph (see graph_ready)"));
+        };
+        let mut body = self.graph_body();
+        g.run(&[batch.obs, batch.actions, batch.logp_old, batch.advantages, batch.returns], &mut body)
+    }
+
+    /// Nodes (launches) of the captured update, if a graph is in use.
+    #[cfg(feature = "cuda")]
+    pub fn graph_nodes(&self) -> Result<Option<usize>> {
+        self.graph.as_ref().map(|g| g.node_count()).transpose()
+    }
+
+    /// The captured update's device-side statistics (one read), if a graph is in use.
+    #[cfg(feature = "cuda")]
+    pub fn graph_stats(&self) -> Result<Option<fx_precision::FusedStats>> {
+        self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx("PpoTrainer::graph_stats")
+    }
+
     /// Writes weights, Adam state, loss-scaler and guard state, counters and config
     /// atomically to one safetensors file. Only between iterations (an empty rollout);
     /// the environment's own state is not part of it.
@@ -396,7 +514,13 @@ impl PpoTrainer {
         }
         let mut t: HashMap<String, Tensor> = self.model.params().to_tensors("model.")?;
         let mut meta = HashMap::new();
-        self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.graph {
+            g.fused().save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
+        }
+        if meta.is_empty() {
+            self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
+        }
         let c = PpoCounters {
             version: STATE_VERSION,
             iterations: self.iterations,

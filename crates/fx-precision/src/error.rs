@@ -70,6 +70,14 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
+    /// A CUDA launch, graph capture or replay failed.
+    #[error("{context}: {message}")]
+    Cuda {
+        /// The fx-precision operation.
+        context: &'static str,
+        /// What the driver or kernel wrapper said.
+        message: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid {what}: {message}")]
     Config {

@@ -173,6 +173,11 @@ impl GradScaler {
         Ok(!found_inf)
     }
 
+    /// The configuration.
+    pub fn config(&self) -> GradScalerConfig {
+        self.config
+    }
+
     /// The checkpointable state.
     pub fn state(&self) -> GradScalerState {
         GradScalerState { scale: self.scale, growth_tracker: self.growth_tracker }

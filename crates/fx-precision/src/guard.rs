@@ -473,6 +473,128 @@ mod tests {
         }
     }
 
+    /// The fused kernels' CPU reference (`fx_kernels::optim_ref`) takes the same steps as
+    /// the eager `TrainStep` + AdamW/Adam on fresh random tensors: clean steps with and
+    /// without clipping, skipped steps (NaN loss, infinite gradient), F16 loss scaling and
+    /// a learning-rate change, within f32 rounding.
+    #[test]
+    fn fused_reference_matches_train_step() {
+        use fx_kernels::optim_ref::{ctrl, new_ctrl, AdamConsts, GuardConsts, ScalerConsts};
+        for (seed, decoupled, f16) in [(11u64, true, false), (12, false, true), (13, true, true)] {
+            let mut rng = Rng::new(seed);
+            let dims = [7usize, 3];
+            let vars: Vec<Var> = dims.iter().map(|&n| var(&mut rng, n)).collect();
+            let cs: Vec<Tensor> = dims
+                .iter()
+                .map(|&n| {
+                    Tensor::from_vec(
+                        rng.vec(n, 0.5, 3.0).iter().map(|&x| x as f32).collect::<Vec<_>>(),
+                        n,
+                        &Device::Cpu,
+                    )
+                    .unwrap()
+                })
+                .collect();
+            let named = vars.iter().enumerate().map(|(i, v)| (format!("p{i}"), v.clone()));
+            let (lr, wd) = (0.05, 0.1);
+            let precision = if f16 { Precision::F16 } else { Precision::Bf16 };
+            let scaler =
+                GradScaler::new(GradScalerConfig { growth_interval: 3, ..GradScalerConfig::for_precision(precision) })
+                    .unwrap();
+            let max_norm = 1.5;
+            let mut host: Vec<Vec<f32>> = vars.iter().map(|v| v.as_tensor().to_vec1().unwrap()).collect();
+            let mut ms: Vec<Vec<f32>> = dims.iter().map(|&n| vec![0.0; n]).collect();
+            let mut vs = ms.clone();
+            let mut block = new_ctrl(lr, scaler.scale_factor());
+            let adam = AdamConsts { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: wd, decoupled, tau: 0.0 };
+            let guard = GuardConsts {
+                max_norm: Some(max_norm),
+                scaler: f16.then_some(ScalerConsts { growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 3 }),
+            };
+            let st = if decoupled {
+                let opt = AdamW::new(named, AdamWConfig { lr, weight_decay: wd, ..Default::default() }).unwrap();
+                reference_run(
+                    TrainStep::new(opt, scaler, Some(max_norm)).unwrap(),
+                    &vars,
+                    &cs,
+                    &mut host,
+                    &mut ms,
+                    &mut vs,
+                    &mut block,
+                    &adam,
+                    &guard,
+                    seed,
+                )
+            } else {
+                let opt =
+                    crate::Adam::new(named, crate::AdamConfig { lr, weight_decay: wd, ..Default::default() }).unwrap();
+                reference_run(
+                    TrainStep::new(opt, scaler, Some(max_norm)).unwrap(),
+                    &vars,
+                    &cs,
+                    &mut host,
+                    &mut ms,
+                    &mut vs,
+                    &mut block,
+                    &adam,
+                    &guard,
+                    seed,
+                )
+            };
+            assert_eq!(
+                (block[ctrl::APPLIED] as u64, block[ctrl::SKIP_LOSS] as u64, block[ctrl::SKIP_GRAD] as u64),
+                (st.applied, st.nonfinite_loss, st.nonfinite_grad)
+            );
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reference_run<O: Optimizer>(
+        mut ts: TrainStep<O>,
+        vars: &[Var],
+        cs: &[Tensor],
+        host: &mut [Vec<f32>],
+        ms: &mut [Vec<f32>],
+        vs: &mut [Vec<f32>],
+        block: &mut [f64; fx_kernels::optim_ref::ctrl::LEN],
+        adam: &fx_kernels::optim_ref::AdamConsts,
+        guard: &fx_kernels::optim_ref::GuardConsts,
+        seed: u64,
+    ) -> GuardStats {
+        use fx_kernels::optim_ref::{ctrl, fused_step_reference, RefTensor};
+        for (k, poison) in [0u8, 0, 2, 0, 3, 0, 0, 0, 0].into_iter().enumerate() {
+            if k == 5 {
+                ts.optimizer_mut().set_learning_rate(0.02);
+                block[ctrl::LR] = 0.02;
+            }
+            // The scaled loss's gradients, as the device would see them.
+            let scale = ts.loss_scale();
+            let loss: Tensor =
+                vars.iter().zip(cs.iter()).map(|(w, c)| loss_of(w, c, poison)).reduce(|a, b| (a + b).unwrap()).unwrap();
+            let grads = (&loss * scale).unwrap().backward().unwrap();
+            let g_host: Vec<Vec<f32>> =
+                vars.iter().map(|v| grads.get(v.as_tensor()).unwrap().to_vec1().unwrap()).collect();
+            let loss_v = loss.to_scalar::<f32>().unwrap();
+            ts.apply(&loss, grads).unwrap();
+            let mut tensors: Vec<RefTensor<'_>> = Vec::new();
+            for ((p, g), (m, v)) in host.iter_mut().zip(&g_host).zip(ms.iter_mut().zip(vs.iter_mut())) {
+                tensors.push(RefTensor { param: p, grad: g, exp_avg: m, exp_avg_sq: v, target: None });
+            }
+            fused_step_reference(&mut tensors, loss_v, &[], block, adam, guard);
+            for (v, h) in vars.iter().zip(host.iter()) {
+                let got: Vec<f32> = v.as_tensor().to_vec1().unwrap();
+                for (a, b) in got.iter().zip(h) {
+                    assert!(
+                        (a - b).abs() <= 2e-6 * a.abs().max(1.0),
+                        "seed {seed} step {k}: eager {a} vs reference {b}"
+                    );
+                }
+            }
+            assert_eq!(block[ctrl::SCALE], ts.loss_scale(), "seed {seed} step {k}");
+        }
+        ts.stats()
+    }
+
     #[test]
     fn missing_gradients_names_dropped_parameters() {
         let dev = Device::Cpu;

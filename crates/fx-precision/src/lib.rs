@@ -18,6 +18,11 @@
 //! - [`TrainStep`]: scaled backward → one device pass + one host read for the NaN/Inf
 //!   guard and the gradient norm → unscale + clip → optimiser → scaler update; non-finite
 //!   losses or gradients never reach the weights and are counted ([`GuardStats`]);
+//! - under the `cuda` feature, `FusedStep` (the same guard → clip → Adam/AdamW → scaler
+//!   tail as three device-only launches, state in device memory, optional soft target
+//!   update) and `CapturedGraph` (a candle step captured once as a CUDA graph and
+//!   replayed with one launch); the kernels' CPU reference is
+//!   `fx_kernels::optim_ref::fused_step_reference`, checked against [`TrainStep`] here;
 //! - [`GradAccumulator`] (N micro-batches, loss / N, F32 sums) and [`Checkpointed`]
 //!   (activation checkpointing by segment recompute);
 //! - [`save_tensors_atomic`] / [`load_tensors`] for crash-safe training checkpoints with
@@ -52,7 +57,12 @@ mod checkpoint;
 mod checkpoint_io;
 mod clip;
 mod error;
+#[cfg(feature = "cuda")]
+mod fused;
 mod grad_scaler;
+#[cfg(feature = "cuda")]
+mod graph;
+mod graph_mode;
 mod guard;
 pub mod ops;
 mod optim;
@@ -63,7 +73,12 @@ pub use checkpoint::{CheckpointTape, Checkpointed, Segment};
 pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
+#[cfg(feature = "cuda")]
+pub use fused::{FusedAdamConfig, FusedStats, FusedStep};
 pub use grad_scaler::{GradScaler, GradScalerConfig, GradScalerState, GRAD_SCALER_METADATA_KEY};
+#[cfg(feature = "cuda")]
+pub use graph::CapturedGraph;
+pub use graph_mode::GraphMode;
 pub use guard::{missing_gradients, GuardStats, SkipReason, StepReport, StepTimes, TrainStep, GUARD_METADATA_KEY};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};

@@ -8,7 +8,8 @@
 //!   trainers' whole update (see [`train`]); `samples_per_s` = batch / median step time
 //!   over `--steps` timed steps after 10 warm-up steps (2 with `--quick`);
 //! - `dqn_infer_b1`, `ppo_infer_b1`: batch-1 greedy action latency, p50/p99/mean over
-//!   2000 calls (`eager_fp32`);
+//!   2000 calls (`eager_fp32`; on CUDA also the one-launch `fused_fp32` and the host-to-host
+//!   `fused_fp32_e2e`, see [`latency`]);
 //! - `env_step_E4096`, `dqn_collect_E4096` (CPU: E = 512), mode `eager`;
 //! - `h2d_*` (CUDA only): upload bandwidth from pinned and pageable host buffers;
 //! - `loader_stall`, `loader_stall_prep_bound`, mode `sync` / `double_buffered`: the
@@ -22,6 +23,7 @@
 
 mod data;
 mod env_step;
+mod latency;
 mod loader;
 mod timing;
 mod train;
@@ -256,15 +258,23 @@ pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
     for (model, batches) in &plan.train {
         for &b in batches {
             for &p in &plan.precisions {
-                let rec =
-                    base(ctx, format!("{}_train_b{b}", model.name()), "train", model.name(), train::mode_name(p), b);
-                rec_timing(ctx, &mut out, t0, rec, |ctx, r| train::train_case(ctx, *model, b, p, r));
+                // Captured-graph modes on CUDA, after the eager ones.
+                for graph in [false, true] {
+                    if graph && !ctx.device.is_cuda() {
+                        continue;
+                    }
+                    let mode = train::mode_name(p, graph);
+                    let rec = base(ctx, format!("{}_train_b{b}", model.name()), "train", model.name(), mode, b);
+                    rec_timing(ctx, &mut out, t0, rec, |ctx, r| train::train_case(ctx, *model, b, p, graph, r));
+                }
             }
         }
     }
     for &model in &plan.latency {
-        let rec = base(ctx, format!("{}_infer_b1", model.name()), "latency", model.name(), "eager_fp32", 1);
-        out.push(guarded(ctx, t0, rec, |ctx, r| train::latency_case(ctx, model, r)));
+        for mode in latency::LatencyMode::for_device(ctx.device.is_cuda()) {
+            let rec = base(ctx, format!("{}_infer_b1", model.name()), "latency", model.name(), mode.name(), 1);
+            out.push(guarded(ctx, t0, rec, |ctx, r| latency::latency_case(ctx, model, mode, r)));
+        }
     }
     if let Some(e) = plan.env_e {
         for what in [EnvWhat::Step, EnvWhat::DqnCollect] {
@@ -358,13 +368,19 @@ fn meta(ctx: &Ctx, plan: &Plan, gpu: Option<String>) -> Record {
     m.insert("warmup_steps".into(), json!(plan.warmup));
     m.insert("timed_steps".into(), json!(plan.steps));
     m.insert("latency_calls".into(), json!(plan.lat_n));
-    let modes: Vec<&str> = plan.precisions.iter().map(|&p| train::mode_name(p)).collect();
+    let graphs: &[bool] = if ctx.device.is_cuda() { &[false, true] } else { &[false] };
+    let modes: Vec<&str> =
+        plan.precisions.iter().flat_map(|&p| graphs.iter().map(move |&g| train::mode_name(p, g))).collect();
     m.insert("precision_modes".into(), json!(modes));
     m.insert("timing".into(), json!(ctx.timer.method()));
     m.insert("mem_method".into(), json!(ctx.mem.method()));
     m.insert(
         "step".into(),
-        json!("DqnTrainer::update / PpoTrainer::update_minibatch (TrainStep: one loss+grad-norm read per step)"),
+        json!(
+            "eager_*: DqnTrainer::update / PpoTrainer::update_minibatch (TrainStep: one loss+grad-norm read per step); \
+             graph_*: the same update captured once as a CUDA graph with the fused device-side guard/clip/optimiser \
+             (+ DQN target update), replayed per step with no host read (update_queued)"
+        ),
     );
     match fp32_matmul_rel_err(&ctx.device) {
         Ok(e) => m.insert("fp32_matmul_rel_err".into(), json!(e)),

@@ -87,6 +87,9 @@ pub struct TrainArgs {
     /// Device: auto, cpu, cuda, cuda:N [default: auto].
     #[arg(long)]
     pub device: Option<String>,
+    /// CUDA graph of the DQN/PPO update: auto, on, off [default: auto; ignored on the CPU].
+    #[arg(long)]
+    pub graph: Option<fx_precision::GraphMode>,
     /// Accounts stepped together [default: 32].
     #[arg(long)]
     pub num_envs: Option<usize>,
@@ -120,6 +123,7 @@ impl TrainArgs {
             ("--seed", self.seed.is_some()),
             ("--precision", self.precision.is_some()),
             ("--device", self.device.is_some()),
+            ("--graph", self.graph.is_some()),
             ("--num-envs", self.num_envs.is_some()),
             ("--checkpoint-every", self.checkpoint_every.is_some()),
             ("--log-every", self.log_every.is_some()),
@@ -168,6 +172,9 @@ impl TrainArgs {
         }
         if let Some(d) = &self.device {
             cfg.device = d.clone();
+        }
+        if let Some(g) = self.graph {
+            cfg.graph = g;
         }
         if let Some(n) = self.num_envs {
             cfg.env.num_envs = n;

@@ -57,6 +57,9 @@ pub struct RunConfig {
     pub precision: Precision,
     /// Device: auto, cpu, cuda or cuda:N.
     pub device: String,
+    /// CUDA graph capture of the DQN/PPO update: auto (capture, warn and run eagerly if it
+    /// fails), on (a failed capture is an error) or off. Ignored on the CPU.
+    pub graph: fx_precision::GraphMode,
     /// Environment steps between checkpoints.
     pub checkpoint_every: u64,
     /// Checkpoints kept in the run folder (the newest).
@@ -127,6 +130,7 @@ impl Default for RunConfig {
             seed: 7,
             precision: Precision::F32,
             device: "auto".into(),
+            graph: fx_precision::GraphMode::Auto,
             checkpoint_every: 500,
             keep_checkpoints: 3,
             log_every: 50,
@@ -196,6 +200,8 @@ impl RunConfig {
         self.ppo.seed = self.seed;
         self.dqn.precision = self.precision;
         self.ppo.precision = self.precision;
+        self.dqn.graph = self.graph;
+        self.ppo.graph = self.graph;
         self.seq.seed = self.seed;
         self.seq.precision = self.precision;
         // The feature widths are the data's (every feature file has them, checked on load).

@@ -9,7 +9,11 @@
 
 mod gpu_env;
 mod launch;
+pub mod mlp;
+pub mod optim;
 
+#[cfg(test)]
+mod optim_tests;
 #[cfg(test)]
 mod tests;
 
@@ -32,6 +36,10 @@ pub(crate) const PTX_ENV_STEP: &str = include_str!(concat!(env!("CARGO_MANIFEST_
 pub(crate) const PTX_PPO: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/ppo_experience.ptx"));
 /// PTX of `kernels/gae.cu`.
 pub(crate) const PTX_GAE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/gae.ptx"));
+/// PTX of `kernels/mlp_forward.cu` (fused greedy policy MLPs).
+pub(crate) const PTX_MLP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_forward.ptx"));
+/// PTX of `kernels/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
+pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/optim.ptx"));
 
 /// Maps a cudarc driver error into this crate's error.
 pub(crate) fn driver(context: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {

@@ -1,4 +1,4 @@
-//! Training-step and batch-1 latency cases, through the library's own trainers:
+//! Training-step cases, through the library's own trainers:
 //! [`DqnTrainer::update`] (online forward on s and s', target forward, double-DQN Huber
 //! loss, backward, clip 10, AdamW, soft target update) and
 //! [`PpoTrainer::update_minibatch`] (forward, PPO loss, backward, clip 0.5, Adam). Both
@@ -9,24 +9,24 @@
 use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, Tensor};
-use fx_models::{
-    ActorCritic, DqnBatch, DqnConfig, DqnNetConfig, DqnTrainer, DuelingDqn, PpoBatch, PpoConfig, PpoNetConfig,
-    PpoTrainer,
-};
-use fx_precision::Precision;
+use candle_core::{Device, Tensor};
+use fx_models::{DqnBatch, DqnConfig, DqnTrainer, PpoBatch, PpoConfig, PpoTrainer};
+use fx_precision::{GraphMode, Precision};
 use serde_json::json;
 
 use super::data::{normals, states, uniforms};
-use super::timing::{mean, pct, round};
+use super::timing::{pct, round};
 use super::{Ctx, Model, Record};
 
-/// The mode name of a precision (bench.py's names, so rows line up).
-pub(crate) fn mode_name(p: Precision) -> &'static str {
-    match p {
-        Precision::F32 => "eager_fp32",
-        Precision::Bf16 => "eager_bf16",
-        Precision::F16 => "eager_fp16",
+/// The mode name of a precision, eager or captured (bench.py's names, so rows line up).
+pub(crate) fn mode_name(p: Precision, graph: bool) -> &'static str {
+    match (p, graph) {
+        (Precision::F32, false) => "eager_fp32",
+        (Precision::Bf16, false) => "eager_bf16",
+        (Precision::F16, false) => "eager_fp16",
+        (Precision::F32, true) => "graph_fp32",
+        (Precision::Bf16, true) => "graph_bf16",
+        (Precision::F16, true) => "graph_fp16",
     }
 }
 
@@ -39,7 +39,14 @@ struct StepOut {
 /// A model's update on fixed device-resident data.
 trait Stepper {
     fn params(&self) -> usize;
-    fn step(&mut self) -> Result<StepOut>;
+    /// One update; `None` when it was only queued (a captured graph reads nothing back).
+    fn step(&mut self) -> Result<Option<StepOut>>;
+    /// For queued updates: the device-side statistics (last loss, steps skipped so far).
+    fn summary(&mut self) -> Result<Option<(f64, usize)>>;
+    /// Launches per captured update (graph nodes), if captured.
+    fn graph_nodes(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
 }
 
 struct DqnStepper {
@@ -52,11 +59,17 @@ struct DqnStepper {
 }
 
 impl DqnStepper {
-    fn new(device: &Device, batch: usize, precision: Precision) -> Result<Self> {
+    fn new(device: &Device, batch: usize, precision: Precision, graph: bool) -> Result<Self> {
         // The replay buffer is not used by `update`; keep it tiny so it does not count
         // towards the case's memory.
-        let cfg =
-            DqnConfig { precision, batch_size: batch, replay_capacity: 1, learning_starts: 1, ..Default::default() };
+        let cfg = DqnConfig {
+            precision,
+            batch_size: batch,
+            replay_capacity: 1,
+            learning_starts: 1,
+            graph: if graph { GraphMode::On } else { GraphMode::Off },
+            ..Default::default()
+        };
         let trainer = DqnTrainer::new(cfg, device)?;
         let b = batch;
         let actions: Vec<u32> = uniforms(0, 3, b).iter().map(|u| ((u * 3.0) as u32).min(2)).collect();
@@ -73,19 +86,33 @@ impl DqnStepper {
 }
 
 impl Stepper for DqnStepper {
+    #[cfg(feature = "cuda")]
+    fn graph_nodes(&self) -> Result<Option<usize>> {
+        Ok(self.trainer.graph_nodes()?)
+    }
+
     fn params(&self) -> usize {
         self.trainer.online().params().num_elements()
     }
 
-    fn step(&mut self) -> Result<StepOut> {
-        let st = self.trainer.update(DqnBatch {
-            obs: &self.s,
-            actions: &self.a,
-            rewards: &self.r,
-            next_obs: &self.s2,
-            dones: &self.d,
-        })?;
-        Ok(StepOut { loss: st.loss, skipped: st.skipped })
+    fn step(&mut self) -> Result<Option<StepOut>> {
+        let batch = DqnBatch { obs: &self.s, actions: &self.a, rewards: &self.r, next_obs: &self.s2, dones: &self.d };
+        #[cfg(feature = "cuda")]
+        if self.trainer.config().graph == GraphMode::On {
+            ensure!(self.trainer.graph_ready(batch)?, "the DQN update was not captured");
+            self.trainer.update_queued(batch)?;
+            return Ok(None);
+        }
+        let st = self.trainer.update(batch)?;
+        Ok(Some(StepOut { loss: st.loss, skipped: st.skipped }))
+    }
+
+    fn summary(&mut self) -> Result<Option<(f64, usize)>> {
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.trainer.graph_stats()? {
+            return Ok(Some((st.last_loss, (st.guard.nonfinite_loss + st.guard.nonfinite_grad) as usize)));
+        }
+        Ok(None)
     }
 }
 
@@ -99,10 +126,11 @@ struct PpoStepper {
 }
 
 impl PpoStepper {
-    fn new(device: &Device, batch: usize, precision: Precision) -> Result<Self> {
+    fn new(device: &Device, batch: usize, precision: Precision, graph: bool) -> Result<Self> {
         // One environment, one rollout step: the rollout storage is not used by
         // `update_minibatch` and stays negligible.
-        let cfg = PpoConfig { precision, minibatch_size: batch, num_steps: 1, ..Default::default() };
+        let graph = if graph { GraphMode::On } else { GraphMode::Off };
+        let cfg = PpoConfig { precision, minibatch_size: batch, num_steps: 1, graph, ..Default::default() };
         let trainer = PpoTrainer::new(cfg, 1, device)?;
         let b = batch;
         let actions: Vec<u32> = uniforms(1, 3, b).iter().map(|u| ((u * 3.0) as u32).min(2)).collect();
@@ -119,19 +147,39 @@ impl PpoStepper {
 }
 
 impl Stepper for PpoStepper {
+    #[cfg(feature = "cuda")]
+    fn graph_nodes(&self) -> Result<Option<usize>> {
+        Ok(self.trainer.graph_nodes()?)
+    }
+
     fn params(&self) -> usize {
         self.trainer.model().params().num_elements()
     }
 
-    fn step(&mut self) -> Result<StepOut> {
-        let st = self.trainer.update_minibatch(PpoBatch {
+    fn step(&mut self) -> Result<Option<StepOut>> {
+        let batch = PpoBatch {
             obs: &self.s,
             actions: &self.a,
             logp_old: &self.logp_old,
             advantages: &self.adv,
             returns: &self.ret,
-        })?;
-        Ok(StepOut { loss: st.loss, skipped: st.skipped })
+        };
+        #[cfg(feature = "cuda")]
+        if self.trainer.config().graph == GraphMode::On {
+            ensure!(self.trainer.graph_ready(batch)?, "the PPO update was not captured");
+            self.trainer.update_queued(batch)?;
+            return Ok(None);
+        }
+        let st = self.trainer.update_minibatch(batch)?;
+        Ok(Some(StepOut { loss: st.loss, skipped: st.skipped }))
+    }
+
+    fn summary(&mut self) -> Result<Option<(f64, usize)>> {
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.trainer.graph_stats()? {
+            return Ok(Some((st.last_loss, (st.guard.nonfinite_loss + st.guard.nonfinite_grad) as usize)));
+        }
+        Ok(None)
     }
 }
 
@@ -143,37 +191,49 @@ pub(crate) fn train_case(
     model: Model,
     batch: usize,
     precision: Precision,
+    graph: bool,
     rec: &mut Record,
 ) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
     let dev = ctx.device.clone();
     let mut stepper: Box<dyn Stepper> = match model {
-        Model::Dqn => Box::new(DqnStepper::new(&dev, batch, precision).context("building the DQN case")?),
-        Model::Ppo => Box::new(PpoStepper::new(&dev, batch, precision).context("building the PPO case")?),
+        Model::Dqn => Box::new(DqnStepper::new(&dev, batch, precision, graph).context("building the DQN case")?),
+        Model::Ppo => Box::new(PpoStepper::new(&dev, batch, precision, graph).context("building the PPO case")?),
     };
     rec.insert("params".into(), json!(stepper.params()));
     rec.insert("precision".into(), json!(precision.to_string()));
 
     dev.synchronize()?;
     let t0 = Instant::now();
+    // The first step of a graph case includes its capture.
     let first = stepper.step()?;
     dev.synchronize()?;
     let first_s = t0.elapsed().as_secs_f64();
+    let first_loss = match first {
+        Some(out) => out.loss,
+        None => stepper.summary()?.map_or(f64::NAN, |s| s.0),
+    };
     for _ in 0..ctx.warmup {
         stepper.step()?;
     }
-    let mut last = StepOut { loss: first.loss, skipped: first.skipped };
+    let mut last = StepOut { loss: first_loss, skipped: false };
     let mut skipped = 0usize;
     let (ts, wall) = ctx.timer.time_steps(&dev, ctx.steps, || {
-        last = stepper.step()?;
-        skipped += last.skipped as usize;
+        if let Some(out) = stepper.step()? {
+            skipped += out.skipped as usize;
+            last = out;
+        }
         Ok(())
     })?;
+    if let Some((loss, skips)) = stepper.summary()? {
+        last.loss = loss;
+        skipped = skips;
+    }
     let peak = ctx.mem.peak_mib(&dev)?;
     ensure!(
-        first.loss.is_finite() && last.loss.is_finite(),
+        first_loss.is_finite() && last.loss.is_finite(),
         "non-finite loss (first {}, last {})",
-        first.loss,
+        first_loss,
         last.loss
     );
     ensure!(skipped < ts.len(), "every timed step was skipped by the NaN/Inf guard");
@@ -190,52 +250,11 @@ pub(crate) fn train_case(
     rec.insert("peak_mem_mib".into(), json!(peak.map(|m| round(m, 1))));
     rec.insert("mem_baseline_mib".into(), json!(ctx.mem.baseline_mib().map(|m| round(m, 1))));
     rec.insert("peak_reserved_mib".into(), json!(ctx.mem.peak_reserved_mib()?.map(|m| round(m, 1))));
-    rec.insert("loss_first".into(), json!(first.loss));
+    rec.insert("loss_first".into(), json!(first_loss));
     rec.insert("loss_last".into(), json!(last.loss));
     rec.insert("skipped_steps".into(), json!(skipped));
-    Ok(())
-}
-
-/// Batch-1 latency: greedy action (forward without a tape + argmax) on a state already
-/// on the device, each call timed on the host up to a device synchronisation.
-pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, rec: &mut Record) -> Result<()> {
-    ctx.mem.start(&ctx.device)?;
-    let dev = ctx.device.clone();
-    let x = states(&dev, 1, 9, 1)?;
-    let call: Box<dyn Fn() -> Result<Tensor>> = match model {
-        Model::Dqn => {
-            let net = DuelingDqn::new(DqnNetConfig::default(), &dev, 0)?;
-            rec.insert("params".into(), json!(net.params().num_elements()));
-            Box::new(move || Ok(net.greedy_actions(&x)?))
-        }
-        Model::Ppo => {
-            let net = ActorCritic::new(PpoNetConfig::default(), &dev, 0)?;
-            rec.insert("params".into(), json!(net.params().num_elements()));
-            Box::new(move || Ok(net.greedy_actions(&x)?))
-        }
-    };
-    let a = call()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    ensure!(a.len() == 1 && a[0] < 3, "greedy action out of range: {a:?}");
-    for _ in 0..ctx.lat_warm {
-        call()?;
+    if let Some(n) = stepper.graph_nodes()? {
+        rec.insert("graph_nodes".into(), json!(n));
     }
-    dev.synchronize()?;
-    let mut ts = Vec::with_capacity(ctx.lat_n);
-    for _ in 0..ctx.lat_n {
-        let t0 = Instant::now();
-        let out = call()?;
-        dev.synchronize()?;
-        ts.push(t0.elapsed().as_secs_f64() * 1e6);
-        drop(out);
-    }
-    let peak = ctx.mem.peak_mib(&dev)?;
-    rec.insert("status".into(), json!("ok"));
-    rec.insert("n".into(), json!(ts.len()));
-    rec.insert("p50_us".into(), json!(round(pct(&ts, 50.0), 2)));
-    rec.insert("p99_us".into(), json!(round(pct(&ts, 99.0), 2)));
-    rec.insert("mean_us".into(), json!(round(mean(&ts), 2)));
-    rec.insert("peak_mem_mib".into(), json!(peak.map(|m| round(m, 1))));
-    rec.insert("mem_baseline_mib".into(), json!(ctx.mem.baseline_mib().map(|m| round(m, 1))));
-    rec.insert("peak_reserved_mib".into(), json!(ctx.mem.peak_reserved_mib()?.map(|m| round(m, 1))));
     Ok(())
 }

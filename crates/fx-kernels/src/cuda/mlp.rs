@@ -1,0 +1,288 @@
+//! Fused greedy policies (`kernels/mlp_forward.cu`): a dueling DQN's or a PPO actor's greedy
+//! action in one kernel launch instead of ~20 candle launches, for microsecond batch-1
+//! decisions. [`MlpPolicy`] runs on device tensors; [`MlpDecider`] adds page-locked host
+//! buffers for host-in, action-out calls with no allocation per call. What both compute, in
+//! f64, is [`crate::mlp_ref::reference_greedy`]; the limits are [`crate::mlp_ref`]'s.
+//!
+//! The weights are read through raw device pointers taken once, at construction. The policy
+//! keeps clones of the tensors, so their memory stays allocated, and it sees every in-place
+//! update (`Var::set`, the optimisers), which run before it on the same stream. A parameter
+//! whose storage is replaced (a new `Var`, a reloaded model built anew) is not seen: build a
+//! new policy then.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use cudarc::driver::{result, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, PinnedHostSlice};
+
+use super::{alloc_tensor, cuda_device, dev_ptr, driver, PTX_MLP};
+use crate::checks::expect_tensor;
+use crate::error::{CandleContext, Error, Result};
+use crate::mlp_ref::{GreedyMlp, Head, MlpDims, MAX_HIDDEN};
+
+/// Threads per block (the kernel's `__launch_bounds__`): 16 warps share one row's layers.
+const BLOCK: u32 = 512;
+/// Most blocks per launch; larger batches loop grid-stride inside the kernel.
+const MAX_GRID: usize = 65_535;
+
+/// `struct FxMlpParams` of mlp_forward.cu, field for field (both sides assert 152 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct MlpParams {
+    w: [u64; MAX_HIDDEN + 2],
+    b: [u64; MAX_HIDDEN + 2],
+    width: [u32; MAX_HIDDEN + 1],
+    act: [u32; MAX_HIDDEN],
+    n_hidden: u32,
+    n_actions: u32,
+    head: u32,
+    vec4_mask: u32,
+}
+const _: () = assert!(std::mem::size_of::<MlpParams>() == 152);
+// SAFETY: plain data whose layout (repr(C): the same field order, types and size as
+// FxMlpParams) is what the kernel reads from its by-value parameter.
+unsafe impl DeviceRepr for MlpParams {}
+
+/// A greedy policy network bound to its weights on a CUDA device (see the module docs for
+/// how the weights are held).
+#[derive(Debug, Clone)]
+pub struct MlpPolicy {
+    params: MlpParams,
+    dims: MlpDims,
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+    device: Device,
+    /// Keeps the memory behind `params`' pointers allocated.
+    _weights: Vec<Tensor>,
+}
+
+impl MlpPolicy {
+    /// Binds `net` (F32 contiguous tensors on one CUDA device). Errors: the shape checks of
+    /// [`GreedyMlp::dims`], [`Error::Unsupported`] beyond the kernel's limits (fall back to
+    /// candle then), a device error off CUDA, a strided tensor, or the module failing to load.
+    pub fn new(net: &GreedyMlp<'_>) -> Result<Self> {
+        const CTX: &str = "MlpPolicy::new";
+        let dims = net.dims()?;
+        let tensors = net.tensors();
+        let device = tensors[0].device().clone();
+        let cdev = cuda_device(&device, "weights", CTX)?;
+        let stream = cdev.cuda_stream();
+        let mut p = MlpParams::default();
+        for (i, pair) in tensors.chunks(2).enumerate() {
+            p.w[i] = dev_ptr::<f32>(pair[0], &stream, "weight", CTX)?;
+            p.b[i] = dev_ptr::<f32>(pair[1], &stream, "bias", CTX)?;
+        }
+        let nh = net.hidden.len();
+        p.width[0] = dims.input as u32;
+        for (l, (&w, (_, act))) in dims.hidden.iter().zip(net.hidden).enumerate() {
+            p.width[l + 1] = w as u32;
+            p.act[l] = *act as u32;
+        }
+        (p.n_hidden, p.n_actions) = (nh as u32, dims.n_actions as u32);
+        p.head = matches!(net.head, Head::Dueling { .. }) as u32;
+        // float4 row reads need every row of the layer 16-byte aligned: `in` a multiple of 4
+        // and the matrix base aligned (a view at an odd offset falls back to scalar reads).
+        for l in 0..=nh {
+            let mats = if l == nh { &p.w[l..l + 1 + p.head as usize] } else { &p.w[l..l + 1] };
+            if p.width[l] % 4 == 0 && mats.iter().all(|&w| w % 16 == 0) {
+                p.vec4_mask |= 1 << l;
+            }
+        }
+        let func = cdev.get_or_load_custom_func("fx_mlp_greedy", "fx_mlp_forward", PTX_MLP).ctx(CTX)?;
+        Ok(Self {
+            params: p,
+            dims,
+            func: func.into_cuda_function(),
+            stream,
+            device,
+            _weights: tensors.into_iter().cloned().collect(),
+        })
+    }
+
+    /// The network's dimensions.
+    pub fn dims(&self) -> &MlpDims {
+        &self.dims
+    }
+
+    /// The CUDA device of the weights (and of every tensor passed in).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Greedy actions of `obs [B, input]` (F32) into `actions [B]` (U32, contiguous) and,
+    /// when given, the scores (Q values or logits) into `values [B, n_actions]` (F32,
+    /// contiguous); both are overwritten in place. One launch on candle's stream, no sync.
+    pub fn greedy_into(&self, obs: &Tensor, actions: &Tensor, values: Option<&Tensor>) -> Result<()> {
+        const CTX: &str = "MlpPolicy::greedy_into";
+        let b = obs.dim(0).ctx(CTX)?;
+        expect_tensor(obs, "obs", CTX, &[b, self.dims.input], DType::F32, &self.device)?;
+        expect_tensor(actions, "actions", CTX, &[b], DType::U32, &self.device)?;
+        if let Some(v) = values {
+            expect_tensor(v, "values", CTX, &[b, self.dims.n_actions], DType::F32, &self.device)?;
+        }
+        if b == 0 {
+            return Ok(());
+        }
+        let obs = obs.contiguous().ctx(CTX)?;
+        let p_obs = dev_ptr::<f32>(&obs, &self.stream, "obs", CTX)?;
+        let p_act = dev_ptr::<u32>(actions, &self.stream, "actions", CTX)?;
+        let p_val = values.map(|v| dev_ptr::<f32>(v, &self.stream, "values", CTX)).transpose()?.unwrap_or(0);
+        // SAFETY: shapes, dtypes and device checked above; the tensors outlive the enqueue
+        // and candle frees stream-ordered (see the cuda module docs).
+        unsafe { self.launch(p_obs, b, p_act, p_val, CTX) }
+    }
+
+    /// Greedy actions `[B]` (U32) of `obs [B, input]`.
+    pub fn greedy(&self, obs: &Tensor) -> Result<Tensor> {
+        Ok(self.greedy_with_values(obs, false)?.0)
+    }
+
+    /// Greedy actions `[B]` (U32) and, when `with_values`, the scores `[B, n_actions]` (F32).
+    pub fn greedy_with_values(&self, obs: &Tensor, with_values: bool) -> Result<(Tensor, Option<Tensor>)> {
+        const CTX: &str = "MlpPolicy::greedy";
+        let b = obs.dim(0).ctx(CTX)?;
+        if b == 0 {
+            let v = with_values.then(|| Tensor::zeros((0, self.dims.n_actions), DType::F32, &self.device));
+            return Ok((Tensor::zeros(0, DType::U32, &self.device).ctx(CTX)?, v.transpose().ctx(CTX)?));
+        }
+        let cdev = cuda_device(&self.device, "obs", CTX)?;
+        let actions = alloc_tensor::<u32>(cdev, &[b], CTX)?;
+        let values = with_values.then(|| alloc_tensor::<f32>(cdev, &[b, self.dims.n_actions], CTX)).transpose()?;
+        self.greedy_into(obs, &actions, values.as_ref())?;
+        Ok((actions, values))
+    }
+
+    /// Enqueues the kernel for `batch >= 1` rows at raw device addresses (`values` 0: none),
+    /// without allocating (the argument array lives on the stack).
+    ///
+    /// # Safety
+    /// `obs` holds `batch × input` f32, `actions` `batch` u32 and `values` (unless 0)
+    /// `batch × n_actions` f32, all on this policy's device and alive until the kernel ends.
+    unsafe fn launch(&self, obs: u64, batch: usize, actions: u64, values: u64, ctx: &'static str) -> Result<()> {
+        let rows = u32::try_from(batch)
+            .map_err(|_| Error::shape("obs", ctx, "at most 2^32 - 1 rows", format!("{batch} rows")))?;
+        let (mut p, mut obs, mut rows_arg, mut actions, mut values) = (self.params, obs, rows, actions, values);
+        let mut args: [*mut c_void; 5] = [
+            &mut p as *mut MlpParams as *mut c_void,
+            &mut obs as *mut u64 as *mut c_void,
+            &mut rows_arg as *mut u32 as *mut c_void,
+            &mut actions as *mut u64 as *mut c_void,
+            &mut values as *mut u64 as *mut c_void,
+        ];
+        self.stream.context().bind_to_thread().map_err(driver(ctx))?;
+        let grid = (batch.min(MAX_GRID) as u32, 1, 1);
+        // SAFETY: the arguments match fx_mlp_greedy's signature (FxMlpParams by value, three
+        // pointers and a count); the buffers are the caller's contract.
+        unsafe {
+            result::launch_kernel(self.func.cu_function(), grid, (BLOCK, 1, 1), 0, self.stream.cu_stream(), &mut args)
+        }
+        .map_err(driver(ctx))
+    }
+}
+
+/// Host-in, action-out decisions through one policy: observations are copied into a
+/// page-locked buffer, uploaded, decided and the actions downloaded, all on candle's stream,
+/// then one stream sync. Buffers for `max_batch` rows are allocated once.
+#[derive(Debug)]
+pub struct MlpDecider {
+    policy: MlpPolicy,
+    max_batch: usize,
+    /// `[max_batch, input]`, write-combined: the host only writes it.
+    host_obs: PinnedHostSlice<f32>,
+    /// `[max_batch]`, cached: the host reads it.
+    host_actions: PinnedHostSlice<u32>,
+    /// Device copies of the two; only their raw addresses below are used.
+    _dev_obs: CudaSlice<f32>,
+    _dev_actions: CudaSlice<u32>,
+    /// Raw addresses of the device buffers, taken once.
+    p_obs: u64,
+    p_actions: u64,
+}
+
+impl MlpDecider {
+    /// Buffers for up to `max_batch` rows (at least 1) on the policy's device.
+    pub fn new(policy: MlpPolicy, max_batch: usize) -> Result<Self> {
+        const CTX: &str = "MlpDecider::new";
+        let n_obs = max_batch.checked_mul(policy.dims.input).filter(|&n| max_batch > 0 && n <= u32::MAX as usize);
+        let Some(n_obs) = n_obs else {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!("max_batch {max_batch} must be 1 ..= 2^32/input"),
+            });
+        };
+        let stream = policy.stream.clone();
+        let ctx = stream.context();
+        // SAFETY: both host buffers are written (by the host, or by the DtoH copy) before
+        // they are read.
+        let host_obs = unsafe { ctx.alloc_pinned::<f32>(n_obs) }.map_err(driver(CTX))?;
+        let host_actions = unsafe { ctx.alloc_pinned_with_flags::<u32>(max_batch, 0) }.map_err(driver(CTX))?;
+        let dev_obs = stream.alloc_zeros::<f32>(n_obs).map_err(driver(CTX))?;
+        let dev_actions = stream.alloc_zeros::<u32>(max_batch).map_err(driver(CTX))?;
+        let p_obs = dev_obs.device_ptr(&stream).0;
+        let p_actions = dev_actions.device_ptr(&stream).0;
+        Ok(Self {
+            policy,
+            max_batch,
+            host_obs,
+            host_actions,
+            _dev_obs: dev_obs,
+            _dev_actions: dev_actions,
+            p_obs,
+            p_actions,
+        })
+    }
+
+    /// The policy it runs.
+    pub fn policy(&self) -> &MlpPolicy {
+        &self.policy
+    }
+
+    /// The most rows one call takes.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// The greedy action for one observation (`input` floats).
+    pub fn act(&mut self, obs: &[f32]) -> Result<u32> {
+        let mut a = [0u32];
+        self.act_batch(obs, &mut a)?;
+        Ok(a[0])
+    }
+
+    /// Greedy actions for `actions.len()` rows (1 ..= max_batch) of `obs` (row-major,
+    /// `rows × input` floats), returned when they are on the host.
+    pub fn act_batch(&mut self, obs: &[f32], actions: &mut [u32]) -> Result<()> {
+        const CTX: &str = "MlpDecider::act_batch";
+        let (rows, input) = (actions.len(), self.policy.dims.input);
+        if rows == 0 || rows > self.max_batch {
+            return Err(Error::shape("actions", CTX, format!("1 ..= {} rows", self.max_batch), rows));
+        }
+        if obs.len() != rows * input {
+            return Err(Error::shape("obs", CTX, format!("{rows} × {input} floats"), obs.len()));
+        }
+        let stream = self.policy.stream.clone();
+        let cu = stream.cu_stream();
+        // `as_*slice` wait on the buffers' own events, which are never recorded (the copies
+        // below are raw), so they return at once; the stream sync at the end is the fence.
+        let enqueued = (|| -> Result<()> {
+            stream.context().bind_to_thread().map_err(driver(CTX))?;
+            let host_in = &mut self.host_obs.as_mut_slice().map_err(driver(CTX))?[..obs.len()];
+            host_in.copy_from_slice(obs);
+            // SAFETY: `p_obs` holds max_batch × input f32 ≥ obs.len(); the pinned source stays
+            // untouched until the sync below; same for the actions.
+            unsafe { result::memcpy_htod_async(self.p_obs, host_in, cu) }.map_err(driver(CTX))?;
+            unsafe { self.policy.launch(self.p_obs, rows, self.p_actions, 0, CTX) }?;
+            let host_out = &mut self.host_actions.as_mut_slice().map_err(driver(CTX))?[..rows];
+            unsafe { result::memcpy_dtoh_async(host_out, self.p_actions, cu) }.map_err(driver(CTX))
+        })();
+        // Sync even after a failed enqueue: nothing may still be copying into our buffers.
+        let synced = stream.synchronize().map_err(driver(CTX));
+        enqueued.and(synced)?;
+        actions.copy_from_slice(&self.host_actions.as_slice().map_err(driver(CTX))?[..rows]);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,265 @@
+//! Device tests of the fused greedy policies against the f64 reference. Each test returns
+//! early with a printed note when no CUDA device can be opened (except the limit checks,
+//! which fail before any device is touched).
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::{MlpDecider, MlpPolicy};
+use crate::error::Error;
+use crate::mlp_ref::{reference_greedy, Activation, GreedyMlp, Head, Linear, MAX_WIDTH};
+use crate::rng;
+
+/// The first CUDA device, or None (with a note) when there is none or the driver cannot be
+/// loaded (cudarc's dynamic loading panics in that case, hence catch_unwind).
+fn gpu(test: &str) -> Option<Device> {
+    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
+        Ok(Ok(d)) => Some(d),
+        Ok(Err(e)) => {
+            eprintln!("{test}: skipped, no CUDA device ({e})");
+            None
+        }
+        Err(_) => {
+            eprintln!("{test}: skipped, the CUDA driver could not be loaded");
+            None
+        }
+    }
+}
+
+/// `n` uniforms in [-scale, scale) from stream `(seed, salt)`.
+fn uniform(n: usize, scale: f64, seed: u64, salt: u64) -> Vec<f32> {
+    (0..n as u64).map(|i| ((rng::draw(seed, 11, salt, i) * 2.0 - 1.0) * scale) as f32).collect()
+}
+
+/// A network's parameters, PyTorch-initialised (U(±1/√in)), and its head kind.
+struct Net {
+    layers: Vec<(Tensor, Tensor)>,
+    acts: Vec<Activation>,
+    dueling: bool,
+}
+
+impl Net {
+    /// Hidden widths `widths[0] → widths[1] → ...` (widths[0] = input), then the head.
+    fn new(dev: &Device, widths: &[usize], act: Activation, n_actions: usize, dueling: bool, seed: u64) -> Self {
+        let last = *widths.last().unwrap();
+        let mut shapes: Vec<(usize, usize)> = widths.windows(2).map(|w| (w[1], w[0])).collect();
+        if dueling {
+            shapes.push((1, last));
+        }
+        shapes.push((n_actions, last));
+        let layers = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(o, inp))| {
+                let s = 1.0 / (inp as f64).sqrt();
+                let w = Tensor::from_vec(uniform(o * inp, s, seed, 2 * i as u64), (o, inp), dev).unwrap();
+                let b = Tensor::from_vec(uniform(o, s, seed, 2 * i as u64 + 1), o, dev).unwrap();
+                (w, b)
+            })
+            .collect();
+        Self { layers, acts: vec![act; widths.len() - 1], dueling }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&GreedyMlp<'_>) -> R) -> R {
+        fn lin(p: &(Tensor, Tensor)) -> Linear<'_> {
+            Linear { weight: &p.0, bias: &p.1 }
+        }
+        let nh = self.acts.len();
+        let hidden: Vec<_> = self.layers[..nh].iter().zip(&self.acts).map(|(p, &a)| (lin(p), a)).collect();
+        let head = if self.dueling {
+            Head::Dueling { value: lin(&self.layers[nh]), advantage: lin(&self.layers[nh + 1]) }
+        } else {
+            Head::Logits(lin(&self.layers[nh]))
+        };
+        f(&GreedyMlp { hidden: &hidden, head })
+    }
+
+    fn policy(&self) -> MlpPolicy {
+        self.with(MlpPolicy::new).expect("policy")
+    }
+}
+
+fn obs(dev: &Device, b: usize, s: usize, seed: u64) -> Tensor {
+    Tensor::from_vec(uniform(b * s, 2.0, seed, 99), (b, s), dev).unwrap()
+}
+
+/// Scores within 1e-4 (norm-wise relative) of the reference, actions equal except on
+/// near-ties of the reference's top two scores.
+fn check_against_reference(net: &Net, policy: &MlpPolicy, x: &Tensor, what: &str) {
+    let a = policy.dims().n_actions;
+    let (actions, values) = policy.greedy_with_values(x, true).expect("greedy");
+    let got_q: Vec<f32> = values.unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let got_a: Vec<u32> = actions.to_vec1().unwrap();
+    let (want_q, want_a) = net.with(|n| reference_greedy(n, x)).expect("reference");
+    let num: f64 = got_q.iter().zip(&want_q).map(|(g, w)| (*g as f64 - w).powi(2)).sum::<f64>().sqrt();
+    let den: f64 = want_q.iter().map(|w| w * w).sum::<f64>().sqrt().max(1e-30);
+    assert!(num / den <= 1e-4, "{what}: scores rel err {:e}", num / den);
+    for (r, (g, w)) in got_a.iter().zip(&want_a).enumerate() {
+        if g != w {
+            let mut row = want_q[r * a..(r + 1) * a].to_vec();
+            row.sort_by(|x, y| y.total_cmp(x));
+            assert!(
+                row[0] - row[1] <= 1e-5 * (1.0 + row[0].abs()),
+                "{what}: row {r}: action {g} vs reference {w} ({row:?})"
+            );
+        }
+    }
+}
+
+const BATCHES: [usize; 4] = [1, 3, 256, 1000];
+
+#[test]
+fn dqn_default_dims_match_reference() {
+    let Some(dev) = gpu("dqn_default_dims_match_reference") else { return };
+    let net = Net::new(&dev, &[56, 256, 256, 128], Activation::Relu, 3, true, 1);
+    let policy = net.policy();
+    for b in BATCHES {
+        check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &format!("dqn B={b}"));
+    }
+}
+
+#[test]
+fn ppo_actor_default_dims_match_reference() {
+    let Some(dev) = gpu("ppo_actor_default_dims_match_reference") else { return };
+    let net = Net::new(&dev, &[56, 256, 256], Activation::Tanh, 3, false, 2);
+    let policy = net.policy();
+    for b in BATCHES {
+        check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &format!("ppo B={b}"));
+    }
+}
+
+/// h = 64 with 5 actions; odd widths (scalar row reads); the widest and deepest allowed.
+#[test]
+fn non_default_dims_match_reference() {
+    let Some(dev) = gpu("non_default_dims_match_reference") else { return };
+    let cases: [(&[usize], Activation, usize, bool); 5] = [
+        (&[56, 64, 64, 32], Activation::Relu, 5, true),
+        (&[56, 64, 64], Activation::Tanh, 5, false),
+        (&[55, 37, 19], Activation::Relu, 7, true),
+        (&[MAX_WIDTH, MAX_WIDTH, 8, 1024, 3], Activation::Tanh, 16, false),
+        (&[6], Activation::Identity, 2, true),
+    ];
+    for (i, (widths, act, a, dueling)) in cases.into_iter().enumerate() {
+        let net = Net::new(&dev, widths, act, a, dueling, 10 + i as u64);
+        let policy = net.policy();
+        for b in BATCHES {
+            check_against_reference(&net, &policy, &obs(&dev, b, widths[0], b as u64), &format!("{widths:?} B={b}"));
+        }
+    }
+}
+
+/// A weight view at an odd element offset cannot be read as float4: the kernel must take
+/// the scalar path for that layer and still agree.
+#[test]
+fn unaligned_weight_views_match_reference() {
+    let Some(dev) = gpu("unaligned_weight_views_match_reference") else { return };
+    let mut net = Net::new(&dev, &[56, 64, 32], Activation::Relu, 3, true, 20);
+    let w = net.layers[1].0.clone();
+    let padded = Tensor::cat(&[Tensor::zeros(1, DType::F32, &dev).unwrap(), w.flatten_all().unwrap()], 0).unwrap();
+    net.layers[1].0 = padded.narrow(0, 1, 64 * 32).unwrap().reshape((32, 64)).unwrap();
+    assert_eq!(net.layers[1].0.layout().start_offset(), 1);
+    let policy = net.policy();
+    for b in BATCHES {
+        check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &format!("unaligned B={b}"));
+    }
+}
+
+/// Outputs poisoned first: every action and score must be overwritten, also past the
+/// launch's grid (grid-stride rows beyond 65,535).
+#[test]
+fn every_row_is_written() {
+    let Some(dev) = gpu("every_row_is_written") else { return };
+    let net = Net::new(&dev, &[56, 16, 16], Activation::Relu, 3, true, 30);
+    let policy = net.policy();
+    for b in [1, 1000, 70_000] {
+        let x = obs(&dev, b, 56, 7);
+        let actions = Tensor::full(u32::MAX, b, &dev).unwrap();
+        let values = Tensor::full(f32::NAN, (b, 3), &dev).unwrap();
+        policy.greedy_into(&x, &actions, Some(&values)).expect("greedy_into");
+        let a: Vec<u32> = actions.to_vec1().unwrap();
+        assert!(a.iter().all(|&a| a < 3), "B={b}: an action was not written");
+        let v: Vec<f32> = values.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(v.iter().all(|v| v.is_finite()), "B={b}: a score was not written");
+        // Without values the actions are the same.
+        let again = policy.greedy(&x).unwrap().to_vec1::<u32>().unwrap();
+        assert_eq!(again, a, "B={b}");
+    }
+}
+
+/// Beyond the limits the policy is refused with `Unsupported` (before any device work, so
+/// this runs on the CPU too); CPU tensors within the limits are a device error.
+#[test]
+fn configs_beyond_the_limits_are_refused() {
+    let cpu = Device::Cpu;
+    let too_wide = Net::new(&cpu, &[8, MAX_WIDTH + 1], Activation::Relu, 3, true, 40);
+    let err = too_wide.with(MlpPolicy::new).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    let too_many_actions = Net::new(&cpu, &[8, 8], Activation::Relu, 17, false, 41);
+    assert!(matches!(too_many_actions.with(MlpPolicy::new).unwrap_err(), Error::Unsupported { .. }));
+    let too_deep = Net::new(&cpu, &[8, 8, 8, 8, 8, 8], Activation::Tanh, 3, false, 42);
+    assert!(matches!(too_deep.with(MlpPolicy::new).unwrap_err(), Error::Unsupported { .. }));
+    let on_cpu = Net::new(&cpu, &[8, 8], Activation::Tanh, 3, false, 43);
+    assert!(matches!(on_cpu.with(MlpPolicy::new).unwrap_err(), Error::Device { .. }));
+}
+
+/// Bad inputs are errors naming the argument, never a panic or a launch.
+#[test]
+fn bad_inputs_are_errors() {
+    let Some(dev) = gpu("bad_inputs_are_errors") else { return };
+    let net = Net::new(&dev, &[56, 32], Activation::Relu, 3, false, 50);
+    let policy = net.policy();
+    let e = policy.greedy(&obs(&dev, 2, 55, 1)).unwrap_err().to_string();
+    assert!(e.contains("obs"), "{e}");
+    let e = policy.greedy(&obs(&dev, 2, 56, 1).to_device(&Device::Cpu).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("obs") && e.contains("device"), "{e}");
+    let x = obs(&dev, 2, 56, 1);
+    let e = policy.greedy_into(&x, &Tensor::zeros(2, DType::U8, &dev).unwrap(), None).unwrap_err().to_string();
+    assert!(e.contains("actions"), "{e}");
+    let strided = Tensor::zeros((2, 2), DType::U32, &dev).unwrap().narrow(1, 0, 1).unwrap().squeeze(1).unwrap();
+    assert!(policy.greedy_into(&x, &strided, None).is_err());
+    assert_eq!(policy.greedy(&obs(&dev, 0, 56, 1)).unwrap().dims(), [0]);
+    let mut d = MlpDecider::new(policy.clone(), 4).unwrap();
+    assert!(d.act(&[0.0; 55]).is_err());
+    assert!(d.act_batch(&[0.0; 56 * 5], &mut [0; 5]).is_err());
+    assert!(d.act_batch(&[], &mut []).is_err());
+    assert!(MlpDecider::new(policy, 0).is_err());
+}
+
+/// The host path agrees with the device path for single rows and batches, call after call
+/// (the buffers are reused).
+#[test]
+fn decider_matches_policy() {
+    let Some(dev) = gpu("decider_matches_policy") else { return };
+    let net = Net::new(&dev, &[56, 256, 256, 128], Activation::Relu, 3, true, 60);
+    let policy = net.policy();
+    let mut d = MlpDecider::new(policy.clone(), 64).unwrap();
+    for (k, rows) in [1usize, 1, 7, 64, 1, 33].into_iter().enumerate() {
+        let x = obs(&dev, rows, 56, 100 + k as u64);
+        let want: Vec<u32> = policy.greedy(&x).unwrap().to_vec1().unwrap();
+        let host: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let mut got = vec![u32::MAX; rows];
+        d.act_batch(&host, &mut got).unwrap();
+        assert_eq!(got, want, "rows {rows}");
+        assert_eq!(d.act(&host[..56]).unwrap(), want[0]);
+    }
+}
+
+/// Updates through `Var::set` (in place, as the optimisers do) are seen by a policy built
+/// before them.
+#[test]
+fn policy_sees_in_place_weight_updates() {
+    let Some(dev) = gpu("policy_sees_in_place_weight_updates") else { return };
+    let mut net = Net::new(&dev, &[56, 64, 32], Activation::Tanh, 4, false, 70);
+    let vars: Vec<(Var, Var)> =
+        net.layers.iter().map(|(w, b)| (Var::from_tensor(w).unwrap(), Var::from_tensor(b).unwrap())).collect();
+    net.layers = vars.iter().map(|(w, b)| (w.as_tensor().clone(), b.as_tensor().clone())).collect();
+    let policy = net.policy();
+    let x = obs(&dev, 300, 56, 3);
+    check_against_reference(&net, &policy, &x, "before the update");
+    let other = Net::new(&dev, &[56, 64, 32], Activation::Tanh, 4, false, 71);
+    for ((w, b), (nw, nb)) in vars.iter().zip(&other.layers) {
+        w.set(nw).unwrap();
+        b.set(nb).unwrap();
+    }
+    check_against_reference(&net, &policy, &x, "after the update");
+    check_against_reference(&other, &policy, &x, "after the update, against the new weights");
+}

@@ -1,0 +1,242 @@
+//! The fused training-step tail (gradient norm, NaN/Inf guard, clipping, loss-scale
+//! update, Adam/AdamW, soft target update) on host slices: the reference the CUDA kernels
+//! of `kernels/optim.cu` are tested against, and the definition of what they compute.
+//!
+//! It follows `fx_precision::TrainStep` + `AdamW`/`Adam` (PyTorch semantics) rounding for
+//! rounding: `fx-precision`'s tests check this reference against that eager step, the
+//! device tests check the kernels against this reference.
+
+/// Indices into the control block (`f64 × CTRL_LEN`) that the fused step keeps on the
+/// device: the learning rate is written by the host, everything else by the step.
+pub mod ctrl {
+    /// Learning rate (host-written; read by every step, so schedules work in a graph).
+    pub const LR: usize = 0;
+    /// Adam step count t (applied steps).
+    pub const STEP: usize = 1;
+    /// Loss scale (1 without scaling).
+    pub const SCALE: usize = 2;
+    /// Clean steps since the scale last changed.
+    pub const GROWTH: usize = 3;
+    /// Steps that reached the optimiser.
+    pub const APPLIED: usize = 4;
+    /// Steps skipped for a non-finite loss.
+    pub const SKIP_LOSS: usize = 5;
+    /// Steps skipped for a non-finite gradient.
+    pub const SKIP_GRAD: usize = 6;
+    /// The last step's unscaled loss.
+    pub const LAST_LOSS: usize = 7;
+    /// The last step's gradient norm (unscaled, before clipping).
+    pub const LAST_NORM: usize = 8;
+    /// 1 when the last step was skipped.
+    pub const LAST_SKIPPED: usize = 9;
+    /// Factor the gradients are multiplied by (1/scale × clip), 0 when skipped.
+    pub const COEF: usize = 10;
+    /// lr / (1 − β1^t).
+    pub const STEP_SIZE: usize = 11;
+    /// 1 / sqrt(1 − β2^t).
+    pub const INV_BC2_SQRT: usize = 12;
+    /// Sum of the applied steps' losses since the host last reset it.
+    pub const LOSS_SUM: usize = 13;
+    /// Number of losses in `LOSS_SUM`.
+    pub const LOSS_COUNT: usize = 14;
+    /// Steps whose gradients were clipped.
+    pub const CLIPPED: usize = 15;
+    /// 1 − lr·wd (AdamW's decoupled decay factor).
+    pub const DECAY: usize = 16;
+    /// Last values of the extra scalars (diagnostics), up to [`super::MAX_EXTRA`].
+    pub const EXTRA_LAST: usize = 24;
+    /// Sums of the extra scalars since the host last reset them.
+    pub const EXTRA_SUM: usize = 32;
+    /// Length of the control block.
+    pub const LEN: usize = 40;
+}
+
+/// Most extra scalars one step can record.
+pub const MAX_EXTRA: usize = 8;
+
+/// Adam/AdamW hyper-parameters of the fused step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConsts {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// AdamW's decoupled decay (true) or Adam's L2 term in the gradient (false).
+    pub decoupled: bool,
+    /// Soft target update rate (used only for tensors that have a target).
+    pub tau: f64,
+}
+
+/// GradScaler constants (PyTorch's `torch.amp.GradScaler`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScalerConsts {
+    pub growth_factor: f64,
+    pub backoff_factor: f64,
+    pub growth_interval: u32,
+}
+
+/// Guard, clipping and scaling constants of the fused step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuardConsts {
+    /// Clip the global norm to this (None: no clipping).
+    pub max_norm: Option<f64>,
+    /// Loss scaling (None: scale stays 1).
+    pub scaler: Option<ScalerConsts>,
+}
+
+/// One tensor of the reference step: parameter, its gradient (of the scaled loss), moments
+/// and optional target parameter.
+pub struct RefTensor<'a> {
+    pub param: &'a mut [f32],
+    pub grad: &'a [f32],
+    pub exp_avg: &'a mut [f32],
+    pub exp_avg_sq: &'a mut [f32],
+    pub target: Option<&'a mut [f32]>,
+}
+
+/// The whole fused step on the host: what `fx_mt_sumsq` → `fx_step_finalize` →
+/// `fx_mt_adam` do on the device. `loss` is the unscaled loss, `extras` the diagnostics.
+pub fn fused_step_reference(
+    tensors: &mut [RefTensor<'_>],
+    loss: f32,
+    extras: &[f32],
+    ctrl_block: &mut [f64; ctrl::LEN],
+    adam: &AdamConsts,
+    guard: &GuardConsts,
+) {
+    use ctrl::*;
+    let c = ctrl_block;
+    let scale = c[SCALE];
+    let inv = (1.0 / scale) as f32 as f64;
+    // The device sums f32 squares per chunk then in f64; the difference is rounding only.
+    let raw: f64 = tensors.iter().flat_map(|t| t.grad.iter()).map(|&g| (g as f64) * (g as f64)).sum();
+    let sumsq = raw * inv * inv;
+    let norm = sumsq.sqrt();
+    let l = loss as f64;
+    let skip = if !l.is_finite() {
+        1
+    } else if !sumsq.is_finite() {
+        2
+    } else {
+        0
+    };
+    c[LAST_LOSS] = l;
+    c[LAST_NORM] = norm;
+    c[LAST_SKIPPED] = if skip > 0 { 1.0 } else { 0.0 };
+    let mut new_scale = scale;
+    if skip > 0 {
+        c[if skip == 1 { SKIP_LOSS } else { SKIP_GRAD }] += 1.0;
+        c[COEF] = 0.0;
+        if let Some(s) = guard.scaler {
+            new_scale *= s.backoff_factor;
+            c[GROWTH] = 0.0;
+        }
+    } else {
+        let mut coef = inv;
+        if let Some(max) = guard.max_norm {
+            let clip = max / (norm + 1e-6);
+            if clip < 1.0 {
+                coef *= clip;
+                c[CLIPPED] += 1.0;
+            }
+        }
+        let t = c[STEP] + 1.0;
+        let lr = c[LR];
+        c[STEP] = t;
+        c[APPLIED] += 1.0;
+        c[COEF] = coef;
+        c[STEP_SIZE] = lr / (1.0 - adam.beta1.powf(t));
+        c[INV_BC2_SQRT] = 1.0 / (1.0 - adam.beta2.powf(t)).sqrt();
+        c[DECAY] = 1.0 - lr * adam.weight_decay;
+        c[LOSS_SUM] += l;
+        c[LOSS_COUNT] += 1.0;
+        if let Some(s) = guard.scaler {
+            let mut g = c[GROWTH] + 1.0;
+            if g >= s.growth_interval as f64 {
+                new_scale *= s.growth_factor;
+                g = 0.0;
+            }
+            c[GROWTH] = g;
+        }
+    }
+    c[SCALE] = new_scale;
+    for (k, &v) in extras.iter().take(MAX_EXTRA).enumerate() {
+        c[EXTRA_LAST + k] = v as f64;
+        c[EXTRA_SUM + k] += v as f64;
+    }
+    if skip > 0 {
+        return;
+    }
+    let (coef, step_size, inv_bc2, decay) =
+        (c[COEF] as f32, c[STEP_SIZE] as f32, c[INV_BC2_SQRT] as f32, c[DECAY] as f32);
+    let (b1, b2) = (adam.beta1 as f32, adam.beta2 as f32);
+    let (omb1, omb2) = ((1.0 - adam.beta1) as f32, (1.0 - adam.beta2) as f32);
+    let (eps, wd, tau) = (adam.eps as f32, adam.weight_decay as f32, adam.tau as f32);
+    for t in tensors.iter_mut() {
+        for j in 0..t.param.len() {
+            let mut g = t.grad[j] * coef;
+            let mut p = t.param[j];
+            if wd != 0.0 {
+                if adam.decoupled {
+                    p *= decay;
+                } else {
+                    g += p * wd;
+                }
+            }
+            let m = t.exp_avg[j] * b1 + g * omb1;
+            let v = t.exp_avg_sq[j] * b2 + (g * g) * omb2;
+            let denom = v.sqrt().mul_add(inv_bc2, eps);
+            p -= (m / denom) * step_size;
+            t.param[j] = p;
+            t.exp_avg[j] = m;
+            t.exp_avg_sq[j] = v;
+            if let Some(tg) = t.target.as_deref_mut() {
+                tg[j] += (p - tg[j]) * tau;
+            }
+        }
+    }
+}
+
+/// A fresh control block: learning rate `lr`, loss scale `scale`, everything else 0.
+pub fn new_ctrl(lr: f64, scale: f64) -> [f64; ctrl::LEN] {
+    let mut c = [0.0; ctrl::LEN];
+    c[ctrl::LR] = lr;
+    c[ctrl::SCALE] = scale;
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Adam's first step moves every weight by about lr against its gradient's sign, and
+    /// a NaN loss or gradient changes nothing but the counters.
+    #[test]
+    fn first_step_and_skips() {
+        let adam = AdamConsts { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: true, tau: 0.5 };
+        let guard = GuardConsts { max_norm: None, scaler: None };
+        let mut p = vec![1.0f32, -2.0, 0.5];
+        let g = vec![0.3f32, -0.1, 2.0];
+        let (mut m, mut v, mut tg) = (vec![0.0f32; 3], vec![0.0f32; 3], vec![0.0f32; 3]);
+        let mut c = new_ctrl(0.01, 1.0);
+        let before = p.clone();
+        {
+            let mut ts =
+                [RefTensor { param: &mut p, grad: &g, exp_avg: &mut m, exp_avg_sq: &mut v, target: Some(&mut tg) }];
+            fused_step_reference(&mut ts, 1.5, &[2.0], &mut c, &adam, &guard);
+        }
+        for j in 0..3 {
+            let moved = before[j] - p[j];
+            assert!((moved - 0.01 * g[j].signum()).abs() < 1e-6, "{moved}");
+            assert!((tg[j] - 0.5 * p[j]).abs() < 1e-6);
+        }
+        assert_eq!((c[ctrl::STEP], c[ctrl::APPLIED], c[ctrl::LOSS_SUM], c[ctrl::EXTRA_SUM]), (1.0, 1.0, 1.5, 2.0));
+        let snapshot = (p.clone(), m.clone(), v.clone());
+        for (loss, grad) in [(f32::NAN, g.clone()), (1.0, vec![f32::INFINITY, 0.0, 0.0])] {
+            let mut ts = [RefTensor { param: &mut p, grad: &grad, exp_avg: &mut m, exp_avg_sq: &mut v, target: None }];
+            fused_step_reference(&mut ts, loss, &[], &mut c, &adam, &guard);
+        }
+        assert_eq!(snapshot, (p, m, v));
+        assert_eq!((c[ctrl::SKIP_LOSS], c[ctrl::SKIP_GRAD], c[ctrl::STEP]), (1.0, 1.0, 1.0));
+    }
+}
