@@ -602,8 +602,9 @@ mod tests {
         let plan = tiny_plan();
         let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
         let rec = base(&ctx, "x".into(), "train", "dqn", "eager_fp32", 0);
-        let r =
-            guarded(&mut ctx, Instant::now(), rec, |ctx, r| train::train_case(ctx, Model::Dqn, 0, Precision::F32, r));
+        let r = guarded(&mut ctx, Instant::now(), rec, |ctx, r| {
+            train::train_case(ctx, Model::Dqn, 0, Precision::F32, false, r)
+        });
         assert_eq!(r["status"], "error");
         assert!(r["error"].as_str().unwrap().contains("DQN"), "{r:?}");
     }
