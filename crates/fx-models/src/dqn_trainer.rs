@@ -185,6 +185,9 @@ pub struct DqnTrainer {
     /// Set when `graph = auto` and the capture failed: updates run eagerly.
     #[cfg(feature = "cuda")]
     graph_failed: bool,
+    /// The fused F32 update the graph captures (None: the candle update is captured).
+    #[cfg(feature = "cuda")]
+    engine: Option<crate::dqn_fused::DqnFused>,
 }
 
 impl std::fmt::Debug for DqnTrainer {
@@ -230,6 +233,8 @@ impl DqnTrainer {
             graph: None,
             #[cfg(feature = "cuda")]
             graph_failed: false,
+            #[cfg(feature = "cuda")]
+            engine: None,
         })
     }
 
@@ -411,6 +416,7 @@ impl DqnTrainer {
             Err(e) if self.cfg.graph == GraphMode::Auto => {
                 eprintln!("warning: DQN update graph not captured, running eagerly: {e}");
                 self.graph_failed = true;
+                self.engine = None;
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -418,7 +424,7 @@ impl DqnTrainer {
     }
 
     #[cfg(feature = "cuda")]
-    fn capture_graph(&self, ex: DqnBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
+    fn capture_graph(&mut self, ex: DqnBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
         const CTX: &str = "DqnTrainer::capture_graph";
         let named = self
             .online
@@ -436,6 +442,18 @@ impl DqnTrainer {
         .and_then(|f| f.with_targets(self.target.params().vars().to_vec(), self.cfg.tau))
         .ctx(CTX)?;
         fused.load_from(&self.step).ctx(CTX)?;
+        // F32: the fused update (~30 launches); other precisions: candle's update, captured.
+        self.engine = None;
+        if self.cfg.precision == Precision::F32 && crate::dqn_fused::DqnFused::supports(&self.online) {
+            let b = ex.obs.dim(0).ctx(CTX)?;
+            self.engine = Some(crate::dqn_fused::DqnFused::new(
+                &self.online,
+                &self.target,
+                b,
+                self.cfg.gamma,
+                self.cfg.huber_delta,
+            )?);
+        }
         let mut body = self.graph_body();
         crate::graph_update::GraphUpdate::capture(
             fused,
@@ -445,14 +463,25 @@ impl DqnTrainer {
     }
 
     #[cfg(feature = "cuda")]
-    fn graph_body(&self) -> impl FnMut(&fx_precision::FusedStep, &[Tensor], bool) -> Result<()> + '_ {
-        move |fused, t, dry| {
+    fn graph_body(&self) -> Box<crate::graph_update::Body<'_>> {
+        if let Some(engine) = &self.engine {
+            return Box::new(move |fused, t, dry| {
+                if t[0].dim(0).ctx("DqnTrainer graph body")? != engine.batch() {
+                    return Err(Error::config(
+                        "DqnTrainer graph body",
+                        "the fused update needs the configured batch size",
+                    ));
+                }
+                engine.step(fused, t, dry)
+            });
+        }
+        Box::new(move |fused, t, dry| {
             const CTX: &str = "DqnTrainer graph body";
             let batch = DqnBatch { obs: &t[0], actions: &t[1], rewards: &t[2], next_obs: &t[3], dones: &t[4] };
             let parts = dqn_loss(&self.online, &self.target, batch, self.cfg.gamma, self.cfg.huber_delta)?;
             let grads = fused.scale_loss(&parts.loss).ctx(CTX)?.backward().ctx(CTX)?;
             fused.step(&parts.loss, &grads, &[], dry).ctx(CTX)
-        }
+        })
     }
 
     /// Queues one captured update on `batch` without reading anything back (benchmarks;

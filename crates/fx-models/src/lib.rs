@@ -26,6 +26,8 @@
 
 pub mod backtest;
 pub mod dqn;
+#[cfg(feature = "cuda")]
+mod dqn_fused;
 pub mod dqn_trainer;
 mod error;
 #[cfg(feature = "cuda")]
@@ -34,6 +36,8 @@ mod linear;
 pub mod mamba2;
 pub mod param_io;
 pub mod ppo;
+#[cfg(feature = "cuda")]
+mod ppo_fused;
 pub mod ppo_trainer;
 pub mod schedule;
 pub mod seq_ops;

@@ -177,6 +177,9 @@ pub struct PpoTrainer {
     /// Set when `graph = auto` and the capture failed: updates run eagerly.
     #[cfg(feature = "cuda")]
     graph_failed: bool,
+    /// The fused F32 update the graph captures (None: the candle update is captured).
+    #[cfg(feature = "cuda")]
+    engine: Option<crate::ppo_fused::PpoFused>,
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -218,6 +221,8 @@ impl PpoTrainer {
             graph: None,
             #[cfg(feature = "cuda")]
             graph_failed: false,
+            #[cfg(feature = "cuda")]
+            engine: None,
         })
     }
 
@@ -443,6 +448,7 @@ impl PpoTrainer {
             Err(e) if self.cfg.graph == GraphMode::Auto => {
                 eprintln!("warning: PPO update graph not captured, running eagerly: {e}");
                 self.graph_failed = true;
+                self.engine = None;
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -450,7 +456,7 @@ impl PpoTrainer {
     }
 
     #[cfg(feature = "cuda")]
-    fn capture_graph(&self, ex: PpoBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
+    fn capture_graph(&mut self, ex: PpoBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
         const CTX: &str = "PpoTrainer::capture_graph";
         let p = self.model.params();
         let named = p.specs().iter().map(|s| s.name.clone()).zip(p.vars().iter().cloned());
@@ -462,6 +468,15 @@ impl PpoTrainer {
         )
         .ctx(CTX)?;
         fused.load_from(&self.step).ctx(CTX)?;
+        // F32 with U32 actions: the fused update (~40 launches); otherwise candle's update, captured.
+        self.engine = None;
+        if self.cfg.precision == Precision::F32
+            && ex.actions.dtype() == DType::U32
+            && crate::ppo_fused::PpoFused::supports(&self.model)
+        {
+            let b = ex.obs.dim(0).ctx(CTX)?;
+            self.engine = Some(crate::ppo_fused::PpoFused::new(&self.model, b, self.cfg.loss)?);
+        }
         let mut body = self.graph_body();
         crate::graph_update::GraphUpdate::capture(
             fused,
@@ -471,14 +486,20 @@ impl PpoTrainer {
     }
 
     #[cfg(feature = "cuda")]
-    fn graph_body(&self) -> impl FnMut(&fx_precision::FusedStep, &[Tensor], bool) -> Result<()> + '_ {
-        move |fused, t, dry| {
+    fn graph_body(&self) -> Box<crate::graph_update::Body<'_>> {
+        let engine = self.engine.as_ref();
+        Box::new(move |fused, t, dry| {
             const CTX: &str = "PpoTrainer graph body";
+            // Minibatches of another size (an epoch's last chunk) take candle's update,
+            // through the same fused optimiser state.
+            if let Some(e) = engine.filter(|e| t[0].dims().first() == Some(&e.batch()) && t[1].dtype() == DType::U32) {
+                return e.step(fused, t, dry);
+            }
             let batch = PpoBatch { obs: &t[0], actions: &t[1], logp_old: &t[2], advantages: &t[3], returns: &t[4] };
             let p = ppo_loss(&self.model, batch, &self.cfg.loss)?;
             let grads = fused.scale_loss(&p.loss).ctx(CTX)?.backward().ctx(CTX)?;
             fused.step(&p.loss, &grads, &[&p.l_clip, &p.l_v, &p.entropy_mean, &p.approx_kl, &p.clip_frac], dry).ctx(CTX)
-        }
+        })
     }
 
     /// Queues one captured minibatch update without reading anything back (benchmarks;

@@ -63,7 +63,12 @@ impl DqnData {
 }
 
 fn dqn_cfg(graph: GraphMode) -> DqnConfig {
+    dqn_cfg_p(graph, fx_precision::Precision::F32)
+}
+
+fn dqn_cfg_p(graph: GraphMode, precision: fx_precision::Precision) -> DqnConfig {
     DqnConfig {
+        precision,
         batch_size: 64,
         replay_capacity: 8,
         learning_starts: 1,
@@ -80,6 +85,25 @@ fn max_param_err(a: &DqnTrainer, b: &DqnTrainer) -> f64 {
     pa.zip(pb).map(|(x, y)| rel(x.as_tensor(), y.as_tensor())).fold(0.0, f64::max)
 }
 
+/// BF16: the candle update captured as a graph (the fused update is F32-only).
+#[test]
+fn dqn_bf16_graph_equals_eager() {
+    let Some(dev) = gpu() else { return };
+    let p = fx_precision::Precision::Bf16;
+    let mut eager = DqnTrainer::new(dqn_cfg_p(GraphMode::Off, p), &dev).unwrap();
+    let mut graph = DqnTrainer::new(dqn_cfg_p(GraphMode::On, p), &dev).unwrap();
+    for k in 0..60u64 {
+        let data = dqn_batch(&dev, 64, k, k == 20);
+        let se = eager.update(data.batch()).unwrap();
+        let sg = graph.update(data.batch()).unwrap();
+        assert_eq!(se.skipped, sg.skipped, "update {k}");
+    }
+    let err = max_param_err(&eager, &graph);
+    eprintln!("dqn bf16 graph vs eager after 60 updates: max relative weight error {err:.3e}");
+    assert!(err <= 1e-4, "bf16 graph vs eager: {err}");
+}
+
+/// F32: the fused update (~30 launches) captured as a graph, against candle's eager update.
 #[test]
 fn dqn_graph_equals_eager_and_resumes() {
     let Some(dev) = gpu() else { return };

@@ -194,15 +194,41 @@ impl FusedStep {
     /// needs an F32 gradient. `extras` are F32 scalars recorded in the control block.
     /// `dry` queues the same launches without touching any state (graph warm-up).
     pub fn step(&self, loss: &Tensor, grads: &GradStore, extras: &[&Tensor], dry: bool) -> Result<()> {
-        const CTX: &str = "FusedStep::step";
-        let addr = |t: &Tensor, what: &'static str| f32_address(t, what).map_err(|e| kernel_err(CTX, e));
-        let mut keep = Vec::with_capacity(self.vars.len() + extras.len() + 1);
-        let mut entries = Vec::with_capacity(self.vars.len());
+        let mut gs = Vec::with_capacity(self.vars.len());
         for (k, v) in self.vars.iter().enumerate() {
-            let g = grads.get(v.as_tensor()).ok_or_else(|| Error::Config {
+            gs.push(grads.get(v.as_tensor()).ok_or_else(|| Error::Config {
                 what: "FusedStep",
                 message: format!("parameter {:?} has no gradient", self.names[k]),
-            })?;
+            })?);
+        }
+        self.step_with(loss, &gs, extras, dry)
+    }
+
+    /// [`FusedStep::step`] with the gradients given in parameter order (callers that compute
+    /// them without candle's autograd, e.g. into one flat buffer).
+    pub fn step_with(&self, loss: &Tensor, grads: &[&Tensor], extras: &[&Tensor], dry: bool) -> Result<()> {
+        const CTX: &str = "FusedStep::step";
+        let addr = |t: &Tensor, what: &'static str| f32_address(t, what).map_err(|e| kernel_err(CTX, e));
+        if grads.len() != self.vars.len() {
+            return Err(Error::Config {
+                what: "FusedStep",
+                message: format!("{} gradients for {} parameters", grads.len(), self.vars.len()),
+            });
+        }
+        let mut keep = Vec::with_capacity(self.vars.len() + extras.len() + 1);
+        let mut entries = Vec::with_capacity(self.vars.len());
+        for (k, (v, g)) in self.vars.iter().zip(grads).enumerate() {
+            if g.elem_count() != v.elem_count() {
+                return Err(Error::Config {
+                    what: "FusedStep",
+                    message: format!(
+                        "gradient of {:?} has shape {:?}, the parameter {:?}",
+                        self.names[k],
+                        g.dims(),
+                        v.dims()
+                    ),
+                });
+            }
             let g = g.to_dtype(DType::F32).and_then(|g| g.contiguous()).ctx(CTX)?;
             let n = v.elem_count();
             let m = self.exp_avg_flat.narrow(0, self.offsets[k], n).ctx(CTX)?;

@@ -10,6 +10,7 @@
 mod gpu_env;
 mod launch;
 pub mod mlp;
+pub mod mlp_train;
 pub mod optim;
 
 #[cfg(test)]
@@ -38,6 +39,8 @@ pub(crate) const PTX_PPO: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR")
 pub(crate) const PTX_GAE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/gae.ptx"));
 /// PTX of `kernels/mlp_forward.cu` (fused greedy policy MLPs).
 pub(crate) const PTX_MLP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_forward.ptx"));
+/// PTX of `kernels/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
+pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_train.ptx"));
 /// PTX of `kernels/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
 pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/optim.ptx"));
 

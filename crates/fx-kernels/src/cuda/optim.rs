@@ -98,6 +98,16 @@ pub fn f32_address(t: &Tensor, what: &'static str) -> Result<u64> {
     dev_ptr::<f32>(t, &dev.cuda_stream(), what, CTX)
 }
 
+/// Address of a contiguous U32 CUDA tensor (actions).
+pub fn u32_address(t: &Tensor, what: &'static str) -> Result<u64> {
+    const CTX: &str = "cuda::optim::u32_address";
+    let dev = cuda_device(t.device(), what, CTX)?;
+    if t.dtype() != DType::U32 {
+        return Err(Error::DType { what, expected: DType::U32, got: t.dtype(), context: CTX });
+    }
+    dev_ptr::<u32>(t, &dev.cuda_stream(), what, CTX)
+}
+
 /// Address of a contiguous F64 CUDA tensor (the control block).
 pub fn f64_address(t: &Tensor, what: &'static str) -> Result<u64> {
     const CTX: &str = "cuda::optim::f64_address";

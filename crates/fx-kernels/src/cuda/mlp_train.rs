@@ -1,0 +1,307 @@
+//! Building blocks of a fused MLP training step on raw device buffers (row-major F32):
+//! cuBLAS GEMM/GEMV through cudarc on candle's stream ([`Blas`]) and the element-wise and
+//! loss kernels of `kernels/mlp_train.cu` ([`MlpTrainKernels`]). They never read to the
+//! host, so a CUDA graph can capture them. fx-models composes them into the DQN update
+//! (`fx_models::dqn_fused`), tested there against the candle update it replaces.
+
+use std::sync::Arc;
+
+use candle_core::Device;
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::{cuda_device, driver, PTX_MLP_TRAIN};
+use crate::error::{CandleContext, Error, Result};
+
+/// Activation of a layer (the kernels' `ACT_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    None = 0,
+    Relu = 1,
+    Tanh = 2,
+}
+
+fn blas_err(context: &'static str) -> impl Fn(cudarc::cublas::result::CublasError) -> Error {
+    move |e| Error::Cuda { context, message: format!("{e:?}") }
+}
+
+/// A cuBLAS handle on candle's stream, with row-major helpers on raw addresses.
+pub struct Blas {
+    blas: CudaBlas,
+}
+
+impl std::fmt::Debug for Blas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Blas")
+    }
+}
+
+impl Blas {
+    /// A handle on `device`'s (candle's) stream.
+    pub fn new(device: &Device) -> Result<Self> {
+        const CTX: &str = "Blas::new";
+        let dev = cuda_device(device, "device", CTX)?;
+        let blas = CudaBlas::new(dev.cuda_stream()).map_err(blas_err(CTX))?;
+        Ok(Self { blas })
+    }
+
+    /// Row-major `C[m, n] = alpha · op(A) · op(B) + beta · C`, `op(A)` `[m, k]`, `op(B)` `[k, n]`;
+    /// `lda`/`ldb`/`ldc` are the row strides of the stored matrices (A stored `[k, m]` when
+    /// `ta`, B stored `[n, k]` when `tb`).
+    ///
+    /// # Safety
+    /// The addresses must hold the matrices described, on this device, until the GEMM ran.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm(
+        &self,
+        ta: bool,
+        tb: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: u64,
+        lda: usize,
+        b: u64,
+        ldb: usize,
+        beta: f32,
+        c: u64,
+        ldc: usize,
+    ) -> Result<()> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
+        // Row-major C = op(A) op(B) is column-major Cᵀ = op(B)ᵀ op(A)ᵀ: B's storage first.
+        blas::sgemm(
+            *self.blas.handle(),
+            if tb { T } else { N },
+            if ta { T } else { N },
+            n as i32,
+            m as i32,
+            k as i32,
+            &alpha,
+            b as *const f32,
+            ldb as i32,
+            a as *const f32,
+            lda as i32,
+            &beta,
+            c as *mut f32,
+            ldc as i32,
+        )
+        .map_err(blas_err("Blas::gemm"))
+    }
+
+    /// Column sums `y[c] = alpha · Σ_r A[r, c]` of a row-major `A[rows, cols]` with row stride
+    /// `lda`, using `ones` (at least `rows` ones) — the bias gradients of a layer.
+    ///
+    /// # Safety
+    /// As [`Blas::gemm`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn col_sums(
+        &self,
+        rows: usize,
+        cols: usize,
+        alpha: f32,
+        a: u64,
+        lda: usize,
+        ones: u64,
+        y: u64,
+    ) -> Result<()> {
+        let beta = 0.0f32;
+        // Row-major A is column-major Aᵀ [cols, rows]: y = Aᵀ · ones.
+        blas::sgemv(
+            *self.blas.handle(),
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            cols as i32,
+            rows as i32,
+            &alpha,
+            a as *const f32,
+            lda as i32,
+            ones as *const f32,
+            1,
+            &beta,
+            y as *mut f32,
+            1,
+        )
+        .map_err(blas_err("Blas::col_sums"))
+    }
+}
+
+/// The kernels of `kernels/mlp_train.cu`.
+#[derive(Debug, Clone)]
+pub struct MlpTrainKernels {
+    bias_act: CudaFunction,
+    act_bwd: CudaFunction,
+    dqn_head_loss: CudaFunction,
+    ppo_adv_stats: CudaFunction,
+    ppo_loss: CudaFunction,
+    stream: Arc<CudaStream>,
+    sm_count: u32,
+}
+
+/// Addresses and sizes for [`MlpTrainKernels::dqn_head_loss`].
+#[derive(Debug, Clone, Copy)]
+pub struct DqnHeadArgs {
+    /// Online trunk outputs `[2B, k]`: rows `0..B` on s, `B..2B` on s'.
+    pub z_online: u64,
+    /// Target trunk outputs on s' `[B, k]`.
+    pub z_target: u64,
+    /// Online heads: value weight `[1, k]`, bias `[1]`, advantage weight `[na, k]`, bias `[na]`.
+    pub online_heads: [u64; 4],
+    /// The target network's heads, same layout.
+    pub target_heads: [u64; 4],
+    /// Actions `[B]` u32, rewards `[B]`, dones `[B]`.
+    pub actions: u64,
+    pub rewards: u64,
+    pub dones: u64,
+    pub batch: usize,
+    pub k: usize,
+    pub n_actions: usize,
+    pub gamma: f32,
+    pub huber_delta: f32,
+    /// Outputs: Huber loss per row `[B]`, head gradients `[B, 1 + na]`, masked trunk gradient `[B, k]`.
+    pub loss_rows: u64,
+    pub d_out: u64,
+    pub dz: u64,
+}
+
+/// Addresses and sizes for [`MlpTrainKernels::ppo_loss`].
+#[derive(Debug, Clone, Copy)]
+pub struct PpoLossArgs {
+    /// Actor logits `[B, A]` and critic values `[B]`.
+    pub logits: u64,
+    pub value: u64,
+    /// Minibatch: actions `[B]` u32, old log-probabilities, advantages, returns `[B]`.
+    pub actions: u64,
+    pub logp_old: u64,
+    pub advantages: u64,
+    pub returns: u64,
+    /// `[2]` F32 scratch for the advantages' mean and std.
+    pub adv_stats: u64,
+    pub batch: usize,
+    pub n_actions: usize,
+    pub clip: f32,
+    pub vf_coef: f32,
+    pub ent_coef: f32,
+    pub adv_eps: f32,
+    /// Outputs: per-row terms `[B, 6]` (loss, l_clip, l_v, entropy, approx_kl, clip_frac),
+    /// gradients of the mean loss w.r.t. logits `[B, A]` and values `[B]`.
+    pub rows: u64,
+    pub d_logits: u64,
+    pub d_value: u64,
+}
+
+/// Most actions the DQN head kernel handles.
+pub const DQN_MAX_ACTIONS: usize = 8;
+
+impl MlpTrainKernels {
+    /// Loads the kernels on `device` (CUDA).
+    pub fn load(device: &Device) -> Result<Self> {
+        const CTX: &str = "MlpTrainKernels::load";
+        let dev = cuda_device(device, "device", CTX)?;
+        let get = |name: &str| -> Result<CudaFunction> {
+            Ok(dev.get_or_load_custom_func(name, "fx_mlp_train", PTX_MLP_TRAIN).ctx(CTX)?.into_cuda_function())
+        };
+        let stream = dev.cuda_stream();
+        let sm_count = stream
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver(CTX))?
+            .max(1) as u32;
+        Ok(Self {
+            bias_act: get("fx_bias_act")?,
+            act_bwd: get("fx_act_bwd")?,
+            dqn_head_loss: get("fx_dqn_head_loss")?,
+            ppo_adv_stats: get("fx_ppo_adv_stats")?,
+            ppo_loss: get("fx_ppo_loss")?,
+            stream,
+            sm_count,
+        })
+    }
+
+    fn elementwise_cfg(&self, n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(256).min(self.sm_count as usize * 8).max(1) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// `h = act(h + b)` in place on row-major `h[rows, cols]`.
+    ///
+    /// # Safety
+    /// `h` holds `rows·cols` and `b` `cols` F32 values on this device until the launch ran.
+    pub unsafe fn bias_act(&self, h: u64, b: u64, rows: usize, cols: usize, act: Act) -> Result<()> {
+        let (r, c, a) = (rows as u32, cols as u32, act as u32);
+        let mut l = self.stream.launch_builder(&self.bias_act);
+        l.arg(&h).arg(&b).arg(&r).arg(&c).arg(&a);
+        l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::bias_act"))?;
+        Ok(())
+    }
+
+    /// `dh *= act'(h)` in place, `h` the activation's output.
+    ///
+    /// # Safety
+    /// As [`MlpTrainKernels::bias_act`].
+    pub unsafe fn act_bwd(&self, dh: u64, h: u64, rows: usize, cols: usize, act: Act) -> Result<()> {
+        let (r, c, a) = (rows as u32, cols as u32, act as u32);
+        let mut l = self.stream.launch_builder(&self.act_bwd);
+        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a);
+        l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::act_bwd"))?;
+        Ok(())
+    }
+
+    /// The double-DQN dueling heads, Huber loss and their gradients, one warp per row.
+    ///
+    /// # Safety
+    /// Every address holds what [`DqnHeadArgs`] describes until the launch ran.
+    pub unsafe fn dqn_head_loss(&self, a: &DqnHeadArgs) -> Result<()> {
+        if a.n_actions == 0 || a.n_actions > DQN_MAX_ACTIONS || a.batch == 0 || a.k == 0 {
+            return Err(Error::Config {
+                context: "MlpTrainKernels::dqn_head_loss",
+                message: format!("batch {}, width {}, {} actions (1..={DQN_MAX_ACTIONS})", a.batch, a.k, a.n_actions),
+            });
+        }
+        let (b, k, na) = (a.batch as u32, a.k as u32, a.n_actions as u32);
+        let mut l = self.stream.launch_builder(&self.dqn_head_loss);
+        l.arg(&a.z_online).arg(&a.z_target);
+        for p in &a.online_heads {
+            l.arg(p);
+        }
+        for p in &a.target_heads {
+            l.arg(p);
+        }
+        l.arg(&a.actions).arg(&a.rewards).arg(&a.dones).arg(&b).arg(&k).arg(&na).arg(&a.gamma).arg(&a.huber_delta);
+        l.arg(&a.loss_rows).arg(&a.d_out).arg(&a.dz);
+        let warps_per_block = 8usize;
+        let blocks = a.batch.div_ceil(warps_per_block).max(1) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * warps_per_block as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        l.launch(cfg).map_err(driver("MlpTrainKernels::dqn_head_loss"))?;
+        Ok(())
+    }
+
+    /// PPO: the advantages' statistics, then the per-row loss terms and gradients.
+    ///
+    /// # Safety
+    /// Every address holds what [`PpoLossArgs`] describes until the launches ran.
+    pub unsafe fn ppo_loss(&self, a: &PpoLossArgs) -> Result<()> {
+        const CTX: &str = "MlpTrainKernels::ppo_loss";
+        if a.n_actions == 0 || a.n_actions > DQN_MAX_ACTIONS || a.batch < 2 {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!("batch {} (>= 2), {} actions (1..={DQN_MAX_ACTIONS})", a.batch, a.n_actions),
+            });
+        }
+        let (b, na) = (a.batch as u32, a.n_actions as u32);
+        let mut l = self.stream.launch_builder(&self.ppo_adv_stats);
+        l.arg(&a.advantages).arg(&b).arg(&a.adv_stats);
+        l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+            .map_err(driver(CTX))?;
+        let mut l = self.stream.launch_builder(&self.ppo_loss);
+        l.arg(&a.logits).arg(&a.value).arg(&a.actions).arg(&a.logp_old).arg(&a.advantages).arg(&a.returns);
+        l.arg(&a.adv_stats).arg(&b).arg(&na).arg(&a.clip).arg(&a.vf_coef).arg(&a.ent_coef).arg(&a.adv_eps);
+        l.arg(&a.rows).arg(&a.d_logits).arg(&a.d_value);
+        let cfg = LaunchConfig { grid_dim: (b.div_ceil(128), 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        l.launch(cfg).map_err(driver(CTX))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,193 @@
+// Element-wise and loss kernels of the fused MLP training step (crates/fx-kernels/src/cuda/
+// mlp_train.rs); the GEMMs around them are cuBLAS calls. Row-major [rows, cols] F32 buffers.
+// The reference these are tested against is the candle DQN update (fx-models device tests).
+
+#define ACT_NONE 0
+#define ACT_RELU 1
+#define ACT_TANH 2
+
+// h = act(h + b) in place; b has `cols` entries.
+extern "C" __global__ void fx_bias_act(float* __restrict__ h, const float* __restrict__ b, unsigned int rows,
+                                       unsigned int cols, unsigned int act) {
+    size_t n = (size_t)rows * cols;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float x = h[i] + b[i % cols];
+        if (act == ACT_RELU) x = x > 0.0f ? x : 0.0f;
+        else if (act == ACT_TANH) x = tanhf(x);
+        h[i] = x;
+    }
+}
+
+// dh *= act'(h) in place, where h is the layer's output after the activation.
+extern "C" __global__ void fx_act_bwd(float* __restrict__ dh, const float* __restrict__ h, unsigned int rows,
+                                      unsigned int cols, unsigned int act) {
+    size_t n = (size_t)rows * cols;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float y = h[i];
+        if (act == ACT_RELU) dh[i] = y > 0.0f ? dh[i] : 0.0f;
+        else if (act == ACT_TANH) dh[i] = dh[i] * (1.0f - y * y);
+    }
+}
+
+#define DQN_MAX_A 8
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Dueling heads of one trunk output row z [k]: Q_a = v + adv_a - mean(adv). Every lane gets
+// the values (warp-wide sums).
+__device__ __forceinline__ void dueling(const float* __restrict__ z, const float* __restrict__ wv, float bv,
+                                        const float* __restrict__ wa, const float* __restrict__ ba, unsigned int k,
+                                        unsigned int na, float* q) {
+    int lane = threadIdx.x & 31;
+    float v = 0.0f;
+    for (unsigned int j = lane; j < k; j += 32) v = fmaf(z[j], wv[j], v);
+    v = warp_sum(v) + bv;
+    float mean = 0.0f;
+    for (unsigned int a = 0; a < na; ++a) {
+        float s = 0.0f;
+        for (unsigned int j = lane; j < k; j += 32) s = fmaf(z[j], wa[(size_t)a * k + j], s);
+        q[a] = warp_sum(s) + ba[a];
+        mean += q[a];
+    }
+    mean /= (float)na;
+    for (unsigned int a = 0; a < na; ++a) q[a] = v + (q[a] - mean);
+}
+
+// One warp per transition i < B. z_on: online trunk outputs [2B, k] (rows 0..B: s, rows B..2B:
+// s'); z_tg: target trunk outputs on s' [B, k]. Writes the Huber loss per row (mean taken by
+// the caller), d_out [B, 1 + na] (dL/dvalue, dL/dadv_a: the head gradients) and dz [B, k]
+// (dL/dz times the trunk's ReLU mask). Double DQN: a* = argmax Q_online(s') (first max),
+// y = r + gamma (1 - done) Q_target(s', a*), no gradient through y.
+extern "C" __global__ void fx_dqn_head_loss(const float* __restrict__ z_on, const float* __restrict__ z_tg,
+                                            const float* __restrict__ wv, const float* __restrict__ bv,
+                                            const float* __restrict__ wa, const float* __restrict__ ba,
+                                            const float* __restrict__ wv_t, const float* __restrict__ bv_t,
+                                            const float* __restrict__ wa_t, const float* __restrict__ ba_t,
+                                            const unsigned int* __restrict__ actions, const float* __restrict__ rewards,
+                                            const float* __restrict__ dones, unsigned int B, unsigned int k,
+                                            unsigned int na, float gamma, float delta, float* __restrict__ loss_rows,
+                                            float* __restrict__ d_out, float* __restrict__ dz) {
+    unsigned int warps = (gridDim.x * blockDim.x) >> 5;
+    int lane = threadIdx.x & 31;
+    for (unsigned int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < B; i += warps) {
+        float q[DQN_MAX_A], qn[DQN_MAX_A], qt[DQN_MAX_A];
+        const float* z = z_on + (size_t)i * k;
+        dueling(z, wv, bv[0], wa, ba, k, na, q);
+        dueling(z_on + (size_t)(B + i) * k, wv, bv[0], wa, ba, k, na, qn);
+        dueling(z_tg + (size_t)i * k, wv_t, bv_t[0], wa_t, ba_t, k, na, qt);
+        unsigned int best = 0;
+        for (unsigned int a = 1; a < na; ++a)
+            if (qn[a] > qn[best]) best = a;
+        unsigned int act = actions[i];
+        if (act >= na) act = na - 1;  // actions are validated by the replay; keep the read in bounds
+        float y = rewards[i] + gamma * (1.0f - dones[i]) * qt[best];
+        float d = q[act] - y;
+        float ad = fabsf(d);
+        float loss = ad <= delta ? 0.5f * d * d : delta * (ad - 0.5f * delta);
+        // dL/dq_sa of the mean Huber loss.
+        float g = (ad <= delta ? d : (d > 0.0f ? delta : (d < 0.0f ? -delta : 0.0f))) / (float)B;
+        if (d != d) g = d;  // NaN propagates (the guard then skips the step)
+        float dadv_common = -g / (float)na;
+        if (lane == 0) {
+            loss_rows[i] = loss;
+            float* o = d_out + (size_t)i * (1 + na);
+            o[0] = g;
+            for (unsigned int a = 0; a < na; ++a) o[1 + a] = dadv_common + (a == act ? g : 0.0f);
+        }
+        for (unsigned int j = lane; j < k; j += 32) {
+            float s = g * wv[j];
+            for (unsigned int a = 0; a < na; ++a) s = fmaf(dadv_common + (a == act ? g : 0.0f), wa[(size_t)a * k + j], s);
+            dz[(size_t)i * k + j] = z[j] > 0.0f ? s : 0.0f;
+        }
+    }
+}
+
+// PPO: advantage mean and unbiased standard deviation of one minibatch (one block, double).
+// stats[0] = mean, stats[1] = std.
+extern "C" __global__ void fx_ppo_adv_stats(const float* __restrict__ adv, unsigned int B, float* __restrict__ stats) {
+    __shared__ double s1[256], s2[256];
+    double a = 0.0;
+    for (unsigned int i = threadIdx.x; i < B; i += blockDim.x) a += (double)adv[i];
+    s1[threadIdx.x] = a;
+    __syncthreads();
+    for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) s1[threadIdx.x] += s1[threadIdx.x + s];
+        __syncthreads();
+    }
+    double mean = s1[0] / (double)B;
+    double q = 0.0;
+    for (unsigned int i = threadIdx.x; i < B; i += blockDim.x) {
+        double c = (double)adv[i] - mean;
+        q += c * c;
+    }
+    s2[threadIdx.x] = q;
+    __syncthreads();
+    for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) s2[threadIdx.x] += s2[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        stats[0] = (float)mean;
+        stats[1] = (float)sqrt(s2[0] / (double)(B - 1));
+    }
+}
+
+#define PPO_MAX_A 8
+
+// PPO clipped-surrogate loss per row (one thread per row; MODELS.md / fx_models::ppo_loss):
+// rows [B, 6] = (loss, l_clip, l_v, entropy, approx_kl, clip_frac) per row, whose column
+// means are the minibatch values; d_logits [B, A] and d_value [B] are the gradients of the
+// mean loss.
+extern "C" __global__ void fx_ppo_loss(const float* __restrict__ logits, const float* __restrict__ value,
+                                       const unsigned int* __restrict__ actions, const float* __restrict__ logp_old,
+                                       const float* __restrict__ adv, const float* __restrict__ ret,
+                                       const float* __restrict__ adv_stats, unsigned int B, unsigned int A,
+                                       float clip, float vf_coef, float ent_coef, float adv_eps,
+                                       float* __restrict__ rows, float* __restrict__ d_logits,
+                                       float* __restrict__ d_value) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= B) return;
+    const float* z = logits + (size_t)i * A;
+    float mx = z[0];
+    for (unsigned int a = 1; a < A; ++a) mx = fmaxf(mx, z[a]);
+    float se = 0.0f;
+    for (unsigned int a = 0; a < A; ++a) se += expf(z[a] - mx);
+    float lse = mx + logf(se);
+    float lp[PPO_MAX_A], p[PPO_MAX_A];
+    float h = 0.0f;
+    for (unsigned int a = 0; a < A; ++a) {
+        lp[a] = z[a] - lse;
+        p[a] = expf(lp[a]);
+        h -= p[a] * lp[a];
+    }
+    unsigned int act = actions[i];
+    if (act >= A) act = A - 1;
+    float adv_n = (adv[i] - adv_stats[0]) / (adv_stats[1] + adv_eps);
+    float logratio = lp[act] - logp_old[i];
+    float ratio = expf(logratio);
+    float lo = 1.0f - clip, hi = 1.0f + clip;
+    bool inside = ratio >= lo && ratio <= hi;
+    float pg1 = ratio * adv_n;
+    float pg2 = fminf(fmaxf(ratio, lo), hi) * adv_n;
+    bool take1 = pg1 <= pg2;
+    float surr = take1 ? pg1 : pg2;
+    float dv = value[i] - ret[i];
+    float lv = 0.5f * dv * dv;
+    float* r = rows + (size_t)i * 6;
+    r[0] = -surr + vf_coef * lv - ent_coef * h;
+    r[1] = -surr;
+    r[2] = lv;
+    r[3] = h;
+    r[4] = (ratio - 1.0f) - logratio;
+    r[5] = fabsf(ratio - 1.0f) > clip ? 1.0f : 0.0f;
+    float inv_b = 1.0f / (float)B;
+    float dlogp = (take1 || inside) ? -adv_n * ratio * inv_b : 0.0f;
+    for (unsigned int a = 0; a < A; ++a) {
+        float g = dlogp * ((a == act ? 1.0f : 0.0f) - p[a]) + ent_coef * inv_b * p[a] * (lp[a] + h);
+        d_logits[(size_t)i * A + a] = g;
+    }
+    d_value[i] = vf_coef * dv * inv_b;
+}
