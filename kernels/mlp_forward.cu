@@ -56,6 +56,9 @@ __device__ void fx_dense(const float* __restrict__ w0, const float* __restrict__
                          unsigned int in, unsigned int out, unsigned int act, bool vec4) {
     const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     for (unsigned int base = warp * G; base < out; base += n_warps * G) {
+        // Lane g fetches neuron base + g's bias now, so its latency hides behind the row loads.
+        float bias = 0.f;
+        if (lane < G && base + lane < out) bias = base + lane < split ? b0[base + lane] : b1[base + lane - split];
         const float* rows[G];
         float acc[G];
 #pragma unroll
@@ -92,15 +95,14 @@ __device__ void fx_dense(const float* __restrict__ w0, const float* __restrict__
                 for (int g = 0; g < G; ++g) acc[g] = fmaf(w[g], xv, acc[g]);
             }
         }
+        // The xor reduction leaves every sum in every lane: lane g writes neuron base + g.
+        float mine = 0.f;
 #pragma unroll
-        for (int g = 0; g < G; ++g) acc[g] = fx_warp_sum(acc[g]);
-        if (lane == 0) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                unsigned int n = base + g;
-                if (n < out) y[n] = fx_activate(acc[g] + (n < split ? b0[n] : b1[n - split]), act);
-            }
+        for (int g = 0; g < G; ++g) {
+            const float sum = fx_warp_sum(acc[g]);
+            if (lane == (unsigned int)g) mine = sum;
         }
+        if (lane < G && base + lane < out) y[base + lane] = fx_activate(mine + bias, act);
     }
 }
 

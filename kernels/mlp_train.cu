@@ -2,30 +2,55 @@
 // mlp_train.rs); the GEMMs around them are cuBLAS calls. Row-major [rows, cols] F32 buffers.
 // The reference these are tested against is the candle DQN update (fx-models device tests).
 
+#include <cuda_bf16.h>
+
 #define ACT_NONE 0
 #define ACT_RELU 1
 #define ACT_TANH 2
 
-// h = act(h + b) in place; b has `cols` entries.
+// h = act(h + b) in place; b has `cols` entries. `h16` (may be 0) receives a BF16 copy, the
+// next layer's GEMM input under BF16 compute.
 extern "C" __global__ void fx_bias_act(float* __restrict__ h, const float* __restrict__ b, unsigned int rows,
-                                       unsigned int cols, unsigned int act) {
+                                       unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ h16) {
     size_t n = (size_t)rows * cols;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float x = h[i] + b[i % cols];
         if (act == ACT_RELU) x = x > 0.0f ? x : 0.0f;
         else if (act == ACT_TANH) x = tanhf(x);
         h[i] = x;
+        if (h16) h16[i] = __float2bfloat16_rn(x);
     }
 }
 
-// dh *= act'(h) in place, where h is the layer's output after the activation.
+// Up to 8 F32 → BF16 conversions in one launch (weights and inputs under BF16 compute).
+struct CastTable {
+    unsigned long long src[8];
+    unsigned long long dst[8];
+    unsigned int len[8];
+    unsigned int n;
+};
+
+extern "C" __global__ void fx_cast_bf16(CastTable t) {
+    for (unsigned int k = 0; k < t.n; ++k) {
+        const float* s = (const float*)t.src[k];
+        __nv_bfloat16* d = (__nv_bfloat16*)t.dst[k];
+        for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < t.len[k]; i += (size_t)gridDim.x * blockDim.x)
+            d[i] = __float2bfloat16_rn(s[i]);
+    }
+}
+
+// dh *= act'(h) in place, where h is the layer's output after the activation; `dh16` (may
+// be 0) receives a BF16 copy.
 extern "C" __global__ void fx_act_bwd(float* __restrict__ dh, const float* __restrict__ h, unsigned int rows,
-                                      unsigned int cols, unsigned int act) {
+                                      unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ dh16) {
     size_t n = (size_t)rows * cols;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float y = h[i];
-        if (act == ACT_RELU) dh[i] = y > 0.0f ? dh[i] : 0.0f;
-        else if (act == ACT_TANH) dh[i] = dh[i] * (1.0f - y * y);
+        float g = dh[i];
+        if (act == ACT_RELU) g = y > 0.0f ? g : 0.0f;
+        else if (act == ACT_TANH) g = g * (1.0f - y * y);
+        dh[i] = g;
+        if (dh16) dh16[i] = __float2bfloat16_rn(g);
     }
 }
 
@@ -69,7 +94,8 @@ extern "C" __global__ void fx_dqn_head_loss(const float* __restrict__ z_on, cons
                                             const unsigned int* __restrict__ actions, const float* __restrict__ rewards,
                                             const float* __restrict__ dones, unsigned int B, unsigned int k,
                                             unsigned int na, float gamma, float delta, float* __restrict__ loss_rows,
-                                            float* __restrict__ d_out, float* __restrict__ dz) {
+                                            float* __restrict__ d_out, float* __restrict__ dz,
+                                            __nv_bfloat16* __restrict__ dz16) {
     unsigned int warps = (gridDim.x * blockDim.x) >> 5;
     int lane = threadIdx.x & 31;
     for (unsigned int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < B; i += warps) {
@@ -100,7 +126,9 @@ extern "C" __global__ void fx_dqn_head_loss(const float* __restrict__ z_on, cons
         for (unsigned int j = lane; j < k; j += 32) {
             float s = g * wv[j];
             for (unsigned int a = 0; a < na; ++a) s = fmaf(dadv_common + (a == act ? g : 0.0f), wa[(size_t)a * k + j], s);
-            dz[(size_t)i * k + j] = z[j] > 0.0f ? s : 0.0f;
+            float v = z[j] > 0.0f ? s : 0.0f;
+            dz[(size_t)i * k + j] = v;
+            if (dz16) dz16[(size_t)i * k + j] = __float2bfloat16_rn(v);
         }
     }
 }

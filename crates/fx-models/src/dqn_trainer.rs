@@ -367,15 +367,7 @@ impl DqnTrainer {
         #[cfg(feature = "cuda")]
         if self.graph_ready(batch)? {
             self.update_queued(batch)?;
-            let st = self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx(CTX)?.expect("graph is ready");
-            self.updates = st.guard.applied;
-            self.skipped_updates = st.guard.nonfinite_loss + st.guard.nonfinite_grad;
-            return Ok(DqnUpdateStats {
-                loss: st.last_loss,
-                grad_norm: st.last_grad_norm,
-                skipped: st.last_skipped,
-                loss_scale: st.loss_scale,
-            });
+            return self.graph_update_stats();
         }
         let started = std::time::Instant::now();
         let parts = dqn_loss(&self.online, &self.target, batch, self.cfg.gamma, self.cfg.huber_delta)?;
@@ -442,17 +434,12 @@ impl DqnTrainer {
         .and_then(|f| f.with_targets(self.target.params().vars().to_vec(), self.cfg.tau))
         .ctx(CTX)?;
         fused.load_from(&self.step).ctx(CTX)?;
-        // F32: the fused update (~30 launches); other precisions: candle's update, captured.
+        // F32 / BF16: the fused update (~30 launches); F16: candle's update, captured.
         self.engine = None;
-        if self.cfg.precision == Precision::F32 && crate::dqn_fused::DqnFused::supports(&self.online) {
+        if self.cfg.precision != Precision::F16 && crate::dqn_fused::DqnFused::supports(&self.online) {
             let b = ex.obs.dim(0).ctx(CTX)?;
-            self.engine = Some(crate::dqn_fused::DqnFused::new(
-                &self.online,
-                &self.target,
-                b,
-                self.cfg.gamma,
-                self.cfg.huber_delta,
-            )?);
+            let (g, d, p) = (self.cfg.gamma, self.cfg.huber_delta, self.cfg.precision);
+            self.engine = Some(crate::dqn_fused::DqnFused::new(&self.online, &self.target, b, g, d, p)?);
         }
         let mut body = self.graph_body();
         crate::graph_update::GraphUpdate::capture(
@@ -499,6 +486,37 @@ impl DqnTrainer {
     #[cfg(feature = "cuda")]
     pub fn graph_nodes(&self) -> Result<Option<usize>> {
         self.graph.as_ref().map(|g| g.node_count()).transpose()
+    }
+
+    /// The last graph update's statistics (one read of the device control block); the
+    /// trainer's counters follow the device's.
+    #[cfg(feature = "cuda")]
+    fn graph_update_stats(&mut self) -> Result<DqnUpdateStats> {
+        const CTX: &str = "DqnTrainer::graph_update_stats";
+        let st = self.graph_stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
+        self.updates = st.guard.applied;
+        self.skipped_updates = st.guard.nonfinite_loss + st.guard.nonfinite_grad;
+        Ok(DqnUpdateStats {
+            loss: st.last_loss,
+            grad_norm: st.last_grad_norm,
+            skipped: st.last_skipped,
+            loss_scale: st.loss_scale,
+        })
+    }
+
+    /// [`DqnTrainer::update`] through the captured update's body run directly instead of
+    /// the replayed graph (same kernels, same device state): what a replay must reproduce.
+    /// For tests and debugging; needs [`DqnTrainer::graph_ready`].
+    #[cfg(feature = "cuda")]
+    pub fn update_uncaptured(&mut self, batch: DqnBatch<'_>) -> Result<DqnUpdateStats> {
+        let Some(g) = self.graph.as_ref() else {
+            return Err(Error::config("DqnTrainer::update_uncaptured", "no captured graph (see graph_ready)"));
+        };
+        {
+            let mut body = self.graph_body();
+            g.run_uncaptured(&[batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.dones], &mut body)?;
+        }
+        self.graph_update_stats()
     }
 
     /// The captured update's device-side statistics (one read), if a graph is in use.

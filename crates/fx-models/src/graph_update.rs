@@ -61,6 +61,13 @@ impl GraphUpdate {
         self.graph.replay().ctx(CTX)
     }
 
+    /// One real update running the body directly, without the graph (same kernels, same
+    /// state): what a replay must reproduce, for tests and debugging.
+    pub(crate) fn run_uncaptured(&self, inputs: &[&Tensor], body: &mut Body<'_>) -> Result<()> {
+        let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        body(&self.fused, &owned, false)
+    }
+
     /// Nodes of the captured graph (see [`CapturedGraph::node_count`]).
     pub(crate) fn node_count(&self) -> Result<usize> {
         self.graph.node_count().ctx("GraphUpdate::node_count")

@@ -4,8 +4,10 @@
 //!
 //! Cases (names and batches as bench.py's, so rows match by `case`):
 //! - `dqn_train_b{8192,2048,230}` and `ppo_train_b2048` (CPU: DQN 1024/230, PPO 512), mode
-//!   `eager_fp32` / `eager_bf16` (our F32 / BF16 precision policy): one step is the
-//!   trainers' whole update (see [`train`]); `samples_per_s` = batch / median step time
+//!   `eager_fp32` / `eager_bf16` (our F32 / BF16 precision policy) and, on CUDA,
+//!   `graph_fp32` / `graph_bf16` (the same update captured as a CUDA graph, replayed with no
+//!   host read; `graph_nodes` in the record): one step is the trainers' whole update (see
+//!   [`train`]); `samples_per_s` = batch / median step time
 //!   over `--steps` timed steps after 10 warm-up steps (2 with `--quick`);
 //! - `dqn_infer_b1`, `ppo_infer_b1`: batch-1 greedy action latency, p50/p99/mean over
 //!   2000 calls (`eager_fp32`; on CUDA also the one-launch `fused_fp32` and the host-to-host

@@ -1,20 +1,23 @@
 //! Fused greedy policies (`kernels/mlp_forward.cu`): a dueling DQN's or a PPO actor's greedy
 //! action in one kernel launch instead of ~20 candle launches, for microsecond batch-1
-//! decisions. [`MlpPolicy`] runs on device tensors; [`MlpDecider`] adds page-locked host
-//! buffers for host-in, action-out calls with no allocation per call. What both compute, in
-//! f64, is [`crate::mlp_ref::reference_greedy`]; the limits are [`crate::mlp_ref`]'s.
+//! decisions. [`MlpPolicy`] runs on device tensors; [`MlpDecider`] takes host slices through
+//! mapped page-locked buffers (host in, action out: one launch, one sync, no allocation).
+//! What both compute, in f64, is [`crate::mlp_ref::reference_greedy`]; the limits are
+//! [`crate::mlp_ref`]'s.
 //!
 //! The weights are read through raw device pointers taken once, at construction. The policy
 //! keeps clones of the tensors, so their memory stays allocated, and it sees every in-place
 //! update (`Var::set`, the optimisers), which run before it on the same stream. A parameter
 //! whose storage is replaced (a new `Var`, a reloaded model built anew) is not seen: build a
-//! new policy then.
+//! new policy then. The stream is candle's, which for `Device::new_cuda` is CUDA's per-thread
+//! default stream: a call from another thread is not ordered after the training thread's
+//! updates.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use cudarc::driver::{result, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, PinnedHostSlice};
+use cudarc::driver::{result, sys, CudaFunction, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
 use super::{alloc_tensor, cuda_device, dev_ptr, driver, PTX_MLP};
 use crate::checks::expect_tensor;
@@ -181,27 +184,35 @@ impl MlpPolicy {
     }
 }
 
-/// Host-in, action-out decisions through one policy: observations are copied into a
-/// page-locked buffer, uploaded, decided and the actions downloaded, all on candle's stream,
-/// then one stream sync. Buffers for `max_batch` rows are allocated once.
+/// Host-in, action-out decisions through one policy with no copy commands: the observations
+/// go into page-locked host memory mapped into the device's address space, which the kernel
+/// reads over the bus, and the kernel writes the actions straight into mapped host memory;
+/// a call is one launch and one stream sync (two async copies would add a few microseconds
+/// each). Buffers for `max_batch` rows are allocated once.
 #[derive(Debug)]
 pub struct MlpDecider {
     policy: MlpPolicy,
     max_batch: usize,
-    /// `[max_batch, input]`, write-combined: the host only writes it.
+    /// `[max_batch, input]`, mapped (cached host memory: the host writes it, then launches).
     host_obs: PinnedHostSlice<f32>,
-    /// `[max_batch]`, cached: the host reads it.
+    /// `[max_batch]`, mapped; read after the stream sync.
     host_actions: PinnedHostSlice<u32>,
-    /// Device copies of the two; only their raw addresses below are used.
-    _dev_obs: CudaSlice<f32>,
-    _dev_actions: CudaSlice<u32>,
-    /// Raw addresses of the device buffers, taken once.
+    /// Device addresses of the two mappings.
     p_obs: u64,
     p_actions: u64,
 }
 
+/// The device address of a mapped page-locked allocation.
+fn mapped<T: ValidAsZeroBits>(buf: &mut PinnedHostSlice<T>, ctx: &'static str) -> Result<u64> {
+    let host = buf.as_mut_ptr().map_err(driver(ctx))?;
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: `host` is the start of a live cuMemHostAlloc allocation made with DEVICEMAP.
+    unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host as *mut c_void, 0) }.result().map_err(driver(ctx))?;
+    Ok(dptr)
+}
+
 impl MlpDecider {
-    /// Buffers for up to `max_batch` rows (at least 1) on the policy's device.
+    /// Mapped buffers for up to `max_batch` rows (at least 1) on the policy's device.
     pub fn new(policy: MlpPolicy, max_batch: usize) -> Result<Self> {
         const CTX: &str = "MlpDecider::new";
         let n_obs = max_batch.checked_mul(policy.dims.input).filter(|&n| max_batch > 0 && n <= u32::MAX as usize);
@@ -211,26 +222,16 @@ impl MlpDecider {
                 message: format!("max_batch {max_batch} must be 1 ..= 2^32/input"),
             });
         };
-        let stream = policy.stream.clone();
-        let ctx = stream.context();
-        // SAFETY: both host buffers are written (by the host, or by the DtoH copy) before
-        // they are read.
-        let host_obs = unsafe { ctx.alloc_pinned::<f32>(n_obs) }.map_err(driver(CTX))?;
-        let host_actions = unsafe { ctx.alloc_pinned_with_flags::<u32>(max_batch, 0) }.map_err(driver(CTX))?;
-        let dev_obs = stream.alloc_zeros::<f32>(n_obs).map_err(driver(CTX))?;
-        let dev_actions = stream.alloc_zeros::<u32>(max_batch).map_err(driver(CTX))?;
-        let p_obs = dev_obs.device_ptr(&stream).0;
-        let p_actions = dev_actions.device_ptr(&stream).0;
-        Ok(Self {
-            policy,
-            max_batch,
-            host_obs,
-            host_actions,
-            _dev_obs: dev_obs,
-            _dev_actions: dev_actions,
-            p_obs,
-            p_actions,
-        })
+        let ctx = policy.stream.context().clone();
+        // Not write-combined: the host's plain cached stores are ordered before the launch.
+        // SAFETY: both buffers are written (observations by the host, actions by the kernel)
+        // before they are read.
+        let mut host_obs = unsafe { ctx.alloc_pinned_with_flags::<f32>(n_obs, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .map_err(driver(CTX))?;
+        let mut host_actions = unsafe { ctx.alloc_pinned_with_flags::<u32>(max_batch, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .map_err(driver(CTX))?;
+        let (p_obs, p_actions) = (mapped(&mut host_obs, CTX)?, mapped(&mut host_actions, CTX)?);
+        Ok(Self { policy, max_batch, host_obs, host_actions, p_obs, p_actions })
     }
 
     /// The policy it runs.
@@ -262,23 +263,18 @@ impl MlpDecider {
             return Err(Error::shape("obs", CTX, format!("{rows} × {input} floats"), obs.len()));
         }
         let stream = self.policy.stream.clone();
-        let cu = stream.cu_stream();
-        // `as_*slice` wait on the buffers' own events, which are never recorded (the copies
-        // below are raw), so they return at once; the stream sync at the end is the fence.
-        let enqueued = (|| -> Result<()> {
+        // `as_*slice` wait on the buffers' own events, which nothing records, so they return
+        // at once; the stream sync below is the fence for the kernel's reads and writes.
+        let launched = (|| -> Result<()> {
             stream.context().bind_to_thread().map_err(driver(CTX))?;
-            let host_in = &mut self.host_obs.as_mut_slice().map_err(driver(CTX))?[..obs.len()];
-            host_in.copy_from_slice(obs);
-            // SAFETY: `p_obs` holds max_batch × input f32 ≥ obs.len(); the pinned source stays
-            // untouched until the sync below; same for the actions.
-            unsafe { result::memcpy_htod_async(self.p_obs, host_in, cu) }.map_err(driver(CTX))?;
-            unsafe { self.policy.launch(self.p_obs, rows, self.p_actions, 0, CTX) }?;
-            let host_out = &mut self.host_actions.as_mut_slice().map_err(driver(CTX))?[..rows];
-            unsafe { result::memcpy_dtoh_async(host_out, self.p_actions, cu) }.map_err(driver(CTX))
+            self.host_obs.as_mut_slice().map_err(driver(CTX))?[..obs.len()].copy_from_slice(obs);
+            // SAFETY: the mappings hold max_batch × input f32 and max_batch u32, rows <=
+            // max_batch, and nothing touches them until the sync below.
+            unsafe { self.policy.launch(self.p_obs, rows, self.p_actions, 0, CTX) }
         })();
-        // Sync even after a failed enqueue: nothing may still be copying into our buffers.
+        // Sync even after a failed launch: the kernel may not still be using our buffers.
         let synced = stream.synchronize().map_err(driver(CTX));
-        enqueued.and(synced)?;
+        launched.and(synced)?;
         actions.copy_from_slice(&self.host_actions.as_slice().map_err(driver(CTX))?[..rows]);
         Ok(())
     }

@@ -89,6 +89,53 @@ impl Blas {
         .map_err(blas_err("Blas::gemm"))
     }
 
+    /// [`Blas::gemm`] with BF16 `A` and `B`, F32 `C` and F32 accumulation (BF16 compute
+    /// with F32 outputs: the tensor cores' fast path).
+    ///
+    /// # Safety
+    /// As [`Blas::gemm`], with `a` and `b` holding BF16 values.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_bf16(
+        &self,
+        ta: bool,
+        tb: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: u64,
+        lda: usize,
+        b: u64,
+        ldb: usize,
+        c: u64,
+        ldc: usize,
+    ) -> Result<()> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
+        use blas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        blas::gemm_ex(
+            *self.blas.handle(),
+            if tb { T } else { N },
+            if ta { T } else { N },
+            n as i32,
+            m as i32,
+            k as i32,
+            (&alpha as *const f32).cast(),
+            b as *const std::ffi::c_void,
+            CUDA_R_16BF,
+            ldb as i32,
+            a as *const std::ffi::c_void,
+            CUDA_R_16BF,
+            lda as i32,
+            (&beta as *const f32).cast(),
+            c as *mut std::ffi::c_void,
+            CUDA_R_32F,
+            ldc as i32,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(blas_err("Blas::gemm_bf16"))
+    }
+
     /// Column sums `y[c] = alpha · Σ_r A[r, c]` of a row-major `A[rows, cols]` with row stride
     /// `lda`, using `ones` (at least `rows` ones) — the bias gradients of a layer.
     ///
@@ -131,6 +178,7 @@ pub struct MlpTrainKernels {
     bias_act: CudaFunction,
     act_bwd: CudaFunction,
     dqn_head_loss: CudaFunction,
+    cast_bf16: CudaFunction,
     ppo_adv_stats: CudaFunction,
     ppo_loss: CudaFunction,
     stream: Arc<CudaStream>,
@@ -161,6 +209,8 @@ pub struct DqnHeadArgs {
     pub loss_rows: u64,
     pub d_out: u64,
     pub dz: u64,
+    /// BF16 copy of `dz` (0: none).
+    pub dz16: u64,
 }
 
 /// Addresses and sizes for [`MlpTrainKernels::ppo_loss`].
@@ -189,6 +239,19 @@ pub struct PpoLossArgs {
     pub d_value: u64,
 }
 
+/// `struct CastTable` of mlp_train.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CastTable {
+    src: [u64; 8],
+    dst: [u64; 8],
+    len: [u32; 8],
+    n: u32,
+}
+
+// SAFETY: plain old data with the C layout of `CastTable` in kernels/mlp_train.cu.
+unsafe impl cudarc::driver::DeviceRepr for CastTable {}
+
 /// Most actions the DQN head kernel handles.
 pub const DQN_MAX_ACTIONS: usize = 8;
 
@@ -210,6 +273,7 @@ impl MlpTrainKernels {
             bias_act: get("fx_bias_act")?,
             act_bwd: get("fx_act_bwd")?,
             dqn_head_loss: get("fx_dqn_head_loss")?,
+            cast_bf16: get("fx_cast_bf16")?,
             ppo_adv_stats: get("fx_ppo_adv_stats")?,
             ppo_loss: get("fx_ppo_loss")?,
             stream,
@@ -222,26 +286,29 @@ impl MlpTrainKernels {
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
     }
 
-    /// `h = act(h + b)` in place on row-major `h[rows, cols]`.
+    /// `h = act(h + b)` in place on row-major `h[rows, cols]`; `h16` (0: none) receives a
+    /// BF16 copy.
     ///
     /// # Safety
-    /// `h` holds `rows·cols` and `b` `cols` F32 values on this device until the launch ran.
-    pub unsafe fn bias_act(&self, h: u64, b: u64, rows: usize, cols: usize, act: Act) -> Result<()> {
+    /// `h` holds `rows·cols` and `b` `cols` F32 values (`h16` `rows·cols` BF16) on this
+    /// device until the launch ran.
+    pub unsafe fn bias_act(&self, h: u64, b: u64, rows: usize, cols: usize, act: Act, h16: u64) -> Result<()> {
         let (r, c, a) = (rows as u32, cols as u32, act as u32);
         let mut l = self.stream.launch_builder(&self.bias_act);
-        l.arg(&h).arg(&b).arg(&r).arg(&c).arg(&a);
+        l.arg(&h).arg(&b).arg(&r).arg(&c).arg(&a).arg(&h16);
         l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::bias_act"))?;
         Ok(())
     }
 
-    /// `dh *= act'(h)` in place, `h` the activation's output.
+    /// `dh *= act'(h)` in place, `h` the activation's output; `dh16` (0: none) receives a
+    /// BF16 copy.
     ///
     /// # Safety
     /// As [`MlpTrainKernels::bias_act`].
-    pub unsafe fn act_bwd(&self, dh: u64, h: u64, rows: usize, cols: usize, act: Act) -> Result<()> {
+    pub unsafe fn act_bwd(&self, dh: u64, h: u64, rows: usize, cols: usize, act: Act, dh16: u64) -> Result<()> {
         let (r, c, a) = (rows as u32, cols as u32, act as u32);
         let mut l = self.stream.launch_builder(&self.act_bwd);
-        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a);
+        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a).arg(&dh16);
         l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::act_bwd"))?;
         Ok(())
     }
@@ -267,7 +334,7 @@ impl MlpTrainKernels {
             l.arg(p);
         }
         l.arg(&a.actions).arg(&a.rewards).arg(&a.dones).arg(&b).arg(&k).arg(&na).arg(&a.gamma).arg(&a.huber_delta);
-        l.arg(&a.loss_rows).arg(&a.d_out).arg(&a.dz);
+        l.arg(&a.loss_rows).arg(&a.d_out).arg(&a.dz).arg(&a.dz16);
         let warps_per_block = 8usize;
         let blocks = a.batch.div_ceil(warps_per_block).max(1) as u32;
         let cfg = LaunchConfig {
@@ -276,6 +343,29 @@ impl MlpTrainKernels {
             shared_mem_bytes: 0,
         };
         l.launch(cfg).map_err(driver("MlpTrainKernels::dqn_head_loss"))?;
+        Ok(())
+    }
+
+    /// Converts up to 8 F32 buffers `(src, dst, len)` to BF16 in one launch.
+    ///
+    /// # Safety
+    /// Each `src` holds `len` F32 and each `dst` `len` BF16 values until the launch ran.
+    pub unsafe fn cast_bf16(&self, items: &[(u64, u64, usize)]) -> Result<()> {
+        const CTX: &str = "MlpTrainKernels::cast_bf16";
+        if items.is_empty() || items.len() > 8 || items.iter().any(|i| i.2 > u32::MAX as usize) {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!("{} buffers (1..=8, < 2^32 elements)", items.len()),
+            });
+        }
+        let mut t = CastTable { src: [0; 8], dst: [0; 8], len: [0; 8], n: items.len() as u32 };
+        for (k, &(s, d, n)) in items.iter().enumerate() {
+            (t.src[k], t.dst[k], t.len[k]) = (s, d, n as u32);
+        }
+        let most = items.iter().map(|i| i.2).max().unwrap_or(1);
+        let mut l = self.stream.launch_builder(&self.cast_bf16);
+        l.arg(&t);
+        l.launch(self.elementwise_cfg(most)).map_err(driver(CTX))?;
         Ok(())
     }
 

@@ -108,6 +108,16 @@ pub fn u32_address(t: &Tensor, what: &'static str) -> Result<u64> {
     dev_ptr::<u32>(t, &dev.cuda_stream(), what, CTX)
 }
 
+/// Address of a contiguous BF16 CUDA tensor.
+pub fn bf16_address(t: &Tensor, what: &'static str) -> Result<u64> {
+    const CTX: &str = "cuda::optim::bf16_address";
+    let dev = cuda_device(t.device(), what, CTX)?;
+    if t.dtype() != DType::BF16 {
+        return Err(Error::DType { what, expected: DType::BF16, got: t.dtype(), context: CTX });
+    }
+    dev_ptr::<half::bf16>(t, &dev.cuda_stream(), what, CTX)
+}
+
 /// Address of a contiguous F64 CUDA tensor (the control block).
 pub fn f64_address(t: &Tensor, what: &'static str) -> Result<u64> {
     const CTX: &str = "cuda::optim::f64_address";

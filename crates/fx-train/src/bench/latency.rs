@@ -4,8 +4,9 @@
 //!   launches) on a state already on the device, up to a device synchronisation;
 //! - `fused_fp32` (CUDA): the one-launch kernel of `fx_kernels::cuda::mlp` on the same
 //!   device-resident state, into a preallocated action, up to a stream synchronisation;
-//! - `fused_fp32_e2e` (CUDA): `MlpDecider::act`, host slice in → action on the host
-//!   (page-locked upload, kernel, download, sync: everything a caller with host data waits for).
+//! - `fused_fp32_e2e` (CUDA): `MlpDecider::act`, host slice in → action on the host (the
+//!   state written into mapped page-locked memory, the kernel reading it and writing the
+//!   action over the bus, a stream sync: everything a caller with host data waits for).
 //!
 //! The fused modes also record `matches_eager`: their action for the timed state equals the
 //! eager one.

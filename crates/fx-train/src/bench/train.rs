@@ -1,10 +1,12 @@
 //! Training-step cases, through the library's own trainers:
 //! [`DqnTrainer::update`] (online forward on s and s', target forward, double-DQN Huber
 //! loss, backward, clip 10, AdamW, soft target update) and
-//! [`PpoTrainer::update_minibatch`] (forward, PPO loss, backward, clip 0.5, Adam). Both
-//! go through fx-precision's `TrainStep`, which reads the loss and gradient norm back to
-//! the host once per step (the NaN/Inf guard), so a step contains one device→host
-//! transfer that bench.py's steps do not have; PPO reads its diagnostics once more.
+//! [`PpoTrainer::update_minibatch`] (forward, PPO loss, backward, clip 0.5, Adam). Eager
+//! modes go through fx-precision's `TrainStep`, which reads the loss and gradient norm back
+//! to the host once per step (the NaN/Inf guard), a transfer bench.py's steps do not have.
+//! Graph modes (CUDA) replay the trainers' captured update (`update_queued`: the fused
+//! update for DQN F32/BF16 and PPO F32, candle's ops otherwise, with the device-side
+//! `FusedStep`) and read nothing until the case ends.
 
 use std::time::Instant;
 
