@@ -242,6 +242,8 @@ fn killed_and_resumed_run_ends_with_identical_weights() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(!checkpoint(&killed, steps).exists(), "the run finished before it was killed; make it longer");
+    // The killed process held the folder's lock; the OS released it with the process.
+    assert!(killed.join("run.lock").exists());
     // Resuming a killed run continues from its last checkpoint to the end.
     ok(&resume(&killed));
     let (a, b) = (tensors(&checkpoint(&straight, steps)), tensors(&checkpoint(&killed, steps)));
@@ -557,4 +559,82 @@ fn seq_checkpoint_of_another_model_is_a_one_line_error() {
     assert!(e.contains("dqn") && e.contains("tft") && e.contains("checkpoint"), "{e}");
     let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&rl).output().unwrap());
     assert!(e.contains("dqn") && e.contains("tft"), "{e}");
+}
+
+#[test]
+fn a_second_process_on_a_run_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 400;
+    let cfg = tiny_config(dir.path(), "dqn", steps, "");
+    let straight = dir.path().join("straight");
+    ok(&train(&cfg, &straight, &["--quiet"]));
+
+    let run = dir.path().join("busy");
+    let child = fx_train()
+        .arg("train")
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&run)
+        .arg("--quiet")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !checkpoint(&run, 10).exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // Both a resume and a new run on the busy folder are refused at once.
+    let err = err_line(&resume(&run));
+    assert!(err.contains(&run.display().to_string()) && err.contains(&format!("process {}", child.id())), "{err}");
+    let err = err_line(&train(&cfg, &run, &["--quiet"]));
+    assert!(err.contains("already holds a run") || err.contains("in use"), "{err}");
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the first run failed: {}", String::from_utf8_lossy(&out.stderr));
+    // The first run was not disturbed: same final weights and metrics as a straight run.
+    assert_eq!(tensors(&checkpoint(&straight, steps)), tensors(&checkpoint(&run, steps)));
+    let lines = |p: &Path| std::fs::read_to_string(p.join("metrics.jsonl")).unwrap().lines().count();
+    assert_eq!(lines(&straight), lines(&run));
+}
+
+#[test]
+fn configs_that_cannot_work_are_refused_and_leave_no_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str, &str, &str); 5] = [
+        (
+            "dqn",
+            "batch_size = 32",
+            "batch_size = 1000000000000",
+            "dqn.batch_size 1000000000000 exceeds dqn.replay_capacity",
+        ),
+        (
+            "dqn",
+            "learning_starts = 64",
+            "learning_starts = 5000",
+            "dqn.learning_starts 5000 exceeds dqn.replay_capacity",
+        ),
+        ("dqn", "replay_capacity = 2000", "replay_capacity = 1000000000000", "dqn.replay_capacity 1000000000000 needs"),
+        ("ppo", "minibatch_size = 16", "minibatch_size = 100", "ppo.minibatch_size 100 exceeds"),
+        ("dqn", "episode_len = 16", "episode_len = 5000", "an episode of 5000 steps needs at least 5001"),
+    ];
+    for (k, (model, from, to, want)) in cases.into_iter().enumerate() {
+        let cfg = tiny_config(dir.path(), model, 20, "");
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        assert!(text.contains(from), "{from}");
+        let cfg_k = dir.path().join(format!("bad-{k}.toml"));
+        std::fs::write(&cfg_k, text.replacen(from, to, 1)).unwrap();
+        let out_dir = dir.path().join(format!("bad-run-{k}"));
+        let err = err_line(&train(&cfg_k, &out_dir, &["--quiet"]));
+        assert!(err.contains(want), "case {k}: {err}");
+        assert!(!out_dir.exists(), "case {k}: the refused run left {} behind", out_dir.display());
+    }
+    // A sequence model's batch larger than its training windows.
+    let cfg = tiny_seq_config(dir.path(), "tft");
+    let text = std::fs::read_to_string(&cfg).unwrap().replacen("batch_size = 32", "batch_size = 100000", 1);
+    std::fs::write(&cfg, text).unwrap();
+    let out_dir = dir.path().join("bad-seq-run");
+    let err = err_line(&train(&cfg, &out_dir, &["--quiet"]));
+    assert!(err.contains("seq.batch_size 100000 exceeds the") && err.contains("training windows"), "{err}");
+    assert!(!out_dir.exists(), "the refused run left {} behind", out_dir.display());
 }

@@ -217,6 +217,7 @@ impl RunConfig {
         if self.steps == 0 {
             bail!("steps must be at least 1");
         }
+        self.check_agent_sizes()?;
         if self.checkpoint_every == 0 || self.log_every == 0 {
             bail!("checkpoint_every and log_every must be at least 1");
         }
@@ -229,6 +230,48 @@ impl RunConfig {
             }
         }
         Ok(self)
+    }
+
+    /// Sizes that cannot work for the RL agents, refused before anything is written.
+    fn check_agent_sizes(&self) -> Result<()> {
+        match self.model {
+            ModelChoice::Dqn => {
+                let (b, cap) = (self.dqn.batch_size, self.dqn.replay_capacity);
+                if b > cap {
+                    bail!("dqn.batch_size {b} exceeds dqn.replay_capacity {cap}: minibatches are drawn from the replay buffer");
+                }
+                if self.dqn.learning_starts > cap {
+                    bail!(
+                        "dqn.learning_starts {} exceeds dqn.replay_capacity {cap}: no update would ever run",
+                        self.dqn.learning_starts
+                    );
+                }
+                // States and next states (f32 × state_dim each), action, reward, done; a
+                // checkpoint also copies the buffer to host memory.
+                let per = (2 * self.dqn.net.state_dim as u64 + 3) * 4;
+                let need = (cap as u64).saturating_mul(per);
+                if let Some(ram) = fx_hw::HostInfo::detect().ram_total_bytes {
+                    if need > ram / 2 {
+                        bail!(
+                            "dqn.replay_capacity {cap} needs {:.1} GiB ({per} bytes a transition), more than half of this machine's {:.1} GiB of memory",
+                            need as f64 / (1u64 << 30) as f64,
+                            ram as f64 / (1u64 << 30) as f64
+                        );
+                    }
+                }
+            }
+            ModelChoice::Ppo => {
+                let rollout = self.ppo.num_steps.saturating_mul(self.env.num_envs);
+                if self.ppo.minibatch_size > rollout {
+                    bail!(
+                        "ppo.minibatch_size {} exceeds the rollout's ppo.num_steps × env.num_envs = {rollout} rows",
+                        self.ppo.minibatch_size
+                    );
+                }
+            }
+            ModelChoice::Tft | ModelChoice::Mamba2 => {}
+        }
+        Ok(())
     }
 }
 

@@ -1,9 +1,15 @@
 //! The run folder: `config.toml`, `metrics.jsonl`, `checkpoint-<step>.{safetensors,json}`,
 //! `report.json` and plots. Every file is written to a temporary name in the same folder
 //! and renamed, so a crash never leaves a half-written file behind.
+//!
+//! A folder belongs to one training process at a time: `train` holds an exclusive OS file
+//! lock on `run.lock` (which names its process id) for its whole life, so a second `train`
+//! or `--resume` on the same folder is refused at once, and a holder killed even with
+//! SIGKILL leaves no stale lock (the OS releases it with the process). `eval` reads without
+//! the lock: checkpoints are replaced atomically.
 
-use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -11,6 +17,50 @@ use fx_kernels::EnvState;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelChoice;
+
+/// Takes the exclusive lock of `root/run.lock` and records this process's id in it, or
+/// refuses in one line naming the folder and the holder's id.
+fn lock_folder(root: &Path) -> Result<File> {
+    let path = root.join(LOCK_FILE);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {
+            file.set_len(0)
+                .and_then(|_| writeln!(file, "{}", std::process::id()))
+                .and_then(|_| file.sync_data())
+                .with_context(|| format!("writing {}", path.display()))?;
+            Ok(file)
+        }
+        Err(TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let who = if holder.is_empty() { String::new() } else { format!(" (process {holder})") };
+            bail!(
+                "{} is in use by another fx-train process{who}; wait for it to end or stop it (nothing was changed)",
+                root.display()
+            )
+        }
+        Err(TryLockError::Error(e)) => Err(e).with_context(|| format!("locking {}", path.display())),
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if self.provisional && self.lock.is_some() {
+            // A new run that failed before it started: leave no folder behind (remove_dir
+            // only succeeds on the then-empty folder, so nothing else can be lost).
+            let _ = std::fs::remove_file(self.root.join(LOCK_FILE));
+            let _ = std::fs::remove_dir(&self.root);
+        }
+    }
+}
 
 /// The part of a checkpoint that is not the trainer's own state file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -144,29 +194,51 @@ fn tmp_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
+/// The lock file of a run folder.
+pub const LOCK_FILE: &str = "run.lock";
+
 /// A run folder.
 #[derive(Debug)]
 pub struct RunDir {
     root: PathBuf,
+    /// The exclusive lock of a training process (None for readers such as `eval`).
+    lock: Option<File>,
+    /// This process created the folder and has not yet written the run's config: on drop
+    /// (an error before the run started) the folder is removed again.
+    provisional: bool,
 }
 
 impl RunDir {
     /// Opens `root` for a new run (refusing to touch a folder that already holds a run)
-    /// or for `--resume` (requiring one).
+    /// or for `--resume` (requiring one), taking the folder's lock; see the module docs.
     pub fn open(root: &Path, resume: bool) -> Result<Self> {
-        let dir = RunDir { root: root.to_path_buf() };
-        let has_run = root.join("config.toml").exists();
-        if resume && !has_run {
+        let has_run = |root: &Path| root.join("config.toml").exists();
+        if resume && !has_run(root) {
             bail!("cannot resume: {} holds no run (no config.toml)", root.display());
         }
-        if !resume && has_run {
-            bail!(
+        let refuse_existing = || {
+            anyhow::anyhow!(
                 "{} already holds a run; pass --resume to continue it, or choose another --out (nothing was overwritten)",
                 root.display()
-            );
+            )
+        };
+        if !resume && has_run(root) {
+            return Err(refuse_existing());
         }
+        let created = !root.exists();
         std::fs::create_dir_all(root).with_context(|| format!("creating run folder {}", root.display()))?;
+        let lock = lock_folder(root)?;
+        let dir = RunDir { root: root.to_path_buf(), lock: Some(lock), provisional: created };
+        // Checked again under the lock: another new run may have started in between.
+        if !resume && has_run(root) {
+            return Err(refuse_existing());
+        }
         Ok(dir)
+    }
+
+    /// The run has started (its config is written): keep the folder whatever happens next.
+    pub fn mark_started(&mut self) {
+        self.provisional = false;
     }
 
     /// An existing run folder, for `eval`.
@@ -174,7 +246,7 @@ impl RunDir {
         if !root.join("config.toml").exists() {
             bail!("{} is not a run folder (no config.toml)", root.display());
         }
-        Ok(RunDir { root: root.to_path_buf() })
+        Ok(RunDir { root: root.to_path_buf(), lock: None, provisional: false })
     }
 
     pub fn path(&self, name: &str) -> PathBuf {
@@ -322,10 +394,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("run");
         assert!(RunDir::open(&root, true).unwrap_err().to_string().contains("no config.toml"));
-        RunDir::open(&root, false).unwrap();
+        // A new run that ends before it started leaves no folder behind.
+        drop(RunDir::open(&root, false).unwrap());
+        assert!(!root.exists());
+        let mut first = RunDir::open(&root, false).unwrap();
         write_atomic(&root.join("config.toml"), b"x").unwrap();
+        first.mark_started();
+        // While the first holds the folder, a resume is refused naming it and this process.
+        let err = RunDir::open(&root, true).unwrap_err().to_string();
+        assert!(err.contains("in use") && err.contains(&format!("process {}", std::process::id())), "{err}");
+        drop(first);
+        assert!(root.join("config.toml").exists(), "a started run keeps its folder");
         assert!(RunDir::open(&root, false).unwrap_err().to_string().contains("--resume"));
         RunDir::open(&root, true).unwrap();
+        // Readers (eval) take no lock.
+        let _writer = RunDir::open(&root, true).unwrap();
+        RunDir::existing(&root).unwrap();
     }
 
     #[test]

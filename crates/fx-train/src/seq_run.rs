@@ -101,8 +101,15 @@ fn seq_data(cfg: &RunConfig, saved_norm: Option<fx_data::Normalizer>) -> Result<
 }
 
 /// Checks that every split holds at least one window of `len` rows.
-fn check_windows(d: &SeqData, len: usize) -> Result<()> {
+fn check_windows(d: &SeqData, len: usize, batch_size: usize) -> Result<()> {
     let s = &d.data.splits;
+    let train_windows = s.train.len().saturating_sub(len) + 1;
+    if s.train.len() >= len && batch_size > train_windows {
+        bail!(
+            "seq.batch_size {batch_size} exceeds the {train_windows} training windows of {} (use a smaller batch or more data)",
+            d.data.source
+        );
+    }
     for (name, r) in [("training", &s.train), ("validation", &s.valid), ("test", &s.test)] {
         if r.len() < len {
             bail!(
@@ -191,14 +198,15 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
 }
 
 fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
-    let RunCtx { t_start, dir, device, checkpoint, d, mut profile } = ctx;
-    check_windows(&d, task.window_len())?;
+    let RunCtx { t_start, mut dir, device, checkpoint, d, mut profile } = ctx;
+    check_windows(&d, task.window_len(), cfg.seq.batch_size)?;
     let mut trainer = match &checkpoint {
         Some(c) => restored(task, cfg, c, &d)?,
         None => SeqTrainer::new(task, d.data.splits.train.clone(), &cfg.seq)?,
     };
     if !opts.resume {
         write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
+        dir.mark_started();
     }
     let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.run.env_steps))?;
     let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);

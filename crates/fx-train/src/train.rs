@@ -90,7 +90,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     }
     let t_start = Instant::now();
     let mut profile = Profile::default();
-    let dir = RunDir::open(&cfg.out, opts.resume)?;
+    let mut dir = RunDir::open(&cfg.out, opts.resume)?;
     // A resumed run continues under the config it started with; only an explicit
     // `--steps` changes its length.
     let cfg = if opts.resume {
@@ -128,6 +128,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     // a later resume continues to the same end.
     if !opts.resume || opts.steps.is_some() {
         write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
+        dir.mark_started();
     }
     let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.run.env_steps))?;
     let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
