@@ -33,6 +33,7 @@ pub mod cuda;
 pub mod env;
 mod error;
 pub mod gae;
+pub mod mlp_cpu;
 pub mod mlp_ref;
 pub mod optim_ref;
 pub mod replay;

@@ -132,11 +132,22 @@ impl DuelingDqn {
     /// [`Self::greedy_actions`] then.
     #[cfg(feature = "cuda")]
     pub fn fused_policy(&self) -> Result<fx_kernels::cuda::mlp::MlpPolicy> {
+        self.with_greedy_mlp(|net| fx_kernels::cuda::mlp::MlpPolicy::new(net).ctx("DuelingDqn::fused_policy"))
+    }
+
+    /// The greedy policy for decisions on the CPU, one observation at a time, with no
+    /// thread pool and no allocation per call (`fx_kernels::mlp_cpu::CpuPolicy`; F32, a
+    /// snapshot of the current weights).
+    pub fn cpu_policy(&self) -> Result<fx_kernels::mlp_cpu::CpuPolicy> {
+        self.with_greedy_mlp(|net| fx_kernels::mlp_cpu::CpuPolicy::new(net).ctx("DuelingDqn::cpu_policy"))
+    }
+
+    /// This network as a `GreedyMlp` description (trunk with ReLU, dueling head).
+    fn with_greedy_mlp<R>(&self, f: impl FnOnce(&fx_kernels::mlp_ref::GreedyMlp<'_>) -> R) -> R {
         use fx_kernels::mlp_ref::{Activation, GreedyMlp, Head, Linear};
         let lin = |l: usize| Linear { weight: self.params.t(2 * l), bias: self.params.t(2 * l + 1) };
         let hidden = [(lin(0), Activation::Relu), (lin(1), Activation::Relu), (lin(2), Activation::Relu)];
-        let head = Head::Dueling { value: lin(3), advantage: lin(4) };
-        fx_kernels::cuda::mlp::MlpPolicy::new(&GreedyMlp { hidden: &hidden, head }).ctx("DuelingDqn::fused_policy")
+        f(&GreedyMlp { hidden: &hidden, head: Head::Dueling { value: lin(3), advantage: lin(4) } })
     }
 
     fn forward_with(&self, s: &Tensor, w: &[&Tensor]) -> Result<Tensor> {

@@ -160,11 +160,22 @@ impl ActorCritic {
     /// [`Self::greedy_actions`] then.
     #[cfg(feature = "cuda")]
     pub fn fused_policy(&self) -> Result<fx_kernels::cuda::mlp::MlpPolicy> {
+        self.with_greedy_mlp(|net| fx_kernels::cuda::mlp::MlpPolicy::new(net).ctx("ActorCritic::fused_policy"))
+    }
+
+    /// The actor's greedy policy for decisions on the CPU, one observation at a time, with
+    /// no thread pool and no allocation per call (`fx_kernels::mlp_cpu::CpuPolicy`; F32, a
+    /// snapshot of the current weights).
+    pub fn cpu_policy(&self) -> Result<fx_kernels::mlp_cpu::CpuPolicy> {
+        self.with_greedy_mlp(|net| fx_kernels::mlp_cpu::CpuPolicy::new(net).ctx("ActorCritic::cpu_policy"))
+    }
+
+    /// The actor as a `GreedyMlp` description (tanh layers, logits head).
+    fn with_greedy_mlp<R>(&self, f: impl FnOnce(&fx_kernels::mlp_ref::GreedyMlp<'_>) -> R) -> R {
         use fx_kernels::mlp_ref::{Activation, GreedyMlp, Head, Linear};
         let lin = |l: usize| Linear { weight: self.params.t(2 * l), bias: self.params.t(2 * l + 1) };
         let hidden = [(lin(0), Activation::Tanh), (lin(1), Activation::Tanh)];
-        fx_kernels::cuda::mlp::MlpPolicy::new(&GreedyMlp { hidden: &hidden, head: Head::Logits(lin(2)) })
-            .ctx("ActorCritic::fused_policy")
+        f(&GreedyMlp { hidden: &hidden, head: Head::Logits(lin(2)) })
     }
 
     fn forward_with(&self, s: &Tensor, w: &[&Tensor]) -> Result<(Tensor, Tensor)> {

@@ -4,6 +4,8 @@
 //!   launches) on a state already on the device, up to a device synchronisation;
 //! - `fused_fp32` (CUDA): the one-launch kernel of `fx_kernels::cuda::mlp` on the same
 //!   device-resident state, into a preallocated action, up to a stream synchronisation;
+//! - `cpu_fp32` (CPU): `fx_kernels::mlp_cpu::CpuPolicy::act`, host slice in → action, on
+//!   the calling thread (no pool, no allocation, no tensor);
 //! - `fused_fp32_e2e` (CUDA): `MlpDecider::act`, host slice in → action on the host (the
 //!   state written into mapped page-locked memory, the kernel reading it and writing the
 //!   action over the bus, a stream sync: everything a caller with host data waits for).
@@ -26,6 +28,7 @@ use super::{Ctx, Model, Record};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LatencyMode {
     Eager,
+    Cpu,
     #[cfg(feature = "cuda")]
     Fused,
     #[cfg(feature = "cuda")]
@@ -36,6 +39,7 @@ impl LatencyMode {
     pub(crate) fn name(self) -> &'static str {
         match self {
             LatencyMode::Eager => "eager_fp32",
+            LatencyMode::Cpu => "cpu_fp32",
             #[cfg(feature = "cuda")]
             LatencyMode::Fused => "fused_fp32",
             #[cfg(feature = "cuda")]
@@ -50,7 +54,7 @@ impl LatencyMode {
         if cuda {
             return vec![LatencyMode::Eager, LatencyMode::Fused, LatencyMode::FusedE2e];
         }
-        vec![LatencyMode::Eager]
+        vec![LatencyMode::Eager, LatencyMode::Cpu]
     }
 }
 
@@ -79,6 +83,13 @@ impl Net {
         Ok(match self {
             Net::Dqn(n) => n.greedy_actions(x)?,
             Net::Ppo(n) => n.greedy_actions(x)?,
+        })
+    }
+
+    fn cpu(&self) -> Result<fx_kernels::mlp_cpu::CpuPolicy> {
+        Ok(match self {
+            Net::Dqn(n) => n.cpu_policy()?,
+            Net::Ppo(n) => n.cpu_policy()?,
         })
     }
 
@@ -130,6 +141,12 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
     let (warm, n) = (ctx.lat_warm, ctx.lat_n);
     let ts = match mode {
         LatencyMode::Eager => time_calls(&dev, warm, n, true, || net.greedy(&x))?,
+        LatencyMode::Cpu => {
+            let mut policy = net.cpu()?;
+            let host = x.flatten_all()?.to_vec1::<f32>()?;
+            rec.insert("matches_eager".into(), json!(policy.act(&host)? == eager[0]));
+            time_calls(&dev, warm, n, false, || Ok(policy.act(&host)?))?
+        }
         #[cfg(feature = "cuda")]
         LatencyMode::Fused => {
             let policy = net.fused()?;

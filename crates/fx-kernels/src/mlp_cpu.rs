@@ -1,0 +1,372 @@
+//! [`CpuPolicy`]: a greedy policy MLP ([`GreedyMlp`]) for decisions on the CPU, one bar at a
+//! time inside a trading loop: the weights are copied once into plain `Vec<f32>`s, and a
+//! decision is a few dot products on the calling thread — no thread pool (candle's CPU
+//! matmul sizes its pool by the machine: 100× slower at batch 1 on a 16-core box), no
+//! allocation, no tensor. Scores are F32 dot products in 32 independent lanes (the compiler
+//! vectorises them; AVX2 + FMA when the CPU has them, chosen at run time);
+//! [`crate::mlp_ref::reference_greedy`] (f64) is what it is tested against.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{CandleContext, Error, Result};
+use crate::mlp_ref::{Activation, GreedyMlp, Head, MlpDims};
+
+/// One dense layer's weights on the host (`[out, in]` row-major).
+#[derive(Debug, Clone)]
+struct Dense {
+    w: Vec<f32>,
+    b: Vec<f32>,
+    inputs: usize,
+}
+
+impl Dense {
+    fn from(weight: &Tensor, bias: &Tensor) -> Result<Self> {
+        const CTX: &str = "CpuPolicy::new";
+        let host = |t: &Tensor| -> Result<Vec<f32>> {
+            t.to_device(&Device::Cpu)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1())
+                .ctx(CTX)
+        };
+        let (w, b) = (host(weight)?, host(bias)?);
+        let inputs = weight.dims().get(1).copied().unwrap_or(0);
+        if w.iter().chain(&b).any(|v| !v.is_finite()) {
+            return Err(Error::Config { context: CTX, message: "the policy's weights hold a non-finite value".into() });
+        }
+        Ok(Self { w, b, inputs })
+    }
+
+    /// `out = W x + b` (then the activation).
+    fn apply(&self, dot: fn(&[f32], &[f32]) -> f32, x: &[f32], out: &mut [f32], act: Activation) {
+        for (o, (row, b)) in out.iter_mut().zip(self.w.chunks_exact(self.inputs.max(1)).zip(&self.b)) {
+            let v = dot(row, x) + b;
+            *o = match act {
+                Activation::Identity => v,
+                Activation::Relu => v.max(0.0),
+                Activation::Tanh => fast_tanh(v),
+            };
+        }
+    }
+}
+
+/// `Σ a_i b_i` over 32 independent F32 lanes, then 8, then one (a fixed order, so results
+/// are reproducible on one machine). Plain multiply-add: without the FMA target feature,
+/// `mul_add` is a libm call per element (seen here: 20× slower).
+#[inline(always)]
+fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; 32];
+    let (a32, b32) = (a.chunks_exact(32), b.chunks_exact(32));
+    let (ra, rb) = (a32.remainder(), b32.remainder());
+    for (x, y) in a32.zip(b32) {
+        for k in 0..32 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut acc8 = [0.0f32; 8];
+    let (a8, b8) = (ra.chunks_exact(8), rb.chunks_exact(8));
+    let (ra, rb) = (a8.remainder(), b8.remainder());
+    for (x, y) in a8.zip(b8) {
+        for k in 0..8 {
+            acc8[k] += x[k] * y[k];
+        }
+    }
+    for k in 0..32 {
+        acc8[k % 8] += acc[k];
+    }
+    let mut s = ((acc8[0] + acc8[4]) + (acc8[1] + acc8[5])) + ((acc8[2] + acc8[6]) + (acc8[3] + acc8[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// [`dot_lanes`] compiled for AVX2 + FMA (chosen at run time when the CPU has them).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot_lanes(a, b)
+}
+
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    dot_lanes(a, b)
+}
+
+/// The fastest dot product this CPU runs (decided once per policy).
+fn pick_dot() -> fn(&[f32], &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the features `dot_avx2` is compiled for were detected on this CPU.
+        return |a, b| unsafe { dot_avx2(a, b) };
+    }
+    dot_portable
+}
+
+/// `tanh` through one `exp` (libm's `tanhf` costs several times more; the error is a few
+/// ulps of the result, far inside the 1e-5 the reference test allows).
+#[inline]
+fn fast_tanh(x: f32) -> f32 {
+    if x.abs() < 0.0625 {
+        // Odd Taylor terms: exact to f32 rounding here, and no cancellation near 0.
+        let x2 = x * x;
+        return x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0)));
+    }
+    let e = (2.0 * x).exp();
+    if e.is_infinite() {
+        return 1.0;
+    }
+    1.0 - 2.0 / (e + 1.0)
+}
+
+/// A greedy policy on the CPU; see the module docs.
+#[derive(Debug, Clone)]
+pub struct CpuPolicy {
+    hidden: Vec<(Dense, Activation)>,
+    head: Vec<Dense>,
+    dueling: bool,
+    dims: MlpDims,
+    /// Two activation buffers of the widest layer, reused by every call.
+    buf: [Vec<f32>; 2],
+    scores: Vec<f32>,
+    dot: fn(&[f32], &[f32]) -> f32,
+}
+
+impl CpuPolicy {
+    /// Copies the network's weights to the host (from any device). Later changes to the
+    /// tensors are not seen: build a new policy (e.g. after loading a checkpoint).
+    pub fn new(net: &GreedyMlp<'_>) -> Result<Self> {
+        let dims = net.dims()?;
+        let hidden =
+            net.hidden.iter().map(|(l, a)| Ok((Dense::from(l.weight, l.bias)?, *a))).collect::<Result<Vec<_>>>()?;
+        let (head, dueling) = match net.head {
+            Head::Logits(l) => (vec![Dense::from(l.weight, l.bias)?], false),
+            Head::Dueling { value, advantage } => {
+                (vec![Dense::from(value.weight, value.bias)?, Dense::from(advantage.weight, advantage.bias)?], true)
+            }
+        };
+        let widest = dims.hidden.iter().copied().chain([dims.input, dims.n_actions + 1]).max().unwrap_or(1);
+        Ok(Self {
+            hidden,
+            head,
+            dueling,
+            buf: [vec![0.0; widest], vec![0.0; widest]],
+            scores: vec![0.0; dims.n_actions],
+            dot: pick_dot(),
+            dims,
+        })
+    }
+
+    /// The network's dimensions.
+    pub fn dims(&self) -> &MlpDims {
+        &self.dims
+    }
+
+    /// The greedy action for one observation (`state_dim` values); the scores (Q values or
+    /// logits) stay readable through [`CpuPolicy::scores`] until the next call.
+    pub fn act(&mut self, obs: &[f32]) -> Result<u32> {
+        const CTX: &str = "CpuPolicy::act";
+        if obs.len() != self.dims.input {
+            return Err(Error::shape("obs", CTX, self.dims.input, obs.len()));
+        }
+        if let Some(i) = obs.iter().position(|v| !v.is_finite()) {
+            return Err(Error::NonFinite { what: "obs", index: i, value: obs[i] as f64, context: CTX });
+        }
+        let [a, b] = &mut self.buf;
+        let (mut cur, mut next) = (a, b);
+        cur[..obs.len()].copy_from_slice(obs);
+        let mut width = obs.len();
+        for (layer, act) in &self.hidden {
+            let out = layer.b.len();
+            layer.apply(self.dot, &cur[..width], &mut next[..out], *act);
+            std::mem::swap(&mut cur, &mut next);
+            width = out;
+        }
+        let z = &cur[..width];
+        let na = self.dims.n_actions;
+        if self.dueling {
+            let mut v = [0.0f32];
+            self.head[0].apply(self.dot, z, &mut v, Activation::Identity);
+            self.head[1].apply(self.dot, z, &mut self.scores, Activation::Identity);
+            let mean = self.scores.iter().sum::<f32>() / na as f32;
+            for s in &mut self.scores {
+                *s = (*s - mean) + v[0];
+            }
+        } else {
+            self.head[0].apply(self.dot, z, &mut self.scores, Activation::Identity);
+        }
+        // The first maximum wins, as `mlp_ref::first_argmax` (candle's and torch's argmax).
+        let mut best = 0;
+        for (j, &s) in self.scores.iter().enumerate().skip(1) {
+            if s > self.scores[best] {
+                best = j;
+            }
+        }
+        Ok(best as u32)
+    }
+
+    /// The last call's scores (`n_actions`).
+    pub fn scores(&self) -> &[f32] {
+        &self.scores
+    }
+
+    /// Greedy actions for `obs` rows (`rows × state_dim` values) into `actions` (`rows`).
+    pub fn act_batch(&mut self, obs: &[f32], actions: &mut [u32]) -> Result<()> {
+        let d = self.dims.input.max(1);
+        if obs.len() != actions.len() * d {
+            return Err(Error::shape("obs", "CpuPolicy::act_batch", actions.len() * d, obs.len()));
+        }
+        for (row, a) in obs.chunks_exact(d).zip(actions.iter_mut()) {
+            *a = self.act(row)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mlp_ref::{reference_greedy, Linear};
+
+    fn t(shape: &[usize], seed: u64, scale: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> =
+            (0..n as u64).map(|i| ((crate::rng::draw(seed, 9, 0, i) * 2.0 - 1.0) * scale) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Fresh random networks (both heads, default and odd widths) and observations: the
+    /// scores equal the f64 reference within 1e-5 relative, and the actions equal its
+    /// actions except where the two best scores are closer than that.
+    #[test]
+    fn matches_the_f64_reference() {
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(3, |d| d.as_nanos() as u64);
+        for (case, (widths, dueling, act)) in [
+            (vec![56usize, 256, 256, 128], true, Activation::Relu),
+            (vec![56, 256, 256], false, Activation::Tanh),
+            (vec![13, 7, 33], true, Activation::Relu),
+            (vec![5], false, Activation::Identity),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = seed.wrapping_add(100 * case as u64);
+            let na = if dueling { 3 } else { 4 };
+            let layers: Vec<(Tensor, Tensor)> = widths
+                .windows(2)
+                .enumerate()
+                .map(|(i, w)| (t(&[w[1], w[0]], s + 2 * i as u64, 0.2), t(&[w[1]], s + 2 * i as u64 + 1, 0.1)))
+                .collect();
+            let last = *widths.last().unwrap();
+            let (hv, ha) = (
+                (t(&[1, last], s + 50, 0.2), t(&[1], s + 51, 0.1)),
+                (t(&[na, last], s + 52, 0.2), t(&[na], s + 53, 0.1)),
+            );
+            let hidden: Vec<(Linear<'_>, Activation)> =
+                layers.iter().map(|(w, b)| (Linear { weight: w, bias: b }, act)).collect();
+            let head = if dueling {
+                Head::Dueling {
+                    value: Linear { weight: &hv.0, bias: &hv.1 },
+                    advantage: Linear { weight: &ha.0, bias: &ha.1 },
+                }
+            } else {
+                Head::Logits(Linear { weight: &ha.0, bias: &ha.1 })
+            };
+            let net = GreedyMlp { hidden: &hidden, head };
+            let rows = 64;
+            let obs = t(&[rows, widths[0]], s + 99, 2.0);
+            let (want_scores, want_actions) = reference_greedy(&net, &obs).unwrap();
+            let mut p = CpuPolicy::new(&net).unwrap();
+            let host: Vec<f32> = obs.flatten_all().unwrap().to_vec1().unwrap();
+            for r in 0..rows {
+                let a = p.act(&host[r * widths[0]..(r + 1) * widths[0]]).unwrap();
+                let want = &want_scores[r * na..(r + 1) * na];
+                for (g, w) in p.scores().iter().zip(want) {
+                    assert!((*g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "case {case} row {r}: {g} vs {w}");
+                }
+                let w = want_actions[r] as usize;
+                let gap = (want[a as usize] - want[w]).abs();
+                assert!(a as usize == w || gap <= 1e-5 * (1.0 + want[w].abs()), "case {case} row {r}: {a} vs {w}");
+            }
+            let mut batch = vec![u32::MAX; rows];
+            p.act_batch(&host, &mut batch).unwrap();
+            assert!(batch.iter().all(|&a| (a as usize) < na));
+        }
+    }
+
+    /// The run-time-chosen dot product (AVX2 + FMA here when present) and the portable one
+    /// agree with an f64 sum on random vectors of every length class; `fast_tanh` stays
+    /// within 2e-7 of `tanh` (absolute) over the range that matters.
+    #[test]
+    fn dot_paths_and_tanh_match_f64() {
+        let dot = pick_dot();
+        for n in [1usize, 7, 8, 31, 32, 56, 57, 256, 1000] {
+            let a: Vec<f32> = (0..n as u64).map(|i| (crate::rng::draw(5, 1, n as u64, i) * 2.0 - 1.0) as f32).collect();
+            let b: Vec<f32> = (0..n as u64).map(|i| (crate::rng::draw(5, 2, n as u64, i) * 2.0 - 1.0) as f32).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let scale: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum::<f64>().max(1e-30);
+            for got in [dot(&a, &b), dot_portable(&a, &b)] {
+                assert!((got as f64 - want).abs() <= 1e-6 * scale, "n {n}: {got} vs {want}");
+            }
+        }
+        for k in -4000..=4000 {
+            let x = k as f32 * 0.005;
+            let e = (fast_tanh(x) as f64 - (x as f64).tanh()).abs();
+            assert!(e <= 2e-7, "tanh({x}): error {e}");
+        }
+        assert_eq!((fast_tanh(100.0), fast_tanh(-100.0), fast_tanh(0.0)), (1.0, -1.0, 0.0));
+    }
+
+    #[test]
+    fn bad_observations_are_errors() {
+        let (w, b) = (t(&[3, 4], 1, 1.0), t(&[3], 2, 1.0));
+        let mut p =
+            CpuPolicy::new(&GreedyMlp { hidden: &[], head: Head::Logits(Linear { weight: &w, bias: &b }) }).unwrap();
+        assert!(p.act(&[0.0; 3]).unwrap_err().to_string().contains("obs"));
+        assert!(p.act(&[0.0, f32::NAN, 0.0, 0.0]).unwrap_err().to_string().contains("non-finite"));
+        let mut out = [0u32; 2];
+        assert!(p.act_batch(&[0.0; 7], &mut out).is_err());
+        let nan = Tensor::new(&[f32::NAN, 0.0, 0.0, 0.0], &Device::Cpu).unwrap().reshape((1, 4)).unwrap();
+        let b1 = t(&[1], 3, 1.0);
+        assert!(
+            CpuPolicy::new(&GreedyMlp { hidden: &[], head: Head::Logits(Linear { weight: &nan, bias: &b1 }) }).is_err()
+        );
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::mlp_ref::Linear;
+
+    /// Prints µs per DQN-sized decision (not a timed assertion: `--ignored --nocapture`).
+    #[test]
+    #[ignore = "timing printout; run with --ignored --nocapture in release"]
+    fn dqn_sized_decision_time() {
+        let t = |shape: &[usize]| Tensor::ones(shape, DType::F32, &Device::Cpu).unwrap().affine(0.01, 0.0).unwrap();
+        let l: Vec<(Tensor, Tensor)> =
+            [(56, 256), (256, 256), (256, 128)].iter().map(|&(i, o)| (t(&[o, i]), t(&[o]))).collect();
+        let (v, a) = ((t(&[1, 128]), t(&[1])), (t(&[3, 128]), t(&[3])));
+        let hidden: Vec<_> = l.iter().map(|(w, b)| (Linear { weight: w, bias: b }, Activation::Relu)).collect();
+        let net = GreedyMlp {
+            hidden: &hidden,
+            head: Head::Dueling {
+                value: Linear { weight: &v.0, bias: &v.1 },
+                advantage: Linear { weight: &a.0, bias: &a.1 },
+            },
+        };
+        let mut p = CpuPolicy::new(&net).unwrap();
+        let obs = vec![0.5f32; 56];
+        for _ in 0..2000 {
+            p.act(&obs).unwrap();
+        }
+        let t0 = std::time::Instant::now();
+        let n = 20000;
+        for _ in 0..n {
+            std::hint::black_box(p.act(std::hint::black_box(&obs)).unwrap());
+        }
+        eprintln!("dqn-sized decision: {:.2} us", t0.elapsed().as_secs_f64() * 1e6 / n as f64);
+    }
+}
