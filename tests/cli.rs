@@ -256,6 +256,17 @@ fn killed_and_resumed_run_ends_with_identical_weights() {
 
 #[test]
 fn ctrl_c_checkpoints_exits_130_and_resume_finishes_identically() {
+    interrupt_checkpoints_and_resume_finishes_identically("-INT");
+}
+
+/// SIGTERM and SIGHUP (schedulers, closed terminals) are handled like Ctrl-C.
+#[test]
+fn sigterm_and_sighup_checkpoint_like_ctrl_c() {
+    interrupt_checkpoints_and_resume_finishes_identically("-TERM");
+    interrupt_checkpoints_and_resume_finishes_identically("-HUP");
+}
+
+fn interrupt_checkpoints_and_resume_finishes_identically(signal: &str) {
     let dir = tempfile::tempdir().unwrap();
     let steps = 400;
     let cfg = tiny_config(dir.path(), "dqn", steps, "");
@@ -278,8 +289,7 @@ fn ctrl_c_checkpoints_exits_130_and_resume_finishes_identically() {
     while !checkpoint(&run, 20).exists() && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    // SIGINT, as Ctrl-C in a terminal sends it.
-    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let status = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "stderr: {}", String::from_utf8_lossy(&out.stderr));

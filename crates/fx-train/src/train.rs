@@ -252,10 +252,12 @@ fn next_multiple(steps: u64, every: u64) -> u64 {
 pub(crate) fn install_ctrlc() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // If a handler cannot be installed the run still works; Ctrl-C then kills it and
-        // --resume continues from the last periodic checkpoint.
-        // The first Ctrl-C asks the loop to checkpoint and stop; a second one (e.g. during
-        // data preparation or the final backtest, where nothing polls the flag) exits now.
+        // Ctrl-C (SIGINT), and SIGTERM / SIGHUP (what Kubernetes, Slurm and a closed
+        // terminal send; ctrlc's `termination` feature): the first asks the loop to
+        // checkpoint and stop; a second (e.g. during data preparation or the final
+        // backtest, where nothing polls the flag) exits now. If a handler cannot be
+        // installed the run still works; a signal then kills it and --resume continues
+        // from the last periodic checkpoint.
         let _ = ctrlc::set_handler(|| {
             if INTERRUPTED.swap(true, Ordering::SeqCst) {
                 std::process::exit(i32::from(EXIT_INTERRUPTED));
