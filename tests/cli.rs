@@ -363,9 +363,9 @@ fn bad_runs_are_one_line_errors_and_overwrite_nothing() {
     write_narrow_feature_file(&narrow);
     let e = err_line(&train(&cfg, &dir.path().join("z"), &["--data", narrow.to_str().unwrap()]));
     assert!(e.contains("narrow.safetensors"), "{e}");
-    // --resume with a flag that would change the saved run is refused, naming the flag.
+    // --resume with a flag that would change the saved run is refused, naming both values.
     let e = err_line(&train(&cfg, &run, &["--resume", "--seed", "3"]));
-    assert!(e.contains("--config") && e.contains("--seed") && e.contains("config.toml"), "{e}");
+    assert!(e.contains("--seed 3 differs from the saved run's 7"), "{e}");
     // An explicit GPU request that cannot be met is an error, not a silent CPU run.
     if !cfg!(feature = "cuda") {
         let e = err_line(&train(&cfg, &dir.path().join("gpu"), &["--device", "cuda"]));
@@ -647,4 +647,81 @@ fn configs_that_cannot_work_are_refused_and_leave_no_folder() {
     let err = err_line(&train(&cfg, &out_dir, &["--quiet"]));
     assert!(err.contains("seq.batch_size 100000 exceeds the") && err.contains("training windows"), "{err}");
     assert!(!out_dir.exists(), "the refused run left {} behind", out_dir.display());
+}
+
+#[test]
+fn damaged_checkpoints_are_skipped_with_a_warning_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 40, "");
+    let run = dir.path().join("run");
+    ok(&train(&cfg, &run, &["--quiet"]));
+    let other = dir.path().join("ppo");
+    ok(&train(&tiny_config(dir.path(), "ppo", 20, ""), &other, &["--quiet"]));
+    let (state, sidecar) = (checkpoint(&run, 40), run.join(format!("checkpoint-{:010}.json", 40)));
+    let (good_state, good_sidecar) = (std::fs::read(&state).unwrap(), std::fs::read(&sidecar).unwrap());
+    let mut flipped = good_state.clone();
+    let mid = flipped.len() / 2;
+    flipped[mid] ^= 0x40;
+    let foreign = std::fs::read_dir(&other)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name().unwrap().to_string_lossy().starts_with("checkpoint-")
+                && p.extension().is_some_and(|e| e == "json")
+        })
+        .map(|p| std::fs::read(p).unwrap())
+        .expect("the PPO run wrote a checkpoint");
+    type Damage<'a> = (&'a str, Box<dyn Fn() + 'a>);
+    let damages: [Damage<'_>; 4] = [
+        ("truncated", Box::new(|| std::fs::write(&state, &good_state[..good_state.len() / 3]).unwrap())),
+        ("one flipped byte", Box::new(|| std::fs::write(&state, &flipped).unwrap())),
+        ("missing sidecar", Box::new(|| std::fs::remove_file(&sidecar).unwrap())),
+        ("another run's sidecar", Box::new(|| std::fs::write(&sidecar, &foreign).unwrap())),
+    ];
+    for (what, damage) in &damages {
+        damage();
+        let out = fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{what}: eval failed: {err}");
+        let warnings: Vec<&str> = err.lines().filter(|l| l.starts_with("warning: skipping checkpoint 40")).collect();
+        assert_eq!(warnings.len(), 1, "{what}: {err}");
+        assert!(state.exists() || sidecar.exists(), "{what}: the damaged checkpoint was deleted");
+        std::fs::write(&state, &good_state).unwrap();
+        std::fs::write(&sidecar, &good_sidecar).unwrap();
+    }
+    // A resume skips the damaged newest checkpoint too, and finishes from the one before.
+    std::fs::write(&state, &good_state[..100]).unwrap();
+    let out = fx_train().args(["train", "--resume", "--steps", "50", "--quiet", "--out"]).arg(&run).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("warning: skipping checkpoint 40"));
+    assert!(checkpoint(&run, 50).exists());
+}
+
+#[test]
+fn flags_as_users_type_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 20, "");
+    let run = dir.path().join("run");
+    ok(&train(&cfg, &run, &["--quiet", "--model", "dqn", "--seed", "7"]));
+    // The original command with --resume appended (same values) continues the run.
+    ok(&train(&cfg, &run, &["--quiet", "--model", "dqn", "--seed", "7", "--resume", "--steps", "30"]));
+    assert!(checkpoint(&run, 30).exists());
+    // A different value is refused, naming both.
+    let e = err_line(&train(&cfg, &run, &["--resume", "--model", "ppo"]));
+    assert!(e.contains("--model ppo differs from the saved run's dqn"), "{e}");
+    let other = tiny_config(dir.path(), "ppo", 20, "");
+    let e = err_line(&train(&other, &run, &["--resume"]));
+    assert!(e.contains("differs from the saved run's config.toml"), "{e}");
+    // Flags of the other kind of model are refused with a hint, never ignored.
+    let e = err_line(&train(&cfg, &dir.path().join("a"), &["--epochs", "3"]));
+    assert!(e.contains("--epochs is for tft/mamba2") && e.contains("--steps"), "{e}");
+    assert!(!dir.path().join("a").exists());
+    let e = err_line(
+        &fx_train()
+            .args(["train", "--model", "tft", "--steps", "3", "--out"])
+            .arg(dir.path().join("b"))
+            .output()
+            .unwrap(),
+    );
+    assert!(e.contains("--steps counts environment steps") && e.contains("--epochs"), "{e}");
 }

@@ -540,8 +540,8 @@ mod tests {
         let plan = tiny_plan();
         let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
         let recs = run_cases(&mut ctx, &plan);
-        // 2 models x 1 batch x 2 precisions, 2 latency, 2 env
-        assert_eq!(recs.len(), 8, "{recs:#?}");
+        // 2 models x 1 batch x 2 precisions, 2 models x 2 latency modes, 2 env
+        assert_eq!(recs.len(), 10, "{recs:#?}");
         for r in &recs {
             assert_eq!(r.get("status"), Some(&json!("ok")), "{r:?}");
             for k in ["case", "kind", "model", "mode", "device"] {
@@ -581,10 +581,16 @@ mod tests {
             assert!(num(r, "params") > 1000.0);
             assert_eq!(r["timing"], "host_clock");
         }
-        for r in recs.iter().filter(|r| r["kind"] == "latency") {
+        let latency: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "latency").collect();
+        let modes: Vec<&str> = latency.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+        assert_eq!(modes, ["eager_fp32", "cpu_fp32", "eager_fp32", "cpu_fp32"]);
+        for r in latency {
             let (p50, p99, mean) = (num(r, "p50_us"), num(r, "p99_us"), num(r, "mean_us"));
             assert!(p50 > 0.0 && p50 <= p99 && mean > 0.0, "{r:?}");
             assert_eq!(num(r, "n"), 5.0);
+            if r["mode"] == "cpu_fp32" {
+                assert_eq!(r["matches_eager"], true, "{r:?}");
+            }
         }
         let env: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "env").collect();
         assert_eq!(env[0]["case"], "env_step_E8");

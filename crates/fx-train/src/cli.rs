@@ -108,35 +108,73 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// With `--resume` the run continues under its saved `config.toml`: flags that would
-    /// change it are refused rather than silently ignored (only `--steps`, `--out` and
-    /// `--quiet` apply).
-    pub fn check_resume_flags(&self) -> anyhow::Result<()> {
-        if !self.resume {
-            return Ok(());
-        }
-        let given: Vec<&str> = [
-            ("--model", self.model.is_some()),
-            ("--data", self.data.is_some()),
-            ("--config", self.config.is_some()),
-            ("--epochs", self.epochs.is_some()),
-            ("--seed", self.seed.is_some()),
-            ("--precision", self.precision.is_some()),
-            ("--device", self.device.is_some()),
-            ("--graph", self.graph.is_some()),
-            ("--num-envs", self.num_envs.is_some()),
-            ("--checkpoint-every", self.checkpoint_every.is_some()),
-            ("--log-every", self.log_every.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(flag, set)| set.then_some(flag))
-        .collect();
-        if !given.is_empty() {
+    /// Refuses flags that cannot apply: with `--resume` the run continues under its saved
+    /// `config.toml`, so a flag may repeat a saved value but not change it (the error names
+    /// both); `--steps` is for dqn/ppo and `--epochs` for tft/mamba2 (never silently
+    /// ignored).
+    pub fn check_flags(&self) -> anyhow::Result<()> {
+        use crate::config::RunConfig;
+        let saved = match (&self.resume, self.out.clone().unwrap_or_else(|| RunConfig::default().out)) {
+            (true, out) if out.join("config.toml").exists() => {
+                Some(RunConfig::from_toml_file(&out.join("config.toml"))?)
+            }
+            // No run there: RunDir::open says so.
+            _ => None,
+        };
+        let model = match &saved {
+            Some(s) => s.model,
+            None => match (self.model, &self.config) {
+                (Some(m), _) => m,
+                (None, Some(c)) => RunConfig::from_toml_file(c)?.model,
+                (None, None) => RunConfig::default().model,
+            },
+        };
+        if model.is_sequence() && self.steps.is_some() {
             anyhow::bail!(
-                "--resume continues the run under its saved config.toml; {} cannot change it \
-                 (only --steps, --out and --quiet apply)",
-                given.join(", ")
+                "--steps counts environment steps of dqn/ppo runs; a {} run trains for --epochs",
+                model.as_str()
             );
+        }
+        if !model.is_sequence() && self.epochs.is_some() {
+            anyhow::bail!(
+                "--epochs is for tft/mamba2 runs; a {} run trains for --steps (environment steps)",
+                model.as_str()
+            );
+        }
+        let Some(saved) = saved else {
+            return Ok(());
+        };
+        let path_str = |p: &Option<PathBuf>| p.as_ref().map_or("none".to_string(), |p| p.display().to_string());
+        let given: [(&str, Option<String>, String); 10] = [
+            ("--model", self.model.map(|m| m.as_str().to_string()), saved.model.as_str().to_string()),
+            ("--data", self.data.as_ref().map(|d| d.display().to_string()), path_str(&saved.data)),
+            ("--epochs", self.epochs.map(|n| n.to_string()), saved.seq.epochs.to_string()),
+            ("--seed", self.seed.map(|n| n.to_string()), saved.seed.to_string()),
+            ("--precision", self.precision.map(|p| p.to_string()), saved.precision.to_string()),
+            ("--device", self.device.clone(), saved.device.clone()),
+            ("--graph", self.graph.map(|g| g.to_string()), saved.graph.to_string()),
+            ("--num-envs", self.num_envs.map(|n| n.to_string()), saved.env.num_envs.to_string()),
+            ("--checkpoint-every", self.checkpoint_every.map(|n| n.to_string()), saved.checkpoint_every.to_string()),
+            ("--log-every", self.log_every.map(|n| n.to_string()), saved.log_every.to_string()),
+        ];
+        for (flag, given, saved) in given {
+            if let Some(g) = given.filter(|g| *g != saved) {
+                anyhow::bail!(
+                    "{flag} {g} differs from the saved run's {saved}: --resume continues the run as it was started \
+                     (only --steps can change; start a new run with another --out to change the rest)"
+                );
+            }
+        }
+        if let Some(c) = &self.config {
+            let mut from_file = RunConfig::from_toml_file(c)?;
+            from_file.out = saved.out.clone();
+            from_file.steps = saved.steps;
+            if from_file.resolve()? != saved {
+                anyhow::bail!(
+                    "--config {} differs from the saved run's config.toml: --resume continues the run as it was started",
+                    c.display()
+                );
+            }
         }
         Ok(())
     }

@@ -48,7 +48,7 @@ fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
             train::run(cfg, train::TrainOptions { resume: false, quiet: false, steps: None })
         }
         Some(cli::Command::Train(args)) => {
-            args.check_resume_flags()?;
+            args.check_flags()?;
             train::run(
                 args.to_config()?,
                 train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps },

@@ -18,6 +18,22 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::ModelChoice;
 
+/// SHA-256 (hex) of a file, streamed.
+fn sha256_file(path: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Takes the exclusive lock of `root/run.lock` and records this process's id in it, or
 /// refuses in one line naming the folder and the holder's id.
 fn lock_folder(root: &Path) -> Result<File> {
@@ -81,6 +97,10 @@ pub struct RunState {
     pub data_source: String,
     /// Seconds of training before this checkpoint (for samples/s across resumes).
     pub train_seconds: f64,
+    /// SHA-256 (hex) of the checkpoint's state file, verified on load (absent in
+    /// checkpoints written before it existed: those load unverified).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainer_sha256: Option<String>,
 }
 
 const RUN_STATE_VERSION: u32 = 1;
@@ -104,6 +124,7 @@ impl RunState {
             norm_std,
             data_source,
             train_seconds,
+            trainer_sha256: None,
         }
     }
 
@@ -125,6 +146,7 @@ impl RunState {
             norm_std,
             data_source,
             train_seconds,
+            trainer_sha256: None,
         }
     }
 
@@ -282,12 +304,43 @@ impl RunDir {
         self.root.join(format!("checkpoint-{step:010}.json"))
     }
 
-    /// The newest complete checkpoint, if any.
+    /// The newest checkpoint that verifies: its sidecar parses and records the SHA-256 its
+    /// state file has (a truncated or changed state file, a missing half, or a sidecar
+    /// copied from another checkpoint does not). Each newer one that does not is skipped
+    /// with a one-line warning naming the file, and left in place. (A checkpoint of another
+    /// model is not damage: callers refuse it with [`Checkpoint::check_model`].)
     pub fn latest_checkpoint(&self) -> Result<Option<Checkpoint>> {
-        let Some(&step) = self.checkpoint_steps()?.last() else {
-            return Ok(None);
-        };
-        let path = self.run_state_path(step);
+        for step in self.checkpoint_candidates()?.into_iter().rev() {
+            match self.verified(step) {
+                Ok(c) => return Ok(Some(c)),
+                Err(e) => eprintln!("warning: skipping checkpoint {step}: {e:#}"),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Steps with a state file or a sidecar (either may be the damaged half), oldest first.
+    fn checkpoint_candidates(&self) -> Result<Vec<u64>> {
+        let mut steps = Vec::new();
+        for entry in std::fs::read_dir(&self.root).with_context(|| format!("listing {}", self.root.display()))? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            let stem = name
+                .strip_prefix("checkpoint-")
+                .and_then(|r| r.strip_suffix(".json").or_else(|| r.strip_suffix(".safetensors")));
+            if let Some(step) = stem.and_then(|n| n.parse::<u64>().ok()) {
+                steps.push(step);
+            }
+        }
+        steps.sort_unstable();
+        steps.dedup();
+        Ok(steps)
+    }
+
+    fn verified(&self, step: u64) -> Result<Checkpoint> {
+        let (path, trainer) = (self.run_state_path(step), self.trainer_path(step));
+        if !trainer.exists() {
+            bail!("{} is missing", trainer.display());
+        }
         let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         let run: RunState = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         if run.version != RUN_STATE_VERSION {
@@ -297,7 +350,13 @@ impl RunDir {
                 run.version
             );
         }
-        Ok(Some(Checkpoint { trainer: self.trainer_path(step), run }))
+        if let Some(want) = &run.trainer_sha256 {
+            let got = sha256_file(&trainer)?;
+            if &got != want {
+                bail!("{} does not match the SHA-256 its sidecar records (truncated or changed)", trainer.display());
+            }
+        }
+        Ok(Checkpoint { trainer, run })
     }
 
     /// Writes a checkpoint: the trainer's state file (through `save`, itself atomic), then
@@ -311,7 +370,8 @@ impl RunDir {
     ) -> Result<PathBuf> {
         let trainer = self.trainer_path(run.env_steps);
         save(&trainer)?;
-        write_atomic(&self.run_state_path(run.env_steps), serde_json::to_string_pretty(run)?.as_bytes())?;
+        let run = RunState { trainer_sha256: Some(sha256_file(&trainer)?), ..run.clone() };
+        write_atomic(&self.run_state_path(run.env_steps), serde_json::to_string_pretty(&run)?.as_bytes())?;
         let steps = self.checkpoint_steps()?;
         for &old in steps.iter().take(steps.len().saturating_sub(keep)) {
             let _ = std::fs::remove_file(self.run_state_path(old));
@@ -427,6 +487,7 @@ mod tests {
             norm_std: vec![1.0],
             data_source: "test".into(),
             train_seconds: 0.0,
+            trainer_sha256: None,
         };
         for step in [10, 20, 30] {
             run.write_checkpoint(&state(step), 2, |p| write_atomic(p, b"weights")).unwrap();
