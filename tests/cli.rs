@@ -725,3 +725,28 @@ fn flags_as_users_type_them() {
     );
     assert!(e.contains("--steps counts environment steps") && e.contains("--epochs"), "{e}");
 }
+
+#[test]
+fn thread_count_follows_the_cpu_affinity_mask() {
+    // One CPU allowed: every model's runs use one thread (and so does FX_THREADS unset).
+    let out = Command::new("taskset")
+        .args(["-c", "0"])
+        .arg(env!("CARGO_BIN_EXE_fx-train"))
+        .args(["hw", "--json", "--device", "cpu"])
+        .env_remove("FX_THREADS")
+        .output()
+        .expect("taskset (util-linux) runs");
+    let v: serde_json::Value = serde_json::from_str(&ok(&out)).unwrap();
+    let t = &v["cpu_threads"];
+    assert_eq!(
+        (t["usable_cpus"].as_u64(), t["sequence_models"]["value"].as_u64(), t["rl_agents"]["value"].as_u64()),
+        (Some(1), Some(1), Some(1)),
+        "{t}"
+    );
+    // FX_THREADS overrides, with its source named.
+    let out = fx_train().args(["hw", "--json", "--device", "cpu"]).env("FX_THREADS", "3").output().unwrap();
+    let v: serde_json::Value = serde_json::from_str(&ok(&out)).unwrap();
+    assert_eq!(v["cpu_threads"]["sequence_models"]["value"].as_u64(), Some(3));
+    let e = err_line(&fx_train().args(["hw", "--device", "cpu"]).env("FX_THREADS", "zero").output().unwrap());
+    assert!(e.contains("FX_THREADS") && e.contains("zero"), "{e}");
+}

@@ -7,7 +7,8 @@
 //! [`Precision`], batch sizes per model ([`CostModel`], [`batch_size`]) and aligned
 //! dimensions ([`align`]). Every derived value carries its [`Source`], so a user can see
 //! whether it was detected, estimated, measured by a probe, or overridden through the
-//! config or the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`).
+//! config or the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`). [`cpu_threads`]
+//! sizes candle's CPU thread pool by the work and by the CPUs the process may use.
 //!
 //! ```
 //! let budget = fx_hw::HardwareBudget::detect_with(&fx_hw::Overrides::default().with_device("cpu"));
@@ -23,6 +24,7 @@ mod overrides;
 mod precision;
 #[cfg(feature = "cuda")]
 mod probe;
+mod threads;
 
 pub use budget::{batch_size, CostModel, ModelKind, BATCH_MAX, BATCH_MIN};
 pub use device::{DeviceKind, GpuInfo, HardwareBudget, HostInfo};
@@ -31,3 +33,4 @@ pub use overrides::{DeviceRequest, Overrides, Source, Sourced};
 pub use precision::Precision;
 #[cfg(feature = "cuda")]
 pub use probe::probe_bytes_per_sample;
+pub use threads::{apply_cpu_threads, cpu_threads, usable_cpus};

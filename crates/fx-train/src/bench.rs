@@ -393,10 +393,18 @@ fn meta(ctx: &Ctx, plan: &Plan, gpu: Option<String>) -> Record {
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     let t0 = Instant::now();
+    // The RL networks are small: the thread count a training run would use for them
+    // (`fx_hw::cpu_threads`, FX_THREADS overrides), set before any tensor work.
+    let threads = fx_hw::cpu_threads(None, true)?;
+    fx_hw::apply_cpu_threads(threads.value);
     let (device, gpu) = pick_device(args.device)?;
     let plan = Plan::from_args(args, device.is_cuda());
     let mut ctx = Ctx::new(device, &plan)?;
-    let meta = meta(&ctx, &plan, gpu);
+    let mut meta = meta(&ctx, &plan, gpu);
+    meta.insert(
+        "cpu_threads".into(),
+        json!({ "value": threads.value, "source": threads.source.to_string(), "usable_cpus": fx_hw::usable_cpus() }),
+    );
     eprintln!("bench: {}", serde_json::to_string(&meta)?);
     let results = run_cases(&mut ctx, &plan);
     let n_err = results.iter().filter(|r| r.get("status") != Some(&json!("ok"))).count();

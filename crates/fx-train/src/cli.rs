@@ -90,6 +90,10 @@ pub struct TrainArgs {
     /// CUDA graph of the DQN/PPO update: auto, on, off [default: auto; ignored on the CPU].
     #[arg(long)]
     pub graph: Option<fx_precision::GraphMode>,
+    /// CPU threads for candle's CPU kernels [default: 1 for dqn/ppo, every usable CPU for
+    /// tft/mamba2; env FX_THREADS].
+    #[arg(long)]
+    pub threads: Option<usize>,
     /// Accounts stepped together [default: 32].
     #[arg(long)]
     pub num_envs: Option<usize>,
@@ -111,8 +115,8 @@ impl TrainArgs {
     /// Refuses flags that cannot apply: with `--resume` the run continues under its saved
     /// `config.toml`, so a flag may repeat a saved value but not change it (the error names
     /// both); `--steps` is for dqn/ppo and `--epochs` for tft/mamba2 (never silently
-    /// ignored).
-    pub fn check_flags(&self) -> anyhow::Result<()> {
+    /// ignored). Returns the run's model and `threads` setting (the saved ones on resume).
+    pub fn check_flags(&self) -> anyhow::Result<(crate::config::ModelChoice, Option<usize>)> {
         use crate::config::RunConfig;
         let saved = match (&self.resume, self.out.clone().unwrap_or_else(|| RunConfig::default().out)) {
             (true, out) if out.join("config.toml").exists() => {
@@ -142,7 +146,7 @@ impl TrainArgs {
             );
         }
         let Some(saved) = saved else {
-            return Ok(());
+            return Ok((model, self.threads));
         };
         let path_str = |p: &Option<PathBuf>| p.as_ref().map_or("none".to_string(), |p| p.display().to_string());
         let given: [(&str, Option<String>, String); 10] = [
@@ -176,7 +180,7 @@ impl TrainArgs {
                 );
             }
         }
-        Ok(())
+        Ok((model, self.threads.or(saved.threads)))
     }
 
     /// The config: defaults, then `--config`, then the flags.
@@ -213,6 +217,9 @@ impl TrainArgs {
         }
         if let Some(g) = self.graph {
             cfg.graph = g;
+        }
+        if let Some(n) = self.threads {
+            cfg.threads = Some(n);
         }
         if let Some(n) = self.num_envs {
             cfg.env.num_envs = n;

@@ -57,6 +57,9 @@ pub struct RunConfig {
     pub precision: Precision,
     /// Device: auto, cpu, cuda or cuda:N.
     pub device: String,
+    /// CPU threads for candle's CPU kernels; none: one for dqn/ppo (small networks), every
+    /// usable CPU (affinity, cgroup quota) for tft/mamba2; `FX_THREADS` overrides none.
+    pub threads: Option<usize>,
     /// CUDA graph capture of the DQN/PPO update: auto (capture, warn and run eagerly if it
     /// fails), on (a failed capture is an error) or off. Ignored on the CPU.
     pub graph: fx_precision::GraphMode,
@@ -131,6 +134,7 @@ impl Default for RunConfig {
             precision: Precision::F32,
             device: "auto".into(),
             graph: fx_precision::GraphMode::Auto,
+            threads: None,
             checkpoint_every: 500,
             keep_checkpoints: 3,
             log_every: 50,

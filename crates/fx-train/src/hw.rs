@@ -30,10 +30,19 @@ pub fn run(args: &HwArgs) -> Result<()> {
             }
         }
     }
+    // CPU threads a training run would use (after FX_THREADS): one for the RL agents'
+    // small networks, every CPU this process may use (affinity, cgroup quota) otherwise.
+    let (rl, seq) = (fx_hw::cpu_threads(None, true)?, fx_hw::cpu_threads(None, false)?);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&budget)?);
+        let mut v = serde_json::to_value(&budget)?;
+        v["cpu_threads"] =
+            serde_json::json!({ "usable_cpus": fx_hw::usable_cpus(), "rl_agents": rl, "sequence_models": seq });
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        print!("{}", table(&budget, probe_note.as_deref()));
+        let mut out = table(&budget, probe_note.as_deref());
+        row(&mut out, "cpu threads dqn/ppo", rl.value, &rl.source.to_string());
+        row(&mut out, "cpu threads tft/mamba2", seq.value, &seq.source.to_string());
+        print!("{out}");
     }
     Ok(())
 }

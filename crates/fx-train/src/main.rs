@@ -45,20 +45,27 @@ fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
             let mut cfg = config::RunConfig::default();
             cfg.apply_env_overrides(&fx_hw::Overrides::from_env()?);
             cfg.out = fresh_run_folder(&cfg.out);
+            set_cpu_threads(cfg.model, cfg.threads)?;
             train::run(cfg, train::TrainOptions { resume: false, quiet: false, steps: None })
         }
         Some(cli::Command::Train(args)) => {
-            args.check_flags()?;
-            train::run(
-                args.to_config()?,
-                train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps },
-            )
+            let (model, threads) = args.check_flags()?;
+            set_cpu_threads(model, threads)?;
+            let cfg = args.to_config()?;
+            train::run(cfg, train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps })
         }
         Some(cli::Command::Eval(args)) => done(train::eval(&args.checkpoint)),
         Some(cli::Command::Hw(args)) => done(hw::run(&args)),
         Some(cli::Command::Features(args)) => done(features(&args)),
         Some(cli::Command::Bench(args)) => done(bench::run(&args)),
     }
+}
+
+/// Sizes candle's CPU pool for the run before any tensor work (see `fx_hw::cpu_threads`).
+fn set_cpu_threads(model: config::ModelChoice, threads: Option<usize>) -> anyhow::Result<()> {
+    let n = fx_hw::cpu_threads(threads, !model.is_sequence())?;
+    fx_hw::apply_cpu_threads(n.value);
+    Ok(())
 }
 
 /// `base` if it holds no run yet, else `base-2`, `base-3`, ...
