@@ -750,3 +750,36 @@ fn thread_count_follows_the_cpu_affinity_mask() {
     let e = err_line(&fx_train().args(["hw", "--device", "cpu"]).env("FX_THREADS", "zero").output().unwrap());
     assert!(e.contains("FX_THREADS") && e.contains("zero"), "{e}");
 }
+
+#[test]
+fn a_failed_checkpoint_write_stops_the_run_and_keeps_the_earlier_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 400, "");
+    let run = dir.path().join("run");
+    // The checkpoints grow with the replay buffer; a file-size limit of 160 KiB lets the
+    // early ones through and stops a later one.
+    let cmd = format!(
+        "ulimit -f 160; exec {} train --config {} --out {} --quiet",
+        env!("CARGO_BIN_EXE_fx-train"),
+        cfg.display(),
+        run.display()
+    );
+    let out = Command::new("bash").args(["-c", &cmd]).output().unwrap();
+    let err = err_line(&out);
+    assert!(err.contains("checkpoint-") && err.contains(&run.display().to_string()), "{err}");
+    assert!(!checkpoint(&run, 400).exists(), "the limit did not stop the run; lower it");
+    assert!(checkpoint(&run, 10).exists() || checkpoint(&run, 20).exists() || checkpoint(&run, 30).exists());
+    // No temporary file is left, and the newest earlier checkpoint still loads.
+    let tmp: Vec<_> = std::fs::read_dir(&run)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+        .collect();
+    assert!(tmp.is_empty(), "{:?}", tmp.iter().map(|e| e.file_name()).collect::<Vec<_>>());
+    let out = fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap();
+    assert!(
+        out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("warning"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
 use crate::error::{Context, Error, Result};
@@ -124,6 +124,17 @@ pub fn save_tensors_atomic(
             .to_device(&Device::Cpu)
             .and_then(|t| t.contiguous())
             .ctx(&format!("saving tensor {name:?} to {}", path.display()))?;
+        // A checkpoint never holds a NaN or inf: resuming from one would train on poison.
+        if t.dtype().is_float() {
+            let v: Vec<f32> = t
+                .flatten_all()
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.to_vec1())
+                .ctx(&format!("checking tensor {name:?} for {}", path.display()))?;
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(Error::NonFinite { path: path.to_path_buf(), name: name.clone(), index: i });
+            }
+        }
         host.push((name.clone(), t));
     }
     host.sort_by(|a, b| a.0.cmp(&b.0));
@@ -141,9 +152,10 @@ pub fn save_tensors_atomic(
         move |source| Error::Io { op, path: p, source }
     };
     let write = || -> Result<()> {
-        let mut f = std::fs::File::create(&tmp).map_err(io("creating", &tmp))?;
-        f.write_all(&bytes).map_err(io("writing", &tmp))?;
-        f.sync_all().map_err(io("syncing", &tmp))?;
+        // Errors name the checkpoint, not its temporary file.
+        let mut f = std::fs::File::create(&tmp).map_err(io("creating", path))?;
+        f.write_all(&bytes).map_err(io("writing", path))?;
+        f.sync_all().map_err(io("syncing", path))?;
         std::fs::rename(&tmp, path).map_err(io("renaming onto", path))?;
         Ok(())
     };
@@ -172,6 +184,23 @@ pub fn load_tensors(path: impl AsRef<Path>, device: &Device) -> Result<NamedTens
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_non_finite_tensor_is_never_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.safetensors");
+        let good = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        save_tensors_atomic(&path, &HashMap::from([("w".to_string(), good.clone())]), &HashMap::new()).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        for bad in [f32::NAN, f32::INFINITY] {
+            let t = Tensor::new(&[1f32, bad], &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+            let e = save_tensors_atomic(&path, &HashMap::from([("m.exp_avg".to_string(), t)]), &HashMap::new())
+                .unwrap_err();
+            assert!(e.to_string().contains("\"m.exp_avg\"") && e.to_string().contains("index 1"), "{e}");
+            assert_eq!(std::fs::read(&path).unwrap(), before, "the earlier file was changed");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "a temporary file was left");
+    }
     use candle_core::DType;
 
     #[test]

@@ -70,6 +70,16 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
+    /// A tensor to be saved holds a NaN or infinity (nothing was written).
+    #[error("refusing to write {path}: tensor {name:?} holds a non-finite value at index {index}", path = path.display())]
+    NonFinite {
+        /// The file that was not written.
+        path: PathBuf,
+        /// The tensor's name.
+        name: String,
+        /// Flat index of the first bad value.
+        index: usize,
+    },
     /// A CUDA launch, graph capture or replay failed.
     #[error("{context}: {message}")]
     Cuda {

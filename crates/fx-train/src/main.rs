@@ -21,6 +21,14 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // A file-size limit (`ulimit -f`) would otherwise kill the process with SIGXFSZ in the
+    // middle of a checkpoint; ignored, the write fails with EFBIG and the run stops with a
+    // one-line error naming the file, its earlier checkpoints intact.
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to SIG_IGN at start-up, before any thread.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = cli::Cli::parse();
     match run(cli) {
         Ok(train::Outcome::Finished) => ExitCode::SUCCESS,
