@@ -9,7 +9,7 @@ use crate::dataset::Dataset;
 use crate::report::Report;
 use crate::run_dir::RunDir;
 
-pub fn write_all(dir: &RunDir, _cfg: &RunConfig, _data: &Dataset, rep: &Report) -> Result<()> {
+pub fn write_all(dir: &RunDir, _cfg: &RunConfig, data: &Dataset, rep: &Report) -> Result<()> {
     register_font();
     let equity = dir.path("equity.png");
     let series: Vec<(&str, &[f64], RGBColor)> = vec![
@@ -17,8 +17,12 @@ pub fn write_all(dir: &RunDir, _cfg: &RunConfig, _data: &Dataset, rep: &Report) 
         ("buy & hold", &rep.buy_and_hold.equity, RGBColor(255, 127, 14)),
         ("flat", &rep.flat.equity, RGBColor(120, 120, 120)),
     ];
-    line_chart(&equity, "test-split equity (start = 1)", "bar", &series)
-        .map_err(|e| anyhow::anyhow!("plotting {}: {e}", equity.display()))?;
+    // Equity point i is the account after i test bars: dated by the bar it stands at.
+    let ts = data.store.timestamps();
+    let dates = ts.get(data.splits.test.start..).unwrap_or(&[]);
+    let chart =
+        Chart { title: "test-split equity (start = 1)", x_label: "date", dates: Some(dates), drawdown_of: Some(0) };
+    line_chart(&equity, &chart, &series).map_err(|e| anyhow::anyhow!("plotting {}: {e}", equity.display()))?;
     training_curves(dir, "env_steps", "env steps", &[("loss", "loss"), ("mean reward per step", "mean_reward")])
 }
 
@@ -26,7 +30,8 @@ pub fn write_all(dir: &RunDir, _cfg: &RunConfig, _data: &Dataset, rep: &Report) 
 pub fn curves(dir: &RunDir, name: &str, title: &str, series: &[(&str, &[f64], RGBColor)]) -> Result<()> {
     register_font();
     let path = dir.path(name);
-    line_chart(&path, title, "bar", series).map_err(|e| anyhow::anyhow!("plotting {}: {e}", path.display()))
+    let chart = Chart { title, x_label: "bar", dates: None, drawdown_of: None };
+    line_chart(&path, &chart, series).map_err(|e| anyhow::anyhow!("plotting {}: {e}", path.display()))
 }
 
 /// `training.png`: one panel per `(title, key)` of metrics.jsonl against `x_key`.
@@ -60,26 +65,96 @@ fn register_font() {
 
 type Fallible = std::result::Result<(), Box<dyn std::error::Error>>;
 
-fn line_chart(path: &std::path::Path, title: &str, x_label: &str, series: &[(&str, &[f64], RGBColor)]) -> Fallible {
-    let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
+/// How [`line_chart`] draws its x axis and what it marks.
+struct Chart<'a> {
+    title: &'a str,
+    x_label: &'a str,
+    /// Unix seconds of each x index: tick labels become dates.
+    dates: Option<&'a [i64]>,
+    /// Shade this series' drawdown (below its running peak) and name the maximum.
+    drawdown_of: Option<usize>,
+}
+
+/// The date (UTC) of x index `x`, from `dates`, or the index itself; with the hour when
+/// the whole axis spans under two weeks (intraday bars).
+fn x_tick(dates: Option<&[i64]>, x: f64) -> String {
+    let i = x.round().max(0.0) as usize;
+    let Some(d) = dates.filter(|d| !d.is_empty()) else {
+        return i.to_string();
+    };
+    let span = d[d.len() - 1] - d[0];
+    let fmt = if span < 14 * 86_400 { "%m-%d %H:%M" } else { "%Y-%m-%d" };
+    chrono::DateTime::from_timestamp(d[i.min(d.len() - 1)], 0)
+        .map_or_else(|| i.to_string(), |t| t.format(fmt).to_string())
+}
+
+/// Running peak and the maximum drawdown `(peak index, trough index, fraction)` of `ys`.
+fn drawdown(ys: &[f64]) -> (Vec<f64>, Option<(usize, usize, f64)>) {
+    let (mut peak, mut peak_i, mut worst) = (f64::NEG_INFINITY, 0, None::<(usize, usize, f64)>);
+    let mut peaks = Vec::with_capacity(ys.len());
+    for (i, &y) in ys.iter().enumerate() {
+        if y > peak {
+            peak = y;
+            peak_i = i;
+        }
+        peaks.push(peak);
+        let dd = if peak > 0.0 { 1.0 - y / peak } else { 0.0 };
+        if dd > worst.map_or(0.0, |w| w.2) {
+            worst = Some((peak_i, i, dd));
+        }
+    }
+    (peaks, worst)
+}
+
+fn line_chart(path: &std::path::Path, c: &Chart<'_>, series: &[(&str, &[f64], RGBColor)]) -> Fallible {
+    let root = BitMapBackend::new(path, (1000, 500)).into_drawing_area();
     root.fill(&WHITE)?;
+    // The legend gets its own column to the right, so it never covers a curve.
+    let (plot, legend) = root.split_horizontally(760);
     let n = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(2);
     let (lo, hi) = bounds(series.iter().flat_map(|s| s.1.iter().copied()));
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
+    let mut chart = ChartBuilder::on(&plot)
+        .caption(c.title, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(0f64..n as f64, lo..hi)?;
-    chart.configure_mesh().x_desc(x_label).draw()?;
-    for (name, ys, color) in series {
-        let color = *color;
-        chart
-            .draw_series(LineSeries::new(ys.iter().enumerate().map(|(i, &y)| (i as f64, y)), color.stroke_width(2)))?
-            .label(*name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        .build_cartesian_2d(0f64..(n - 1) as f64, lo..hi)?;
+    let fmt = |x: &f64| x_tick(c.dates, *x);
+    chart.configure_mesh().x_desc(c.x_label).x_labels(6).x_label_formatter(&fmt).draw()?;
+    let mut entries: Vec<(String, RGBColor, bool)> = Vec::new();
+    if let Some(k) = c.drawdown_of.filter(|&k| k < series.len()) {
+        let ys = series[k].1;
+        let (peaks, worst) = drawdown(ys);
+        let shade = RGBColor(214, 39, 40);
+        // The underwater area: between the running peak and the curve.
+        let mut poly: Vec<(f64, f64)> = peaks.iter().enumerate().map(|(i, &p)| (i as f64, p)).collect();
+        poly.extend(ys.iter().enumerate().rev().map(|(i, &y)| (i as f64, y)));
+        chart.draw_series(std::iter::once(Polygon::new(poly, shade.mix(0.18).filled())))?;
+        if let Some((p, t, dd)) = worst {
+            chart.draw_series(std::iter::once(PathElement::new(
+                vec![(p as f64, ys[p]), (t as f64, ys[t])],
+                shade.stroke_width(1),
+            )))?;
+            entries.push((format!("{} drawdown", series[k].0), shade, true));
+            entries.push((format!("max {:.1}%: from", 100.0 * dd), shade, false));
+            entries.push((x_tick(c.dates, p as f64), shade, false));
+            entries.push((format!("to {}", x_tick(c.dates, t as f64)), shade, false));
+        }
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    for (_, ys, color) in series {
+        chart
+            .draw_series(LineSeries::new(ys.iter().enumerate().map(|(i, &y)| (i as f64, y)), color.stroke_width(2)))?;
+    }
+    let mut items: Vec<(String, RGBColor, bool)> =
+        series.iter().map(|(name, _, color)| (name.to_string(), *color, true)).collect();
+    items.extend(entries);
+    for (row, (text, color, swatch)) in items.iter().enumerate() {
+        let y = 60 + 24 * row as i32;
+        if *swatch {
+            legend.draw(&PathElement::new(vec![(4, y), (28, y)], color.stroke_width(3)))?;
+        }
+        legend.draw(&Text::new(text.clone(), (34, y - 8), ("sans-serif", 15)))?;
+    }
     root.present()?;
     Ok(())
 }
@@ -115,4 +190,29 @@ fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
     }
     let pad = ((hi - lo) * 0.05).max(1e-9);
     (lo - pad, hi + pad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drawdown_finds_the_deepest_fall_from_a_peak() {
+        let (peaks, worst) = drawdown(&[1.0, 1.2, 0.9, 1.1, 1.3, 1.04, 1.5]);
+        assert_eq!(peaks, [1.0, 1.2, 1.2, 1.2, 1.3, 1.3, 1.5]);
+        let (p, t, dd) = worst.unwrap();
+        assert_eq!((p, t), (1, 2));
+        assert!((dd - 0.25).abs() < 1e-12);
+        assert!(drawdown(&[1.0, 1.1, 1.2]).1.is_none());
+    }
+
+    #[test]
+    fn ticks_are_dates_with_hours_for_intraday_axes() {
+        let daily: Vec<i64> = (0..30).map(|d| 1_577_836_800 + d * 86_400).collect(); // 2020-01-01
+        assert_eq!(x_tick(Some(&daily), 2.0), "2020-01-03");
+        let hourly: Vec<i64> = (0..30).map(|h| 1_577_836_800 + h * 3_600).collect();
+        assert_eq!(x_tick(Some(&hourly), 5.0), "01-01 05:00");
+        assert_eq!(x_tick(Some(&hourly), 99.0), "01-02 05:00", "clamped to the last bar");
+        assert_eq!(x_tick(None, 7.0), "7");
+    }
 }
