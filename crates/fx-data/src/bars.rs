@@ -8,7 +8,7 @@ use std::path::Path;
 
 use chrono::NaiveDate;
 
-use crate::error::Error;
+use crate::error::{one_line, Error};
 use crate::features::WARMUP;
 
 /// A series of OHLCV bars, one entry per bar in every column.
@@ -116,7 +116,7 @@ fn check_row(r: &RowValues, prev_ts: Option<i64>, raw: Option<&[&str; 4]>) -> Re
     for (k, &p) in prices.iter().enumerate() {
         if !(p.is_finite() && p > 0.0) {
             let shown = match raw {
-                Some(raw) => raw[k].to_string(),
+                Some(raw) => one_line(raw[k]),
                 None => format!("{p}"),
             };
             return Err(format!("prices must be finite and positive ({} = {shown})", COLUMNS[k + 1]));
@@ -185,13 +185,15 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
         }
         let cell = |k: usize| rec[idx[k]].trim();
         let ts_text = cell(0);
-        let ts = parse_timestamp(ts_text)
-            .ok_or_else(|| err(line, format!("timestamp is neither unix seconds nor ISO-8601 (`{ts_text}`)")))?;
+        let ts = parse_timestamp(ts_text).ok_or_else(|| {
+            err(line, format!("timestamp is neither unix seconds nor ISO-8601 (`{}`)", one_line(ts_text)))
+        })?;
         let mut vals = [0.0f64; 5];
         for k in 1..6 {
             let text = cell(k);
-            vals[k - 1] =
-                text.parse::<f64>().map_err(|_| err(line, format!("`{}` is not a number (`{text}`)", COLUMNS[k])))?;
+            vals[k - 1] = text
+                .parse::<f64>()
+                .map_err(|_| err(line, format!("`{}` is not a number (`{}`)", COLUMNS[k], one_line(text))))?;
         }
         let row = RowValues { ts, open: vals[0], high: vals[1], low: vals[2], close: vals[3], volume: vals[4] };
         let raw = [cell(1), cell(2), cell(3), cell(4)];
@@ -302,6 +304,11 @@ pub fn parse_timestamp(text: &str) -> Option<i64> {
 }
 
 fn parse_iso(t: &str) -> Option<i64> {
+    // ISO-8601 is ASCII; the byte slicing below needs it (a multi-byte character would put
+    // a slice boundary inside it).
+    if !t.is_ascii() {
+        return None;
+    }
     let b = t.as_bytes();
     // Date part: YYYY-MM-DD.
     if b.len() < 10 || b[4] != b'-' || b[7] != b'-' {
@@ -378,6 +385,9 @@ fn num<T: std::str::FromStr>(s: &str) -> Option<T> {
     }
     s.parse().ok()
 }
+
+#[cfg(test)]
+mod fuzz_tests;
 
 #[cfg(test)]
 mod tests {

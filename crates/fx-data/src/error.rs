@@ -69,11 +69,22 @@ impl Error {
         Error::Io { path: path.into(), source }
     }
 
+    /// A format error; control characters of `msg` (which may quote the file's own text,
+    /// or a parser's message that does) are escaped so the message stays one line.
     pub(crate) fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::Format { path: path.into(), msg: msg.into() }
+        Error::Format { path: path.into(), msg: one_line(&msg.into()) }
     }
 
     pub(crate) fn config(what: &'static str, msg: impl Into<String>) -> Self {
         Error::Config { what, msg: msg.into() }
     }
+}
+
+/// `text` with its control characters (line ends, tabs, NUL, ...) escaped as `\n`, `\r`,
+/// `\u{0}`: a message quoting a file's text stays one line.
+pub(crate) fn one_line(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_string();
+    }
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }

@@ -456,6 +456,9 @@ fn check_increasing(ts: &[i64], what: &Path) -> Result<(), Error> {
 compile_error!("fx-data reads safetensors (little-endian) by reinterpreting bytes; big-endian hosts are not supported");
 
 #[cfg(test)]
+mod fuzz_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::features::{MARKET_FEATURE_NAMES, N_MARKET};

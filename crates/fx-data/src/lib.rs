@@ -13,6 +13,8 @@ pub mod double_buffer;
 pub mod error;
 pub mod feature_file;
 pub mod features;
+#[cfg(test)]
+mod fuzz_support;
 pub mod normalize;
 pub mod pinned;
 pub mod prefetch;

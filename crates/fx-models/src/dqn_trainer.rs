@@ -570,7 +570,16 @@ impl DqnTrainer {
         const CTX: &str = "DqnTrainer::load_state";
         let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
         let c: DqnCounters = crate::state_meta::read(&nt, path, STATE_KEY, "a DQN trainer state", STATE_VERSION, CTX)?;
-        let mut me = Self::new(c.config, device)?;
+        // The saved config sizes what is allocated: check it against the file (network)
+        // and the machine (replay buffer) first.
+        for prefix in ["online.", "target."] {
+            crate::state_meta::check_network(&nt, path, prefix, &c.config.net.param_specs(), CTX)?;
+        }
+        let cap = c.config.replay_capacity;
+        let per = (2 * fx_kernels::OBS_DIM as u64 + 3) * 4;
+        crate::state_meta::check_buffer(path, &format!("replay buffer (replay_capacity {cap})"), &[cap], per, CTX)?;
+        let mut me = Self::new(c.config, device)
+            .map_err(|e| Error::config(CTX, format!("{}: saved state: {e}", path.display())))?;
         nt.restore_varmap(me.online.params().varmap(), "online.").ctx(CTX)?;
         nt.restore_varmap(me.target.params().varmap(), "target.").ctx(CTX)?;
         me.step.load_state(&mut nt, "opt.").ctx(CTX)?;

@@ -561,7 +561,14 @@ impl PpoTrainer {
         const CTX: &str = "PpoTrainer::load_state";
         let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
         let c: PpoCounters = crate::state_meta::read(&nt, path, STATE_KEY, "a PPO trainer state", STATE_VERSION, CTX)?;
-        let mut me = Self::new(c.config, c.num_envs, device)?;
+        // The saved config sizes what is allocated: check it against the file (network)
+        // and the machine (rollout buffer) first.
+        crate::state_meta::check_network(&nt, path, "model.", &c.config.net.param_specs(), CTX)?;
+        let (t, e) = (c.config.num_steps, c.num_envs);
+        let per = (fx_kernels::OBS_DIM as u64 + 5) * 4;
+        crate::state_meta::check_buffer(path, &format!("rollout (num_steps {t} x num_envs {e})"), &[t, e], per, CTX)?;
+        let mut me = Self::new(c.config, c.num_envs, device)
+            .map_err(|e| Error::config(CTX, format!("{}: saved state: {e}", path.display())))?;
         nt.restore_varmap(me.model.params().varmap(), "model.").ctx(CTX)?;
         me.step.load_state(&mut nt, "opt.").ctx(CTX)?;
         nt.finish().ctx(CTX)?;

@@ -57,6 +57,12 @@ impl NamedTensors {
         names
     }
 
+    /// The shape of tensor `name` if it is present and not yet taken (nothing is taken):
+    /// lets a loader check a file against a config before allocating anything.
+    pub fn dims(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|t| t.dims())
+    }
+
     /// Removes and returns tensor `name`, which must have shape `dims`.
     pub fn take(&mut self, name: &str, dims: &[usize]) -> Result<Tensor> {
         let t = self
@@ -174,12 +180,23 @@ pub fn save_tensors_atomic(
 pub fn load_tensors(path: impl AsRef<Path>, device: &Device) -> Result<NamedTensors> {
     let path = path.as_ref();
     let bytes = std::fs::read(path).map_err(|source| Error::Io { op: "reading", path: path.to_path_buf(), source })?;
-    let st_err = |message: String| Error::Safetensors { path: path.to_path_buf(), message };
+    // The parsers' messages quote the file's own strings (tensor names, dtypes): escape
+    // control characters so a damaged file still gives a one-line error.
+    let st_err = |message: String| Error::Safetensors { path: path.to_path_buf(), message: one_line(&message) };
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| st_err(e.to_string()))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
     let tensors = candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| st_err(e.to_string()))?;
     Ok(NamedTensors { source: path.display().to_string(), tensors, metadata })
 }
+
+/// `text` with its control characters (line ends, tabs, NUL, ...) escaped as `\n`, `\r`,
+/// `\u{0}`.
+fn one_line(text: &str) -> String {
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
+#[cfg(test)]
+mod fuzz_tests;
 
 #[cfg(test)]
 mod tests {

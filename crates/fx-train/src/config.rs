@@ -160,10 +160,13 @@ impl Default for RunConfig {
 }
 
 impl RunConfig {
-    /// Reads a TOML config; unknown keys are errors that name the file.
+    /// Reads a TOML config; unknown keys are errors that name the file. A parse error is
+    /// one line: `parsing config FILE: line L, column C: what`.
     pub fn from_toml_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+        toml::from_str(&text)
+            .map_err(|e| toml_error(&text, &e))
+            .with_context(|| format!("parsing config {}", path.display()))
     }
 
     /// The config as TOML (every field written out).
@@ -252,7 +255,7 @@ impl RunConfig {
                 }
                 // States and next states (f32 × state_dim each), action, reward, done; a
                 // checkpoint also copies the buffer to host memory.
-                let per = (2 * self.dqn.net.state_dim as u64 + 3) * 4;
+                let per = (self.dqn.net.state_dim as u64).saturating_mul(2).saturating_add(3).saturating_mul(4);
                 let need = (cap as u64).saturating_mul(per);
                 if let Some(ram) = fx_hw::HostInfo::detect().ram_total_bytes {
                     if need > ram / 2 {
@@ -278,6 +281,35 @@ impl RunConfig {
         Ok(())
     }
 }
+
+/// A TOML error as one line, `line L, column C: what`: the toml crate's own message is a
+/// multi-line snippet that quotes the file raw (a stray carriage return in it would garble
+/// the terminal line), so its lines are joined and control characters escaped.
+fn toml_error(text: &str, e: &toml::de::Error) -> anyhow::Error {
+    let escaped = |s: &str| -> String {
+        s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+    };
+    let what: Vec<&str> = e.message().lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let what = escaped(&what.join("; "));
+    match e.span().and_then(|s| text.get(..s.start)) {
+        Some(before) => {
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            if what.is_empty() {
+                // toml says nothing more for e.g. a key without a value: quote the line.
+                let text: String = text.lines().nth(line - 1).unwrap_or("").chars().take(80).collect();
+                anyhow::anyhow!("line {line}, column {column}: invalid TOML (`{}`)", escaped(&text))
+            } else {
+                anyhow::anyhow!("line {line}, column {column}: {what}")
+            }
+        }
+        None if what.is_empty() => anyhow::anyhow!("invalid TOML"),
+        None => anyhow::anyhow!("{what}"),
+    }
+}
+
+#[cfg(test)]
+mod fuzz_tests;
 
 #[cfg(test)]
 mod tests {

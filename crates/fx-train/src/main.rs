@@ -34,8 +34,8 @@ fn main() -> ExitCode {
         Ok(train::Outcome::Finished) => ExitCode::SUCCESS,
         Ok(train::Outcome::Interrupted) => ExitCode::from(train::EXIT_INTERRUPTED),
         Err(e) => {
-            // One line with the whole cause chain: what failed and where (multi-line
-            // messages, such as TOML parse errors with their snippet, are folded).
+            // One line with the whole cause chain: what failed and where (the crates' errors
+            // are one line each; anything multi-line from a library is folded here too).
             let text = format!("{e:#}");
             let line: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
             eprintln!("error: {}", line.join(" "));
