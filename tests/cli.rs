@@ -165,6 +165,27 @@ fn checkpoint(run: &Path, step: u64) -> PathBuf {
     run.join(format!("checkpoint-{step:010}.safetensors"))
 }
 
+/// `fx-train train --config CFG --out RUN --quiet` in the background (stderr piped for the
+/// caller to read), returned once checkpoint `step` exists (or after 120 s).
+fn spawn_until_checkpoint(cfg: &Path, run: &Path, step: u64) -> std::process::Child {
+    let child = fx_train()
+        .arg("train")
+        .arg("--config")
+        .arg(cfg)
+        .arg("--out")
+        .arg(run)
+        .arg("--quiet")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !checkpoint(run, step).exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child
+}
+
 #[test]
 fn train_writes_a_complete_run_folder_and_eval_reads_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -223,22 +244,8 @@ fn killed_and_resumed_run_ends_with_identical_weights() {
     ok(&train(&cfg, &straight, &["--quiet"]));
 
     let killed = dir.path().join("killed");
-    let mut child = fx_train()
-        .arg("train")
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&killed)
-        .arg("--quiet")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
     // Wait for a few checkpoints, then SIGKILL (no chance to clean up).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while !checkpoint(&killed, 30).exists() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut child = spawn_until_checkpoint(&cfg, &killed, 30);
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(!checkpoint(&killed, steps).exists(), "the run finished before it was killed; make it longer");
@@ -274,21 +281,7 @@ fn interrupt_checkpoints_and_resume_finishes_identically(signal: &str) {
     ok(&train(&cfg, &straight, &["--quiet"]));
 
     let run = dir.path().join("interrupted");
-    let child = fx_train()
-        .arg("train")
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&run)
-        .arg("--quiet")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while !checkpoint(&run, 20).exists() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let child = spawn_until_checkpoint(&cfg, &run, 20);
     let status = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let out = child.wait_with_output().unwrap();
@@ -580,21 +573,7 @@ fn a_second_process_on_a_run_folder_is_refused() {
     ok(&train(&cfg, &straight, &["--quiet"]));
 
     let run = dir.path().join("busy");
-    let child = fx_train()
-        .arg("train")
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&run)
-        .arg("--quiet")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while !checkpoint(&run, 10).exists() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let child = spawn_until_checkpoint(&cfg, &run, 10);
     // Both a resume and a new run on the busy folder are refused at once.
     let err = err_line(&resume(&run));
     assert!(err.contains(&run.display().to_string()) && err.contains(&format!("process {}", child.id())), "{err}");

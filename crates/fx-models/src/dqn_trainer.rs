@@ -181,10 +181,7 @@ pub struct DqnTrainer {
     forward_seconds: f64,
     /// The captured update (CUDA, `graph` not off), built at the first update.
     #[cfg(feature = "cuda")]
-    graph: Option<crate::graph_update::GraphUpdate>,
-    /// Set when `graph = auto` and the capture failed: updates run eagerly.
-    #[cfg(feature = "cuda")]
-    graph_failed: bool,
+    graph: crate::graph_update::GraphSlot,
     /// The fused F32 update the graph captures (None: the candle update is captured).
     #[cfg(feature = "cuda")]
     engine: Option<crate::dqn_fused::DqnFused>,
@@ -230,9 +227,7 @@ impl DqnTrainer {
             skipped_updates: 0,
             forward_seconds: 0.0,
             #[cfg(feature = "cuda")]
-            graph: None,
-            #[cfg(feature = "cuda")]
-            graph_failed: false,
+            graph: Default::default(),
             #[cfg(feature = "cuda")]
             engine: None,
         })
@@ -394,25 +389,15 @@ impl DqnTrainer {
     /// over the optimiser, scaler and guard state from the eager `TrainStep`.
     #[cfg(feature = "cuda")]
     pub fn graph_ready(&mut self, example: DqnBatch<'_>) -> Result<bool> {
-        if self.graph.is_some() {
-            return Ok(true);
+        if let Some(ready) = self.graph.decided(self.cfg.graph, self.online.params().device().is_cuda()) {
+            return Ok(ready);
         }
-        if self.graph_failed || self.cfg.graph == GraphMode::Off || !self.online.params().device().is_cuda() {
-            return Ok(false);
+        let captured = self.capture_graph(example);
+        let ready = self.graph.settle(self.cfg.graph, "DQN", captured)?;
+        if !ready {
+            self.engine = None;
         }
-        match self.capture_graph(example) {
-            Ok(g) => {
-                self.graph = Some(g);
-                Ok(true)
-            }
-            Err(e) if self.cfg.graph == GraphMode::Auto => {
-                eprintln!("warning: DQN update graph not captured, running eagerly: {e}");
-                self.graph_failed = true;
-                self.engine = None;
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
+        Ok(ready)
     }
 
     #[cfg(feature = "cuda")]
@@ -475,9 +460,7 @@ impl DqnTrainer {
     /// [`DqnTrainer::update`] reads the step's statistics). Needs [`DqnTrainer::graph_ready`].
     #[cfg(feature = "cuda")]
     pub fn update_queued(&self, batch: DqnBatch<'_>) -> Result<()> {
-        let Some(g) = self.graph.as_ref() else {
-            return Err(Error::config("DqnTrainer::update_queued", "no captured graph (see graph_ready)"));
-        };
+        let g = self.graph.get("DqnTrainer::update_queued")?;
         let mut body = self.graph_body();
         g.run(&[batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.dones], &mut body)
     }
@@ -485,7 +468,7 @@ impl DqnTrainer {
     /// Nodes (launches) of the captured update, if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_nodes(&self) -> Result<Option<usize>> {
-        self.graph.as_ref().map(|g| g.node_count()).transpose()
+        self.graph.node_count()
     }
 
     /// The last graph update's statistics (one read of the device control block); the
@@ -493,9 +476,9 @@ impl DqnTrainer {
     #[cfg(feature = "cuda")]
     fn graph_update_stats(&mut self) -> Result<DqnUpdateStats> {
         const CTX: &str = "DqnTrainer::graph_update_stats";
-        let st = self.graph_stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
+        let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
         self.updates = st.guard.applied;
-        self.skipped_updates = st.guard.nonfinite_loss + st.guard.nonfinite_grad;
+        self.skipped_updates = st.guard.skipped();
         Ok(DqnUpdateStats {
             loss: st.last_loss,
             grad_norm: st.last_grad_norm,
@@ -509,9 +492,7 @@ impl DqnTrainer {
     /// For tests and debugging; needs [`DqnTrainer::graph_ready`].
     #[cfg(feature = "cuda")]
     pub fn update_uncaptured(&mut self, batch: DqnBatch<'_>) -> Result<DqnUpdateStats> {
-        let Some(g) = self.graph.as_ref() else {
-            return Err(Error::config("DqnTrainer::update_uncaptured", "no captured graph (see graph_ready)"));
-        };
+        let g = self.graph.get("DqnTrainer::update_uncaptured")?;
         {
             let mut body = self.graph_body();
             g.run_uncaptured(&[batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.dones], &mut body)?;
@@ -522,7 +503,7 @@ impl DqnTrainer {
     /// The captured update's device-side statistics (one read), if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_stats(&self) -> Result<Option<fx_precision::FusedStats>> {
-        self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx("DqnTrainer::graph_stats")
+        self.graph.stats()
     }
 
     /// Writes everything a bit-identical resume needs (CPU): online and target weights,
@@ -535,10 +516,10 @@ impl DqnTrainer {
         t.extend(self.target.params().to_tensors("target.")?);
         let mut meta = HashMap::new();
         #[cfg(feature = "cuda")]
-        if let Some(g) = &self.graph {
-            g.fused().save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
-        }
-        if meta.is_empty() {
+        let saved = self.graph.save_state(&mut t, &mut meta, "opt.")?;
+        #[cfg(not(feature = "cuda"))]
+        let saved = false;
+        if !saved {
             self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
         }
         let n = self.replay.len();

@@ -8,8 +8,10 @@
 //! graph. A minibatch of another shape (PPO's short last chunk) runs the same body eagerly
 //! on the same `FusedStep`, so the state stays in one place either way.
 
+use std::collections::HashMap;
+
 use candle_core::Tensor;
-use fx_precision::{CapturedGraph, FusedStep};
+use fx_precision::{CapturedGraph, FusedStats, FusedStep, GraphMode};
 
 use crate::error::{Context, Error, Result};
 
@@ -72,9 +74,68 @@ impl GraphUpdate {
     pub(crate) fn node_count(&self) -> Result<usize> {
         self.graph.node_count().ctx("GraphUpdate::node_count")
     }
+}
 
-    /// The device-side step (stats, learning rate, state).
-    pub(crate) fn fused(&self) -> &FusedStep {
-        &self.fused
+/// A trainer's captured update over its life: none yet, captured, or given up (`auto` after
+/// a failed capture). The DQN and PPO trainers keep one each and ask it the same questions.
+#[derive(Default)]
+pub(crate) struct GraphSlot {
+    update: Option<GraphUpdate>,
+    failed: bool,
+}
+
+impl GraphSlot {
+    /// `Some(answer)` when whether to use a graph is already settled (captured: true; off,
+    /// not on CUDA, or an earlier `auto` failure: false); `None` when a capture should be tried.
+    pub(crate) fn decided(&self, mode: GraphMode, on_cuda: bool) -> Option<bool> {
+        if self.update.is_some() {
+            return Some(true);
+        }
+        (self.failed || mode == GraphMode::Off || !on_cuda).then_some(false)
+    }
+
+    /// Records a capture attempt: the graph, or under `auto` a one-line warning naming
+    /// `what` and eager updates from now on (`on` returns the error).
+    pub(crate) fn settle(&mut self, mode: GraphMode, what: &str, captured: Result<GraphUpdate>) -> Result<bool> {
+        match captured {
+            Ok(g) => {
+                self.update = Some(g);
+                Ok(true)
+            }
+            Err(e) if mode == GraphMode::Auto => {
+                eprintln!("warning: {what} update graph not captured, running eagerly: {e}");
+                self.failed = true;
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The captured update, or an error naming `context` when there is none.
+    pub(crate) fn get(&self, context: &'static str) -> Result<&GraphUpdate> {
+        self.update.as_ref().ok_or_else(|| Error::config(context, "no captured graph (see graph_ready)"))
+    }
+
+    /// The device-side statistics (one read), if captured.
+    pub(crate) fn stats(&self) -> Result<Option<FusedStats>> {
+        self.update.as_ref().map(|g| g.fused.stats()).transpose().ctx("GraphSlot::stats")
+    }
+
+    /// Nodes of the captured graph, if captured.
+    pub(crate) fn node_count(&self) -> Result<Option<usize>> {
+        self.update.as_ref().map(|g| g.node_count()).transpose()
+    }
+
+    /// Writes the captured update's optimiser state (as `TrainStep::save_state` names it);
+    /// false when there is none and the caller's `TrainStep` holds the state.
+    pub(crate) fn save_state(
+        &self,
+        tensors: &mut HashMap<String, Tensor>,
+        metadata: &mut HashMap<String, String>,
+        prefix: &str,
+    ) -> Result<bool> {
+        let Some(g) = &self.update else { return Ok(false) };
+        g.fused.save_state(tensors, metadata, prefix).ctx("GraphSlot::save_state")?;
+        Ok(true)
     }
 }

@@ -173,10 +173,7 @@ pub struct PpoTrainer {
     forward_seconds: f64,
     /// The captured minibatch update (CUDA, `graph` not off), built at the first update.
     #[cfg(feature = "cuda")]
-    graph: Option<crate::graph_update::GraphUpdate>,
-    /// Set when `graph = auto` and the capture failed: updates run eagerly.
-    #[cfg(feature = "cuda")]
-    graph_failed: bool,
+    graph: crate::graph_update::GraphSlot,
     /// The fused F32 update the graph captures (None: the candle update is captured).
     #[cfg(feature = "cuda")]
     engine: Option<crate::ppo_fused::PpoFused>,
@@ -218,9 +215,7 @@ impl PpoTrainer {
             skipped_updates: 0,
             forward_seconds: 0.0,
             #[cfg(feature = "cuda")]
-            graph: None,
-            #[cfg(feature = "cuda")]
-            graph_failed: false,
+            graph: Default::default(),
             #[cfg(feature = "cuda")]
             engine: None,
         })
@@ -382,9 +377,9 @@ impl PpoTrainer {
         #[cfg(feature = "cuda")]
         if self.graph_ready(batch)? {
             self.update_queued(batch)?;
-            let st = self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx(CTX)?.expect("graph is ready");
+            let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
             self.updates = st.guard.applied;
-            self.skipped_updates = st.guard.nonfinite_loss + st.guard.nonfinite_grad;
+            self.skipped_updates = st.guard.skipped();
             let d = st.extra_last;
             return Ok(PpoMinibatchStats {
                 loss: st.last_loss,
@@ -434,25 +429,15 @@ impl PpoTrainer {
     /// takes over the optimiser, scaler and guard state from the eager `TrainStep`.
     #[cfg(feature = "cuda")]
     pub fn graph_ready(&mut self, example: PpoBatch<'_>) -> Result<bool> {
-        if self.graph.is_some() {
-            return Ok(true);
+        if let Some(ready) = self.graph.decided(self.cfg.graph, self.model.params().device().is_cuda()) {
+            return Ok(ready);
         }
-        if self.graph_failed || self.cfg.graph == GraphMode::Off || !self.model.params().device().is_cuda() {
-            return Ok(false);
+        let captured = self.capture_graph(example);
+        let ready = self.graph.settle(self.cfg.graph, "PPO", captured)?;
+        if !ready {
+            self.engine = None;
         }
-        match self.capture_graph(example) {
-            Ok(g) => {
-                self.graph = Some(g);
-                Ok(true)
-            }
-            Err(e) if self.cfg.graph == GraphMode::Auto => {
-                eprintln!("warning: PPO update graph not captured, running eagerly: {e}");
-                self.graph_failed = true;
-                self.engine = None;
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
+        Ok(ready)
     }
 
     #[cfg(feature = "cuda")]
@@ -506,9 +491,7 @@ impl PpoTrainer {
     /// [`PpoTrainer::update_minibatch`] reads the statistics). Needs [`PpoTrainer::graph_ready`].
     #[cfg(feature = "cuda")]
     pub fn update_queued(&self, batch: PpoBatch<'_>) -> Result<()> {
-        let Some(g) = self.graph.as_ref() else {
-            return Err(Error::config("PpoTrainer::update_queued", "no captured graph (see graph_ready)"));
-        };
+        let g = self.graph.get("PpoTrainer::update_queued")?;
         let mut body = self.graph_body();
         g.run(&[batch.obs, batch.actions, batch.logp_old, batch.advantages, batch.returns], &mut body)
     }
@@ -516,13 +499,13 @@ impl PpoTrainer {
     /// Nodes (launches) of the captured update, if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_nodes(&self) -> Result<Option<usize>> {
-        self.graph.as_ref().map(|g| g.node_count()).transpose()
+        self.graph.node_count()
     }
 
     /// The captured update's device-side statistics (one read), if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_stats(&self) -> Result<Option<fx_precision::FusedStats>> {
-        self.graph.as_ref().map(|g| g.fused().stats()).transpose().ctx("PpoTrainer::graph_stats")
+        self.graph.stats()
     }
 
     /// Writes weights, Adam state, loss-scaler and guard state, counters and config
@@ -536,10 +519,10 @@ impl PpoTrainer {
         let mut t: HashMap<String, Tensor> = self.model.params().to_tensors("model.")?;
         let mut meta = HashMap::new();
         #[cfg(feature = "cuda")]
-        if let Some(g) = &self.graph {
-            g.fused().save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
-        }
-        if meta.is_empty() {
+        let saved = self.graph.save_state(&mut t, &mut meta, "opt.")?;
+        #[cfg(not(feature = "cuda"))]
+        let saved = false;
+        if !saved {
             self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
         }
         let c = PpoCounters {

@@ -289,6 +289,11 @@ impl FusedStep {
     /// One read of the control block (synchronises with the device).
     pub fn stats(&self) -> Result<FusedStats> {
         let c: Vec<f64> = self.ctrl.to_vec1().ctx("FusedStep::stats")?;
+        Ok(Self::stats_of(&c))
+    }
+
+    /// The statistics in a control block read back from the device.
+    fn stats_of(c: &[f64]) -> FusedStats {
         let count = c[ctrl::LOSS_COUNT];
         let (skip_loss, skip_grad, applied) =
             (c[ctrl::SKIP_LOSS] as u64, c[ctrl::SKIP_GRAD] as u64, c[ctrl::APPLIED] as u64);
@@ -296,7 +301,7 @@ impl FusedStep {
         let mut extra_sum = [0.0; MAX_EXTRA];
         extra_last.copy_from_slice(&c[ctrl::EXTRA_LAST..ctrl::EXTRA_LAST + MAX_EXTRA]);
         extra_sum.copy_from_slice(&c[ctrl::EXTRA_SUM..ctrl::EXTRA_SUM + MAX_EXTRA]);
-        Ok(FusedStats {
+        FusedStats {
             guard: GuardStats {
                 steps: applied + skip_loss + skip_grad,
                 applied,
@@ -312,7 +317,7 @@ impl FusedStep {
             clipped: c[ctrl::CLIPPED] as u64,
             extra_last,
             extra_sum,
-        })
+        }
     }
 
     /// Zeroes the loss and extra sums (e.g. at each logging interval).
@@ -342,8 +347,9 @@ impl FusedStep {
         prefix: &str,
     ) -> Result<()> {
         const CTX: &str = "FusedStep::save_state";
-        let st = self.stats()?;
+        // One read of the control block for the counters and the guard's statistics.
         let c: Vec<f64> = self.ctrl.to_vec1().ctx(CTX)?;
+        let st = Self::stats_of(&c);
         let step = Tensor::new(c[ctrl::STEP] as i64, self.device()).ctx(CTX)?;
         for (k, (name, v)) in self.names.iter().zip(&self.vars).enumerate() {
             let n = v.elem_count();

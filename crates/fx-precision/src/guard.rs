@@ -60,6 +60,13 @@ pub struct GuardStats {
     pub nonfinite_grad: u64,
 }
 
+impl GuardStats {
+    /// Steps skipped for either reason.
+    pub fn skipped(&self) -> u64 {
+        self.nonfinite_loss + self.nonfinite_grad
+    }
+}
+
 impl fmt::Display for GuardStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -67,7 +74,7 @@ impl fmt::Display for GuardStats {
             "{} steps, {} applied, {} skipped (non-finite loss {}, non-finite gradient {})",
             self.steps,
             self.applied,
-            self.nonfinite_loss + self.nonfinite_grad,
+            self.skipped(),
             self.nonfinite_loss,
             self.nonfinite_grad
         )

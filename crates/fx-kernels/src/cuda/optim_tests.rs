@@ -2,21 +2,12 @@
 //! random tensors (more than one launch table, clipping, a skipped step, F16-style
 //! scaling, a learning-rate change, soft target update). Returns early without a GPU.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use super::optim::{f32_address, f64_address, FusedStepKernels, MtEntry, StepBuffers, MT_MAX};
+use super::tests::gpu;
 use crate::optim_ref::{ctrl, fused_step_reference, new_ctrl, AdamConsts, GuardConsts, RefTensor, ScalerConsts};
 use crate::rng;
-
-fn gpu() -> Option<Device> {
-    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => Some(d),
-        _ => {
-            eprintln!("fused_step_matches_reference: skipped, no CUDA device");
-            None
-        }
-    }
-}
 
 fn host(t: &Tensor) -> Vec<f32> {
     t.to_vec1::<f32>().expect("to host")
@@ -24,7 +15,7 @@ fn host(t: &Tensor) -> Vec<f32> {
 
 #[test]
 fn fused_step_matches_reference() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu("fused_step_matches_reference") else { return };
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
     eprintln!("fused_step_matches_reference: seed {seed}");
     let n_tensors = MT_MAX + 5;

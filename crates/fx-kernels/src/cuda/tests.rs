@@ -16,7 +16,7 @@ use crate::vec_env::VecEnv;
 
 /// The first CUDA device, or None (with a note) when there is none or the driver cannot be
 /// loaded (cudarc's dynamic loading panics in that case, hence catch_unwind).
-fn gpu(test: &str) -> Option<Device> {
+pub(crate) fn gpu(test: &str) -> Option<Device> {
     match std::panic::catch_unwind(|| Device::new_cuda(0)) {
         Ok(Ok(d)) => Some(d),
         Ok(Err(e)) => {

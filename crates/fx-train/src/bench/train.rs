@@ -112,7 +112,7 @@ impl Stepper for DqnStepper {
     fn summary(&mut self) -> Result<Option<(f64, usize)>> {
         #[cfg(feature = "cuda")]
         if let Some(st) = self.trainer.graph_stats()? {
-            return Ok(Some((st.last_loss, (st.guard.nonfinite_loss + st.guard.nonfinite_grad) as usize)));
+            return Ok(Some((st.last_loss, st.guard.skipped() as usize)));
         }
         Ok(None)
     }
@@ -179,7 +179,7 @@ impl Stepper for PpoStepper {
     fn summary(&mut self) -> Result<Option<(f64, usize)>> {
         #[cfg(feature = "cuda")]
         if let Some(st) = self.trainer.graph_stats()? {
-            return Ok(Some((st.last_loss, (st.guard.nonfinite_loss + st.guard.nonfinite_grad) as usize)));
+            return Ok(Some((st.last_loss, st.guard.skipped() as usize)));
         }
         Ok(None)
     }

@@ -5,25 +5,10 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::{MlpDecider, MlpPolicy};
+use crate::cuda::tests::gpu;
 use crate::error::Error;
 use crate::mlp_ref::{reference_greedy, Activation, GreedyMlp, Head, Linear, MAX_WIDTH};
 use crate::rng;
-
-/// The first CUDA device, or None (with a note) when there is none or the driver cannot be
-/// loaded (cudarc's dynamic loading panics in that case, hence catch_unwind).
-fn gpu(test: &str) -> Option<Device> {
-    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => Some(d),
-        Ok(Err(e)) => {
-            eprintln!("{test}: skipped, no CUDA device ({e})");
-            None
-        }
-        Err(_) => {
-            eprintln!("{test}: skipped, the CUDA driver could not be loaded");
-            None
-        }
-    }
-}
 
 /// `n` uniforms in [-scale, scale) from stream `(seed, salt)`.
 fn uniform(n: usize, scale: f64, seed: u64, salt: u64) -> Vec<f32> {
