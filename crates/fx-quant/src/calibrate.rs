@@ -1,0 +1,173 @@
+//! Calibration: each layer's input scale from the F32 network run over observations.
+//!
+//! Inputs are quantised per tensor and symmetrically, `q = clamp(round(x / s), −127, 127)`
+//! with `s = bound / 127`, so one number per layer is needed: the bound.
+//! - `minmax`: the largest `|x|` seen (nothing clips on the calibration rows);
+//! - `percentile`: the `p`-th percentile of `|x|` (default 99.99): a few outliers clip, the
+//!   rest get a finer step.
+
+use std::fmt;
+
+use crate::error::{first_non_finite, Error, Result};
+use crate::float_net::FloatNet;
+
+/// How a layer's input bound is chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CalibMethod {
+    /// The largest absolute input.
+    MinMax,
+    /// This percentile (in `(0, 100]`) of the absolute inputs.
+    Percentile(f64),
+}
+
+impl CalibMethod {
+    /// The default percentile.
+    pub const DEFAULT_PERCENTILE: f64 = 99.99;
+
+    /// `minmax` or `percentile` (the checkpoint's `calibration_method` metadata).
+    pub fn name(self) -> &'static str {
+        match self {
+            CalibMethod::MinMax => "minmax",
+            CalibMethod::Percentile(_) => "percentile",
+        }
+    }
+
+    fn check(self) -> Result<()> {
+        match self {
+            CalibMethod::Percentile(p) if !(p > 0.0 && p <= 100.0) => {
+                Err(Error::invalid("calibration percentile", format!("{p} is not in (0, 100]")))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl fmt::Display for CalibMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CalibMethod::MinMax => write!(f, "minmax"),
+            CalibMethod::Percentile(p) => write!(f, "percentile({p})"),
+        }
+    }
+}
+
+/// The input scale of every layer of `net` (in layer order) from `obs`, `rows × state_dim`
+/// values (at least one row, all finite).
+pub fn input_scales(net: &FloatNet, obs: &[f32], method: CalibMethod) -> Result<Vec<f32>> {
+    method.check()?;
+    let d = net.state_dim();
+    if obs.is_empty() || obs.len() % d != 0 {
+        return Err(Error::Length {
+            what: "calibration observations",
+            expected: d.max(1) * (obs.len() / d.max(1)).max(1),
+            got: obs.len(),
+            context: "calibrate::input_scales",
+        });
+    }
+    if let Some((index, value)) = first_non_finite(obs) {
+        return Err(Error::NonFinite {
+            what: "calibration observations".into(),
+            index,
+            value: value as f64,
+            context: "calibrate::input_scales",
+        });
+    }
+    let n = net.layers.len();
+    let mut absmax = vec![0.0f64; n];
+    // Percentiles need every value; min-max only the running maximum.
+    let mut all: Vec<Vec<f32>> = vec![Vec::new(); if matches!(method, CalibMethod::Percentile(_)) { n } else { 0 }];
+    for row in obs.chunks_exact(d) {
+        net.forward_f64(row, |layer, x| {
+            for &v in x {
+                absmax[layer] = absmax[layer].max(v.abs());
+            }
+            if let Some(a) = all.get_mut(layer) {
+                a.extend(x.iter().map(|v| v.abs() as f32));
+            }
+        });
+    }
+    let bounds: Vec<f64> = match method {
+        CalibMethod::MinMax => absmax,
+        CalibMethod::Percentile(p) => all
+            .iter_mut()
+            .map(|v| {
+                // The smallest value with at least p % of the values at or below it.
+                let k = ((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+                let (_, nth, _) = v.select_nth_unstable_by(k, f32::total_cmp);
+                *nth as f64
+            })
+            .collect(),
+    };
+    // A layer that only ever saw zeros (a dead ReLU layer) gets step 1: any positive scale
+    // quantises zeros exactly, and the file must hold a positive scale.
+    Ok(bounds.into_iter().map(|b| if b > 0.0 && b.is_finite() { (b / 127.0) as f32 } else { 1.0 }).collect())
+}
+
+/// `obs` rows (`rows × width`) reduced to at most `n` rows spread evenly over them (in
+/// order), for a calibration set of a chosen size.
+pub fn spread_rows(obs: &[f32], width: usize, n: usize) -> Vec<f32> {
+    let rows = obs.len() / width.max(1);
+    if rows <= n {
+        return obs[..rows * width].to_vec();
+    }
+    (0..n).flat_map(|k| obs[(k * rows / n) * width..(k * rows / n + 1) * width].iter().copied()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::float_net::{FloatLayer, PolicyKind};
+
+    fn tiny_ppo() -> FloatNet {
+        let l = |name: &str, out: usize, inp: usize, v: f32| FloatLayer {
+            name: name.into(),
+            out,
+            inp,
+            weight: (0..out * inp).map(|i| v * if i % 3 == 0 { -1.0 } else { 0.5 }).collect(),
+            bias: vec![0.0; out],
+        };
+        FloatNet {
+            kind: PolicyKind::Ppo,
+            layers: vec![l("actor.0", 4, 2, 1.0), l("actor.1", 4, 4, 0.3), l("actor.head", 3, 4, 0.2)],
+        }
+    }
+
+    #[test]
+    fn minmax_is_the_largest_input_and_percentile_clips_outliers() {
+        let net = tiny_ppo();
+        let mut obs: Vec<f32> = (0..1000).flat_map(|i| [(i % 10) as f32 * 0.1, -0.5]).collect();
+        obs[0] = 50.0; // one outlier in the first layer's input
+        let mm = input_scales(&net, &obs, CalibMethod::MinMax).unwrap();
+        assert_eq!(mm[0], (50.0f64 / 127.0) as f32);
+        // Hidden tanh outputs are within 1.
+        assert!(mm[1] <= 1.0 / 127.0 + 1e-9 && mm[2] <= 1.0 / 127.0 + 1e-9);
+        let pc = input_scales(&net, &obs, CalibMethod::Percentile(99.0)).unwrap();
+        assert!((pc[0] - 0.9 / 127.0).abs() < 1e-6, "{}", pc[0]);
+        assert!(pc.iter().zip(&mm).all(|(p, m)| p <= m && *p > 0.0));
+        assert_eq!(input_scales(&net, &obs, CalibMethod::Percentile(100.0)).unwrap(), mm);
+    }
+
+    #[test]
+    fn bad_calibration_inputs_are_one_line_errors() {
+        let net = tiny_ppo();
+        for (obs, method, want) in [
+            (vec![], CalibMethod::MinMax, "calibration observations"),
+            (vec![1.0, 2.0, 3.0], CalibMethod::MinMax, "expected"),
+            (vec![1.0, f32::NAN], CalibMethod::MinMax, "non-finite"),
+            (vec![1.0, 2.0], CalibMethod::Percentile(0.0), "percentile"),
+            (vec![1.0, 2.0], CalibMethod::Percentile(f64::NAN), "percentile"),
+        ] {
+            let e = input_scales(&net, &obs, method).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{e}");
+        }
+        let zeros = input_scales(&net, &[0.0; 8], CalibMethod::MinMax).unwrap();
+        assert!(zeros.iter().all(|&s| s == 1.0), "{zeros:?}");
+    }
+
+    #[test]
+    fn spread_rows_takes_evenly_spaced_rows() {
+        let obs: Vec<f32> = (0..20).map(|i| i as f32).collect();
+        assert_eq!(spread_rows(&obs, 2, 5), vec![0.0, 1.0, 4.0, 5.0, 8.0, 9.0, 12.0, 13.0, 16.0, 17.0]);
+        assert_eq!(spread_rows(&obs, 2, 50).len(), 20);
+    }
+}

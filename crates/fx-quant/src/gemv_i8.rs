@@ -1,0 +1,339 @@
+//! INT8 matrix–vector products with i32 accumulation: `out[o] = Σ_i w[o, i] · x[i]` for
+//! weights and activations in `[-127, 127]`, chosen at run time for the CPU's ISA.
+//!
+//! Every path gives the exact integer result (no saturation anywhere), so the fast paths
+//! are tested for equality with [`gemv_scalar`]:
+//! - AVX2: `_mm256_maddubs_epi16` multiplies unsigned by signed bytes and adds pairs into
+//!   i16 with saturation. Feeding it `|x|` and `w · sign(x)` (`_mm256_sign_epi8`, the
+//!   trick llama.cpp uses) keeps both factors within 127, so a pair sum is at most
+//!   2 · 127² = 32,258 < 32,767: never saturated. `_mm256_madd_epi16` by ones then widens
+//!   pairs into i32.
+//! - AVX-VNNI / AVX-512 VNNI: `vpdpbusd` multiplies unsigned by signed bytes and adds
+//!   groups of four straight into i32 (no intermediate saturation). Activations are made
+//!   unsigned by adding 128 (`x ^ 0x80`), and `128 · Σ_i w[o, i]` (`row_sum`, computed
+//!   once per layer) is subtracted afterwards.
+//!
+//! Rows are padded to a multiple of [`PAD`] bytes with zero weights, so no path has a tail:
+//! whatever the activation buffer holds in the padding multiplies a zero.
+
+/// Row padding (bytes): one AVX-512 register, two AVX2 registers.
+pub const PAD: usize = 64;
+
+/// `n` rounded up to a multiple of [`PAD`].
+pub fn padded(n: usize) -> usize {
+    n.div_ceil(PAD) * PAD
+}
+
+/// The instruction set a [`Gemv`] runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Scalar,
+    /// AVX2 `maddubs` / `madd` with the sign trick.
+    Avx2,
+    /// 256-bit VEX `vpdpbusd` (Alder Lake and later clients, Sapphire Rapids).
+    AvxVnni,
+    /// 512-bit `vpdpbusd` (Ice Lake server, Sapphire Rapids, Zen 4).
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The name reported in benchmarks and `quant_report.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx_vnni",
+            Isa::Avx512Vnni => "avx512_vnni",
+        }
+    }
+
+    /// Every ISA this CPU runs, best first (the scalar path is always last).
+    pub fn available() -> Vec<Isa> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                v.push(Isa::Avx512Vnni);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni") {
+                v.push(Isa::AvxVnni);
+            }
+            if is_x86_feature_detected!("avx2") {
+                v.push(Isa::Avx2);
+            }
+        }
+        v.push(Isa::Scalar);
+        v
+    }
+
+    /// The best ISA this CPU runs.
+    pub fn detect() -> Isa {
+        Isa::available()[0]
+    }
+}
+
+/// A checked matrix–vector product on one ISA (the ISA is known to be present).
+#[derive(Debug, Clone, Copy)]
+pub struct Gemv {
+    isa: Isa,
+}
+
+impl Gemv {
+    /// The product on `isa`, or `None` when this CPU lacks it.
+    pub fn new(isa: Isa) -> Option<Self> {
+        Isa::available().contains(&isa).then_some(Self { isa })
+    }
+
+    /// Its instruction set.
+    pub fn isa(self) -> Isa {
+        self.isa
+    }
+
+    /// `out[o] = Σ_i w[o·stride + i] · x[i]` for `o < out.len()`, `i < stride`.
+    ///
+    /// Requirements (checked; a violation is a bug in the caller, so it panics rather than
+    /// read out of bounds): `stride` a multiple of [`PAD`], `w.len() >= out.len() · stride`,
+    /// `x.len() >= stride`, `row_sum.len() >= out.len()` with `row_sum[o] = Σ_i w[o, i]`,
+    /// and every weight in `[-127, 127]` (activations may be any i8 other than -128 in the
+    /// AVX2 path; the layers only produce `[-127, 127]`).
+    #[inline]
+    pub fn run(self, w: &[i8], stride: usize, x: &[i8], row_sum: &[i32], out: &mut [i32]) {
+        assert!(
+            stride % PAD == 0 && w.len() >= out.len() * stride && x.len() >= stride && row_sum.len() >= out.len(),
+            "Gemv::run: stride {stride}, w {}, x {}, row_sum {}, out {}",
+            w.len(),
+            x.len(),
+            row_sum.len(),
+            out.len()
+        );
+        match self.isa {
+            Isa::Scalar => gemv_scalar(w, stride, x, out),
+            // SAFETY: the ISA was detected on this CPU when `self` was built, and the
+            // lengths were checked above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::gemv_avx2(w, stride, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => unsafe { x86::gemv_avx_vnni(w, stride, x, row_sum, out) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => unsafe { x86::gemv_avx512_vnni(w, stride, x, row_sum, out) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => gemv_scalar(w, stride, x, out),
+        }
+    }
+}
+
+/// The reference: plain i32 multiply-adds, row by row.
+pub fn gemv_scalar(w: &[i8], stride: usize, x: &[i8], out: &mut [i32]) {
+    for (o, acc) in out.iter_mut().enumerate() {
+        let row = &w[o * stride..(o + 1) * stride];
+        *acc = row.iter().zip(&x[..stride]).map(|(&a, &b)| i32::from(a) * i32::from(b)).sum();
+    }
+}
+
+/// `Σ_i w[o, i]` per row (the VNNI paths' offset correction).
+pub fn row_sums(w: &[i8], stride: usize, rows: usize) -> Vec<i32> {
+    (0..rows).map(|o| w[o * stride..(o + 1) * stride].iter().map(|&v| i32::from(v)).sum()).collect()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Adds the eight i32 lanes of each of four accumulators: `[Σa, Σb, Σc, Σd]`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m128i {
+        let ab = _mm256_hadd_epi32(a, b);
+        let cd = _mm256_hadd_epi32(c, d);
+        let s = _mm256_hadd_epi32(ab, cd);
+        _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum1(a: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// One 32-byte step of the sign trick: `acc += madd(maddubs(|x|, w·sign(x)), 1)`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn step_avx2(acc: __m256i, ax: __m256i, xv: __m256i, wv: __m256i) -> __m256i {
+        let p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv));
+        _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+    }
+
+    /// # Safety
+    /// AVX2 present; lengths as [`super::Gemv::run`] checks.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn gemv_avx2(w: &[i8], stride: usize, x: &[i8], out: &mut [i32]) {
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        let load = |p: *const i8| unsafe { _mm256_loadu_si256(p as *const __m256i) };
+        let rows = out.len();
+        let mut o = 0;
+        // Four rows per pass: each activation chunk is loaded (and its |x| taken) once.
+        while o + 4 <= rows {
+            let mut acc = [_mm256_setzero_si256(); 4];
+            let mut c = 0;
+            while c < stride {
+                let xv = load(unsafe { xp.add(c) });
+                let ax = _mm256_abs_epi8(xv);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = step_avx2(*a, ax, xv, load(unsafe { wp.add((o + k) * stride + c) }));
+                }
+                c += 32;
+            }
+            let s = hsum4(acc[0], acc[1], acc[2], acc[3]);
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(o) as *mut __m128i, s) };
+            o += 4;
+        }
+        while o < rows {
+            let mut acc = _mm256_setzero_si256();
+            let mut c = 0;
+            while c < stride {
+                let xv = load(unsafe { xp.add(c) });
+                acc = step_avx2(acc, _mm256_abs_epi8(xv), xv, load(unsafe { wp.add(o * stride + c) }));
+                c += 32;
+            }
+            out[o] = hsum1(acc);
+            o += 1;
+        }
+    }
+
+    /// # Safety
+    /// AVX2 and AVX-VNNI present; lengths as [`super::Gemv::run`] checks.
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub(super) unsafe fn gemv_avx_vnni(w: &[i8], stride: usize, x: &[i8], row_sum: &[i32], out: &mut [i32]) {
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        let load = |p: *const i8| unsafe { _mm256_loadu_si256(p as *const __m256i) };
+        let bias = _mm256_set1_epi8(0x80u8 as i8);
+        let rows = out.len();
+        let mut o = 0;
+        while o + 4 <= rows {
+            let mut acc = [_mm256_setzero_si256(); 4];
+            let mut c = 0;
+            while c < stride {
+                // x + 128 as an unsigned byte.
+                let xu = _mm256_xor_si256(load(unsafe { xp.add(c) }), bias);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_dpbusd_avx_epi32(*a, xu, load(unsafe { wp.add((o + k) * stride + c) }));
+                }
+                c += 32;
+            }
+            let s = hsum4(acc[0], acc[1], acc[2], acc[3]);
+            let corr = _mm_slli_epi32::<7>(unsafe { _mm_loadu_si128(row_sum.as_ptr().add(o) as *const __m128i) });
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(o) as *mut __m128i, _mm_sub_epi32(s, corr)) };
+            o += 4;
+        }
+        while o < rows {
+            let mut acc = _mm256_setzero_si256();
+            let mut c = 0;
+            while c < stride {
+                let xu = _mm256_xor_si256(load(unsafe { xp.add(c) }), bias);
+                acc = _mm256_dpbusd_avx_epi32(acc, xu, load(unsafe { wp.add(o * stride + c) }));
+                c += 32;
+            }
+            out[o] = hsum1(acc) - 128 * row_sum[o];
+            o += 1;
+        }
+    }
+
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present; lengths as [`super::Gemv::run`] checks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn gemv_avx512_vnni(w: &[i8], stride: usize, x: &[i8], row_sum: &[i32], out: &mut [i32]) {
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        let load = |p: *const i8| unsafe { _mm512_loadu_si512(p as *const __m512i) };
+        let bias = _mm512_set1_epi8(0x80u8 as i8);
+        let rows = out.len();
+        let mut o = 0;
+        while o + 4 <= rows {
+            let mut acc = [_mm512_setzero_si512(); 4];
+            let mut c = 0;
+            while c < stride {
+                let xu = _mm512_xor_si512(load(unsafe { xp.add(c) }), bias);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_dpbusd_epi32(*a, xu, load(unsafe { wp.add((o + k) * stride + c) }));
+                }
+                c += 64;
+            }
+            for (k, a) in acc.iter().enumerate() {
+                out[o + k] = _mm512_reduce_add_epi32(*a) - 128 * row_sum[o + k];
+            }
+            o += 4;
+        }
+        while o < rows {
+            let mut acc = _mm512_setzero_si512();
+            let mut c = 0;
+            while c < stride {
+                let xu = _mm512_xor_si512(load(unsafe { xp.add(c) }), bias);
+                acc = _mm512_dpbusd_epi32(acc, xu, load(unsafe { wp.add(o * stride + c) }));
+                c += 64;
+            }
+            out[o] = _mm512_reduce_add_epi32(acc) - 128 * row_sum[o];
+            o += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn matrix(rows: usize, stride: usize, vals: &[i8]) -> Vec<i8> {
+        (0..rows * stride).map(|i| vals[i % vals.len()]).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        /// Every ISA this CPU has gives exactly the scalar sums, on fresh random matrices
+        /// of every row-count class (multiples of 4 and remainders) and widths.
+        #[test]
+        fn every_isa_equals_the_scalar_reference(
+            rows in 1usize..19,
+            chunks in 1usize..6,
+            w in proptest::collection::vec(-127i8..=127, 1..600),
+            x in proptest::collection::vec(-127i8..=127, 1..400),
+        ) {
+            let stride = chunks * PAD;
+            let wm = matrix(rows, stride, &w);
+            let xv: Vec<i8> = (0..stride).map(|i| x[i % x.len()]).collect();
+            let rs = row_sums(&wm, stride, rows);
+            let mut want = vec![0i32; rows];
+            gemv_scalar(&wm, stride, &xv, &mut want);
+            for isa in Isa::available() {
+                let mut got = vec![i32::MIN; rows];
+                Gemv::new(isa).unwrap().run(&wm, stride, &xv, &rs, &mut got);
+                prop_assert_eq!(&got, &want, "{:?}", isa);
+            }
+        }
+    }
+
+    /// The extremes: every product ±127², the sums the AVX2 path must not saturate.
+    #[test]
+    fn extreme_values_do_not_saturate() {
+        let stride = 4 * PAD;
+        for (wv, xv) in [(127i8, 127i8), (-127, 127), (127, -127), (-127, -127)] {
+            let w = vec![wv; 5 * stride];
+            let x = vec![xv; stride];
+            let rs = row_sums(&w, stride, 5);
+            let want = i32::from(wv) * i32::from(xv) * stride as i32;
+            for isa in Isa::available() {
+                let mut got = vec![0; 5];
+                Gemv::new(isa).unwrap().run(&w, stride, &x, &rs, &mut got);
+                assert!(got.iter().all(|&g| g == want), "{isa:?}: {got:?} vs {want}");
+            }
+        }
+        assert_eq!(padded(56), 64);
+        assert_eq!(padded(256), 256);
+        assert_eq!(padded(1), 64);
+    }
+}
