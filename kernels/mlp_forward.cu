@@ -117,6 +117,49 @@ __device__ void fx_layer(const float* w0, const float* b0, unsigned int split, c
     else fx_dense<8>(w0, b0, split, w1, b1, x, y, in, out, act, vec4);
 }
 
+// The greedy action of the row already in buf[0] (shared memory), every thread of the block
+// taking part; the scores go to `values` (n_actions floats, or null). Returns the action in
+// thread 0 (other threads: unspecified). Ends with a __syncthreads: buf and scores are free.
+__device__ unsigned int fx_greedy_row(const FxMlpParams& p, float (*buf)[FX_MLP_MAX_WIDTH], float* scores,
+                                      float* __restrict__ values) {
+    const unsigned int a_n = p.n_actions, nh = p.n_hidden;
+    unsigned int cur = 0;
+    for (unsigned int l = 0; l < nh; ++l) {
+        fx_layer(p.w[l], p.b[l], p.width[l + 1], p.w[l], p.b[l], buf[cur], buf[cur ^ 1u], p.width[l], p.width[l + 1],
+                 p.act[l], (p.vec4_mask >> l) & 1u);
+        cur ^= 1u;
+        __syncthreads();
+    }
+    const bool v4 = (p.vec4_mask >> nh) & 1u;
+    if (p.head == FX_HEAD_DUELING)
+        fx_layer(p.w[nh], p.b[nh], 1u, p.w[nh + 1], p.b[nh + 1], buf[cur], scores, p.width[nh], a_n + 1u,
+                 FX_ACT_IDENTITY, v4);
+    else
+        fx_layer(p.w[nh], p.b[nh], a_n, p.w[nh], p.b[nh], buf[cur], scores, p.width[nh], a_n, FX_ACT_IDENTITY, v4);
+    __syncthreads();
+    unsigned int best = 0;
+    if (threadIdx.x == 0) {
+        // Dueling: the order of candle's forward, (A - mean A) + V.
+        const float* s = p.head == FX_HEAD_DUELING ? scores + 1 : scores;
+        float mean = 0.f;
+        if (p.head == FX_HEAD_DUELING) {
+            for (unsigned int j = 0; j < a_n; ++j) mean += s[j];
+            mean *= 1.f / (float)a_n;  // candle divides by n as a multiply by 1/n
+        }
+        float best_q = 0.f;
+        for (unsigned int j = 0; j < a_n; ++j) {
+            const float q = p.head == FX_HEAD_DUELING ? (s[j] - mean) + scores[0] : s[j];
+            if (values) values[j] = q;
+            if (j == 0 || q > best_q) {
+                best = j;
+                best_q = q;
+            }
+        }
+    }
+    __syncthreads();  // the next row reuses buf and scores
+    return best;
+}
+
 // obs [batch, width[0]] f32 row-major; actions [batch] u32; values [batch, n_actions] f32 or
 // null. Block size: a multiple of 32, at most 512.
 extern "C" __global__ void __launch_bounds__(512, 1) fx_mlp_greedy(const FxMlpParams p, const float* __restrict__ obs,
@@ -124,46 +167,58 @@ extern "C" __global__ void __launch_bounds__(512, 1) fx_mlp_greedy(const FxMlpPa
                                                                 float* __restrict__ values) {
     __shared__ __align__(16) float buf[2][FX_MLP_MAX_WIDTH];
     __shared__ float scores[FX_MLP_MAX_ACTIONS + 1];
-    const unsigned int a_n = p.n_actions, nh = p.n_hidden;
     for (unsigned int row = blockIdx.x; row < batch; row += gridDim.x) {
         const float* x = obs + (size_t)row * p.width[0];
         for (unsigned int k = threadIdx.x; k < p.width[0]; k += blockDim.x) buf[0][k] = x[k];
         __syncthreads();
-        unsigned int cur = 0;
-        for (unsigned int l = 0; l < nh; ++l) {
-            fx_layer(p.w[l], p.b[l], p.width[l + 1], p.w[l], p.b[l], buf[cur], buf[cur ^ 1u], p.width[l],
-                     p.width[l + 1], p.act[l], (p.vec4_mask >> l) & 1u);
-            cur ^= 1u;
-            __syncthreads();
-        }
-        const bool v4 = (p.vec4_mask >> nh) & 1u;
-        if (p.head == FX_HEAD_DUELING)
-            fx_layer(p.w[nh], p.b[nh], 1u, p.w[nh + 1], p.b[nh + 1], buf[cur], scores, p.width[nh], a_n + 1u,
-                     FX_ACT_IDENTITY, v4);
-        else
-            fx_layer(p.w[nh], p.b[nh], a_n, p.w[nh], p.b[nh], buf[cur], scores, p.width[nh], a_n, FX_ACT_IDENTITY,
-                     v4);
-        __syncthreads();
+        const unsigned int a = fx_greedy_row(p, buf, scores, values ? values + (size_t)row * p.n_actions : nullptr);
+        if (threadIdx.x == 0) actions[row] = a;
+    }
+}
+
+// A persistent decision server: one block that stays resident and answers requests posted
+// in page-locked host memory mapped into the device (no launch, no stream sync per
+// decision). The host writes the observation into `obs`, then a new sequence number into
+// ctrl[0]; the block sees it (polling over the bus), computes the greedy action, writes it
+// to reply[0] and then the sequence number to reply[1], which the host polls. ctrl[1] != 0
+// stops the kernel. `first` is the sequence number of the last request already answered.
+// The weights must not change while it runs (the host passes a private snapshot): a
+// resident kernel keeps cached lines across requests.
+__device__ __forceinline__ unsigned int fx_load_sys(const unsigned int* a) {
+    unsigned int v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) fx_mlp_serve(const FxMlpParams p, const volatile float* obs,
+                                                               const unsigned int* ctrl, volatile unsigned int* reply,
+                                                               unsigned int first) {
+    __shared__ __align__(16) float buf[2][FX_MLP_MAX_WIDTH];
+    __shared__ float scores[FX_MLP_MAX_ACTIONS + 1];
+    __shared__ unsigned int s_seq, s_stop;
+    unsigned int last = first;
+    for (;;) {
         if (threadIdx.x == 0) {
-            // Dueling: the order of candle's forward, (A - mean A) + V.
-            const float* s = p.head == FX_HEAD_DUELING ? scores + 1 : scores;
-            float mean = 0.f;
-            if (p.head == FX_HEAD_DUELING) {
-                for (unsigned int j = 0; j < a_n; ++j) mean += s[j];
-                mean *= 1.f / (float)a_n;  // candle divides by n as a multiply by 1/n
-            }
-            unsigned int best = 0;
-            float best_q = 0.f;
-            for (unsigned int j = 0; j < a_n; ++j) {
-                const float q = p.head == FX_HEAD_DUELING ? (s[j] - mean) + scores[0] : s[j];
-                if (values) values[(size_t)row * a_n + j] = q;
-                if (j == 0 || q > best_q) {
-                    best = j;
-                    best_q = q;
-                }
-            }
-            actions[row] = best;
+            unsigned int seq, stop;
+            do {
+                seq = fx_load_sys(ctrl);
+                stop = fx_load_sys(ctrl + 1);
+            } while (seq == last && stop == 0u);
+            s_seq = seq;
+            s_stop = stop;
         }
-        __syncthreads();  // the next row reuses buf and scores
+        __syncthreads();
+        if (s_stop != 0u) return;
+        const unsigned int seq = s_seq;
+        // The acquire load of ctrl[0] orders these reads after the host's observation writes.
+        for (unsigned int k = threadIdx.x; k < p.width[0]; k += blockDim.x) buf[0][k] = obs[k];
+        __syncthreads();
+        const unsigned int a = fx_greedy_row(p, buf, scores, nullptr);
+        if (threadIdx.x == 0) {
+            reply[0] = a;
+            __threadfence_system();  // the action is visible before the sequence number
+            reply[1] = seq;
+        }
+        last = seq;
     }
 }

@@ -133,6 +133,22 @@ extern "C" __global__ void fx_dqn_head_loss(const float* __restrict__ z_on, cons
     }
 }
 
+// Dueling Q values of B trunk outputs z [B, k] (the DQN forward's head, for collection):
+// q [B, na] row-major, one warp per row, the same arithmetic as the update's heads.
+extern "C" __global__ void fx_dqn_q(const float* __restrict__ z, const float* __restrict__ wv,
+                                    const float* __restrict__ bv, const float* __restrict__ wa,
+                                    const float* __restrict__ ba, unsigned int B, unsigned int k, unsigned int na,
+                                    float* __restrict__ q) {
+    unsigned int warps = (gridDim.x * blockDim.x) >> 5;
+    int lane = threadIdx.x & 31;
+    for (unsigned int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < B; i += warps) {
+        float qi[DQN_MAX_A];
+        dueling(z + (size_t)i * k, wv, bv[0], wa, ba, k, na, qi);
+        if (lane == 0)
+            for (unsigned int a = 0; a < na; ++a) q[(size_t)i * na + a] = qi[a];
+    }
+}
+
 // PPO: advantage mean and unbiased standard deviation of one minibatch (one block, double).
 // stats[0] = mean, stats[1] = std.
 extern "C" __global__ void fx_ppo_adv_stats(const float* __restrict__ adv, unsigned int B, float* __restrict__ stats) {

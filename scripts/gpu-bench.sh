@@ -9,7 +9,8 @@
 # Then ON the H200, from the repo root (with .gpu/ copied along):
 #   OUT=/path/to/out bash scripts/gpu-bench.sh          # $OUT defaults to results/
 # FX_GPU_DIR=.gpu-other uses a pack made with FX_GPU_OUT=$PWD/.gpu-other (default .gpu);
-# FX_BENCH_ARGS adds flags to fx-train bench (e.g. --quick for a smoke test).
+# FX_BENCH_ARGS adds flags to fx-train bench (e.g. --quick for a smoke test, --model tft,mamba2);
+# TORCH_MODELS is bench.py's --models (default dqn,ppo,env; e.g. tft,mamba2 to match).
 # Writes $OUT/fx.json, fx.log (progress), torch.json, torch.log, compare.md, env.txt.
 # Expected device time: ~16 s PTX JIT on a fresh machine + ~30-60 s fx + ~80-100 s torch
 # (its compile cases ~45 s); each part has a timeout so the whole stays under ~7 minutes.
@@ -34,7 +35,7 @@ tail -n 30 "$OUT/fx.log"
 # --budget-s: compile cases that would start after this many seconds are reported as
 # skipped (the dqn/ppo/env compile cases take ~45 s of the run here).
 PYTHONUNBUFFERED=1 timeout "$TORCH_TIMEOUT" python3 "$G/shared/reference/bench.py" \
-  --models dqn,ppo,env --budget-s 180 --out "$OUT/torch.json" >"$OUT/torch.log" 2>&1
+  --models "${TORCH_MODELS:-dqn,ppo,env}" --budget-s "${TORCH_BUDGET_S:-180}" --out "$OUT/torch.json" >"$OUT/torch.log" 2>&1
 th_rc=$?
 t2=$(date +%s)
 echo "bench.py: rc=$th_rc in $((t2 - t1)) s"

@@ -8,7 +8,8 @@
 //! dimensions ([`align`]). Every derived value carries its [`Source`], so a user can see
 //! whether it was detected, estimated, measured by a probe, or overridden through the
 //! config or the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`). [`cpu_threads`]
-//! sizes candle's CPU thread pool by the work and by the CPUs the process may use.
+//! sizes candle's CPU thread pool by the work and by the CPUs the process may use; under
+//! `cuda`, [`busy::BusyMeter`] reads the GPU's busy fraction for run profiles.
 //!
 //! ```
 //! let budget = fx_hw::HardwareBudget::detect_with(&fx_hw::Overrides::default().with_device("cpu"));
@@ -18,6 +19,8 @@
 
 pub mod align;
 mod budget;
+#[cfg(feature = "cuda")]
+pub mod busy;
 mod device;
 mod error;
 mod overrides;

@@ -22,6 +22,11 @@
 //! [`VecEnv`], `cuda::GpuTradingEnv::collect_dqn` fuses ε-greedy selection, the step and the
 //! replay write in one launch, `cuda::gae_device` runs GAE, and `cuda::bench_env_steps`
 //! measures env steps per second.
+//!
+//! Training kernels beside the environment, each with its CPU reference: the fused
+//! optimiser tail ([`optim_ref`], `cuda::optim`), the MLP training and decision kernels
+//! ([`mlp_ref`], `cuda::mlp_train`, `cuda::mlp`) and counter-based dropout masks
+//! ([`dropout`], `cuda::dropout`) that a captured CUDA graph can replay with fresh draws.
 
 // Index loops over accounts mirror the one-thread-per-account CUDA kernels line by line;
 // iterator chains over several parallel arrays would hide that correspondence.
@@ -30,6 +35,7 @@
 mod checks;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dropout;
 pub mod env;
 mod error;
 pub mod gae;

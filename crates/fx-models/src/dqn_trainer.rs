@@ -185,6 +185,10 @@ pub struct DqnTrainer {
     /// The fused F32 update the graph captures (None: the candle update is captured).
     #[cfg(feature = "cuda")]
     engine: Option<crate::dqn_fused::DqnFused>,
+    /// The fused collection forward (CUDA, supported networks), built at the first step for
+    /// the env's number of accounts; None: candle's forward.
+    #[cfg(feature = "cuda")]
+    q_forward: Option<crate::dqn_fused::DqnQForward>,
 }
 
 impl std::fmt::Debug for DqnTrainer {
@@ -230,6 +234,8 @@ impl DqnTrainer {
             graph: Default::default(),
             #[cfg(feature = "cuda")]
             engine: None,
+            #[cfg(feature = "cuda")]
+            q_forward: None,
         })
     }
 
@@ -283,8 +289,24 @@ impl DqnTrainer {
     /// ε-greedy actions (`[E]` u32) for the env's current states, with the env's
     /// counter-based draws.
     pub fn act(&self, env: &dyn VecEnv, eps: f64) -> Result<Tensor> {
-        let q = self.online.forward_inference(&env.observe().ctx("DqnTrainer::act")?)?;
+        let obs = env.observe().ctx("DqnTrainer::act")?;
+        #[cfg(feature = "cuda")]
+        if let Some(f) = self.q_forward.as_ref().filter(|f| f.rows() == env.num_envs()) {
+            return env.epsilon_greedy(&f.forward(&self.online, &obs)?, eps).ctx("DqnTrainer::act");
+        }
+        let q = self.online.forward_inference(&obs)?;
         env.epsilon_greedy(&q, eps).ctx("DqnTrainer::act")
+    }
+
+    /// Builds the fused collection forward for `rows` accounts on CUDA when the network is
+    /// one the fused kernels cover (otherwise collection keeps candle's forward).
+    #[cfg(feature = "cuda")]
+    fn ensure_q_forward(&mut self, rows: usize) -> Result<()> {
+        let fits = self.q_forward.as_ref().is_some_and(|f| f.rows() == rows);
+        if !fits && self.online.params().device().is_cuda() && crate::dqn_fused::DqnFused::supports(&self.online) {
+            self.q_forward = Some(crate::dqn_fused::DqnQForward::new(&self.online, rows)?);
+        }
+        Ok(())
     }
 
     /// One environment step with ε-greedy actions, stored in the replay buffer, then
@@ -294,6 +316,8 @@ impl DqnTrainer {
         const CTX: &str = "DqnTrainer::step";
         let started = std::time::Instant::now();
         let eps = self.epsilon();
+        #[cfg(feature = "cuda")]
+        self.ensure_q_forward(env.num_envs())?;
         let actions = self.act(env, eps)?;
         let step = env.step_into_replay(&actions, &mut self.replay).ctx(CTX)?;
         self.env_steps += 1;

@@ -70,6 +70,11 @@ impl GraphUpdate {
         body(&self.fused, &owned, false)
     }
 
+    /// The fused step the graph replays (learning rate, statistics).
+    pub(crate) fn fused(&self) -> &FusedStep {
+        &self.fused
+    }
+
     /// Nodes of the captured graph (see [`CapturedGraph::node_count`]).
     pub(crate) fn node_count(&self) -> Result<usize> {
         self.graph.node_count().ctx("GraphUpdate::node_count")
@@ -114,6 +119,12 @@ impl GraphSlot {
     /// The captured update, or an error naming `context` when there is none.
     pub(crate) fn get(&self, context: &'static str) -> Result<&GraphUpdate> {
         self.update.as_ref().ok_or_else(|| Error::config(context, "no captured graph (see graph_ready)"))
+    }
+
+    /// Drops the captured graph (its state is stale, e.g. after loading a checkpoint into
+    /// the eager optimiser): the next update captures again.
+    pub(crate) fn reset(&mut self) {
+        self.update = None;
     }
 
     /// The device-side statistics (one read), if captured.

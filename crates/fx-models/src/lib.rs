@@ -57,6 +57,8 @@ mod synthetic;
 
 pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
+#[cfg(feature = "cuda")]
+pub use dqn_fused::DqnQForward;
 pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
 pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
@@ -64,5 +66,5 @@ pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
 pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
 pub use schedule::LinearSchedule;
-pub use seq_ops::Ctx;
+pub use seq_ops::{Ctx, DropoutRng};
 pub use tft::{quantile_loss, Tft, TftConfig};

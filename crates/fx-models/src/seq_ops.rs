@@ -40,6 +40,9 @@ pub struct Ctx<'a> {
     /// re-run in the backward drops the same units as its forward; `None` draws fresh
     /// masks.
     pub masks: Option<&'a DropoutMasks>,
+    /// Counter-based masks (seeded, step counter in device memory: what a captured CUDA
+    /// graph needs); `None` draws from candle's generator.
+    pub rng: Option<&'a DropoutRng>,
 }
 
 impl Ctx<'static> {
@@ -57,14 +60,25 @@ impl Ctx<'static> {
     }
     /// An explicit matmul dtype (F64 reference computations in tests).
     pub fn with_dtype(compute: DType, train: bool, grad: bool) -> Self {
-        Self { compute, train, grad, masks: None }
+        Self { compute, train, grad, masks: None, rng: None }
     }
 }
 
 impl<'a> Ctx<'a> {
     /// The same context recording/replaying dropout masks in `masks`.
-    pub fn with_masks<'b>(&self, masks: &'b DropoutMasks) -> Ctx<'b> {
-        Ctx { compute: self.compute, train: self.train, grad: self.grad, masks: Some(masks) }
+    pub fn with_masks<'b>(&self, masks: &'b DropoutMasks) -> Ctx<'b>
+    where
+        'a: 'b,
+    {
+        Ctx { masks: Some(masks), ..*self }
+    }
+
+    /// The same context drawing its dropout masks from `rng`.
+    pub fn with_rng<'b>(&self, rng: &'b DropoutRng) -> Ctx<'b>
+    where
+        'a: 'b,
+    {
+        Ctx { rng: Some(rng), ..*self }
     }
 
     /// A parameter as it enters the computation: detached from the tape when
@@ -123,13 +137,99 @@ impl<'a> Ctx<'a> {
         if !self.train || p <= 0.0 {
             return Ok(x.clone());
         }
-        match self.masks {
-            None => candle_nn::ops::dropout(x, p as f32),
-            Some(m) => {
+        match (self.rng, self.masks) {
+            (Some(r), masks) => {
+                // With a counter-based generator a replayed segment needs no stored mask:
+                // the same (segment, call) key draws the same mask again.
+                let call = match masks {
+                    Some(m) => m.next_key(),
+                    None => r.next_call(),
+                };
+                x.mul(&r.mask(x.dims(), p, call)?.to_dtype(x.dtype())?)
+            }
+            (None, None) => candle_nn::ops::dropout(x, p as f32),
+            (None, Some(m)) => {
                 let keep = m.mask(x, p)?;
                 x.mul(&(keep.to_dtype(x.dtype())? * (1.0 / (1.0 - p)))?)
             }
         }
+    }
+}
+
+/// Counter-based dropout ([`fx_kernels::dropout`]): masks are a function of a seed, the
+/// call's number within the training step and the step counter, which lives in a device
+/// tensor. A CUDA graph that captures a step therefore draws fresh masks on every replay
+/// (a stateful generator's offset would be frozen into the graph), and a resumed run
+/// drops the same units as an uninterrupted one.
+#[derive(Debug)]
+pub struct DropoutRng {
+    seed: u64,
+    /// The step counter: one U32 on the parameters' device.
+    step: Tensor,
+    /// Dropout calls so far in this step (their masks' `call` number).
+    calls: std::cell::Cell<u64>,
+    #[cfg(feature = "cuda")]
+    kernels: Option<fx_kernels::cuda::dropout::DropoutKernels>,
+}
+
+impl DropoutRng {
+    /// A generator for `seed` at step 0 on `device`.
+    pub fn new(seed: u64, device: &candle_core::Device) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        let kernels = if device.is_cuda() {
+            Some(fx_kernels::cuda::dropout::DropoutKernels::load(device).map_err(candle_core::Error::wrap)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            seed,
+            step: Tensor::new(&[0u32], device)?,
+            calls: std::cell::Cell::new(0),
+            #[cfg(feature = "cuda")]
+            kernels,
+        })
+    }
+
+    /// Sets the step counter (a resumed run continues its masks) and restarts the calls.
+    pub fn set_step(&self, step: u64) -> Result<()> {
+        let v = u32::try_from(step).map_err(|_| candle_core::Error::Msg(format!("dropout step {step} ≥ 2^32")))?;
+        self.step.slice_set(&Tensor::new(&[v], self.step.device())?, 0, 0)?;
+        self.calls.set(0);
+        Ok(())
+    }
+
+    /// Ends a training step: the counter advances on the device (inside a captured graph
+    /// too) and the call numbers restart.
+    pub fn advance(&self) -> Result<()> {
+        self.calls.set(0);
+        #[cfg(feature = "cuda")]
+        if let Some(k) = &self.kernels {
+            return k.advance(&self.step).map_err(candle_core::Error::wrap);
+        }
+        let next = (&self.step + 1.0)?;
+        self.step.slice_set(&next, 0, 0)
+    }
+
+    /// Restarts the call numbers without advancing (a dry run of a step).
+    pub fn restart_calls(&self) {
+        self.calls.set(0);
+    }
+
+    fn next_call(&self) -> u64 {
+        let c = self.calls.get();
+        self.calls.set(c + 1);
+        c
+    }
+
+    /// The scaled F32 mask of dropout call `call` at the current step.
+    fn mask(&self, shape: &[usize], p: f64, call: u64) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(k) = &self.kernels {
+            return k.mask(shape, self.seed, call, &self.step, p).map_err(candle_core::Error::wrap);
+        }
+        let step = self.step.to_vec1::<u32>()?[0];
+        let n = shape.iter().product();
+        Tensor::from_vec(fx_kernels::dropout::mask_reference(self.seed, call, step, n, p), shape, self.step.device())
     }
 }
 
@@ -159,6 +259,15 @@ impl DropoutMasks {
         let mut s = self.state.borrow_mut();
         s.segment = segment;
         s.call = 0;
+    }
+
+    /// The key of the next call of the current segment, as a counter-based generator's
+    /// call number (segment in the high half), so a re-run segment draws the same masks.
+    fn next_key(&self) -> u64 {
+        let mut s = self.state.borrow_mut();
+        let key = ((s.segment as u64) << 32) | s.call as u64;
+        s.call += 1;
+        key
     }
 
     fn mask(&self, x: &Tensor, p: f64) -> Result<Tensor> {
@@ -240,5 +349,33 @@ mod tests {
         grad_check(|x| rms_normalize(x, 1e-5).unwrap());
         grad_check(|x| softplus(x).unwrap());
         grad_check(|x| sigmoid(x).unwrap());
+    }
+
+    #[test]
+    fn counter_dropout_follows_the_reference_advances_and_replays_by_key() {
+        let dev = Device::Cpu;
+        let rng = DropoutRng::new(17, &dev).unwrap();
+        let x = Tensor::ones((4, 50), DType::F32, &dev).unwrap();
+        let c = Ctx::train(Precision::F32).with_rng(&rng);
+        let y0: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(y0, fx_kernels::dropout::mask_reference(17, 0, 0, 200, 0.3));
+        // The second call of the step draws another mask; a new step another again.
+        let y1: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(y1, fx_kernels::dropout::mask_reference(17, 1, 0, 200, 0.3));
+        rng.advance().unwrap();
+        let y2: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(y2, fx_kernels::dropout::mask_reference(17, 0, 1, 200, 0.3));
+        // Checkpointed segments: a re-run of segment 2 draws its masks again, by key.
+        let masks = DropoutMasks::new();
+        let cm = c.with_masks(&masks);
+        masks.begin_segment(2);
+        let a = cm.dropout(&x, 0.5).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        masks.begin_segment(2);
+        let b = cm.dropout(&x, 0.5).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a, fx_kernels::dropout::mask_reference(17, 2 << 32, 1, 200, 0.5));
+        rng.set_step(9).unwrap();
+        let y9: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(y9, fx_kernels::dropout::mask_reference(17, 0, 9, 200, 0.3));
     }
 }

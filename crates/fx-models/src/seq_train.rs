@@ -9,12 +9,12 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
-use fx_precision::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Precision};
+use fx_precision::{clip_grad_norm, AdamW, AdamWConfig, GraphMode, Optimizer, Precision};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
 use crate::mamba2::Mamba2;
-use crate::seq_ops::Ctx;
+use crate::seq_ops::{Ctx, DropoutRng};
 use crate::seq_params::ParamStore;
 use crate::tft::Tft;
 
@@ -246,6 +246,9 @@ pub struct SeqTrainConfig {
     pub precision: Precision,
     /// Activation checkpointing (per TFT stage / MAMBA-2 layer).
     pub checkpoint: bool,
+    /// CUDA graph capture of the training step: auto (capture, warn and run eagerly if it
+    /// fails), on (fail instead), off. Ignored on the CPU.
+    pub graph: GraphMode,
 }
 
 impl Default for SeqTrainConfig {
@@ -263,6 +266,7 @@ impl Default for SeqTrainConfig {
             seed: 0,
             precision: Precision::F32,
             checkpoint: false,
+            graph: GraphMode::Auto,
         }
     }
 }
@@ -533,7 +537,16 @@ pub struct SeqTrainer {
     /// Set when an epoch was abandoned half-way: the weights are then between two epoch
     /// boundaries and must not be saved.
     dirty: bool,
+    /// Dropout masks from the counter-based generator, its counter = optimiser steps.
+    rng: DropoutRng,
+    /// The captured training step (CUDA, `graph` not off), built at the first step; it
+    /// takes over the optimiser state from `opt` and holds it until the state is saved.
+    #[cfg(feature = "cuda")]
+    graph: crate::graph_update::GraphSlot,
 }
+
+/// Stream mixed into the seed of the dropout generator (distinct from the sampler's).
+const DROPOUT_SEED_MIX: u64 = 0xD50_0D50;
 
 impl SeqTrainer {
     /// A trainer for `task` on windows inside `train_rows`.
@@ -564,7 +577,88 @@ impl SeqTrainer {
             best: None,
             patience_out: false,
             dirty: false,
+            rng: DropoutRng::new(cfg.seed ^ DROPOUT_SEED_MIX, params.device()).ctx("SeqTrainer::new")?,
+            #[cfg(feature = "cuda")]
+            graph: Default::default(),
         })
+    }
+
+    /// One optimiser step on `batch` at the scheduled learning rate: forward with
+    /// dropout, loss, backward, global-norm clip, AdamW. On CUDA (unless `graph = off`)
+    /// the whole step is captured as a CUDA graph at the first call and replayed after
+    /// (the clip and AdamW then run as fx-precision's `FusedStep`, which also skips
+    /// non-finite steps). Returns the batch loss when it was read back: always eagerly,
+    /// and with `read_loss` from a replay (one synchronisation; benchmarks leave it off).
+    pub fn train_step(&mut self, task: &impl SeqTask, batch: &SeqBatch, read_loss: bool) -> Result<Option<f64>> {
+        const CTX: &str = "SeqTrainer::train_step";
+        let lr = lr_at(self.step, self.total, self.warmup, self.cfg.lr, self.cfg.lr * self.cfg.min_lr_frac);
+        #[cfg(feature = "cuda")]
+        if self.graph_ready(task, batch)? {
+            let g = self.graph.get(CTX)?;
+            g.fused().set_learning_rate(lr).ctx(CTX)?;
+            let mut body = graph_body(task, &self.rng, &self.cfg);
+            g.run(&graph_inputs(batch), &mut body)?;
+            self.step += 1;
+            if !read_loss {
+                return Ok(None);
+            }
+            let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
+            return Ok(Some(if st.last_skipped { f64::NAN } else { st.last_loss }));
+        }
+        let _ = read_loss; // an eager step reads its loss anyway
+        self.opt.set_learning_rate(lr);
+        self.rng.restart_calls();
+        let c = Ctx::train(self.cfg.precision).with_rng(&self.rng);
+        let (loss, mut grads) = task.loss_and_grads(&c, batch, self.cfg.checkpoint)?;
+        let l = scalar(&loss, CTX)?;
+        let norm = clip_grad_norm(&self.vars, &mut grads, self.cfg.clip_norm).ctx(CTX)?;
+        // The eager step refuses a non-finite loss (above) or gradient norm before AdamW
+        // would write NaN into the weights; the captured step's device guard skips instead.
+        if !norm.is_finite() {
+            return Err(Error::NonFinite { what: "gradient norm", context: CTX });
+        }
+        self.opt.step(&grads).ctx(CTX)?;
+        self.rng.advance().ctx(CTX)?;
+        self.step += 1;
+        Ok(Some(l))
+    }
+
+    /// Whether steps run as the captured graph: captures it at the first call on CUDA
+    /// unless `graph = off` (or `auto` and an earlier capture failed).
+    #[cfg(feature = "cuda")]
+    pub fn graph_ready(&mut self, task: &impl SeqTask, example: &SeqBatch) -> Result<bool> {
+        if let Some(ready) = self.graph.decided(self.cfg.graph, task.params().device().is_cuda()) {
+            return Ok(ready);
+        }
+        let captured = self.capture_graph(task, example);
+        self.graph.settle(self.cfg.graph, task.params().model_name(), captured)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn capture_graph(&self, task: &impl SeqTask, example: &SeqBatch) -> Result<crate::graph_update::GraphUpdate> {
+        const CTX: &str = "SeqTrainer::capture_graph";
+        let adamw = AdamWConfig { lr: self.cfg.lr, weight_decay: self.cfg.weight_decay, ..AdamWConfig::default() };
+        // No loss scaling, as in the eager step (F32 and BF16 need none).
+        let scaler = fx_precision::GradScaler::for_precision(Precision::F32);
+        let mut fused =
+            fx_precision::FusedStep::new(task.params().named_vars(), &adamw, &scaler, Some(self.cfg.clip_norm))
+                .ctx(CTX)?;
+        fused.load_optimizer(&self.opt).ctx(CTX)?;
+        let mut body = graph_body(task, &self.rng, &self.cfg);
+        let inputs = graph_inputs(example);
+        crate::graph_update::GraphUpdate::capture(fused, &inputs, &mut body)
+    }
+
+    /// Nodes (launches) of the captured step, if a graph is in use.
+    #[cfg(feature = "cuda")]
+    pub fn graph_nodes(&self) -> Result<Option<usize>> {
+        self.graph.node_count()
+    }
+
+    /// The captured step's device-side statistics (one read), if a graph is in use.
+    #[cfg(feature = "cuda")]
+    pub fn graph_stats(&self) -> Result<Option<fx_precision::FusedStats>> {
+        self.graph.stats()
     }
 
     /// The training config.
@@ -618,28 +712,27 @@ impl SeqTrainer {
         }
         let params = task.params();
         let dev = params.device().clone();
-        let c = Ctx::train(self.cfg.precision);
         let epoch = self.epochs_done;
-        let (mut sum, mut nb) = (0.0, 0usize);
+        let (mut sum, mut nb, mut skipped) = (0.0, 0usize, 0usize);
         let mut lr = self.cfg.lr;
         for bi in self.smp.epoch_batches(epoch as u64) {
             lr = lr_at(self.step, self.total, self.warmup, self.cfg.lr, self.cfg.lr * self.cfg.min_lr_frac);
-            self.opt.set_learning_rate(lr);
             let batch = task.batch(series, &bi.starts, &dev)?;
-            let (loss, mut grads) = task.loss_and_grads(&c, &batch, self.cfg.checkpoint)?;
-            let l = scalar(&loss, CTX)?;
-            sum += l;
+            let l = self.train_step(task, &batch, true)?.unwrap_or(f64::NAN);
+            // A replayed step skipped by the device-side NaN/Inf guard reads as NaN.
+            if l.is_finite() {
+                sum += l;
+            } else {
+                skipped += 1;
+            }
             nb += 1;
-            clip_grad_norm(&self.vars, &mut grads, self.cfg.clip_norm).ctx(CTX)?;
-            self.opt.step(&grads).ctx(CTX)?;
-            self.step += 1;
             if on_batch(nb, l).is_break() {
                 self.dirty = true;
                 return Ok(None);
             }
         }
         let val = evaluate(task, series, val_rows, self.cfg.batch_size, self.cfg.precision)?.loss;
-        let entry = EpochLog { epoch, train_loss: sum / nb.max(1) as f64, val_loss: val, lr };
+        let entry = EpochLog { epoch, train_loss: sum / (nb - skipped).max(1) as f64, val_loss: val, lr };
         self.log.push(entry.clone());
         self.epochs_done += 1;
         if self.best.as_ref().is_none_or(|(_, b, _)| val < *b) {
@@ -687,7 +780,14 @@ impl SeqTrainer {
         if let Some((_, _, w)) = &self.best {
             t.extend(w.iter().map(|(n, v)| (format!("best.{n}"), v.clone())));
         }
-        self.opt.save_state(&mut t, "opt.").ctx(CTX)?;
+        let mut meta = HashMap::new();
+        #[cfg(feature = "cuda")]
+        let saved = self.graph.save_state(&mut t, &mut meta, "opt.")?;
+        #[cfg(not(feature = "cuda"))]
+        let saved = false;
+        if !saved {
+            self.opt.save_state(&mut t, "opt.").ctx(CTX)?;
+        }
         let counters = SeqCounters {
             version: SEQ_STATE_VERSION,
             model: params.model_name().to_string(),
@@ -700,7 +800,7 @@ impl SeqTrainer {
             patience_out: self.patience_out,
         };
         let json = serde_json::to_string(&counters).map_err(|source| Error::Json { context: CTX, source })?;
-        let meta = HashMap::from([(SEQ_STATE_KEY.to_string(), json)]);
+        meta.insert(SEQ_STATE_KEY.to_string(), json);
         fx_precision::save_tensors_atomic(path, &t, &meta).ctx(CTX)
     }
 
@@ -723,7 +823,9 @@ impl SeqTrainer {
         if c.model != params.model_name() {
             return Err(bad(format!("state of a {} model, this is a {}", c.model, params.model_name())));
         }
-        if c.config != self.cfg || c.train_rows != self.train_rows {
+        // The graph mode is how a step runs, not what it computes: a run may resume either way.
+        let saved_cfg = SeqTrainConfig { graph: self.cfg.graph, ..c.config.clone() };
+        if saved_cfg != self.cfg || c.train_rows != self.train_rows {
             return Err(bad(format!(
                 "trained with {:?} on rows {:?}; this trainer has {:?} on rows {:?}",
                 c.config, c.train_rows, self.cfg, self.train_rows
@@ -751,12 +853,48 @@ impl SeqTrainer {
             None => None,
         };
         self.step = c.step;
+        self.rng.set_step(c.step as u64).ctx(CTX)?;
+        // A captured step holds the optimiser state it took over: capture again from `opt`.
+        #[cfg(feature = "cuda")]
+        self.graph.reset();
         self.epochs_done = c.epochs_done;
         self.log = c.log;
         self.patience_out = c.patience_out;
         self.dirty = false;
         Ok(())
     }
+}
+
+/// The static inputs of a captured step: the model inputs, then the target.
+#[cfg(feature = "cuda")]
+fn graph_inputs(batch: &SeqBatch) -> Vec<&Tensor> {
+    batch.inputs.iter().chain(std::iter::once(&batch.target)).collect()
+}
+
+/// The captured step: forward with counter-based dropout, loss, backward, the fused
+/// clip + AdamW, and the dropout counter's advance (skipped by dry warm-ups, which must
+/// leave every state as it was).
+#[cfg(feature = "cuda")]
+fn graph_body<'a>(
+    task: &'a impl SeqTask,
+    rng: &'a DropoutRng,
+    cfg: &'a SeqTrainConfig,
+) -> Box<crate::graph_update::Body<'a>> {
+    Box::new(move |fused, t, dry| {
+        const CTX: &str = "SeqTrainer graph body";
+        let (target, inputs) = t.split_last().ok_or_else(|| Error::config(CTX, "no inputs"))?;
+        let batch = SeqBatch { inputs: inputs.to_vec(), target: target.clone(), last_value: target.clone() };
+        rng.restart_calls();
+        let c = Ctx::train(cfg.precision).with_rng(rng);
+        let (loss, grads) = task.loss_and_grads(&c, &batch, cfg.checkpoint)?;
+        fused.step(&loss, &grads, &[], dry).ctx(CTX)?;
+        if dry {
+            rng.restart_calls();
+            Ok(())
+        } else {
+            rng.advance().ctx(CTX)
+        }
+    })
 }
 
 /// Trains `task` on windows inside `train_rows`, validating on windows inside
@@ -828,6 +966,44 @@ mod tests {
         SeqSeries::new(obs, n_obs, known, 4, target).unwrap()
     }
 
+    /// An eager step on a batch with a non-finite target is refused with a one-line error
+    /// naming the loss, the weights untouched; the next finite step trains again.
+    #[test]
+    fn eager_step_refuses_non_finite_batches() {
+        let series = synthetic(200, 3);
+        let cfg = Mamba2Config {
+            n_in: 3,
+            d_model: 8,
+            n_layer: 1,
+            expand: 2,
+            d_state: 4,
+            headdim: 4,
+            ngroups: 1,
+            d_conv: 4,
+            chunk_size: 8,
+            norm_eps: 1e-5,
+        };
+        let model = Mamba2::new(cfg, &Device::Cpu, 3).unwrap();
+        let task = Mamba2Task { model: &model, seq_len: 16 };
+        let tc = SeqTrainConfig { epochs: 1, batch_size: 4, ..Default::default() };
+        let mut tr = SeqTrainer::new(&task, 0..150, &tc).unwrap();
+        let good = task.batch(&series, &[0, 10, 20, 30], &Device::Cpu).unwrap();
+        let mut bad = good.clone();
+        let mut t: Vec<f32> = bad.target.flatten_all().unwrap().to_vec1().unwrap();
+        t[5] = f32::INFINITY;
+        bad.target = Tensor::from_vec(t, bad.target.dims(), &Device::Cpu).unwrap();
+        let snap = |m: &Mamba2| -> Vec<Vec<f32>> {
+            m.params().vars().iter().map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect()
+        };
+        let before = snap(&model);
+        let e = tr.train_step(&task, &bad, true).unwrap_err().to_string();
+        assert!(e.contains("loss") && !e.contains('\n'), "{e}");
+        assert_eq!(snap(&model), before, "a non-finite batch changed the weights");
+        let l = tr.train_step(&task, &good, true).unwrap().unwrap();
+        assert!(l.is_finite());
+        assert_ne!(snap(&model), before, "a finite batch must train");
+    }
+
     #[test]
     fn mamba2_learns_and_beats_naive_forecasts() {
         let series = synthetic(700, 3);
@@ -893,8 +1069,8 @@ mod tests {
         let series = synthetic(300, 3);
         let dir = tempfile::tempdir().unwrap();
         let tc = SeqTrainConfig { epochs: 4, batch_size: 16, lr: 5e-3, patience: 10, ..Default::default() };
-        // TFT without dropout (candle's dropout is not seeded) and MAMBA-2.
-        let tcfg = TftConfig { n_observed: 3, d: 8, n_head: 2, l_enc: 6, h: 2, dropout: 0.0, ..TftConfig::default() };
+        // TFT with dropout (counter-based: a resumed run drops the same units) and MAMBA-2.
+        let tcfg = TftConfig { n_observed: 3, d: 8, n_head: 2, l_enc: 6, h: 2, dropout: 0.1, ..TftConfig::default() };
         let straight = Tft::new(tcfg.clone(), &Device::Cpu, 3).unwrap();
         let rep = train(&straight, &series, 0..200, 200..250, &tc).unwrap();
         assert_eq!(rep.epochs.len(), 4);

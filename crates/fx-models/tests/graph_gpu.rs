@@ -3,7 +3,8 @@
 //! updates with a non-finite batch (skipped by both), and a checkpoint written mid-run
 //! resumes to the same result (and loads eagerly); the fused F32 and BF16 updates track
 //! candle's eager ones; the PPO minibatch update likewise, its short last minibatch
-//! included (run eagerly through the same fused step).
+//! included (run eagerly through the same fused step); the captured TFT and MAMBA-2 steps
+//! track their eager ones.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
@@ -230,4 +231,118 @@ fn ppo_graph_equals_eager() {
     eprintln!("ppo graph vs eager after 100 updates: max relative weight error {err:.3e}");
     assert!(err <= 1e-5, "graph vs eager: {err}");
     assert_eq!(eager.updates(), graph.updates());
+}
+
+/// Small TFT (dropout 0.1) and MAMBA-2 configs and a series to train them on.
+mod seq {
+    use super::*;
+    use fx_models::seq_train::{Mamba2Task, SeqSeries, SeqTask, SeqTrainConfig, SeqTrainer};
+    use fx_models::{Mamba2, Mamba2Config, Tft, TftConfig};
+
+    pub fn series(rows: usize, n_obs: usize) -> SeqSeries {
+        let obs = vals(rows * n_obs, 11, 0);
+        let known = vals(rows * 4, 12, 0);
+        let target: Vec<f32> = vals(rows, 13, 0).iter().map(|v| 0.05 * v).collect();
+        SeqSeries::new(obs, n_obs, known, 4, target).unwrap()
+    }
+
+    pub fn tft_cfg() -> TftConfig {
+        TftConfig { n_observed: 5, d: 16, n_head: 2, l_enc: 12, h: 3, dropout: 0.1, ..TftConfig::default() }
+    }
+
+    pub fn mamba_cfg() -> Mamba2Config {
+        Mamba2Config {
+            n_in: 5,
+            d_model: 16,
+            n_layer: 2,
+            expand: 2,
+            d_state: 8,
+            headdim: 8,
+            ngroups: 1,
+            d_conv: 4,
+            chunk_size: 8,
+            norm_eps: 1e-5,
+        }
+    }
+
+    /// Trains two epochs with `graph` and returns the weights (spec names) and the log.
+    pub fn run(
+        task: &impl SeqTask,
+        series: &SeqSeries,
+        graph: GraphMode,
+        precision: fx_precision::Precision,
+    ) -> (std::collections::BTreeMap<String, Tensor>, Vec<f64>, Option<usize>) {
+        let cfg = SeqTrainConfig { epochs: 2, batch_size: 16, lr: 3e-3, graph, precision, ..Default::default() };
+        let mut t = SeqTrainer::new(task, 0..300, &cfg).unwrap();
+        let mut losses = Vec::new();
+        while !t.is_done() {
+            losses.push(t.train_epoch(task, series, 300..380).unwrap().train_loss);
+        }
+        let nodes = t.graph_nodes().unwrap();
+        (task.params().to_map().unwrap(), losses, nodes)
+    }
+
+    pub fn compare(
+        name: &str,
+        eager: &(std::collections::BTreeMap<String, Tensor>, Vec<f64>, Option<usize>),
+        graph: &(std::collections::BTreeMap<String, Tensor>, Vec<f64>, Option<usize>),
+        tol: f64,
+    ) {
+        assert!(eager.2.is_none() && graph.2.is_some(), "{name}: graph mode must capture, eager must not");
+        let mut worst = (0.0f64, String::new());
+        for (k, a) in &eager.0 {
+            let e = rel(&graph.0[k], a);
+            if e > worst.0 {
+                worst = (e, k.clone());
+            }
+        }
+        eprintln!(
+            "{name}: {} graph nodes, train losses eager {:?} graph {:?}, worst weight rel err {:.2e} ({})",
+            graph.2.unwrap(),
+            eager.1,
+            graph.1,
+            worst.0,
+            worst.1
+        );
+        assert!(worst.0 <= tol, "{name}: {} differs by {:.2e}", worst.1, worst.0);
+        for (a, b) in eager.1.iter().zip(&graph.1) {
+            assert!((a - b).abs() <= tol * a.abs().max(1e-3), "{name}: train loss {a} vs {b}");
+        }
+    }
+
+    pub fn tft(dev: &Device) -> Tft {
+        Tft::new(tft_cfg(), dev, 4).unwrap()
+    }
+
+    pub fn mamba(dev: &Device) -> Mamba2 {
+        Mamba2::new(mamba_cfg(), dev, 4).unwrap()
+    }
+
+    pub fn mamba_task(m: &Mamba2) -> Mamba2Task<'_> {
+        Mamba2Task { model: m, seq_len: 16 }
+    }
+}
+
+/// The captured TFT / MAMBA-2 step (forward with counter-based dropout, backward, fused
+/// clip + AdamW) trains as the eager step does over two epochs: same dropout masks on
+/// every replay's step (a frozen mask would diverge within a few steps), weights within
+/// F32 rounding of candle's AdamW.
+#[test]
+fn seq_graph_step_tracks_eager() {
+    let Some(dev) = gpu() else { return };
+    let series = seq::series(400, 5);
+    let f32p = fx_precision::Precision::F32;
+    let (a, b) = (seq::tft(&dev), seq::tft(&dev));
+    let eager = seq::run(&a, &series, GraphMode::Off, f32p);
+    let graph = seq::run(&b, &series, GraphMode::On, f32p);
+    seq::compare("tft f32", &eager, &graph, 1e-4);
+    let (a, b) = (seq::mamba(&dev), seq::mamba(&dev));
+    let eager = seq::run(&seq::mamba_task(&a), &series, GraphMode::Off, f32p);
+    let graph = seq::run(&seq::mamba_task(&b), &series, GraphMode::On, f32p);
+    seq::compare("mamba2 f32", &eager, &graph, 1e-4);
+    let bf16 = fx_precision::Precision::Bf16;
+    let (a, b) = (seq::tft(&dev), seq::tft(&dev));
+    let eager = seq::run(&a, &series, GraphMode::Off, bf16);
+    let graph = seq::run(&b, &series, GraphMode::On, bf16);
+    seq::compare("tft bf16", &eager, &graph, 2e-2);
 }

@@ -200,3 +200,93 @@ fn gpu_training_throughput() {
         }
     }
 }
+
+/// Median ms of `n` replays of `body` captured as a CUDA graph (each replay synchronised),
+/// and the graph's node count.
+fn graph_ms(dev: &Device, n: usize, mut body: impl FnMut(bool)) -> (f64, usize) {
+    let g = fx_precision::CapturedGraph::capture(dev, 2, |dry| {
+        body(dry);
+        Ok(())
+    })
+    .unwrap();
+    let mut ts = Vec::new();
+    for i in 0..n + 3 {
+        dev.synchronize().unwrap();
+        let t0 = Instant::now();
+        g.replay().unwrap();
+        dev.synchronize().unwrap();
+        if i >= 3 {
+            ts.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    ts.sort_by(f64::total_cmp);
+    (ts[ts.len() / 2], g.node_count().unwrap())
+}
+
+/// Where a captured step's time goes: the forward + loss, forward + backward, and the
+/// whole step (the trainer's captured graph: fused clip + AdamW) each captured and
+/// replayed on their own, with their node counts, at bench.py's sizes (dropout off in
+/// the partial graphs; the step's dropout masks are counter-based).
+#[test]
+#[ignore]
+fn gpu_graph_profile() {
+    use fx_models::seq_train::{SeqTrainConfig, SeqTrainer};
+    let dev = Device::new_cuda(0).unwrap();
+    let cfg = TftConfig::default();
+    let (l, h) = (cfg.l_enc, cfg.h);
+    let tft = Tft::new(cfg, &dev, 0).unwrap();
+    let b = 256;
+    let tft_batch = SeqBatch {
+        inputs: vec![
+            Tensor::randn(0f32, 1.0, (b, l, 51), &dev).unwrap(),
+            Tensor::randn(0f32, 1.0, (b, l + h, 4), &dev).unwrap(),
+        ],
+        target: Tensor::randn(0f32, 0.01, (b, h), &dev).unwrap(),
+        last_value: Tensor::zeros((b, h), DType::F32, &dev).unwrap(),
+    };
+    let m = Mamba2::new(Mamba2Config::default(), &dev, 0).unwrap();
+    let mt = Mamba2Task { model: &m, seq_len: 256 };
+    let mb = 32;
+    let m_batch = SeqBatch {
+        inputs: vec![Tensor::randn(0f32, 1.0, (mb, 256, 51), &dev).unwrap()],
+        target: Tensor::randn(0f32, 0.01, (mb, 256), &dev).unwrap(),
+        last_value: Tensor::zeros((mb, 256), DType::F32, &dev).unwrap(),
+    };
+    fn profile(name: &str, task: &impl SeqTask, batch: &SeqBatch, b: usize, dev: &Device) {
+        for p in [Precision::F32, Precision::Bf16] {
+            let c = Ctx::eval_with_grad(p);
+            let (f, nf) = graph_ms(dev, 10, |_| drop(task.loss(&c, batch).unwrap()));
+            let (fb, nfb) = graph_ms(dev, 10, |_| drop(task.loss_and_grads(&c, batch, false).unwrap()));
+            let cfg = SeqTrainConfig {
+                batch_size: b,
+                precision: p,
+                graph: fx_precision::GraphMode::On,
+                ..Default::default()
+            };
+            let mut t = SeqTrainer::new(task, 0..task.window_len() * 4 + b, &cfg).unwrap();
+            t.train_step(task, batch, false).unwrap();
+            let nodes = t.graph_nodes().unwrap().unwrap();
+            let mut ts = Vec::new();
+            for i in 0..13 {
+                dev.synchronize().unwrap();
+                let t0 = Instant::now();
+                t.train_step(task, batch, false).unwrap();
+                dev.synchronize().unwrap();
+                if i >= 3 {
+                    ts.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            ts.sort_by(f64::total_cmp);
+            let s = ts[ts.len() / 2];
+            eprintln!(
+                "PROFILE {name} b{b} {p:?} graph: forward+loss {f:.2} ms ({nf} nodes), +backward {fb:.2} ms ({nfb} nodes), \
+                 whole step {s:.2} ms ({nodes} nodes) = {:.0} samples/s; backward {:.2} ms, clip+AdamW+dropout {:.2} ms",
+                b as f64 / (s / 1e3),
+                fb - f,
+                s - fb
+            );
+        }
+    }
+    profile("tft", &tft, &tft_batch, b, &dev);
+    profile("mamba2", &mt, &m_batch, mb, &dev);
+}

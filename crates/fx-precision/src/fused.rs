@@ -382,6 +382,23 @@ impl FusedStep {
             .get(crate::GRAD_SCALER_METADATA_KEY)
             .ok_or_else(|| bad("GradScaler state", "key missing".into()))
             .and_then(|j| serde_json::from_str(j).map_err(|e| bad("GradScaler state", e.to_string())))?;
+        self.load_moments(from, prefix)?;
+        self.write_ctrl(ctrl::APPLIED, guard.applied as f64)?;
+        self.write_ctrl(ctrl::SKIP_LOSS, guard.nonfinite_loss as f64)?;
+        self.write_ctrl(ctrl::SKIP_GRAD, guard.nonfinite_grad as f64)?;
+        // A disabled scaler keeps its (unused) initial scale in its state; its factor is 1.
+        let scale = if self.guard.scaler.is_some() { scaler.scale } else { 1.0 };
+        self.write_ctrl(ctrl::SCALE, scale as f64)?;
+        self.write_ctrl(ctrl::GROWTH, scaler.growth_tracker as f64)?;
+        let s32 = Tensor::new(&[scale], self.device()).ctx(CTX)?;
+        self.scale32.slice_set(&s32, 0, 0).ctx(CTX)?;
+        Ok(())
+    }
+
+    /// The moments and step count an [`crate::Optimizer`] of the Adam family saved under
+    /// `prefix` (`{name}.exp_avg`, `.exp_avg_sq`, `.step`), written in place.
+    fn load_moments(&mut self, from: &mut NamedTensors, prefix: &str) -> Result<()> {
+        const CTX: &str = "FusedStep::load_state";
         let mut ms = Vec::with_capacity(self.vars.len());
         let mut vs = Vec::with_capacity(self.vars.len());
         let mut step = 0i64;
@@ -399,17 +416,17 @@ impl FusedStep {
         // In place: a captured graph keeps the buffers' addresses.
         self.exp_avg_flat.slice_set(&m, 0, 0).ctx(CTX)?;
         self.exp_avg_sq_flat.slice_set(&v, 0, 0).ctx(CTX)?;
-        self.write_ctrl(ctrl::STEP, step.max(0) as f64)?;
-        self.write_ctrl(ctrl::APPLIED, guard.applied as f64)?;
-        self.write_ctrl(ctrl::SKIP_LOSS, guard.nonfinite_loss as f64)?;
-        self.write_ctrl(ctrl::SKIP_GRAD, guard.nonfinite_grad as f64)?;
-        // A disabled scaler keeps its (unused) initial scale in its state; its factor is 1.
-        let scale = if self.guard.scaler.is_some() { scaler.scale } else { 1.0 };
-        self.write_ctrl(ctrl::SCALE, scale as f64)?;
-        self.write_ctrl(ctrl::GROWTH, scaler.growth_tracker as f64)?;
-        let s32 = Tensor::new(&[scale], self.device()).ctx(CTX)?;
-        self.scale32.slice_set(&s32, 0, 0).ctx(CTX)?;
-        Ok(())
+        self.write_ctrl(ctrl::STEP, step.max(0) as f64)
+    }
+
+    /// Takes over a bare Adam/AdamW optimiser's moments, step count and learning rate (in
+    /// memory; a loop that clips and steps without [`crate::TrainStep`]). The guard's
+    /// counters and the scale stay as they are.
+    pub fn load_optimizer<O: crate::Optimizer>(&mut self, opt: &O) -> Result<()> {
+        let mut t = HashMap::new();
+        opt.save_state(&mut t, "opt.")?;
+        self.set_learning_rate(opt.learning_rate())?;
+        self.load_moments(&mut NamedTensors::with_metadata("optimizer state", t, HashMap::new()), "opt.")
     }
 
     /// Takes over a [`crate::TrainStep`]'s optimiser, scaler and guard state (in memory).

@@ -132,9 +132,8 @@ pub fn load(path: &Path, source_sha256: Option<&str>) -> Result<(QuantNet, Prove
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| Error::file(path, format!("not a safetensors file: {}", one_line(&e))))?;
     let meta = header.metadata().clone().unwrap_or_default();
-    let key = |k: &str| {
-        meta.get(k).map(String::as_str).ok_or_else(|| Error::file(path, format!("metadata lacks `{k}`")))
-    };
+    let key =
+        |k: &str| meta.get(k).map(String::as_str).ok_or_else(|| Error::file(path, format!("metadata lacks `{k}`")));
     let format = key("format")?;
     if format != FORMAT {
         return Err(Error::file(path, format!("metadata format is {format:?}, expected {FORMAT:?}")));
@@ -142,7 +141,8 @@ pub fn load(path: &Path, source_sha256: Option<&str>) -> Result<(QuantNet, Prove
     let model = key("model")?;
     let kind = PolicyKind::parse(model)
         .ok_or_else(|| Error::file(path, format!("metadata model is {model:?}, expected \"dqn\" or \"ppo\"")))?;
-    let provenance = Provenance { source_sha256: key("source_sha256")?.to_string(), source: key("source")?.to_string() };
+    let provenance =
+        Provenance { source_sha256: key("source_sha256")?.to_string(), source: key("source")?.to_string() };
     if let Some(want) = source_sha256 {
         if provenance.source_sha256 != want {
             return Err(Error::file(
@@ -193,7 +193,10 @@ pub fn load(path: &Path, source_sha256: Option<&str>) -> Result<(QuantNet, Prove
     let scales = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
         let v = floats(name, shape)?;
         if let Some(i) = v.iter().position(|x| *x <= 0.0) {
-            return Err(Error::file(path, format!("tensor {name} holds the scale {} at index {i} (must be > 0)", v[i])));
+            return Err(Error::file(
+                path,
+                format!("tensor {name} holds the scale {} at index {i} (must be > 0)", v[i]),
+            ));
         }
         Ok(v)
     };
@@ -301,7 +304,11 @@ mod tests {
         out
     }
 
-    fn set(t: &mut [(String, Dtype, Vec<usize>, Vec<u8>)], name: &str, f: impl FnOnce(&mut (String, Dtype, Vec<usize>, Vec<u8>))) {
+    fn set(
+        t: &mut [(String, Dtype, Vec<usize>, Vec<u8>)],
+        name: &str,
+        f: impl FnOnce(&mut (String, Dtype, Vec<usize>, Vec<u8>)),
+    ) {
         f(t.iter_mut().find(|x| x.0 == name).unwrap());
     }
 

@@ -113,9 +113,9 @@ impl FloatNet {
         for name in kind.layer_names() {
             let get = |suffix: &str| {
                 let full = format!("{name}.{suffix}");
-                let var = params.get(&full).ok_or_else(|| {
-                    Error::invalid("network", format!("{} parameters lack {full}", params.model()))
-                })?;
+                let var = params
+                    .get(&full)
+                    .ok_or_else(|| Error::invalid("network", format!("{} parameters lack {full}", params.model())))?;
                 Ok::<_, Error>((host(var.as_tensor(), &full)?, var.as_tensor().dims().to_vec()))
             };
             let (weight, wdims) = get("weight")?;
@@ -236,7 +236,10 @@ pub(crate) fn check_chain<'a>(kind: PolicyKind, layers: impl Iterator<Item = (&'
         return Err(Error::invalid("network", format!("value has {} outputs, not 1", layers[nh].1)));
     }
     if last.1 < 2 {
-        return Err(Error::invalid("network", format!("{} has {} outputs: a policy needs at least 2 actions", last.0, last.1)));
+        return Err(Error::invalid(
+            "network",
+            format!("{} has {} outputs: a policy needs at least 2 actions", last.0, last.1),
+        ));
     }
     Ok(())
 }

@@ -155,4 +155,20 @@ impl Agent {
         };
         Ok(a.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?[0])
     }
+
+    /// The greedy network (DQN online net, PPO actor) on the host, for quantisation.
+    pub fn float_net(&self) -> Result<fx_quant::FloatNet> {
+        Ok(match self {
+            Agent::Dqn(t) => fx_quant::FloatNet::from_dqn(t.online())?,
+            Agent::Ppo(t) => fx_quant::FloatNet::from_ppo(t.model())?,
+        })
+    }
+
+    /// The F32 greedy policy for decisions on the CPU (no pool, no allocation per call).
+    pub fn cpu_policy(&self) -> Result<fx_kernels::mlp_cpu::CpuPolicy> {
+        Ok(match self {
+            Agent::Dqn(t) => t.online().cpu_policy()?,
+            Agent::Ppo(t) => t.model().cpu_policy()?,
+        })
+    }
 }

@@ -11,8 +11,11 @@
 //!   over `--steps` timed steps after 10 warm-up steps (2 with `--quick`);
 //! - `dqn_infer_b1`, `ppo_infer_b1`: batch-1 greedy action latency, p50/p99/mean over
 //!   2000 calls (`eager_fp32`; on CUDA also the one-launch `fused_fp32` and the host-to-host
-//!   `fused_fp32_e2e`, see [`latency`]);
-//! - `env_step_E4096`, `dqn_collect_E4096` (CPU: E = 512), mode `eager`;
+//!   `fused_fp32_e2e`; on the CPU `cpu_fp32` and `int8`, see [`latency`]);
+//! - `dqn_infer_b256`, `ppo_infer_b256` (kind `infer`): greedy-action throughput at batch
+//!   256, `eager_fp32` (and on the CPU `cpu_fp32`, `int8`), see [`latency`];
+//! - `env_step_E4096`, `dqn_collect_E4096` (CPU: E = 512), mode `eager`; on CUDA the
+//!   collection also `fused` (fused Q forward + one experience kernel, see [`env_step`]);
 //! - `h2d_*` (CUDA only): upload bandwidth from pinned and pageable host buffers;
 //! - `loader_stall`, `loader_stall_prep_bound`, mode `sync` / `double_buffered`: the
 //!   fraction of wall time a fixed workload waits for fx-data's loader (see [`loader`]).
@@ -27,6 +30,7 @@ mod data;
 mod env_step;
 mod latency;
 mod loader;
+mod seq_infer;
 mod timing;
 mod train;
 
@@ -52,6 +56,10 @@ pub enum BenchModel {
     Dqn,
     /// PPO training and latency.
     Ppo,
+    /// TFT training (batch 256; CPU 8).
+    Tft,
+    /// MAMBA-2 training (batch 32, L 256; CPU 4).
+    Mamba2,
     /// The environment cases only.
     Env,
     /// Host-to-device bandwidth only (CUDA).
@@ -84,9 +92,9 @@ pub enum BenchDevice {
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Models to benchmark.
-    #[arg(long, value_enum, default_value_t = BenchModel::All)]
-    pub model: BenchModel,
+    /// Models to benchmark, comma-separated (e.g. `tft,mamba2`).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "all")]
+    pub model: Vec<BenchModel>,
     /// Compute precision of the training cases.
     #[arg(long, value_enum, default_value_t = BenchPrecision::All)]
     pub precision: BenchPrecision,
@@ -109,13 +117,17 @@ pub struct BenchArgs {
 pub(crate) enum Model {
     Dqn,
     Ppo,
+    Tft,
+    Mamba2,
 }
 
 impl Model {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Model::Dqn => "dqn",
             Model::Ppo => "ppo",
+            Model::Tft => "tft",
+            Model::Mamba2 => "mamba2",
         }
     }
 }
@@ -126,6 +138,10 @@ pub(crate) struct Plan {
     pub(crate) train: Vec<(Model, Vec<usize>)>,
     pub(crate) precisions: Vec<Precision>,
     pub(crate) latency: Vec<Model>,
+    /// TFT / MAMBA-2 inference cases.
+    pub(crate) seq_infer: Vec<seq_infer::SeqInfer>,
+    /// Batch of the `*_infer_b{N}` throughput cases (0: none), for the models in `latency`.
+    pub(crate) infer_batch: usize,
     pub(crate) env_e: Option<usize>,
     pub(crate) env_series: usize,
     /// Buffer sizes (f32 count) of the upload cases; empty off CUDA.
@@ -144,8 +160,7 @@ pub(crate) struct Plan {
 impl Plan {
     fn from_args(args: &BenchArgs, cuda: bool) -> Self {
         let q = args.quick;
-        let m = args.model;
-        let want = |x: BenchModel| m == x || m == BenchModel::All;
+        let want = |x: BenchModel| args.model.iter().any(|&m| m == x || m == BenchModel::All);
         let (dqn_b, ppo_b) = if cuda { (vec![8192, 2048, 230], vec![2048]) } else { (vec![1024, 230], vec![512]) };
         let mut train = Vec::new();
         let mut latency = Vec::new();
@@ -157,6 +172,13 @@ impl Plan {
             train.push((Model::Ppo, ppo_b));
             latency.push(Model::Ppo);
         }
+        // bench.py's sizes: TFT 256 / MAMBA-2 32 on the GPU, 8 / 4 on the CPU.
+        if want(BenchModel::Tft) {
+            train.push((Model::Tft, vec![if cuda { 256 } else { 8 }]));
+        }
+        if want(BenchModel::Mamba2) {
+            train.push((Model::Mamba2, vec![if cuda { 32 } else { 4 }]));
+        }
         let precisions = match args.precision {
             BenchPrecision::F32 => vec![Precision::F32],
             BenchPrecision::Bf16 => vec![Precision::Bf16],
@@ -166,6 +188,8 @@ impl Plan {
             train,
             precisions,
             latency,
+            seq_infer: seq_infer::SeqInfer::cases(want(BenchModel::Tft), want(BenchModel::Mamba2), cuda),
+            infer_batch: 256,
             env_e: want(BenchModel::Env).then_some(if cuda { 4096 } else { 512 }),
             env_series: if cuda { 100_000 } else { 20_000 },
             // 64 MiB, and one DQN batch of 8192 transitions (s, a, r, s', done: 115 f32 each).
@@ -278,10 +302,25 @@ pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
             out.push(guarded(ctx, t0, rec, |ctx, r| latency::latency_case(ctx, model, mode, r)));
         }
     }
+    for &model in plan.latency.iter().filter(|_| plan.infer_batch > 0) {
+        let b = plan.infer_batch;
+        for mode in latency::LatencyMode::for_throughput(ctx.device.is_cuda()) {
+            let rec = base(ctx, format!("{}_infer_b{b}", model.name()), "infer", model.name(), mode.name(), b);
+            out.push(guarded(ctx, t0, rec, |ctx, r| latency::throughput_case(ctx, model, mode, b, r)));
+        }
+    }
+    for &what in &plan.seq_infer {
+        for &mode in seq_infer::modes(ctx.device.is_cuda()) {
+            let rec = base(ctx, what.case(), what.kind(), what.model(), mode, what.batch());
+            out.push(guarded(ctx, t0, rec, |ctx, r| seq_infer::seq_infer_case(ctx, what, mode, r)));
+        }
+    }
     if let Some(e) = plan.env_e {
         for what in [EnvWhat::Step, EnvWhat::DqnCollect] {
-            let rec = base(ctx, format!("{}_E{e}", what.case_prefix()), "env", "env", "eager", e);
-            out.push(guarded(ctx, t0, rec, |ctx, r| env_step::env_case(ctx, what, e, r)));
+            for &mode in what.modes(ctx.device.is_cuda()) {
+                let rec = base(ctx, format!("{}_E{e}", what.case_prefix()), "env", "env", mode, e);
+                out.push(guarded(ctx, t0, rec, |ctx, r| env_step::env_case(ctx, what, mode, e, r)));
+            }
         }
     }
     #[cfg(feature = "cuda")]
@@ -526,6 +565,8 @@ mod tests {
             train: vec![(Model::Dqn, vec![32]), (Model::Ppo, vec![16])],
             precisions: vec![Precision::F32, Precision::Bf16],
             latency: vec![Model::Dqn, Model::Ppo],
+            seq_infer: Vec::new(),
+            infer_batch: 16,
             env_e: Some(8),
             env_series: 400,
             h2d: Vec::new(),
@@ -539,6 +580,48 @@ mod tests {
         }
     }
 
+    /// The TFT and MAMBA-2 cases on the CPU (bench.py's default models, small batches, one
+    /// timed step): training in both precisions with finite losses, inference with
+    /// positive latencies.
+    #[test]
+    fn sequence_model_cases_run() {
+        let plan = Plan {
+            train: vec![(Model::Tft, vec![2]), (Model::Mamba2, vec![1])],
+            precisions: vec![Precision::F32],
+            latency: Vec::new(),
+            seq_infer: seq_infer::SeqInfer::cases(true, true, false),
+            warmup: 0,
+            steps: 1,
+            lat_warm: 1,
+            lat_n: 8,
+            env_e: None,
+            ..tiny_plan()
+        };
+        let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
+        let recs = run_cases(&mut ctx, &plan);
+        let got: Vec<(&str, &str, &str)> = recs
+            .iter()
+            .map(|r| (r["case"].as_str().unwrap(), r["mode"].as_str().unwrap(), r["status"].as_str().unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("tft_train_b2", "eager_fp32", "ok"),
+                ("mamba2_train_b1", "eager_fp32", "ok"),
+                ("tft_infer_b1", "eager_fp32", "ok"),
+                ("tft_infer_b8", "eager_fp32", "ok"),
+                ("mamba2_step_b1", "eager_fp32", "ok"),
+            ],
+            "{recs:#?}"
+        );
+        assert!(num(&recs[0], "loss_last").is_finite() && num(&recs[1], "tokens_per_s") > 0.0);
+        assert_eq!(recs[1]["seq_len"], 256);
+        for r in &recs[2..] {
+            assert!(num(r, "p50_us") > 0.0 && num(r, "p50_us") <= num(r, "p99_us"), "{r:?}");
+        }
+        assert!(num(&recs[3], "samples_per_s") > 0.0);
+    }
+
     fn num(r: &Record, k: &str) -> f64 {
         r.get(k).and_then(Value::as_f64).unwrap_or_else(|| panic!("{k} missing or not a number in {r:?}"))
     }
@@ -548,8 +631,9 @@ mod tests {
         let plan = tiny_plan();
         let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
         let recs = run_cases(&mut ctx, &plan);
-        // 2 models x 1 batch x 2 precisions, 2 models x 2 latency modes, 2 env
-        assert_eq!(recs.len(), 10, "{recs:#?}");
+        // 2 models x 1 batch x 2 precisions, 2 models x 3 latency modes, 2 models x 3
+        // throughput modes, 2 env
+        assert_eq!(recs.len(), 18, "{recs:#?}");
         for r in &recs {
             assert_eq!(r.get("status"), Some(&json!("ok")), "{r:?}");
             for k in ["case", "kind", "model", "mode", "device"] {
@@ -591,7 +675,28 @@ mod tests {
         }
         let latency: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "latency").collect();
         let modes: Vec<&str> = latency.iter().map(|r| r["mode"].as_str().unwrap()).collect();
-        assert_eq!(modes, ["eager_fp32", "cpu_fp32", "eager_fp32", "cpu_fp32"]);
+        assert_eq!(modes, ["eager_fp32", "cpu_fp32", "int8", "eager_fp32", "cpu_fp32", "int8"]);
+        for r in latency.iter().filter(|r| r["mode"] == "int8") {
+            assert!(r["isa"].as_str().is_some_and(|s| !s.is_empty()), "{r:?}");
+        }
+        let infer: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "infer").collect();
+        let cases: Vec<(&str, &str)> =
+            infer.iter().map(|r| (r["case"].as_str().unwrap(), r["mode"].as_str().unwrap())).collect();
+        assert_eq!(
+            cases,
+            [
+                ("dqn_infer_b16", "eager_fp32"),
+                ("dqn_infer_b16", "cpu_fp32"),
+                ("dqn_infer_b16", "int8"),
+                ("ppo_infer_b16", "eager_fp32"),
+                ("ppo_infer_b16", "cpu_fp32"),
+                ("ppo_infer_b16", "int8")
+            ]
+        );
+        for r in &infer {
+            let (p50, sps) = (num(r, "p50_us"), num(r, "samples_per_s"));
+            assert!(p50 > 0.0 && (sps - 16.0 / (p50 / 1e6)).abs() <= 1e-3 * sps + 1.0, "{r:?}");
+        }
         for r in latency {
             let (p50, p99, mean) = (num(r, "p50_us"), num(r, "p99_us"), num(r, "mean_us"));
             assert!(p50 > 0.0 && p50 <= p99 && mean > 0.0, "{r:?}");
@@ -625,10 +730,21 @@ mod tests {
         assert!(r["error"].as_str().unwrap().contains("DQN"), "{r:?}");
     }
 
+    fn g_args() -> BenchArgs {
+        BenchArgs {
+            model: vec![BenchModel::All],
+            precision: BenchPrecision::All,
+            json: true,
+            steps: None,
+            quick: true,
+            device: None,
+        }
+    }
+
     #[test]
     fn cpu_plan_uses_bench_py_cpu_sizes() {
         let args = BenchArgs {
-            model: BenchModel::All,
+            model: vec![BenchModel::All],
             precision: BenchPrecision::All,
             json: true,
             steps: None,
@@ -640,9 +756,19 @@ mod tests {
         assert_eq!(p.train[1], (Model::Ppo, vec![512]));
         assert_eq!(p.env_e, Some(512));
         assert_eq!((p.steps, p.warmup), (5, 2));
+        assert_eq!(p.train[2..], [(Model::Tft, vec![8]), (Model::Mamba2, vec![4])]);
         let g = Plan::from_args(&BenchArgs { quick: false, steps: Some(7), ..args }, true);
         assert_eq!(g.train[0], (Model::Dqn, vec![8192, 2048, 230]));
         assert_eq!(g.train[1], (Model::Ppo, vec![2048]));
+        assert_eq!(g.train[2..], [(Model::Tft, vec![256]), (Model::Mamba2, vec![32])]);
         assert_eq!((g.steps, g.warmup, g.lat_n), (7, 10, 2000));
+        // A comma list picks several models.
+        let s = Plan::from_args(
+            &BenchArgs { model: vec![BenchModel::Tft, BenchModel::Mamba2], quick: false, steps: None, ..g_args() },
+            true,
+        );
+        assert_eq!(s.train, [(Model::Tft, vec![256]), (Model::Mamba2, vec![32])]);
+        assert_eq!(s.seq_infer.len(), 3);
+        assert!(s.latency.is_empty() && s.env_e.is_none());
     }
 }

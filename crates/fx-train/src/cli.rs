@@ -25,6 +25,8 @@ pub enum Command {
     Features(FeaturesArgs),
     /// Measure training throughput, peak memory and batch-1 latency (bench.py's output shape).
     Bench(crate::bench::BenchArgs),
+    /// Quantise the latest DQN/PPO checkpoint of a run to INT8 (file beside it + quant_report.json).
+    Quantize(QuantizeArgs),
 }
 
 #[derive(Debug, Args, Default)]
@@ -87,7 +89,7 @@ pub struct TrainArgs {
     /// Device: auto, cpu, cuda, cuda:N [default: auto].
     #[arg(long)]
     pub device: Option<String>,
-    /// CUDA graph of the DQN/PPO update: auto, on, off [default: auto; ignored on the CPU].
+    /// CUDA graph of the training step: auto, on, off [default: auto; ignored on the CPU].
     #[arg(long)]
     pub graph: Option<fx_precision::GraphMode>,
     /// CPU threads for candle's CPU kernels [default: 1 for dqn/ppo, every usable CPU for
@@ -239,4 +241,35 @@ pub struct EvalArgs {
     /// Run folder whose latest checkpoint to evaluate.
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Backtest the INT8 policy written by `fx-train quantize` beside the F32 one (eval_int8.json).
+    #[arg(long)]
+    pub int8: bool,
+}
+
+/// How `quantize` picks each layer's input scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum QuantMethod {
+    /// The largest |input| seen on the calibration rows.
+    Minmax,
+    /// The --percentile-th percentile of |input| (outliers clip).
+    Percentile,
+}
+
+#[derive(Debug, Args)]
+pub struct QuantizeArgs {
+    /// Run folder whose latest checkpoint to quantise (a dqn or ppo run).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Calibration observations, spread evenly over a greedy replay of the training split.
+    #[arg(long, default_value_t = 2048)]
+    pub calib_rows: usize,
+    /// Input-scale calibration method.
+    #[arg(long, value_enum, default_value_t = QuantMethod::Minmax)]
+    pub method: QuantMethod,
+    /// Percentile of |input| for --method percentile.
+    #[arg(long, default_value_t = 99.99)]
+    pub percentile: f64,
+    /// Layers to keep in F32 (spec names, comma-separated, e.g. value,advantage).
+    #[arg(long, value_delimiter = ',')]
+    pub f32_layers: Vec<String>,
 }

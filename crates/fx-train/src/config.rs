@@ -60,8 +60,8 @@ pub struct RunConfig {
     /// CPU threads for candle's CPU kernels; none: one for dqn/ppo (small networks), every
     /// usable CPU (affinity, cgroup quota) for tft/mamba2; `FX_THREADS` overrides none.
     pub threads: Option<usize>,
-    /// CUDA graph capture of the DQN/PPO update: auto (capture, warn and run eagerly if it
-    /// fails), on (a failed capture is an error) or off. Ignored on the CPU.
+    /// CUDA graph capture of the training step (every model): auto (capture, warn and run
+    /// eagerly if it fails), on (a failed capture is an error) or off. Ignored on the CPU.
     pub graph: fx_precision::GraphMode,
     /// Environment steps between checkpoints.
     pub checkpoint_every: u64,
@@ -211,6 +211,7 @@ impl RunConfig {
         self.ppo.graph = self.graph;
         self.seq.seed = self.seed;
         self.seq.precision = self.precision;
+        self.seq.graph = self.graph;
         // The feature widths are the data's (every feature file has them, checked on load).
         self.tft.n_observed = fx_kernels::N_MARKET;
         self.tft.n_known = fx_data::features::N_KNOWN;

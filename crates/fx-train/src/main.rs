@@ -7,9 +7,11 @@ mod cli;
 mod config;
 mod dataset;
 mod device_memory;
+mod gpu_busy;
 mod hw;
 mod plots;
 mod progress;
+mod quantize;
 mod report;
 mod run_dir;
 mod seq_run;
@@ -62,10 +64,12 @@ fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
             let cfg = args.to_config()?;
             train::run(cfg, train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps })
         }
+        Some(cli::Command::Eval(args)) if args.int8 => done(quantize::eval_int8(&args.checkpoint)),
         Some(cli::Command::Eval(args)) => done(train::eval(&args.checkpoint)),
         Some(cli::Command::Hw(args)) => done(hw::run(&args)),
         Some(cli::Command::Features(args)) => done(features(&args)),
         Some(cli::Command::Bench(args)) => done(bench::run(&args)),
+        Some(cli::Command::Quantize(args)) => done(quantize::run(&args)),
     }
 }
 

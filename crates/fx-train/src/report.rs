@@ -35,15 +35,24 @@ impl Report {
 }
 
 pub fn evaluate(cfg: &RunConfig, data: &Dataset, agent: &Agent, device: &Device) -> Result<Report> {
+    evaluate_policy(cfg, data, agent.env_steps(), |obs| agent.greedy_action(obs, device))
+}
+
+/// The backtest of any greedy `policy` (observation → action) on the test split, beside
+/// the baselines.
+pub fn evaluate_policy(
+    cfg: &RunConfig,
+    data: &Dataset,
+    env_steps: u64,
+    mut policy: impl FnMut(&[f32]) -> Result<u32>,
+) -> Result<Report> {
     let rows = data.splits.test.clone();
     let series = data.env_data(rows.clone())?;
     let close = series.close();
     let cost = cfg.env.cost;
     let ppy = data.periods_per_year;
     let positions = replay_policy(&series, cfg.env.episode_len, |obs| {
-        agent
-            .greedy_action(obs, device)
-            .map_err(|e| fx_models::Error::Config { context: "backtest policy", message: e.to_string() })
+        policy(obs).map_err(|e| fx_models::Error::Config { context: "backtest policy", message: format!("{e:#}") })
     })?;
     let n = positions.len();
     Ok(Report {
@@ -51,7 +60,7 @@ pub fn evaluate(cfg: &RunConfig, data: &Dataset, agent: &Agent, device: &Device)
         data_source: data.source.clone(),
         test_rows: rows,
         periods_per_year: ppy,
-        env_steps: agent.env_steps(),
+        env_steps,
         agent: evaluate_positions(&positions, close, cost, ppy)?,
         buy_and_hold: evaluate_positions(&vec![1; n], close, cost, ppy)?,
         flat: evaluate_positions(&vec![0; n], close, cost, ppy)?,
@@ -87,7 +96,7 @@ pub fn write(
     Ok(())
 }
 
-fn row(name: &str, s: &BacktestStats) -> String {
+pub(crate) fn row(name: &str, s: &BacktestStats) -> String {
     format!(
         "{name:<14} {:>9.2}% {:>9.2}% {:>7.2} {:>8.2} {:>7.2}% {:>6.1}% {:>8.3} {:>9.5}",
         100.0 * s.total_return,
@@ -146,6 +155,11 @@ pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
                 "updates: forward {:.1}s + backward {:.1}s + device wait {:.1}s + optimiser {:.1}s (this session's steps)",
                 p.update_forward, p.update_backward, p.update_device_wait, p.update_optimizer
             );
+        }
+        if let Some(b) = p.gpu_busy_fraction {
+            println!("GPU busy: {:.1}% of the training loop (driver utilisation samples)", 100.0 * b);
+        } else if let Some(why) = &p.gpu_busy_unavailable {
+            println!("GPU busy: not measured ({why})");
         }
     }
     println!("run folder: {}", dir.root().display());

@@ -51,6 +51,9 @@ pub struct SeqProfile {
     pub evaluation: f64,
     pub other: f64,
     pub total: f64,
+    /// GPU runs: the share of the training epochs' time in which a kernel ran on the GPU
+    /// (see `gpu_busy`); null on the CPU or without NVML.
+    pub gpu_busy_fraction: Option<f64>,
 }
 
 /// The report of a sequence run: forecast quality on the test split.
@@ -230,6 +233,7 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
     install_ctrlc();
     let mut mem = crate::device_memory::MemProbe::for_device(&device);
     mem.start(&device)?;
+    let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t_loop = Instant::now();
     let mut interrupted = false;
     let samples_per_batch = cfg.seq.batch_size as f64;
@@ -263,6 +267,7 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
             "lr": log.lr,
             "train_samples_per_s": bpe as f64 * samples_per_batch / secs.max(1e-9),
             "gpu_mem_peak_mib": mem.peak_mib(&device)?,
+            "gpu_busy_fraction": busy.interval(),
             "elapsed_s": prior_seconds + t_loop.elapsed().as_secs_f64(),
         });
         metrics.write(&rec)?;
@@ -270,6 +275,7 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
         save(&trainer, &mut profile, prior_seconds + t_loop.elapsed().as_secs_f64())?;
     }
     bar.finish_and_clear();
+    profile.gpu_busy_fraction = busy.total();
     if interrupted {
         eprintln!(
             "interrupted in epoch {}: the checkpoint after epoch {} is in {}; continue with `fx-train train --resume --out {}`",
@@ -412,6 +418,9 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
             "time: {:.1}s total = data {:.1}s + training {:.1}s + checkpoints/logs {:.1}s + eval {:.1}s + other {:.1}s",
             p.total, p.data_prep, p.train, p.checkpoint_and_logging, p.evaluation, p.other
         );
+        if let Some(b) = p.gpu_busy_fraction {
+            println!("GPU busy: {:.1}% of the training epochs (driver utilisation samples)", 100.0 * b);
+        }
     }
     println!("run folder: {}", dir.root().display());
 }

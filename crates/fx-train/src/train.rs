@@ -62,6 +62,12 @@ pub struct Profile {
     /// Everything else (setup, progress display).
     pub other: f64,
     pub total: f64,
+    /// GPU runs: the share of the training loop's time in which a kernel ran on the GPU (the
+    /// driver's utilisation samples, see `gpu_busy`); null on the CPU or without NVML.
+    pub gpu_busy_fraction: Option<f64>,
+    /// Why `gpu_busy_fraction` is null on a GPU run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_busy_unavailable: Option<String>,
 }
 
 /// The candle device a config asks for (`FX_DEVICE` was folded into the config already).
@@ -142,6 +148,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     // Peak device memory since the loop started (null on the CPU).
     let mut mem = crate::device_memory::MemProbe::for_device(&device);
     mem.start(&device)?;
+    let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t_loop = Instant::now();
     let (mut samples_since, mut since) = (0u64, Instant::now());
     let mut last_log_steps = agent.env_steps();
@@ -179,6 +186,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
             rec.insert("env_samples_per_s".into(), json!(((steps - last_log_steps) * e) as f64 / dt));
             last_log_steps = steps;
             rec.insert("gpu_mem_peak_mib".into(), json!(mem.peak_mib(&device)?));
+            rec.insert("gpu_busy_fraction".into(), json!(busy.interval()));
             rec.insert("elapsed_s".into(), json!(prior_seconds + t_loop.elapsed().as_secs_f64()));
             metrics.write(&serde_json::Value::Object(rec))?;
             if let Some(loss) = p.loss {
@@ -195,6 +203,8 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
         }
     }
     bar.finish_and_clear();
+    profile.gpu_busy_fraction = busy.total();
+    profile.gpu_busy_unavailable = busy.unavailable.take();
     // The final state is always on disk (end of run, or Ctrl-C).
     save(&agent, &env, &mut profile, prior_seconds + t_loop.elapsed().as_secs_f64())?;
     if interrupted {

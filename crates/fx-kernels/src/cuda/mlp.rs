@@ -1,7 +1,9 @@
 //! Fused greedy policies (`kernels/mlp_forward.cu`): a dueling DQN's or a PPO actor's greedy
 //! action in one kernel launch instead of ~20 candle launches, for microsecond batch-1
 //! decisions. [`MlpPolicy`] runs on device tensors; [`MlpDecider`] takes host slices through
-//! mapped page-locked buffers (host in, action out: one launch, one sync, no allocation).
+//! mapped page-locked buffers (host in, action out: one launch, one sync, no allocation);
+//! [`MlpServer`] keeps one block resident and answers through mapped memory with no launch
+//! and no sync at all.
 //! What both compute, in f64, is [`crate::mlp_ref::reference_greedy`]; the limits are
 //! [`crate::mlp_ref`]'s.
 //!
@@ -277,6 +279,263 @@ impl MlpDecider {
         launched.and(synced)?;
         actions.copy_from_slice(&self.host_actions.as_slice().map_err(driver(CTX))?[..rows]);
         Ok(())
+    }
+}
+
+/// A resident decision server: one thread block of `fx_mlp_serve` stays running on a stream
+/// of its own and answers requests posted in mapped page-locked host memory, so a decision
+/// costs no kernel launch and no stream synchronisation, only the bus round trips (the host
+/// writes the observation and a sequence number; the block, polling, computes the greedy
+/// action and writes it back; the host polls for it).
+///
+/// It serves a private snapshot of the policy's weights taken by [`MlpServer::new`] (a
+/// resident kernel keeps cached lines across requests, so weights updated in place would
+/// not be seen reliably): after training further, start a new server. While it runs it
+/// occupies one SM and keeps polling; dropping it (or [`MlpServer::stop`]) ends the kernel.
+///
+/// While it runs, a driver call that waits for the whole device (`cuCtxSynchronize`, the
+/// synchronous frees `cuMemFree` / `cuMemFreeHost`, some library initialisations) waits for
+/// the resident kernel, that is until the server stops: measured on the H200, GPU tests
+/// running in other threads of the same process stalled behind it. Run it in a process (or
+/// a phase) whose other GPU work only queues stream-ordered work — candle's allocations
+/// and frees are stream-ordered — and stop it before anything else frees or synchronises.
+pub struct MlpServer {
+    stream: Arc<CudaStream>,
+    dims: MlpDims,
+    /// The weights' snapshot and the three mappings (accessed through raw addresses),
+    /// freed on drop only once the kernel has ended (else leaked: it may still use them).
+    buffers: std::mem::ManuallyDrop<ServerBuffers>,
+    /// The kernel has ended (stopped and waited for).
+    ended: bool,
+    /// Host addresses of the three mappings (stable for their lifetime).
+    obs_ptr: *mut f32,
+    ctrl_ptr: *mut u32,
+    reply_ptr: *mut u32,
+    seq: u32,
+    running: bool,
+}
+
+/// What a running server kernel reads and writes.
+struct ServerBuffers {
+    _snapshot: cudarc::driver::CudaSlice<f32>,
+    _host_obs: PinnedHostSlice<f32>,
+    _ctrl: PinnedHostSlice<u32>,
+    _reply: PinnedHostSlice<u32>,
+}
+
+impl std::fmt::Debug for MlpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MlpServer").field("dims", &self.dims).field("running", &self.running).finish()
+    }
+}
+
+/// How long [`MlpServer::act`] waits for an answer before it calls the server dead.
+const SERVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl MlpServer {
+    /// Snapshots `policy`'s weights (after the work queued on its stream) and starts the
+    /// server kernel on a new non-blocking stream.
+    pub fn new(policy: &MlpPolicy) -> Result<Self> {
+        const CTX: &str = "MlpServer::new";
+        let cdev = cuda_device(&policy.device, "policy", CTX)?;
+        let ctx = policy.stream.context().clone();
+        ctx.bind_to_thread().map_err(driver(CTX))?;
+        let stream = ctx.new_stream().map_err(driver(CTX))?;
+        let p0 = policy.params;
+        let (nh, na) = (p0.n_hidden as usize, p0.n_actions as usize);
+        // (rows, cols) of each weight matrix in params order: hidden layers, then the head
+        // (dueling: value [1, k] and advantage [na, k]; logits: [na, k]).
+        let k = p0.width[nh] as usize;
+        let mut mats: Vec<(usize, usize)> = (0..nh).map(|l| (p0.width[l + 1] as usize, p0.width[l] as usize)).collect();
+        if p0.head == 1 {
+            mats.extend([(1, k), (na, k)]);
+        } else {
+            mats.push((na, k));
+        }
+        // Offsets in floats, each block 16-byte aligned so float4 reads stay possible.
+        let round4 = |n: usize| n.div_ceil(4) * 4;
+        let mut offs = Vec::with_capacity(2 * mats.len());
+        let mut total = 0usize;
+        for &(r, c) in &mats {
+            offs.push((total, r * c));
+            total += round4(r * c);
+            offs.push((total, r));
+            total += round4(r);
+        }
+        policy.stream.synchronize().map_err(driver(CTX))?;
+        let snapshot = stream.alloc_zeros::<f32>(total).map_err(driver(CTX))?;
+        let base = {
+            use cudarc::driver::DevicePtr;
+            snapshot.device_ptr(&stream).0
+        };
+        let mut p = p0;
+        for (i, &(off, n)) in offs.iter().enumerate() {
+            let (src, dst) = (if i % 2 == 0 { p0.w[i / 2] } else { p0.b[i / 2] }, base + (off * 4) as u64);
+            // SAFETY: src holds n f32 of the policy's (live) weights, dst n f32 inside the
+            // snapshot; both on this context, copied on the server's stream.
+            unsafe { result::memcpy_dtod_async(dst, src, n * 4, stream.cu_stream()) }.map_err(driver(CTX))?;
+            if i % 2 == 0 {
+                p.w[i / 2] = dst;
+            } else {
+                p.b[i / 2] = dst;
+            }
+        }
+        stream.synchronize().map_err(driver(CTX))?;
+        // Every matrix of the snapshot is 16-byte aligned: float4 rows need only in % 4 == 0.
+        p.vec4_mask = 0;
+        for l in 0..=nh {
+            if p.width[l] % 4 == 0 {
+                p.vec4_mask |= 1 << l;
+            }
+        }
+        // SAFETY: written by the host (obs, ctrl) or the kernel (reply) before either reads
+        // them; zeroed below before the kernel starts.
+        let mut host_obs =
+            unsafe { ctx.alloc_pinned_with_flags::<f32>(policy.dims.input, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+                .map_err(driver(CTX))?;
+        let mut ctrl =
+            unsafe { ctx.alloc_pinned_with_flags::<u32>(2, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.map_err(driver(CTX))?;
+        let mut reply =
+            unsafe { ctx.alloc_pinned_with_flags::<u32>(2, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.map_err(driver(CTX))?;
+        let (obs_ptr, ctrl_ptr, reply_ptr) = (
+            host_obs.as_mut_ptr().map_err(driver(CTX))?,
+            ctrl.as_mut_ptr().map_err(driver(CTX))?,
+            reply.as_mut_ptr().map_err(driver(CTX))?,
+        );
+        // SAFETY: the mappings hold input f32 and 2 + 2 u32; nothing reads them yet.
+        unsafe {
+            std::ptr::write_bytes(obs_ptr, 0, policy.dims.input);
+            std::ptr::write_bytes(ctrl_ptr, 0, 2);
+            std::ptr::write_bytes(reply_ptr, 0, 2);
+        }
+        let (d_obs, d_ctrl, d_reply) = (mapped(&mut host_obs, CTX)?, mapped(&mut ctrl, CTX)?, mapped(&mut reply, CTX)?);
+        let func = cdev.get_or_load_custom_func("fx_mlp_serve", "fx_mlp_forward", PTX_MLP).ctx(CTX)?;
+        let func = func.into_cuda_function();
+        let (mut pp, mut o, mut c, mut r, mut first) = (p, d_obs, d_ctrl, d_reply, 0u32);
+        let mut args: [*mut c_void; 5] = [
+            &mut pp as *mut MlpParams as *mut c_void,
+            &mut o as *mut u64 as *mut c_void,
+            &mut c as *mut u64 as *mut c_void,
+            &mut r as *mut u64 as *mut c_void,
+            &mut first as *mut u32 as *mut c_void,
+        ];
+        // SAFETY: the arguments match fx_mlp_serve's signature; the snapshot and the mappings
+        // live in `Self`, which stops the kernel before freeing them.
+        unsafe {
+            result::launch_kernel(func.cu_function(), (1, 1, 1), (BLOCK, 1, 1), 0, stream.cu_stream(), &mut args)
+        }
+        .map_err(driver(CTX))?;
+        Ok(Self {
+            stream,
+            dims: policy.dims.clone(),
+            buffers: std::mem::ManuallyDrop::new(ServerBuffers {
+                _snapshot: snapshot,
+                _host_obs: host_obs,
+                _ctrl: ctrl,
+                _reply: reply,
+            }),
+            ended: false,
+            obs_ptr,
+            ctrl_ptr,
+            reply_ptr,
+            seq: 0,
+            running: true,
+        })
+    }
+
+    /// The network's dimensions.
+    pub fn dims(&self) -> &MlpDims {
+        &self.dims
+    }
+
+    /// The greedy action for one observation (`input` floats), host to host. Errors: a wrong
+    /// length, a stopped server, or no answer within 2 s (the kernel died).
+    pub fn act(&mut self, obs: &[f32]) -> Result<u32> {
+        use std::sync::atomic::{fence, Ordering};
+        const CTX: &str = "MlpServer::act";
+        if obs.len() != self.dims.input {
+            return Err(Error::shape("obs", CTX, format!("{} floats", self.dims.input), obs.len()));
+        }
+        if !self.running {
+            return Err(Error::Config { context: CTX, message: "the server was stopped".into() });
+        }
+        let seq = self.seq.wrapping_add(1);
+        // SAFETY: the mappings are live and sized as checked; the kernel only reads obs and
+        // ctrl and only writes reply; volatile accesses keep every access to the bus.
+        unsafe {
+            for (i, &x) in obs.iter().enumerate() {
+                std::ptr::write_volatile(self.obs_ptr.add(i), x);
+            }
+            fence(Ordering::SeqCst); // the observation before the request
+            std::ptr::write_volatile(self.ctrl_ptr, seq);
+        }
+        self.seq = seq;
+        let start = std::time::Instant::now();
+        let mut spins = 0u32;
+        // SAFETY: as above.
+        while unsafe { std::ptr::read_volatile(self.reply_ptr.add(1)) } != seq {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(4096) && start.elapsed() > SERVE_TIMEOUT {
+                self.running = false;
+                return Err(Error::Config {
+                    context: CTX,
+                    message: format!("no answer within {SERVE_TIMEOUT:?}: the server kernel is not running"),
+                });
+            }
+        }
+        fence(Ordering::SeqCst); // the sequence number before the action
+                                 // SAFETY: as above.
+        Ok(unsafe { std::ptr::read_volatile(self.reply_ptr) })
+    }
+
+    /// Ends the kernel and waits for it (also done on drop). An error if it does not end
+    /// within 2 s (its buffers then stay allocated for good).
+    pub fn stop(&mut self) -> Result<()> {
+        self.running = false;
+        if !self.ended && !self.halt()? {
+            return Err(Error::Config {
+                context: "MlpServer::stop",
+                message: format!("the server kernel did not end within {SERVE_TIMEOUT:?}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Raises the stop flag and waits up to [`SERVE_TIMEOUT`] for the kernel to end (a
+    /// bounded wait: a stream sync on a kernel that cannot see the flag would never return).
+    fn halt(&mut self) -> Result<bool> {
+        const CTX: &str = "MlpServer::halt";
+        // SAFETY: the mapping is live; the kernel polls ctrl[1].
+        unsafe { std::ptr::write_volatile(self.ctrl_ptr.add(1), 1) };
+        self.stream.context().bind_to_thread().map_err(driver(CTX))?;
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: a query of this server's own live stream.
+            match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
+                sys::CUresult::CUDA_SUCCESS => {
+                    self.ended = true;
+                    return Ok(true);
+                }
+                sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < SERVE_TIMEOUT => {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+                sys::CUresult::CUDA_ERROR_NOT_READY => return Ok(false),
+                e => return Err(driver(CTX)(cudarc::driver::DriverError(e))),
+            }
+        }
+    }
+}
+
+impl Drop for MlpServer {
+    fn drop(&mut self) {
+        self.running = false;
+        if self.ended || self.halt().unwrap_or(false) {
+            // SAFETY: the kernel has ended, so nothing uses the buffers; dropped once.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.buffers) };
+        } else {
+            eprintln!("MlpServer: the server kernel did not end; its buffers stay allocated");
+        }
     }
 }
 

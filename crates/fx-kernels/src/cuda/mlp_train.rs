@@ -178,6 +178,7 @@ pub struct MlpTrainKernels {
     bias_act: CudaFunction,
     act_bwd: CudaFunction,
     dqn_head_loss: CudaFunction,
+    dqn_q: CudaFunction,
     cast_bf16: CudaFunction,
     ppo_adv_stats: CudaFunction,
     ppo_loss: CudaFunction,
@@ -273,6 +274,7 @@ impl MlpTrainKernels {
             bias_act: get("fx_bias_act")?,
             act_bwd: get("fx_act_bwd")?,
             dqn_head_loss: get("fx_dqn_head_loss")?,
+            dqn_q: get("fx_dqn_q")?,
             cast_bf16: get("fx_cast_bf16")?,
             ppo_adv_stats: get("fx_ppo_adv_stats")?,
             ppo_loss: get("fx_ppo_loss")?,
@@ -343,6 +345,46 @@ impl MlpTrainKernels {
             shared_mem_bytes: 0,
         };
         l.launch(cfg).map_err(driver("MlpTrainKernels::dqn_head_loss"))?;
+        Ok(())
+    }
+
+    /// The dueling heads' Q values `q[batch, n_actions]` of trunk outputs `z[batch, k]`
+    /// (`heads` = value weight, value bias, advantage weight, advantage bias), one warp per
+    /// row: the forward half of [`MlpTrainKernels::dqn_head_loss`].
+    ///
+    /// # Safety
+    /// `z` holds `batch·k`, the heads `k`, 1, `n_actions·k` and `n_actions`, and `q`
+    /// `batch·n_actions` F32 values on this device until the launch ran.
+    pub unsafe fn dqn_q(
+        &self,
+        z: u64,
+        heads: [u64; 4],
+        batch: usize,
+        k: usize,
+        n_actions: usize,
+        q: u64,
+    ) -> Result<()> {
+        const CTX: &str = "MlpTrainKernels::dqn_q";
+        if n_actions == 0 || n_actions > DQN_MAX_ACTIONS || batch == 0 || k == 0 || batch > u32::MAX as usize {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!("batch {batch}, width {k}, {n_actions} actions (1..={DQN_MAX_ACTIONS})"),
+            });
+        }
+        let (b, k, na) = (batch as u32, k as u32, n_actions as u32);
+        let mut l = self.stream.launch_builder(&self.dqn_q);
+        l.arg(&z);
+        for p in &heads {
+            l.arg(p);
+        }
+        l.arg(&b).arg(&k).arg(&na).arg(&q);
+        let warps_per_block = 8u32;
+        let cfg = LaunchConfig {
+            grid_dim: (b.div_ceil(warps_per_block), 1, 1),
+            block_dim: (32 * warps_per_block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        l.launch(cfg).map_err(driver(CTX))?;
         Ok(())
     }
 

@@ -7,6 +7,7 @@
 //! candle device's single stream and cudarc frees memory stream-ordered (or after a
 //! stream sync), so a tensor dropped right after a launch is freed after the kernel.
 
+pub mod dropout;
 mod gpu_env;
 mod launch;
 pub mod mlp;
@@ -41,6 +42,8 @@ pub(crate) const PTX_GAE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR")
 pub(crate) const PTX_MLP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_forward.ptx"));
 /// PTX of `kernels/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
 pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_train.ptx"));
+/// PTX of `kernels/dropout.cu` (counter-based dropout masks).
+pub(crate) const PTX_DROPOUT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/dropout.ptx"));
 /// PTX of `kernels/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
 pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/optim.ptx"));
 

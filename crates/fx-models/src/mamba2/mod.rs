@@ -147,6 +147,35 @@ pub struct Mamba2State {
     ssm: Vec<Tensor>,
 }
 
+impl Mamba2State {
+    /// Overwrites this state's buffers in place with `other`'s values (same model and
+    /// batch), e.g. so that a captured CUDA graph of [`Mamba2::step`] keeps reading and
+    /// writing the same memory.
+    pub fn assign(&self, other: &Mamba2State) -> Result<()> {
+        let same = self.conv.len() == other.conv.len()
+            && self.ssm.len() == other.ssm.len()
+            && self
+                .conv
+                .iter()
+                .chain(&self.ssm)
+                .zip(other.conv.iter().chain(&other.ssm))
+                .all(|(a, b)| a.dims() == b.dims());
+        if !same {
+            return Err(Error::shape(
+                "state",
+                "Mamba2State::assign",
+                "a state of the same model and batch",
+                "another shape",
+            ));
+        }
+        for (dst, src) in self.conv.iter().chain(&self.ssm).zip(other.conv.iter().chain(&other.ssm)) {
+            dst.slice_set(&src.to_dtype(dst.dtype()).and_then(|t| t.contiguous()).ctx("Mamba2State::assign")?, 0, 0)
+                .ctx("Mamba2State::assign")?;
+        }
+        Ok(())
+    }
+}
+
 /// The MAMBA-2 regressor.
 #[derive(Debug, Clone)]
 pub struct Mamba2 {

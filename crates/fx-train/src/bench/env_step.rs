@@ -6,7 +6,8 @@
 //! env-step actions are 16 device tensors drawn before timing and cycled (bench.py draws
 //! `torch.randint` inside each step, one extra kernel), and the DQN collection uses the
 //! trait's ε-greedy and replay write (what `DqnTrainer::step` runs) rather than a fused
-//! Python composition.
+//! Python composition. On CUDA the collection also runs `fused`: `fx_models::DqnQForward` and
+//! `GpuTradingEnv::collect_dqn` (ε-greedy, step and replay write in one kernel).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,7 +23,7 @@ use super::timing::round;
 use super::{Ctx, Record};
 
 /// One call of a case's timed body, given the env and the call index.
-type EnvBody = Box<dyn FnMut(&mut dyn VecEnv, usize) -> Result<()>>;
+type EnvBody = Box<dyn FnMut(&mut AnyEnv, usize) -> Result<()>>;
 
 /// Which environment workload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +39,17 @@ impl EnvWhat {
         match self {
             EnvWhat::Step => "env_step",
             EnvWhat::DqnCollect => "dqn_collect",
+        }
+    }
+
+    /// The modes of this workload on the device: `eager` (candle's Q forward, then the
+    /// trait's ε-greedy and replay step), and for the DQN collection on CUDA also `fused`
+    /// (`fx_models::DqnQForward`, 7 launches, then `GpuTradingEnv::collect_dqn`: ε-greedy,
+    /// step and replay write in one kernel).
+    pub(crate) fn modes(self, cuda: bool) -> &'static [&'static str] {
+        match (self, cuda) {
+            (EnvWhat::DqnCollect, true) => &["eager", "fused"],
+            _ => &["eager"],
         }
     }
 }
@@ -86,8 +98,9 @@ impl AnyEnv {
     }
 }
 
-/// One environment case with `e` accounts (episode_len 256, cost 1 bp, seed 7).
-pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, e: usize, rec: &mut Record) -> Result<()> {
+/// One environment case with `e` accounts (episode_len 256, cost 1 bp, seed 7) in `mode`
+/// (see [`EnvWhat::modes`]).
+pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, mode: &str, e: usize, rec: &mut Record) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
     let dev = ctx.device.clone();
     let data = Arc::new(series(ctx.env_series)?);
@@ -105,15 +118,31 @@ pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, e: usize, rec: &mut Record)
                 .collect::<candle_core::Result<Vec<_>>>()?;
             rec.insert("actions".into(), json!("16 precomputed device tensors, cycled"));
             Box::new(move |env, i| {
-                env.step(&actions[i % actions.len()])?;
+                env.env().step(&actions[i % actions.len()])?;
+                Ok(())
+            })
+        }
+        #[cfg(feature = "cuda")]
+        EnvWhat::DqnCollect if mode == "fused" => {
+            let net = DuelingDqn::new(DqnNetConfig::default(), &dev, 0)?;
+            let fwd = fx_models::DqnQForward::new(&net, e)?;
+            let mut replay = ReplayBuffer::new(e * 4, &dev)?;
+            let mut obs = env.env().observe()?;
+            rec.insert("q_forward".into(), json!("DqnQForward (cuBLAS F32 + fused bias/ReLU and dueling head)"));
+            Box::new(move |env, _| {
+                let AnyEnv::Gpu(env) = env else { anyhow::bail!("the fused collection needs the GPU env") };
+                let q = fwd.forward(&net, &obs)?;
+                obs = env.collect_dqn(&q, 0.1, &mut replay)?.1;
                 Ok(())
             })
         }
         EnvWhat::DqnCollect => {
+            anyhow::ensure!(mode == "eager", "unknown dqn_collect mode {mode}");
             let net = DuelingDqn::new(DqnNetConfig::default(), &dev, 0)?;
             let mut replay = ReplayBuffer::new(e * 4, &dev)?;
             let mut obs = env.env().observe()?;
             Box::new(move |env, _| {
+                let env = env.env();
                 let q = net.forward_inference(&obs)?;
                 let a = env.epsilon_greedy(&q, 0.1)?;
                 obs = env.step_into_replay(&a, &mut replay)?.obs;
@@ -122,12 +151,12 @@ pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, e: usize, rec: &mut Record)
         }
     };
     for i in 0..ctx.warmup + 3 {
-        body(env.env(), i)?;
+        body(&mut env, i)?;
     }
     dev.synchronize()?;
     let t0 = Instant::now();
     for i in 0..ctx.env_n {
-        body(env.env(), i)?;
+        body(&mut env, i)?;
     }
     dev.synchronize()?;
     let wall = t0.elapsed().as_secs_f64();

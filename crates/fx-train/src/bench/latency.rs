@@ -4,14 +4,28 @@
 //!   launches) on a state already on the device, up to a device synchronisation;
 //! - `fused_fp32` (CUDA): the one-launch kernel of `fx_kernels::cuda::mlp` on the same
 //!   device-resident state, into a preallocated action, up to a stream synchronisation;
+//!   `kernel_us` in the record is the kernel's own device time (64 launches replayed as one
+//!   CUDA graph, event-timed), so p50 − `kernel_us` is what launching and synchronising cost;
 //! - `cpu_fp32` (CPU): `fx_kernels::mlp_cpu::CpuPolicy::act`, host slice in → action, on
 //!   the calling thread (no pool, no allocation, no tensor);
 //! - `fused_fp32_e2e` (CUDA): `MlpDecider::act`, host slice in → action on the host (the
 //!   state written into mapped page-locked memory, the kernel reading it and writing the
 //!   action over the bus, a stream sync: everything a caller with host data waits for).
 //!
-//! The fused modes also record `matches_eager`: their action for the timed state equals the
-//! eager one.
+//! - `server_fp32_e2e` (CUDA): `MlpServer::act`, host slice in → action on the host from a
+//!   resident kernel polling mapped page-locked memory (no launch, no sync per decision).
+//!
+//! - `int8` (CPU): `fx_quant::Int8Policy::act`, the default network quantised by `fx-quant`
+//!   (per-channel INT8 weights, min-max input scales from 512 random states), host slice in
+//!   → action on the calling thread, INT8 products on the best ISA (`isa` in the record).
+//!
+//! The fused and CPU modes also record `matches_eager`: their action for the timed state
+//! equals the eager one (for `int8` a near-tie may legitimately differ).
+//!
+//! Throughput (`*_infer_b256`, kind `infer`, bench.py's `run_infer_throughput_case`):
+//! greedy actions for 256 states per call, modes `eager_fp32` (candle, one `[256, 56]`
+//! forward), on CUDA `fused_fp32` (the one-launch kernel, a block per row), `cpu_fp32` (`CpuPolicy::act_batch`) and `int8` (`Int8Policy::act_batch`) on
+//! the CPU; p50 of `max(50, lat_n / 10)` timed calls after 20, `samples_per_s` = batch / p50.
 
 use std::time::Instant;
 
@@ -29,10 +43,13 @@ use super::{Ctx, Model, Record};
 pub(crate) enum LatencyMode {
     Eager,
     Cpu,
+    Int8,
     #[cfg(feature = "cuda")]
     Fused,
     #[cfg(feature = "cuda")]
     FusedE2e,
+    #[cfg(feature = "cuda")]
+    ServerE2e,
 }
 
 impl LatencyMode {
@@ -40,10 +57,13 @@ impl LatencyMode {
         match self {
             LatencyMode::Eager => "eager_fp32",
             LatencyMode::Cpu => "cpu_fp32",
+            LatencyMode::Int8 => "int8",
             #[cfg(feature = "cuda")]
             LatencyMode::Fused => "fused_fp32",
             #[cfg(feature = "cuda")]
             LatencyMode::FusedE2e => "fused_fp32_e2e",
+            #[cfg(feature = "cuda")]
+            LatencyMode::ServerE2e => "server_fp32_e2e",
         }
     }
 
@@ -52,9 +72,22 @@ impl LatencyMode {
     pub(crate) fn for_device(cuda: bool) -> Vec<LatencyMode> {
         #[cfg(feature = "cuda")]
         if cuda {
-            return vec![LatencyMode::Eager, LatencyMode::Fused, LatencyMode::FusedE2e];
+            return vec![LatencyMode::Eager, LatencyMode::Fused, LatencyMode::FusedE2e, LatencyMode::ServerE2e];
         }
-        vec![LatencyMode::Eager, LatencyMode::Cpu]
+        vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8]
+    }
+
+    /// The modes of the batch-256 throughput cases (CPU decisions only on the CPU).
+    pub(crate) fn for_throughput(cuda: bool) -> Vec<LatencyMode> {
+        if cuda {
+            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+            let mut modes = vec![LatencyMode::Eager];
+            #[cfg(feature = "cuda")]
+            modes.push(LatencyMode::Fused);
+            modes
+        } else {
+            vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8]
+        }
     }
 }
 
@@ -69,6 +102,7 @@ impl Net {
         Ok(match model {
             Model::Dqn => Net::Dqn(DuelingDqn::new(DqnNetConfig::default(), dev, 0)?),
             Model::Ppo => Net::Ppo(ActorCritic::new(PpoNetConfig::default(), dev, 0)?),
+            Model::Tft | Model::Mamba2 => anyhow::bail!("no batch-1 policy latency for {}", model.name()),
         })
     }
 
@@ -91,6 +125,17 @@ impl Net {
             Net::Dqn(n) => n.cpu_policy()?,
             Net::Ppo(n) => n.cpu_policy()?,
         })
+    }
+
+    /// The network quantised to INT8 (min-max input scales from 512 random states).
+    fn int8(&self) -> Result<fx_quant::Int8Policy> {
+        let float = match self {
+            Net::Dqn(n) => fx_quant::FloatNet::from_dqn(n)?,
+            Net::Ppo(n) => fx_quant::FloatNet::from_ppo(n)?,
+        };
+        let calib = states(&Device::Cpu, 512, 9, 2)?.flatten_all()?.to_vec1::<f32>()?;
+        let q = fx_quant::quantize(&float, &calib, fx_quant::CalibMethod::MinMax, &[])?;
+        Ok(fx_quant::Int8Policy::new(&q)?)
     }
 
     #[cfg(feature = "cuda")]
@@ -129,6 +174,23 @@ fn time_calls<T>(
     Ok(ts)
 }
 
+/// Device time of one `call` (a kernel launch, nothing synchronous): 64 calls captured in
+/// one CUDA graph, whose replays run them back to back with no host in between, timed by an
+/// event pair per replay; the median of 20 replays over 64, in microseconds.
+#[cfg(feature = "cuda")]
+fn kernel_device_us(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
+    const CALLS: usize = 64;
+    let graph = fx_precision::CapturedGraph::capture(dev, 1, |_dry| {
+        for _ in 0..CALLS {
+            call().map_err(|e| fx_precision::Error::Cuda { context: "kernel_device_us", message: format!("{e:#}") })?;
+        }
+        Ok(())
+    })?;
+    let timer = super::timing::StepTimer::for_device(dev)?;
+    let (ts, _) = timer.time_steps(dev, 20, || Ok(graph.replay()?))?;
+    Ok(pct(&ts, 50.0) * 1e3 / CALLS as f64)
+}
+
 /// One latency case in `mode`; fills `rec` (which already holds the case's identity).
 pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: &mut Record) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
@@ -147,13 +209,25 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             rec.insert("matches_eager".into(), json!(policy.act(&host)? == eager[0]));
             time_calls(&dev, warm, n, false, || Ok(policy.act(&host)?))?
         }
+        LatencyMode::Int8 => {
+            let mut policy = net.int8()?;
+            let host = x.flatten_all()?.to_vec1::<f32>()?;
+            rec.insert("matches_eager".into(), json!(policy.act(&host)? == eager[0] as usize));
+            rec.insert("isa".into(), json!(policy.isa().name()));
+            time_calls(&dev, warm, n, false, || Ok(policy.act(&host)?))?
+        }
         #[cfg(feature = "cuda")]
         LatencyMode::Fused => {
             let policy = net.fused()?;
             let out = Tensor::zeros(1, DType::U32, &dev)?;
             policy.greedy_into(&x, &out, None)?;
             rec.insert("matches_eager".into(), json!(out.to_vec1::<u32>()? == eager));
-            time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?
+            let ts = time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?;
+            // The profile of a call: the kernel's own device time; the rest of p50 is the
+            // host's launch and the stream synchronisation.
+            let kernel = kernel_device_us(&dev, || Ok(policy.greedy_into(&x, &out, None)?))?;
+            rec.insert("kernel_us".into(), json!(round(kernel, 2)));
+            ts
         }
         #[cfg(feature = "cuda")]
         LatencyMode::FusedE2e => {
@@ -161,6 +235,15 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             let host = x.flatten_all()?.to_vec1::<f32>()?;
             rec.insert("matches_eager".into(), json!(decider.act(&host)? == eager[0]));
             time_calls(&dev, warm, n, false, || Ok(decider.act(&host)?))?
+        }
+        #[cfg(feature = "cuda")]
+        LatencyMode::ServerE2e => {
+            let mut server = fx_kernels::cuda::mlp::MlpServer::new(&net.fused()?)?;
+            let host = x.flatten_all()?.to_vec1::<f32>()?;
+            rec.insert("matches_eager".into(), json!(server.act(&host)? == eager[0]));
+            let ts = time_calls(&dev, warm, n, false, || Ok(server.act(&host)?))?;
+            server.stop()?;
+            ts
         }
     };
     let peak = ctx.mem.peak_mib(&dev)?;
@@ -171,6 +254,55 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
     rec.insert("mean_us".into(), json!(round(mean(&ts), 2)));
     rec.insert("peak_mem_mib".into(), json!(peak.map(|m| round(m, 1))));
     rec.insert("mem_baseline_mib".into(), json!(ctx.mem.baseline_mib().map(|m| round(m, 1))));
+    rec.insert("peak_reserved_mib".into(), json!(ctx.mem.peak_reserved_mib()?.map(|m| round(m, 1))));
+    Ok(())
+}
+
+/// One batch-`batch` throughput case in `mode` (eager, cpu or int8); fills `rec`.
+pub(crate) fn throughput_case(
+    ctx: &mut Ctx,
+    model: Model,
+    mode: LatencyMode,
+    batch: usize,
+    rec: &mut Record,
+) -> Result<()> {
+    ctx.mem.start(&ctx.device)?;
+    let dev = ctx.device.clone();
+    let x = states(&dev, batch, 9, 3)?;
+    let net = Net::new(model, &dev)?;
+    rec.insert("params".into(), json!(net.params()));
+    let host = x.flatten_all()?.to_vec1::<f32>()?;
+    let (warm, n) = (20, (ctx.lat_n / 10).max(50));
+    let ts = match mode {
+        LatencyMode::Eager => time_calls(&dev, warm, n, true, || net.greedy(&x))?,
+        LatencyMode::Cpu => {
+            let mut policy = net.cpu()?;
+            let mut out = vec![0u32; batch];
+            time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))?
+        }
+        LatencyMode::Int8 => {
+            let mut policy = net.int8()?;
+            rec.insert("isa".into(), json!(policy.isa().name()));
+            let mut out = vec![0usize; batch];
+            time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))?
+        }
+        #[cfg(feature = "cuda")]
+        LatencyMode::Fused => {
+            let policy = net.fused()?;
+            let out = Tensor::zeros(batch, DType::U32, &dev)?;
+            time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?
+        }
+        #[cfg(feature = "cuda")]
+        LatencyMode::FusedE2e | LatencyMode::ServerE2e => {
+            anyhow::bail!("no batch-{batch} throughput case for {}", mode.name())
+        }
+    };
+    let med = pct(&ts, 50.0);
+    rec.insert("status".into(), json!("ok"));
+    rec.insert("n".into(), json!(ts.len()));
+    rec.insert("p50_us".into(), json!(round(med, 2)));
+    rec.insert("samples_per_s".into(), json!(round(batch as f64 / (med / 1e6), 1)));
+    rec.insert("peak_mem_mib".into(), json!(ctx.mem.peak_mib(&dev)?.map(|m| round(m, 1))));
     rec.insert("peak_reserved_mib".into(), json!(ctx.mem.peak_reserved_mib()?.map(|m| round(m, 1))));
     Ok(())
 }

@@ -470,6 +470,8 @@ mod tests {
             train: Vec::new(),
             precisions: Vec::new(),
             latency: Vec::new(),
+            infer_batch: 0,
+            seq_infer: Vec::new(),
             env_e: None,
             env_series: 400,
             h2d: Vec::new(),

@@ -12,7 +12,10 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{Device, Tensor};
-use fx_models::{DqnBatch, DqnConfig, DqnTrainer, PpoBatch, PpoConfig, PpoTrainer};
+use fx_models::seq_train::{Mamba2Task, SeqBatch, SeqTask, SeqTrainConfig, SeqTrainer};
+use fx_models::{
+    DqnBatch, DqnConfig, DqnTrainer, Mamba2, Mamba2Config, PpoBatch, PpoConfig, PpoTrainer, Tft, TftConfig,
+};
 use fx_precision::{GraphMode, Precision};
 use serde_json::json;
 
@@ -185,6 +188,105 @@ impl Stepper for PpoStepper {
     }
 }
 
+/// The sequence models under test (the trainer does not own its model).
+enum SeqNet {
+    Tft(Tft),
+    Mamba2(Mamba2, usize),
+}
+
+/// `SeqTrainer::train_step` on one fixed batch, as bench.py steps its TFT and MAMBA-2
+/// (fixed random inputs: forward with dropout, loss, backward, clip at norm 1, AdamW).
+struct SeqStepper {
+    net: SeqNet,
+    trainer: SeqTrainer,
+    batch: SeqBatch,
+    graph: bool,
+}
+
+/// MAMBA-2's sequence length in the training case (bench.py's `seq`).
+pub(crate) const MAMBA2_SEQ_LEN: usize = 256;
+
+impl SeqStepper {
+    fn new(device: &Device, model: Model, batch: usize, precision: Precision, graph: bool) -> Result<Self> {
+        let cfg = SeqTrainConfig {
+            batch_size: batch,
+            precision,
+            graph: if graph { GraphMode::On } else { GraphMode::Off },
+            ..Default::default()
+        };
+        let b = batch;
+        let tensor = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, device);
+        let (net, inputs, target) = match model {
+            Model::Tft => {
+                let tc = TftConfig::default();
+                let (l, h) = (tc.l_enc, tc.h);
+                let obs = tensor(normals(2, 1, b * l * tc.n_observed), &[b, l, tc.n_observed])?;
+                let known: Vec<f32> =
+                    normals(2, 2, b * (l + h) * tc.n_known).iter().map(|v| v.clamp(-1.0, 1.0)).collect();
+                let known = tensor(known, &[b, l + h, tc.n_known])?;
+                let y: Vec<f32> = normals(2, 3, b * h).iter().map(|v| 0.01 * v).collect();
+                (SeqNet::Tft(Tft::new(tc, device, 0)?), vec![obs, known], tensor(y, &[b, h])?)
+            }
+            Model::Mamba2 => {
+                let mc = Mamba2Config::default();
+                let l = MAMBA2_SEQ_LEN;
+                let x = tensor(normals(3, 1, b * l * mc.n_in), &[b, l, mc.n_in])?;
+                let y: Vec<f32> = normals(3, 2, b * l).iter().map(|v| 0.01 * v).collect();
+                (SeqNet::Mamba2(Mamba2::new(mc, device, 0)?, l), vec![x], tensor(y, &[b, l])?)
+            }
+            Model::Dqn | Model::Ppo => anyhow::bail!("not a sequence model"),
+        };
+        let batch = SeqBatch { inputs, last_value: target.clone(), target };
+        let trainer = match &net {
+            SeqNet::Tft(m) => SeqTrainer::new(m, 0..m.window_len() * 4 + b, &cfg)?,
+            SeqNet::Mamba2(m, l) => SeqTrainer::new(&Mamba2Task { model: m, seq_len: *l }, 0..l * 4 + b, &cfg)?,
+        };
+        Ok(Self { net, trainer, batch, graph })
+    }
+
+    fn params(&self) -> &fx_models::seq_params::ParamStore {
+        match &self.net {
+            SeqNet::Tft(m) => m.params(),
+            SeqNet::Mamba2(m, _) => m.params(),
+        }
+    }
+}
+
+impl Stepper for SeqStepper {
+    #[cfg(feature = "cuda")]
+    fn graph_nodes(&self) -> Result<Option<usize>> {
+        Ok(self.trainer.graph_nodes()?)
+    }
+
+    fn params(&self) -> usize {
+        self.params().param_count()
+    }
+
+    fn step(&mut self) -> Result<Option<StepOut>> {
+        // Graph modes read nothing back per step; eager steps read their loss anyway.
+        let loss = match &self.net {
+            SeqNet::Tft(m) => self.trainer.train_step(m, &self.batch, false)?,
+            SeqNet::Mamba2(m, l) => {
+                self.trainer.train_step(&Mamba2Task { model: m, seq_len: *l }, &self.batch, false)?
+            }
+        };
+        #[cfg(feature = "cuda")]
+        if self.graph {
+            ensure!(self.trainer.graph_nodes()?.is_some(), "the sequence-model step was not captured");
+        }
+        Ok(loss.map(|loss| StepOut { loss, skipped: false }))
+    }
+
+    fn summary(&mut self) -> Result<Option<(f64, usize)>> {
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.trainer.graph_stats()? {
+            return Ok(Some((st.last_loss, st.guard.skipped() as usize)));
+        }
+        let _ = self.graph;
+        Ok(None)
+    }
+}
+
 /// One training case: build (inside the memory window, like bench.py), a first step,
 /// `warmup` steps, then `steps` timed steps. Fills `rec` (which already holds the case's
 /// identity fields).
@@ -201,6 +303,10 @@ pub(crate) fn train_case(
     let mut stepper: Box<dyn Stepper> = match model {
         Model::Dqn => Box::new(DqnStepper::new(&dev, batch, precision, graph).context("building the DQN case")?),
         Model::Ppo => Box::new(PpoStepper::new(&dev, batch, precision, graph).context("building the PPO case")?),
+        Model::Tft | Model::Mamba2 => Box::new(
+            SeqStepper::new(&dev, model, batch, precision, graph)
+                .with_context(|| format!("building the {} case", model.name()))?,
+        ),
     };
     rec.insert("params".into(), json!(stepper.params()));
     rec.insert("precision".into(), json!(precision.to_string()));
@@ -257,6 +363,10 @@ pub(crate) fn train_case(
     rec.insert("skipped_steps".into(), json!(skipped));
     if let Some(n) = stepper.graph_nodes()? {
         rec.insert("graph_nodes".into(), json!(n));
+    }
+    if model == Model::Mamba2 {
+        rec.insert("seq_len".into(), json!(MAMBA2_SEQ_LEN));
+        rec.insert("tokens_per_s".into(), json!(round(b / (med / 1e3) * MAMBA2_SEQ_LEN as f64, 1)));
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::{MlpDecider, MlpPolicy};
+use super::{MlpDecider, MlpPolicy, MlpServer};
 use crate::cuda::tests::gpu;
 use crate::error::Error;
 use crate::mlp_ref::{reference_greedy, Activation, GreedyMlp, Head, Linear, MAX_WIDTH};
@@ -247,4 +247,68 @@ fn policy_sees_in_place_weight_updates() {
     }
     check_against_reference(&net, &policy, &x, "after the update");
     check_against_reference(&other, &policy, &x, "after the update, against the new weights");
+}
+
+/// The greedy actions of `net`'s f64 reference for the rows of `x`.
+fn reference_actions(net: &Net, x: &Tensor) -> Vec<u32> {
+    net.with(|n| reference_greedy(n, x)).expect("reference").1
+}
+
+/// The resident server decides as the launched kernel does, request after request (DQN and
+/// PPO-actor shapes), agrees with the f64 reference off near-ties, refuses bad input and
+/// refuses to answer once stopped.
+#[test]
+#[ignore = "a resident kernel: run alone (`server --ignored --test-threads=1`), see MlpServer's docs"]
+fn server_matches_policy() {
+    let Some(dev) = gpu("server_matches_policy") else { return };
+    let cases: [(&[usize], Activation, usize, bool, u64); 2] =
+        [(&[56, 256, 256, 128], Activation::Relu, 3, true, 80), (&[56, 256, 256], Activation::Tanh, 3, false, 81)];
+    for (widths, act, na, dueling, seed) in cases {
+        let net = Net::new(&dev, widths, act, na, dueling, seed);
+        let policy = net.policy();
+        let mut server = MlpServer::new(&policy).unwrap();
+        let x = obs(&dev, 300, 56, seed + 1);
+        let want: Vec<u32> = policy.greedy(&x).unwrap().to_vec1().unwrap();
+        let reference = reference_actions(&net, &x);
+        let host: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let mut same_as_reference = 0;
+        for (r, row) in host.chunks_exact(56).enumerate() {
+            let a = server.act(row).unwrap();
+            assert_eq!(a, want[r], "{widths:?} row {r}: server vs launched kernel");
+            same_as_reference += usize::from(a == reference[r]);
+        }
+        assert!(same_as_reference >= 297, "{widths:?}: {same_as_reference}/300 equal to the f64 reference");
+        assert!(server.act(&host[..55]).is_err(), "a short observation must be refused");
+        server.stop().unwrap();
+        assert!(server.act(&host[..56]).is_err(), "a stopped server must refuse");
+    }
+}
+
+/// A server serves the weights of its start: an in-place update reaches a new server, not a
+/// running one.
+#[test]
+#[ignore = "a resident kernel: run alone (`server --ignored --test-threads=1`), see MlpServer's docs"]
+fn server_serves_its_snapshot() {
+    let Some(dev) = gpu("server_serves_its_snapshot") else { return };
+    let mut net = Net::new(&dev, &[56, 64, 32], Activation::Tanh, 4, false, 90);
+    let vars: Vec<(Var, Var)> =
+        net.layers.iter().map(|(w, b)| (Var::from_tensor(w).unwrap(), Var::from_tensor(b).unwrap())).collect();
+    net.layers = vars.iter().map(|(w, b)| (w.as_tensor().clone(), b.as_tensor().clone())).collect();
+    let policy = net.policy();
+    let x = obs(&dev, 200, 56, 5);
+    let host: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+    let before: Vec<u32> = policy.greedy(&x).unwrap().to_vec1().unwrap();
+    let mut old = MlpServer::new(&policy).unwrap();
+    let other = Net::new(&dev, &[56, 64, 32], Activation::Tanh, 4, false, 91);
+    for ((w, b), (nw, nb)) in vars.iter().zip(&other.layers) {
+        w.set(nw).unwrap();
+        b.set(nb).unwrap();
+    }
+    let after: Vec<u32> = policy.greedy(&x).unwrap().to_vec1().unwrap();
+    assert_ne!(before, after, "the update must change some actions for the test to mean anything");
+    let mut new = MlpServer::new(&policy).unwrap();
+    for (r, row) in host.chunks_exact(56).enumerate() {
+        assert_eq!(old.act(row).unwrap(), before[r], "row {r}: the running server changed weights");
+        assert_eq!(new.act(row).unwrap(), after[r], "row {r}: the new server missed the update");
+    }
 }

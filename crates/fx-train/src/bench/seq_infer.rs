@@ -1,0 +1,187 @@
+//! Sequence-model inference cases (no tape, dropout off), fx-only (bench.py has none):
+//! - `tft_infer_b1` (latency): one quantile forecast from a 64-bar history, p50/p99/mean;
+//! - `tft_infer_b{256,8}` (infer): forecasts per second at a batch (CPU 8);
+//! - `mamba2_step_b1` (latency): [`Mamba2::step`], one new bar through the recurrent state,
+//!   what a trading loop feeding one bar at a time pays.
+//!
+//! Modes: `eager_fp32` (candle's ops, one launch each) and, on CUDA, `graph_fp32` (the same
+//! forward captured once as a CUDA graph on static input and output buffers — and, for the
+//! MAMBA-2 step, a static state updated in place — replayed per call). Every call is timed
+//! on the host clock up to a device synchronisation, like bench.py's latency cases.
+
+use std::time::Instant;
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use fx_models::{Ctx, Mamba2, Mamba2Config, Tft, TftConfig};
+use fx_precision::Precision;
+use serde_json::json;
+
+use super::data::normals;
+use super::timing::{mean, pct, round};
+use super::{Ctx as BenchCtx, Record};
+
+/// Which sequence inference case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SeqInfer {
+    /// TFT forecast at batch 1 (latency).
+    TftB1,
+    /// TFT forecasts at a batch (throughput).
+    TftBatch(usize),
+    /// MAMBA-2 one-bar recurrent step at batch 1 (latency).
+    Mamba2Step,
+}
+
+impl SeqInfer {
+    /// The cases for a device (bench.py's CPU batches are smaller).
+    pub(crate) fn cases(tft: bool, mamba2: bool, cuda: bool) -> Vec<SeqInfer> {
+        let mut v = Vec::new();
+        if tft {
+            v.extend([SeqInfer::TftB1, SeqInfer::TftBatch(if cuda { 256 } else { 8 })]);
+        }
+        if mamba2 {
+            v.push(SeqInfer::Mamba2Step);
+        }
+        v
+    }
+
+    pub(crate) fn case(self) -> String {
+        match self {
+            SeqInfer::TftB1 => "tft_infer_b1".into(),
+            SeqInfer::TftBatch(b) => format!("tft_infer_b{b}"),
+            SeqInfer::Mamba2Step => "mamba2_step_b1".into(),
+        }
+    }
+
+    pub(crate) fn kind(self) -> &'static str {
+        match self {
+            SeqInfer::TftBatch(_) => "infer",
+            _ => "latency",
+        }
+    }
+
+    pub(crate) fn model(self) -> &'static str {
+        match self {
+            SeqInfer::Mamba2Step => "mamba2",
+            _ => "tft",
+        }
+    }
+
+    pub(crate) fn batch(self) -> usize {
+        match self {
+            SeqInfer::TftBatch(b) => b,
+            _ => 1,
+        }
+    }
+}
+
+/// The modes of a device.
+pub(crate) fn modes(cuda: bool) -> &'static [&'static str] {
+    if cuda {
+        &["eager_fp32", "graph_fp32"]
+    } else {
+        &["eager_fp32"]
+    }
+}
+
+/// A forward to time: `call()` queues one inference (its result stays on the device).
+type Call<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
+
+/// One case in `mode`; fills `rec`.
+pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec: &mut Record) -> Result<()> {
+    let dev = ctx.device.clone();
+    let graph = mode == "graph_fp32";
+    ensure!(!graph || dev.is_cuda(), "graph modes need CUDA");
+    let c = Ctx::inference(Precision::F32);
+    let (n_warm, n) = if what.kind() == "infer" {
+        (5, (ctx.lat_n / 20).max(20))
+    } else {
+        (ctx.lat_warm.min(100), (ctx.lat_n / 4).max(50))
+    };
+    let ts = match what {
+        SeqInfer::TftB1 | SeqInfer::TftBatch(_) => {
+            let cfg = TftConfig::default();
+            let b = what.batch();
+            let (l, h) = (cfg.l_enc, cfg.h);
+            let obs = Tensor::from_vec(normals(6, 1, b * l * cfg.n_observed), (b, l, cfg.n_observed), &dev)?;
+            let known: Vec<f32> = normals(6, 2, b * (l + h) * cfg.n_known).iter().map(|v| v.clamp(-1.0, 1.0)).collect();
+            let known = Tensor::from_vec(known, (b, l + h, cfg.n_known), &dev)?;
+            let model = Tft::new(cfg, &dev, 0)?;
+            rec.insert("params".into(), json!(model.params().param_count()));
+            let out = model.forward(&c, &obs, &known)?.contiguous()?.copy()?;
+            let mut body = |_dry: bool| -> Result<()> {
+                let q = model.forward(&c, &obs, &known)?;
+                out.slice_set(&q.contiguous()?, 0, 0)?;
+                Ok(())
+            };
+            let first = out.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            ensure!(first.iter().all(|v| v.is_finite()), "non-finite TFT forecast");
+            time_calls(&dev, graph, &mut body, n_warm, n)?
+        }
+        SeqInfer::Mamba2Step => {
+            let cfg = Mamba2Config::default();
+            let model = Mamba2::new(cfg.clone(), &dev, 0)?;
+            rec.insert("params".into(), json!(model.params().param_count()));
+            let x = Tensor::from_vec(normals(7, 1, cfg.n_in), (1, cfg.n_in), &dev)?;
+            // A state after a 64-bar history, then one bar per call from there.
+            let hist = Tensor::from_vec(normals(7, 2, 64 * cfg.n_in), (1, 64, cfg.n_in), &dev)?;
+            let (_, state) = model.forward_with_state(&c, &hist)?;
+            let out = Tensor::zeros(1, DType::F32, &dev)?;
+            let mut body = |_dry: bool| -> Result<()> {
+                let mut next = state.clone();
+                let y = model.step(&c, &x, &mut next)?;
+                state.assign(&next)?;
+                out.slice_set(&y.to_dtype(DType::F32)?.contiguous()?, 0, 0)?;
+                Ok(())
+            };
+            time_calls(&dev, graph, &mut body, n_warm, n)?
+        }
+    };
+    let p50 = pct(&ts, 50.0);
+    rec.insert("status".into(), json!("ok"));
+    rec.insert("n".into(), json!(ts.len()));
+    rec.insert("p50_us".into(), json!(round(p50, 2)));
+    rec.insert("p99_us".into(), json!(round(pct(&ts, 99.0), 2)));
+    rec.insert("mean_us".into(), json!(round(mean(&ts), 2)));
+    if let SeqInfer::TftBatch(b) = what {
+        rec.insert("samples_per_s".into(), json!(round(b as f64 / (p50 / 1e6), 1)));
+    }
+    Ok(())
+}
+
+/// Times `n` calls of `body` (after `warm`), each up to a device synchronisation, in µs;
+/// with `graph`, `body` is captured once and each call is one replay.
+fn time_calls(
+    dev: &Device,
+    graph: bool,
+    body: &mut dyn FnMut(bool) -> Result<()>,
+    warm: usize,
+    n: usize,
+) -> Result<Vec<f64>> {
+    let mut call: Call<'_> = if graph { captured(dev, body)? } else { Box::new(move || body(false)) };
+    for _ in 0..warm {
+        call()?;
+    }
+    dev.synchronize()?;
+    let mut ts = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t0 = Instant::now();
+        call()?;
+        dev.synchronize()?;
+        ts.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(ts)
+}
+
+#[cfg(feature = "cuda")]
+fn captured<'a>(dev: &Device, body: &'a mut dyn FnMut(bool) -> Result<()>) -> Result<Call<'a>> {
+    let g = fx_precision::CapturedGraph::capture(dev, 2, |dry| {
+        body(dry).map_err(|e| fx_precision::Error::Cuda { context: "seq inference capture", message: format!("{e:#}") })
+    })?;
+    Ok(Box::new(move || Ok(g.replay()?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn captured<'a>(_dev: &Device, _body: &'a mut dyn FnMut(bool) -> Result<()>) -> Result<Call<'a>> {
+    anyhow::bail!("graph modes need a build with the cuda feature")
+}

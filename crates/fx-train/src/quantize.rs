@@ -1,0 +1,258 @@
+//! `fx-train quantize` and `fx-train eval --int8`: the INT8 policy of a DQN/PPO run
+//! (`fx-quant`), written beside the run's latest checkpoint as
+//! `checkpoint-<step>.int8.safetensors`, with `quant_report.json` (agreement with F32 on
+//! the test split, score errors, sizes); and its backtest beside F32's (`eval_int8.json`).
+//!
+//! Calibration and agreement rows are the observations a greedy F32 replay sees (the
+//! backtest's `replay_policy`): calibration on the training split, agreement on the test
+//! split, so the INT8 policy is judged on the inputs it will get.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use fx_models::replay_policy;
+use fx_quant::{CalibMethod, Decide, Int8Policy};
+use serde_json::json;
+
+use crate::agent::Agent;
+use crate::cli::{QuantMethod, QuantizeArgs};
+use crate::config::RunConfig;
+use crate::dataset::Dataset;
+use crate::run_dir::{write_atomic, Checkpoint, RunDir};
+
+/// What both commands load: the run's config, its latest checkpoint on the CPU, its data.
+struct Loaded {
+    dir: RunDir,
+    cfg: RunConfig,
+    checkpoint: Checkpoint,
+    agent: Agent,
+    data: Dataset,
+}
+
+fn load_run(run: &Path) -> Result<Loaded> {
+    let dir = RunDir::existing(run)?;
+    let cfg = RunConfig::from_toml_file(&dir.path("config.toml"))?.resolve()?;
+    if cfg.model.is_sequence() {
+        bail!(
+            "{}: INT8 quantisation covers dqn and ppo runs so far; this is a {} run",
+            run.display(),
+            cfg.model.as_str()
+        );
+    }
+    let Some(checkpoint) = dir.latest_checkpoint()? else {
+        bail!("{} holds no checkpoint yet", run.display());
+    };
+    checkpoint.check_model(cfg.model, "config.toml says")?;
+    let data = Dataset::load(&cfg, Some(checkpoint.run.normalizer()?))?;
+    checkpoint.check_source(&data.source, "config.toml now names")?;
+    // Quantisation and INT8 decisions are CPU work, wherever the run trained.
+    let agent = Agent::load(cfg.model, &checkpoint.trainer, &Device::Cpu)?;
+    Ok(Loaded { dir, cfg, checkpoint, agent, data })
+}
+
+/// The INT8 file of a checkpoint: `checkpoint-<step>.int8.safetensors` beside it.
+pub fn int8_path(trainer: &Path) -> PathBuf {
+    let stem = trainer.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    trainer.with_file_name(format!("{stem}.int8.safetensors"))
+}
+
+/// The observations a greedy F32 replay of `rows` sees (`rows × 56`), in order.
+fn replay_observations(l: &Loaded, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
+    let series = l.data.env_data(rows)?;
+    let mut policy = l.agent.cpu_policy()?;
+    let mut seen = Vec::new();
+    replay_policy(&series, l.cfg.env.episode_len, |obs| {
+        seen.extend_from_slice(obs);
+        policy.act(obs).map_err(|e| fx_models::Error::Config { context: "F32 replay", message: e.to_string() })
+    })?;
+    Ok(seen)
+}
+
+pub fn run(args: &QuantizeArgs) -> Result<()> {
+    if args.calib_rows == 0 {
+        bail!("--calib-rows must be at least 1");
+    }
+    let l = load_run(&args.checkpoint)?;
+    let float = l.agent.float_net()?;
+    let width = float.state_dim();
+    let train_obs = replay_observations(&l, l.data.splits.train.clone())?;
+    let calib = fx_quant::calibrate::spread_rows(&train_obs, width, args.calib_rows);
+    let method = match args.method {
+        QuantMethod::Minmax => CalibMethod::MinMax,
+        QuantMethod::Percentile => CalibMethod::Percentile(args.percentile),
+    };
+    let keep: Vec<&str> = args.f32_layers.iter().map(String::as_str).collect();
+    let q = fx_quant::quantize(&float, &calib, method, &keep)?;
+
+    let trainer = &l.checkpoint.trainer;
+    let provenance = fx_quant::checkpoint::Provenance {
+        source_sha256: fx_quant::checkpoint::sha256_file(trainer)?,
+        source: trainer.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+    };
+    let out = int8_path(trainer);
+    fx_quant::checkpoint::save(&q, &provenance, &out)?;
+    // Read back through the checked loader, as `eval --int8` and services will.
+    let (q, _) = fx_quant::checkpoint::load(&out, Some(&provenance.source_sha256))?;
+
+    let test_obs = replay_observations(&l, l.data.splits.test.clone())?;
+    let agree = fx_quant::reference::agreement(&float, &q, &test_obs)?;
+    // The deployed path decides the same actions as the reference it is tested against.
+    let mut policy = Int8Policy::new(&q)?;
+    let mut f32_policy = l.agent.cpu_policy()?;
+    let mut same_as_cpu_f32 = 0usize;
+    for row in test_obs.chunks_exact(width) {
+        same_as_cpu_f32 += usize::from(policy.act(row)? == Decide::act(&mut f32_policy, row)?);
+    }
+    let f32_bytes = 4 * float.num_params();
+    let file_bytes = std::fs::metadata(&out).with_context(|| format!("reading {}", out.display()))?.len();
+    let score = if float.kind.dueling() { "q" } else { "logit" };
+    let layers: Vec<_> = q
+        .layers
+        .iter()
+        .map(|layer| match layer {
+            fx_quant::QuantLayer::Int8(x) => json!({
+                "name": x.name, "dtype": "int8", "shape": [x.out, x.inp], "input_scale": x.input_scale,
+                "weight_scale_max": x.weight_scale.iter().copied().fold(0.0f32, f32::max),
+            }),
+            fx_quant::QuantLayer::F32(x) => json!({ "name": x.name, "dtype": "f32", "shape": [x.out, x.inp] }),
+        })
+        .collect();
+    let report = json!({
+        "model": l.cfg.model.as_str(),
+        "checkpoint": trainer.display().to_string(),
+        "int8_file": out.display().to_string(),
+        "source_sha256": provenance.source_sha256,
+        "format": fx_quant::checkpoint::FORMAT,
+        "calibration": {
+            "method": method.name(),
+            "percentile": q.calibration.percentile,
+            "rows": q.calibration.rows,
+            "from": "greedy F32 replay of the training split",
+        },
+        "f32_layers": q.f32_layers(),
+        "layers": layers,
+        "isa": policy.isa().name(),
+        "test_rows": agree.rows,
+        "action_agreement": agree.fraction(),
+        "action_agreement_with_cpu_f32": same_as_cpu_f32 as f64 / agree.rows.max(1) as f64,
+        "score": score,
+        "max_abs_score_diff": agree.max_abs_score_diff,
+        "mean_abs_score_diff": agree.mean_abs_score_diff,
+        "max_abs_score": agree.max_abs_score,
+        "f32_bytes": f32_bytes,
+        "int8_bytes": q.bytes(),
+        "size_ratio": f32_bytes as f64 / q.bytes() as f64,
+        "file_bytes": file_bytes,
+    });
+    write_atomic(&l.dir.path("quant_report.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
+    println!(
+        "wrote {} ({} {} layers INT8{}, calibrated on {} training-split rows, {}; {} path)",
+        out.display(),
+        q.layers.len() - q.f32_layers().len(),
+        l.cfg.model.as_str(),
+        if q.f32_layers().is_empty() { String::new() } else { format!(", {} F32", q.f32_layers().join(",")) },
+        q.calibration.rows,
+        method,
+        policy.isa().name()
+    );
+    println!(
+        "test split ({} rows): greedy action equal to F32 on {:.2}%, max |Δ{score}| {:.3e} (mean {:.3e}, max |{score}| {:.3}); \
+         weights {:.0} KiB F32 -> {:.0} KiB INT8 ({:.2}x)",
+        agree.rows,
+        100.0 * agree.fraction(),
+        agree.max_abs_score_diff,
+        agree.mean_abs_score_diff,
+        agree.max_abs_score,
+        f32_bytes as f64 / 1024.0,
+        q.bytes() as f64 / 1024.0,
+        f32_bytes as f64 / q.bytes() as f64
+    );
+    println!("report: {}", l.dir.path("quant_report.json").display());
+    if agree.fraction() < AGREEMENT_TARGET {
+        eprintln!(
+            "warning: the INT8 policy decides like F32 on {:.2}% of test rows, below the {:.0}% target: \
+             check `fx-train eval --int8` before deploying it (or keep layers in F32 with --f32-layers)",
+            100.0 * agree.fraction(),
+            100.0 * AGREEMENT_TARGET
+        );
+    }
+    Ok(())
+}
+
+/// Issue 13's accuracy bars: greedy actions equal to F32's on this share of test rows, and
+/// the backtest's Sharpe within this relative distance of F32's. Below them the commands
+/// say so on stderr (the files are still written: the numbers are the user's to judge).
+const AGREEMENT_TARGET: f64 = 0.99;
+const SHARPE_REL_TARGET: f64 = 0.02;
+
+/// `fx-train eval --int8`: the INT8 policy's backtest beside the F32 policy's.
+pub fn eval_int8(run: &Path) -> Result<()> {
+    let l = load_run(run)?;
+    let trainer = &l.checkpoint.trainer;
+    let path = int8_path(trainer);
+    if !path.exists() {
+        bail!(
+            "{} has no INT8 policy for {}: run `fx-train quantize --checkpoint {}` first",
+            run.display(),
+            trainer.file_name().unwrap_or_default().to_string_lossy(),
+            run.display()
+        );
+    }
+    let sha = match &l.checkpoint.run.trainer_sha256 {
+        Some(s) => s.clone(),
+        None => fx_quant::checkpoint::sha256_file(trainer)?,
+    };
+    let (q, _) = fx_quant::checkpoint::load(&path, Some(&sha))?;
+    let mut policy = Int8Policy::new(&q)?;
+    let mut f32_policy = l.agent.cpu_policy()?;
+    let steps = l.agent.env_steps();
+    let f32_rep = crate::report::evaluate_policy(&l.cfg, &l.data, steps, |obs| Ok(f32_policy.act(obs)?))?;
+    let int8_rep = crate::report::evaluate_policy(&l.cfg, &l.data, steps, |obs| Ok(policy.act(obs)? as u32))?;
+    let (a, b) = (&f32_rep.agent, &int8_rep.agent);
+    let same = a.positions.iter().zip(&b.positions).filter(|(x, y)| x == y).count();
+    let (s32, s8) = (a.stats.sharpe, b.stats.sharpe);
+    let rel = if s32 != 0.0 { (s8 - s32).abs() / s32.abs() } else { (s8 - s32).abs() };
+    let doc = json!({
+        "model": l.cfg.model.as_str(),
+        "checkpoint": trainer.display().to_string(),
+        "int8_file": path.display().to_string(),
+        "test_rows": f32_rep.test_rows,
+        "f32": a.stats,
+        "int8": b.stats,
+        "sharpe_f32": s32,
+        "sharpe_int8": s8,
+        "sharpe_rel_diff": rel,
+        "position_agreement": same as f64 / a.positions.len().max(1) as f64,
+        "buy_and_hold": f32_rep.buy_and_hold.stats,
+        "flat": f32_rep.flat.stats,
+    });
+    write_atomic(&l.dir.path("eval_int8.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    println!(
+        "backtest of the {} policy on the test split ({} rows), F32 and INT8 ({}):",
+        l.cfg.model.as_str(),
+        f32_rep.test_rows.len(),
+        policy.isa().name()
+    );
+    println!(
+        "{:<14} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>8} {:>9}",
+        "policy", "total", "annual", "sharpe", "sortino", "max dd", "hit", "turnover", "cost"
+    );
+    println!("{}", crate::report::row("F32 (CPU)", &a.stats));
+    println!("{}", crate::report::row("INT8", &b.stats));
+    println!("{}", crate::report::row("buy & hold", &f32_rep.buy_and_hold.stats));
+    println!(
+        "Sharpe F32 {s32:.4} vs INT8 {s8:.4} ({:.2}% apart); same position on {:.2}% of bars; {}",
+        100.0 * rel,
+        100.0 * same as f64 / a.positions.len().max(1) as f64,
+        l.dir.path("eval_int8.json").display()
+    );
+    if rel > SHARPE_REL_TARGET {
+        eprintln!(
+            "warning: the INT8 policy's Sharpe is {:.1}% away from F32's (target {:.0}%): it trades differently",
+            100.0 * rel,
+            100.0 * SHARPE_REL_TARGET
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Device tests and profiled training runs on the GPU, in one device call (after
+# `../shared/gpu/pack tests ...` and `pack bin release/fx-train` here):
+#   OUT=/path/to/out bash scripts/gpu-runs.sh [tests] [runs]     # default: both
+# tests: every packed test binary (`.gpu/run.sh tests`), log in $OUT/tests.log;
+# runs:  DQN, PPO (default configs, --device cuda) and TFT (one epoch) with their report's
+#        profile (GPU busy fraction) and report.json appended to $OUT/runs.log.
+set -uo pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+G=${FX_GPU_DIR:-.gpu}
+what=${*:-tests runs}
+rc=0
+if [[ " $what " == *" tests "* ]]; then
+  t0=$(date +%s)
+  timeout "${TESTS_TIMEOUT:-300}" bash "$G/run.sh" tests >"$OUT/tests.log" 2>&1 || rc=1
+  echo "tests: $(tail -n 1 "$OUT/tests.log") in $(($(date +%s) - t0)) s"
+  grep -E "^test .* FAILED|^FAILED|panicked" "$OUT/tests.log" | head -20
+fi
+if [[ " $what " == *" runs "* ]]; then
+  R=$(mktemp -d)
+  : >"$OUT/runs.log"
+  for spec in "dqn:--steps 3000" "ppo:--steps 3000" "tft:--epochs 1"; do
+    name=${spec%%:*} args=${spec#*:}
+    echo "=== $name: fx-train train --model $name $args --device cuda" >>"$OUT/runs.log"
+    t0=$(date +%s)
+    timeout "${RUN_TIMEOUT:-120}" bash "$G/run.sh" bin fx-train train --model "$name" $args \
+      --device cuda --quiet --out "$R/$name" >>"$OUT/runs.log" 2>&1 || { rc=1; echo "FAILED: $name" >>"$OUT/runs.log"; }
+    echo "($name: $(($(date +%s) - t0)) s)" >>"$OUT/runs.log"
+    if [ -f "$R/$name/report.json" ]; then
+      echo "--- $name report.json" >>"$OUT/runs.log"
+      cat "$R/$name/report.json" >>"$OUT/runs.log"
+    fi
+    [ -f "$R/$name/metrics.jsonl" ] && { echo "--- $name metrics.jsonl (last 3)"; tail -n 3 "$R/$name/metrics.jsonl"; } >>"$OUT/runs.log"
+  done
+  grep -E "^===|GPU busy|time:|beat|FAILED|error" "$OUT/runs.log"
+fi
+exit $rc

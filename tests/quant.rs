@@ -1,0 +1,174 @@
+//! `fx-train quantize` and `fx-train eval --int8` end to end: a short run at the default
+//! network size, its INT8 policy, the report's accuracy and size claims, the file's
+//! layout as another reader sees it, and one-line errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fx_train() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fx-train"));
+    cmd.env_remove("FX_DEVICE").env_remove("FX_PRECISION").env_remove("FX_BATCH_SIZE");
+    cmd
+}
+
+fn ok(out: &Output) -> String {
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+fn err_line(out: &Output) -> String {
+    assert!(!out.status.success(), "expected failure: {}", String::from_utf8_lossy(&out.stdout));
+    let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(err.lines().count(), 1, "expected a one-line error, got {err:?}");
+    err
+}
+
+fn json_file(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A short run with the default network (h = 256) on a 3,000-bar synthetic market (450
+/// test rows), small enough for a test.
+fn short_run(dir: &Path, model: &str) -> PathBuf {
+    let cfg = dir.join(format!("{model}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"model = "{model}"
+steps = 300
+checkpoint_every = 300
+log_every = 100
+device = "cpu"
+[synthetic]
+bars = 3000
+[env]
+num_envs = 8
+episode_len = 64
+[dqn]
+batch_size = 64
+replay_capacity = 4000
+learning_starts = 256
+[ppo]
+num_steps = 32
+epochs = 2
+minibatch_size = 64
+"#
+        ),
+    )
+    .unwrap();
+    let run = dir.join(model);
+    ok(&fx_train().args(["train", "--quiet", "--config"]).arg(&cfg).arg("--out").arg(&run).output().unwrap());
+    run
+}
+
+fn int8_file(run: &Path) -> PathBuf {
+    let mut f: Vec<PathBuf> = std::fs::read_dir(run)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".int8.safetensors"))
+        .collect();
+    assert_eq!(f.len(), 1, "{f:?}");
+    f.remove(0)
+}
+
+#[test]
+fn quantize_and_eval_int8_for_dqn_and_ppo() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in ["dqn", "ppo"] {
+        let run = short_run(dir.path(), model);
+        let out = fx_train().args(["quantize", "--checkpoint"]).arg(&run).output().unwrap();
+        let text = ok(&out);
+        assert!(text.contains("greedy action equal to F32"), "{text}");
+        let rep = json_file(&run.join("quant_report.json"));
+        let agree = rep["action_agreement"].as_f64().unwrap();
+        // Below the 99% target the command says so (and only then).
+        let warned = String::from_utf8_lossy(&out.stderr).contains("below the 99% target");
+        assert_eq!(
+            warned,
+            agree < 0.99,
+            "{model}: agreement {agree}, stderr {:?}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Issue 13's target is 0.99; this 300-step run's near-tie Q values (max |Q| 0.17)
+        // reach 0.963 for the DQN with min-max scales (docs/QUANT.md, "Accuracy"): the bound
+        // here guards against regressions, the report states the target.
+        assert!(agree >= 0.95, "{model}: INT8 agrees with F32 on only {agree} of test observations: {rep}");
+        assert!(rep["test_rows"].as_u64().unwrap() >= 400, "{rep}");
+        assert!(rep["size_ratio"].as_f64().unwrap() >= 3.5, "{rep}");
+        assert!(rep["max_abs_score_diff"].as_f64().unwrap() > 0.0, "{rep}");
+        // 2048 asked for; the greedy replay of this short training split yields slightly fewer.
+        let rows = rep["calibration"]["rows"].as_u64().unwrap();
+        assert!((1000..=2048).contains(&rows), "{rep}");
+        assert_eq!(rep["format"], "fx-int8/1");
+
+        // The file as any safetensors reader sees it: I8 weights under the spec's names,
+        // F32 scales, the metadata.
+        let path = int8_file(&run);
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let meta = header.metadata().clone().unwrap();
+        assert_eq!(meta["format"], "fx-int8/1");
+        assert_eq!(meta["model"], model);
+        assert_eq!(meta["source_sha256"].len(), 64);
+        assert_eq!(meta["calibration_method"], "minmax");
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let first = if model == "dqn" { "trunk.0" } else { "actor.0" };
+        let w = st.tensor(&format!("{first}.weight")).unwrap();
+        assert_eq!((w.dtype(), w.shape()), (safetensors::Dtype::I8, &[256usize, 56][..]));
+        let s = st.tensor(&format!("{first}.weight_scale")).unwrap();
+        assert_eq!((s.dtype(), s.shape()), (safetensors::Dtype::F32, &[256usize][..]));
+        assert_eq!(st.tensor(&format!("{first}.input_scale")).unwrap().shape(), &[1]);
+
+        let out = fx_train().args(["eval", "--int8", "--checkpoint"]).arg(&run).output().unwrap();
+        let text = ok(&out);
+        assert!(text.contains("INT8") && text.contains("Sharpe F32"), "{text}");
+        let ev = json_file(&run.join("eval_int8.json"));
+        for k in ["sharpe_f32", "sharpe_int8", "sharpe_rel_diff", "position_agreement"] {
+            assert!(ev[k].as_f64().is_some_and(f64::is_finite), "{model}: {k} in {ev}");
+        }
+        // Issue 13's bar is a Sharpe within 2% of F32's; this short run misses it for the DQN
+        // (see docs/QUANT.md), and the command must say so whenever it is missed.
+        assert!(ev["position_agreement"].as_f64().unwrap() >= 0.9, "{ev}");
+        let rel = ev["sharpe_rel_diff"].as_f64().unwrap();
+        let warned = String::from_utf8_lossy(&out.stderr).contains("away from F32's");
+        assert_eq!(warned, rel > 0.02, "{model}: Sharpe rel diff {rel}");
+    }
+
+    // A changed F32 checkpoint (here: another run's state copied over it, sidecar and all)
+    // no longer matches the INT8 file's source hash.
+    let (dqn, ppo) = (dir.path().join("dqn"), dir.path().join("ppo"));
+    let int8 = int8_file(&dqn);
+    let trainer = PathBuf::from(int8.to_string_lossy().replace(".int8.safetensors", ".safetensors"));
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    for e in std::fs::read_dir(&dqn).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, other.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut bytes = std::fs::read(&trainer).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 1;
+    std::fs::write(other.join(trainer.file_name().unwrap()), &bytes).unwrap();
+    let sidecar = other.join(trainer.file_name().unwrap()).with_extension("json");
+    let mut side = json_file(&sidecar);
+    side["trainer_sha256"] = serde_json::Value::Null;
+    std::fs::write(&sidecar, side.to_string()).unwrap();
+    let e = err_line(&fx_train().args(["eval", "--int8", "--checkpoint"]).arg(&other).output().unwrap());
+    assert!(e.contains("SHA-256") && e.contains("fx-train quantize"), "{e}");
+
+    // No INT8 file yet, a bad method, a sequence-model run: one-line errors.
+    std::fs::remove_file(int8_file(&ppo)).unwrap();
+    let e = err_line(&fx_train().args(["eval", "--int8", "--checkpoint"]).arg(&ppo).output().unwrap());
+    assert!(e.contains("no INT8 policy") && e.contains("fx-train quantize"), "{e}");
+    let e = err_line(
+        &fx_train()
+            .args(["quantize", "--method", "percentile", "--percentile", "0", "--checkpoint"])
+            .arg(&ppo)
+            .output()
+            .unwrap(),
+    );
+    assert!(e.contains("percentile"), "{e}");
+    let e =
+        err_line(&fx_train().args(["quantize", "--f32-layers", "trunk.9", "--checkpoint"]).arg(&dqn).output().unwrap());
+    assert!(e.contains("trunk.9"), "{e}");
+}
