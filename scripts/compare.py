@@ -122,30 +122,26 @@ def main():
         print(f"fx {fx_meta.get('fx_version', '?')} on {fx_dev} (timing {fx_meta.get('timing', '?')}, "
               f"memory {fx_meta.get('mem_method') or '-'}, {fx_meta.get('timed_steps', '?')} timed steps); "
               f"torch {th_meta.get('torch', '?')} on {th_dev} ({th_meta.get('timed_steps', '?')} timed steps)\n")
+    print_table(head, [fmt(r) for r in rows], md)
+    best_rows = best_vs_best(order, fx_by_case, th_by_case)
+    if best_rows:
+        print("\nBest against best:\n" if md else "")
+        bhead = ("case", "fx best mode", "fx", "torch best mode", "torch", "fx best / torch best")
+        print_table(bhead, [fmt(r) for r in best_rows], md)
+
+
+def print_table(head, rows, md):
+    """A Markdown table, or columns padded to their widest cell."""
+    if md:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
         for row in rows:
-            print("| " + " | ".join(fmt(row)) + " |")
+            print("| " + " | ".join(row) + " |")
     else:
-        table = [list(head)] + [fmt(r) for r in rows]
+        table = [list(head)] + rows
         widths = [max(len(x) for x in col) for col in zip(*table)]
         for row in table:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    best_rows = best_vs_best(order, fx_by_case, th_by_case)
-    if best_rows:
-        bhead = ("case", "fx best mode", "fx", "torch best mode", "torch", "fx best / torch best")
-        print()
-        if md:
-            print("Best against best:\n")
-            print("| " + " | ".join(bhead) + " |")
-            print("|" + "---|" * len(bhead))
-            for row in best_rows:
-                print("| " + " | ".join(fmt(row)) + " |")
-        else:
-            table = [list(bhead)] + [fmt(r) for r in best_rows]
-            widths = [max(len(x) for x in col) for col in zip(*table)]
-            for row in table:
-                print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
 def best_of(recs):

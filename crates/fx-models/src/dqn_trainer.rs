@@ -134,14 +134,20 @@ pub struct DqnStepStats {
     pub env_steps: u64,
     /// ε used for this step's actions.
     pub epsilon: f64,
-    /// Mean reward over the `E` accounts.
-    pub mean_reward: f64,
-    /// Accounts whose episode ended in this step.
-    pub episodes_done: u32,
+    /// Mean reward over the `E` accounts (None: a step that read nothing back, see
+    /// [`DqnTrainer::step_with`]).
+    pub mean_reward: Option<f64>,
+    /// Accounts whose episode ended in this step (None: not read back).
+    pub episodes_done: Option<u32>,
     /// Transitions held by the replay buffer.
     pub replay_len: usize,
-    /// The optimiser steps of this call (empty before `learning_starts`).
+    /// The optimiser steps of this call whose statistics were read (empty before
+    /// `learning_starts`).
     pub updates: Vec<DqnUpdateStats>,
+    /// Optimiser steps of this call queued on the device without a read (captured-graph
+    /// updates of a step that reads nothing back); their outcome shows in the counters at
+    /// the next read.
+    pub updates_queued: u32,
     /// Host seconds spent choosing actions, stepping the env and storing the transitions
     /// (the step's statistics read synchronises the device, so this includes device time).
     pub collect_seconds: f64,
@@ -264,12 +270,14 @@ impl DqnTrainer {
         self.env_steps
     }
 
-    /// Optimiser steps taken (skipped ones not counted).
+    /// Optimiser steps taken (skipped ones not counted), as of the last reading step or
+    /// [`Self::sync_counters`] (see [`Self::step_with`]).
     pub fn updates(&self) -> u64 {
         self.updates
     }
 
-    /// Updates skipped for non-finite loss or gradients.
+    /// Updates skipped for non-finite loss or gradients (as [`Self::updates`], as of the
+    /// last read).
     pub fn skipped_updates(&self) -> u64 {
         self.skipped_updates
     }
@@ -311,8 +319,18 @@ impl DqnTrainer {
 
     /// One environment step with ε-greedy actions, stored in the replay buffer, then
     /// `gradient_steps` updates when the buffer holds `learning_starts` transitions and
-    /// the step count is a multiple of `train_every`.
+    /// the step count is a multiple of `train_every`; its statistics are read back.
     pub fn step(&mut self, env: &mut dyn VecEnv) -> Result<DqnStepStats> {
+        self.step_with(env, true)
+    }
+
+    /// [`Self::step`], reading nothing back from the device unless `read`: no reward and
+    /// episode sums, and captured-graph updates only queued (their loss, skips and the
+    /// update counters are read at the next reading step or [`Self::sync_counters`]). The
+    /// work is the same either way; a loop that reads only the steps it logs lets the host
+    /// run ahead of the GPU instead of waiting for it twice per step. On the CPU, and for
+    /// eager updates, the optimiser's guard reads anyway.
+    pub fn step_with(&mut self, env: &mut dyn VecEnv, read: bool) -> Result<DqnStepStats> {
         const CTX: &str = "DqnTrainer::step";
         let started = std::time::Instant::now();
         let eps = self.epsilon();
@@ -321,20 +339,26 @@ impl DqnTrainer {
         let actions = self.act(env, eps)?;
         let step = env.step_into_replay(&actions, &mut self.replay).ctx(CTX)?;
         self.env_steps += 1;
-        // One read for both statistics.
-        let sums: Vec<f64> = Tensor::stack(&[&step.reward, &step.done], 0)
-            .and_then(|t| t.to_dtype(candle_core::DType::F64))
-            .and_then(|t| t.sum(1))
-            .and_then(|t| t.to_vec1())
-            .ctx(CTX)?;
-        let mean_reward = sums[0] / env.num_envs() as f64;
-        let episodes_done = sums[1] as u32;
+        let (mut mean_reward, mut episodes_done) = (None, None);
+        if read {
+            // One read for both statistics.
+            let sums: Vec<f64> = Tensor::stack(&[&step.reward, &step.done], 0)
+                .and_then(|t| t.to_dtype(candle_core::DType::F64))
+                .and_then(|t| t.sum(1))
+                .and_then(|t| t.to_vec1())
+                .ctx(CTX)?;
+            mean_reward = Some(sums[0] / env.num_envs() as f64);
+            episodes_done = Some(sums[1] as u32);
+        }
         let collect_seconds = started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
-        let mut updates = Vec::new();
+        let (mut updates, mut updates_queued) = (Vec::new(), 0u32);
         if self.replay.len() >= self.cfg.learning_starts.max(1) && self.env_steps.is_multiple_of(self.cfg.train_every) {
             for _ in 0..self.cfg.gradient_steps {
-                updates.push(self.train_on_replay()?);
+                match self.train_on_replay_with(read)? {
+                    Some(u) => updates.push(u),
+                    None => updates_queued += 1,
+                }
             }
         }
         Ok(DqnStepStats {
@@ -344,13 +368,31 @@ impl DqnTrainer {
             episodes_done,
             replay_len: self.replay.len(),
             updates,
+            updates_queued,
             collect_seconds,
             update_seconds: started.elapsed().as_secs_f64(),
         })
     }
 
+    /// Brings the update counters up to the device's (one read of the captured update's
+    /// control block; nothing to do for eager updates, whose counters are always current).
+    pub fn sync_counters(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.graph.stats()? {
+            self.updates = st.guard.applied;
+            self.skipped_updates = st.guard.skipped();
+        }
+        Ok(())
+    }
+
     /// One update on a minibatch sampled from the replay buffer.
     pub fn train_on_replay(&mut self) -> Result<DqnUpdateStats> {
+        self.train_on_replay_with(true)?.ok_or_else(|| Error::config("DqnTrainer::train_on_replay", "no statistics"))
+    }
+
+    /// [`Self::train_on_replay`]; a captured-graph update is only queued unless `read`
+    /// (then `None`).
+    fn train_on_replay_with(&mut self, read: bool) -> Result<Option<DqnUpdateStats>> {
         const CTX: &str = "DqnTrainer::train_on_replay";
         let batch = if self.replay.device().is_cuda() {
             self.replay.sample(self.cfg.batch_size).ctx(CTX)?
@@ -367,13 +409,20 @@ impl DqnTrainer {
             let idx = Tensor::from_vec(idx, self.cfg.batch_size, self.replay.device()).ctx(CTX)?;
             self.replay.gather(&idx).ctx(CTX)?
         };
-        self.update(DqnBatch {
+        let batch = DqnBatch {
             obs: &batch.states,
             actions: &batch.actions,
             rewards: &batch.rewards,
             next_obs: &batch.next_states,
             dones: &batch.dones,
-        })
+        };
+        #[cfg(feature = "cuda")]
+        if !read && self.graph_ready(batch)? {
+            self.update_queued(batch)?;
+            return Ok(None);
+        }
+        let _ = read;
+        self.update(batch).map(Some)
     }
 
     /// One full optimiser step on `batch`: double-DQN loss, (scaled) backward, clip to
@@ -556,11 +605,19 @@ impl DqnTrainer {
             t.insert("replay.next_states".into(), rows.next_states);
             t.insert("replay.dones".into(), rows.dones);
         }
+        // The captured update's counters live on the device (quiet steps leave the host's
+        // copies behind): save the device's.
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let (mut updates, mut skipped_updates) = (self.updates, self.skipped_updates);
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.graph.stats()? {
+            (updates, skipped_updates) = (st.guard.applied, st.guard.skipped());
+        }
         let counters = DqnCounters {
             version: STATE_VERSION,
             env_steps: self.env_steps,
-            updates: self.updates,
-            skipped_updates: self.skipped_updates,
+            updates,
+            skipped_updates,
             replay_len: n,
             replay_position: self.replay.position(),
             config: self.cfg.clone(),
@@ -692,6 +749,32 @@ mod tests {
         let got: Vec<u32> = tr.act(&env, 0.5).unwrap().to_vec1().unwrap();
         assert_eq!(got, want);
         assert_ne!(got, greedy, "ε = 0.5 over 8 envs should explore somewhere with this seed");
+    }
+
+    /// Steps that read nothing back train exactly as reading ones (same weights, same
+    /// counters once synced) and leave the statistics out.
+    #[test]
+    fn quiet_steps_train_the_same() {
+        let mut loud = DqnTrainer::new(tiny_cfg(), &Device::Cpu).unwrap();
+        let q = &mut DqnTrainer::new(tiny_cfg(), &Device::Cpu).unwrap();
+        let mut env_a = ar1_env(4, 32, 400, 3);
+        let mut env_b = ar1_env(4, 32, 400, 3);
+        let mut queued_or_read = 0usize;
+        for i in 0..40 {
+            let a = loud.step(&mut env_a).unwrap();
+            let b = q.step_with(&mut env_b, i % 10 == 9).unwrap();
+            assert!(a.mean_reward.is_some() && a.episodes_done.is_some());
+            assert_eq!(b.mean_reward.is_some(), i % 10 == 9);
+            assert_eq!(b.mean_reward, if i % 10 == 9 { a.mean_reward } else { None });
+            queued_or_read += b.updates.len() + b.updates_queued as usize;
+            assert_eq!(a.updates.len(), b.updates.len() + b.updates_queued as usize);
+        }
+        q.sync_counters().unwrap();
+        assert!(queued_or_read > 0, "the test must run updates");
+        assert_eq!((loud.updates(), loud.skipped_updates()), (q.updates(), q.skipped_updates()));
+        for (x, y) in loud.online().params().vars().iter().zip(q.online().params().vars()) {
+            assert_eq!(rel_err(x.as_tensor(), y.as_tensor()), 0.0);
+        }
     }
 
     #[test]

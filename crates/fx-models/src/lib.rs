@@ -64,6 +64,8 @@ pub use error::{Error, Result};
 pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
+#[cfg(feature = "cuda")]
+pub use ppo_fused::PpoForward;
 pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
 pub use schedule::LinearSchedule;
 pub use seq_ops::{Ctx, DropoutRng};

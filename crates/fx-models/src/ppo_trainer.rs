@@ -177,6 +177,10 @@ pub struct PpoTrainer {
     /// The fused F32 update the graph captures (None: the candle update is captured).
     #[cfg(feature = "cuda")]
     engine: Option<crate::ppo_fused::PpoFused>,
+    /// The fused rollout forward (CUDA), built at the first collection step for the env's
+    /// number of accounts; None: candle's forward.
+    #[cfg(feature = "cuda")]
+    rollout_forward: Option<crate::ppo_fused::PpoForward>,
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -218,6 +222,8 @@ impl PpoTrainer {
             graph: Default::default(),
             #[cfg(feature = "cuda")]
             engine: None,
+            #[cfg(feature = "cuda")]
+            rollout_forward: None,
         })
     }
 
@@ -289,7 +295,7 @@ impl PpoTrainer {
             return Ok(true);
         }
         let obs = env.observe().ctx(CTX)?;
-        let (logits, values) = self.model.forward_inference(&obs)?;
+        let (logits, values) = self.rollout_forward(&obs)?;
         let step = env.step_into_rollout(&logits, &values, &mut self.rollout).ctx(CTX)?;
         self.env_steps += 1;
         let both = Tensor::stack(&[&step.reward, &step.done], 0).ctx(CTX)?;
@@ -298,6 +304,24 @@ impl PpoTrainer {
             None => both,
         });
         Ok(self.rollout.is_full())
+    }
+
+    /// Logits and values of `obs` for the rollout: the fused forward on CUDA when the network
+    /// is one it covers (built once for this many rows), candle's otherwise. The fused
+    /// results are its buffers, overwritten by the next call: both callers consume them at
+    /// once (stream-ordered), the env step copying them into the rollout.
+    fn rollout_forward(&mut self, obs: &Tensor) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if obs.device().is_cuda() && crate::ppo_fused::PpoFused::supports(&self.model) {
+            let rows = obs.dim(0).ctx("PpoTrainer::rollout_forward")?;
+            if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
+                self.rollout_forward = Some(crate::ppo_fused::PpoForward::new(&self.model, rows)?);
+            }
+            if let Some(f) = &self.rollout_forward {
+                return f.forward(&self.model, obs);
+            }
+        }
+        self.model.forward_inference(obs)
     }
 
     /// The update after a full rollout: GAE from the critic's value of `env`'s current
@@ -310,7 +334,7 @@ impl PpoTrainer {
                 format!("the rollout holds {} of {} steps", self.rollout.len(), self.cfg.num_steps),
             ));
         }
-        let (_, last_value) = self.model.forward_inference(&env.observe().ctx(CTX)?)?;
+        let (_, last_value) = self.rollout_forward(&env.observe().ctx(CTX)?)?;
         let (adv, ret) = self.rollout.advantages(&last_value, self.cfg.gae).ctx(CTX)?;
         let n = self.cfg.num_steps * self.num_envs;
         let flat = |t: &Tensor| t.flatten_to(1).ctx(CTX);

@@ -4,7 +4,7 @@
 //! resumes to the same result (and loads eagerly); the fused F32 and BF16 updates track
 //! candle's eager ones; the PPO minibatch update likewise, its short last minibatch
 //! included (run eagerly through the same fused step); the captured TFT and MAMBA-2 steps
-//! track their eager ones.
+//! track their eager ones; DQN steps that read nothing back train as reading ones.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
@@ -345,4 +345,51 @@ fn seq_graph_step_tracks_eager() {
     let eager = seq::run(&a, &series, GraphMode::Off, bf16);
     let graph = seq::run(&b, &series, GraphMode::On, bf16);
     seq::compare("tft bf16", &eager, &graph, 2e-2);
+}
+
+/// DQN steps on the GPU environment that read nothing back (`step_with(.., false)`: the
+/// captured updates only queued) train exactly as steps that read everything, over 120 env
+/// steps with a read every 40: same weights and, once synced, the same counters. Run one
+/// after the other: the replay sampler draws from the device generator both seed alike.
+#[test]
+fn dqn_quiet_steps_equal_reading_steps() {
+    use std::sync::Arc;
+    let Some(dev) = gpu() else { return };
+    let t_len = 2000;
+    let market: Vec<f32> = vals(t_len * fx_kernels::N_MARKET, 9, 1);
+    let close: Vec<f64> = (0..t_len).map(|i| 1.0 + 0.1 * (i as f64 * 0.01).sin()).collect();
+    let data = Arc::new(fx_kernels::EnvData::new(market, close).unwrap());
+    let env_cfg = fx_kernels::EnvConfig { num_envs: 64, episode_len: 128, ..Default::default() };
+    let run = |every: u64| -> (Vec<Vec<f32>>, (u64, u64)) {
+        let mut env =
+            fx_kernels::GpuTradingEnv::new(data.clone(), env_cfg.clone(), &dev, fx_kernels::GpuEnvOptions::default())
+                .unwrap();
+        let cfg = DqnConfig {
+            batch_size: 128,
+            replay_capacity: 4096,
+            learning_starts: 256,
+            graph: GraphMode::On,
+            seed: 3,
+            ..Default::default()
+        };
+        let mut tr = DqnTrainer::new(cfg, &dev).unwrap();
+        for i in 1..=120u64 {
+            let s = tr.step_with(&mut env, i % every == 0).unwrap();
+            assert_eq!(s.mean_reward.is_some(), i % every == 0);
+        }
+        tr.sync_counters().unwrap();
+        let w = tr
+            .online()
+            .params()
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        (w, (tr.updates(), tr.skipped_updates()))
+    };
+    let (w_loud, c_loud) = run(1);
+    let (w_quiet, c_quiet) = run(40);
+    assert!(c_loud.0 > 100, "the test must run updates: {c_loud:?}");
+    assert_eq!(c_loud, c_quiet);
+    assert_eq!(w_loud, w_quiet, "quiet steps changed the training");
 }

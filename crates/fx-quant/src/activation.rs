@@ -9,6 +9,9 @@
 /// `tanh(x)` as `x · P(x²) / Q(x²)` on `[-7.9053, 7.9053]` (beyond, `±1` in f32), the
 /// minimax rational approximation used by Eigen and XLA for F32.
 #[inline(always)]
+// The published constants, digit for digit (f32 rounds them the same way); `max`/`min`
+// rather than `clamp`, see below.
+#[allow(clippy::excessive_precision, clippy::manual_clamp)]
 pub fn tanh_rational(x: f32) -> f32 {
     const CLAMP: f32 = 7.905_311;
     const A1: f32 = 4.893_524_6e-3;

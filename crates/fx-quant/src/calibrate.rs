@@ -56,7 +56,7 @@ impl fmt::Display for CalibMethod {
 pub fn input_scales(net: &FloatNet, obs: &[f32], method: CalibMethod) -> Result<Vec<f32>> {
     method.check()?;
     let d = net.state_dim();
-    if obs.is_empty() || obs.len() % d != 0 {
+    if obs.is_empty() || !obs.len().is_multiple_of(d) {
         return Err(Error::Length {
             what: "calibration observations",
             expected: d.max(1) * (obs.len() / d.max(1)).max(1),

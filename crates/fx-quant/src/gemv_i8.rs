@@ -103,7 +103,10 @@ impl Gemv {
     #[inline]
     pub fn run(self, w: &[i8], stride: usize, x: &[i8], row_sum: &[i32], out: &mut [i32]) {
         assert!(
-            stride % PAD == 0 && w.len() >= out.len() * stride && x.len() >= stride && row_sum.len() >= out.len(),
+            stride.is_multiple_of(PAD)
+                && w.len() >= out.len() * stride
+                && x.len() >= stride
+                && row_sum.len() >= out.len(),
             "Gemv::run: stride {stride}, w {}, x {}, row_sum {}, out {}",
             w.len(),
             x.len(),

@@ -1,9 +1,9 @@
 //! The quantised network ([`QuantNet`]): per-output-channel symmetric INT8 weights with
 //! their scales, each layer's input scale, F32 biases, and the layers kept in F32.
 //!
-//! A quantised layer computes `y[o] = (Σ_i wq[o,i] · xq[i]) · (w_scale[o] · input_scale)
-//! + bias[o]` with `wq = clamp(round(w / w_scale[o]), ±127)`, `w_scale[o] = max_i |w[o,i]|
-//! / 127`, and `xq = clamp(round(x / input_scale), ±127)` (round half to even, in F32).
+//! A quantised layer computes `y[o] = (Σ_i wq[o,i] · xq[i]) · (w_scale[o] · input_scale) +
+//! bias[o]` with `wq = clamp(round(w / w_scale[o]), ±127)`, `w_scale[o] = max_i |w[o,i]| /
+//! 127`, and `xq = clamp(round(x / input_scale), ±127)` (round half to even, in F32).
 
 use crate::error::{Error, Result};
 use crate::float_net::{check_chain, check_layer_values, FloatLayer, FloatNet, PolicyKind};
@@ -96,6 +96,9 @@ pub fn quantize_row(row: &[f32]) -> (Vec<i8>, f32) {
 /// The one rounding rule for activations: `clamp(round_half_even(x · inv_scale), ±127)`,
 /// computed in F32 (so the vectorised and the scalar paths agree to the bit).
 #[inline(always)]
+// `max`/`min` compile to vector min/max; inputs are checked finite, so `clamp`'s NaN rule
+// never matters.
+#[allow(clippy::manual_clamp)]
 pub fn quantize_input(x: f32, inv_scale: f32) -> i8 {
     (x * inv_scale).round_ties_even().max(-127.0).min(127.0) as i8
 }

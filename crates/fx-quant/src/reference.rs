@@ -89,7 +89,7 @@ impl Agreement {
 /// Compares `quant` (through the plain reference) with `float` (in f64) on `obs` rows.
 pub fn agreement(float: &FloatNet, quant: &QuantNet, obs: &[f32]) -> Result<Agreement> {
     let d = float.state_dim();
-    if d != quant.state_dim() || float.n_actions() != quant.n_actions() || obs.len() % d != 0 {
+    if d != quant.state_dim() || float.n_actions() != quant.n_actions() || !obs.len().is_multiple_of(d) {
         return Err(Error::invalid(
             "agreement inputs",
             format!(

@@ -90,12 +90,19 @@ impl Agent {
 
     /// One unit of training: a DQN env step (and its updates), or a PPO iteration
     /// (a full rollout, then the epochs of minibatch updates).
-    pub fn advance(&mut self, env: &mut dyn VecEnv) -> Result<Progress> {
+    ///
+    /// Unless `read`, the DQN step reads nothing back from the device
+    /// (`DqnTrainer::step_with`: its metrics are then absent, its updates only queued), so
+    /// the host runs ahead of the GPU. PPO iterations read their minibatch statistics anyway.
+    pub fn advance_with(&mut self, env: &mut dyn VecEnv, read: bool) -> Result<Progress> {
         let mut p = Progress::default();
         match self {
             Agent::Dqn(t) => {
                 let batch = t.config().batch_size as u64;
-                let s = t.step(env)?;
+                let s = t.step_with(env, read)?;
+                if read {
+                    t.sync_counters()?;
+                }
                 p.collect_seconds = s.collect_seconds;
                 p.update_seconds = s.update_seconds;
                 p.metrics.insert("epsilon".into(), json!(s.epsilon));
@@ -110,7 +117,8 @@ impl Agent {
                 }
                 p.updates = s.updates.iter().filter(|u| !u.skipped).count() as u64;
                 p.skipped = s.updates.len() as u64 - p.updates;
-                p.update_samples = p.updates * batch;
+                // Queued updates count as applied (their rare skips show in the counters).
+                p.update_samples = (p.updates + u64::from(s.updates_queued)) * batch;
             }
             Agent::Ppo(t) => {
                 let updates_before = t.updates();

@@ -168,7 +168,10 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
             interrupted = true;
             break;
         }
-        let p = agent.advance(env.as_vec_env()).map_err(|e| with_oom_hint(e, &cfg))?;
+        // Only the steps that are logged read statistics back (one DQN env step per call),
+        // so the host is not made to wait for the GPU twice per step.
+        let read = agent.env_steps() + 1 >= next_log.min(cfg.steps);
+        let p = agent.advance_with(env.as_vec_env(), read).map_err(|e| with_oom_hint(e, &cfg))?;
         profile.env_collect += p.collect_seconds;
         profile.update += p.update_seconds;
         samples_since += p.update_samples;

@@ -293,12 +293,16 @@ impl MlpDecider {
 /// not be seen reliably): after training further, start a new server. While it runs it
 /// occupies one SM and keeps polling; dropping it (or [`MlpServer::stop`]) ends the kernel.
 ///
-/// While it runs, a driver call that waits for the whole device (`cuCtxSynchronize`, the
-/// synchronous frees `cuMemFree` / `cuMemFreeHost`, some library initialisations) waits for
-/// the resident kernel, that is until the server stops: measured on the H200, GPU tests
-/// running in other threads of the same process stalled behind it. Run it in a process (or
-/// a phase) whose other GPU work only queues stream-ordered work — candle's allocations
-/// and frees are stream-ordered — and stop it before anything else frees or synchronises.
+/// While it runs, work that CUDA orders after every running kernel waits for the resident
+/// one, that is until the server stops: `cuCtxSynchronize`, the synchronous frees, and the
+/// operations CUDA documents as implicitly synchronising (a page-locked host allocation, a
+/// synchronous device allocation or memset, work on the legacy NULL stream). Starting a
+/// second server allocates page-locked memory, so one server runs at a time: stop it
+/// before starting the next. Seen on the H200: GPU tests in other threads of the same
+/// process stalled behind a running server, and so did a second server's start. Candle's
+/// allocations and frees are stream-ordered and its stream is the per-thread default
+/// stream, so training on another thread keeps running; stop the server before anything
+/// else allocates page-locked memory or synchronises the device.
 pub struct MlpServer {
     stream: Arc<CudaStream>,
     dims: MlpDims,

@@ -148,10 +148,30 @@ pub struct Mamba2State {
 }
 
 impl Mamba2State {
+    /// A copy in fresh contiguous buffers of its own (a state from
+    /// [`Mamba2::forward_with_state`] holds views into the forward's tensors), which
+    /// [`Mamba2State::assign`] can then overwrite in place.
+    pub fn to_buffers(&self) -> Result<Mamba2State> {
+        let own = |t: &Tensor| t.contiguous().and_then(|t| t.copy()).ctx("Mamba2State::to_buffers");
+        Ok(Mamba2State {
+            conv: self.conv.iter().map(own).collect::<Result<_>>()?,
+            ssm: self.ssm.iter().map(own).collect::<Result<_>>()?,
+        })
+    }
+
     /// Overwrites this state's buffers in place with `other`'s values (same model and
     /// batch), e.g. so that a captured CUDA graph of [`Mamba2::step`] keeps reading and
-    /// writing the same memory.
+    /// writing the same memory. The buffers must be contiguous (see
+    /// [`Mamba2State::to_buffers`]).
     pub fn assign(&self, other: &Mamba2State) -> Result<()> {
+        if self.conv.iter().chain(&self.ssm).any(|t| !t.is_contiguous()) {
+            return Err(Error::shape(
+                "state",
+                "Mamba2State::assign",
+                "contiguous buffers (Mamba2State::to_buffers)",
+                "views",
+            ));
+        }
         let same = self.conv.len() == other.conv.len()
             && self.ssm.len() == other.ssm.len()
             && self

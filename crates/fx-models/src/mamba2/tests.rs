@@ -208,6 +208,33 @@ fn prefill_then_step_continues_the_sequence() {
     assert!(rel_err(&y, &full.narrow(1, 1, 1).unwrap().squeeze(1).unwrap()) < 1e-5);
 }
 
+/// Stepping through a state kept in its own buffers (`to_buffers` + `assign`, as a captured
+/// step does) continues the sequence as stepping the state itself does; a state of views
+/// is refused by `assign` in one line.
+#[test]
+fn state_buffers_assign_in_place() {
+    let dev = Device::Cpu;
+    let m = Mamba2::new(small_cfg(), &dev, 4).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 12, 5), &dev).unwrap();
+    let c = Ctx::inference(Precision::F32);
+    let full = m.forward(&c, &x).unwrap();
+    let (_, views) = m.forward_with_state(&c, &x.narrow(1, 0, 8).unwrap()).unwrap();
+    let st = views.to_buffers().unwrap();
+    for t in 8..12 {
+        let mut next = st.clone();
+        let y = m.step(&c, &x.narrow(1, t, 1).unwrap().squeeze(1).unwrap(), &mut next).unwrap();
+        st.assign(&next).unwrap();
+        let e = rel_err(&y, &full.narrow(1, t, 1).unwrap().squeeze(1).unwrap());
+        assert!(e < 1e-5, "step {t}: rel err {e}");
+    }
+    let other = m.init_state(1).unwrap();
+    assert!(st.assign(&other).is_err(), "another batch size must be refused");
+    if views.assign(&st).is_err() {
+        let e = views.assign(&st).unwrap_err().to_string();
+        assert!(e.contains("to_buffers") && !e.contains('\n'), "{e}");
+    }
+}
+
 /// Where a MAMBA-2 training step spends its time on the GPU: one layer forward +
 /// backward, and the chunked SSD alone, at the benchmark size. Run on the device with
 /// `--ignored --nocapture`.

@@ -150,7 +150,7 @@ impl Net {
 /// Microseconds per call: `warm` untimed calls, then `n` timed ones, each up to a device
 /// synchronisation when `sync` (the e2e call syncs itself). A call's output is dropped
 /// after its timing.
-fn time_calls<T>(
+pub(crate) fn time_calls<T>(
     dev: &Device,
     warm: usize,
     n: usize,

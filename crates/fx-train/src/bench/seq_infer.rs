@@ -9,8 +9,6 @@
 //! MAMBA-2 step, a static state updated in place — replayed per call). Every call is timed
 //! on the host clock up to a device synchronisation, like bench.py's latency cases.
 
-use std::time::Instant;
-
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use fx_models::{Ctx, Mamba2, Mamba2Config, Tft, TftConfig};
@@ -125,7 +123,7 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
             let x = Tensor::from_vec(normals(7, 1, cfg.n_in), (1, cfg.n_in), &dev)?;
             // A state after a 64-bar history, then one bar per call from there.
             let hist = Tensor::from_vec(normals(7, 2, 64 * cfg.n_in), (1, 64, cfg.n_in), &dev)?;
-            let (_, state) = model.forward_with_state(&c, &hist)?;
+            let state = model.forward_with_state(&c, &hist)?.1.to_buffers()?;
             let out = Tensor::zeros(1, DType::F32, &dev)?;
             let mut body = |_dry: bool| -> Result<()> {
                 let mut next = state.clone();
@@ -159,18 +157,7 @@ fn time_calls(
     n: usize,
 ) -> Result<Vec<f64>> {
     let mut call: Call<'_> = if graph { captured(dev, body)? } else { Box::new(move || body(false)) };
-    for _ in 0..warm {
-        call()?;
-    }
-    dev.synchronize()?;
-    let mut ts = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t0 = Instant::now();
-        call()?;
-        dev.synchronize()?;
-        ts.push(t0.elapsed().as_secs_f64() * 1e6);
-    }
-    Ok(ts)
+    super::latency::time_calls(dev, warm, n, true, &mut call)
 }
 
 #[cfg(feature = "cuda")]

@@ -188,7 +188,9 @@ impl Stepper for PpoStepper {
     }
 }
 
-/// The sequence models under test (the trainer does not own its model).
+/// The sequence models under test (the trainer does not own its model). One lives per
+/// bench case, so the variants' size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum SeqNet {
     Tft(Tft),
     Mamba2(Mamba2, usize),
