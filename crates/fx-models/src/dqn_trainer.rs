@@ -584,7 +584,13 @@ impl DqnTrainer {
     /// the step counters and the config, atomically to one safetensors file. The
     /// environment's own state is not part of it (the `VecEnv` owns it).
     pub fn save_state(&self, path: &Path) -> Result<()> {
-        const CTX: &str = "DqnTrainer::save_state";
+        self.snapshot()?.write(path)
+    }
+
+    /// The state [`Self::save_state`] writes, copied to host memory (write it with
+    /// [`StateSnapshot::write`], from another thread if need be).
+    pub fn snapshot(&self) -> Result<crate::StateSnapshot> {
+        const CTX: &str = "DqnTrainer::snapshot";
         let mut t: HashMap<String, Tensor> = self.online.params().to_tensors("online.")?;
         t.extend(self.target.params().to_tensors("target.")?);
         let mut meta = HashMap::new();
@@ -623,7 +629,7 @@ impl DqnTrainer {
             config: self.cfg.clone(),
         };
         crate::state_meta::write(&mut meta, STATE_KEY, &counters, CTX)?;
-        fx_precision::save_tensors_atomic(path, &t, &meta).ctx(CTX)
+        crate::StateSnapshot::new(t, meta, CTX)
     }
 
     /// Restores a learner from [`DqnTrainer::save_state`]'s file onto `device`. Missing,

@@ -44,6 +44,7 @@ pub mod seq_ops;
 pub mod seq_params;
 pub mod seq_train;
 mod state_meta;
+mod state_snapshot;
 pub mod tft;
 
 #[cfg(test)]
@@ -69,4 +70,5 @@ pub use ppo_fused::PpoForward;
 pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
 pub use schedule::LinearSchedule;
 pub use seq_ops::{Ctx, DropoutRng};
+pub use state_snapshot::StateSnapshot;
 pub use tft::{quantile_loss, Tft, TftConfig};

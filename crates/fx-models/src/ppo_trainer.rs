@@ -536,7 +536,13 @@ impl PpoTrainer {
     /// atomically to one safetensors file. Only between iterations (an empty rollout);
     /// the environment's own state is not part of it.
     pub fn save_state(&self, path: &Path) -> Result<()> {
-        const CTX: &str = "PpoTrainer::save_state";
+        self.snapshot()?.write(path)
+    }
+
+    /// The state [`Self::save_state`] writes, copied to host memory (write it with
+    /// [`crate::StateSnapshot::write`], from another thread if need be).
+    pub fn snapshot(&self) -> Result<crate::StateSnapshot> {
+        const CTX: &str = "PpoTrainer::snapshot";
         if !self.rollout.is_empty() {
             return Err(Error::config(CTX, "save between iterations: the rollout is partly collected"));
         }
@@ -560,7 +566,7 @@ impl PpoTrainer {
             config: self.cfg.clone(),
         };
         crate::state_meta::write(&mut meta, STATE_KEY, &c, CTX)?;
-        fx_precision::save_tensors_atomic(path, &t, &meta).ctx(CTX)
+        crate::StateSnapshot::new(t, meta, CTX)
     }
 
     /// Restores a learner from [`PpoTrainer::save_state`]'s file onto `device`.

@@ -56,12 +56,13 @@ impl Agent {
         })
     }
 
-    pub fn save(&self, path: &Path) -> Result<()> {
-        match self {
-            Agent::Dqn(t) => t.save_state(path)?,
-            Agent::Ppo(t) => t.save_state(path)?,
-        }
-        Ok(())
+    /// The trainer's state (its checkpoint file's contents) copied to host memory, for
+    /// writing later with `StateSnapshot::write` (on the checkpoint writer's thread).
+    pub fn snapshot(&self) -> Result<fx_models::StateSnapshot> {
+        Ok(match self {
+            Agent::Dqn(t) => t.snapshot()?,
+            Agent::Ppo(t) => t.snapshot()?,
+        })
     }
 
     /// Optimiser steps applied and skipped so far (over the whole run, resumes included).

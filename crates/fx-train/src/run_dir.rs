@@ -230,6 +230,19 @@ pub struct RunDir {
     provisional: bool,
 }
 
+/// A run folder's checkpoint writing, detached from the [`RunDir`] that holds its lock (see
+/// [`RunDir::checkpoint_files`]): what a background writer thread takes along.
+pub struct CheckpointFiles {
+    dir: RunDir,
+}
+
+impl CheckpointFiles {
+    /// [`RunDir::write_checkpoint`].
+    pub fn write(&self, run: &RunState, keep: usize, save: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+        self.dir.write_checkpoint_here(run, keep, save)
+    }
+}
+
 impl RunDir {
     /// Opens `root` for a new run (refusing to touch a folder that already holds a run)
     /// or for `--resume` (requiring one), taking the folder's lock; see the module docs.
@@ -363,6 +376,21 @@ impl RunDir {
     /// the run state; a checkpoint counts only once both exist. Older checkpoints beyond
     /// `keep` are removed.
     pub fn write_checkpoint(
+        &self,
+        run: &RunState,
+        keep: usize,
+        save: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<PathBuf> {
+        self.checkpoint_files().write(run, keep, save)
+    }
+
+    /// What writing a checkpoint needs of this folder, detached from it (`Send`, for a
+    /// writer thread; the folder's lock stays with the `RunDir`).
+    pub fn checkpoint_files(&self) -> CheckpointFiles {
+        CheckpointFiles { dir: RunDir { root: self.root.clone(), lock: None, provisional: false } }
+    }
+
+    fn write_checkpoint_here(
         &self,
         run: &RunState,
         keep: usize,

@@ -1,0 +1,70 @@
+//! [`StateSnapshot`]: a trainer's whole state copied to host memory, written later — on
+//! another thread if the caller wants, so that a training loop does not wait for the
+//! serialisation, the non-finite check and the disk.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Context, Result};
+
+/// Named host tensors and the metadata of one state file (see
+/// `DqnTrainer::snapshot` / `PpoTrainer::snapshot`); `Send`, so it can be written from
+/// another thread while training goes on.
+#[derive(Debug, Clone)]
+pub struct StateSnapshot {
+    tensors: HashMap<String, Tensor>,
+    metadata: HashMap<String, String>,
+}
+
+impl StateSnapshot {
+    /// Copies every tensor to the host (the device work queued before is waited for).
+    pub(crate) fn new(
+        tensors: HashMap<String, Tensor>,
+        metadata: HashMap<String, String>,
+        context: &'static str,
+    ) -> Result<Self> {
+        let tensors = tensors
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu).ctx(context)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        Ok(Self { tensors, metadata })
+    }
+
+    /// Writes the state file atomically (temporary file, then rename); refuses a state
+    /// holding a NaN or infinity, naming the tensor.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        fx_precision::save_tensors_atomic(path, &self.tensors, &self.metadata).ctx("StateSnapshot::write")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send<T: Send + 'static>() {}
+
+    /// The snapshot can move to a writer thread, and what it writes reads back equal.
+    #[test]
+    fn is_send_and_round_trips() {
+        assert_send::<StateSnapshot>();
+        let t = Tensor::new(&[1.0f32, 2.0, 3.0], &Device::Cpu).unwrap();
+        let s = StateSnapshot::new(
+            HashMap::from([("x".to_string(), t)]),
+            HashMap::from([("k".to_string(), "v".to_string())]),
+            "test",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.safetensors");
+        std::thread::spawn({
+            let (s, path) = (s.clone(), path.clone());
+            move || s.write(&path).unwrap()
+        })
+        .join()
+        .unwrap();
+        let back = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        assert_eq!(back["x"].to_vec1::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+    }
+}
