@@ -4,12 +4,18 @@
 //! with `s = bound / 127`, so one number per layer is needed: the bound.
 //! - `minmax`: the largest `|x|` seen (nothing clips on the calibration rows);
 //! - `percentile`: the `p`-th percentile of `|x|` (default 99.99): a few outliers clip, the
-//!   rest get a finer step.
+//!   rest get a finer step;
+//! - `dynamic`: each decision takes the bound from its own input, `max |x|` of that layer's
+//!   input vector (as PyTorch's dynamic quantisation does), so nothing ever clips and small
+//!   inputs keep their resolution; the calibrated min-max scales are still recorded.
 
 use std::fmt;
 
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::FloatNet;
+
+/// The `calibration_method` of dynamic input scales.
+pub(crate) const DYNAMIC: &str = "dynamic";
 
 /// How a layer's input bound is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,6 +24,8 @@ pub enum CalibMethod {
     MinMax,
     /// This percentile (in `(0, 100]`) of the absolute inputs.
     Percentile(f64),
+    /// Each call's own largest absolute input, per layer (min-max scales recorded).
+    Dynamic,
 }
 
 impl CalibMethod {
@@ -29,6 +37,7 @@ impl CalibMethod {
         match self {
             CalibMethod::MinMax => "minmax",
             CalibMethod::Percentile(_) => "percentile",
+            CalibMethod::Dynamic => DYNAMIC,
         }
     }
 
@@ -47,6 +56,7 @@ impl fmt::Display for CalibMethod {
         match self {
             CalibMethod::MinMax => write!(f, "minmax"),
             CalibMethod::Percentile(p) => write!(f, "percentile({p})"),
+            CalibMethod::Dynamic => write!(f, "dynamic"),
         }
     }
 }
@@ -87,7 +97,7 @@ pub fn input_scales(net: &FloatNet, obs: &[f32], method: CalibMethod) -> Result<
         });
     }
     let bounds: Vec<f64> = match method {
-        CalibMethod::MinMax => absmax,
+        CalibMethod::MinMax | CalibMethod::Dynamic => absmax,
         CalibMethod::Percentile(p) => all
             .iter_mut()
             .map(|v| {

@@ -281,6 +281,20 @@ mod tests {
         }
     }
 
+    /// A dynamic-scale network keeps that choice through the file.
+    #[test]
+    fn dynamic_scales_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let net = random_net(PolicyKind::Ppo, 56, &[32, 32], 3, 6);
+        let q = crate::quantize(&net, &uniforms(6, 9, 100 * 56), CalibMethod::Dynamic, &[]).unwrap();
+        assert!(q.dynamic_inputs());
+        let path = dir.path().join("q.safetensors");
+        save(&q, &prov(), &path).unwrap();
+        let (back, _) = load(&path, None).unwrap();
+        assert!(back.dynamic_inputs() && back == q);
+        assert!(!quantised(&[]).dynamic_inputs());
+    }
+
     /// Rewrites the saved file with `edit` applied to its tensors / metadata.
     fn damaged(
         dir: &Path,

@@ -45,7 +45,7 @@ pub fn quantize(net: &FloatNet, calib_obs: &[f32], method: CalibMethod, keep_f32
         method: method.name().to_string(),
         percentile: match method {
             CalibMethod::Percentile(p) => Some(p),
-            CalibMethod::MinMax => None,
+            CalibMethod::MinMax | CalibMethod::Dynamic => None,
         },
         rows: calib_obs.len() / net.state_dim().max(1),
     };

@@ -14,7 +14,7 @@ use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::{FloatLayer, PolicyKind};
 use crate::gemv_i8::{Gemv, Isa};
-use crate::qnet::{quantize_input, PackedLinear, QuantLayer, QuantNet};
+use crate::qnet::{dynamic_input_scale, quantize_input, PackedLinear, QuantLayer, QuantNet};
 
 #[derive(Debug, Clone)]
 enum Packed {
@@ -76,13 +76,29 @@ pub(crate) fn first_argmax(s: &[f32]) -> usize {
 fn dense(layer: &Packed, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
     match layer {
         Packed::Int8(l) => {
+            let (inv, step) = if l.dynamic {
+                let s = dynamic_input_scale(&x[..l.inp]);
+                (1.0 / s, Some(s))
+            } else {
+                (l.inv_input_scale, None)
+            };
             for (q, &v) in xq[..l.inp].iter_mut().zip(x) {
-                *q = quantize_input(v, l.inv_input_scale);
+                *q = quantize_input(v, inv);
             }
             let acc = &mut acc[..l.out];
             gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
-            for (((o, &a), &d), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
-                *o = a as f32 * d + b;
+            match step {
+                // The reference's order: acc · (w_scale · step) + bias.
+                Some(s) => {
+                    for (((o, &a), &w), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
+                        *o = a as f32 * (w * s) + b;
+                    }
+                }
+                None => {
+                    for (((o, &a), &d), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
+                        *o = a as f32 * d + b;
+                    }
+                }
             }
         }
         Packed::F32(l) => {
@@ -164,7 +180,7 @@ impl Int8Policy {
             .layers
             .iter()
             .map(|l| match l {
-                QuantLayer::Int8(q) => Packed::Int8(PackedLinear::new(q)),
+                QuantLayer::Int8(q) => Packed::Int8(PackedLinear::new(q, net.dynamic_inputs())),
                 QuantLayer::F32(f) => Packed::F32(f.clone()),
             })
             .collect();
@@ -271,7 +287,7 @@ mod tests {
             h2 in 1usize..140,
             n_actions in 2usize..6,
             keep in 0u8..8,
-            percentile in any::<bool>(),
+            method_pick in 0u8..3,
             net_seed in any::<u64>(),
             obs_scale in 0.01f32..20.0,
         ) {
@@ -282,7 +298,7 @@ mod tests {
             let keep_f32: Vec<&str> =
                 names.iter().enumerate().filter(|(i, _)| keep & (1 << (i % 3)) != 0 && *i >= names.len() - 2).map(|(_, n)| *n).collect();
             let calib: Vec<f32> = uniforms(net_seed ^ 1, 3, 64 * state_dim).iter().map(|v| v * obs_scale).collect();
-            let method = if percentile { CalibMethod::Percentile(99.0) } else { CalibMethod::MinMax };
+            let method = [CalibMethod::MinMax, CalibMethod::Percentile(99.0), CalibMethod::Dynamic][method_pick as usize];
             let q = crate::quantize(&net, &calib, method, &keep_f32).unwrap();
             // Fresh observations, wider than the calibration range so inputs also clip.
             let obs: Vec<f32> = uniforms(net_seed ^ 2, 4, 16 * state_dim).iter().map(|v| v * obs_scale * 1.5).collect();
@@ -313,16 +329,21 @@ mod tests {
             let net = random_net(kind, 56, hidden, 3, s);
             let calib: Vec<f32> = uniforms(s, 10, 1024 * 56).iter().map(|v| v * 2.0).collect();
             let test: Vec<f32> = uniforms(s, 11, 1024 * 56).iter().map(|v| v * 2.0).collect();
-            for method in [CalibMethod::MinMax, CalibMethod::Percentile(99.99)] {
+            let mut errors = Vec::new();
+            for method in [CalibMethod::MinMax, CalibMethod::Percentile(99.99), CalibMethod::Dynamic] {
                 let q = crate::quantize(&net, &calib, method, &[]).unwrap();
                 let a = agreement(&net, &q, &test).unwrap();
                 // Percentile calibration clips the widest inputs, so its worst case is looser.
                 assert!(a.mean_abs_score_diff <= 0.02 * a.max_abs_score, "{kind:?} {method}: {a:?}");
                 assert!(a.max_abs_score_diff <= 0.15 * a.max_abs_score, "{kind:?} {method}: {a:?}");
                 assert!(a.fraction() >= 0.9, "{kind:?} {method}: {a:?}");
+                errors.push(a.mean_abs_score_diff);
                 let f32_bytes = 4 * net.num_params();
                 assert!(f32_bytes as f64 / q.bytes() as f64 >= 3.5, "{kind:?}: {f32_bytes} vs {}", q.bytes());
             }
+            // Dynamic scales never clip and give small inputs a finer step: on average no
+            // worse than min-max on the same network.
+            assert!(errors[2] <= errors[0] * 1.05, "{kind:?}: dynamic {} vs min-max {}", errors[2], errors[0]);
         }
     }
 

@@ -207,14 +207,33 @@ impl QuantNet {
         self.layers.iter().map(QuantLayer::bytes).sum()
     }
 
+    /// Whether each call takes its input steps from its own inputs (calibration method
+    /// `dynamic`) rather than the stored `input_scale`s.
+    pub fn dynamic_inputs(&self) -> bool {
+        self.calibration.method == crate::calibrate::DYNAMIC
+    }
+
     /// Names of the layers kept in F32.
     pub fn f32_layers(&self) -> Vec<&str> {
         self.layers.iter().filter(|l| matches!(l, QuantLayer::F32(_))).map(QuantLayer::name).collect()
     }
 }
 
+/// The input step of one call under dynamic scales: `max |x| / 127` (1 for an all-zero
+/// input, whose codes are all 0 anyway). The one rule the policy and the reference share.
+#[inline(always)]
+pub(crate) fn dynamic_input_scale(x: &[f32]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if amax > 0.0 {
+        amax / 127.0
+    } else {
+        1.0
+    }
+}
+
 /// A quantised layer laid out for the kernels: rows padded to [`crate::gemv_i8::PAD`],
-/// row sums, and `w_scale · input_scale` per output.
+/// row sums, and `w_scale · input_scale` per output (static scales) or `w_scale` alone
+/// (dynamic scales: the input's step is each call's).
 #[derive(Debug, Clone)]
 pub(crate) struct PackedLinear {
     pub(crate) out: usize,
@@ -225,10 +244,12 @@ pub(crate) struct PackedLinear {
     pub(crate) inv_input_scale: f32,
     pub(crate) dequant: Vec<f32>,
     pub(crate) bias: Vec<f32>,
+    /// Dynamic input scales ([`dynamic_input_scale`]); then `dequant` holds `w_scale`.
+    pub(crate) dynamic: bool,
 }
 
 impl PackedLinear {
-    pub(crate) fn new(l: &QuantLinear) -> Self {
+    pub(crate) fn new(l: &QuantLinear, dynamic: bool) -> Self {
         let stride = padded(l.inp);
         let mut weight = vec![0i8; l.out * stride];
         for (dst, src) in weight.chunks_exact_mut(stride).zip(l.weight.chunks_exact(l.inp)) {
@@ -241,8 +262,13 @@ impl PackedLinear {
             row_sum: row_sums(&weight, stride, l.out),
             weight,
             inv_input_scale: 1.0 / l.input_scale,
-            dequant: l.weight_scale.iter().map(|s| s * l.input_scale).collect(),
+            dequant: if dynamic {
+                l.weight_scale.clone()
+            } else {
+                l.weight_scale.iter().map(|s| s * l.input_scale).collect()
+            },
             bias: l.bias.clone(),
+            dynamic,
         }
     }
 }

@@ -7,18 +7,20 @@ use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::{FloatNet, PolicyKind};
 use crate::policy::{dot_f32, first_argmax};
-use crate::qnet::{quantize_input, QuantLayer, QuantNet};
+use crate::qnet::{dynamic_input_scale, quantize_input, QuantLayer, QuantNet};
 
-fn dense(layer: &QuantLayer, x: &[f32]) -> Vec<f32> {
+fn dense(layer: &QuantLayer, x: &[f32], dynamic: bool) -> Vec<f32> {
     match layer {
         QuantLayer::Int8(l) => {
-            let inv = 1.0 / l.input_scale;
+            // Dynamic scales: this input's own step (see `calibrate`), else the stored one.
+            let step = if dynamic { dynamic_input_scale(x) } else { l.input_scale };
+            let inv = 1.0 / step;
             let xq: Vec<i32> = x.iter().map(|&v| i32::from(quantize_input(v, inv))).collect();
             (0..l.out)
                 .map(|o| {
                     let row = &l.weight[o * l.inp..(o + 1) * l.inp];
                     let acc: i32 = row.iter().zip(&xq).map(|(&w, &q)| i32::from(w) * q).sum();
-                    acc as f32 * (l.weight_scale[o] * l.input_scale) + l.bias[o]
+                    acc as f32 * (l.weight_scale[o] * step) + l.bias[o]
                 })
                 .collect()
         }
@@ -38,9 +40,10 @@ pub fn reference_scores(net: &QuantNet, obs: &[f32]) -> Result<(Vec<f32>, usize)
         return Err(Error::NonFinite { what: "obs".into(), index, value: value as f64, context: CTX });
     }
     let nh = net.kind.hidden_layers();
+    let dynamic = net.dynamic_inputs();
     let mut z = obs.to_vec();
     for layer in &net.layers[..nh] {
-        z = dense(layer, &z);
+        z = dense(layer, &z, dynamic);
         for v in &mut z {
             *v = match net.kind {
                 PolicyKind::Dqn => relu(*v),
@@ -49,12 +52,12 @@ pub fn reference_scores(net: &QuantNet, obs: &[f32]) -> Result<(Vec<f32>, usize)
         }
     }
     let scores = if net.kind.dueling() {
-        let v = dense(&net.layers[nh], &z)[0];
-        let a = dense(&net.layers[nh + 1], &z);
+        let v = dense(&net.layers[nh], &z, dynamic)[0];
+        let a = dense(&net.layers[nh + 1], &z, dynamic);
         let mean = a.iter().sum::<f32>() / a.len() as f32;
         a.iter().map(|a| (a - mean) + v).collect()
     } else {
-        dense(&net.layers[nh], &z)
+        dense(&net.layers[nh], &z, dynamic)
     };
     let best = first_argmax(&scores);
     Ok((scores, best))

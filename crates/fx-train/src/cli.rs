@@ -249,6 +249,9 @@ pub struct EvalArgs {
 /// How `quantize` picks each layer's input scale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum QuantMethod {
+    /// Each decision's own largest |input| per layer (nothing clips; min-max scales are
+    /// still calibrated and recorded).
+    Dynamic,
     /// The largest |input| seen on the calibration rows.
     Minmax,
     /// The --percentile-th percentile of |input| (outliers clip).
@@ -264,7 +267,7 @@ pub struct QuantizeArgs {
     #[arg(long, default_value_t = 2048)]
     pub calib_rows: usize,
     /// Input-scale calibration method.
-    #[arg(long, value_enum, default_value_t = QuantMethod::Minmax)]
+    #[arg(long, value_enum, default_value_t = QuantMethod::Dynamic)]
     pub method: QuantMethod,
     /// Percentile of |input| for --method percentile.
     #[arg(long, default_value_t = 99.99)]

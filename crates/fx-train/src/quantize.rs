@@ -81,6 +81,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     let method = match args.method {
         QuantMethod::Minmax => CalibMethod::MinMax,
         QuantMethod::Percentile => CalibMethod::Percentile(args.percentile),
+        QuantMethod::Dynamic => CalibMethod::Dynamic,
     };
     let keep: Vec<&str> = args.f32_layers.iter().map(String::as_str).collect();
     let q = fx_quant::quantize(&float, &calib, method, &keep)?;
