@@ -254,90 +254,6 @@ impl DqnFused {
     }
 }
 
-/// The DQN's Q forward for collection (F32, no tape) at a fixed number of rows: three
-/// cuBLAS GEMMs with bias + ReLU kernels and one dueling-head kernel, 7 launches instead of
-/// candle's ~20 ops, into buffers allocated once. It reads the network's weights where they
-/// are at each call (in-place updates, eager or captured, are seen). The reference is
-/// [`DuelingDqn::forward_inference`], which the device tests compare it with.
-pub struct DqnQForward {
-    blas: Blas,
-    k: MlpTrainKernels,
-    rows: usize,
-    dims: [usize; 4],
-    h: [Tensor; 3],
-    q: Tensor,
-}
-
-impl std::fmt::Debug for DqnQForward {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DqnQForward").field("rows", &self.rows).field("dims", &self.dims).finish()
-    }
-}
-
-impl DqnQForward {
-    /// Buffers for `rows` observations of `net` (a CUDA network the fused kernels cover:
-    /// two or more hidden units, at most 8 actions).
-    pub fn new(net: &DuelingDqn, rows: usize) -> Result<Self> {
-        const CTX: &str = "DqnQForward::new";
-        let c = net.config();
-        let dev = net.params().device().clone();
-        if !DqnFused::supports(net) || rows == 0 || !dev.is_cuda() {
-            return Err(Error::config(CTX, format!("unsupported network {c:?}, {rows} rows or a CPU device")));
-        }
-        let (h, h2, na) = (c.hidden, c.hidden / 2, c.n_actions);
-        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).ctx(CTX);
-        Ok(Self {
-            blas: Blas::new(&dev).ctx(CTX)?,
-            k: MlpTrainKernels::load(&dev).ctx(CTX)?,
-            rows,
-            dims: [c.state_dim, h, h2, na],
-            h: [z(&[rows, h])?, z(&[rows, h])?, z(&[rows, h2])?],
-            q: z(&[rows, na])?,
-        })
-    }
-
-    /// The number of rows the buffers hold.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// `Q(obs)` (`[rows, n_actions]` F32) of `net` (the network this was made for, or one of
-    /// the same shape) on `obs` (`[rows, state_dim]`). The result is this forward's own
-    /// buffer: the next call overwrites it (on the same stream, so work queued before that
-    /// call still reads this one's values).
-    pub fn forward(&self, net: &DuelingDqn, obs: &Tensor) -> Result<Tensor> {
-        const CTX: &str = "DqnQForward::forward";
-        let [s, h, h2, na] = self.dims;
-        let c = net.config();
-        if [c.state_dim, c.hidden, c.hidden / 2, c.n_actions] != self.dims {
-            return Err(Error::config(CTX, format!("network {c:?} differs from the one the buffers were made for")));
-        }
-        if obs.dims() != [self.rows, s] || obs.dtype() != DType::F32 {
-            return Err(Error::config(
-                CTX,
-                format!("obs must be [{}, {s}] F32, got {:?} {:?}", self.rows, obs.dims(), obs.dtype()),
-            ));
-        }
-        let obs = obs.contiguous().ctx(CTX)?;
-        let w: Vec<u64> = net.params().vars().iter().map(|v| a(v.as_tensor())).collect::<Result<_>>()?;
-        let hs = [a(&self.h[0])?, a(&self.h[1])?, a(&self.h[2])?];
-        let widths = [(s, h), (h, h), (h, h2)];
-        let rows = self.rows;
-        let mut x = a(&obs)?;
-        // SAFETY: every address is of a tensor alive for this call (obs, the buffers, the
-        // network's variables) with the sizes passed, on candle's stream.
-        unsafe {
-            for (l, &(i, o)) in widths.iter().enumerate() {
-                self.blas.gemm(false, true, rows, o, i, 1.0, x, i, w[2 * l], i, 0.0, hs[l], o).ctx(CTX)?;
-                self.k.bias_act(hs[l], w[2 * l + 1], rows, o, Act::Relu, 0).ctx(CTX)?;
-                x = hs[l];
-            }
-            self.k.dqn_q(hs[2], [w[6], w[7], w[8], w[9]], rows, h2, na, a(&self.q)?).ctx(CTX)?;
-        }
-        Ok(self.q.clone())
-    }
-}
-
 /// Device-test helpers shared by the fused updates' tests.
 #[cfg(test)]
 pub(crate) mod test_support {
@@ -384,39 +300,6 @@ mod tests {
     use super::*;
     use crate::dqn::{dqn_loss, DqnBatch, DqnNetConfig};
     use fx_precision::{AdamWConfig, GradScaler, Precision};
-
-    /// The collection forward equals candle's tape-free forward (the reference) on fresh
-    /// random weights and observations, at two widths and row counts, and sees in-place
-    /// weight updates.
-    #[test]
-    fn q_forward_matches_candle() {
-        let Some(dev) = gpu("dqn_fused::q_forward_matches_candle") else { return };
-        let seed = fresh_seed();
-        eprintln!("dqn_fused::q_forward_matches_candle: seed {seed}");
-        for (rows, hidden, na) in [(4096usize, 256usize, 3usize), (37, 64, 5)] {
-            let cfg = DqnNetConfig { hidden, n_actions: na, ..Default::default() };
-            let net = DuelingDqn::new(cfg, &dev, seed).unwrap();
-            let fwd = DqnQForward::new(&net, rows).unwrap();
-            let obs = Tensor::from_vec(vals(rows * cfg.state_dim, seed, 7), (rows, cfg.state_dim), &dev).unwrap();
-            for round in 0..2 {
-                let want = net.forward_inference(&obs).unwrap();
-                let got = fwd.forward(&net, &obs).unwrap();
-                let e = rel(&got, &want);
-                eprintln!("dqn_fused q forward rows {rows} h {hidden} round {round}: rel err {e:.2e}");
-                assert!(e <= 1e-5, "rows {rows} h {hidden} round {round}: Q rel err {e}");
-                // Same greedy actions (ties aside: random weights give none in practice).
-                let (ga, wa) = (got.argmax(1).unwrap(), want.argmax(1).unwrap());
-                let same = ga.eq(&wa).unwrap().to_dtype(DType::F32).unwrap().mean_all().unwrap();
-                assert!(same.to_scalar::<f32>().unwrap() >= 0.999, "greedy actions differ");
-                // An in-place update of every weight must show in the next forward.
-                for v in net.params().vars() {
-                    v.set(&v.as_tensor().affine(0.5, 0.01).unwrap()).unwrap();
-                }
-            }
-            let bad = Tensor::zeros((rows + 1, cfg.state_dim), DType::F32, &dev).unwrap();
-            assert!(fwd.forward(&net, &bad).is_err(), "a wrong row count must be refused");
-        }
-    }
 
     /// The fused loss and gradients equal candle's (the reference) on fresh random weights
     /// and transitions, at two widths and batch sizes. A dry fused step computes the

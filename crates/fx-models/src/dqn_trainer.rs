@@ -194,7 +194,7 @@ pub struct DqnTrainer {
     /// The fused collection forward (CUDA, supported networks), built at the first step for
     /// the env's number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
-    q_forward: Option<crate::dqn_fused::DqnQForward>,
+    q_forward: Option<crate::fused_forward::DqnQForward>,
 }
 
 impl std::fmt::Debug for DqnTrainer {
@@ -312,7 +312,7 @@ impl DqnTrainer {
     fn ensure_q_forward(&mut self, rows: usize) -> Result<()> {
         let fits = self.q_forward.as_ref().is_some_and(|f| f.rows() == rows);
         if !fits && self.online.params().device().is_cuda() && crate::dqn_fused::DqnFused::supports(&self.online) {
-            self.q_forward = Some(crate::dqn_fused::DqnQForward::new(&self.online, rows)?);
+            self.q_forward = Some(crate::fused_forward::DqnQForward::new(&self.online, rows)?);
         }
         Ok(())
     }
@@ -361,6 +361,11 @@ impl DqnTrainer {
                 }
             }
         }
+        // A reading step's counters are the device's: its last update read them already,
+        // else (no update this step, earlier ones only queued) one read brings them up.
+        if read && updates.is_empty() {
+            self.sync_counters()?;
+        }
         Ok(DqnStepStats {
             env_steps: self.env_steps,
             epsilon: eps,
@@ -379,10 +384,15 @@ impl DqnTrainer {
     pub fn sync_counters(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Some(st) = self.graph.stats()? {
-            self.updates = st.guard.applied;
-            self.skipped_updates = st.guard.skipped();
+            self.take_counters(&st);
         }
         Ok(())
+    }
+
+    /// The update counters as the captured update's control block has them.
+    #[cfg(feature = "cuda")]
+    fn take_counters(&mut self, st: &fx_precision::FusedStats) {
+        (self.updates, self.skipped_updates) = (st.guard.applied, st.guard.skipped());
     }
 
     /// One update on a minibatch sampled from the replay buffer.
@@ -550,8 +560,7 @@ impl DqnTrainer {
     fn graph_update_stats(&mut self) -> Result<DqnUpdateStats> {
         const CTX: &str = "DqnTrainer::graph_update_stats";
         let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
-        self.updates = st.guard.applied;
-        self.skipped_updates = st.guard.skipped();
+        self.take_counters(&st);
         Ok(DqnUpdateStats {
             loss: st.last_loss,
             grad_norm: st.last_grad_norm,

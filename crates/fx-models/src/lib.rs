@@ -31,6 +31,8 @@ mod dqn_fused;
 pub mod dqn_trainer;
 mod error;
 #[cfg(feature = "cuda")]
+mod fused_forward;
+#[cfg(feature = "cuda")]
 mod graph_update;
 mod linear;
 pub mod mamba2;
@@ -58,15 +60,14 @@ mod synthetic;
 
 pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
-#[cfg(feature = "cuda")]
-pub use dqn_fused::DqnQForward;
 pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
+#[cfg(feature = "cuda")]
+pub use fused_forward::{DqnQForward, PpoForward};
 pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
-#[cfg(feature = "cuda")]
-pub use ppo_fused::PpoForward;
+
 pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
 pub use schedule::LinearSchedule;
 pub use seq_ops::{Ctx, DropoutRng};

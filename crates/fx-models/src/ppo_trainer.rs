@@ -180,7 +180,7 @@ pub struct PpoTrainer {
     /// The fused rollout forward (CUDA), built at the first collection step for the env's
     /// number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
-    rollout_forward: Option<crate::ppo_fused::PpoForward>,
+    rollout_forward: Option<crate::fused_forward::PpoForward>,
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -315,7 +315,7 @@ impl PpoTrainer {
         if obs.device().is_cuda() && crate::ppo_fused::PpoFused::supports(&self.model) {
             let rows = obs.dim(0).ctx("PpoTrainer::rollout_forward")?;
             if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
-                self.rollout_forward = Some(crate::ppo_fused::PpoForward::new(&self.model, rows)?);
+                self.rollout_forward = Some(crate::fused_forward::PpoForward::new(&self.model, rows)?);
             }
             if let Some(f) = &self.rollout_forward {
                 return f.forward(&self.model, obs);

@@ -101,9 +101,6 @@ impl Agent {
             Agent::Dqn(t) => {
                 let batch = t.config().batch_size as u64;
                 let s = t.step_with(env, read)?;
-                if read {
-                    t.sync_counters()?;
-                }
                 p.collect_seconds = s.collect_seconds;
                 p.update_seconds = s.update_seconds;
                 p.metrics.insert("epsilon".into(), json!(s.epsilon));

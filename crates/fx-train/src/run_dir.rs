@@ -6,7 +6,8 @@
 //! lock on `run.lock` (which names its process id) for its whole life, so a second `train`
 //! or `--resume` on the same folder is refused at once, and a holder killed even with
 //! SIGKILL leaves no stale lock (the OS releases it with the process). `eval` reads without
-//! the lock: checkpoints are replaced atomically.
+//! the lock: checkpoints are replaced atomically. [`CheckpointWriter`] writes a run's
+//! checkpoints from a thread of its own, one at a time.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -240,6 +241,45 @@ impl CheckpointFiles {
     /// [`RunDir::write_checkpoint`].
     pub fn write(&self, run: &RunState, keep: usize, save: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
         self.dir.write_checkpoint_here(run, keep, save)
+    }
+}
+
+/// Writes checkpoints on a thread of its own, one at a time: [`CheckpointWriter::submit`]
+/// first waits for the previous write, so a failed write stops the run at the next
+/// checkpoint (or at [`CheckpointWriter::wait`]) with its one-line error, and the files
+/// stay as atomic as `RunDir::write_checkpoint` makes them. Dropping it waits too, so an
+/// error elsewhere does not cut a write short.
+#[derive(Default)]
+pub(crate) struct CheckpointWriter {
+    pending: Option<std::thread::JoinHandle<Result<std::path::PathBuf>>>,
+}
+
+impl CheckpointWriter {
+    pub(crate) fn submit(
+        &mut self,
+        files: CheckpointFiles,
+        run: RunState,
+        keep: usize,
+        snapshot: fx_models::StateSnapshot,
+    ) -> Result<()> {
+        self.wait()?;
+        self.pending = Some(std::thread::spawn(move || files.write(&run, keep, |p| Ok(snapshot.write(p)?))));
+        Ok(())
+    }
+
+    pub(crate) fn wait(&mut self) -> Result<()> {
+        if let Some(h) = self.pending.take() {
+            h.join().map_err(|_| anyhow::anyhow!("the checkpoint writer thread panicked"))??;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CheckpointWriter {
+    fn drop(&mut self) {
+        if let Some(h) = self.pending.take() {
+            let _ = h.join();
+        }
     }
 }
 

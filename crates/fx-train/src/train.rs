@@ -157,7 +157,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let mut interrupted = false;
     // Checkpoints during the loop are written by a thread of their own: the loop only takes
     // the snapshot (device-to-host copies). The final one is written before the run ends.
-    let mut writer = CheckpointWriter::default();
+    let mut writer = crate::run_dir::CheckpointWriter::default();
     let mut save = |agent: &Agent, env: &TrainEnv, profile: &mut Profile, secs: f64, last: bool| -> Result<()> {
         let t = Instant::now();
         let run =
@@ -262,45 +262,6 @@ pub(crate) fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error 
          (`fx-train hw`): set {field} = {fits} in the config (driver said: {})",
         text.lines().next().unwrap_or_default()
     )
-}
-
-/// Writes checkpoints on a thread of its own, one at a time: [`CheckpointWriter::submit`]
-/// first waits for the previous write, so a failed write stops the run at the next
-/// checkpoint (or at [`CheckpointWriter::wait`]) with its one-line error, and the files
-/// stay as atomic as `RunDir::write_checkpoint` makes them. Dropping it waits too, so an
-/// error elsewhere does not cut a write short.
-#[derive(Default)]
-struct CheckpointWriter {
-    pending: Option<std::thread::JoinHandle<Result<std::path::PathBuf>>>,
-}
-
-impl CheckpointWriter {
-    fn submit(
-        &mut self,
-        files: crate::run_dir::CheckpointFiles,
-        run: RunState,
-        keep: usize,
-        snapshot: fx_models::StateSnapshot,
-    ) -> Result<()> {
-        self.wait()?;
-        self.pending = Some(std::thread::spawn(move || files.write(&run, keep, |p| Ok(snapshot.write(p)?))));
-        Ok(())
-    }
-
-    fn wait(&mut self) -> Result<()> {
-        if let Some(h) = self.pending.take() {
-            h.join().map_err(|_| anyhow::anyhow!("the checkpoint writer thread panicked"))??;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for CheckpointWriter {
-    fn drop(&mut self) {
-        if let Some(h) = self.pending.take() {
-            let _ = h.join();
-        }
-    }
 }
 
 fn next_multiple(steps: u64, every: u64) -> u64 {
