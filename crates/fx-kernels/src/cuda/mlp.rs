@@ -2,8 +2,14 @@
 //! action in one kernel launch instead of ~20 candle launches, for microsecond batch-1
 //! decisions. [`MlpPolicy`] runs on device tensors; [`MlpDecider`] takes host slices through
 //! mapped page-locked buffers (host in, action out: one launch, one sync, no allocation);
-//! [`MlpServer`] keeps one block resident and answers through mapped memory with no launch
-//! and no sync at all.
+//! [`MlpServer`] keeps one block (or one cluster) resident and answers through mapped memory
+//! with no launch and no sync at all.
+//!
+//! Two kernels compute the same thing ([`MlpKernel`]): a block per row
+//! (`kernels/mlp_forward.cu`, any arch), and on Hopper and later a cluster of
+//! [`CLUSTER_BLOCKS`] blocks per row (`kernels/mlp_cluster.cu`), which spreads each layer
+//! over as many SMs; at batch 1 a single SM pulling the whole network from L2 is what bounds
+//! the first. Every neuron is summed in the same order by both, so they agree bit for bit.
 //! What both compute, in f64, is [`crate::mlp_ref::reference_greedy`]; the limits are
 //! [`crate::mlp_ref`]'s.
 //!
@@ -21,7 +27,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use cudarc::driver::{result, sys, CudaFunction, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
-use super::{alloc_tensor, cuda_device, dev_ptr, driver, PTX_MLP};
+use super::{alloc_tensor, cuda_device, dev_ptr, driver, PTX_MLP, PTX_MLP_CLUSTER};
 use crate::checks::expect_tensor;
 use crate::error::{CandleContext, Error, Result};
 use crate::mlp_ref::{GreedyMlp, Head, MlpDims, MAX_HIDDEN};
@@ -30,6 +36,27 @@ use crate::mlp_ref::{GreedyMlp, Head, MlpDims, MAX_HIDDEN};
 const BLOCK: u32 = 512;
 /// Most blocks per launch; larger batches loop grid-stride inside the kernel.
 const MAX_GRID: usize = 65_535;
+/// Blocks per row of the cluster kernel (`FX_CLUSTER` in mlp_cluster.cu; 8 is the portable
+/// cluster size).
+pub const CLUSTER_BLOCKS: usize = 8;
+/// Threads per block of the cluster kernel.
+const CLUSTER_BLOCK: u32 = 256;
+/// Batches up to this many rows take the cluster kernel under [`MlpKernel::Auto`]; beyond,
+/// a block per row already fills the GPU with rows and the cluster's barriers only cost.
+pub const CLUSTER_MAX_ROWS: usize = 16;
+
+/// Which kernel computes a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MlpKernel {
+    /// The cluster kernel for batches of at most [`CLUSTER_MAX_ROWS`] rows where the device
+    /// has it (compute capability 9.0+), else a block per row.
+    #[default]
+    Auto,
+    /// One thread block per row (`fx_mlp_greedy`), on every device.
+    BlockPerRow,
+    /// A cluster of [`CLUSTER_BLOCKS`] blocks per row (`fx_mlp_greedy_cluster`), Hopper+.
+    Cluster,
+}
 
 /// `struct FxMlpParams` of mlp_forward.cu, field for field (both sides assert 152 bytes).
 #[repr(C)]
@@ -56,6 +83,9 @@ pub struct MlpPolicy {
     params: MlpParams,
     dims: MlpDims,
     func: CudaFunction,
+    /// `fx_mlp_greedy_cluster`, where the device runs clusters.
+    cluster: Option<CudaFunction>,
+    kernel: MlpKernel,
     stream: Arc<CudaStream>,
     device: Device,
     /// Keeps the memory behind `params`' pointers allocated.
@@ -95,10 +125,19 @@ impl MlpPolicy {
             }
         }
         let func = cdev.get_or_load_custom_func("fx_mlp_greedy", "fx_mlp_forward", PTX_MLP).ctx(CTX)?;
+        let cluster = if runs_clusters(&stream, CTX)? {
+            let f =
+                cdev.get_or_load_custom_func("fx_mlp_greedy_cluster", "fx_mlp_cluster", PTX_MLP_CLUSTER).ctx(CTX)?;
+            Some(f.into_cuda_function())
+        } else {
+            None
+        };
         Ok(Self {
             params: p,
             dims,
             func: func.into_cuda_function(),
+            cluster,
+            kernel: MlpKernel::Auto,
             stream,
             device,
             _weights: tensors.into_iter().cloned().collect(),
@@ -108,6 +147,38 @@ impl MlpPolicy {
     /// The network's dimensions.
     pub fn dims(&self) -> &MlpDims {
         &self.dims
+    }
+
+    /// Whether the device runs the cluster kernel (compute capability 9.0 or later).
+    pub fn has_cluster_kernel(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// The kernel choice (default [`MlpKernel::Auto`]).
+    pub fn kernel(&self) -> MlpKernel {
+        self.kernel
+    }
+
+    /// The kernel that computes a batch of `rows` rows.
+    pub fn kernel_for(&self, rows: usize) -> MlpKernel {
+        match self.kernel {
+            MlpKernel::Auto if self.cluster.is_some() && rows <= CLUSTER_MAX_ROWS => MlpKernel::Cluster,
+            MlpKernel::Auto => MlpKernel::BlockPerRow,
+            k => k,
+        }
+    }
+
+    /// Chooses the kernel; [`MlpKernel::Cluster`] on a device without clusters is an
+    /// [`Error::Unsupported`].
+    pub fn set_kernel(&mut self, kernel: MlpKernel) -> Result<()> {
+        if kernel == MlpKernel::Cluster && self.cluster.is_none() {
+            return Err(Error::Unsupported {
+                context: "MlpPolicy::set_kernel",
+                message: "the cluster kernel needs compute capability 9.0 or later".into(),
+            });
+        }
+        self.kernel = kernel;
+        Ok(())
     }
 
     /// The CUDA device of the weights (and of every tensor passed in).
@@ -136,6 +207,36 @@ impl MlpPolicy {
         // SAFETY: shapes, dtypes and device checked above; the tensors outlive the enqueue
         // and candle frees stream-ordered (see the cuda module docs).
         unsafe { self.launch(p_obs, b, p_act, p_val, CTX) }
+    }
+
+    /// A launch bound once to fixed device buffers (`obs [B, input]` F32, `actions [B]` U32
+    /// and optionally `values [B, n_actions]` F32, all contiguous, checked here): each
+    /// [`BoundGreedy::launch`] is then the kernel launch alone, with no shape checks and no
+    /// per-call pointer lookups (which, once a process has a second stream, cost cudarc's
+    /// event waits and records on every tensor). For a decision loop whose observation
+    /// already sits in a device buffer that it rewrites in place.
+    pub fn bind(&self, obs: &Tensor, actions: &Tensor, values: Option<&Tensor>) -> Result<BoundGreedy> {
+        const CTX: &str = "MlpPolicy::bind";
+        let b = obs.dim(0).ctx(CTX)?;
+        expect_tensor(obs, "obs", CTX, &[b, self.dims.input], DType::F32, &self.device)?;
+        expect_tensor(actions, "actions", CTX, &[b], DType::U32, &self.device)?;
+        if let Some(v) = values {
+            expect_tensor(v, "values", CTX, &[b, self.dims.n_actions], DType::F32, &self.device)?;
+        }
+        if b == 0 {
+            return Err(Error::shape("obs", CTX, "at least one row", "0 rows"));
+        }
+        let p_obs = dev_ptr::<f32>(obs, &self.stream, "obs", CTX)?;
+        let p_actions = dev_ptr::<u32>(actions, &self.stream, "actions", CTX)?;
+        let p_values = values.map(|v| dev_ptr::<f32>(v, &self.stream, "values", CTX)).transpose()?.unwrap_or(0);
+        Ok(BoundGreedy {
+            policy: self.clone(),
+            rows: b,
+            p_obs,
+            p_actions,
+            p_values,
+            _buffers: [Some(obs.clone()), Some(actions.clone()), values.cloned()],
+        })
     }
 
     /// Greedy actions `[B]` (U32) of `obs [B, input]`.
@@ -176,14 +277,63 @@ impl MlpPolicy {
             &mut values as *mut u64 as *mut c_void,
         ];
         self.stream.context().bind_to_thread().map_err(driver(ctx))?;
-        let grid = (batch.min(MAX_GRID) as u32, 1, 1);
-        // SAFETY: the arguments match fx_mlp_greedy's signature (FxMlpParams by value, three
-        // pointers and a count); the buffers are the caller's contract.
+        let (func, grid, block) = match (self.kernel_for(batch), &self.cluster) {
+            (MlpKernel::Cluster, Some(f)) => {
+                (f, (batch.min(MAX_GRID / CLUSTER_BLOCKS) * CLUSTER_BLOCKS) as u32, CLUSTER_BLOCK)
+            }
+            _ => (&self.func, batch.min(MAX_GRID) as u32, BLOCK),
+        };
+        // SAFETY: the arguments match fx_mlp_greedy's and fx_mlp_greedy_cluster's signature
+        // (FxMlpParams by value, three pointers and a count); the cluster kernel's grid is a
+        // multiple of its compiled cluster size; the buffers are the caller's contract.
         unsafe {
-            result::launch_kernel(self.func.cu_function(), grid, (BLOCK, 1, 1), 0, self.stream.cu_stream(), &mut args)
+            result::launch_kernel(
+                func.cu_function(),
+                (grid, 1, 1),
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut args,
+            )
         }
         .map_err(driver(ctx))
     }
+}
+
+/// A greedy launch bound to fixed device buffers ([`MlpPolicy::bind`]). It holds clones of
+/// the tensors, so their memory stays allocated. Writes into them must be queued on the
+/// policy's stream (candle's) to be ordered with the launch: the bound launch does not wait
+/// on cudarc's events.
+#[derive(Debug)]
+pub struct BoundGreedy {
+    policy: MlpPolicy,
+    rows: usize,
+    p_obs: u64,
+    p_actions: u64,
+    p_values: u64,
+    _buffers: [Option<Tensor>; 3],
+}
+
+impl BoundGreedy {
+    /// Enqueues the kernel on the policy's stream (no sync): actions (and values) of the
+    /// bound observations.
+    pub fn launch(&self) -> Result<()> {
+        // SAFETY: the buffers were checked by `bind` (shapes, dtypes, device, contiguity)
+        // and stay allocated in `self`; the launch is on their stream.
+        unsafe { self.policy.launch(self.p_obs, self.rows, self.p_actions, self.p_values, "BoundGreedy::launch") }
+    }
+
+    /// The policy it runs.
+    pub fn policy(&self) -> &MlpPolicy {
+        &self.policy
+    }
+}
+
+/// Whether the stream's device runs thread-block clusters (compute capability 9.0+, which the
+/// cluster kernels' compute_90 PTX needs as well).
+fn runs_clusters(stream: &CudaStream, ctx: &'static str) -> Result<bool> {
+    let (major, _) = stream.context().compute_capability().map_err(driver(ctx))?;
+    Ok(major >= 9)
 }
 
 /// Host-in, action-out decisions through one policy with no copy commands: the observations
@@ -282,8 +432,9 @@ impl MlpDecider {
     }
 }
 
-/// A resident decision server: one thread block of `fx_mlp_serve` stays running on a stream
-/// of its own and answers requests posted in mapped page-locked host memory, so a decision
+/// A resident decision server: one thread block of `fx_mlp_serve` (or, where the policy's
+/// batch-1 kernel is the cluster one, a cluster of `fx_mlp_serve_cluster`) stays running on
+/// a stream of its own and answers requests posted in mapped page-locked host memory, so a decision
 /// costs no kernel launch and no stream synchronisation, only the bus round trips (the host
 /// writes the observation and a sequence number; the block, polling, computes the greedy
 /// action and writes it back; the host polls for it).
@@ -291,7 +442,8 @@ impl MlpDecider {
 /// It serves a private snapshot of the policy's weights taken by [`MlpServer::new`] (a
 /// resident kernel keeps cached lines across requests, so weights updated in place would
 /// not be seen reliably): after training further, start a new server. While it runs it
-/// occupies one SM and keeps polling; dropping it (or [`MlpServer::stop`]) ends the kernel.
+/// occupies one SM (a cluster: eight) and keeps polling; dropping it (or
+/// [`MlpServer::stop`]) ends the kernel.
 ///
 /// While it runs, work that CUDA orders after every running kernel waits for the resident
 /// one, that is until the server stops: `cuCtxSynchronize`, the synchronous frees, and the
@@ -311,6 +463,8 @@ pub struct MlpServer {
     buffers: std::mem::ManuallyDrop<ServerBuffers>,
     /// The kernel has ended (stopped and waited for).
     ended: bool,
+    /// Block per row or cluster (never `Auto`).
+    kernel: MlpKernel,
     /// Host addresses of the three mappings (stable for their lifetime).
     obs_ptr: *mut f32,
     ctrl_ptr: *mut u32,
@@ -413,7 +567,14 @@ impl MlpServer {
             std::ptr::write_bytes(reply_ptr, 0, 2);
         }
         let (d_obs, d_ctrl, d_reply) = (mapped(&mut host_obs, CTX)?, mapped(&mut ctrl, CTX)?, mapped(&mut reply, CTX)?);
-        let func = cdev.get_or_load_custom_func("fx_mlp_serve", "fx_mlp_forward", PTX_MLP).ctx(CTX)?;
+        // The policy's batch-1 kernel: a cluster of blocks where it would take one.
+        let kernel = policy.kernel_for(1);
+        let (func, grid, block) = if kernel == MlpKernel::Cluster {
+            let f = cdev.get_or_load_custom_func("fx_mlp_serve_cluster", "fx_mlp_cluster", PTX_MLP_CLUSTER);
+            (f.ctx(CTX)?, CLUSTER_BLOCKS as u32, CLUSTER_BLOCK)
+        } else {
+            (cdev.get_or_load_custom_func("fx_mlp_serve", "fx_mlp_forward", PTX_MLP).ctx(CTX)?, 1, BLOCK)
+        };
         let func = func.into_cuda_function();
         let (mut pp, mut o, mut c, mut r, mut first) = (p, d_obs, d_ctrl, d_reply, 0u32);
         let mut args: [*mut c_void; 5] = [
@@ -423,10 +584,11 @@ impl MlpServer {
             &mut r as *mut u64 as *mut c_void,
             &mut first as *mut u32 as *mut c_void,
         ];
-        // SAFETY: the arguments match fx_mlp_serve's signature; the snapshot and the mappings
-        // live in `Self`, which stops the kernel before freeing them.
+        // SAFETY: the arguments match fx_mlp_serve's (and fx_mlp_serve_cluster's) signature;
+        // the snapshot and the mappings live in `Self`, which stops the kernel before freeing
+        // them; the cluster grid is one cluster.
         unsafe {
-            result::launch_kernel(func.cu_function(), (1, 1, 1), (BLOCK, 1, 1), 0, stream.cu_stream(), &mut args)
+            result::launch_kernel(func.cu_function(), (grid, 1, 1), (block, 1, 1), 0, stream.cu_stream(), &mut args)
         }
         .map_err(driver(CTX))?;
         Ok(Self {
@@ -439,6 +601,7 @@ impl MlpServer {
                 _reply: reply,
             }),
             ended: false,
+            kernel,
             obs_ptr,
             ctrl_ptr,
             reply_ptr,
@@ -450,6 +613,11 @@ impl MlpServer {
     /// The network's dimensions.
     pub fn dims(&self) -> &MlpDims {
         &self.dims
+    }
+
+    /// The kernel it runs: one block, or a cluster of [`CLUSTER_BLOCKS`] (on SMs of their own).
+    pub fn kernel(&self) -> MlpKernel {
+        self.kernel
     }
 
     /// The greedy action for one observation (`input` floats), host to host. Errors: a wrong

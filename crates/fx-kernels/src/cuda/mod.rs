@@ -40,6 +40,9 @@ pub(crate) const PTX_PPO: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR")
 pub(crate) const PTX_GAE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/gae.ptx"));
 /// PTX of `kernels/mlp_forward.cu` (fused greedy policy MLPs).
 pub(crate) const PTX_MLP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_forward.ptx"));
+/// PTX of `kernels/mlp_cluster.cu` (the same policies on a thread-block cluster per row;
+/// compute_90, loaded only on Hopper and later).
+pub(crate) const PTX_MLP_CLUSTER: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_cluster.ptx"));
 /// PTX of `kernels/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
 pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_train.ptx"));
 /// PTX of `kernels/dropout.cu` (counter-based dropout masks).

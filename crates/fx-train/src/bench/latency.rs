@@ -3,9 +3,13 @@
 //! - `eager_fp32`: the model's `greedy_actions` (forward without a tape + argmax, ~20 candle
 //!   launches) on a state already on the device, up to a device synchronisation;
 //! - `fused_fp32` (CUDA): the one-launch kernel of `fx_kernels::cuda::mlp` on the same
-//!   device-resident state, into a preallocated action, up to a stream synchronisation;
+//!   device-resident state, into a preallocated action, up to a stream synchronisation,
+//!   launched through `MlpPolicy::bind` (buffers checked once; `checked_call_p50_us` is
+//!   `greedy_into`, which checks and looks the pointers up on every call);
 //!   `kernel_us` in the record is the kernel's own device time (64 launches replayed as one
 //!   CUDA graph, event-timed), so p50 − `kernel_us` is what launching and synchronising cost;
+//!   `kernel` says which kernel ran (`cluster` on Hopper+, else `block_per_row`), and with
+//!   the cluster one the `block_per_row_*` keys time the other the same way;
 //! - `cpu_fp32` (CPU): `fx_kernels::mlp_cpu::CpuPolicy::act`, host slice in → action, on
 //!   the calling thread (no pool, no allocation, no tensor);
 //! - `fused_fp32_e2e` (CUDA): `MlpDecider::act`, host slice in → action on the host (the
@@ -13,10 +17,12 @@
 //!   action over the bus, a stream sync: everything a caller with host data waits for).
 //!
 //! - `server_fp32_e2e` (CUDA): `MlpServer::act`, host slice in → action on the host from a
-//!   resident kernel polling mapped page-locked memory (no launch, no sync per decision).
+//!   resident kernel polling mapped page-locked memory (no launch, no sync per decision);
+//!   `kernel` and `block_per_row_*` as for `fused_fp32`.
 //!
 //! - `int8` (CPU): `fx_quant::Int8Policy::act`, the default network quantised by `fx-quant`
-//!   (per-channel INT8 weights, min-max input scales from 512 random states), host slice in
+//!   (per-channel INT8 weights, dynamic input scales as `fx-train quantize` writes by
+//!   default: each decision's own max |x| per layer), host slice in
 //!   → action on the calling thread, INT8 products on the best ISA (`isa` in the record).
 //!
 //! The fused and CPU modes also record `matches_eager`: their action for the timed state
@@ -127,14 +133,15 @@ impl Net {
         })
     }
 
-    /// The network quantised to INT8 (min-max input scales from 512 random states).
+    /// The network quantised to INT8 as `fx-train quantize` does by default (dynamic input
+    /// scales; the 512 random calibration states only fill the report's statistics).
     fn int8(&self) -> Result<fx_quant::Int8Policy> {
         let float = match self {
             Net::Dqn(n) => fx_quant::FloatNet::from_dqn(n)?,
             Net::Ppo(n) => fx_quant::FloatNet::from_ppo(n)?,
         };
         let calib = states(&Device::Cpu, 512, 9, 2)?.flatten_all()?.to_vec1::<f32>()?;
-        let q = fx_quant::quantize(&float, &calib, fx_quant::CalibMethod::MinMax, &[])?;
+        let q = fx_quant::quantize(&float, &calib, fx_quant::CalibMethod::Dynamic, &[])?;
         Ok(fx_quant::Int8Policy::new(&q)?)
     }
 
@@ -191,6 +198,18 @@ fn kernel_device_us(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Resul
     Ok(pct(&ts, 50.0) * 1e3 / CALLS as f64)
 }
 
+#[cfg(feature = "cuda")]
+use fx_kernels::cuda::mlp::MlpKernel;
+
+/// The record's name of a fused kernel.
+#[cfg(feature = "cuda")]
+fn kernel_name(k: MlpKernel) -> &'static str {
+    match k {
+        MlpKernel::Cluster => "cluster",
+        MlpKernel::BlockPerRow | MlpKernel::Auto => "block_per_row",
+    }
+}
+
 /// One latency case in `mode`; fills `rec` (which already holds the case's identity).
 pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: &mut Record) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
@@ -220,13 +239,29 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
         LatencyMode::Fused => {
             let policy = net.fused()?;
             let out = Tensor::zeros(1, DType::U32, &dev)?;
-            policy.greedy_into(&x, &out, None)?;
+            let bound = policy.bind(&x, &out, None)?;
+            bound.launch()?;
             rec.insert("matches_eager".into(), json!(out.to_vec1::<u32>()? == eager));
-            let ts = time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?;
+            rec.insert("kernel".into(), json!(kernel_name(policy.kernel_for(1))));
+            let ts = time_calls(&dev, warm, n, true, || Ok(bound.launch()?))?;
             // The profile of a call: the kernel's own device time; the rest of p50 is the
             // host's launch and the stream synchronisation.
-            let kernel = kernel_device_us(&dev, || Ok(policy.greedy_into(&x, &out, None)?))?;
+            let kernel = kernel_device_us(&dev, || Ok(bound.launch()?))?;
             rec.insert("kernel_us".into(), json!(round(kernel, 2)));
+            // The checked call (shapes, pointers looked up per call) for comparison.
+            let tc = time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?;
+            rec.insert("checked_call_p50_us".into(), json!(round(pct(&tc, 50.0), 2)));
+            if policy.kernel_for(1) == MlpKernel::Cluster {
+                // What the cluster bought: the block-per-row kernel timed the same way.
+                let mut block = policy.clone();
+                block.set_kernel(MlpKernel::BlockPerRow)?;
+                let block = block.bind(&x, &out, None)?;
+                let tb = time_calls(&dev, warm, n, true, || Ok(block.launch()?))?;
+                let kb = kernel_device_us(&dev, || Ok(block.launch()?))?;
+                rec.insert("block_per_row_p50_us".into(), json!(round(pct(&tb, 50.0), 2)));
+                rec.insert("block_per_row_p99_us".into(), json!(round(pct(&tb, 99.0), 2)));
+                rec.insert("block_per_row_kernel_us".into(), json!(round(kb, 2)));
+            }
             ts
         }
         #[cfg(feature = "cuda")]
@@ -238,11 +273,25 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
         }
         #[cfg(feature = "cuda")]
         LatencyMode::ServerE2e => {
-            let mut server = fx_kernels::cuda::mlp::MlpServer::new(&net.fused()?)?;
+            let policy = net.fused()?;
             let host = x.flatten_all()?.to_vec1::<f32>()?;
+            let mut server = fx_kernels::cuda::mlp::MlpServer::new(&policy)?;
             rec.insert("matches_eager".into(), json!(server.act(&host)? == eager[0]));
-            let ts = time_calls(&dev, warm, n, false, || Ok(server.act(&host)?))?;
+            rec.insert("kernel".into(), json!(kernel_name(server.kernel())));
+            let ts = time_calls(&dev, warm, n, false, || Ok(server.act(&host)?));
+            // Stopped before anything else runs: one resident server at a time.
             server.stop()?;
+            let ts = ts?;
+            if server.kernel() == MlpKernel::Cluster {
+                let mut block = policy.clone();
+                block.set_kernel(MlpKernel::BlockPerRow)?;
+                let mut server = fx_kernels::cuda::mlp::MlpServer::new(&block)?;
+                let tb = time_calls(&dev, warm, n, false, || Ok(server.act(&host)?));
+                server.stop()?;
+                let tb = tb?;
+                rec.insert("block_per_row_p50_us".into(), json!(round(pct(&tb, 50.0), 2)));
+                rec.insert("block_per_row_p99_us".into(), json!(round(pct(&tb, 99.0), 2)));
+            }
             ts
         }
     };

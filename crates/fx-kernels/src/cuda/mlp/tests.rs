@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::{MlpDecider, MlpPolicy, MlpServer};
+use super::{MlpDecider, MlpKernel, MlpPolicy, MlpServer};
 use crate::cuda::tests::gpu;
 use crate::error::Error;
 use crate::mlp_ref::{reference_greedy, Activation, GreedyMlp, Head, Linear, MAX_WIDTH};
@@ -63,6 +63,21 @@ impl Net {
     }
 }
 
+/// `policy` once per kernel the device runs (the cluster kernel from compute capability 9.0).
+fn each_kernel(policy: &MlpPolicy) -> Vec<MlpPolicy> {
+    let mut out = Vec::new();
+    for k in [MlpKernel::BlockPerRow, MlpKernel::Cluster] {
+        let mut p = policy.clone();
+        if p.set_kernel(k).is_ok() {
+            out.push(p);
+        }
+    }
+    if !policy.has_cluster_kernel() {
+        println!("note: no cluster kernel on this device; only the block-per-row kernel was checked");
+    }
+    out
+}
+
 fn obs(dev: &Device, b: usize, s: usize, seed: u64) -> Tensor {
     Tensor::from_vec(uniform(b * s, 2.0, seed, 99), (b, s), dev).unwrap()
 }
@@ -96,9 +111,11 @@ const BATCHES: [usize; 4] = [1, 3, 256, 1000];
 fn dqn_default_dims_match_reference() {
     let Some(dev) = gpu("dqn_default_dims_match_reference") else { return };
     let net = Net::new(&dev, &[56, 256, 256, 128], Activation::Relu, 3, true, 1);
-    let policy = net.policy();
-    for b in BATCHES {
-        check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &format!("dqn B={b}"));
+    for policy in each_kernel(&net.policy()) {
+        for b in BATCHES {
+            let what = format!("dqn {:?} B={b}", policy.kernel());
+            check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &what);
+        }
     }
 }
 
@@ -106,9 +123,11 @@ fn dqn_default_dims_match_reference() {
 fn ppo_actor_default_dims_match_reference() {
     let Some(dev) = gpu("ppo_actor_default_dims_match_reference") else { return };
     let net = Net::new(&dev, &[56, 256, 256], Activation::Tanh, 3, false, 2);
-    let policy = net.policy();
-    for b in BATCHES {
-        check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &format!("ppo B={b}"));
+    for policy in each_kernel(&net.policy()) {
+        for b in BATCHES {
+            let what = format!("ppo {:?} B={b}", policy.kernel());
+            check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &what);
+        }
     }
 }
 
@@ -125,9 +144,11 @@ fn non_default_dims_match_reference() {
     ];
     for (i, (widths, act, a, dueling)) in cases.into_iter().enumerate() {
         let net = Net::new(&dev, widths, act, a, dueling, 10 + i as u64);
-        let policy = net.policy();
-        for b in BATCHES {
-            check_against_reference(&net, &policy, &obs(&dev, b, widths[0], b as u64), &format!("{widths:?} B={b}"));
+        for policy in each_kernel(&net.policy()) {
+            for b in BATCHES {
+                let what = format!("{widths:?} {:?} B={b}", policy.kernel());
+                check_against_reference(&net, &policy, &obs(&dev, b, widths[0], b as u64), &what);
+            }
         }
     }
 }
@@ -142,9 +163,11 @@ fn unaligned_weight_views_match_reference() {
     let padded = Tensor::cat(&[Tensor::zeros(1, DType::F32, &dev).unwrap(), w.flatten_all().unwrap()], 0).unwrap();
     net.layers[1].0 = padded.narrow(0, 1, 64 * 32).unwrap().reshape((32, 64)).unwrap();
     assert_eq!(net.layers[1].0.layout().start_offset(), 1);
-    let policy = net.policy();
-    for b in BATCHES {
-        check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &format!("unaligned B={b}"));
+    for policy in each_kernel(&net.policy()) {
+        for b in BATCHES {
+            let what = format!("unaligned {:?} B={b}", policy.kernel());
+            check_against_reference(&net, &policy, &obs(&dev, b, 56, b as u64), &what);
+        }
     }
 }
 
@@ -154,16 +177,15 @@ fn unaligned_weight_views_match_reference() {
 fn every_row_is_written() {
     let Some(dev) = gpu("every_row_is_written") else { return };
     let net = Net::new(&dev, &[56, 16, 16], Activation::Relu, 3, true, 30);
-    let policy = net.policy();
-    for b in [1, 1000, 70_000] {
+    for (policy, b) in each_kernel(&net.policy()).iter().flat_map(|p| [(p, 1), (p, 1000), (p, 70_000)]) {
         let x = obs(&dev, b, 56, 7);
         let actions = Tensor::full(u32::MAX, b, &dev).unwrap();
         let values = Tensor::full(f32::NAN, (b, 3), &dev).unwrap();
         policy.greedy_into(&x, &actions, Some(&values)).expect("greedy_into");
         let a: Vec<u32> = actions.to_vec1().unwrap();
-        assert!(a.iter().all(|&a| a < 3), "B={b}: an action was not written");
+        assert!(a.iter().all(|&a| a < 3), "{:?} B={b}: an action was not written", policy.kernel());
         let v: Vec<f32> = values.flatten_all().unwrap().to_vec1().unwrap();
-        assert!(v.iter().all(|v| v.is_finite()), "B={b}: a score was not written");
+        assert!(v.iter().all(|v| v.is_finite()), "{:?} B={b}: a score was not written", policy.kernel());
         // Without values the actions are the same.
         let again = policy.greedy(&x).unwrap().to_vec1::<u32>().unwrap();
         assert_eq!(again, a, "B={b}");
@@ -209,6 +231,38 @@ fn bad_inputs_are_errors() {
     assert!(MlpDecider::new(policy, 0).is_err());
 }
 
+/// A bound launch decides as `greedy_into` does, also after its observation buffer is
+/// rewritten in place (the decision loop's use), with both kernels; bad buffers are refused.
+#[test]
+fn bound_launch_matches_greedy_into() {
+    let Some(dev) = gpu("bound_launch_matches_greedy_into") else { return };
+    let net = Net::new(&dev, &[56, 256, 256, 128], Activation::Relu, 3, true, 65);
+    for policy in each_kernel(&net.policy()) {
+        for rows in [1usize, 5] {
+            let x = Var::from_tensor(&obs(&dev, rows, 56, 1)).unwrap();
+            let (actions, values) =
+                (Tensor::full(u32::MAX, rows, &dev).unwrap(), Tensor::full(f32::NAN, (rows, 3), &dev).unwrap());
+            let bound = policy.bind(x.as_tensor(), &actions, Some(&values)).unwrap();
+            for k in 0..4u64 {
+                x.set(&obs(&dev, rows, 56, 500 + k)).unwrap();
+                bound.launch().unwrap();
+                let (want_a, want_v) = policy.greedy_with_values(x.as_tensor(), true).unwrap();
+                let what = format!("{:?} rows {rows} k {k}", policy.kernel());
+                assert_eq!(actions.to_vec1::<u32>().unwrap(), want_a.to_vec1::<u32>().unwrap(), "{what}");
+                let (got, want): (Vec<f32>, Vec<f32>) = (
+                    values.flatten_all().unwrap().to_vec1().unwrap(),
+                    want_v.unwrap().flatten_all().unwrap().to_vec1().unwrap(),
+                );
+                assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{what}");
+            }
+        }
+        let x = obs(&dev, 2, 56, 1);
+        assert!(policy.bind(&x, &Tensor::zeros(3, DType::U32, &dev).unwrap(), None).is_err());
+        assert!(policy.bind(&obs(&dev, 2, 55, 1), &Tensor::zeros(2, DType::U32, &dev).unwrap(), None).is_err());
+        assert!(policy.bind(&obs(&dev, 0, 56, 1), &Tensor::zeros(0, DType::U32, &dev).unwrap(), None).is_err());
+    }
+}
+
 /// The host path agrees with the device path for single rows and batches, call after call
 /// (the buffers are reused).
 #[test]
@@ -237,16 +291,59 @@ fn policy_sees_in_place_weight_updates() {
     let vars: Vec<(Var, Var)> =
         net.layers.iter().map(|(w, b)| (Var::from_tensor(w).unwrap(), Var::from_tensor(b).unwrap())).collect();
     net.layers = vars.iter().map(|(w, b)| (w.as_tensor().clone(), b.as_tensor().clone())).collect();
-    let policy = net.policy();
+    let policies = each_kernel(&net.policy());
     let x = obs(&dev, 300, 56, 3);
-    check_against_reference(&net, &policy, &x, "before the update");
+    for policy in &policies {
+        check_against_reference(&net, policy, &x, "before the update");
+    }
     let other = Net::new(&dev, &[56, 64, 32], Activation::Tanh, 4, false, 71);
     for ((w, b), (nw, nb)) in vars.iter().zip(&other.layers) {
         w.set(nw).unwrap();
         b.set(nb).unwrap();
     }
-    check_against_reference(&net, &policy, &x, "after the update");
-    check_against_reference(&other, &policy, &x, "after the update, against the new weights");
+    for policy in &policies {
+        check_against_reference(&net, policy, &x, "after the update");
+        check_against_reference(&other, policy, &x, "after the update, against the new weights");
+    }
+}
+
+/// Both kernels sum every neuron in the same order (a lane strides along the row, then the
+/// same shuffle tree), so their scores agree bit for bit, whatever the batch; `Auto` takes
+/// the cluster kernel exactly up to CLUSTER_MAX_ROWS rows where the device has it.
+#[test]
+fn cluster_and_block_kernels_agree_bitwise() {
+    let Some(dev) = gpu("cluster_and_block_kernels_agree_bitwise") else { return };
+    let cases: [(&[usize], Activation, usize, bool); 4] = [
+        (&[56, 256, 256, 128], Activation::Relu, 3, true),
+        (&[56, 256, 256], Activation::Tanh, 3, false),
+        (&[55, 37, 19], Activation::Relu, 7, true),
+        (&[6], Activation::Identity, 2, true),
+    ];
+    for (i, (widths, act, a, dueling)) in cases.into_iter().enumerate() {
+        let net = Net::new(&dev, widths, act, a, dueling, 200 + i as u64);
+        let policy = net.policy();
+        assert_eq!(
+            policy.kernel_for(1),
+            if policy.has_cluster_kernel() { MlpKernel::Cluster } else { MlpKernel::BlockPerRow }
+        );
+        assert_eq!(policy.kernel_for(super::CLUSTER_MAX_ROWS + 1), MlpKernel::BlockPerRow);
+        let kernels = each_kernel(&policy);
+        for b in [1, 2, 16, 17, 300] {
+            let x = obs(&dev, b, widths[0], 300 + b as u64);
+            let runs: Vec<(Vec<u32>, Vec<f32>)> = kernels
+                .iter()
+                .map(|p| {
+                    let (act, val) = p.greedy_with_values(&x, true).unwrap();
+                    (act.to_vec1().unwrap(), val.unwrap().flatten_all().unwrap().to_vec1().unwrap())
+                })
+                .collect();
+            for r in &runs[1..] {
+                assert_eq!(r.0, runs[0].0, "{widths:?} B={b}: actions differ between kernels");
+                let same = r.1.iter().zip(&runs[0].1).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{widths:?} B={b}: scores differ between kernels");
+            }
+        }
+    }
 }
 
 /// The greedy actions of `net`'s f64 reference for the rows of `x`.
@@ -265,22 +362,24 @@ fn server_matches_policy() {
         [(&[56, 256, 256, 128], Activation::Relu, 3, true, 80), (&[56, 256, 256], Activation::Tanh, 3, false, 81)];
     for (widths, act, na, dueling, seed) in cases {
         let net = Net::new(&dev, widths, act, na, dueling, seed);
-        let policy = net.policy();
-        let mut server = MlpServer::new(&policy).unwrap();
-        let x = obs(&dev, 300, 56, seed + 1);
-        let want: Vec<u32> = policy.greedy(&x).unwrap().to_vec1().unwrap();
-        let reference = reference_actions(&net, &x);
-        let host: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-        let mut same_as_reference = 0;
-        for (r, row) in host.chunks_exact(56).enumerate() {
-            let a = server.act(row).unwrap();
-            assert_eq!(a, want[r], "{widths:?} row {r}: server vs launched kernel");
-            same_as_reference += usize::from(a == reference[r]);
+        for policy in each_kernel(&net.policy()) {
+            let mut server = MlpServer::new(&policy).unwrap();
+            assert_eq!(server.kernel(), policy.kernel_for(1));
+            let x = obs(&dev, 300, 56, seed + 1);
+            let want: Vec<u32> = policy.greedy(&x).unwrap().to_vec1().unwrap();
+            let reference = reference_actions(&net, &x);
+            let host: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let mut same_as_reference = 0;
+            for (r, row) in host.chunks_exact(56).enumerate() {
+                let a = server.act(row).unwrap();
+                assert_eq!(a, want[r], "{widths:?} row {r}: server vs launched kernel");
+                same_as_reference += usize::from(a == reference[r]);
+            }
+            assert!(same_as_reference >= 297, "{widths:?}: {same_as_reference}/300 equal to the f64 reference");
+            assert!(server.act(&host[..55]).is_err(), "a short observation must be refused");
+            server.stop().unwrap();
+            assert!(server.act(&host[..56]).is_err(), "a stopped server must refuse");
         }
-        assert!(same_as_reference >= 297, "{widths:?}: {same_as_reference}/300 equal to the f64 reference");
-        assert!(server.act(&host[..55]).is_err(), "a short observation must be refused");
-        server.stop().unwrap();
-        assert!(server.act(&host[..56]).is_err(), "a stopped server must refuse");
     }
 }
 
