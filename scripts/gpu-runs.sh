@@ -5,6 +5,8 @@
 # tests: every packed test binary (`.gpu/run.sh tests`), log in $OUT/tests.log;
 # runs:  DQN, PPO (default configs, --device cuda) and TFT (one epoch) with their report's
 #        profile (GPU busy fraction) and report.json appended to $OUT/runs.log.
+#        RUN_SPECS replaces the list: `name:model:flags` entries separated by `;`, e.g.
+#        RUN_SPECS="dqn:dqn:--steps 3000;dqn-b256:dqn:--steps 3000 --batch-size 256".
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -20,11 +22,13 @@ fi
 if [[ " $what " == *" runs "* ]]; then
   R=$(mktemp -d)
   : >"$OUT/runs.log"
-  for spec in "dqn:--steps 3000" "ppo:--steps 3000" "tft:--epochs 1"; do
-    name=${spec%%:*} args=${spec#*:}
-    echo "=== $name: fx-train train --model $name $args --device cuda" >>"$OUT/runs.log"
+  IFS=';' read -r -a specs <<<"${RUN_SPECS:-dqn:dqn:--steps 3000;ppo:ppo:--steps 3000;tft:tft:--epochs 1}"
+  for spec in "${specs[@]}"; do
+    name=${spec%%:*} rest=${spec#*:}
+    model=${rest%%:*} args=${rest#*:}
+    echo "=== $name: fx-train train --model $model $args --device cuda" >>"$OUT/runs.log"
     t0=$(date +%s)
-    timeout "${RUN_TIMEOUT:-120}" bash "$G/run.sh" bin fx-train train --model "$name" $args \
+    timeout "${RUN_TIMEOUT:-120}" bash "$G/run.sh" bin fx-train train --model "$model" $args \
       --device cuda --quiet --out "$R/$name" >>"$OUT/runs.log" 2>&1 || { rc=1; echo "FAILED: $name" >>"$OUT/runs.log"; }
     echo "($name: $(($(date +%s) - t0)) s)" >>"$OUT/runs.log"
     if [ -f "$R/$name/report.json" ]; then
@@ -33,6 +37,6 @@ if [[ " $what " == *" runs "* ]]; then
     fi
     [ -f "$R/$name/metrics.jsonl" ] && { echo "--- $name metrics.jsonl (last 3)"; tail -n 3 "$R/$name/metrics.jsonl"; } >>"$OUT/runs.log"
   done
-  grep -E "^===|GPU busy|time:|beat|FAILED|error" "$OUT/runs.log"
+  grep -E "^===|^batch |GPU busy|time:|beat|FAILED|error" "$OUT/runs.log"
 fi
 exit $rc

@@ -318,6 +318,52 @@ fn environment_overrides_reach_the_run_and_flags_win() {
     assert!(saved.contains("precision = \"f32\""), "the --precision flag must win over FX_PRECISION:\n{saved}");
 }
 
+/// The batch a run uses and where it came from: printed, in config.toml as a number, and in
+/// the first metrics line. On the CPU `auto` keeps the config's (model key) value.
+#[test]
+fn the_batch_and_its_source_are_printed_and_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let first_metrics = |run: &Path| -> serde_json::Value {
+        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        serde_json::from_str(text.lines().next().unwrap()).unwrap()
+    };
+    // The tiny config sets dqn.batch_size itself: that wins over auto.
+    let cfg = tiny_config(dir.path(), "dqn", 10, "");
+    let run = dir.path().join("key");
+    let stdout = ok(&train(&cfg, &run, &["--quiet"]));
+    assert!(stdout.contains("batch 32 (dqn.batch_size, source config (model key)"), "{stdout}");
+    let m = first_metrics(&run);
+    assert_eq!((m["batch_size"].as_u64(), m["batch_source"].as_str()), (Some(32), Some("config (model key)")));
+    assert!(std::fs::read_to_string(run.join("config.toml")).unwrap().contains("batch = 32"));
+    // `--batch-size auto` asks for the budget; on the CPU that is the config's value.
+    let run = dir.path().join("auto");
+    let stdout = ok(&train(&cfg, &run, &["--quiet", "--batch-size", "auto"]));
+    assert!(stdout.contains("batch 32 (dqn.batch_size, source cpu default"), "{stdout}");
+    // A flag, and FX_BATCH_SIZE.
+    let run = dir.path().join("flag");
+    let stdout = ok(&train(&cfg, &run, &["--quiet", "--batch-size", "24"]));
+    assert!(stdout.contains("batch 24 (dqn.batch_size, source flag)"), "{stdout}");
+    assert_eq!(first_metrics(&run)["batch_size"].as_u64(), Some(24));
+    // Resuming with the same value is accepted, another is refused naming both.
+    ok(&train(&cfg, &run, &["--quiet", "--resume", "--batch-size", "24", "--steps", "15"]));
+    let e = err_line(&train(&cfg, &run, &["--resume", "--batch-size", "40"]));
+    assert!(e.contains("--batch-size 40 differs from the saved run's 24"), "{e}");
+    let run = dir.path().join("env");
+    let out = fx_train()
+        .args(["train", "--quiet", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&run)
+        .env("FX_BATCH_SIZE", "20")
+        .output()
+        .unwrap();
+    assert!(ok(&out).contains("batch 20 (dqn.batch_size, source FX_BATCH_SIZE)"));
+    // (clap's own usage error for a bad flag value.)
+    let out = train(&cfg, &dir.path().join("bad"), &["--batch-size", "0"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && e.contains("batch must be \"auto\" or a positive integer"), "{e}");
+}
+
 #[test]
 fn train_on_real_bars_from_csv() {
     let dir = tempfile::tempdir().unwrap();

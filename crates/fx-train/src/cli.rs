@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::batch::BatchSize;
+
 /// Train and evaluate trading models (DQN, PPO, TFT, MAMBA-2) on market features.
 #[derive(Debug, Parser)]
 #[command(name = "fx-train", version, about)]
@@ -96,6 +98,10 @@ pub struct TrainArgs {
     /// tft/mamba2; env FX_THREADS].
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Batch of the model: auto (the hardware budget's for the device, bounded by the data;
+    /// on the CPU the config's) or a number [default: auto; env FX_BATCH_SIZE].
+    #[arg(long)]
+    pub batch_size: Option<crate::batch::BatchSize>,
     /// Accounts stepped together [default: 32].
     #[arg(long)]
     pub num_envs: Option<usize>,
@@ -151,7 +157,7 @@ impl TrainArgs {
             return Ok((model, self.threads));
         };
         let path_str = |p: &Option<PathBuf>| p.as_ref().map_or("none".to_string(), |p| p.display().to_string());
-        let given: [(&str, Option<String>, String); 10] = [
+        let given: [(&str, Option<String>, String); 11] = [
             ("--model", self.model.map(|m| m.as_str().to_string()), saved.model.as_str().to_string()),
             ("--data", self.data.as_ref().map(|d| d.display().to_string()), path_str(&saved.data)),
             ("--epochs", self.epochs.map(|n| n.to_string()), saved.seq.epochs.to_string()),
@@ -160,6 +166,12 @@ impl TrainArgs {
             ("--device", self.device.clone(), saved.device.clone()),
             ("--graph", self.graph.map(|g| g.to_string()), saved.graph.to_string()),
             ("--num-envs", self.num_envs.map(|n| n.to_string()), saved.env.num_envs.to_string()),
+            // The saved batch is the number the run used ("auto" settled at its start).
+            (
+                "--batch-size",
+                self.batch_size.filter(|b| *b != BatchSize::Auto).map(|b| b.to_string()),
+                saved.batch_key_value().to_string(),
+            ),
             ("--checkpoint-every", self.checkpoint_every.map(|n| n.to_string()), saved.checkpoint_every.to_string()),
             ("--log-every", self.log_every.map(|n| n.to_string()), saved.log_every.to_string()),
         ];
@@ -175,6 +187,19 @@ impl TrainArgs {
             let mut from_file = RunConfig::from_toml_file(c)?;
             from_file.out = saved.out.clone();
             from_file.steps = saved.steps;
+            // The saved config holds the number "auto" settled to; the file's own model key,
+            // when it sets one, must equal it (compared with everything else below).
+            // A --batch-size given with the file overrode it (and equals the saved value,
+            // checked above).
+            if let Some(BatchSize::Fixed(n)) = self.batch_size {
+                from_file.batch = BatchSize::Fixed(n);
+            } else if from_file.batch == BatchSize::Auto {
+                let n = if from_file.model_key_given() { from_file.batch_key_value() } else { saved.batch_key_value() };
+                from_file.batch = BatchSize::Fixed(n);
+            }
+            let saved = saved.clone().pinned_batch();
+            from_file.batch_source = saved.batch_source;
+            from_file.batch_keys_given = saved.batch_keys_given;
             if from_file.resolve()? != saved {
                 anyhow::bail!(
                     "--config {} differs from the saved run's config.toml: --resume continues the run as it was started",
@@ -222,6 +247,12 @@ impl TrainArgs {
         }
         if let Some(n) = self.threads {
             cfg.threads = Some(n);
+        }
+        if let Some(b) = self.batch_size {
+            cfg.batch = b;
+            cfg.batch_source = crate::batch::BatchSource::Flag;
+            // `--batch-size auto` asks for the budget even over a model key in the file.
+            cfg.batch_keys_given = crate::config::BatchKeysGiven::default();
         }
         if let Some(n) = self.num_envs {
             cfg.env.num_envs = n;

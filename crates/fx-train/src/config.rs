@@ -38,6 +38,14 @@ impl ModelChoice {
     }
 }
 
+/// Which model batch keys a config file set itself (an explicit key wins over `batch = "auto"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchKeysGiven {
+    pub dqn: bool,
+    pub ppo: bool,
+    pub seq: bool,
+}
+
 /// Everything a training run is configured by. `config.toml` in the run folder holds
 /// the resolved value, every default written out.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -60,6 +68,18 @@ pub struct RunConfig {
     /// CPU threads for candle's CPU kernels; none: one for dqn/ppo (small networks), every
     /// usable CPU (affinity, cgroup quota) for tft/mamba2; `FX_THREADS` overrides none.
     pub threads: Option<usize>,
+    /// Batch of the model trained (it sets `dqn.batch_size`, `ppo.minibatch_size` or
+    /// `seq.batch_size`): "auto" takes the hardware budget's batch for the run's device,
+    /// bounded by the data (on the CPU the model key's value stands; the rules are in
+    /// fx-train's `batch` module and the README), or a number. The model's own key set in a
+    /// config file wins over "auto". config.toml records the number the run used.
+    pub batch: crate::batch::BatchSize,
+    /// Where a numeric `batch` came from (config, FX_BATCH_SIZE or --batch-size).
+    #[serde(skip)]
+    pub batch_source: crate::batch::BatchSource,
+    /// The config file set the model's own batch key (per model, see [`Self::model_key_given`]).
+    #[serde(skip)]
+    pub batch_keys_given: BatchKeysGiven,
     /// CUDA graph capture of the training step (every model): auto (capture, warn and run
     /// eagerly if it fails), on (a failed capture is an error) or off. Ignored on the CPU.
     pub graph: fx_precision::GraphMode,
@@ -133,6 +153,9 @@ impl Default for RunConfig {
             seed: 7,
             precision: Precision::F32,
             device: "auto".into(),
+            batch: crate::batch::BatchSize::Auto,
+            batch_source: crate::batch::BatchSource::Config,
+            batch_keys_given: BatchKeysGiven::default(),
             graph: fx_precision::GraphMode::Auto,
             threads: None,
             checkpoint_every: 500,
@@ -164,9 +187,48 @@ impl RunConfig {
     /// one line: `parsing config FILE: line L, column C: what`.
     pub fn from_toml_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-        toml::from_str(&text)
+        let mut cfg: Self = toml::from_str(&text)
             .map_err(|e| toml_error(&text, &e))
-            .with_context(|| format!("parsing config {}", path.display()))
+            .with_context(|| format!("parsing config {}", path.display()))?;
+        // Which model batch keys the file sets itself (it parsed, so it is a valid table).
+        if let Ok(table) = text.parse::<toml::Table>() {
+            let has = |section: &str, key: &str| table.get(section).and_then(|s| s.get(key)).is_some();
+            cfg.batch_keys_given = BatchKeysGiven {
+                dqn: has("dqn", "batch_size"),
+                ppo: has("ppo", "minibatch_size"),
+                seq: has("seq", "batch_size"),
+            };
+        }
+        Ok(cfg)
+    }
+
+    /// The trained model's own batch key's value (`dqn.batch_size`, `ppo.minibatch_size` or
+    /// `seq.batch_size`).
+    pub fn batch_key_value(&self) -> usize {
+        match self.model {
+            ModelChoice::Dqn => self.dqn.batch_size,
+            ModelChoice::Ppo => self.ppo.minibatch_size,
+            ModelChoice::Tft | ModelChoice::Mamba2 => self.seq.batch_size,
+        }
+    }
+
+    /// A saved run's config as it continues: its batch is the number it used (a config.toml
+    /// written before `batch` existed has no such key: its model key is that number).
+    pub fn pinned_batch(mut self) -> Self {
+        if self.batch == crate::batch::BatchSize::Auto {
+            self.batch = crate::batch::BatchSize::Fixed(self.batch_key_value());
+        }
+        self.batch_source = crate::batch::BatchSource::Config;
+        self
+    }
+
+    /// Whether the config file set the trained model's own batch key.
+    pub fn model_key_given(&self) -> bool {
+        match self.model {
+            ModelChoice::Dqn => self.batch_keys_given.dqn,
+            ModelChoice::Ppo => self.batch_keys_given.ppo,
+            ModelChoice::Tft | ModelChoice::Mamba2 => self.batch_keys_given.seq,
+        }
     }
 
     /// The config as TOML (every field written out).
@@ -190,17 +252,23 @@ impl RunConfig {
             self.precision = p.value;
         }
         if let Some(b) = &env.batch_size {
-            match self.model {
-                ModelChoice::Dqn => self.dqn.batch_size = b.value,
-                ModelChoice::Ppo => self.ppo.minibatch_size = b.value,
-                ModelChoice::Tft | ModelChoice::Mamba2 => self.seq.batch_size = b.value,
-            }
+            self.batch = crate::batch::BatchSize::Fixed(b.value);
+            self.batch_source = crate::batch::BatchSource::Env;
         }
     }
 
     /// Spreads the run-level settings (seed, precision, env seed) into the model configs
     /// and checks what can be checked before any work starts.
     pub fn resolve(mut self) -> Result<Self> {
+        // A numeric batch sets the model's key now, so the size checks below see it; "auto"
+        // is settled once the device (and, for the sequence models, the data) is known.
+        if let crate::batch::BatchSize::Fixed(n) = self.batch {
+            match self.model {
+                ModelChoice::Dqn => self.dqn.batch_size = n,
+                ModelChoice::Ppo => self.ppo.minibatch_size = n,
+                ModelChoice::Tft | ModelChoice::Mamba2 => self.seq.batch_size = n,
+            }
+        }
         self.env.seed = self.seed;
         self.synthetic.seed = self.seed;
         self.dqn.seed = self.seed;
@@ -327,10 +395,28 @@ mod tests {
         .unwrap();
         let mut cfg = RunConfig::default();
         cfg.apply_env_overrides(&env);
+        assert_eq!((cfg.batch, cfg.batch_source), (crate::batch::BatchSize::Fixed(96), crate::batch::BatchSource::Env));
+        let cfg = cfg.resolve().unwrap();
         assert_eq!((cfg.device.as_str(), cfg.precision, cfg.dqn.batch_size), ("cpu", Precision::Bf16, 96));
         let mut ppo = RunConfig { model: ModelChoice::Ppo, ..RunConfig::default() };
         ppo.apply_env_overrides(&env);
-        assert_eq!(ppo.ppo.minibatch_size, 96);
+        assert_eq!(ppo.resolve().unwrap().ppo.minibatch_size, 96);
+    }
+
+    #[test]
+    fn a_config_file_records_which_batch_keys_it_sets() {
+        let dir = std::env::temp_dir().join(format!("fx-batch-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "model = \"ppo\"\n[ppo]\nminibatch_size = 128\n").unwrap();
+        let cfg = RunConfig::from_toml_file(&path).unwrap();
+        assert!(cfg.model_key_given() && cfg.batch_keys_given.ppo && !cfg.batch_keys_given.dqn);
+        assert_eq!(cfg.batch, crate::batch::BatchSize::Auto);
+        std::fs::write(&path, "batch = 640\n").unwrap();
+        let cfg = RunConfig::from_toml_file(&path).unwrap();
+        assert!(!cfg.model_key_given());
+        assert_eq!(cfg.resolve().unwrap().dqn.batch_size, 640);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

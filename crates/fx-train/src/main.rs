@@ -2,6 +2,7 @@
 //! another service could reuse: parsing flags, printing, and wiring crates together.
 
 mod agent;
+mod batch;
 mod bench;
 mod cli;
 mod config;

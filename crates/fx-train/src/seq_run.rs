@@ -182,7 +182,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let dir = RunDir::open(&cfg.out, opts.resume)?;
     // A resumed run continues under the config it started with (its schedule spans the
     // epochs it was started for).
-    let cfg = if opts.resume { RunConfig::from_toml_file(&dir.path("config.toml"))? } else { cfg };
+    let cfg = if opts.resume { RunConfig::from_toml_file(&dir.path("config.toml"))?.pinned_batch() } else { cfg };
     let cfg = cfg.resolve()?;
     let device = device_for(&cfg)?;
     let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
@@ -202,6 +202,13 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
 
 fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
     let RunCtx { t_start, mut dir, device, checkpoint, d, mut profile } = ctx;
+    let mut cfg = cfg.clone();
+    let train_windows = d.data.splits.train.len().saturating_sub(task.window_len()) + 1;
+    let budget = crate::batch::budget_batch(&cfg, &device);
+    let batch = crate::batch::resolve(&mut cfg, budget, Some(train_windows));
+    println!("{}", batch.describe(cfg.model));
+    let mut batch_line = Some(batch);
+    let cfg = &cfg;
     check_windows(&d, task.window_len(), cfg.seq.batch_size)?;
     let mut trainer = match &checkpoint {
         Some(c) => restored(task, cfg, c, &d)?,
@@ -258,7 +265,7 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
             break;
         };
         let t = Instant::now();
-        let rec = json!({
+        let mut rec = json!({
             "epoch": epoch,
             "steps": trainer.step(),
             "train_loss": log.train_loss,
@@ -270,6 +277,10 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
             "gpu_busy_fraction": busy.interval(),
             "elapsed_s": prior_seconds + t_loop.elapsed().as_secs_f64(),
         });
+        if let Some(b) = batch_line.take() {
+            rec["batch_size"] = json!(b.value);
+            rec["batch_source"] = json!(b.source.as_str());
+        }
         metrics.write(&rec)?;
         profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
         save(&trainer, &mut profile, prior_seconds + t_loop.elapsed().as_secs_f64())?;

@@ -100,13 +100,19 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     // A resumed run continues under the config it started with; only an explicit
     // `--steps` changes its length.
     let cfg = if opts.resume {
-        let saved = RunConfig::from_toml_file(&dir.path("config.toml"))?;
+        let saved = RunConfig::from_toml_file(&dir.path("config.toml"))?.pinned_batch();
         RunConfig { steps: opts.steps.unwrap_or(saved.steps), ..saved }
     } else {
         cfg
     };
-    let cfg = cfg.resolve()?;
+    let mut cfg = cfg.resolve()?;
     let device = device_for(&cfg)?;
+    let budget = crate::batch::budget_batch(&cfg, &device);
+    let batch = crate::batch::resolve(&mut cfg, budget, None);
+    // The auto batch may be larger than what resolve() checked: check the sizes again.
+    let cfg = cfg.resolve()?;
+    println!("{}", batch.describe(cfg.model));
+    let mut batch_line = Some(batch);
     let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
     if let Some(c) = &checkpoint {
         c.check_model(cfg.model, "the config asks for")?;
@@ -197,6 +203,10 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
             rec.insert("gpu_mem_peak_mib".into(), json!(mem.peak_mib(&device)?));
             rec.insert("gpu_busy_fraction".into(), json!(busy.interval()));
             rec.insert("elapsed_s".into(), json!(prior_seconds + t_loop.elapsed().as_secs_f64()));
+            if let Some(b) = batch_line.take() {
+                rec.insert("batch_size".into(), json!(b.value));
+                rec.insert("batch_source".into(), json!(b.source.as_str()));
+            }
             metrics.write(&serde_json::Value::Object(rec))?;
             if let Some(loss) = p.loss {
                 bar.set_message(format!("loss {loss:.4} | {:.0} samples/s", samples_since as f64 / dt));
