@@ -171,3 +171,14 @@ __device__ __forceinline__ unsigned int fx_load_sys(const unsigned int* a) {
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
     return v;
 }
+
+// The servers' wait for the next request (one thread): polls ctrl[0] (the request's sequence
+// number) and ctrl[1] (stop) over the bus until ctrl[0] moves past `last` or stop is set.
+// The acquire loads order what the thread reads next after the host's writes before them.
+__device__ __forceinline__ void fx_poll_request(const unsigned int* ctrl, unsigned int last, unsigned int* seq,
+                                                unsigned int* stop) {
+    do {
+        *seq = fx_load_sys(ctrl);
+        *stop = fx_load_sys(ctrl + 1);
+    } while (*seq == last && *stop == 0u);
+}

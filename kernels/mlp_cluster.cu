@@ -160,15 +160,7 @@ extern "C" __global__ void __cluster_dims__(FX_CLUSTER, 1, 1) __launch_bounds__(
     cluster.sync();  // every block has started before rank 0 writes into it
     for (;;) {
         if (rank == 0) {
-            if (threadIdx.x == 0) {
-                unsigned int seq, stop;
-                do {
-                    seq = fx_load_sys(ctrl);
-                    stop = fx_load_sys(ctrl + 1);
-                } while (seq == last && stop == 0u);
-                s_seq = seq;
-                s_stop = stop;
-            }
+            if (threadIdx.x == 0) fx_poll_request(ctrl, last, &s_seq, &s_stop);
             __syncthreads();  // rank 0's threads only: the whole block takes this branch
             const unsigned int seq = s_seq, stop = s_stop;
             // The acquire load of ctrl[0] orders these reads after the host's observation

@@ -52,15 +52,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) fx_mlp_serve(const FxMlpPar
     __shared__ unsigned int s_seq, s_stop;
     unsigned int last = first;
     for (;;) {
-        if (threadIdx.x == 0) {
-            unsigned int seq, stop;
-            do {
-                seq = fx_load_sys(ctrl);
-                stop = fx_load_sys(ctrl + 1);
-            } while (seq == last && stop == 0u);
-            s_seq = seq;
-            s_stop = stop;
-        }
+        if (threadIdx.x == 0) fx_poll_request(ctrl, last, &s_seq, &s_stop);
         __syncthreads();
         if (s_stop != 0u) return;
         const unsigned int seq = s_seq;

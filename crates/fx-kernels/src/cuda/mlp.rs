@@ -186,17 +186,30 @@ impl MlpPolicy {
         &self.device
     }
 
+    /// The rows of `obs [B, input]` (F32) after checking it, `actions [B]` (U32) and
+    /// `values [B, n_actions]` (F32) against this policy.
+    fn check_buffers(
+        &self,
+        obs: &Tensor,
+        actions: &Tensor,
+        values: Option<&Tensor>,
+        ctx: &'static str,
+    ) -> Result<usize> {
+        let b = obs.dim(0).ctx(ctx)?;
+        expect_tensor(obs, "obs", ctx, &[b, self.dims.input], DType::F32, &self.device)?;
+        expect_tensor(actions, "actions", ctx, &[b], DType::U32, &self.device)?;
+        if let Some(v) = values {
+            expect_tensor(v, "values", ctx, &[b, self.dims.n_actions], DType::F32, &self.device)?;
+        }
+        Ok(b)
+    }
+
     /// Greedy actions of `obs [B, input]` (F32) into `actions [B]` (U32, contiguous) and,
     /// when given, the scores (Q values or logits) into `values [B, n_actions]` (F32,
     /// contiguous); both are overwritten in place. One launch on candle's stream, no sync.
     pub fn greedy_into(&self, obs: &Tensor, actions: &Tensor, values: Option<&Tensor>) -> Result<()> {
         const CTX: &str = "MlpPolicy::greedy_into";
-        let b = obs.dim(0).ctx(CTX)?;
-        expect_tensor(obs, "obs", CTX, &[b, self.dims.input], DType::F32, &self.device)?;
-        expect_tensor(actions, "actions", CTX, &[b], DType::U32, &self.device)?;
-        if let Some(v) = values {
-            expect_tensor(v, "values", CTX, &[b, self.dims.n_actions], DType::F32, &self.device)?;
-        }
+        let b = self.check_buffers(obs, actions, values, CTX)?;
         if b == 0 {
             return Ok(());
         }
@@ -217,12 +230,7 @@ impl MlpPolicy {
     /// already sits in a device buffer that it rewrites in place.
     pub fn bind(&self, obs: &Tensor, actions: &Tensor, values: Option<&Tensor>) -> Result<BoundGreedy> {
         const CTX: &str = "MlpPolicy::bind";
-        let b = obs.dim(0).ctx(CTX)?;
-        expect_tensor(obs, "obs", CTX, &[b, self.dims.input], DType::F32, &self.device)?;
-        expect_tensor(actions, "actions", CTX, &[b], DType::U32, &self.device)?;
-        if let Some(v) = values {
-            expect_tensor(v, "values", CTX, &[b, self.dims.n_actions], DType::F32, &self.device)?;
-        }
+        let b = self.check_buffers(obs, actions, values, CTX)?;
         if b == 0 {
             return Err(Error::shape("obs", CTX, "at least one row", "0 rows"));
         }
