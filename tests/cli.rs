@@ -536,6 +536,16 @@ fn seq_models_write_a_complete_run_folder_and_eval_reads_it() {
             assert!(rep["forecast"]["interval_coverage"].is_number());
         }
         assert!(rep["profile"]["train"].as_f64().unwrap() > 0.0);
+        // The share of the epochs spent building batches: per epoch and over the run.
+        let stall = rep["profile"]["data_stall_fraction"].as_f64().unwrap();
+        assert!(stall > 0.0 && stall < 1.0, "{model}: data_stall_fraction {stall}");
+        assert!(text.contains("data stall: "), "{text}");
+        for l in &lines {
+            let f = l["data_stall_fraction"].as_f64().unwrap();
+            assert!(f > 0.0 && f < 1.0, "{model}: {l}");
+        }
+        assert_eq!(lines[0]["batch_source"], "config (model key)", "the tiny config sets seq.batch_size");
+        assert!(lines[1].get("batch_size").is_none(), "only the first line names the batch");
         let out = fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap();
         assert!(ok(&out).contains(&format!("forecasts of {model}")));
         // eval scores the same (best) weights the run's report did.

@@ -539,6 +539,9 @@ pub struct SeqTrainer {
     dirty: bool,
     /// Dropout masks from the counter-based generator, its counter = optimiser steps.
     rng: DropoutRng,
+    /// Host seconds spent building and uploading training batches (not saved: a resumed
+    /// run counts from zero), see [`Self::batch_seconds`].
+    batch_seconds: f64,
     /// The captured training step (CUDA, `graph` not off), built at the first step; it
     /// takes over the optimiser state from `opt` and holds it until the state is saved.
     #[cfg(feature = "cuda")]
@@ -578,6 +581,7 @@ impl SeqTrainer {
             patience_out: false,
             dirty: false,
             rng: DropoutRng::new(cfg.seed ^ DROPOUT_SEED_MIX, params.device()).ctx("SeqTrainer::new")?,
+            batch_seconds: 0.0,
             #[cfg(feature = "cuda")]
             graph: Default::default(),
         })
@@ -691,6 +695,15 @@ impl SeqTrainer {
         self.best.as_ref().map(|(e, v, _)| (*e, *v))
     }
 
+    /// Host seconds this trainer spent building training batches from the series and
+    /// uploading them, over its life (not saved in checkpoints). The loop does nothing else
+    /// meanwhile (no prefetch), so over an epoch's time it is the share of the epoch the
+    /// optimiser waited for data: an upper bound on the GPU's data stall (work queued before
+    /// may still run while the host builds).
+    pub fn batch_seconds(&self) -> f64 {
+        self.batch_seconds
+    }
+
     /// Whether training is over: every epoch ran, or patience ran out.
     pub fn is_done(&self) -> bool {
         self.epochs_done >= self.cfg.epochs || self.patience_out
@@ -717,7 +730,9 @@ impl SeqTrainer {
         let mut lr = self.cfg.lr;
         for bi in self.smp.epoch_batches(epoch as u64) {
             lr = lr_at(self.step, self.total, self.warmup, self.cfg.lr, self.cfg.lr * self.cfg.min_lr_frac);
+            let t_batch = std::time::Instant::now();
             let batch = task.batch(series, &bi.starts, &dev)?;
+            self.batch_seconds += t_batch.elapsed().as_secs_f64();
             let l = self.train_step(task, &batch, true)?.unwrap_or(f64::NAN);
             // A replayed step skipped by the device-side NaN/Inf guard reads as NaN.
             if l.is_finite() {

@@ -54,6 +54,10 @@ pub struct SeqProfile {
     /// GPU runs: the share of the training epochs' time in which a kernel ran on the GPU
     /// (see `gpu_busy`); null on the CPU or without NVML.
     pub gpu_busy_fraction: Option<f64>,
+    /// The share of the training epochs' time the loop spent building and uploading
+    /// batches (`SeqTrainer::batch_seconds`; nothing prefetches, so the optimiser waited
+    /// that long for data: an upper bound on the GPU's data stall).
+    pub data_stall_fraction: Option<f64>,
 }
 
 /// The report of a sequence run: forecast quality on the test split.
@@ -244,8 +248,10 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
     let t_loop = Instant::now();
     let mut interrupted = false;
     let samples_per_batch = cfg.seq.batch_size as f64;
+    let batch_seconds_start = trainer.batch_seconds();
     while !trainer.is_done() {
         let t_epoch = Instant::now();
+        let batch_seconds_before = trainer.batch_seconds();
         let epoch = trainer.epochs_done() + 1;
         let log = trainer
             .train_epoch_with(task, &d.series, d.data.splits.valid.clone(), |_, loss| {
@@ -275,6 +281,7 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
             "train_samples_per_s": bpe as f64 * samples_per_batch / secs.max(1e-9),
             "gpu_mem_peak_mib": mem.peak_mib(&device)?,
             "gpu_busy_fraction": busy.interval(),
+            "data_stall_fraction": (trainer.batch_seconds() - batch_seconds_before) / secs.max(1e-9),
             "elapsed_s": prior_seconds + t_loop.elapsed().as_secs_f64(),
         });
         if let Some(b) = batch_line.take() {
@@ -287,6 +294,9 @@ fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunC
     }
     bar.finish_and_clear();
     profile.gpu_busy_fraction = busy.total();
+    if profile.train > 0.0 {
+        profile.data_stall_fraction = Some((trainer.batch_seconds() - batch_seconds_start) / profile.train);
+    }
     if interrupted {
         eprintln!(
             "interrupted in epoch {}: the checkpoint after epoch {} is in {}; continue with `fx-train train --resume --out {}`",
@@ -431,6 +441,9 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
         );
         if let Some(b) = p.gpu_busy_fraction {
             println!("GPU busy: {:.1}% of the training epochs (driver utilisation samples)", 100.0 * b);
+        }
+        if let Some(f) = p.data_stall_fraction {
+            println!("data stall: {:.1}% of the training epochs building and uploading batches", 100.0 * f);
         }
     }
     println!("run folder: {}", dir.root().display());
