@@ -15,6 +15,13 @@
 //!
 //! Rows are padded to a multiple of [`PAD`] bytes with zero weights, so no path has a tail:
 //! whatever the activation buffer holds in the padding multiplies a zero.
+//!
+//! [`VerticalWeights`] is a second layout for AVX-512 VNNI ([`Gemv::run_vertical`]): sixteen
+//! output rows interleaved four bytes at a time, so one `vpdpbusd` adds four inputs into
+//! sixteen outputs at once (the four activation bytes broadcast to every lane) and no
+//! horizontal sum is needed (the row-major kernel ends every output row with one). It also
+//! takes several activation vectors per pass over the weights (a batch of decisions reads
+//! each weight vector once for up to [`MAX_ROWS`] observations).
 
 /// Row padding (bytes): one AVX-512 register, two AVX2 registers.
 pub const PAD: usize = 64;
@@ -129,6 +136,80 @@ impl Gemv {
     }
 }
 
+/// Most activation vectors one [`Gemv::run_vertical`] pass takes.
+pub const MAX_ROWS: usize = 4;
+
+/// Output rows per interleaved block of [`VerticalWeights`] (one AVX-512 register of i32).
+const LANES: usize = 16;
+
+/// A weight matrix in the interleaved layout of [`Gemv::run_vertical`]: for each block of 16
+/// output rows (zero rows past the last), for each group of 4 inputs, 16 lanes × 4 bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerticalWeights {
+    data: Vec<i8>,
+    /// Output rows (before padding to 16).
+    rows: usize,
+    /// Inputs per row, padded (a multiple of [`PAD`], as the row-major layout's).
+    stride: usize,
+    /// `Σ_i w[o, i]` per row, zero-padded to whole blocks.
+    row_sum: Vec<i32>,
+}
+
+impl VerticalWeights {
+    /// Interleaves row-major `w` (`rows × stride`, `stride` a multiple of [`PAD`]).
+    pub fn new(w: &[i8], stride: usize, rows: usize) -> Self {
+        assert!(stride.is_multiple_of(PAD) && w.len() >= rows * stride, "VerticalWeights::new: shapes");
+        let blocks = rows.div_ceil(LANES);
+        let groups = stride / 4;
+        let mut data = vec![0i8; blocks * LANES * stride];
+        for o in 0..rows {
+            let (b, lane) = (o / LANES, o % LANES);
+            for g in 0..groups {
+                let dst = ((b * groups + g) * LANES + lane) * 4;
+                data[dst..dst + 4].copy_from_slice(&w[o * stride + 4 * g..o * stride + 4 * g + 4]);
+            }
+        }
+        let mut row_sum = row_sums(w, stride, rows);
+        row_sum.resize(blocks * LANES, 0);
+        Self { data, rows, stride, row_sum }
+    }
+}
+
+impl Gemv {
+    /// Whether [`Gemv::run_vertical`] runs here (the AVX-512 VNNI product).
+    pub fn has_vertical(self) -> bool {
+        self.isa == Isa::Avx512Vnni
+    }
+
+    /// `out[r][o] = Σ_i w[o, i] · x[r][i]` for each of the `xs.len()` (1 ..= [`MAX_ROWS`])
+    /// activation vectors (each at least `stride` long) into `outs[r]` (each at least
+    /// `w.rows()` long), with the interleaved AVX-512 VNNI kernel; `false` (nothing written)
+    /// unless [`Gemv::has_vertical`]. The same exact integers as [`gemv_scalar`].
+    #[inline]
+    pub fn run_vertical(self, w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) -> bool {
+        assert!(
+            (1..=MAX_ROWS).contains(&xs.len())
+                && outs.len() == xs.len()
+                && xs.iter().all(|x| x.len() >= w.stride)
+                && outs.iter().all(|o| o.len() >= w.rows),
+            "Gemv::run_vertical: {} activation vectors, {} outputs",
+            xs.len(),
+            outs.len()
+        );
+        if !self.has_vertical() {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: AVX-512 F/BW/VNNI were detected when `self` was built; lengths checked.
+            unsafe { x86::gemv_vertical_avx512(w, xs, outs) };
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+}
+
 /// The reference: plain i32 multiply-adds, row by row.
 pub fn gemv_scalar(w: &[i8], stride: usize, x: &[i8], out: &mut [i32]) {
     for (o, acc) in out.iter_mut().enumerate() {
@@ -145,6 +226,62 @@ pub fn row_sums(w: &[i8], stride: usize, rows: usize) -> Vec<i32> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present; lengths as [`super::Gemv::run_vertical`] checks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn gemv_vertical_avx512(w: &super::VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) {
+        const R: usize = super::MAX_ROWS;
+        let (groups, n) = (w.stride / 4, xs.len());
+        // Each vector's bytes + 128 (unsigned for vpdpbusd), four at a time: on the stack up
+        // to 1024 inputs (every network here), on the heap beyond.
+        let group = |x: &[i8], g: usize| {
+            u32::from_le_bytes([x[4 * g], x[4 * g + 1], x[4 * g + 2], x[4 * g + 3]].map(|v| (v as u8) ^ 0x80))
+        };
+        let mut stack = [[0u32; 256]; R];
+        let heap: Vec<Vec<u32>> = if groups <= 256 {
+            for (dst, x) in stack.iter_mut().zip(xs) {
+                for (g, d) in dst[..groups].iter_mut().enumerate() {
+                    *d = group(x, g);
+                }
+            }
+            Vec::new()
+        } else {
+            xs.iter().map(|x| (0..groups).map(|g| group(x, g)).collect()).collect()
+        };
+        let mut xu: [&[u32]; R] = [&[]; R];
+        for (r, v) in xu.iter_mut().enumerate().take(n) {
+            *v = if groups <= 256 { &stack[r][..groups] } else { &heap[r][..] };
+        }
+        let wp = w.data.as_ptr();
+        let blocks = w.row_sum.len() / super::LANES;
+        let mut tmp = [0i32; super::LANES];
+        for b in 0..blocks {
+            let mut acc = [_mm512_setzero_si512(); R];
+            let base = unsafe { wp.add(b * groups * 64) };
+            for g in 0..groups {
+                let wv = unsafe { _mm512_loadu_si512(base.add(g * 64) as *const __m512i) };
+                for r in 0..n {
+                    let xb = _mm512_set1_epi32(xu[r][g] as i32);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], xb, wv);
+                }
+            }
+            let corr = _mm512_slli_epi32::<7>(unsafe {
+                _mm512_loadu_si512(w.row_sum.as_ptr().add(b * super::LANES) as *const __m512i)
+            });
+            let lo = b * super::LANES;
+            let valid = (w.rows - lo).min(super::LANES);
+            for r in 0..n {
+                let v = _mm512_sub_epi32(acc[r], corr);
+                if valid == super::LANES {
+                    unsafe { _mm512_storeu_si512(outs[r].as_mut_ptr().add(lo) as *mut __m512i, v) };
+                } else {
+                    unsafe { _mm512_storeu_si512(tmp.as_mut_ptr() as *mut __m512i, v) };
+                    outs[r][lo..lo + valid].copy_from_slice(&tmp[..valid]);
+                }
+            }
+        }
+    }
 
     /// Adds the eight i32 lanes of each of four accumulators: `[Σa, Σb, Σc, Σd]`.
     #[inline]
@@ -316,6 +453,42 @@ mod tests {
                 let mut got = vec![i32::MIN; rows];
                 Gemv::new(isa).unwrap().run(&wm, stride, &xv, &rs, &mut got);
                 prop_assert_eq!(&got, &want, "{:?}", isa);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        /// The interleaved AVX-512 VNNI kernel gives the scalar sums for 1..=4 activation
+        /// vectors at once, for every row count (whole and partial blocks of 16) and width
+        /// (where the CPU has it; otherwise it must say so and write nothing).
+        #[test]
+        fn vertical_kernel_equals_the_scalar_reference(
+            rows in 1usize..40,
+            chunks in 1usize..6,
+            n in 1usize..=MAX_ROWS,
+            w in proptest::collection::vec(-127i8..=127, 1..600),
+            x in proptest::collection::vec(-127i8..=127, 4..400),
+        ) {
+            let stride = chunks * PAD;
+            let wm = matrix(rows, stride, &w);
+            let vw = VerticalWeights::new(&wm, stride, rows);
+            let xs: Vec<Vec<i8>> = (0..n).map(|r| (0..stride).map(|i| x[(i * (r + 1) + r) % x.len()]).collect()).collect();
+            let mut got: Vec<Vec<i32>> = vec![vec![i32::MIN; rows]; n];
+            let ran = {
+                let xr: Vec<&[i8]> = xs.iter().map(|v| &v[..]).collect();
+                let mut or: Vec<&mut [i32]> = got.iter_mut().map(|v| &mut v[..]).collect();
+                Gemv::new(Isa::detect()).unwrap().run_vertical(&vw, &xr, &mut or)
+            };
+            if !ran {
+                prop_assert!(!Isa::available().contains(&Isa::Avx512Vnni));
+                prop_assert!(got.iter().all(|g| g.iter().all(|&v| v == i32::MIN)));
+            } else {
+                for (r, xv) in xs.iter().enumerate() {
+                    let mut want = vec![0i32; rows];
+                    gemv_scalar(&wm, stride, xv, &mut want);
+                    prop_assert_eq!(&got[r], &want, "vector {}", r);
+                }
             }
         }
     }

@@ -13,19 +13,20 @@
 use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::{FloatLayer, PolicyKind};
-use crate::gemv_i8::{Gemv, Isa};
+use crate::gemv_i8::{Gemv, Isa, VerticalWeights, MAX_ROWS};
 use crate::qnet::{dynamic_input_scale, quantize_input, PackedLinear, QuantLayer, QuantNet};
 
 #[derive(Debug, Clone)]
 enum Packed {
-    Int8(PackedLinear),
+    /// Row-major weights, and the interleaved copy where the AVX-512 VNNI kernel runs.
+    Int8(PackedLinear, Option<VerticalWeights>),
     F32(FloatLayer),
 }
 
 impl Packed {
     fn out(&self) -> usize {
         match self {
-            Packed::Int8(l) => l.out,
+            Packed::Int8(l, _) => l.out,
             Packed::F32(l) => l.out,
         }
     }
@@ -71,39 +72,152 @@ pub(crate) fn first_argmax(s: &[f32]) -> usize {
     best
 }
 
+/// Quantises a row's input to an INT8 layer into `xq`; the dynamic step, if the layer
+/// takes each call's.
+#[inline(always)]
+fn quantize_row(l: &PackedLinear, x: &[f32], xq: &mut [i8]) -> Option<f32> {
+    let (inv, step) = if l.dynamic {
+        let s = dynamic_input_scale(&x[..l.inp]);
+        (1.0 / s, Some(s))
+    } else {
+        (l.inv_input_scale, None)
+    };
+    quantize_slice(&x[..l.inp], inv, &mut xq[..l.inp]);
+    step
+}
+
+/// `out[i] = quantize_input(x[i], inv)` for every `i`; eight at a time with AVX2 where the
+/// CPU has it (the compiler leaves the scalar loop's saturating float-to-byte casts
+/// unvectorised, lane by lane: the largest share of a batch's non-GEMM time in a profile on
+/// the dev machine).
+#[inline(always)]
+fn quantize_slice(x: &[f32], inv: f32, out: &mut [i8]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 detected just above; `x` and `out` have the same length.
+        unsafe { quantize_slice_avx2(x, inv, out) };
+        return;
+    }
+    for (q, &v) in out.iter_mut().zip(x) {
+        *q = quantize_input(v, inv);
+    }
+}
+
+/// [`quantize_slice`] on AVX2: multiply, round half to even, clamp to ±127 with the scalar
+/// path's NaN rule (`max(v, -127)` returns -127 for a NaN `v`, as `f32::max` does), convert
+/// (exact: the values are whole numbers by then) and narrow with saturating packs (exact:
+/// in range). The same bytes as [`quantize_input`], tested against it.
+///
+/// # Safety
+/// AVX2 present; `out.len() >= x.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_slice_avx2(x: &[f32], inv: f32, out: &mut [i8]) {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let (scale, lo, hi) = (_mm256_set1_ps(inv), _mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_mul_ps(unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) }, scale);
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+        // maxps returns its second operand when either is NaN.
+        let c = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+        let w = _mm256_cvtps_epi32(c);
+        let h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256::<1>(w));
+        let b = _mm_packs_epi16(h, h);
+        unsafe { _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, b) };
+        i += 8;
+    }
+    for (q, &v) in out[i..n].iter_mut().zip(&x[i..]) {
+        *q = quantize_input(v, inv);
+    }
+}
+
+/// `y = acc · scale + bias` in the reference's order (`acc · (w_scale · step) + bias` for
+/// dynamic steps).
+#[inline(always)]
+fn dequantize_row(l: &PackedLinear, acc: &[i32], step: Option<f32>, y: &mut [f32]) {
+    match step {
+        Some(s) => {
+            for (((o, &a), &w), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
+                *o = a as f32 * (w * s) + b;
+            }
+        }
+        None => {
+            for (((o, &a), &d), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
+                *o = a as f32 * d + b;
+            }
+        }
+    }
+}
+
+/// An F32 layer's row: `y = W x + b`.
+#[inline(always)]
+fn dense_f32(l: &FloatLayer, x: &[f32], y: &mut [f32]) {
+    for ((o, row), &b) in y.iter_mut().zip(l.weight.chunks_exact(l.inp)).zip(&l.bias) {
+        *o = dot_f32(row, x) + b;
+    }
+}
+
 /// One layer: `y = W x + b` (before the activation).
 #[inline(always)]
 fn dense(layer: &Packed, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
     match layer {
-        Packed::Int8(l) => {
-            let (inv, step) = if l.dynamic {
-                let s = dynamic_input_scale(&x[..l.inp]);
-                (1.0 / s, Some(s))
-            } else {
-                (l.inv_input_scale, None)
-            };
-            for (q, &v) in xq[..l.inp].iter_mut().zip(x) {
-                *q = quantize_input(v, inv);
-            }
+        Packed::Int8(l, vertical) => {
+            let step = quantize_row(l, x, xq);
             let acc = &mut acc[..l.out];
+            // One row takes the row-major kernel even where the interleaved one runs: on
+            // the dev machine's Zen 4 a single row was slower interleaved (DQN 3.87 against
+            // 3.24 us a decision, `timing::int8_layouts`); batches gain from it.
+            let _ = vertical;
             gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
-            match step {
-                // The reference's order: acc · (w_scale · step) + bias.
-                Some(s) => {
-                    for (((o, &a), &w), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
-                        *o = a as f32 * (w * s) + b;
-                    }
-                }
-                None => {
-                    for (((o, &a), &d), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
-                        *o = a as f32 * d + b;
-                    }
-                }
+            dequantize_row(l, acc, step, y);
+        }
+        Packed::F32(l) => dense_f32(l, x, y),
+    }
+}
+
+/// One layer for `n <= MAX_ROWS` rows at once: row `r`'s input is `xs[r·wx ..][..inp]`,
+/// its output goes to `ys[r·wy ..][..out]`. Each row is quantised, dequantised and
+/// computed exactly as [`dense`] does it; only the INT8 product reads each weight vector
+/// once for all the rows (where the interleaved kernel runs).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn dense_rows(
+    layer: &Packed,
+    gemv: Gemv,
+    n: usize,
+    xs: &[f32],
+    wx: usize,
+    ys: &mut [f32],
+    wy: usize,
+    xq: &mut [i8],
+    wq: usize,
+    acc: &mut [i32],
+    wa: usize,
+) {
+    match layer {
+        Packed::Int8(l, Some(v)) if gemv.has_vertical() && n > 1 => {
+            let mut steps = [None; MAX_ROWS];
+            for (r, step) in steps.iter_mut().enumerate().take(n) {
+                *step = quantize_row(l, &xs[r * wx..], &mut xq[r * wq..]);
+            }
+            {
+                let xr: [&[i8]; MAX_ROWS] =
+                    std::array::from_fn(|r| if r < n { &xq[r * wq..r * wq + l.stride] } else { &[] });
+                let mut it = acc.chunks_mut(wa);
+                let mut or: [&mut [i32]; MAX_ROWS] = std::array::from_fn(|_| it.next().unwrap_or_default());
+                gemv.run_vertical(v, &xr[..n], &mut or[..n]);
+            }
+            for (r, &step) in steps.iter().enumerate().take(n) {
+                dequantize_row(l, &acc[r * wa..r * wa + l.out], step, &mut ys[r * wy..r * wy + l.out]);
             }
         }
-        Packed::F32(l) => {
-            for ((o, row), &b) in y.iter_mut().zip(l.weight.chunks_exact(l.inp)).zip(&l.bias) {
-                *o = dot_f32(row, x) + b;
+        _ => {
+            let out = layer.out();
+            for r in 0..n {
+                let x = &xs[r * wx..];
+                dense(layer, gemv, x, &mut ys[r * wy..r * wy + out], &mut xq[r * wq..], &mut acc[r * wa..]);
             }
         }
     }
@@ -140,6 +254,84 @@ fn forward(m: &Model, s: &mut Scratch, obs: &[f32]) -> usize {
     first_argmax(scores)
 }
 
+/// Buffers of a batch pass: [`MAX_ROWS`] rows of each of [`Scratch`]'s.
+#[derive(Debug, Clone)]
+struct BatchScratch {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    xq: Vec<i8>,
+    acc: Vec<i32>,
+    value: Vec<f32>,
+    scores: Vec<f32>,
+    /// Row pitch of `a`, `b` and `acc` (the widest layer) and of `xq` (padded).
+    width: usize,
+    width_q: usize,
+}
+
+impl BatchScratch {
+    fn new(widest: usize, widest_padded: usize, n_actions: usize) -> Self {
+        Self {
+            a: vec![0.0; MAX_ROWS * widest],
+            b: vec![0.0; MAX_ROWS * widest],
+            xq: vec![0; MAX_ROWS * widest_padded],
+            acc: vec![0; MAX_ROWS * widest],
+            value: vec![0.0; MAX_ROWS],
+            scores: vec![0.0; MAX_ROWS * n_actions],
+            width: widest,
+            width_q: widest_padded,
+        }
+    }
+}
+
+/// [`forward`] for `n <= MAX_ROWS` observations (`obs`: `n × state_dim`) at once, each
+/// row computed exactly as [`forward`] computes it; their actions into `actions[..n]`, the
+/// scores stay in `s.scores` (`n × n_actions`).
+#[inline(always)]
+fn forward_rows(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions: &mut [usize]) {
+    let (nh, d, na) = (m.kind.hidden_layers(), m.state_dim, m.n_actions);
+    let BatchScratch { a, b, xq, acc, value, scores, width: w, width_q: wq } = s;
+    let (w, wq) = (*w, *wq);
+    let (mut cur, mut next) = (a, b);
+    for r in 0..n {
+        cur[r * w..r * w + d].copy_from_slice(&obs[r * d..(r + 1) * d]);
+    }
+    for layer in &m.layers[..nh] {
+        let out = layer.out();
+        dense_rows(layer, m.gemv, n, cur, w, next, w, xq, wq, acc, w);
+        for r in 0..n {
+            let y = &mut next[r * w..r * w + out];
+            match m.kind {
+                PolicyKind::Dqn => y.iter_mut().for_each(|v| *v = relu(*v)),
+                PolicyKind::Ppo => y.iter_mut().for_each(|v| *v = tanh_rational(*v)),
+            }
+        }
+        std::mem::swap(&mut cur, &mut next);
+    }
+    if m.kind.dueling() {
+        dense_rows(&m.layers[nh], m.gemv, n, cur, w, value, 1, xq, wq, acc, w);
+        dense_rows(&m.layers[nh + 1], m.gemv, n, cur, w, scores, na, xq, wq, acc, w);
+        for r in 0..n {
+            let row = &mut scores[r * na..(r + 1) * na];
+            let mean = row.iter().sum::<f32>() / na as f32;
+            for q in row.iter_mut() {
+                *q = (*q - mean) + value[r];
+            }
+        }
+    } else {
+        dense_rows(&m.layers[nh], m.gemv, n, cur, w, scores, na, xq, wq, acc, w);
+    }
+    for (r, act) in actions.iter_mut().enumerate().take(n) {
+        *act = first_argmax(&scores[r * na..(r + 1) * na]);
+    }
+}
+
+/// [`forward_rows`] compiled for AVX2 + FMA (as [`forward_avx2`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn forward_rows_avx2(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions: &mut [usize]) {
+    forward_rows(m, s, obs, n, actions)
+}
+
 /// [`forward`] compiled for AVX2 + FMA (FMA only lets the compiler use those registers:
 /// Rust never fuses a multiply and an add on its own, so results equal the portable
 /// build's).
@@ -161,6 +353,7 @@ fn has_avx2_fma() -> bool {
 pub struct Int8Policy {
     model: Model,
     scratch: Scratch,
+    batch: BatchScratch,
     avx2: bool,
 }
 
@@ -180,7 +373,11 @@ impl Int8Policy {
             .layers
             .iter()
             .map(|l| match l {
-                QuantLayer::Int8(q) => Packed::Int8(PackedLinear::new(q, net.dynamic_inputs())),
+                QuantLayer::Int8(q) => {
+                    let p = PackedLinear::new(q, net.dynamic_inputs());
+                    let v = gemv.has_vertical().then(|| VerticalWeights::new(&p.weight, p.stride, p.out));
+                    Packed::Int8(p, v)
+                }
                 QuantLayer::F32(f) => Packed::F32(f.clone()),
             })
             .collect();
@@ -197,6 +394,7 @@ impl Int8Policy {
                 value: [0.0],
                 scores: vec![0.0; n_actions],
             },
+            batch: BatchScratch::new(widest, widest_padded, n_actions),
             avx2: isa != Isa::Scalar && has_avx2_fma(),
         })
     }
@@ -244,21 +442,115 @@ impl Int8Policy {
         &self.scratch.scores
     }
 
-    /// Greedy actions for `obs` rows (`rows × state_dim` values) into `actions` (`rows`).
+    /// Greedy actions for `obs` rows (`rows × state_dim` values) into `actions` (`rows`),
+    /// each as [`Int8Policy::act`] decides it (the same scores to the bit); up to
+    /// [`MAX_ROWS`] rows share each pass over the weights where the AVX-512 VNNI kernel
+    /// runs.
     pub fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
-        let d = self.model.state_dim;
+        self.act_batch_scores(obs, actions, None)
+    }
+
+    /// [`Int8Policy::act_batch`], also writing each row's scores (Q values or logits)
+    /// into `scores` (`rows × n_actions`) when given.
+    pub fn act_batch_scores(
+        &mut self,
+        obs: &[f32],
+        actions: &mut [usize],
+        mut scores: Option<&mut [f32]>,
+    ) -> Result<()> {
+        const CTX: &str = "Int8Policy::act_batch";
+        let (d, na) = (self.model.state_dim, self.model.n_actions);
         if obs.len() != actions.len() * d {
-            return Err(Error::Length {
-                what: "obs",
-                expected: actions.len() * d,
-                got: obs.len(),
-                context: "Int8Policy::act_batch",
-            });
+            return Err(Error::Length { what: "obs", expected: actions.len() * d, got: obs.len(), context: CTX });
         }
-        for (row, a) in obs.chunks_exact(d).zip(actions.iter_mut()) {
-            *a = self.act(row)?;
+        if let Some(sc) = scores.as_deref() {
+            if sc.len() != actions.len() * na {
+                return Err(Error::Length {
+                    what: "scores",
+                    expected: actions.len() * na,
+                    got: sc.len(),
+                    context: CTX,
+                });
+            }
+        }
+        if let Some((index, value)) = first_non_finite(obs) {
+            return Err(Error::NonFinite { what: "obs".into(), index, value: value as f64, context: CTX });
+        }
+        for (i, (rows, acts)) in obs.chunks(MAX_ROWS * d).zip(actions.chunks_mut(MAX_ROWS)).enumerate() {
+            let n = acts.len();
+            #[cfg(target_arch = "x86_64")]
+            if self.avx2 {
+                // SAFETY: `avx2` is set only when AVX2 and FMA were detected on this CPU.
+                unsafe { forward_rows_avx2(&self.model, &mut self.batch, rows, n, acts) };
+            } else {
+                forward_rows(&self.model, &mut self.batch, rows, n, acts);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            forward_rows(&self.model, &mut self.batch, rows, n, acts);
+            if let Some(sc) = scores.as_deref_mut() {
+                let at = i * MAX_ROWS * na;
+                sc[at..at + n * na].copy_from_slice(&self.batch.scores[..n * na]);
+            }
         }
         Ok(())
+    }
+}
+
+/// Timing printouts (ignored tests, run in release with `--ignored --nocapture timing`):
+/// the interleaved AVX-512 VNNI layout against the row-major one on the same CPU, for the
+/// default DQN and PPO shapes.
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::testing::{random_net, uniforms};
+    use crate::CalibMethod;
+
+    fn row_major(mut p: Int8Policy) -> Int8Policy {
+        for l in &mut p.model.layers {
+            if let Packed::Int8(_, v) = l {
+                *v = None;
+            }
+        }
+        p
+    }
+
+    #[test]
+    #[ignore = "timing printout; run with --ignored --nocapture in release"]
+    fn int8_layouts() {
+        if !Isa::available().contains(&Isa::Avx512Vnni) {
+            println!("no AVX-512 VNNI on this CPU: nothing to compare");
+            return;
+        }
+        for (kind, hidden) in [(PolicyKind::Dqn, vec![256, 256, 128]), (PolicyKind::Ppo, vec![256, 256])] {
+            let net = random_net(kind, 56, &hidden, 3, 5);
+            let q = crate::quantize(&net, &uniforms(1, 2, 512 * 56), CalibMethod::Dynamic, &[]).unwrap();
+            let obs = uniforms(3, 4, 256 * 56);
+            let vertical = Int8Policy::with_isa(&q, Isa::Avx512Vnni).unwrap();
+            for (name, mut p) in [("row-major", row_major(vertical.clone())), ("interleaved", vertical)] {
+                let mut b1 = Vec::with_capacity(4000);
+                for i in 0..4000 {
+                    let row = &obs[(i % 256) * 56..(i % 256 + 1) * 56];
+                    let t = std::time::Instant::now();
+                    std::hint::black_box(p.act(row).unwrap());
+                    b1.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+                b1.sort_by(f64::total_cmp);
+                let mut acts = vec![0usize; 256];
+                let mut b256 = Vec::with_capacity(200);
+                for _ in 0..200 {
+                    let t = std::time::Instant::now();
+                    p.act_batch(&obs, &mut acts).unwrap();
+                    b256.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+                b256.sort_by(f64::total_cmp);
+                println!(
+                    "{kind:?} {name:<11}: b1 p50 {:.2} us, b256 p50 {:.1} us ({:.0} samples/s)",
+                    b1[b1.len() / 2],
+                    b256[b256.len() / 2],
+                    256.0 / (b256[b256.len() / 2] * 1e-6)
+                );
+            }
+        }
     }
 }
 
@@ -311,9 +603,21 @@ mod tests {
                     let same = p.scores().iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
                     prop_assert!(same, "{:?}: {:?} vs {:?}", isa, p.scores(), want);
                 }
-                let mut acts = vec![usize::MAX; 16];
-                p.act_batch(&obs, &mut acts).unwrap();
-                prop_assert!(acts.iter().all(|&a| a < n_actions));
+                // Batches of every size class (whole groups of MAX_ROWS and remainders) give
+                // each row exactly the reference's scores too.
+                for rows in [1usize, 3, 4, 5, 16] {
+                    let part = &obs[..rows * state_dim];
+                    let mut acts = vec![usize::MAX; rows];
+                    let mut scores = vec![f32::NAN; rows * n_actions];
+                    p.act_batch_scores(part, &mut acts, Some(&mut scores)).unwrap();
+                    for (r, row) in part.chunks_exact(state_dim).enumerate() {
+                        let (want, want_a) = reference_scores(&q, row).unwrap();
+                        prop_assert_eq!(acts[r], want_a, "{:?} batch {} row {}", isa, rows, r);
+                        let got = &scores[r * n_actions..(r + 1) * n_actions];
+                        let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
+                        prop_assert!(same, "{:?} batch {} row {}: {:?} vs {:?}", isa, rows, r, got, want);
+                    }
+                }
             }
         }
     }
@@ -348,6 +652,24 @@ mod tests {
     }
 
     #[test]
+    fn the_vector_quantiser_gives_the_scalar_bytes() {
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.5, -0.5, 1.5, -2.5, 126.5, -127.5, 1e30, -0.0];
+        for seed in 0..20u64 {
+            let mut x: Vec<f32> = uniforms(seed, 9, 8 * 37 + (seed as usize % 8)).iter().map(|v| v * 300.0).collect();
+            for (k, &s) in specials.iter().enumerate() {
+                let at = (k * 7 + seed as usize) % x.len();
+                x[at] = s;
+            }
+            for inv in [1.0f32, 0.37, 3.0, 1e-3] {
+                let mut got = vec![0i8; x.len()];
+                quantize_slice(&x, inv, &mut got);
+                let want: Vec<i8> = x.iter().map(|&v| quantize_input(v, inv)).collect();
+                assert_eq!(got, want, "seed {seed} inv {inv}");
+            }
+        }
+    }
+
+    #[test]
     fn bad_observations_are_one_line_errors() {
         let net = random_net(PolicyKind::Ppo, 5, &[8, 8], 3, 1);
         let q = crate::quantize(&net, &uniforms(1, 1, 50), CalibMethod::MinMax, &[]).unwrap();
@@ -363,6 +685,12 @@ mod tests {
         }
         let mut acts = [0usize; 2];
         assert!(p.act_batch(&[0.0; 9], &mut acts).is_err());
+        let mut obs = [0.5f32; 10];
+        let e = p.act_batch_scores(&obs, &mut acts, Some(&mut [0.0; 5])).unwrap_err().to_string();
+        assert!(e.contains("scores") && e.contains("expected 6"), "{e}");
+        obs[7] = f32::NAN;
+        let e = p.act_batch(&obs, &mut acts).unwrap_err().to_string();
+        assert!(e.contains("non-finite value NaN at index 7"), "{e}");
         assert!(p.act(&[0.1, 0.2, 0.3, 0.4, 0.5]).unwrap() < 3);
     }
 }

@@ -223,7 +223,18 @@ impl QuantNet {
 /// input, whose codes are all 0 anyway). The one rule the policy and the reference share.
 #[inline(always)]
 pub(crate) fn dynamic_input_scale(x: &[f32]) -> f32 {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    // Eight running maxima instead of one, so the compiler can keep them in one vector
+    // register instead of a chain of dependent scalar maxima; the maximum of finite,
+    // non-negative values does not depend on the order, so the result is the same.
+    let mut lanes = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    let amax = tail.iter().chain(&lanes).fold(0.0f32, |m, v| m.max(v.abs()));
     if amax > 0.0 {
         amax / 127.0
     } else {
