@@ -77,7 +77,8 @@ __device__ __forceinline__ void fx_cluster_wait() { asm volatile("barrier.cluste
 //
 // `arrived`: the caller has arrived at the row's start barrier but not waited. Layer 0 then
 // computes into `stage` first and waits only before pushing its neurons out, so the wait
-// for the other blocks (started, past their previous row) overlaps the layer's loads.
+// for the other blocks (started, past their previous row) can overlap the layer's loads
+// (on the H200 the difference was below the noise: 6.28 against 6.23 us a call).
 // Otherwise the caller has passed a whole barrier already.
 __device__ unsigned int fx_greedy_row_cluster(const FxMlpParams& p, const float* xin, float* stage,
                                               float (*buf)[FX_MLP_MAX_WIDTH], float* scores,

@@ -153,14 +153,6 @@ pub fn model_key_name(model: ModelChoice) -> &'static str {
     }
 }
 
-fn model_key(cfg: &mut RunConfig) -> &mut usize {
-    match cfg.model {
-        ModelChoice::Dqn => &mut cfg.dqn.batch_size,
-        ModelChoice::Ppo => &mut cfg.ppo.minibatch_size,
-        ModelChoice::Tft | ModelChoice::Mamba2 => &mut cfg.seq.batch_size,
-    }
-}
-
 fn kind(model: ModelChoice) -> fx_hw::ModelKind {
     match model {
         ModelChoice::Dqn => fx_hw::ModelKind::Dqn,
@@ -178,8 +170,10 @@ fn data_bound(cfg: &RunConfig, train_windows: Option<usize>) -> (usize, String) 
             (b, format!("dqn.learning_starts / replay_capacity {b}"))
         }
         ModelChoice::Ppo => {
-            let b = (cfg.ppo.num_steps.saturating_mul(cfg.env.num_envs) / 4).max(1);
-            (b, format!("a quarter of the {}-row rollout", 4 * b))
+            let rollout = cfg.ppo.num_steps.saturating_mul(cfg.env.num_envs);
+            // PPO needs at least two rows a minibatch (advantage normalisation).
+            let b = (rollout / 4).max(rollout.min(2)).max(1);
+            (b, format!("a quarter of the {rollout}-row rollout"))
         }
         ModelChoice::Tft | ModelChoice::Mamba2 => {
             let w = train_windows.unwrap_or(usize::MAX);
@@ -197,10 +191,10 @@ pub fn resolve(cfg: &mut RunConfig, budget_batch: Option<usize>, train_windows: 
     let choice = match (cfg.batch, budget_batch) {
         (BatchSize::Fixed(n), _) => BatchChoice { value: n, source: cfg.batch_source, detail: String::new() },
         (BatchSize::Auto, _) if cfg.model_key_given() => {
-            BatchChoice { value: *model_key(cfg), source: BatchSource::ModelKey, detail: String::new() }
+            BatchChoice { value: cfg.batch_key_value(), source: BatchSource::ModelKey, detail: String::new() }
         }
         (BatchSize::Auto, None) => BatchChoice {
-            value: *model_key(cfg),
+            value: cfg.batch_key_value(),
             source: BatchSource::CpuDefault,
             detail: "the CPU keeps the config's batch".into(),
         },
@@ -212,7 +206,7 @@ pub fn resolve(cfg: &mut RunConfig, budget_batch: Option<usize>, train_windows: 
             BatchChoice { value, source: BatchSource::Budget, detail }
         }
     };
-    *model_key(cfg) = choice.value;
+    cfg.set_batch_key(choice.value);
     cfg.batch = BatchSize::Fixed(choice.value);
     choice
 }

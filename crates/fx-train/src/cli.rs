@@ -191,11 +191,18 @@ impl TrainArgs {
             // when it sets one, must equal it (compared with everything else below).
             // A --batch-size given with the file overrode it (and equals the saved value,
             // checked above).
-            if let Some(BatchSize::Fixed(n)) = self.batch_size {
+            let n = match (self.batch_size, from_file.batch) {
+                (Some(BatchSize::Fixed(n)), _) => Some(n),
+                // `--batch-size auto` overrode the file's keys at the start: the saved
+                // number is what it settled to.
+                (Some(BatchSize::Auto), _) => Some(saved.batch_key_value()),
+                (None, BatchSize::Auto) if from_file.model_key_given() => Some(from_file.batch_key_value()),
+                (None, BatchSize::Auto) => Some(saved.batch_key_value()),
+                (None, BatchSize::Fixed(_)) => None,
+            };
+            if let Some(n) = n {
                 from_file.batch = BatchSize::Fixed(n);
-            } else if from_file.batch == BatchSize::Auto {
-                let n = if from_file.model_key_given() { from_file.batch_key_value() } else { saved.batch_key_value() };
-                from_file.batch = BatchSize::Fixed(n);
+                from_file.set_batch_key(n);
             }
             let saved = saved.clone().pinned_batch();
             from_file.batch_source = saved.batch_source;

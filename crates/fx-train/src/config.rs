@@ -212,6 +212,15 @@ impl RunConfig {
         }
     }
 
+    /// Sets the trained model's own batch key.
+    pub fn set_batch_key(&mut self, n: usize) {
+        match self.model {
+            ModelChoice::Dqn => self.dqn.batch_size = n,
+            ModelChoice::Ppo => self.ppo.minibatch_size = n,
+            ModelChoice::Tft | ModelChoice::Mamba2 => self.seq.batch_size = n,
+        }
+    }
+
     /// A saved run's config as it continues: its batch is the number it used (a config.toml
     /// written before `batch` existed has no such key: its model key is that number).
     pub fn pinned_batch(mut self) -> Self {
@@ -263,11 +272,20 @@ impl RunConfig {
         // A numeric batch sets the model's key now, so the size checks below see it; "auto"
         // is settled once the device (and, for the sequence models, the data) is known.
         if let crate::batch::BatchSize::Fixed(n) = self.batch {
-            match self.model {
-                ModelChoice::Dqn => self.dqn.batch_size = n,
-                ModelChoice::Ppo => self.ppo.minibatch_size = n,
-                ModelChoice::Tft | ModelChoice::Mamba2 => self.seq.batch_size = n,
+            // One file setting both `batch` and the model's own key to different values is
+            // ambiguous: refuse it rather than pick one (a flag or FX_BATCH_SIZE wins over
+            // both, by design).
+            if self.batch_source == crate::batch::BatchSource::Config
+                && self.model_key_given()
+                && self.batch_key_value() != n
+            {
+                bail!(
+                    "the config sets batch = {n} and {} = {}: keep one of them",
+                    crate::batch::model_key_name(self.model),
+                    self.batch_key_value()
+                );
             }
+            self.set_batch_key(n);
         }
         self.env.seed = self.seed;
         self.synthetic.seed = self.seed;
@@ -293,7 +311,11 @@ impl RunConfig {
         if self.steps == 0 {
             bail!("steps must be at least 1");
         }
-        self.check_agent_sizes()?;
+        // An "auto" batch is checked once it is a number (the run resolves it on its device,
+        // within the same bounds, then calls this again).
+        if self.batch != crate::batch::BatchSize::Auto || self.model_key_given() {
+            self.check_agent_sizes()?;
+        }
         if self.checkpoint_every == 0 || self.log_every == 0 {
             bail!("checkpoint_every and log_every must be at least 1");
         }
@@ -416,6 +438,19 @@ mod tests {
         let cfg = RunConfig::from_toml_file(&path).unwrap();
         assert!(!cfg.model_key_given());
         assert_eq!(cfg.resolve().unwrap().dqn.batch_size, 640);
+        // Both in one file, different: refused, naming both; equal (a saved config.toml): fine.
+        std::fs::write(&path, "batch = 640\n[dqn]\nbatch_size = 32\n").unwrap();
+        let e = RunConfig::from_toml_file(&path).unwrap().resolve().unwrap_err().to_string();
+        assert!(e.contains("batch = 640") && e.contains("dqn.batch_size = 32"), "{e}");
+        std::fs::write(&path, "batch = 32\n[dqn]\nbatch_size = 32\n").unwrap();
+        assert_eq!(RunConfig::from_toml_file(&path).unwrap().resolve().unwrap().dqn.batch_size, 32);
+        // An "auto" batch is size-checked once it is a number: a rollout smaller than the
+        // default minibatch is no error yet (the run bounds auto by the rollout).
+        std::fs::write(&path, "model = \"ppo\"\n[env]\nnum_envs = 4\n").unwrap();
+        assert!(RunConfig::from_toml_file(&path).unwrap().resolve().is_ok());
+        std::fs::write(&path, "model = \"ppo\"\n[env]\nnum_envs = 4\n[ppo]\nnum_steps = 64\nminibatch_size = 512\n")
+            .unwrap();
+        assert!(RunConfig::from_toml_file(&path).unwrap().resolve().is_err(), "an explicit key is checked at once");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -54,9 +54,10 @@ pub struct SeqProfile {
     /// GPU runs: the share of the training epochs' time in which a kernel ran on the GPU
     /// (see `gpu_busy`); null on the CPU or without NVML.
     pub gpu_busy_fraction: Option<f64>,
-    /// The share of the training epochs' time the loop spent building and uploading
-    /// batches (`SeqTrainer::batch_seconds`; nothing prefetches, so the optimiser waited
-    /// that long for data: an upper bound on the GPU's data stall).
+    /// The share of the training epochs' time (validation included) the loop spent
+    /// building and uploading training batches (`SeqTrainer::batch_seconds`; nothing
+    /// prefetches, so the optimiser waited that long for data: an upper bound on the GPU's
+    /// data stall in training; validation's own batch building is not counted).
     pub data_stall_fraction: Option<f64>,
 }
 

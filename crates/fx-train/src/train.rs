@@ -259,17 +259,18 @@ pub(crate) fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error 
     if !(text.contains("OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")) {
         return e;
     }
-    let (kind, batch, field) = match cfg.model {
-        crate::config::ModelChoice::Dqn => (fx_hw::ModelKind::Dqn, cfg.dqn.batch_size, "dqn.batch_size"),
-        crate::config::ModelChoice::Ppo => (fx_hw::ModelKind::Ppo, cfg.ppo.minibatch_size, "ppo.minibatch_size"),
-        crate::config::ModelChoice::Tft => (fx_hw::ModelKind::Tft, cfg.seq.batch_size, "seq.batch_size"),
-        crate::config::ModelChoice::Mamba2 => (fx_hw::ModelKind::Mamba2, cfg.seq.batch_size, "seq.batch_size"),
+    let (kind, batch) = match cfg.model {
+        crate::config::ModelChoice::Dqn => (fx_hw::ModelKind::Dqn, cfg.dqn.batch_size),
+        crate::config::ModelChoice::Ppo => (fx_hw::ModelKind::Ppo, cfg.ppo.minibatch_size),
+        crate::config::ModelChoice::Tft => (fx_hw::ModelKind::Tft, cfg.seq.batch_size),
+        crate::config::ModelChoice::Mamba2 => (fx_hw::ModelKind::Mamba2, cfg.seq.batch_size),
     };
     let overrides = fx_hw::Overrides::default().with_device(&cfg.device);
     let fits = fx_hw::HardwareBudget::detect_with(&overrides).batch_size(kind).value;
     anyhow::anyhow!(
         "the device ran out of memory at batch {batch}; the hardware budget says batch {fits} fits \
-         (`fx-train hw`): set {field} = {fits} in the config (driver said: {})",
+         (`fx-train hw`): start the run again with --batch-size {fits} (or batch = {fits} in the config) \
+         (driver said: {})",
         text.lines().next().unwrap_or_default()
     )
 }
@@ -326,7 +327,7 @@ mod tests {
         let cfg = RunConfig { device: "cpu".into(), ..RunConfig::default() };
         let e = with_oom_hint(anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"), &cfg);
         let msg = e.to_string();
-        assert!(msg.contains("batch 256") && msg.contains("dqn.batch_size = "), "{msg}");
+        assert!(msg.contains("batch 256") && msg.contains("--batch-size ") && msg.contains("batch = "), "{msg}");
         let other = with_oom_hint(anyhow::anyhow!("shape mismatch"), &cfg);
         assert_eq!(other.to_string(), "shape mismatch");
     }
