@@ -80,10 +80,23 @@ pub struct SeqBatch {
     pub last_value: Tensor,
 }
 
+/// Where a window's forecast of the bar right after its last observed row sits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextBar {
+    /// The column of a batch row's `target` (and point forecast) holding it.
+    pub column: usize,
+    /// The series row, counted from the window's start, whose next-bar return that target
+    /// is (the return from this row's bar to the next bar's).
+    pub row: usize,
+}
+
 /// What the training loop needs from a model.
 pub trait SeqTask {
     /// Rows per sample window.
     fn window_len(&self) -> usize;
+    /// Where the one-bar-ahead forecast sits in a window's target (for trading on it and
+    /// dating it).
+    fn next_bar(&self) -> NextBar;
     /// The batch of windows starting at `starts` (each window inside `series`).
     fn batch(&self, series: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch>;
     /// The training loss of a batch (F32 scalar).
@@ -108,6 +121,12 @@ fn tensor(v: Vec<f32>, shape: &[usize], device: &Device) -> Result<Tensor> {
 impl SeqTask for Tft {
     fn window_len(&self) -> usize {
         self.config().l_enc + self.config().h
+    }
+
+    /// The first decoder step: the return after the last encoder row (`batch`'s target
+    /// starts at row `l_enc - 1`).
+    fn next_bar(&self) -> NextBar {
+        NextBar { column: 0, row: self.config().l_enc - 1 }
     }
 
     fn batch(&self, s: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch> {
@@ -177,6 +196,11 @@ pub struct Mamba2Task<'a> {
 impl SeqTask for Mamba2Task<'_> {
     fn window_len(&self) -> usize {
         self.seq_len
+    }
+
+    /// The last step: the return after the window's last row.
+    fn next_bar(&self) -> NextBar {
+        NextBar { column: self.seq_len - 1, row: self.seq_len - 1 }
     }
 
     fn batch(&self, s: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch> {
@@ -1044,6 +1068,42 @@ mod tests {
         assert!(after.mse_model < before.mse_model, "{before:?} -> {after:?}");
         assert!(after.mse_model < 0.7 * after.mse_zero, "{after:?}");
         assert!(after.mse_model < 0.7 * after.mse_last, "{after:?}");
+    }
+
+    /// `next_bar` names the target entry each model's batch holds for the bar after the
+    /// window's last observed row: `target[col]` of window `s` is `series.target[s + row]`.
+    #[test]
+    fn next_bar_points_at_the_target_after_the_window() {
+        let series = synthetic(120, 3);
+        let tft = Tft::new(
+            TftConfig { n_observed: 3, d: 8, n_head: 2, l_enc: 6, h: 3, ..TftConfig::default() },
+            &Device::Cpu,
+            1,
+        )
+        .unwrap();
+        let mcfg = Mamba2Config {
+            n_in: 3,
+            d_model: 8,
+            n_layer: 1,
+            d_state: 4,
+            headdim: 4,
+            chunk_size: 8,
+            ..Mamba2Config::default()
+        };
+        let mamba = Mamba2::new(mcfg, &Device::Cpu, 1).unwrap();
+        let mtask = Mamba2Task { model: &mamba, seq_len: 16 };
+        let starts = [0usize, 7, 40, 100];
+        let check = |task: &dyn Fn(&[usize]) -> (SeqBatch, NextBar)| {
+            let (batch, nb) = task(&starts);
+            let target = batch.target.to_vec2::<f32>().unwrap();
+            for (row, &st) in target.iter().zip(&starts) {
+                assert_eq!(row[nb.column].to_bits(), series.target[st + nb.row].to_bits(), "start {st}: {nb:?}");
+            }
+        };
+        check(&|st| (tft.batch(&series, st, &Device::Cpu).unwrap(), tft.next_bar()));
+        check(&|st| (mtask.batch(&series, st, &Device::Cpu).unwrap(), mtask.next_bar()));
+        assert_eq!(tft.next_bar(), NextBar { column: 0, row: 5 });
+        assert_eq!(mtask.next_bar(), NextBar { column: 15, row: 15 });
     }
 
     #[test]

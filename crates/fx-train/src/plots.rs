@@ -26,11 +26,20 @@ pub fn write_all(dir: &RunDir, _cfg: &RunConfig, data: &Dataset, rep: &Report) -
     training_curves(dir, "env_steps", "env steps", &[("loss", "loss"), ("mean reward per step", "mean_reward")])
 }
 
-/// `name` (e.g. `forecast.png`): curves indexed by bar, as the equity plot draws them.
-pub fn curves(dir: &RunDir, name: &str, title: &str, series: &[(&str, &[f64], RGBColor)]) -> Result<()> {
+/// `name` (e.g. `forecast.png`): curves over bars as the equity plot draws them, the x axis
+/// dated by `dates` (Unix seconds of each point; counted in bars without), the first
+/// series' drawdown shaded.
+pub fn curves(
+    dir: &RunDir,
+    name: &str,
+    dates: Option<&[i64]>,
+    title: &str,
+    series: &[(&str, &[f64], RGBColor)],
+) -> Result<()> {
     register_font();
     let path = dir.path(name);
-    let chart = Chart { title, x_label: "bar", dates: None, drawdown_of: None };
+    let x_label = if dates.is_some() { "date" } else { "bar" };
+    let chart = Chart { title, x_label, dates, drawdown_of: Some(0) };
     line_chart(&path, &chart, series).map_err(|e| anyhow::anyhow!("plotting {}: {e}", path.display()))
 }
 
@@ -88,6 +97,16 @@ fn x_tick(dates: Option<&[i64]>, x: f64) -> String {
         .map_or_else(|| i.to_string(), |t| t.format(fmt).to_string())
 }
 
+/// [`x_tick`] with the date and the hour, whatever the axis spans.
+fn x_tick_hours(dates: Option<&[i64]>, x: f64) -> String {
+    let i = x.round().max(0.0) as usize;
+    let Some(d) = dates.filter(|d| !d.is_empty()) else {
+        return i.to_string();
+    };
+    chrono::DateTime::from_timestamp(d[i.min(d.len() - 1)], 0)
+        .map_or_else(|| i.to_string(), |t| t.format("%Y-%m-%d %H:%M").to_string())
+}
+
 /// Running peak and the maximum drawdown `(peak index, trough index, fraction)` of `ys`.
 fn drawdown(ys: &[f64]) -> (Vec<f64>, Option<(usize, usize, f64)>) {
     let (mut peak, mut peak_i, mut worst) = (f64::NEG_INFINITY, 0, None::<(usize, usize, f64)>);
@@ -137,8 +156,13 @@ fn line_chart(path: &std::path::Path, c: &Chart<'_>, series: &[(&str, &[f64], RG
             )))?;
             entries.push((format!("{} drawdown", series[k].0), shade, true));
             entries.push((format!("max {:.1}%: from", 100.0 * dd), shade, false));
-            entries.push((x_tick(c.dates, p as f64), shade, false));
-            entries.push((format!("to {}", x_tick(c.dates, t as f64)), shade, false));
+            let (mut from, mut to) = (x_tick(c.dates, p as f64), x_tick(c.dates, t as f64));
+            if from == to {
+                // Within one day of a long axis: name the hours.
+                (from, to) = (x_tick_hours(c.dates, p as f64), x_tick_hours(c.dates, t as f64));
+            }
+            entries.push((from, shade, false));
+            entries.push((format!("to {to}"), shade, false));
         }
     }
     for (_, ys, color) in series {
@@ -213,6 +237,8 @@ mod tests {
         let hourly: Vec<i64> = (0..30).map(|h| 1_577_836_800 + h * 3_600).collect();
         assert_eq!(x_tick(Some(&hourly), 5.0), "01-01 05:00");
         assert_eq!(x_tick(Some(&hourly), 99.0), "01-02 05:00", "clamped to the last bar");
+        assert_eq!(x_tick_hours(Some(&daily), 2.0), "2020-01-03 00:00");
+        assert_eq!(x_tick_hours(None, 4.0), "4");
         assert_eq!(x_tick(None, 7.0), "7");
     }
 }

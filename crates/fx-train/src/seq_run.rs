@@ -341,9 +341,8 @@ fn forecast_plot(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, dir: &RunDir
         let batch = task.batch(&d.series, chunk, &device)?;
         let point = task.point(&c, &batch)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
         let target = batch.target.to_vec2::<f32>()?;
-        // The forecast for the bar after the window's last observed row: the TFT's first
-        // decoder step, the MAMBA-2's last step.
-        let col = if cfg.model == ModelChoice::Tft { 0 } else { target[0].len() - 1 };
+        // The forecast for the bar after the window's last observed row.
+        let col = task.next_bar().column;
         for (p, t) in point.iter().zip(&target) {
             let r = t[col] as f64 * d.target_scale;
             let pos = if p[col] > 0.0 {
@@ -357,9 +356,17 @@ fn forecast_plot(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, dir: &RunDir
             hold.push(hold[hold.len() - 1] * r.exp());
         }
     }
+    // Point 0 stands at the first window's forecast row (before its return), point j at
+    // the bar j rows later (after j returns): dated by those bars' timestamps. The last
+    // point stands one bar past the data (the last row's next-bar return has no bar
+    // after it); the axis dates it as the last bar.
+    let ts = d.data.store.timestamps();
+    let first = (test.start + task.next_bar().row).min(ts.len());
+    let dates = Some(&ts[first..(first + strat.len()).min(ts.len())]).filter(|d| !d.is_empty());
     crate::plots::curves(
         dir,
         "forecast.png",
+        dates,
         "test split: long/short on the sign of the one-bar forecast (no costs)",
         &[
             ("sign of forecast", &strat, plotters::style::RGBColor(31, 119, 180)),
