@@ -261,9 +261,8 @@ mod x86 {
             let base = unsafe { wp.add(b * groups * 64) };
             for g in 0..groups {
                 let wv = unsafe { _mm512_loadu_si512(base.add(g * 64) as *const __m512i) };
-                for r in 0..n {
-                    let xb = _mm512_set1_epi32(xu[r][g] as i32);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], xb, wv);
+                for (a, x) in acc.iter_mut().zip(&xu[..n]) {
+                    *a = _mm512_dpbusd_epi32(*a, _mm512_set1_epi32(x[g] as i32), wv);
                 }
             }
             let corr = _mm512_slli_epi32::<7>(unsafe {

@@ -15,6 +15,7 @@ mod progress;
 mod quantize;
 mod report;
 mod run_dir;
+mod run_start;
 mod seq_run;
 mod train;
 mod train_env;

@@ -147,22 +147,19 @@ fn with_task<R>(cfg: &RunConfig, device: &Device, f: impl FnOnce(&dyn SeqTaskRun
 
 /// The generic body of a run, object-safe so that [`with_task`] can hand either model over.
 trait SeqTaskRun {
-    fn train(&self, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome>;
+    fn train(&self, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome>;
     fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()>;
 }
 
 struct RunCtx {
-    t_start: Instant,
-    dir: RunDir,
-    device: Device,
-    checkpoint: Option<Checkpoint>,
+    start: crate::run_start::RunStart,
     d: SeqData,
     profile: SeqProfile,
 }
 
 impl<T: SeqTask> SeqTaskRun for T {
-    fn train(&self, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
-        run_task(self, cfg, opts, ctx)
+    fn train(&self, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
+        run_task(self, opts, ctx)
     }
     fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()> {
         let trainer = restored(self, cfg, c, d)?;
@@ -183,46 +180,30 @@ fn restored(task: &impl SeqTask, cfg: &RunConfig, c: &Checkpoint, d: &SeqData) -
 }
 
 pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
-    let t_start = Instant::now();
-    let dir = RunDir::open(&cfg.out, opts.resume)?;
     // A resumed run continues under the config it started with (its schedule spans the
     // epochs it was started for).
-    let cfg = if opts.resume { RunConfig::from_toml_file(&dir.path("config.toml"))?.pinned_batch() } else { cfg };
-    let cfg = cfg.resolve()?;
-    let device = device_for(&cfg)?;
-    let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
-    if let Some(c) = &checkpoint {
-        c.check_model(cfg.model, "the config asks for")?;
-    }
+    let start = crate::run_start::RunStart::open(cfg, &opts)?;
     let t = Instant::now();
-    let saved_norm = checkpoint.as_ref().map(|c| c.run.normalizer()).transpose()?;
-    let d = seq_data(&cfg, saved_norm)?;
-    if let Some(c) = &checkpoint {
-        c.check_source(&d.data.source, "the config now names")?;
-    }
+    let d = seq_data(&start.cfg, start.saved_normalizer()?)?;
+    start.check_source(&d.data.source)?;
     let profile = SeqProfile { data_prep: t.elapsed().as_secs_f64(), ..SeqProfile::default() };
-    let ctx = RunCtx { t_start, dir, device: device.clone(), checkpoint, d, profile };
-    with_task(&cfg, &device, |task| task.train(&cfg, &opts, ctx))
+    let (cfg, device) = (start.cfg.clone(), start.device.clone());
+    let ctx = RunCtx { start, d, profile };
+    with_task(&cfg, &device, |task| task.train(&opts, ctx))
 }
 
-fn run_task(task: &impl SeqTask, cfg: &RunConfig, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
-    let RunCtx { t_start, mut dir, device, checkpoint, d, mut profile } = ctx;
-    let mut cfg = cfg.clone();
+fn run_task(task: &impl SeqTask, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
+    let RunCtx { mut start, d, mut profile } = ctx;
     let train_windows = d.data.splits.train.len().saturating_sub(task.window_len()) + 1;
-    let budget = crate::batch::budget_batch(&cfg, &device);
-    let batch = crate::batch::resolve(&mut cfg, budget, Some(train_windows));
-    println!("{}", batch.describe(cfg.model));
-    let mut batch_line = Some(batch);
-    let cfg = &cfg;
-    check_windows(&d, task.window_len(), cfg.seq.batch_size)?;
-    let mut trainer = match &checkpoint {
-        Some(c) => restored(task, cfg, c, &d)?,
-        None => SeqTrainer::new(task, d.data.splits.train.clone(), &cfg.seq)?,
+    let mut batch_line = Some(start.settle_batch(Some(train_windows))?);
+    check_windows(&d, task.window_len(), start.cfg.seq.batch_size)?;
+    let mut trainer = match &start.checkpoint {
+        Some(c) => restored(task, &start.cfg, c, &d)?,
+        None => SeqTrainer::new(task, d.data.splits.train.clone(), &start.cfg.seq)?,
     };
-    if !opts.resume {
-        write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
-        dir.mark_started();
-    }
+    start.record_config(opts)?;
+    let crate::run_start::RunStart { t_start, dir, device, checkpoint, cfg } = start;
+    let cfg = &cfg;
     let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.run.env_steps))?;
     let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
     let save = |trainer: &SeqTrainer, profile: &mut SeqProfile, secs: f64| -> Result<()> {

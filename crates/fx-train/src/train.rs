@@ -13,7 +13,7 @@ use crate::agent::Agent;
 use crate::config::RunConfig;
 use crate::dataset::Dataset;
 use crate::report;
-use crate::run_dir::{write_atomic, RunDir, RunState};
+use crate::run_dir::{RunDir, RunState};
 use crate::train_env::TrainEnv;
 
 /// Set by the Ctrl-C handler; the loop checkpoints and stops at the next step.
@@ -94,54 +94,28 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     if crate::seq_run::is_sequence_run(&cfg, &opts) {
         return crate::seq_run::run(cfg, opts);
     }
-    let t_start = Instant::now();
     let mut profile = Profile::default();
-    let mut dir = RunDir::open(&cfg.out, opts.resume)?;
-    // A resumed run continues under the config it started with; only an explicit
-    // `--steps` changes its length.
-    let cfg = if opts.resume {
-        let saved = RunConfig::from_toml_file(&dir.path("config.toml"))?.pinned_batch();
-        RunConfig { steps: opts.steps.unwrap_or(saved.steps), ..saved }
-    } else {
-        cfg
-    };
-    let mut cfg = cfg.resolve()?;
-    let device = device_for(&cfg)?;
-    let budget = crate::batch::budget_batch(&cfg, &device);
-    let batch = crate::batch::resolve(&mut cfg, budget, None);
-    // The auto batch may be larger than what resolve() checked: check the sizes again.
-    let cfg = cfg.resolve()?;
-    println!("{}", batch.describe(cfg.model));
-    let mut batch_line = Some(batch);
-    let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
-    if let Some(c) = &checkpoint {
-        c.check_model(cfg.model, "the config asks for")?;
-    }
+    let mut start = crate::run_start::RunStart::open(cfg, &opts)?;
+    let mut batch_line = Some(start.settle_batch(None)?);
 
     let t = Instant::now();
-    let saved_norm = checkpoint.as_ref().map(|c| c.run.normalizer()).transpose()?;
-    let data = Dataset::load(&cfg, saved_norm)?;
-    if let Some(c) = &checkpoint {
-        c.check_source(&data.source, "the config now names")?;
-    }
+    let data = Dataset::load(&start.cfg, start.saved_normalizer()?)?;
+    start.check_source(&data.source)?;
     let train_rows = data.env_data(data.splits.train.clone())?;
     profile.data_prep = t.elapsed().as_secs_f64();
 
-    let mut env = TrainEnv::new(train_rows, cfg.env.clone(), &device)?;
-    let mut agent = match &checkpoint {
+    let device = start.device.clone();
+    let mut env = TrainEnv::new(train_rows, start.cfg.env.clone(), &device)?;
+    let mut agent = match &start.checkpoint {
         Some(c) => {
             let state = c.run.env.as_ref().with_context(|| format!("{}: no environment state", c.trainer.display()))?;
             env.restore(state).with_context(|| format!("restoring the environment from {}", c.trainer.display()))?;
-            Agent::load(cfg.model, &c.trainer, &device)?
+            Agent::load(start.cfg.model, &c.trainer, &device)?
         }
-        None => Agent::new(&cfg, env.num_envs(), &device)?,
+        None => Agent::new(&start.cfg, env.num_envs(), &device)?,
     };
-    // A new run records its config; a resumed one records a changed length (`--steps`) so
-    // a later resume continues to the same end.
-    if !opts.resume || opts.steps.is_some() {
-        write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
-        dir.mark_started();
-    }
+    start.record_config(&opts)?;
+    let crate::run_start::RunStart { t_start, dir, cfg, checkpoint, .. } = start;
     let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.run.env_steps))?;
     let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
 
