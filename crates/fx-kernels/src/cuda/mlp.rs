@@ -128,7 +128,10 @@ impl MlpPolicy {
         let cluster = if runs_clusters(&stream, CTX)? {
             let f =
                 cdev.get_or_load_custom_func("fx_mlp_greedy_cluster", "fx_mlp_cluster", PTX_MLP_CLUSTER).ctx(CTX)?;
-            Some(f.into_cuda_function())
+            let f = f.into_cuda_function();
+            // A partition (MIG, MPS) may not fit 8 co-resident blocks: keep the block-per-row
+            // kernel there instead of failing every small launch.
+            cluster_fits(&f, &stream).then_some(f)
         } else {
             None
         };
@@ -342,6 +345,28 @@ impl BoundGreedy {
 fn runs_clusters(stream: &CudaStream, ctx: &'static str) -> Result<bool> {
     let (major, _) = stream.context().compute_capability().map_err(driver(ctx))?;
     Ok(major >= 9)
+}
+
+/// Whether at least one cluster of the cluster kernel `f` (compiled cluster size, 256
+/// threads a block) can be resident on the stream's device at once.
+fn cluster_fits(f: &CudaFunction, stream: &CudaStream) -> bool {
+    let config = sys::CUlaunchConfig {
+        gridDimX: CLUSTER_BLOCKS as u32,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: CLUSTER_BLOCK,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream.cu_stream(),
+        attrs: std::ptr::null_mut(),
+        numAttrs: 0,
+    };
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `f` is a loaded function of this context; `config` lives across the call and
+    // names no attributes.
+    let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };
+    r == sys::CUresult::CUDA_SUCCESS && n > 0
 }
 
 /// Host-in, action-out decisions through one policy with no copy commands: the observations
