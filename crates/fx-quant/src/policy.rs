@@ -163,13 +163,13 @@ fn dense_f32(l: &FloatLayer, x: &[f32], y: &mut [f32]) {
 #[inline(always)]
 fn dense(layer: &Packed, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
     match layer {
-        Packed::Int8(l, vertical) => {
+        // One row takes the row-major kernel even where the interleaved one runs: in one run
+        // of `timing::int8_layouts` on the dev machine's AMD EPYC a single row was slower
+        // interleaved (DQN 3.87 against 3.24 us a decision; repeated runs there vary by up to
+        // ±50 %, so this is a weak preference); batches gain from it.
+        Packed::Int8(l, _) => {
             let step = quantize_row(l, x, xq);
             let acc = &mut acc[..l.out];
-            // One row takes the row-major kernel even where the interleaved one runs: on
-            // the dev machine's Zen 4 a single row was slower interleaved (DQN 3.87 against
-            // 3.24 us a decision, `timing::int8_layouts`); batches gain from it.
-            let _ = vertical;
             gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
             dequantize_row(l, acc, step, y);
         }

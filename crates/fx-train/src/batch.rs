@@ -7,8 +7,8 @@
 //!
 //! The rules of `auto`, each a bound on the budget's batch (`fx_hw::batch_size`: free
 //! device memory over the model's cost per sample, 64..8192 for the RL agents):
-//! - on the CPU the model key's value stands: the CPU is compute-bound, a larger batch only
-//!   makes each step slower (source `cpu default`);
+//! - on the CPU the model key's value stands (source `cpu default`): the budget is sized by
+//!   device memory, which a CPU run does not fill, so CPU runs stay as they were configured;
 //! - DQN: at most `dqn.learning_starts` (the first update draws from that many transitions)
 //!   and `dqn.replay_capacity`;
 //! - PPO: at most a quarter of the rollout (`ppo.num_steps × env.num_envs`), so an epoch is
@@ -153,7 +153,8 @@ pub fn model_key_name(model: ModelChoice) -> &'static str {
     }
 }
 
-fn kind(model: ModelChoice) -> fx_hw::ModelKind {
+/// The hardware budget's name for `model`.
+pub fn model_kind(model: ModelChoice) -> fx_hw::ModelKind {
     match model {
         ModelChoice::Dqn => fx_hw::ModelKind::Dqn,
         ModelChoice::Ppo => fx_hw::ModelKind::Ppo,
@@ -186,9 +187,15 @@ fn data_bound(cfg: &RunConfig, train_windows: Option<usize>) -> (usize, String) 
 /// Settles the run's batch for `device` and writes it into `cfg` (the model key, and
 /// `batch` as a number, so config.toml records it). `train_windows`: the sequence models'
 /// training windows (their data bound); `budget_batch`: the budget's batch on a GPU
-/// (`None` on the CPU; [`budget_batch`] computes it).
-pub fn resolve(cfg: &mut RunConfig, budget_batch: Option<usize>, train_windows: Option<usize>) -> BatchChoice {
-    let choice = match (cfg.batch, budget_batch) {
+/// (`None` on the CPU; [`budget_batch`] computes it), asked for only when `auto` needs it.
+pub fn resolve(
+    cfg: &mut RunConfig,
+    budget_batch: impl FnOnce(&RunConfig) -> Option<usize>,
+    train_windows: Option<usize>,
+) -> BatchChoice {
+    let auto = cfg.batch == BatchSize::Auto && !cfg.model_key_given();
+    let budget = if auto { budget_batch(cfg) } else { None };
+    let choice = match (cfg.batch, budget) {
         (BatchSize::Fixed(n), _) => BatchChoice { value: n, source: cfg.batch_source, detail: String::new() },
         (BatchSize::Auto, _) if cfg.model_key_given() => {
             BatchChoice { value: cfg.batch_key_value(), source: BatchSource::ModelKey, detail: String::new() }
@@ -216,7 +223,7 @@ pub fn resolve(cfg: &mut RunConfig, budget_batch: Option<usize>, train_windows: 
 pub fn budget_batch(cfg: &RunConfig, device: &Device) -> Option<usize> {
     let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else { return None };
     let overrides = fx_hw::Overrides::default().with_device(&format!("cuda:{gpu_id}"));
-    Some(fx_hw::HardwareBudget::detect_with(&overrides).batch_size(kind(cfg.model)).value)
+    Some(fx_hw::HardwareBudget::detect_with(&overrides).batch_size(model_kind(cfg.model)).value)
 }
 
 #[cfg(test)]
@@ -249,7 +256,7 @@ mod tests {
     #[test]
     fn auto_on_the_cpu_keeps_the_model_key() {
         let mut c = cfg(ModelChoice::Dqn);
-        let ch = resolve(&mut c, None, None);
+        let ch = resolve(&mut c, |_| None, None);
         assert_eq!((ch.value, ch.source), (256, BatchSource::CpuDefault));
         assert_eq!((c.dqn.batch_size, c.batch), (256, BatchSize::Fixed(256)));
     }
@@ -258,41 +265,44 @@ mod tests {
     fn auto_on_a_gpu_takes_the_budget_within_the_data_bounds() {
         // DQN: the default learns from 2048 transitions, so an H200's 8192 is bounded to it.
         let mut c = cfg(ModelChoice::Dqn);
-        let ch = resolve(&mut c, Some(8192), None);
+        let ch = resolve(&mut c, |_| Some(8192), None);
         assert_eq!((ch.value, ch.source, c.dqn.batch_size), (2048, BatchSource::Budget, 2048));
         assert!(ch.detail.contains("learning_starts"), "{}", ch.detail);
         // A 4 GB card's 230 is within the bound (and below the config's 256: memory first).
         let mut c = cfg(ModelChoice::Dqn);
-        let ch = resolve(&mut c, Some(230), None);
+        let ch = resolve(&mut c, |_| Some(230), None);
         assert_eq!((ch.value, ch.detail.as_str()), (230, "budget 230"));
         // PPO: a quarter of the 64 × 32 rollout.
         let mut c = cfg(ModelChoice::Ppo);
-        assert_eq!(resolve(&mut c, Some(2048), None).value, 512);
+        assert_eq!(resolve(&mut c, |_| Some(2048), None).value, 512);
         // Resolved once, the batch is a number: a second call keeps it.
-        assert_eq!((c.batch, resolve(&mut c, Some(8192), None).source), (BatchSize::Fixed(512), BatchSource::Config));
+        assert_eq!(
+            (c.batch, resolve(&mut c, |_| Some(8192), None).source),
+            (BatchSize::Fixed(512), BatchSource::Config)
+        );
         let base = cfg(ModelChoice::Ppo);
         let mut c = RunConfig { env: fx_kernels::EnvConfig { num_envs: 256, ..base.env.clone() }, ..base };
-        assert_eq!(resolve(&mut c, Some(2048), None).value, 2048);
+        assert_eq!(resolve(&mut c, |_| Some(2048), None).value, 2048);
         assert_eq!(c.ppo.minibatch_size, 2048);
         // Sequence models: 64 steps per epoch at least.
         let mut c = cfg(ModelChoice::Tft);
-        assert_eq!(resolve(&mut c, Some(4096), Some(100_000)).value, 1562);
+        assert_eq!(resolve(&mut c, |_| Some(4096), Some(100_000)).value, 1562);
         let mut c = cfg(ModelChoice::Mamba2);
-        assert_eq!(resolve(&mut c, Some(4096), Some(1000)).value, 15);
-        assert_eq!(resolve(&mut cfg(ModelChoice::Mamba2), Some(4096), Some(10)).value, 1);
+        assert_eq!(resolve(&mut c, |_| Some(4096), Some(1000)).value, 15);
+        assert_eq!(resolve(&mut cfg(ModelChoice::Mamba2), |_| Some(4096), Some(10)).value, 1);
     }
 
     #[test]
     fn a_fixed_batch_or_an_explicit_model_key_wins_over_the_budget() {
         for source in [BatchSource::Config, BatchSource::Env, BatchSource::Flag] {
             let mut c = RunConfig { batch: BatchSize::Fixed(96), batch_source: source, ..cfg(ModelChoice::Ppo) };
-            let ch = resolve(&mut c, Some(2048), None);
+            let ch = resolve(&mut c, |_| unreachable!("a set batch never asks the hardware"), None);
             assert_eq!((ch.value, ch.source, c.ppo.minibatch_size), (96, source, 96));
         }
         let mut c = cfg(ModelChoice::Tft);
         c.seq.batch_size = 48;
         c.batch_keys_given.seq = true;
-        let ch = resolve(&mut c, Some(4096), Some(1_000_000));
+        let ch = resolve(&mut c, |_| unreachable!("a set batch never asks the hardware"), Some(1_000_000));
         assert_eq!((ch.value, ch.source), (48, BatchSource::ModelKey));
         assert!(ch.describe(ModelChoice::Tft).contains("seq.batch_size"));
     }

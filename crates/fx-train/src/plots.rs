@@ -87,24 +87,23 @@ struct Chart<'a> {
 /// The date (UTC) of x index `x`, from `dates`, or the index itself; with the hour when
 /// the whole axis spans under two weeks (intraday bars).
 fn x_tick(dates: Option<&[i64]>, x: f64) -> String {
-    let i = x.round().max(0.0) as usize;
-    let Some(d) = dates.filter(|d| !d.is_empty()) else {
-        return i.to_string();
-    };
-    let span = d[d.len() - 1] - d[0];
-    let fmt = if span < 14 * 86_400 { "%m-%d %H:%M" } else { "%Y-%m-%d" };
-    chrono::DateTime::from_timestamp(d[i.min(d.len() - 1)], 0)
-        .map_or_else(|| i.to_string(), |t| t.format(fmt).to_string())
+    let intraday = dates.is_some_and(|d| !d.is_empty() && d[d.len() - 1] - d[0] < 14 * 86_400);
+    date_label(dates, x, if intraday { "%m-%d %H:%M" } else { "%Y-%m-%d" })
 }
 
 /// [`x_tick`] with the date and the hour, whatever the axis spans.
 fn x_tick_hours(dates: Option<&[i64]>, x: f64) -> String {
+    date_label(dates, x, "%Y-%m-%d %H:%M")
+}
+
+/// x index `x` as `dates[x]` (clamped to the last) in `fmt`, or the index itself.
+fn date_label(dates: Option<&[i64]>, x: f64, fmt: &str) -> String {
     let i = x.round().max(0.0) as usize;
     let Some(d) = dates.filter(|d| !d.is_empty()) else {
         return i.to_string();
     };
     chrono::DateTime::from_timestamp(d[i.min(d.len() - 1)], 0)
-        .map_or_else(|| i.to_string(), |t| t.format("%Y-%m-%d %H:%M").to_string())
+        .map_or_else(|| i.to_string(), |t| t.format(fmt).to_string())
 }
 
 /// Running peak and the maximum drawdown `(peak index, trough index, fraction)` of `ys`.

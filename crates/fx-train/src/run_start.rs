@@ -63,9 +63,9 @@ impl RunStart {
     /// Settles the batch for the run's device (`crate::batch`; `train_windows`: the
     /// sequence models' data bound), checks the sizes again with it, and prints it.
     pub fn settle_batch(&mut self, train_windows: Option<usize>) -> Result<BatchChoice> {
-        let budget = crate::batch::budget_batch(&self.cfg, &self.device);
         let mut cfg = self.cfg.clone();
-        let batch = crate::batch::resolve(&mut cfg, budget, train_windows);
+        let device = &self.device;
+        let batch = crate::batch::resolve(&mut cfg, |c| crate::batch::budget_batch(c, device), train_windows);
         self.cfg = cfg.resolve()?;
         println!("{}", batch.describe(self.cfg.model));
         Ok(batch)

@@ -233,14 +233,9 @@ pub(crate) fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error 
     if !(text.contains("OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")) {
         return e;
     }
-    let (kind, batch) = match cfg.model {
-        crate::config::ModelChoice::Dqn => (fx_hw::ModelKind::Dqn, cfg.dqn.batch_size),
-        crate::config::ModelChoice::Ppo => (fx_hw::ModelKind::Ppo, cfg.ppo.minibatch_size),
-        crate::config::ModelChoice::Tft => (fx_hw::ModelKind::Tft, cfg.seq.batch_size),
-        crate::config::ModelChoice::Mamba2 => (fx_hw::ModelKind::Mamba2, cfg.seq.batch_size),
-    };
+    let batch = cfg.batch_key_value();
     let overrides = fx_hw::Overrides::default().with_device(&cfg.device);
-    let fits = fx_hw::HardwareBudget::detect_with(&overrides).batch_size(kind).value;
+    let fits = fx_hw::HardwareBudget::detect_with(&overrides).batch_size(crate::batch::model_kind(cfg.model)).value;
     anyhow::anyhow!(
         "the device ran out of memory at batch {batch}; the hardware budget says batch {fits} fits \
          (`fx-train hw`): start the run again with --batch-size {fits} (or batch = {fits} in the config) \
