@@ -212,7 +212,14 @@ mod tests {
                     let want = ((data[i * w + j] as f64 - m) / s).clamp(-10.0, 10.0);
                     let got = out[i * w + j] as f64;
                     prop_assert!(got.is_finite());
-                    prop_assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{} vs {}", got, want);
+                    // Mean and std are stored in f32: rounding the mean moves every value by
+                    // up to its ulp over std, which dominates when a column's spread is tiny
+                    // against its level (seed 978: two nearly equal values ~0.001 apart by
+                    // ~1e-7 gave 1.0008 vs 1).
+                    let x = data[i * w + j] as f64;
+                    let f32_bound = 4.0 * f32::EPSILON as f64 * (x.abs() + m.abs()) / s;
+                    let tol = 1e-4 * (1.0 + want.abs()) + f32_bound;
+                    prop_assert!((got - want).abs() <= tol, "{} vs {} (tolerance {})", got, want, tol);
                 }
             }
         }
