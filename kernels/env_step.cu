@@ -78,6 +78,8 @@ extern "C" __global__ void fx_select_from_probs(const float* __restrict__ probs,
 // action from q[e]), and (s, a, r, s', done) goes to replay slot (ring_pos + e) % capacity
 // (the host guarantees E <= capacity, so slots are distinct). actions_out, next_obs,
 // reward_out and done_out may be null; obs (the post-reset states) is always written.
+// With `loop` (kernels/replay.cu's counters) not null, ring_pos is loop[1] and eps the ramp
+// (eps_start, eps_end, eps_steps) at step loop[0]: a captured step reads both from the device.
 extern "C" __global__ void fx_dqn_experience(FX_ENV_ARGS, const fx_u32* __restrict__ actions,
                                              const float* __restrict__ q, double eps,
                                              fx_u32* __restrict__ actions_out, float* __restrict__ rb_s,
@@ -85,8 +87,14 @@ extern "C" __global__ void fx_dqn_experience(FX_ENV_ARGS, const fx_u32* __restri
                                              float* __restrict__ rb_s2, float* __restrict__ rb_d,
                                              fx_u64 capacity, fx_u64 ring_pos, float* __restrict__ next_obs,
                                              float* __restrict__ reward_out, float* __restrict__ done_out,
-                                             float* __restrict__ obs, int* err) {
+                                             float* __restrict__ obs, int* err,
+                                             const fx_u64* __restrict__ loop, double eps_start,
+                                             double eps_end, fx_u64 eps_steps) {
     FX_ENV_MAKE
+    if (loop) {
+        eps = fx_linear_ramp(eps_start, eps_end, eps_steps, loop[0]);
+        ring_pos = loop[1];
+    }
     FX_WARP_LOOP(e, valid, E) {
         FxRow s = {0u, 0.0f, 0.0f, 0.0f}, next = s, cur = s;
         fx_u64 slot = 0;

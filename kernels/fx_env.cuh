@@ -34,6 +34,14 @@ __device__ __forceinline__ double fx_draw(fx_u64 seed, fx_u64 stream, fx_u64 env
     return __dmul_rn((double)(b >> 11), 1.1102230246251565e-16);
 }
 
+// fx-models' LinearSchedule::value: start + (end - start) * (step / steps) before `steps`,
+// `end` from then on (the DQN ε ramp of a captured collection step).
+__device__ __forceinline__ double fx_linear_ramp(double start, double end, fx_u64 steps, fx_u64 step) {
+    if (step >= steps) return end;
+    double frac = __ddiv_rn((double)step, (double)steps);
+    return __dadd_rn(start, __dmul_rn(__dsub_rn(end, start), frac));
+}
+
 // Start index of a reset: floor(u * (T - L)).
 __device__ __forceinline__ fx_u32 fx_reset_start(fx_u64 seed, fx_u64 env, fx_u64 counter, fx_u32 T, fx_u32 L) {
     double u = fx_draw(seed, FX_STREAM_RESET, env, counter);

@@ -21,7 +21,11 @@
 //! positions exactly, floats within 1e-6; device tests in `cuda/tests.rs`). Beyond
 //! [`VecEnv`], `cuda::GpuTradingEnv::collect_dqn` fuses ε-greedy selection, the step and the
 //! replay write in one launch, `cuda::gae_device` runs GAE, and `cuda::bench_env_steps`
-//! measures env steps per second.
+//! measures env steps per second. `cuda::DqnLoop` keeps a DQN loop's counters (step count,
+//! replay ring position and length, minibatch key) on the device, so that collection
+//! (ε from [`LinearSchedule`] computed there), replay sampling
+//! ([`ReplayBuffer::sample_keyed`], the CPU's counter-based indices) and the update can be
+//! one CUDA graph.
 //!
 //! Training kernels beside the environment, each with its CPU reference: the fused
 //! optimiser tail ([`optim_ref`], `cuda::optim`), the MLP training and decision kernels
@@ -45,6 +49,7 @@ pub mod optim_ref;
 pub mod replay;
 pub mod rng;
 pub mod rollout;
+pub mod schedule;
 pub mod select;
 pub mod vec_env;
 
@@ -58,5 +63,6 @@ pub use error::{Error, Result};
 pub use gae::{gae, GaeConfig};
 pub use replay::{ReplayBatch, ReplayBuffer};
 pub use rollout::Rollout;
+pub use schedule::LinearSchedule;
 pub use select::{epsilon_greedy, sample_from_probs};
 pub use vec_env::{Step, VecEnv};

@@ -1,7 +1,8 @@
 //! The DQN replay buffer: a fixed-capacity ring of transitions stored as candle tensors on
 //! one device. On a CUDA device the whole buffer is device-resident: pushes are device
 //! copies (or direct kernel writes by `GpuTradingEnv`) and sampling draws its indices on
-//! the device, so nothing crosses to the host.
+//! the device from the same counter-based draws as the CPU, so nothing crosses to the host
+//! and both devices sample the same rows.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -22,6 +23,29 @@ pub struct ReplayBatch {
     pub next_states: Tensor,
     /// `[B]` f32 done flags (0/1).
     pub dones: Tensor,
+}
+
+impl ReplayBatch {
+    /// Uninitialised (zeroed) storage for `b` transitions on `device`.
+    pub fn alloc(b: usize, device: &Device, ctx: &'static str) -> Result<Self> {
+        let z = |shape: &[usize], dt| Tensor::zeros(shape, dt, device).ctx(ctx);
+        Ok(Self {
+            states: z(&[b, OBS_DIM], DType::F32)?,
+            actions: z(&[b], DType::U32)?,
+            rewards: z(&[b], DType::F32)?,
+            next_states: z(&[b, OBS_DIM], DType::F32)?,
+            dones: z(&[b], DType::F32)?,
+        })
+    }
+
+    /// Checks that every tensor holds `b` transitions in the buffer's layout on `device`.
+    pub fn check(&self, b: usize, device: &Device, ctx: &'static str) -> Result<()> {
+        expect_tensor(&self.states, "states", ctx, &[b, OBS_DIM], DType::F32, device)?;
+        expect_tensor(&self.actions, "actions", ctx, &[b], DType::U32, device)?;
+        expect_tensor(&self.rewards, "rewards", ctx, &[b], DType::F32, device)?;
+        expect_tensor(&self.next_states, "next_states", ctx, &[b, OBS_DIM], DType::F32, device)?;
+        expect_tensor(&self.dones, "dones", ctx, &[b], DType::F32, device)
+    }
 }
 
 /// Ring buffer of `(s, a, r, s', done)` with uniform sampling with replacement.
@@ -129,23 +153,45 @@ impl ReplayBuffer {
         self.len = (self.len + n).min(self.capacity);
     }
 
-    /// `batch` transitions drawn uniformly with replacement from the `len` held ones. The
-    /// indices come from the device's generator (`Tensor::rand` in f64, scaled, floored),
-    /// so on CUDA nothing is copied to the host; seed them with `Device::set_seed`.
-    pub fn sample(&self, batch: usize) -> Result<ReplayBatch> {
-        let ctx = "ReplayBuffer::sample";
+    /// Records that a device kernel wrote `n` rows at [`position`](Self::position) (a
+    /// replayed CUDA graph's collection, `cuda::DqnLoop`): moves the host's position and
+    /// length as a push of `n` rows would.
+    pub fn record_written(&mut self, n: usize) {
+        self.advance(n);
+    }
+
+    /// `batch` transitions drawn uniformly with replacement from the `len` held ones by the
+    /// counter-based draws: row `i` is `floor(u · len)` (at most `len - 1`) with
+    /// `u = rng::draw(seed, STREAM_REPLAY, key, i)`. The same rows on every device (on CUDA
+    /// one kernel, `kernels/replay.cu`, with nothing copied to the host), so a run keyed by
+    /// its minibatch count samples the same after a resume.
+    pub fn sample_keyed(&self, batch: usize, seed: u64, key: u64) -> Result<ReplayBatch> {
+        let ctx = "ReplayBuffer::sample_keyed";
         if self.len == 0 {
             return Err(Error::Empty { what: "replay buffer", context: ctx });
         }
-        let n = self.len as f64;
-        // floor(u · len) < len for u < 1 in f64 up to len = 2^32; the clamp guards the rest.
-        let idx = Tensor::rand(0f64, 1f64, batch, &self.device)
-            .and_then(|u| u.affine(n, 0.0))
-            .and_then(|x| x.floor())
-            .and_then(|x| x.clamp(0f64, n - 1.0))
-            .and_then(|x| x.to_dtype(DType::U32))
-            .ctx(ctx)?;
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() {
+            return crate::cuda::dqn_loop::sample_keyed(self, batch, seed, key);
+        }
+        let idx = keyed_indices(self.len, batch, seed, key);
+        let idx = Tensor::from_vec(idx, batch, &self.device).ctx(ctx)?;
         self.select(&idx, ctx)
+    }
+
+    /// The `len` stored transitions in physical (slot) order, as views of the buffer's own
+    /// tensors (no copy: they change with the next write, so copy them off first, as a
+    /// checkpoint's snapshot does).
+    pub fn stored(&self) -> Result<ReplayBatch> {
+        let ctx = "ReplayBuffer::stored";
+        let head = |t: &Tensor| t.narrow(0, 0, self.len).ctx(ctx);
+        Ok(ReplayBatch {
+            states: head(&self.states)?,
+            actions: head(&self.actions)?,
+            rewards: head(&self.rewards)?,
+            next_states: head(&self.next_states)?,
+            dones: head(&self.dones)?,
+        })
     }
 
     /// The transitions at `indices` (`[B]` u32, each < `len`), checked on the host (this
@@ -175,6 +221,16 @@ impl ReplayBuffer {
             dones: self.dones.index_select(idx, 0).ctx(ctx)?,
         })
     }
+}
+
+/// The indices [`ReplayBuffer::sample_keyed`] draws (the CPU reference of the kernel's).
+pub fn keyed_indices(len: usize, batch: usize, seed: u64, key: u64) -> Vec<u32> {
+    (0..batch as u64)
+        .map(|i| {
+            let u = crate::rng::draw(seed, crate::rng::STREAM_REPLAY, key, i);
+            ((u * len as f64) as usize).min(len.saturating_sub(1)) as u32
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -228,13 +284,14 @@ mod tests {
     #[test]
     fn wraps_around_like_single_pushes() {
         let mut buf = ReplayBuffer::new(10, &Device::Cpu).expect("buf");
-        assert!(buf.sample(4).is_err());
+        assert!(buf.sample_keyed(4, 1, 0).is_err());
         push(&mut buf, 0, 7);
         assert_eq!((buf.len(), buf.position()), (7, 7));
         push(&mut buf, 7, 6); // rows 7..13: 7,8,9 at 7..10, then 10,11,12 at 0..3
         assert_eq!((buf.len(), buf.position()), (10, 3));
         let all = buf.gather(&Tensor::arange(0u32, 10, &Device::Cpu).expect("idx")).expect("gather");
         assert_eq!(ids(&all), vec![10, 11, 12, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(ids(&buf.stored().expect("stored")), ids(&all));
         // a batch larger than the capacity keeps its last rows, at the same places as
         // one-by-one pushes would put them
         push(&mut buf, 100, 23); // ids 100..123 starting at 3 -> final pos (3+23)%10 = 6
@@ -251,15 +308,32 @@ mod tests {
     fn samples_only_pushed_rows() {
         let mut buf = ReplayBuffer::new(64, &Device::Cpu).expect("buf");
         push(&mut buf, 0, 5);
-        let got = ids(&buf.sample(200).expect("sample"));
+        let got = ids(&buf.sample_keyed(200, 9, 0).expect("sample"));
         assert!(got.iter().all(|&k| k < 5), "{got:?}");
         // all five rows show up in 200 draws (fails with probability 5·0.8^200)
         for k in 0..5 {
             assert!(got.contains(&k));
         }
         push(&mut buf, 5, 100);
-        let got = ids(&buf.sample(300).expect("sample"));
+        let got = ids(&buf.sample_keyed(300, 9, 1).expect("sample"));
         assert!(got.iter().all(|&k| (41..105).contains(&k)), "{got:?}");
+    }
+
+    /// The keyed draws are a pure function of (seed, key, row): the same key repeats its
+    /// rows, another key or seed draws others, and every index stays below the length.
+    #[test]
+    fn keyed_draws_repeat_by_key_and_stay_in_range() {
+        let mut buf = ReplayBuffer::new(64, &Device::Cpu).expect("buf");
+        push(&mut buf, 0, 37);
+        let a = ids(&buf.sample_keyed(50, 3, 11).expect("a"));
+        assert_eq!(a, ids(&buf.sample_keyed(50, 3, 11).expect("again")));
+        assert_ne!(a, ids(&buf.sample_keyed(50, 3, 12).expect("next key")));
+        assert_ne!(a, ids(&buf.sample_keyed(50, 4, 11).expect("other seed")));
+        let want: Vec<usize> = keyed_indices(37, 50, 3, 11).into_iter().map(|i| i as usize).collect();
+        assert_eq!(a, want);
+        for len in [1usize, 2, 37, 1 << 20, u32::MAX as usize] {
+            assert!(keyed_indices(len, 200, 5, len as u64).iter().all(|&i| (i as usize) < len), "len {len}");
+        }
     }
 
     #[test]

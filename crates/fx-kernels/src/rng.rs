@@ -17,6 +17,9 @@ pub const STREAM_EXPLORE: u64 = 1;
 pub const STREAM_RANDOM_ACTION: u64 = 2;
 /// Stream 3: policy sampling (first action whose cumulative probability exceeds `u`).
 pub const STREAM_POLICY: u64 = 3;
+/// The stream of replay minibatch indices (`ReplayBuffer::sample_keyed`: env = the
+/// minibatch key, step = the row).
+pub const STREAM_REPLAY: u64 = 0x5250;
 
 /// `2^-53`: scales the top 53 bits of a draw to `[0, 1)` exactly.
 const TWO_POW_M53: f64 = 1.0 / (1u64 << 53) as f64;

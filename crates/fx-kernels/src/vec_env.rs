@@ -96,6 +96,13 @@ pub trait VecEnv {
     /// first action whose f64 cumulative probability exceeds the draw.
     fn sample_from_probs(&self, probs: &Tensor) -> Result<Tensor>;
 
+    /// This env as the CUDA backend, for callers that capture its kernels in a CUDA graph
+    /// (the DQN trainer's whole-iteration graph); None for every other backend.
+    #[cfg(feature = "cuda")]
+    fn as_gpu(&self) -> Option<&crate::GpuTradingEnv> {
+        None
+    }
+
     /// DQN collection: steps with `actions` and pushes `(s, a, r, s', done)` for every
     /// account into `replay` (`s` the state the actions were chosen from, `s'` the
     /// pre-reset next state). The buffer must live on this env's device.

@@ -3,10 +3,12 @@
 //! a time so a CLI can log, checkpoint and show progress between steps.
 //!
 //! Randomness: actions use the env's counter-based draws (streams 1/2); minibatch
-//! indices on the CPU are counter-based draws keyed by the update count, so a run — and
-//! a run resumed from [`DqnTrainer::save_state`] — is bit-identical on the CPU. On CUDA the
-//! indices come from the device generator ([`ReplayBuffer::sample`]) so sampling never
-//! leaves the GPU; there, resumes are statistically but not bitwise equivalent.
+//! indices are counter-based draws keyed by the number of minibatches drawn
+//! ([`ReplayBuffer::sample_keyed`], one kernel on CUDA), so a run — and a run resumed from
+//! [`DqnTrainer::save_state`] — samples the same rows on either device.
+//!
+//! On CUDA with the GPU environment and a captured update, each step is one replayed graph
+//! (collection, sampling and the update round: `dqn_iteration`); the host only counts.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -18,10 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::dqn::{dqn_loss, soft_update, DqnBatch, DqnNetConfig, DuelingDqn};
 use crate::error::{Context, Error, Result};
-use crate::schedule::LinearSchedule;
+use crate::LinearSchedule;
 
-/// Stream of the counter-based draws that pick replay indices (0–3 are the env's).
-const SAMPLE_STREAM: u64 = 0x5250;
 /// Metadata key of the trainer state in a state file.
 const STATE_KEY: &str = "fx.dqn_trainer";
 /// Version of the state file layout.
@@ -162,6 +162,10 @@ struct DqnCounters {
     env_steps: u64,
     updates: u64,
     skipped_updates: u64,
+    /// Minibatches drawn (the next sampling key); absent in files written before it was
+    /// saved, where it equals updates + skipped updates for runs driven by `step`.
+    #[serde(default)]
+    sampled: Option<u64>,
     replay_len: usize,
     replay_position: usize,
     config: DqnConfig,
@@ -183,6 +187,9 @@ pub struct DqnTrainer {
     env_steps: u64,
     updates: u64,
     skipped_updates: u64,
+    /// Minibatches drawn: the key of the next draw (applied + skipped updates once the
+    /// device's counters are read; ahead of them while captured updates are queued).
+    sampled: u64,
     /// Host seconds building the loss (online and target forwards), for profiles.
     forward_seconds: f64,
     /// The captured update (CUDA, `graph` not off), built at the first update.
@@ -195,6 +202,14 @@ pub struct DqnTrainer {
     /// the env's number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
     q_forward: Option<crate::fused_forward::DqnQForward>,
+    /// Whole iterations as one graph (see `dqn_iteration`): built on the GPU env once the
+    /// update is captured; None before, off, or after a failed `auto` capture.
+    #[cfg(feature = "cuda")]
+    iteration: Option<crate::dqn_iteration::DqnIteration>,
+    /// Whether whole-iteration graphs may be used (on by default; a failed `auto` capture
+    /// turns them off for the trainer's life).
+    #[cfg(feature = "cuda")]
+    iterations: bool,
 }
 
 impl std::fmt::Debug for DqnTrainer {
@@ -222,10 +237,6 @@ impl DqnTrainer {
         // Loss scaling (F16 only), clipping, the NaN/Inf guard and AdamW in one place.
         let step = TrainStep::new(opt, GradScaler::for_precision(cfg.precision), Some(cfg.max_grad_norm)).ctx(CTX)?;
         let replay = ReplayBuffer::new(cfg.replay_capacity, device).ctx(CTX)?;
-        if device.is_cuda() {
-            // The replay sampler draws from the device generator on CUDA.
-            device.set_seed(cfg.seed).ctx(CTX)?;
-        }
         Ok(Self {
             cfg,
             online,
@@ -235,6 +246,7 @@ impl DqnTrainer {
             env_steps: 0,
             updates: 0,
             skipped_updates: 0,
+            sampled: 0,
             forward_seconds: 0.0,
             #[cfg(feature = "cuda")]
             graph: Default::default(),
@@ -242,6 +254,10 @@ impl DqnTrainer {
             engine: None,
             #[cfg(feature = "cuda")]
             q_forward: None,
+            #[cfg(feature = "cuda")]
+            iteration: None,
+            #[cfg(feature = "cuda")]
+            iterations: true,
         })
     }
 
@@ -312,8 +328,161 @@ impl DqnTrainer {
     fn ensure_q_forward(&mut self, rows: usize) -> Result<()> {
         let fits = self.q_forward.as_ref().is_some_and(|f| f.rows() == rows);
         if !fits && self.online.params().device().is_cuda() && crate::dqn_fused::DqnFused::supports(&self.online) {
+            // A captured iteration reads the old forward's buffers: it goes first.
+            self.iteration = None;
             self.q_forward = Some(crate::fused_forward::DqnQForward::new(&self.online, rows)?);
         }
+        Ok(())
+    }
+
+    /// Allows or forbids whole-iteration graphs (on by default; see the module docs). Off,
+    /// a CUDA step launches collection, sampling and the captured update one by one: the
+    /// same kernels, for comparisons and debugging.
+    #[cfg(feature = "cuda")]
+    pub fn set_iteration_graphs(&mut self, on: bool) {
+        self.iterations = on;
+        if !on {
+            self.iteration = None;
+        }
+    }
+
+    /// Whether the last step ran as a whole-iteration graph.
+    #[cfg(feature = "cuda")]
+    pub fn iteration_graph_active(&self) -> bool {
+        self.iteration.is_some()
+    }
+
+    /// The counters a whole-iteration graph keeps on the device, as the host has them.
+    #[cfg(feature = "cuda")]
+    fn loop_counters(&self) -> fx_kernels::cuda::DqnLoopCounters {
+        fx_kernels::cuda::DqnLoopCounters {
+            env_steps: self.env_steps,
+            replay_position: self.replay.position() as u64,
+            replay_len: self.replay.len() as u64,
+            sample_key: self.sampled,
+        }
+    }
+
+    /// One step as a whole-iteration graph when it can be (CUDA, the GPU env, the fused
+    /// collection forward, the update captured, iterations on); None: take the stepwise path.
+    /// A failed capture under `graph = auto` warns once and turns iterations off; under
+    /// `on` it is an error.
+    #[cfg(feature = "cuda")]
+    fn iteration_step(&mut self, env: &mut dyn VecEnv, read: bool) -> Result<Option<DqnStepStats>> {
+        const CTX: &str = "DqnTrainer::step (iteration graph)";
+        let Some(genv) = env.as_gpu() else { return Ok(None) };
+        let on_cuda = self.online.params().device().is_cuda();
+        if !self.iterations || self.graph.decided(self.cfg.graph, on_cuda) != Some(true) {
+            return Ok(None);
+        }
+        let e = genv.num_envs();
+        if self.iteration.as_ref().is_some_and(|it| !it.fits(genv)) {
+            self.iteration = None;
+        }
+        self.ensure_q_forward(e)?;
+        if !self.q_forward.as_ref().is_some_and(|f| f.rows() == e) {
+            return Ok(None);
+        }
+        let len_after = (self.replay.len() + e).min(self.replay.capacity());
+        let train =
+            len_after >= self.cfg.learning_starts.max(1) && (self.env_steps + 1).is_multiple_of(self.cfg.train_every);
+        let started = std::time::Instant::now();
+        if !self.iteration.as_ref().is_some_and(|it| it.has(train)) {
+            let captured = self.capture_iteration(genv, train);
+            if let Err(err) = captured {
+                if self.cfg.graph == GraphMode::On {
+                    return Err(err);
+                }
+                eprintln!("warning: DQN iteration graph not captured, stepping kernel by kernel: {err}");
+                self.set_iteration_graphs(false);
+                return Ok(None);
+            }
+        }
+        let eps = self.epsilon();
+        let before = self.loop_counters();
+        let g = self.cfg.gradient_steps;
+        let after = {
+            let mut a = before;
+            a.env_steps += 1;
+            a.replay_position = (a.replay_position + e as u64) % self.replay.capacity() as u64;
+            a.replay_len = len_after as u64;
+            if train {
+                a.sample_key += u64::from(g);
+            }
+            a
+        };
+        let it = self.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?;
+        it.sync(before, &self.replay)?;
+        it.replay(train, after)?;
+        self.env_steps += 1;
+        self.replay.record_written(e);
+        if train {
+            self.sampled += u64::from(g);
+        }
+        debug_assert_eq!(self.loop_counters(), after);
+        let (mut mean_reward, mut episodes_done) = (None, None);
+        let (mut updates, mut updates_queued) = (Vec::new(), if train { g } else { 0 });
+        if read {
+            let (r, d) = self
+                .iteration
+                .as_ref()
+                .map(|it| it.rewards_and_dones())
+                .ok_or_else(|| Error::config(CTX, "no iteration"))?;
+            let sums: Vec<f64> = Tensor::stack(&[r, d], 0)
+                .and_then(|t| t.to_dtype(candle_core::DType::F64))
+                .and_then(|t| t.sum(1))
+                .and_then(|t| t.to_vec1())
+                .ctx(CTX)?;
+            mean_reward = Some(sums[0] / e as f64);
+            episodes_done = Some(sums[1] as u32);
+            if train && g > 0 {
+                // The control block holds the round's last update; the others count as queued.
+                updates.push(self.graph_update_stats()?);
+                updates_queued -= 1;
+            } else {
+                self.sync_counters()?;
+            }
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let (collect_seconds, update_seconds) = if train { (0.0, seconds) } else { (seconds, 0.0) };
+        Ok(Some(DqnStepStats {
+            env_steps: self.env_steps,
+            epsilon: eps,
+            mean_reward,
+            episodes_done,
+            replay_len: self.replay.len(),
+            updates,
+            updates_queued,
+            collect_seconds,
+            update_seconds,
+        }))
+    }
+
+    /// Captures the whole iteration (with an update round when `train`) on `env`.
+    #[cfg(feature = "cuda")]
+    fn capture_iteration(&mut self, env: &fx_kernels::GpuTradingEnv, train: bool) -> Result<()> {
+        const CTX: &str = "DqnTrainer::capture_iteration";
+        let mut it = match self.iteration.take() {
+            Some(it) => it,
+            None => crate::dqn_iteration::DqnIteration::new(env, self.cfg.batch_size)?,
+        };
+        let captured = {
+            let q_forward = self.q_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
+            let g = self.graph.get(CTX)?;
+            let mut body = self.graph_body();
+            let parts = crate::dqn_iteration::IterationParts {
+                env,
+                q_forward,
+                online: &self.online,
+                replay: &self.replay,
+                epsilon: self.cfg.epsilon,
+                seed: self.cfg.seed,
+                update: train.then_some((self.cfg.gradient_steps, g.fused(), &mut *body)),
+            };
+            it.capture(parts)
+        };
+        captured?;
+        self.iteration = Some(it);
         Ok(())
     }
 
@@ -332,6 +501,10 @@ impl DqnTrainer {
     /// eager updates, the optimiser's guard reads anyway.
     pub fn step_with(&mut self, env: &mut dyn VecEnv, read: bool) -> Result<DqnStepStats> {
         const CTX: &str = "DqnTrainer::step";
+        #[cfg(feature = "cuda")]
+        if let Some(stats) = self.iteration_step(env, read)? {
+            return Ok(stats);
+        }
         let started = std::time::Instant::now();
         let eps = self.epsilon();
         #[cfg(feature = "cuda")]
@@ -404,21 +577,9 @@ impl DqnTrainer {
     /// (then `None`).
     fn train_on_replay_with(&mut self, read: bool) -> Result<Option<DqnUpdateStats>> {
         const CTX: &str = "DqnTrainer::train_on_replay";
-        let batch = if self.replay.device().is_cuda() {
-            self.replay.sample(self.cfg.batch_size).ctx(CTX)?
-        } else {
-            let n = self.replay.len();
-            // Keyed by (seed, update count, row): reproducible and resumable.
-            let key = self.updates + self.skipped_updates;
-            let idx: Vec<u32> = (0..self.cfg.batch_size as u64)
-                .map(|i| {
-                    let u = fx_kernels::rng::draw(self.cfg.seed, SAMPLE_STREAM, key, i);
-                    ((u * n as f64) as usize).min(n - 1) as u32
-                })
-                .collect();
-            let idx = Tensor::from_vec(idx, self.cfg.batch_size, self.replay.device()).ctx(CTX)?;
-            self.replay.gather(&idx).ctx(CTX)?
-        };
+        // Keyed by (seed, minibatches drawn, row): reproducible and resumable.
+        let batch = self.replay.sample_keyed(self.cfg.batch_size, self.cfg.seed, self.sampled).ctx(CTX)?;
+        self.sampled += 1;
         let batch = DqnBatch {
             obs: &batch.states,
             actions: &batch.actions,
@@ -612,8 +773,9 @@ impl DqnTrainer {
         }
         let n = self.replay.len();
         if n > 0 {
-            let idx = Tensor::arange(0u32, n as u32, self.replay.device()).ctx(CTX)?;
-            let rows = self.replay.gather(&idx).ctx(CTX)?;
+            // Views of the stored rows in physical order (the snapshot copies them to the
+            // host at once, so no device copy is needed first).
+            let rows = self.replay.stored().ctx(CTX)?;
             t.insert("replay.states".into(), rows.states);
             t.insert("replay.actions".into(), rows.actions);
             t.insert("replay.rewards".into(), rows.rewards);
@@ -633,6 +795,7 @@ impl DqnTrainer {
             env_steps: self.env_steps,
             updates,
             skipped_updates,
+            sampled: Some(self.sampled),
             replay_len: n,
             replay_position: self.replay.position(),
             config: self.cfg.clone(),
@@ -695,6 +858,7 @@ impl DqnTrainer {
         me.env_steps = c.env_steps;
         me.updates = c.updates;
         me.skipped_updates = c.skipped_updates;
+        me.sampled = c.sampled.unwrap_or(c.updates + c.skipped_updates);
         Ok(me)
     }
 }

@@ -21,13 +21,16 @@
 //! - [`ppo_trainer`]: [`PpoTrainer`] — `collect_step(env)` / `update(env)` or
 //!   `iterate(env)`, `update_minibatch(batch)`, `save_state`/`load_state`;
 //! - [`param_io`]: [`ParamSet`], the named F32 variables (a candle `VarMap`) with strict
-//!   safetensors load/save; [`schedule`]: [`LinearSchedule`];
+//!   safetensors load/save; [`LinearSchedule`] (ε, from fx-kernels, whose captured
+//!   collection kernel computes it on the device);
 //! - [`backtest`]: a policy replayed over held-out rows, with trading statistics.
 
 pub mod backtest;
 pub mod dqn;
 #[cfg(feature = "cuda")]
 mod dqn_fused;
+#[cfg(feature = "cuda")]
+mod dqn_iteration;
 pub mod dqn_trainer;
 mod error;
 #[cfg(feature = "cuda")]
@@ -41,7 +44,6 @@ pub mod ppo;
 #[cfg(feature = "cuda")]
 mod ppo_fused;
 pub mod ppo_trainer;
-pub mod schedule;
 pub mod seq_ops;
 pub mod seq_params;
 pub mod seq_train;
@@ -68,8 +70,8 @@ pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
 
+pub use fx_kernels::LinearSchedule;
 pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
-pub use schedule::LinearSchedule;
 pub use seq_ops::{Ctx, DropoutRng};
 pub use state_snapshot::StateSnapshot;
 pub use tft::{quantile_loss, Tft, TftConfig};

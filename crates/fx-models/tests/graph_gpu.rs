@@ -350,7 +350,7 @@ fn seq_graph_step_tracks_eager() {
 /// DQN steps on the GPU environment that read nothing back (`step_with(.., false)`: the
 /// captured updates only queued) train exactly as steps that read everything, over 120 env
 /// steps with a read every 40: same weights and, once synced, the same counters. Run one
-/// after the other: the replay sampler draws from the device generator both seed alike.
+/// after the other (each samples with the same keyed draws).
 #[test]
 fn dqn_quiet_steps_equal_reading_steps() {
     use std::sync::Arc;
@@ -392,4 +392,78 @@ fn dqn_quiet_steps_equal_reading_steps() {
     assert!(c_loud.0 > 100, "the test must run updates: {c_loud:?}");
     assert_eq!(c_loud, c_quiet);
     assert_eq!(w_loud, w_quiet, "quiet steps changed the training");
+}
+
+/// Whole DQN iterations as one graph each (`dqn_iteration`) train exactly as the same
+/// steps launched kernel by kernel: 120 GPU-env steps with update rounds of two minibatches
+/// every second step (so both the collection-only and the training iteration run), the
+/// replay ring wrapping and ε ramping, reading every 40th step: same weights, counters,
+/// replay and env state. A checkpoint written after 60 iteration-graph steps resumes (the
+/// env restored from its state) to the same weights as the uninterrupted run.
+#[test]
+fn dqn_iteration_graph_equals_stepwise() {
+    use std::sync::Arc;
+    let Some(dev) = gpu() else { return };
+    let t_len = 2000;
+    let market: Vec<f32> = vals(t_len * fx_kernels::N_MARKET, 9, 2);
+    let close: Vec<f64> = (0..t_len).map(|i| 1.0 + 0.1 * (i as f64 * 0.013).sin()).collect();
+    let data = Arc::new(fx_kernels::EnvData::new(market, close).unwrap());
+    let env_cfg = fx_kernels::EnvConfig { num_envs: 64, episode_len: 100, ..Default::default() };
+    let new_env = || {
+        fx_kernels::GpuTradingEnv::new(data.clone(), env_cfg.clone(), &dev, fx_kernels::GpuEnvOptions::default())
+            .unwrap()
+    };
+    let cfg = DqnConfig {
+        batch_size: 96,
+        replay_capacity: 1000,
+        learning_starts: 256,
+        train_every: 2,
+        gradient_steps: 2,
+        epsilon: fx_models::LinearSchedule { start: 1.0, end: 0.1, steps: 80 },
+        graph: GraphMode::On,
+        seed: 11,
+        ..Default::default()
+    };
+    let weights = |tr: &DqnTrainer| -> Vec<Vec<f32>> {
+        tr.online().params().vars().iter().map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect()
+    };
+    let steps = |tr: &mut DqnTrainer, env: &mut fx_kernels::GpuTradingEnv, range: std::ops::RangeInclusive<u64>| {
+        for i in range {
+            tr.step_with(env, i % 40 == 0).unwrap();
+        }
+        tr.sync_counters().unwrap();
+    };
+    let run = |iterations: bool| {
+        let mut env = new_env();
+        let mut tr = DqnTrainer::new(cfg.clone(), &dev).unwrap();
+        tr.set_iteration_graphs(iterations);
+        steps(&mut tr, &mut env, 1..=120);
+        assert_eq!(tr.iteration_graph_active(), iterations);
+        let counters = (tr.env_steps(), tr.updates(), tr.skipped_updates(), tr.replay().len(), tr.replay().position());
+        (weights(&tr), counters, fx_kernels::VecEnv::counters(&env).unwrap(), env.state().unwrap())
+    };
+    let graph = run(true);
+    let stepwise = run(false);
+    assert!(graph.1 .1 > 60, "the test must run updates: {:?}", graph.1);
+    assert_eq!(graph.1, stepwise.1, "counters");
+    assert_eq!(graph.2, stepwise.2, "env counters");
+    assert_eq!(graph.3, stepwise.3, "env state");
+    assert_eq!(graph.0, stepwise.0, "iteration graphs changed the training");
+
+    let dir = std::env::temp_dir().join(format!("fx-dqn-iteration-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("state.safetensors");
+    let mut env = new_env();
+    let mut tr = DqnTrainer::new(cfg.clone(), &dev).unwrap();
+    steps(&mut tr, &mut env, 1..=60);
+    assert!(tr.iteration_graph_active());
+    tr.save_state(&path).unwrap();
+    let env_state = env.state().unwrap();
+    drop((tr, env));
+    let mut env = new_env();
+    env.restore(&env_state).unwrap();
+    let mut tr = DqnTrainer::load_state(&path, &dev).unwrap();
+    steps(&mut tr, &mut env, 61..=120);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(weights(&tr), graph.0, "resumed run differs from the uninterrupted one");
 }

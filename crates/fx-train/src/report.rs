@@ -146,10 +146,16 @@ pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
             "time: {:.1}s total = data {:.1}s + env/collect {:.1}s + updates {:.1}s + checkpoints/logs {:.1}s + eval {:.1}s + other {:.1}s",
             p.total, p.data_prep, p.env_collect, p.update, p.checkpoint_and_logging, p.evaluation, p.other
         );
+        if p.checkpoint_snapshot + p.checkpoint_wait > 0.0 {
+            println!(
+                "checkpoints: state to host {:.2}s + waiting for the previous write {:.2}s",
+                p.checkpoint_snapshot, p.checkpoint_wait
+            );
+        }
         let split = p.update_forward + p.update_backward + p.update_device_wait + p.update_optimizer;
         if split == 0.0 && p.update > 0.0 {
             // Captured-graph updates (CUDA): one launch each, no host-side phases to split.
-            println!("updates: one captured CUDA graph per update (no forward/backward/optimiser split on the host)");
+            println!("updates: captured CUDA graphs (no forward/backward/optimiser split on the host)");
         } else {
             println!(
                 "updates: forward {:.1}s + backward {:.1}s + device wait {:.1}s + optimiser {:.1}s (this session's steps)",

@@ -57,6 +57,12 @@ pub struct Profile {
     pub update_optimizer: f64,
     /// Writing checkpoints and metrics.
     pub checkpoint_and_logging: f64,
+    /// Of `checkpoint_and_logging`: copying the trainer's state to host memory (waits for
+    /// the device's queued work, then the transfers).
+    pub checkpoint_snapshot: f64,
+    /// Of `checkpoint_and_logging`: waiting for the writer thread to finish the previous
+    /// checkpoint before handing it the next.
+    pub checkpoint_wait: f64,
     /// The backtest of the test split.
     pub evaluation: f64,
     /// Everything else (setup, progress display).
@@ -142,7 +148,12 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
         let t = Instant::now();
         let run =
             RunState::new(cfg.model, agent.env_steps(), env.state()?, &data.normalizer, data.source.clone(), secs);
-        writer.submit(dir.checkpoint_files(), run, cfg.keep_checkpoints, agent.snapshot()?)?;
+        let snapshot = agent.snapshot()?;
+        profile.checkpoint_snapshot += t.elapsed().as_secs_f64();
+        let waited = Instant::now();
+        writer.wait()?;
+        profile.checkpoint_wait += waited.elapsed().as_secs_f64();
+        writer.submit(dir.checkpoint_files(), run, cfg.keep_checkpoints, snapshot)?;
         if last {
             writer.wait()?;
         }

@@ -8,12 +8,13 @@ use candle_core::{CudaDevice, DType, Device, Tensor};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchArgs, PushKernelArg};
 use serde::{Deserialize, Serialize};
 
-use super::{alloc_tensor, cuda_device, dev_ptr, driver, LaunchPlan, PTX_ENV_STEP, PTX_PPO};
+use super::{alloc_tensor, cuda_device, dev_ptr, driver, DqnLoop, LaunchPlan, PTX_ENV_STEP, PTX_PPO};
 use crate::checks::expect_tensor;
 use crate::env::{reset_start, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
 use crate::error::{CandleContext, Error, Result};
 use crate::replay::ReplayBuffer;
 use crate::rollout::Rollout;
+use crate::schedule::LinearSchedule;
 use crate::vec_env::{Step, VecEnv};
 
 /// Options of the GPU backend.
@@ -141,7 +142,12 @@ pub struct GpuTradingEnv {
     k_probs: Kernel,
     k_dqn: Kernel,
     k_ppo: Kernel,
+    /// See [`GpuTradingEnv::instance_id`].
+    instance: u64,
 }
+
+/// The next [`GpuTradingEnv::instance_id`].
+static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl GpuTradingEnv {
     /// Uploads the series, resets every account (counter 0, as the CPU env) and loads the
@@ -208,6 +214,7 @@ impl GpuTradingEnv {
             err,
             args,
             p_err,
+            instance: NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             t_len: data.len(),
             device: device.clone(),
             cdev,
@@ -349,18 +356,78 @@ impl GpuTradingEnv {
         let e = self.cfg.num_envs;
         let actions_out = alloc_tensor::<u32>(&self.cdev, &[e], ctx)?;
         let (obs, p_obs) = self.alloc_block(e * OBS_DIM, ctx)?;
-        self.launch_dqn(None, Some((&q, eps, &actions_out)), replay, None, p_obs, ctx)?;
+        self.launch_dqn(None, Some((&q, eps, Some(&actions_out))), replay, None, p_obs, None, ctx)?;
+        replay.advance(e);
         Ok((actions_out, obs.reshape((e, OBS_DIM)).ctx(ctx)?))
     }
 
-    /// Launches `fx_dqn_experience` after the host-side checks.
+    /// The collection of a captured DQN iteration: [`collect_dqn`](Self::collect_dqn) with
+    /// ε and the replay ring position read on the device from `lp` (ε = `eps` at the loop's
+    /// step count, computed there), the post-reset states written into `obs` (`[E, 56]` f32)
+    /// and the rewards and done flags into `reward` and `done` (`[E]` f32). Nothing on the
+    /// host moves: after [`DqnLoop::launch_advance`] the caller mirrors the step with
+    /// [`ReplayBuffer::record_written`].
+    pub fn collect_dqn_looped(
+        &self,
+        q: &Tensor,
+        eps: LinearSchedule,
+        lp: &DqnLoop,
+        replay: &ReplayBuffer,
+        obs: &Tensor,
+        reward: &Tensor,
+        done: &Tensor,
+    ) -> Result<()> {
+        let ctx = "GpuTradingEnv::collect_dqn_looped";
+        let q = self.rows_arg(q, "q", ctx)?;
+        let e = self.cfg.num_envs;
+        expect_tensor(obs, "obs", ctx, &[e, OBS_DIM], DType::F32, &self.device)?;
+        expect_tensor(reward, "reward", ctx, &[e], DType::F32, &self.device)?;
+        expect_tensor(done, "done", ctx, &[e], DType::F32, &self.device)?;
+        let s = &self.stream;
+        let p_obs = dev_ptr::<f32>(obs, s, "obs", ctx)?;
+        let outs = (0, dev_ptr::<f32>(reward, s, "reward", ctx)?, dev_ptr::<f32>(done, s, "done", ctx)?);
+        // The actions taken stay on the device only through the replay ring.
+        self.launch_dqn(None, Some((&q, 0.0, None)), replay, Some(outs), p_obs, Some((lp.address(), eps)), ctx)
+    }
+
+    /// Writes the current states into `obs` (`[E, 56]` f32, contiguous, on this device):
+    /// [`VecEnv::observe`] without the allocation, for buffers a captured graph reuses.
+    pub fn observe_into(&self, obs: &Tensor) -> Result<()> {
+        let ctx = "GpuTradingEnv::observe_into";
+        expect_tensor(obs, "obs", ctx, &[self.cfg.num_envs, OBS_DIM], DType::F32, &self.device)?;
+        let p_obs = dev_ptr::<f32>(obs, &self.stream, "obs", ctx)?;
+        self.launch_observe(p_obs, ctx)
+    }
+
+    /// A number no other env of this process has (counted at construction): a graph
+    /// captured on this env's buffers can tell another env apart, even one allocated where
+    /// a dropped env's buffers were.
+    pub fn instance_id(&self) -> u64 {
+        self.instance
+    }
+
+    /// Launches `fx_env_observe` into the `E·56` f32 at `p_obs`.
+    fn launch_observe(&self, p_obs: u64, ctx: &'static str) -> Result<()> {
+        let args = self.args;
+        let mut b = self.stream.launch_builder(&self.k_observe.func);
+        args.push(&mut b);
+        b.arg(&p_obs);
+        // SAFETY: arguments match fx_env_observe; the caller's buffer holds E·56 f32.
+        unsafe { b.launch(self.k_observe.plan.config(self.cfg.num_envs)) }.map_err(driver(ctx))?;
+        Ok(())
+    }
+
+    /// Launches `fx_dqn_experience` after the host-side checks (the caller advances the
+    /// replay buffer's host counters, unless `looped` keeps them on the device).
+    #[allow(clippy::too_many_arguments)]
     fn launch_dqn(
-        &mut self,
+        &self,
         actions: Option<&Tensor>,
-        fused: Option<(&Tensor, f64, &Tensor)>,
-        replay: &mut ReplayBuffer,
+        fused: Option<(&Tensor, f64, Option<&Tensor>)>,
+        replay: &ReplayBuffer,
         step_out: Option<(u64, u64, u64)>,
         p_obs: u64,
+        looped: Option<(u64, LinearSchedule)>,
         ctx: &'static str,
     ) -> Result<()> {
         let e = self.cfg.num_envs;
@@ -388,7 +455,11 @@ impl GpuTradingEnv {
         };
         let (p_q, eps, p_aout) = match fused {
             Some((q, eps, aout)) => {
-                (dev_ptr::<f32>(q, &s, "q", ctx)?, eps, dev_ptr::<u32>(aout, &s, "actions_out", ctx)?)
+                let p_aout = match aout {
+                    Some(a) => dev_ptr::<u32>(a, &s, "actions_out", ctx)?,
+                    None => null,
+                };
+                (dev_ptr::<f32>(q, &s, "q", ctx)?, eps, p_aout)
             }
             None => (null, 0.0, null),
         };
@@ -408,10 +479,12 @@ impl GpuTradingEnv {
         b.arg(&p_actions).arg(&p_q).arg(&eps).arg(&p_aout);
         b.arg(&p_rs).arg(&p_ra).arg(&p_rr).arg(&p_rs2).arg(&p_rd).arg(&capacity).arg(&ring_pos);
         b.arg(&p_next).arg(&p_rew).arg(&p_done).arg(&p_obs).arg(&p_err);
+        let (p_loop, ramp) = looped.unwrap_or((null, LinearSchedule { start: 0.0, end: 0.0, steps: 0 }));
+        b.arg(&p_loop).arg(&ramp.start).arg(&ramp.end).arg(&ramp.steps);
         // SAFETY: arguments match fx_dqn_experience; every buffer was checked for shape,
-        // dtype and device; E <= capacity keeps the ring slots distinct and in range.
+        // dtype and device; E <= capacity keeps the ring slots distinct and in range (the
+        // loop's ring position is below the capacity: DqnLoop keeps it so).
         unsafe { b.launch(self.k_dqn.plan.config(e)) }.map_err(driver(ctx))?;
-        replay.advance(e);
         Ok(())
     }
 
@@ -457,16 +530,8 @@ impl VecEnv for GpuTradingEnv {
 
     fn observe(&self) -> Result<Tensor> {
         let ctx = "GpuTradingEnv::observe";
-        let e = self.cfg.num_envs;
-        let obs = alloc_tensor::<f32>(&self.cdev, &[e, OBS_DIM], ctx)?;
-        let s = self.stream.clone();
-        let p_obs = dev_ptr::<f32>(&obs, &s, "obs", ctx)?;
-        let args = self.args;
-        let mut b = s.launch_builder(&self.k_observe.func);
-        args.push(&mut b);
-        b.arg(&p_obs);
-        // SAFETY: arguments match fx_env_observe; obs holds E·56 f32.
-        unsafe { b.launch(self.k_observe.plan.config(e)) }.map_err(driver(ctx))?;
+        let obs = alloc_tensor::<f32>(&self.cdev, &[self.cfg.num_envs, OBS_DIM], ctx)?;
+        self.launch_observe(dev_ptr::<f32>(&obs, &self.stream, "obs", ctx)?, ctx)?;
         Ok(obs)
     }
 
@@ -504,11 +569,16 @@ impl VecEnv for GpuTradingEnv {
         self.select(&self.k_probs, &p, None, ctx)
     }
 
+    fn as_gpu(&self) -> Option<&GpuTradingEnv> {
+        Some(self)
+    }
+
     fn step_into_replay(&mut self, actions: &Tensor, replay: &mut ReplayBuffer) -> Result<Step> {
         let ctx = "GpuTradingEnv::step_into_replay";
         let actions = self.actions_arg(actions, ctx)?;
         let (step, [p_n, p_o, p_r, p_d]) = self.step_outputs(ctx)?;
-        self.launch_dqn(Some(&actions), None, replay, Some((p_n, p_r, p_d)), p_o, ctx)?;
+        self.launch_dqn(Some(&actions), None, replay, Some((p_n, p_r, p_d)), p_o, None, ctx)?;
+        replay.advance(self.cfg.num_envs);
         Ok(step)
     }
 

@@ -7,6 +7,7 @@
 //! candle device's single stream and cudarc frees memory stream-ordered (or after a
 //! stream sync), so a tensor dropped right after a launch is freed after the kernel.
 
+pub(crate) mod dqn_loop;
 pub mod dropout;
 mod gpu_env;
 mod launch;
@@ -19,6 +20,7 @@ mod optim_tests;
 #[cfg(test)]
 mod tests;
 
+pub use dqn_loop::{DqnLoop, DqnLoopCounters};
 pub use gpu_env::{
     bench_env_steps, bytes_per_env_step, EnvBenchMode, EnvBenchResult, GpuEnvOptions, GpuEnvState, GpuTradingEnv,
 };
@@ -49,6 +51,9 @@ pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST
 pub(crate) const PTX_DROPOUT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/dropout.ptx"));
 /// PTX of `kernels/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
 pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/optim.ptx"));
+
+/// PTX of `kernels/replay.cu` (keyed replay sampling, the DQN loop's device counters).
+pub(crate) const PTX_REPLAY: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/replay.ptx"));
 
 /// Maps a cudarc driver error into this crate's error.
 pub(crate) fn driver(context: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {

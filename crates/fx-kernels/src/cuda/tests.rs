@@ -157,16 +157,77 @@ fn dqn_experience_matches_cpu_replay() {
     assert_close(&host_f32(&bg.rewards), &host_f32(&bc.rewards), 1e-6, "replay r");
     assert_eq!(host_u32(&bg.actions), host_u32(&bc.actions), "replay a");
     assert_eq!(host_f32(&bg.dones), host_f32(&bc.dones), "replay done");
-    // device-side sampling returns stored rows only
-    let s = rg.sample(256).expect("sample");
-    let rows = host_f32(&s.states);
-    let stored = host_f32(&bg.states);
-    for r in rows.chunks(OBS_DIM) {
-        assert!(stored.chunks(OBS_DIM).any(|x| x == r), "sampled row not in the buffer");
+    // device-side keyed sampling draws the CPU's rows
+    for key in [0u64, 1, 977] {
+        let (sg, sc) =
+            (rg.sample_keyed(300, 21, key).expect("gpu sample"), rc.sample_keyed(300, 21, key).expect("cpu"));
+        assert_eq!(host_f32(&sg.states), host_f32(&sc.states), "sampled s, key {key}");
+        assert_eq!(host_f32(&sg.next_states), host_f32(&sc.next_states), "sampled s2, key {key}");
+        assert_eq!(host_u32(&sg.actions), host_u32(&sc.actions), "sampled a, key {key}");
+        assert_eq!(host_f32(&sg.rewards), host_f32(&sc.rewards), "sampled r, key {key}");
+        assert_eq!(host_f32(&sg.dones), host_f32(&sc.dones), "sampled done, key {key}");
     }
     // E > capacity is refused before any launch
     let mut small = ReplayBuffer::new(3, &dev).expect("replay");
     assert!(gpu.step_into_replay(&Tensor::zeros(e, DType::U32, &dev).expect("a"), &mut small).is_err());
+}
+
+/// A captured DQN iteration's pieces, launched directly: the collection with ε and the ring
+/// position read from the device loop (the ramp crossing its end mid-run, the ring
+/// wrapping), the loop's advance and two keyed minibatches per step, against the CPU env,
+/// the host schedule and the CPU's keyed sampling; the device counters end where the
+/// host's do.
+#[test]
+fn looped_collection_and_sampling_match_cpu() {
+    let Some(dev) = gpu("looped_collection_and_sampling_match_cpu") else { return };
+    let data = Arc::new(synthetic_series(400, 9).expect("data"));
+    let e = 37;
+    let cfg = EnvConfig { num_envs: e, episode_len: 9, cost: 1e-4, seed: 77, env_offset: 5 };
+    let (mut cpu, gpu) = pair(&dev, &data, &cfg);
+    let (mut rc, mut rg) =
+        (ReplayBuffer::new(100, &Device::Cpu).expect("rc"), ReplayBuffer::new(100, &dev).expect("rg"));
+    let sched = crate::LinearSchedule { start: 0.9, end: 0.1, steps: 6 };
+    let (mut steps, mut key, seed) = (3u64, 40u64, 21u64);
+    let mut lp = super::DqnLoop::new(&dev).expect("loop");
+    let start = super::DqnLoopCounters { env_steps: steps, replay_position: 0, replay_len: 0, sample_key: key };
+    lp.write(start, &rg).expect("write");
+    let bad = super::DqnLoopCounters { replay_position: 100, ..start };
+    assert!(lp.write(bad, &rg).is_err(), "a ring position at the capacity is refused");
+    let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).expect("zeros");
+    let (obs, rew, done) = (z(&[e, OBS_DIM]), z(&[e]), z(&[e]));
+    for k in 0..8u64 {
+        let q: Vec<f32> = (0..e * N_ACTIONS).map(|i| rng::draw(3, 9, i as u64, k) as f32).collect();
+        let qc = Tensor::from_vec(q, (e, N_ACTIONS), &Device::Cpu).expect("q");
+        let ac = cpu.epsilon_greedy(&qc, sched.value(steps)).expect("eg");
+        let c = cpu.step_into_replay(&ac, &mut rc).expect("cpu step");
+        let qg = qc.to_device(&dev).expect("q");
+        gpu.collect_dqn_looped(&qg, sched, &lp, &rg, &obs, &rew, &done).expect("collect");
+        lp.launch_advance(e, &rg, 2).expect("advance");
+        rg.record_written(e);
+        assert_close(&host_f32(&obs), &host_f32(&c.obs), 1e-6, "looped obs");
+        assert_close(&host_f32(&rew), &host_f32(&c.reward), 1e-6, "looped reward");
+        assert_eq!(host_f32(&done), host_f32(&c.done), "looped done, step {k}");
+        for m in 0..2u32 {
+            let bg = crate::replay::ReplayBatch::alloc(64, &dev, "test").expect("batch");
+            lp.launch_sample(&rg, seed, m, &bg).expect("sample");
+            let bc = rc.sample_keyed(64, seed, key + u64::from(m)).expect("cpu sample");
+            assert_close(&host_f32(&bg.states), &host_f32(&bc.states), 1e-6, "looped sample s");
+            assert_close(&host_f32(&bg.next_states), &host_f32(&bc.next_states), 1e-6, "looped sample s2");
+            assert_close(&host_f32(&bg.rewards), &host_f32(&bc.rewards), 1e-6, "looped sample r");
+            assert_eq!(host_u32(&bg.actions), host_u32(&bc.actions), "looped sample a, step {k}");
+            assert_eq!(host_f32(&bg.dones), host_f32(&bc.dones), "looped sample done, step {k}");
+        }
+        (steps, key) = (steps + 1, key + 2);
+    }
+    let want = super::DqnLoopCounters {
+        env_steps: steps,
+        replay_position: rc.position() as u64,
+        replay_len: rc.len() as u64,
+        sample_key: key,
+    };
+    assert_eq!(lp.read().expect("read"), want);
+    assert_eq!((rg.position(), rg.len()), (rc.position(), rc.len()));
+    assert_same_state(&cpu, &gpu, "looped dqn");
 }
 
 #[test]

@@ -18,8 +18,8 @@ use crate::dqn::DqnNetConfig;
 use crate::dqn_trainer::{DqnConfig, DqnTrainer};
 use crate::ppo::PpoNetConfig;
 use crate::ppo_trainer::{PpoConfig, PpoTrainer};
-use crate::schedule::LinearSchedule;
 use crate::synthetic::ar1_env;
+use crate::LinearSchedule;
 
 /// A tiny DQN whose replay ring has wrapped and which has taken optimiser steps.
 fn dqn_state() -> Vec<u8> {

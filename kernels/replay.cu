@@ -1,0 +1,60 @@
+// Replay sampling and the DQN collection loop's device counters, so a whole DQN iteration
+// (collect, sample, update) can be one CUDA graph whose replays never need the host.
+//
+// The loop block is six u64 (FX_LOOP_*): the environment step count, the replay ring's
+// position and length, the key of the next minibatch draw and the key of this iteration's
+// first minibatch. fx_dqn_experience reads the step count (for the ε ramp) and the ring
+// position from it; fx_dqn_loop_advance moves it on after the step; fx_replay_sample reads
+// the length and key. The Rust side mirrors every field on the host (DqnLoop in
+// crates/fx-kernels/src/cuda/dqn_loop.rs), so nothing is ever read back to drive a step.
+#include "fx_env.cuh"
+
+#define FX_LOOP_ENV_STEP 0
+#define FX_LOOP_POS 1
+#define FX_LOOP_LEN 2
+#define FX_LOOP_KEY 3
+#define FX_LOOP_BASE 4
+
+// Minibatch row i of `B` from `len` stored transitions: index floor(u * len) (clamped to
+// len - 1) with u = fx_draw(seed, stream, key, i), as ReplayBuffer::sample_keyed on the
+// CPU. With `loop` not null, len = loop[LEN] and key = loop[BASE] + key_offset (a captured
+// iteration's j-th minibatch); otherwise the host's len and key. One thread per (row,
+// column) of the [B, 56] states, so the copies coalesce; column 0 copies the scalars too.
+extern "C" __global__ void fx_replay_sample(const fx_u64* __restrict__ loop, fx_u64 len, fx_u64 key,
+                                            fx_u64 key_offset, fx_u64 seed, fx_u64 stream, fx_u32 B,
+                                            const float* __restrict__ rb_s, const fx_u32* __restrict__ rb_a,
+                                            const float* __restrict__ rb_r, const float* __restrict__ rb_s2,
+                                            const float* __restrict__ rb_d, float* __restrict__ s,
+                                            fx_u32* __restrict__ a, float* __restrict__ r,
+                                            float* __restrict__ s2, float* __restrict__ d) {
+    if (loop) {
+        len = loop[FX_LOOP_LEN];
+        key = loop[FX_LOOP_BASE] + key_offset;
+    }
+    const fx_u64 total = (fx_u64)B * FX_OBS_DIM;
+    for (fx_u64 k = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (fx_u64)gridDim.x * blockDim.x) {
+        fx_u64 i = k / FX_OBS_DIM, c = k % FX_OBS_DIM;
+        double u = fx_draw(seed, stream, key, i);
+        fx_u64 j = (fx_u64)__dmul_rn(u, (double)len);
+        if (j + 1 > len) j = len > 0 ? len - 1 : 0;
+        s[k] = rb_s[j * FX_OBS_DIM + c];
+        s2[k] = rb_s2[j * FX_OBS_DIM + c];
+        if (c == 0) {
+            a[i] = rb_a[j];
+            r[i] = rb_r[j];
+            d[i] = rb_d[j];
+        }
+    }
+}
+
+// After an environment step of E accounts into a ring of `capacity` slots, and before
+// this iteration's `minibatches` draws: one thread.
+extern "C" __global__ void fx_dqn_loop_advance(fx_u64* loop, fx_u64 E, fx_u64 capacity, fx_u64 minibatches) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    loop[FX_LOOP_ENV_STEP] += 1;
+    loop[FX_LOOP_POS] = (loop[FX_LOOP_POS] + E) % capacity;
+    fx_u64 len = loop[FX_LOOP_LEN] + E;
+    loop[FX_LOOP_LEN] = len < capacity ? len : capacity;
+    loop[FX_LOOP_BASE] = loop[FX_LOOP_KEY];
+    loop[FX_LOOP_KEY] += minibatches;
+}
