@@ -36,6 +36,7 @@
 #define C_LOSS_COUNT 14
 #define C_CLIPPED 15
 #define C_DECAY 16
+#define C_NORM_SUM 17
 #define C_EXTRA_LAST 24
 #define C_EXTRA_SUM 32
 #define C_LEN 40
@@ -157,6 +158,7 @@ extern "C" __global__ void fx_step_finalize(const float* __restrict__ partials, 
         ctrl[C_DECAY] = 1.0 - lr * c.weight_decay;
         ctrl[C_LOSS_SUM] += l;
         ctrl[C_LOSS_COUNT] += 1.0;
+        ctrl[C_NORM_SUM] += norm;
         if (c.scaler_enabled) {
             double g = ctrl[C_GROWTH] + 1.0;
             if (g >= (double)c.growth_interval) {
@@ -168,10 +170,12 @@ extern "C" __global__ void fx_step_finalize(const float* __restrict__ partials, 
     }
     ctrl[C_SCALE] = scale;
     if (scale32) scale32[0] = (float)scale;
+    // The sums, like the loss's, cover the applied steps only (a skipped step's
+    // diagnostics may be NaN).
     for (unsigned int k = 0; k < c.n_extra && k < FX_MAX_EXTRA; ++k) {
         double v = (double)((const float*)c.extra[k])[0];
         ctrl[C_EXTRA_LAST + k] = v;
-        ctrl[C_EXTRA_SUM + k] += v;
+        if (!skip) ctrl[C_EXTRA_SUM + k] += v;
     }
 }
 

@@ -43,9 +43,11 @@ pub mod ctrl {
     pub const CLIPPED: usize = 15;
     /// 1 − lr·wd (AdamW's decoupled decay factor).
     pub const DECAY: usize = 16;
+    /// Sum of the applied steps' gradient norms (before clipping) since the host last reset it.
+    pub const NORM_SUM: usize = 17;
     /// Last values of the extra scalars (diagnostics), up to [`super::MAX_EXTRA`].
     pub const EXTRA_LAST: usize = 24;
-    /// Sums of the extra scalars since the host last reset them.
+    /// Sums of the applied steps' extra scalars since the host last reset them.
     pub const EXTRA_SUM: usize = 32;
     /// Length of the control block.
     pub const LEN: usize = 40;
@@ -150,6 +152,7 @@ pub fn fused_step_reference(
         c[DECAY] = 1.0 - lr * adam.weight_decay;
         c[LOSS_SUM] += l;
         c[LOSS_COUNT] += 1.0;
+        c[NORM_SUM] += norm;
         if let Some(s) = guard.scaler {
             let mut g = c[GROWTH] + 1.0;
             if g >= s.growth_interval as f64 {
@@ -162,7 +165,9 @@ pub fn fused_step_reference(
     c[SCALE] = new_scale;
     for (k, &v) in extras.iter().take(MAX_EXTRA).enumerate() {
         c[EXTRA_LAST + k] = v as f64;
-        c[EXTRA_SUM + k] += v as f64;
+        if skip == 0 {
+            c[EXTRA_SUM + k] += v as f64;
+        }
     }
     if skip > 0 {
         return;

@@ -132,6 +132,12 @@ impl Rollout {
         self.len += 1;
     }
 
+    /// Records that device kernels wrote the next `n` rows (a replayed CUDA graph's
+    /// collection, `GpuTradingEnv::collect_ppo_row`); at most up to the horizon.
+    pub fn record_rows(&mut self, n: usize) {
+        self.len = (self.len + n).min(self.horizon);
+    }
+
     /// `[T, E, 56]` f32 states.
     pub fn states(&self) -> &Tensor {
         &self.states

@@ -132,6 +132,14 @@ impl GraphSlot {
         self.update.as_ref().map(|g| g.fused.stats()).transpose().ctx("GraphSlot::stats")
     }
 
+    /// Zeroes the captured update's loss, norm and extra sums (nothing if not captured).
+    pub(crate) fn reset_sums(&self) -> Result<()> {
+        match &self.update {
+            Some(g) => g.fused.reset_sums().ctx("GraphSlot::reset_sums"),
+            None => Ok(()),
+        }
+    }
+
     /// Nodes of the captured graph, if captured.
     pub(crate) fn node_count(&self) -> Result<Option<usize>> {
         self.update.as_ref().map(|g| g.node_count()).transpose()

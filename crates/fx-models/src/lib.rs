@@ -43,6 +43,8 @@ pub mod param_io;
 pub mod ppo;
 #[cfg(feature = "cuda")]
 mod ppo_fused;
+#[cfg(feature = "cuda")]
+mod ppo_rollout;
 pub mod ppo_trainer;
 pub mod seq_ops;
 pub mod seq_params;

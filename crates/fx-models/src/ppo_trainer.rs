@@ -161,8 +161,6 @@ pub struct PpoTrainer {
     model: ActorCritic,
     step: TrainStep<Adam>,
     rollout: Rollout,
-    /// `[2, E]` sums of rewards and dones over the current rollout (on the device).
-    collected: Option<Tensor>,
     num_envs: usize,
     iterations: u64,
     env_steps: u64,
@@ -181,6 +179,14 @@ pub struct PpoTrainer {
     /// number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
     rollout_forward: Option<crate::fused_forward::PpoForward>,
+    /// The whole rollout as one graph (GPU env, fused forward, `graph` not off), built at
+    /// the first rollout; None before, or off.
+    #[cfg(feature = "cuda")]
+    rollout_graph: Option<crate::ppo_rollout::RolloutGraph>,
+    /// Whether whole-rollout graphs may be used (on by default; a failed `auto` capture
+    /// turns them off for the trainer's life).
+    #[cfg(feature = "cuda")]
+    rollout_graphs: bool,
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -210,7 +216,6 @@ impl PpoTrainer {
             model,
             step,
             rollout,
-            collected: None,
             num_envs,
             iterations: 0,
             env_steps: 0,
@@ -224,6 +229,10 @@ impl PpoTrainer {
             engine: None,
             #[cfg(feature = "cuda")]
             rollout_forward: None,
+            #[cfg(feature = "cuda")]
+            rollout_graph: None,
+            #[cfg(feature = "cuda")]
+            rollout_graphs: true,
         })
     }
 
@@ -273,8 +282,76 @@ impl PpoTrainer {
     /// One iteration: a rollout of `T` steps from `env` ([`PpoTrainer::collect_step`]
     /// until full), then [`PpoTrainer::update`].
     pub fn iterate(&mut self, env: &mut dyn VecEnv) -> Result<PpoIterStats> {
-        while !self.collect_step(env)? {}
+        self.collect_rollout(env)?;
         self.update(env)
+    }
+
+    /// Fills the rollout: as one replayed graph on the GPU env when it can (see
+    /// `ppo_rollout`), else [`PpoTrainer::collect_step`] until full.
+    pub fn collect_rollout(&mut self, env: &mut dyn VecEnv) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.rollout.is_empty() && self.rollout_by_graph(env)? {
+            return Ok(());
+        }
+        while !self.collect_step(env)? {}
+        Ok(())
+    }
+
+    /// Allows or forbids whole-rollout graphs (on by default; see `ppo_rollout`). Off, a
+    /// CUDA rollout launches its steps one by one: the same kernels, for comparisons.
+    #[cfg(feature = "cuda")]
+    pub fn set_rollout_graphs(&mut self, on: bool) {
+        self.rollout_graphs = on;
+        if !on {
+            self.rollout_graph = None;
+        }
+    }
+
+    /// Whether the last rollout ran as one graph.
+    #[cfg(feature = "cuda")]
+    pub fn rollout_graph_active(&self) -> bool {
+        self.rollout_graph.is_some()
+    }
+
+    /// Collects a whole rollout as one replayed graph when it can (CUDA, the GPU env, the
+    /// fused forward, `graph` not off, rollout graphs on); false: take the stepwise path.
+    /// A failed capture under `graph = auto` warns once and turns rollout graphs off.
+    #[cfg(feature = "cuda")]
+    fn rollout_by_graph(&mut self, env: &mut dyn VecEnv) -> Result<bool> {
+        const CTX: &str = "PpoTrainer::iterate (rollout graph)";
+        let Some(genv) = env.as_gpu() else { return Ok(false) };
+        let on_cuda = self.model.params().device().is_cuda();
+        if !self.rollout_graphs || self.cfg.graph == GraphMode::Off || !on_cuda {
+            return Ok(false);
+        }
+        if !crate::ppo_fused::PpoFused::supports(&self.model) || genv.num_envs() != self.num_envs {
+            return Ok(false);
+        }
+        if self.rollout_graph.as_ref().is_some_and(|g| !g.fits(genv)) {
+            self.rollout_graph = None;
+        }
+        if self.rollout_graph.is_none() {
+            let e = self.num_envs;
+            if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != e) {
+                self.rollout_forward = Some(crate::fused_forward::PpoForward::new(&self.model, e)?);
+            }
+            let forward = self.rollout_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
+            match crate::ppo_rollout::RolloutGraph::capture(genv, forward, &self.model, &self.rollout) {
+                Ok(g) => self.rollout_graph = Some(g),
+                Err(err) if self.cfg.graph == GraphMode::On => return Err(err),
+                Err(err) => {
+                    eprintln!("warning: PPO rollout graph not captured, collecting step by step: {err}");
+                    self.rollout_graphs = false;
+                    return Ok(false);
+                }
+            }
+        }
+        let g = self.rollout_graph.as_ref().ok_or_else(|| Error::config(CTX, "no rollout graph"))?;
+        g.replay()?;
+        let t = self.rollout.horizon();
+        self.rollout.record_rows(t);
+        self.env_steps += t as u64;
+        Ok(true)
     }
 
     /// Steps in the current rollout (0 between iterations).
@@ -296,13 +373,8 @@ impl PpoTrainer {
         }
         let obs = env.observe().ctx(CTX)?;
         let (logits, values) = self.rollout_forward(&obs)?;
-        let step = env.step_into_rollout(&logits, &values, &mut self.rollout).ctx(CTX)?;
+        env.step_into_rollout(&logits, &values, &mut self.rollout).ctx(CTX)?;
         self.env_steps += 1;
-        let both = Tensor::stack(&[&step.reward, &step.done], 0).ctx(CTX)?;
-        self.collected = Some(match self.collected.take() {
-            Some(acc) => (acc + both).ctx(CTX)?,
-            None => both,
-        });
         Ok(self.rollout.is_full())
     }
 
@@ -315,6 +387,8 @@ impl PpoTrainer {
         if obs.device().is_cuda() && crate::ppo_fused::PpoFused::supports(&self.model) {
             let rows = obs.dim(0).ctx("PpoTrainer::rollout_forward")?;
             if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
+                // A captured rollout reads the old forward's buffers: it goes first.
+                self.rollout_graph = None;
                 self.rollout_forward = Some(crate::fused_forward::PpoForward::new(&self.model, rows)?);
             }
             if let Some(f) = &self.rollout_forward {
@@ -343,35 +417,40 @@ impl PpoTrainer {
         let logp = flat(self.rollout.log_probs())?;
         let values = flat(self.rollout.values())?;
         let (adv, ret) = (flat(&adv)?, flat(&ret)?);
-        let explained_variance = explained_variance(&values, &ret)?;
-        let (reward_sum, episodes) = match self.collected.take() {
-            Some(acc) => {
-                let v: Vec<f64> = acc.to_dtype(DType::F64).and_then(|t| t.sum(1)).and_then(|t| t.to_vec1()).ctx(CTX)?;
-                (v[0], v[1])
-            }
-            None => (0.0, 0.0),
-        };
-
         let mut sum = PpoMinibatchStats::default();
-        let mut count = 0u32;
-        let mut skipped = 0u32;
+        let (mut count, mut skipped) = (0u32, 0u32);
+        // Captured updates are only queued: the device sums their statistics, read once
+        // after the last one, so the host never waits for the GPU mid-iteration.
+        #[cfg(feature = "cuda")]
+        let mut queued = false;
+        #[cfg(feature = "cuda")]
+        let skipped_before = self.skipped_updates;
+        let mb = self.cfg.minibatch_size;
         for _ in 0..self.cfg.epochs {
             let perm = permutation(n, self.cfg.seed, self.epochs_done);
             self.epochs_done += 1;
-            for chunk in perm.chunks(self.cfg.minibatch_size) {
+            // One upload per epoch; each minibatch is a view of it.
+            let perm_t = Tensor::from_slice(&perm, n, obs.device()).ctx(CTX)?;
+            for (k, chunk) in perm.chunks(mb).enumerate() {
                 if chunk.len() < 2 {
                     continue;
                 }
-                let idx = Tensor::from_slice(chunk, chunk.len(), obs.device()).ctx(CTX)?;
+                let idx = perm_t.narrow(0, k * mb, chunk.len()).ctx(CTX)?;
                 let pick = |t: &Tensor| t.index_select(&idx, 0).ctx(CTX);
                 let (o, a, lp, ad, r) = (pick(&obs)?, pick(&actions)?, pick(&logp)?, pick(&adv)?, pick(&ret)?);
-                let st = self.update_minibatch(PpoBatch {
-                    obs: &o,
-                    actions: &a,
-                    logp_old: &lp,
-                    advantages: &ad,
-                    returns: &r,
-                })?;
+                let batch = PpoBatch { obs: &o, actions: &a, logp_old: &lp, advantages: &ad, returns: &r };
+                #[cfg(feature = "cuda")]
+                {
+                    if !queued && self.graph_ready(batch)? {
+                        queued = true;
+                        self.graph.reset_sums()?;
+                    }
+                    if queued {
+                        self.update_queued(batch)?;
+                        continue;
+                    }
+                }
+                let st = self.update_minibatch(batch)?;
                 if st.skipped {
                     skipped += 1;
                     continue;
@@ -380,6 +459,37 @@ impl PpoTrainer {
                 count += 1;
             }
         }
+        #[cfg(feature = "cuda")]
+        if queued {
+            let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
+            (self.updates, self.skipped_updates) = (st.guard.applied, st.guard.skipped());
+            skipped = (self.skipped_updates - skipped_before) as u32;
+            count = st.loss_count as u32;
+            // Sums, so that the common scaling below gives the means.
+            let (c, x) = (count as f64, &st.extra_sum);
+            sum = PpoMinibatchStats {
+                loss: st.mean_loss * c,
+                l_clip: x[0],
+                l_v: x[1],
+                entropy: x[2],
+                approx_kl: x[3],
+                clip_frac: x[4],
+                grad_norm: st.mean_grad_norm * c,
+                skipped: false,
+            };
+            if count == 0 {
+                sum = PpoMinibatchStats::default();
+            }
+        }
+        let explained_variance = explained_variance(&values, &ret)?;
+        // Rewards and episode ends over the rollout, summed on the device, read once.
+        let sums: Vec<f64> = Tensor::stack(&[self.rollout.rewards(), self.rollout.dones()], 0)
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.flatten_from(1))
+            .and_then(|t| t.sum(1))
+            .and_then(|t| t.to_vec1())
+            .ctx(CTX)?;
+        let (reward_sum, episodes) = (sums[0], sums[1]);
         self.rollout.clear();
         self.iterations += 1;
         Ok(PpoIterStats {

@@ -467,3 +467,62 @@ fn dqn_iteration_graph_equals_stepwise() {
     std::fs::remove_dir_all(&dir).ok();
     assert_eq!(weights(&tr), graph.0, "resumed run differs from the uninterrupted one");
 }
+
+/// Whole PPO rollouts as one graph each (`ppo_rollout`) collect exactly what the stepwise
+/// rollout collects, and the queued minibatch updates (statistics summed on the device,
+/// read once per iteration) train identically in both: three iterations, same weights,
+/// env state and iteration statistics. Against candle's eager updates (graph off, the
+/// statistics read after every minibatch) the first iteration's statistics agree to the
+/// fused kernels' rounding.
+#[test]
+fn ppo_rollout_graph_equals_stepwise() {
+    use std::sync::Arc;
+    let Some(dev) = gpu() else { return };
+    let t_len = 2000;
+    let market: Vec<f32> = vals(t_len * fx_kernels::N_MARKET, 9, 3);
+    let close: Vec<f64> = (0..t_len).map(|i| 1.0 + 0.1 * (i as f64 * 0.017).sin()).collect();
+    let data = Arc::new(fx_kernels::EnvData::new(market, close).unwrap());
+    let e = 32;
+    let env_cfg = fx_kernels::EnvConfig { num_envs: e, episode_len: 60, ..Default::default() };
+    let cfg = |graph| PpoConfig { num_steps: 24, epochs: 3, minibatch_size: 100, graph, seed: 4, ..Default::default() };
+    let run = |graph: GraphMode, rollout_graphs: bool, iterations: usize| {
+        let mut env =
+            fx_kernels::GpuTradingEnv::new(data.clone(), env_cfg.clone(), &dev, fx_kernels::GpuEnvOptions::default())
+                .unwrap();
+        let mut tr = PpoTrainer::new(cfg(graph), e, &dev).unwrap();
+        tr.set_rollout_graphs(rollout_graphs);
+        let stats: Vec<_> = (0..iterations).map(|_| tr.iterate(&mut env).unwrap()).collect();
+        assert_eq!(tr.rollout_graph_active(), rollout_graphs && graph != GraphMode::Off);
+        let w: Vec<Vec<f32>> = tr
+            .model()
+            .params()
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        (w, stats, env.state().unwrap(), (tr.updates(), tr.skipped_updates(), tr.env_steps()))
+    };
+    let graph = run(GraphMode::On, true, 3);
+    let stepwise = run(GraphMode::On, false, 3);
+    assert_eq!(graph.3, stepwise.3, "counters");
+    assert_eq!(graph.3 .0, 3 * 3 * 8, "3 iterations x 3 epochs x 8 minibatches (768 rows / 100)");
+    assert_eq!(graph.2, stepwise.2, "env state");
+    assert_eq!(graph.0, stepwise.0, "rollout graphs changed the training");
+    for (a, b) in graph.1.iter().zip(&stepwise.1) {
+        assert_eq!(format!("{a:?}"), format!("{b:?}"), "iteration statistics");
+        for v in [a.mean.loss, a.mean.approx_kl, a.mean.entropy, a.mean.grad_norm, a.explained_variance, a.mean_reward]
+        {
+            assert!(v.is_finite(), "{a:?}");
+        }
+    }
+    let eager = run(GraphMode::Off, true, 1);
+    let (q, r) = (&graph.1[0], &eager.1[0]);
+    let close = |x: f64, y: f64, tol: f64| (x - y).abs() <= tol * y.abs().max(1e-3);
+    assert_eq!((q.mean_reward, q.episodes_done), (r.mean_reward, r.episodes_done), "same rollout");
+    assert!(close(q.explained_variance, r.explained_variance, 1e-6), "{q:?} vs {r:?}");
+    assert!(close(q.mean.loss, r.mean.loss, 1e-3), "loss: {q:?} vs {r:?}");
+    assert!(close(q.mean.entropy, r.mean.entropy, 1e-4), "entropy: {q:?} vs {r:?}");
+    assert!(close(q.mean.grad_norm, r.mean.grad_norm, 1e-3), "grad norm: {q:?} vs {r:?}");
+    assert!((q.mean.approx_kl - r.mean.approx_kl).abs() <= 1e-5 + 1e-2 * r.mean.approx_kl.abs(), "{q:?} vs {r:?}");
+    assert!((q.mean.clip_frac - r.mean.clip_frac).abs() <= 0.01, "{q:?} vs {r:?}");
+}

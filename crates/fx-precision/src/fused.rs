@@ -82,8 +82,12 @@ pub struct FusedStats {
     pub clipped: u64,
     /// Last values of the extra scalars.
     pub extra_last: [f64; MAX_EXTRA],
-    /// Sums of the extra scalars since the last reset.
+    /// Sums of the applied steps' extra scalars since the last reset (divide by
+    /// `loss_count` for their means).
     pub extra_sum: [f64; MAX_EXTRA],
+    /// Mean gradient norm (before clipping) of the applied steps since the last reset (NaN
+    /// if none).
+    pub mean_grad_norm: f64,
 }
 
 /// The device-resident training-step tail; see the module docs.
@@ -317,13 +321,15 @@ impl FusedStep {
             clipped: c[ctrl::CLIPPED] as u64,
             extra_last,
             extra_sum,
+            mean_grad_norm: if count > 0.0 { c[ctrl::NORM_SUM] / count } else { f64::NAN },
         }
     }
 
-    /// Zeroes the loss and extra sums (e.g. at each logging interval).
+    /// Zeroes the loss, gradient-norm and extra sums (e.g. at each logging interval).
     pub fn reset_sums(&self) -> Result<()> {
         self.write_ctrl(ctrl::LOSS_SUM, 0.0)?;
         self.write_ctrl(ctrl::LOSS_COUNT, 0.0)?;
+        self.write_ctrl(ctrl::NORM_SUM, 0.0)?;
         let z = Tensor::zeros(MAX_EXTRA, DType::F64, self.device()).ctx("FusedStep::reset_sums")?;
         self.ctrl.slice_set(&z, 0, ctrl::EXTRA_SUM).ctx("FusedStep::reset_sums")
     }

@@ -94,7 +94,7 @@ impl Agent {
     ///
     /// Unless `read`, the DQN step reads nothing back from the device
     /// (`DqnTrainer::step_with`: its metrics are then absent, its updates only queued), so
-    /// the host runs ahead of the GPU. PPO iterations read their minibatch statistics anyway.
+    /// the host runs ahead of the GPU. A PPO iteration reads its statistics once, at its end.
     pub fn advance_with(&mut self, env: &mut dyn VecEnv, read: bool) -> Result<Progress> {
         let mut p = Progress::default();
         match self {
@@ -121,7 +121,7 @@ impl Agent {
             Agent::Ppo(t) => {
                 let updates_before = t.updates();
                 let started = Instant::now();
-                while !t.collect_step(env)? {}
+                t.collect_rollout(env)?;
                 p.collect_seconds = started.elapsed().as_secs_f64();
                 let started = Instant::now();
                 let s = t.update(env)?;

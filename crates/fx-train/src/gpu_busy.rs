@@ -2,8 +2,18 @@
 //! the share of time in which a kernel ran), per metrics interval and over the run. Absent
 //! (null in the files) on the CPU, in a build without `cuda`, or where the driver's NVML
 //! library cannot be loaded (the reason goes into the run's profile).
+//!
+//! The driver samples every 1/6 s to 1 s, so the meter is asked at most every
+//! [`MIN_READ_INTERVAL`]: a metrics interval shorter than that reads null (a read would find
+//! no new sample) instead of making a driver call while the GPU waits for the loop (DQN on
+//! the H200 logs every 50 steps, every ~15 ms).
+
+use std::time::{Duration, Instant};
 
 use candle_core::Device;
+
+/// The shortest time between two reads of the driver's samples.
+pub(crate) const MIN_READ_INTERVAL: Duration = Duration::from_millis(500);
 
 /// See the module docs.
 pub(crate) struct GpuBusy {
@@ -11,6 +21,7 @@ pub(crate) struct GpuBusy {
     meter: Option<fx_hw::busy::BusyMeter>,
     /// Why there is no meter on a GPU run (None: there is one, or the run is on the CPU).
     pub(crate) unavailable: Option<String>,
+    last_read: Instant,
 }
 
 impl GpuBusy {
@@ -19,8 +30,8 @@ impl GpuBusy {
         #[cfg(feature = "cuda")]
         if let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() {
             return match fx_hw::busy::BusyMeter::for_cuda_ordinal(gpu_id) {
-                Ok(m) => Self { meter: Some(m), unavailable: None },
-                Err(why) => Self { meter: None, unavailable: Some(why) },
+                Ok(m) => Self { meter: Some(m), unavailable: None, last_read: Instant::now() },
+                Err(why) => Self { meter: None, unavailable: Some(why), last_read: Instant::now() },
             };
         }
         let _ = device;
@@ -28,11 +39,21 @@ impl GpuBusy {
             #[cfg(feature = "cuda")]
             meter: None,
             unavailable: None,
+            last_read: Instant::now(),
         }
     }
 
-    /// The busy fraction since the previous call (None: no meter, or no sample yet).
+    /// The busy fraction since the previous read (None: no meter, no sample yet, or less
+    /// than [`MIN_READ_INTERVAL`] since the last read, which then carries over).
     pub(crate) fn interval(&mut self) -> Option<f64> {
+        if self.last_read.elapsed() < MIN_READ_INTERVAL {
+            return None;
+        }
+        self.read()
+    }
+
+    fn read(&mut self) -> Option<f64> {
+        self.last_read = Instant::now();
         #[cfg(feature = "cuda")]
         if let Some(m) = self.meter.as_mut() {
             return m.fraction_since_last();
@@ -42,7 +63,7 @@ impl GpuBusy {
 
     /// The busy fraction over the whole measured span (reads the last interval first).
     pub(crate) fn total(&mut self) -> Option<f64> {
-        let _ = self.interval();
+        let _ = self.read();
         #[cfg(feature = "cuda")]
         if let Some(m) = self.meter.as_ref() {
             return m.fraction_total();

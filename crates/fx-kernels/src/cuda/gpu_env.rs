@@ -390,6 +390,75 @@ impl GpuTradingEnv {
         self.launch_dqn(None, Some((&q, 0.0, None)), replay, Some(outs), p_obs, Some((lp.address(), eps)), ctx)
     }
 
+    /// The collection step of a captured PPO rollout: [`VecEnv::step_into_rollout`] into
+    /// rollout row `row` (`< T`), with the post-reset states written into `obs` (`[E, 56]`
+    /// f32). Nothing on the host moves: the caller records the rows
+    /// ([`Rollout::record_rows`]) once the graph holding these launches ran.
+    pub fn collect_ppo_row(
+        &self,
+        logits: &Tensor,
+        values: &Tensor,
+        row: usize,
+        rollout: &Rollout,
+        obs: &Tensor,
+    ) -> Result<()> {
+        let ctx = "GpuTradingEnv::collect_ppo_row";
+        expect_tensor(obs, "obs", ctx, &[self.cfg.num_envs, OBS_DIM], DType::F32, &self.device)?;
+        if row >= rollout.horizon() {
+            return Err(Error::Full { what: "rollout", capacity: rollout.horizon(), context: ctx });
+        }
+        let p_obs = dev_ptr::<f32>(obs, &self.stream, "obs", ctx)?;
+        self.launch_ppo(logits, values, row, rollout, 0, p_obs, ctx)
+    }
+
+    /// Launches `fx_ppo_experience` for rollout row `row` after the host-side checks
+    /// (`p_next`: where the pre-reset next states go, 0 for nowhere).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_ppo(
+        &self,
+        logits: &Tensor,
+        values: &Tensor,
+        row: usize,
+        rollout: &Rollout,
+        p_next: u64,
+        p_obs: u64,
+        ctx: &'static str,
+    ) -> Result<()> {
+        let e = self.cfg.num_envs;
+        let logits = self.rows_arg(logits, "logits", ctx)?;
+        expect_tensor(values, "values", ctx, &[e], DType::F32, &self.device)?;
+        let values = values.contiguous().ctx(ctx)?;
+        if rollout.num_envs() != e || !rollout.device().same_device(&self.device) {
+            return Err(Error::shape(
+                "rollout",
+                ctx,
+                format!("{e} envs on this device"),
+                format!("{} envs", rollout.num_envs()),
+            ));
+        }
+        let s = self.stream.clone();
+        let p_l = dev_ptr::<f32>(&logits, &s, "logits", ctx)?;
+        let p_v = dev_ptr::<f32>(&values, &s, "values", ctx)?;
+        let p_s = dev_ptr::<f32>(&rollout.states, &s, "rollout.states", ctx)?;
+        let p_a = dev_ptr::<u32>(&rollout.actions, &s, "rollout.actions", ctx)?;
+        let p_lp = dev_ptr::<f32>(&rollout.log_probs, &s, "rollout.log_probs", ctx)?;
+        let p_rv = dev_ptr::<f32>(&rollout.values, &s, "rollout.values", ctx)?;
+        let p_r = dev_ptr::<f32>(&rollout.rewards, &s, "rollout.rewards", ctx)?;
+        let p_d = dev_ptr::<f32>(&rollout.dones, &s, "rollout.dones", ctx)?;
+        let p_err = self.p_err;
+        let row32 = row as u32;
+        let args = self.args;
+        let mut b = s.launch_builder(&self.k_ppo.func);
+        args.push(&mut b);
+        b.arg(&p_l).arg(&p_v).arg(&row32);
+        b.arg(&p_s).arg(&p_a).arg(&p_lp).arg(&p_rv).arg(&p_r).arg(&p_d);
+        b.arg(&p_next).arg(&p_obs).arg(&p_err);
+        // SAFETY: arguments match fx_ppo_experience; row < T and the rollout holds T·E rows
+        // of this env's width; obs (and next_obs unless 0) hold E·56 f32.
+        unsafe { b.launch(self.k_ppo.plan.config(e)) }.map_err(driver(ctx))?;
+        Ok(())
+    }
+
     /// Writes the current states into `obs` (`[E, 56]` f32, contiguous, on this device):
     /// [`VecEnv::observe`] without the allocation, for buffers a captured graph reuses.
     pub fn observe_into(&self, obs: &Tensor) -> Result<()> {
@@ -585,17 +654,6 @@ impl VecEnv for GpuTradingEnv {
     fn step_into_rollout(&mut self, logits: &Tensor, values: &Tensor, rollout: &mut Rollout) -> Result<Step> {
         let ctx = "GpuTradingEnv::step_into_rollout";
         let e = self.cfg.num_envs;
-        let logits = self.rows_arg(logits, "logits", ctx)?;
-        expect_tensor(values, "values", ctx, &[e], DType::F32, &self.device)?;
-        let values = values.contiguous().ctx(ctx)?;
-        if rollout.num_envs() != e || !rollout.device().same_device(&self.device) {
-            return Err(Error::shape(
-                "rollout",
-                ctx,
-                format!("{e} envs on this device"),
-                format!("{} envs", rollout.num_envs()),
-            ));
-        }
         if rollout.is_full() {
             return Err(Error::Full { what: "rollout", capacity: rollout.horizon(), context: ctx });
         }
@@ -605,25 +663,7 @@ impl VecEnv for GpuTradingEnv {
         let rows =
             |i: usize| block.narrow(0, i * e * OBS_DIM, e * OBS_DIM).and_then(|x| x.reshape((e, OBS_DIM))).ctx(ctx);
         let (next_obs, obs) = (rows(0)?, rows(1)?);
-        let s = self.stream.clone();
-        let p_l = dev_ptr::<f32>(&logits, &s, "logits", ctx)?;
-        let p_v = dev_ptr::<f32>(&values, &s, "values", ctx)?;
-        let p_s = dev_ptr::<f32>(&rollout.states, &s, "rollout.states", ctx)?;
-        let p_a = dev_ptr::<u32>(&rollout.actions, &s, "rollout.actions", ctx)?;
-        let p_lp = dev_ptr::<f32>(&rollout.log_probs, &s, "rollout.log_probs", ctx)?;
-        let p_rv = dev_ptr::<f32>(&rollout.values, &s, "rollout.values", ctx)?;
-        let p_r = dev_ptr::<f32>(&rollout.rewards, &s, "rollout.rewards", ctx)?;
-        let p_d = dev_ptr::<f32>(&rollout.dones, &s, "rollout.dones", ctx)?;
-        let p_err = self.p_err;
-        let row32 = row as u32;
-        let args = self.args;
-        let mut b = s.launch_builder(&self.k_ppo.func);
-        args.push(&mut b);
-        b.arg(&p_l).arg(&p_v).arg(&row32);
-        b.arg(&p_s).arg(&p_a).arg(&p_lp).arg(&p_rv).arg(&p_r).arg(&p_d);
-        b.arg(&p_n).arg(&p_o).arg(&p_err);
-        // SAFETY: arguments match fx_ppo_experience; row < T and the rollout holds T·E rows.
-        unsafe { b.launch(self.k_ppo.plan.config(e)) }.map_err(driver(ctx))?;
+        self.launch_ppo(logits, values, row, rollout, p_n, p_o, ctx)?;
         rollout.advance();
         Ok(Step { next_obs, reward: rollout.rewards.get(row).ctx(ctx)?, done: rollout.dones.get(row).ctx(ctx)?, obs })
     }

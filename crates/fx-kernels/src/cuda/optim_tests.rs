@@ -104,7 +104,7 @@ fn fused_step_matches_reference() {
         ] {
             assert_eq!(got[k], c[k], "step {step}: ctrl[{k}]");
         }
-        for k in [ctrl::LAST_NORM, ctrl::COEF, ctrl::LOSS_SUM, ctrl::EXTRA_SUM] {
+        for k in [ctrl::LAST_NORM, ctrl::COEF, ctrl::LOSS_SUM, ctrl::NORM_SUM, ctrl::EXTRA_SUM] {
             assert!(
                 got[k] == c[k] || (got[k] - c[k]).abs() <= 1e-6 * c[k].abs().max(1e-30),
                 "step {step}: ctrl[{k}] {} vs {}",
