@@ -2,8 +2,10 @@
 //! time inside a trading loop: the weights are copied once into plain `Vec<f32>`s, and a
 //! decision is a few dot products on the calling thread — no thread pool (candle's CPU
 //! matmul sizes its pool by the machine: 100× slower at batch 1 on a 16-core box), no
-//! allocation, no tensor. Scores are F32 dot products in 32 independent lanes (the compiler
-//! vectorises them; AVX2 + FMA when the CPU has them, chosen at run time);
+//! allocation, no tensor. Hidden layers are stored input-major and computed 32 outputs at a
+//! time in registers (one broadcast and four vector multiply-adds per input, no horizontal
+//! sums); the small heads are F32 dot products in 32 independent lanes (the compiler
+//! vectorises both; AVX2 + FMA when the CPU has them, chosen at run time);
 //! [`crate::mlp_ref::reference_greedy`] (f64) is what it is tested against.
 
 use candle_core::{DType, Device, Tensor};
@@ -48,6 +50,104 @@ impl Dense {
             };
         }
     }
+}
+
+/// A hidden layer stored input-major for [`column_layer`]: `wt[i · padded + o] = W[o][i]`,
+/// the outputs padded with zero columns to a multiple of [`COL_TAIL`].
+#[derive(Debug, Clone)]
+struct ColumnDense {
+    wt: Vec<f32>,
+    b: Vec<f32>,
+    inputs: usize,
+    outputs: usize,
+    padded: usize,
+}
+
+/// Outputs one pass of [`column_layer`] keeps in registers (four AVX2 vectors).
+const COL_BLOCK: usize = 32;
+/// The pass width for the outputs left over after the full blocks (one vector).
+const COL_TAIL: usize = 8;
+
+impl ColumnDense {
+    fn from(d: &Dense) -> Self {
+        let (inputs, outputs) = (d.inputs, d.b.len());
+        let padded = outputs.div_ceil(COL_TAIL) * COL_TAIL;
+        let mut wt = vec![0.0f32; inputs * padded];
+        for o in 0..outputs {
+            for i in 0..inputs {
+                wt[i * padded + o] = d.w[o * inputs + i];
+            }
+        }
+        Self { wt, b: d.b.clone(), inputs, outputs, padded }
+    }
+}
+
+/// `acc[k] = Σ_i wt[i · padded + o0 + k] · x[i]`, `k < W`: one broadcast of `x[i]` and `W/8`
+/// vector multiply-adds per input, the accumulators in registers (each output summed over
+/// the inputs in order).
+#[inline(always)]
+fn column_block<const W: usize>(wt: &[f32], padded: usize, o0: usize, x: &[f32]) -> [f32; W] {
+    let mut acc = [0.0f32; W];
+    for (i, &xi) in x.iter().enumerate() {
+        let row = &wt[i * padded + o0..i * padded + o0 + W];
+        for k in 0..W {
+            acc[k] += row[k] * xi;
+        }
+    }
+    acc
+}
+
+/// `out = act(W x + b)` for a [`ColumnDense`] layer: blocks of [`COL_BLOCK`] outputs, then
+/// [`COL_TAIL`]. Each weight is read once per decision, as in the row-major form, but
+/// without a horizontal sum per output.
+#[inline(always)]
+fn column_layer(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
+    let x = &x[..l.inputs.min(x.len())];
+    let mut put = |o0: usize, acc: &[f32]| {
+        for (k, &a) in acc.iter().enumerate() {
+            let o = o0 + k;
+            if o < l.outputs {
+                let v = a + l.b[o];
+                out[o] = match act {
+                    Activation::Identity => v,
+                    Activation::Relu => v.max(0.0),
+                    Activation::Tanh => fast_tanh(v),
+                };
+            }
+        }
+    };
+    let mut o0 = 0;
+    while o0 + COL_BLOCK <= l.padded {
+        put(o0, &column_block::<COL_BLOCK>(&l.wt, l.padded, o0, x));
+        o0 += COL_BLOCK;
+    }
+    while o0 < l.padded {
+        put(o0, &column_block::<COL_TAIL>(&l.wt, l.padded, o0, x));
+        o0 += COL_TAIL;
+    }
+}
+
+/// [`column_layer`] compiled for AVX2 + FMA (chosen at run time when the CPU has them).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn column_layer_avx2(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
+    column_layer(l, x, out, act)
+}
+
+fn column_layer_portable(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
+    column_layer(l, x, out, act)
+}
+
+/// A hidden layer's evaluation: the fastest this CPU runs (decided once per policy).
+type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
+
+fn pick_layer() -> LayerFn {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the features `column_layer_avx2` is compiled for were detected on this CPU.
+        return |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) };
+    }
+    column_layer_portable
 }
 
 /// `Σ a_i b_i` over 32 independent F32 lanes, then 8, then one (a fixed order, so results
@@ -123,7 +223,7 @@ fn fast_tanh(x: f32) -> f32 {
 /// A greedy policy on the CPU; see the module docs.
 #[derive(Debug, Clone)]
 pub struct CpuPolicy {
-    hidden: Vec<(Dense, Activation)>,
+    hidden: Vec<(ColumnDense, Activation)>,
     head: Vec<Dense>,
     dueling: bool,
     dims: MlpDims,
@@ -131,6 +231,7 @@ pub struct CpuPolicy {
     buf: [Vec<f32>; 2],
     scores: Vec<f32>,
     dot: fn(&[f32], &[f32]) -> f32,
+    layer: LayerFn,
 }
 
 impl CpuPolicy {
@@ -138,8 +239,11 @@ impl CpuPolicy {
     /// tensors are not seen: build a new policy (e.g. after loading a checkpoint).
     pub fn new(net: &GreedyMlp<'_>) -> Result<Self> {
         let dims = net.dims()?;
-        let hidden =
-            net.hidden.iter().map(|(l, a)| Ok((Dense::from(l.weight, l.bias)?, *a))).collect::<Result<Vec<_>>>()?;
+        let hidden = net
+            .hidden
+            .iter()
+            .map(|(l, a)| Ok((ColumnDense::from(&Dense::from(l.weight, l.bias)?), *a)))
+            .collect::<Result<Vec<_>>>()?;
         let (head, dueling) = match net.head {
             Head::Logits(l) => (vec![Dense::from(l.weight, l.bias)?], false),
             Head::Dueling { value, advantage } => {
@@ -154,6 +258,7 @@ impl CpuPolicy {
             buf: [vec![0.0; widest], vec![0.0; widest]],
             scores: vec![0.0; dims.n_actions],
             dot: pick_dot(),
+            layer: pick_layer(),
             dims,
         })
     }
@@ -178,8 +283,8 @@ impl CpuPolicy {
         cur[..obs.len()].copy_from_slice(obs);
         let mut width = obs.len();
         for (layer, act) in &self.hidden {
-            let out = layer.b.len();
-            layer.apply(self.dot, &cur[..width], &mut next[..out], *act);
+            let out = layer.outputs;
+            (self.layer)(layer, &cur[..width], &mut next[..out], *act);
             std::mem::swap(&mut cur, &mut next);
             width = out;
         }
