@@ -155,6 +155,18 @@ pub struct DqnStepStats {
     pub update_seconds: f64,
 }
 
+/// A step's mean reward per account and its finished episodes, from its `[E]` rewards and
+/// done flags, in one read.
+fn reward_and_episodes(reward: &Tensor, done: &Tensor, ctx: &'static str) -> Result<(f64, u32)> {
+    let e = reward.elem_count().max(1);
+    let sums: Vec<f64> = Tensor::stack(&[reward, done], 0)
+        .and_then(|t| t.to_dtype(candle_core::DType::F64))
+        .and_then(|t| t.sum(1))
+        .and_then(|t| t.to_vec1())
+        .ctx(ctx)?;
+    Ok((sums[0] / e as f64, sums[1] as u32))
+}
+
 /// Counters saved with the state (JSON in the state file's metadata).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct DqnCounters {
@@ -428,13 +440,8 @@ impl DqnTrainer {
                 .as_ref()
                 .map(|it| it.rewards_and_dones())
                 .ok_or_else(|| Error::config(CTX, "no iteration"))?;
-            let sums: Vec<f64> = Tensor::stack(&[r, d], 0)
-                .and_then(|t| t.to_dtype(candle_core::DType::F64))
-                .and_then(|t| t.sum(1))
-                .and_then(|t| t.to_vec1())
-                .ctx(CTX)?;
-            mean_reward = Some(sums[0] / e as f64);
-            episodes_done = Some(sums[1] as u32);
+            let (m, n) = reward_and_episodes(r, d, CTX)?;
+            (mean_reward, episodes_done) = (Some(m), Some(n));
             if train && g > 0 {
                 // The control block holds the round's last update; the others count as queued.
                 updates.push(self.graph_update_stats()?);
@@ -514,14 +521,8 @@ impl DqnTrainer {
         self.env_steps += 1;
         let (mut mean_reward, mut episodes_done) = (None, None);
         if read {
-            // One read for both statistics.
-            let sums: Vec<f64> = Tensor::stack(&[&step.reward, &step.done], 0)
-                .and_then(|t| t.to_dtype(candle_core::DType::F64))
-                .and_then(|t| t.sum(1))
-                .and_then(|t| t.to_vec1())
-                .ctx(CTX)?;
-            mean_reward = Some(sums[0] / env.num_envs() as f64);
-            episodes_done = Some(sums[1] as u32);
+            let (m, n) = reward_and_episodes(&step.reward, &step.done, CTX)?;
+            (mean_reward, episodes_done) = (Some(m), Some(n));
         }
         let collect_seconds = started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
