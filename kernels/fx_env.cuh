@@ -34,7 +34,7 @@ __device__ __forceinline__ double fx_draw(fx_u64 seed, fx_u64 stream, fx_u64 env
     return __dmul_rn((double)(b >> 11), 1.1102230246251565e-16);
 }
 
-// fx-models' LinearSchedule::value: start + (end - start) * (step / steps) before `steps`,
+// fx_kernels::LinearSchedule::value: start + (end - start) * (step / steps) before `steps`,
 // `end` from then on (the DQN ε ramp of a captured collection step).
 __device__ __forceinline__ double fx_linear_ramp(double start, double end, fx_u64 steps, fx_u64 step) {
     if (step >= steps) return end;

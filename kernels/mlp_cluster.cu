@@ -48,7 +48,7 @@ __device__ __forceinline__ void fx_prefetch_l1(const float* a, size_t n) {
 // for the resident server: its blocks then find them there request after request (a
 // block's share of the default DQN is ~58 KB, well within L1; rows [lo, hi) of a [out, in]
 // matrix are one contiguous range). The launched kernel does not: on the H200 a prefetch at
-// its start made a call slower (6.2 -> 6.5 us), the layers' own loads being as early.
+// its start made a call slower (6.25 -> 6.53 us in a quick H200 run, not kept), the layers' own loads being as early.
 __device__ void fx_prefetch_cluster_weights(const FxMlpParams& p, unsigned int rank) {
     for (unsigned int l = 0; l < p.n_hidden; ++l) {
         unsigned int lo, hi;
@@ -78,7 +78,7 @@ __device__ __forceinline__ void fx_cluster_wait() { asm volatile("barrier.cluste
 // `arrived`: the caller has arrived at the row's start barrier but not waited. Layer 0 then
 // computes into `stage` first and waits only before pushing its neurons out, so the wait
 // for the other blocks (started, past their previous row) can overlap the layer's loads
-// (on the H200 the difference was below the noise: 6.28 against 6.23 us a call).
+// (in a quick H200 run, not kept, the difference was below the noise: 6.28 us a call).
 // Otherwise the caller has passed a whole barrier already.
 __device__ unsigned int fx_greedy_row_cluster(const FxMlpParams& p, const float* xin, float* stage,
                                               float (*buf)[FX_MLP_MAX_WIDTH], float* scores,

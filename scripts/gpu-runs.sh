@@ -25,7 +25,8 @@ if [[ " $what " == *" runs "* ]]; then
   IFS=';' read -r -a specs <<<"${RUN_SPECS:-dqn:dqn:--steps 3000;ppo:ppo:--steps 3000;tft:tft:--epochs 1}"
   for spec in "${specs[@]}"; do
     name=${spec%%:*} rest=${spec#*:}
-    model=${rest%%:*} args=${rest#*:}
+    model=${rest%%:*} args=
+    [[ $rest == *:* ]] && args=${rest#*:}  # "name:model" without flags has none
     echo "=== $name: fx-train train --model $model $args --device cuda" >>"$OUT/runs.log"
     t0=$(date +%s)
     timeout "${RUN_TIMEOUT:-120}" bash "$G/run.sh" bin fx-train train --model "$model" $args \

@@ -358,6 +358,13 @@ fn the_batch_and_its_source_are_printed_and_recorded() {
         .output()
         .unwrap();
     assert!(ok(&out).contains("batch 20 (dqn.batch_size, source FX_BATCH_SIZE)"));
+    // A file that sets `batch = N` and no model key resumes with that file.
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("batch_size = 32\n", "");
+    let batch_cfg = dir.path().join("batch-key.toml");
+    std::fs::write(&batch_cfg, format!("batch = 24\n{text}")).unwrap();
+    let run = dir.path().join("batch-key");
+    assert!(ok(&train(&batch_cfg, &run, &["--quiet"])).contains("batch 24 (dqn.batch_size, source config)"));
+    ok(&train(&batch_cfg, &run, &["--quiet", "--resume", "--steps", "15"]));
     // (clap's own usage error for a bad flag value.)
     let out = train(&cfg, &dir.path().join("bad"), &["--batch-size", "0"]);
     let e = String::from_utf8_lossy(&out.stderr);

@@ -39,15 +39,10 @@ impl Dense {
         Ok(Self { w, b, inputs })
     }
 
-    /// `out = W x + b` (then the activation).
-    fn apply(&self, dot: fn(&[f32], &[f32]) -> f32, x: &[f32], out: &mut [f32], act: Activation) {
+    /// `out = W x + b` (the heads: no activation).
+    fn apply(&self, dot: fn(&[f32], &[f32]) -> f32, x: &[f32], out: &mut [f32]) {
         for (o, (row, b)) in out.iter_mut().zip(self.w.chunks_exact(self.inputs.max(1)).zip(&self.b)) {
-            let v = dot(row, x) + b;
-            *o = match act {
-                Activation::Identity => v,
-                Activation::Relu => v.max(0.0),
-                Activation::Tanh => fast_tanh(v),
-            };
+            *o = dot(row, x) + b;
         }
     }
 }
@@ -58,7 +53,6 @@ impl Dense {
 struct ColumnDense {
     wt: Vec<f32>,
     b: Vec<f32>,
-    inputs: usize,
     outputs: usize,
     padded: usize,
 }
@@ -78,7 +72,7 @@ impl ColumnDense {
                 wt[i * padded + o] = d.w[o * inputs + i];
             }
         }
-        Self { wt, b: d.b.clone(), inputs, outputs, padded }
+        Self { wt, b: d.b.clone(), outputs, padded }
     }
 }
 
@@ -102,7 +96,6 @@ fn column_block<const W: usize>(wt: &[f32], padded: usize, o0: usize, x: &[f32])
 /// without a horizontal sum per output.
 #[inline(always)]
 fn column_layer(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
-    let x = &x[..l.inputs.min(x.len())];
     let mut put = |o0: usize, acc: &[f32]| {
         for (k, &a) in acc.iter().enumerate() {
             let o = o0 + k;
@@ -138,12 +131,18 @@ fn column_layer_portable(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activ
     column_layer(l, x, out, act)
 }
 
+/// Whether this CPU runs the AVX2 + FMA builds of the layer and dot kernels.
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 /// A hidden layer's evaluation: the fastest this CPU runs (decided once per policy).
 type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
 
 fn pick_layer() -> LayerFn {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         // SAFETY: the features `column_layer_avx2` is compiled for were detected on this CPU.
         return |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) };
     }
@@ -197,7 +196,7 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 /// The fastest dot product this CPU runs (decided once per policy).
 fn pick_dot() -> fn(&[f32], &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         // SAFETY: the features `dot_avx2` is compiled for were detected on this CPU.
         return |a, b| unsafe { dot_avx2(a, b) };
     }
@@ -292,14 +291,14 @@ impl CpuPolicy {
         let na = self.dims.n_actions;
         if self.dueling {
             let mut v = [0.0f32];
-            self.head[0].apply(self.dot, z, &mut v, Activation::Identity);
-            self.head[1].apply(self.dot, z, &mut self.scores, Activation::Identity);
+            self.head[0].apply(self.dot, z, &mut v);
+            self.head[1].apply(self.dot, z, &mut self.scores);
             let mean = self.scores.iter().sum::<f32>() / na as f32;
             for s in &mut self.scores {
                 *s = (*s - mean) + v[0];
             }
         } else {
-            self.head[0].apply(self.dot, z, &mut self.scores, Activation::Identity);
+            self.head[0].apply(self.dot, z, &mut self.scores);
         }
         // The first maximum wins, as `mlp_ref::first_argmax` (candle's and torch's argmax).
         let mut best = 0;

@@ -26,7 +26,7 @@ pub struct ReplayBatch {
 }
 
 impl ReplayBatch {
-    /// Uninitialised (zeroed) storage for `b` transitions on `device`.
+    /// Zeroed storage for `b` transitions on `device` (buffers a captured graph refills).
     pub fn alloc(b: usize, device: &Device, ctx: &'static str) -> Result<Self> {
         let z = |shape: &[usize], dt| Tensor::zeros(shape, dt, device).ctx(ctx);
         Ok(Self {
@@ -146,18 +146,12 @@ impl ReplayBuffer {
         Ok(())
     }
 
-    /// Moves the ring position and length after `n` rows were written (also used by the
-    /// GPU env, whose kernel writes the rows itself).
-    pub(crate) fn advance(&mut self, n: usize) {
+    /// Moves the ring position and length as a push of `n` rows would, after a device
+    /// kernel wrote them at [`position`](Self::position) itself (the GPU env's experience
+    /// kernel; a replayed CUDA graph's collection, `cuda::DqnLoop`).
+    pub fn advance(&mut self, n: usize) {
         self.pos = (self.pos + n) % self.capacity;
         self.len = (self.len + n).min(self.capacity);
-    }
-
-    /// Records that a device kernel wrote `n` rows at [`position`](Self::position) (a
-    /// replayed CUDA graph's collection, `cuda::DqnLoop`): moves the host's position and
-    /// length as a push of `n` rows would.
-    pub fn record_written(&mut self, n: usize) {
-        self.advance(n);
     }
 
     /// `batch` transitions drawn uniformly with replacement from the `len` held ones by the
@@ -195,7 +189,7 @@ impl ReplayBuffer {
     }
 
     /// The transitions at `indices` (`[B]` u32, each < `len`), checked on the host (this
-    /// copies the indices; use [`sample`](Self::sample) in training loops).
+    /// copies the indices; use [`sample_keyed`](Self::sample_keyed) in training loops).
     pub fn gather(&self, indices: &Tensor) -> Result<ReplayBatch> {
         let ctx = "ReplayBuffer::gather";
         let b = indices.dims().first().copied().unwrap_or(0);

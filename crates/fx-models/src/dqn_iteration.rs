@@ -39,7 +39,6 @@ pub(crate) struct IterationParts<'a, 'b> {
 /// See the module docs.
 pub(crate) struct DqnIteration {
     env_instance: u64,
-    num_envs: usize,
     lp: DqnLoop,
     /// The counters the device block holds after everything queued, when the host knows.
     synced: Option<DqnLoopCounters>,
@@ -60,7 +59,6 @@ impl DqnIteration {
         let z = |shape: &[usize]| Tensor::zeros(shape, candle_core::DType::F32, dev).ctx(CTX);
         Ok(Self {
             env_instance: env.instance_id(),
-            num_envs: e,
             lp: DqnLoop::new(dev).ctx(CTX)?,
             synced: None,
             obs: z(&[e, fx_kernels::OBS_DIM])?,
@@ -74,7 +72,7 @@ impl DqnIteration {
 
     /// Whether the graphs were (or will be) captured on this env.
     pub(crate) fn fits(&self, env: &GpuTradingEnv) -> bool {
-        env.instance_id() == self.env_instance && env.num_envs() == self.num_envs
+        env.instance_id() == self.env_instance
     }
 
     /// Whether the iteration of this kind (with an update round or not) is captured.
@@ -114,7 +112,7 @@ impl DqnIteration {
                 }
                 Ok(())
             };
-            run().map_err(|e| fx_precision::Error::Cuda { context: CTX, message: e.to_string() })
+            run().map_err(crate::graph_update::capture_error(CTX))
         })
         .ctx(CTX)?;
         if train {

@@ -347,6 +347,12 @@ impl DqnTrainer {
         Ok(())
     }
 
+    /// Whether the step that brings the counts to `replay_len` transitions and `env_steps`
+    /// steps ends with an update round.
+    fn update_round_due(&self, replay_len: usize, env_steps: u64) -> bool {
+        replay_len >= self.cfg.learning_starts.max(1) && env_steps.is_multiple_of(self.cfg.train_every)
+    }
+
     /// Allows or forbids whole-iteration graphs (on by default; see the module docs). Off,
     /// a CUDA step launches collection, sampling and the captured update one by one: the
     /// same kernels, for comparisons and debugging.
@@ -358,7 +364,7 @@ impl DqnTrainer {
         }
     }
 
-    /// Whether the last step ran as a whole-iteration graph.
+    /// Whether a whole-iteration graph is captured (GPU-env steps then run as one).
     #[cfg(feature = "cuda")]
     pub fn iteration_graph_active(&self) -> bool {
         self.iteration.is_some()
@@ -396,42 +402,30 @@ impl DqnTrainer {
             return Ok(None);
         }
         let len_after = (self.replay.len() + e).min(self.replay.capacity());
-        let train =
-            len_after >= self.cfg.learning_starts.max(1) && (self.env_steps + 1).is_multiple_of(self.cfg.train_every);
+        let train = self.update_round_due(len_after, self.env_steps + 1);
         let started = std::time::Instant::now();
         if !self.iteration.as_ref().is_some_and(|it| it.has(train)) {
             let captured = self.capture_iteration(genv, train);
-            if let Err(err) = captured {
-                if self.cfg.graph == GraphMode::On {
-                    return Err(err);
-                }
-                eprintln!("warning: DQN iteration graph not captured, stepping kernel by kernel: {err}");
+            let mode = self.cfg.graph;
+            if crate::graph_update::settle_capture(mode, "DQN iteration", "stepping kernel by kernel", captured)?
+                .is_none()
+            {
                 self.set_iteration_graphs(false);
                 return Ok(None);
             }
         }
         let eps = self.epsilon();
-        let before = self.loop_counters();
         let g = self.cfg.gradient_steps;
-        let after = {
-            let mut a = before;
-            a.env_steps += 1;
-            a.replay_position = (a.replay_position + e as u64) % self.replay.capacity() as u64;
-            a.replay_len = len_after as u64;
-            if train {
-                a.sample_key += u64::from(g);
-            }
-            a
-        };
-        let it = self.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?;
-        it.sync(before, &self.replay)?;
-        it.replay(train, after)?;
+        let before = self.loop_counters();
+        self.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.sync(before, &self.replay)?;
+        // The host's counters move as the replay will move the device's.
         self.env_steps += 1;
-        self.replay.record_written(e);
+        self.replay.advance(e);
         if train {
             self.sampled += u64::from(g);
         }
-        debug_assert_eq!(self.loop_counters(), after);
+        let after = self.loop_counters();
+        self.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.replay(train, after)?;
         let (mut mean_reward, mut episodes_done) = (None, None);
         let (mut updates, mut updates_queued) = (Vec::new(), if train { g } else { 0 });
         if read {
@@ -527,7 +521,7 @@ impl DqnTrainer {
         let collect_seconds = started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
         let (mut updates, mut updates_queued) = (Vec::new(), 0u32);
-        if self.replay.len() >= self.cfg.learning_starts.max(1) && self.env_steps.is_multiple_of(self.cfg.train_every) {
+        if self.update_round_due(self.replay.len(), self.env_steps) {
             for _ in 0..self.cfg.gradient_steps {
                 match self.train_on_replay_with(read)? {
                     Some(u) => updates.push(u),

@@ -35,10 +35,8 @@ impl GraphUpdate {
             .collect::<candle_core::Result<_>>()
             .ctx(CTX)?;
         let device = fused.device().clone();
-        let graph = CapturedGraph::capture(&device, 2, |dry| {
-            body(&fused, &inputs, dry).map_err(|e| fx_precision::Error::Cuda { context: CTX, message: e.to_string() })
-        })
-        .ctx(CTX)?;
+        let graph = CapturedGraph::capture(&device, 2, |dry| body(&fused, &inputs, dry).map_err(capture_error(CTX)))
+            .ctx(CTX)?;
         Ok(Self { fused, graph, inputs })
     }
 
@@ -81,6 +79,27 @@ impl GraphUpdate {
     }
 }
 
+/// A capture attempt under `mode`: the captured value, or under `auto` None after a
+/// one-line warning naming `what` graph and the `fallback` taken from now on; under `on`
+/// the error. Every captured graph of the RL trainers (update, DQN iteration, PPO rollout)
+/// settles through here.
+pub(crate) fn settle_capture<T>(mode: GraphMode, what: &str, fallback: &str, captured: Result<T>) -> Result<Option<T>> {
+    match captured {
+        Ok(g) => Ok(Some(g)),
+        Err(e) if mode != GraphMode::On => {
+            eprintln!("warning: {what} graph not captured, {fallback}: {e}");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A capture failure inside a capture body, as fx-precision's error (the body's own error
+/// type is this crate's).
+pub(crate) fn capture_error(context: &'static str) -> impl Fn(Error) -> fx_precision::Error {
+    move |e| fx_precision::Error::Cuda { context, message: e.to_string() }
+}
+
 /// A trainer's captured update over its life: none yet, captured, or given up (`auto` after
 /// a failed capture). The DQN and PPO trainers keep one each and ask it the same questions.
 #[derive(Default)]
@@ -102,17 +121,15 @@ impl GraphSlot {
     /// Records a capture attempt: the graph, or under `auto` a one-line warning naming
     /// `what` and eager updates from now on (`on` returns the error).
     pub(crate) fn settle(&mut self, mode: GraphMode, what: &str, captured: Result<GraphUpdate>) -> Result<bool> {
-        match captured {
-            Ok(g) => {
+        match settle_capture(mode, &format!("{what} update"), "running eagerly", captured)? {
+            Some(g) => {
                 self.update = Some(g);
                 Ok(true)
             }
-            Err(e) if mode == GraphMode::Auto => {
-                eprintln!("warning: {what} update graph not captured, running eagerly: {e}");
+            None => {
                 self.failed = true;
                 Ok(false)
             }
-            Err(e) => Err(e),
         }
     }
 

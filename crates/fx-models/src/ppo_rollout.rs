@@ -19,7 +19,6 @@ use crate::ppo::ActorCritic;
 /// See the module docs.
 pub(crate) struct RolloutGraph {
     env_instance: u64,
-    num_envs: usize,
     /// The states the next forward reads (the post-reset states the step writes).
     _obs: Tensor,
     graph: CapturedGraph,
@@ -50,15 +49,15 @@ impl RolloutGraph {
                 }
                 Ok(())
             };
-            run().map_err(|e| fx_precision::Error::Cuda { context: CTX, message: e.to_string() })
+            run().map_err(crate::graph_update::capture_error(CTX))
         })
         .ctx(CTX)?;
-        Ok(Self { env_instance: env.instance_id(), num_envs: e, _obs: obs, graph })
+        Ok(Self { env_instance: env.instance_id(), _obs: obs, graph })
     }
 
     /// Whether the graph was captured on this env.
     pub(crate) fn fits(&self, env: &GpuTradingEnv) -> bool {
-        env.instance_id() == self.env_instance && env.num_envs() == self.num_envs
+        env.instance_id() == self.env_instance
     }
 
     /// Queues one whole rollout (the caller records its rows).

@@ -307,7 +307,7 @@ impl PpoTrainer {
         }
     }
 
-    /// Whether the last rollout ran as one graph.
+    /// Whether a whole-rollout graph is captured (GPU-env rollouts then run as one).
     #[cfg(feature = "cuda")]
     pub fn rollout_graph_active(&self) -> bool {
         self.rollout_graph.is_some()
@@ -331,16 +331,17 @@ impl PpoTrainer {
             self.rollout_graph = None;
         }
         if self.rollout_graph.is_none() {
-            let e = self.num_envs;
-            if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != e) {
-                self.rollout_forward = Some(crate::fused_forward::PpoForward::new(&self.model, e)?);
-            }
+            self.ensure_rollout_forward(self.num_envs)?;
             let forward = self.rollout_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
-            match crate::ppo_rollout::RolloutGraph::capture(genv, forward, &self.model, &self.rollout) {
-                Ok(g) => self.rollout_graph = Some(g),
-                Err(err) if self.cfg.graph == GraphMode::On => return Err(err),
-                Err(err) => {
-                    eprintln!("warning: PPO rollout graph not captured, collecting step by step: {err}");
+            let captured = crate::ppo_rollout::RolloutGraph::capture(genv, forward, &self.model, &self.rollout);
+            match crate::graph_update::settle_capture(
+                self.cfg.graph,
+                "PPO rollout",
+                "collecting step by step",
+                captured,
+            )? {
+                Some(g) => self.rollout_graph = Some(g),
+                None => {
                     self.rollout_graphs = false;
                     return Ok(false);
                 }
@@ -378,6 +379,17 @@ impl PpoTrainer {
         Ok(self.rollout.is_full())
     }
 
+    /// Builds the fused rollout forward for `rows` accounts unless it has them (CUDA).
+    #[cfg(feature = "cuda")]
+    fn ensure_rollout_forward(&mut self, rows: usize) -> Result<()> {
+        if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
+            // A captured rollout reads the old forward's buffers: it goes first.
+            self.rollout_graph = None;
+            self.rollout_forward = Some(crate::fused_forward::PpoForward::new(&self.model, rows)?);
+        }
+        Ok(())
+    }
+
     /// Logits and values of `obs` for the rollout: the fused forward on CUDA when the network
     /// is one it covers (built once for this many rows), candle's otherwise. The fused
     /// results are its buffers, overwritten by the next call: both callers consume them at
@@ -385,12 +397,7 @@ impl PpoTrainer {
     fn rollout_forward(&mut self, obs: &Tensor) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if obs.device().is_cuda() && crate::ppo_fused::PpoFused::supports(&self.model) {
-            let rows = obs.dim(0).ctx("PpoTrainer::rollout_forward")?;
-            if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
-                // A captured rollout reads the old forward's buffers: it goes first.
-                self.rollout_graph = None;
-                self.rollout_forward = Some(crate::fused_forward::PpoForward::new(&self.model, rows)?);
-            }
+            self.ensure_rollout_forward(obs.dim(0).ctx("PpoTrainer::rollout_forward")?)?;
             if let Some(f) = &self.rollout_forward {
                 return f.forward(&self.model, obs);
             }
@@ -459,27 +466,29 @@ impl PpoTrainer {
                 count += 1;
             }
         }
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut mean = sum.scaled(1.0 / count.max(1) as f64);
         #[cfg(feature = "cuda")]
         if queued {
             let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
             (self.updates, self.skipped_updates) = (st.guard.applied, st.guard.skipped());
             skipped = (self.skipped_updates - skipped_before) as u32;
-            count = st.loss_count as u32;
-            // Sums, so that the common scaling below gives the means.
-            let (c, x) = (count as f64, &st.extra_sum);
-            sum = PpoMinibatchStats {
-                loss: st.mean_loss * c,
-                l_clip: x[0],
-                l_v: x[1],
-                entropy: x[2],
-                approx_kl: x[3],
-                clip_frac: x[4],
-                grad_norm: st.mean_grad_norm * c,
-                skipped: false,
+            // The device's sums cover the applied steps, `loss_count` of them.
+            let (c, x) = (st.loss_count as f64, &st.extra_sum);
+            mean = if st.loss_count == 0 {
+                PpoMinibatchStats::default()
+            } else {
+                PpoMinibatchStats {
+                    loss: st.mean_loss,
+                    l_clip: x[0] / c,
+                    l_v: x[1] / c,
+                    entropy: x[2] / c,
+                    approx_kl: x[3] / c,
+                    clip_frac: x[4] / c,
+                    grad_norm: st.mean_grad_norm,
+                    skipped: false,
+                }
             };
-            if count == 0 {
-                sum = PpoMinibatchStats::default();
-            }
         }
         let explained_variance = explained_variance(&values, &ret)?;
         // Rewards and episode ends over the rollout, summed on the device, read once.
@@ -497,7 +506,7 @@ impl PpoTrainer {
             env_steps: self.env_steps,
             mean_reward: reward_sum / n as f64,
             episodes_done: episodes as u32,
-            mean: sum.scaled(1.0 / count.max(1) as f64),
+            mean,
             skipped,
             explained_variance,
         })

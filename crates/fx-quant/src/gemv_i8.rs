@@ -139,6 +139,10 @@ impl Gemv {
 /// Most activation vectors one [`Gemv::run_vertical`] pass takes.
 pub const MAX_ROWS: usize = 4;
 
+/// Widest (padded) input of an interleaved layer: the kernel keeps the inputs' byte groups
+/// on the stack (1024 covers every network here; wider layers stay row-major).
+pub const MAX_VERTICAL_INPUTS: usize = 1024;
+
 /// Output rows per interleaved block of [`VerticalWeights`] (one AVX-512 register of i32).
 const LANES: usize = 16;
 
@@ -156,9 +160,13 @@ pub struct VerticalWeights {
 }
 
 impl VerticalWeights {
-    /// Interleaves row-major `w` (`rows × stride`, `stride` a multiple of [`PAD`]).
-    pub fn new(w: &[i8], stride: usize, rows: usize) -> Self {
+    /// Interleaves row-major `w` (`rows × stride`, `stride` a multiple of [`PAD`]); None for
+    /// rows wider than [`MAX_VERTICAL_INPUTS`] (those keep the row-major kernel).
+    pub fn new(w: &[i8], stride: usize, rows: usize) -> Option<Self> {
         assert!(stride.is_multiple_of(PAD) && w.len() >= rows * stride, "VerticalWeights::new: shapes");
+        if stride > MAX_VERTICAL_INPUTS {
+            return None;
+        }
         let blocks = rows.div_ceil(LANES);
         let groups = stride / 4;
         let mut data = vec![0i8; blocks * LANES * stride];
@@ -171,7 +179,7 @@ impl VerticalWeights {
         }
         let mut row_sum = row_sums(w, stride, rows);
         row_sum.resize(blocks * LANES, 0);
-        Self { data, rows, stride, row_sum }
+        Some(Self { data, rows, stride, row_sum })
     }
 }
 
@@ -233,25 +241,20 @@ mod x86 {
     pub(super) unsafe fn gemv_vertical_avx512(w: &super::VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) {
         const R: usize = super::MAX_ROWS;
         let (groups, n) = (w.stride / 4, xs.len());
-        // Each vector's bytes + 128 (unsigned for vpdpbusd), four at a time: on the stack up
-        // to 1024 inputs (every network here), on the heap beyond.
+        // Each vector's bytes + 128 (unsigned for vpdpbusd), four at a time, on the stack
+        // (VerticalWeights holds at most MAX_VERTICAL_INPUTS inputs: no allocation per call).
         let group = |x: &[i8], g: usize| {
             u32::from_le_bytes([x[4 * g], x[4 * g + 1], x[4 * g + 2], x[4 * g + 3]].map(|v| (v as u8) ^ 0x80))
         };
-        let mut stack = [[0u32; 256]; R];
-        let heap: Vec<Vec<u32>> = if groups <= 256 {
-            for (dst, x) in stack.iter_mut().zip(xs) {
-                for (g, d) in dst[..groups].iter_mut().enumerate() {
-                    *d = group(x, g);
-                }
+        let mut stack = [[0u32; super::MAX_VERTICAL_INPUTS / 4]; R];
+        for (dst, x) in stack.iter_mut().zip(xs) {
+            for (g, d) in dst[..groups].iter_mut().enumerate() {
+                *d = group(x, g);
             }
-            Vec::new()
-        } else {
-            xs.iter().map(|x| (0..groups).map(|g| group(x, g)).collect()).collect()
-        };
+        }
         let mut xu: [&[u32]; R] = [&[]; R];
         for (r, v) in xu.iter_mut().enumerate().take(n) {
-            *v = if groups <= 256 { &stack[r][..groups] } else { &heap[r][..] };
+            *v = &stack[r][..groups];
         }
         let wp = w.data.as_ptr();
         let blocks = w.row_sum.len() / super::LANES;
@@ -471,7 +474,7 @@ mod tests {
         ) {
             let stride = chunks * PAD;
             let wm = matrix(rows, stride, &w);
-            let vw = VerticalWeights::new(&wm, stride, rows);
+            let vw = VerticalWeights::new(&wm, stride, rows).expect("stride within the vertical bound");
             let xs: Vec<Vec<i8>> = (0..n).map(|r| (0..stride).map(|i| x[(i * (r + 1) + r) % x.len()]).collect()).collect();
             let mut got: Vec<Vec<i32>> = vec![vec![i32::MIN; rows]; n];
             let ran = {

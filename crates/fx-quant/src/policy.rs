@@ -163,10 +163,11 @@ fn dense_f32(l: &FloatLayer, x: &[f32], y: &mut [f32]) {
 #[inline(always)]
 fn dense(layer: &Packed, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
     match layer {
-        // One row takes the row-major kernel even where the interleaved one runs: in one run
-        // of `timing::int8_layouts` on the dev machine's AMD EPYC a single row was slower
-        // interleaved (DQN 3.87 against 3.24 us a decision; repeated runs there vary by up to
-        // ±50 %, so this is a weak preference); batches gain from it.
+        // One row takes the row-major kernel even where the interleaved one runs: on the H200
+        // host's Xeon a DQN decision took 5.1 us p50 with the interleaved kernel for single
+        // rows (docs/perf/2026-12-01-h200-host-cpu-int8/first-try/compare_cpu.md) against
+        // 4.2 us row-major (compare_cpu.md beside it), both with the old quantiser; batches
+        // gain from the interleaved one.
         Packed::Int8(l, _) => {
             let step = quantize_row(l, x, xq);
             let acc = &mut acc[..l.out];
@@ -375,7 +376,7 @@ impl Int8Policy {
             .map(|l| match l {
                 QuantLayer::Int8(q) => {
                     let p = PackedLinear::new(q, net.dynamic_inputs());
-                    let v = gemv.has_vertical().then(|| VerticalWeights::new(&p.weight, p.stride, p.out));
+                    let v = gemv.has_vertical().then(|| VerticalWeights::new(&p.weight, p.stride, p.out)).flatten();
                     Packed::Int8(p, v)
                 }
                 QuantLayer::F32(f) => Packed::F32(f.clone()),

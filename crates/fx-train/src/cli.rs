@@ -198,6 +198,9 @@ impl TrainArgs {
                 (Some(BatchSize::Auto), _) => Some(saved.batch_key_value()),
                 (None, BatchSize::Auto) if from_file.model_key_given() => Some(from_file.batch_key_value()),
                 (None, BatchSize::Auto) => Some(saved.batch_key_value()),
+                // The file's `batch = N` set the model key at the start (config.toml, which
+                // records every key, holds both).
+                (None, BatchSize::Fixed(n)) if !from_file.model_key_given() => Some(n),
                 (None, BatchSize::Fixed(_)) => None,
             };
             if let Some(n) = n {

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use candle_core::{CudaDevice, Device, Tensor};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_device, dev_ptr, driver, PTX_REPLAY};
+use super::{alloc_tensor, cuda_device, dev_ptr, driver, PTX_REPLAY};
+use crate::env::OBS_DIM;
 use crate::error::{CandleContext, Error, Result};
 use crate::replay::{ReplayBatch, ReplayBuffer};
 
@@ -106,7 +107,7 @@ impl DqnLoop {
 
     /// Queues the counters' move after an environment step of `num_envs` accounts into
     /// `replay`, ahead of `minibatches` draws ([`Self::launch_sample`] `0..minibatches`):
-    /// step + 1, ring position and length as [`ReplayBuffer::record_written`] moves them,
+    /// step + 1, ring position and length as [`ReplayBuffer::advance`] moves them,
     /// sample key + `minibatches`.
     pub fn launch_advance(&self, num_envs: usize, replay: &ReplayBuffer, minibatches: u32) -> Result<()> {
         const CTX: &str = "DqnLoop::launch_advance";
@@ -136,7 +137,14 @@ fn load(dev: &CudaDevice, name: &str, ctx: &'static str) -> Result<CudaFunction>
 pub(crate) fn sample_keyed(replay: &ReplayBuffer, batch: usize, seed: u64, key: u64) -> Result<ReplayBatch> {
     const CTX: &str = "ReplayBuffer::sample_keyed";
     let dev = cuda_device(replay.device(), "replay", CTX)?;
-    let out = ReplayBatch::alloc(batch, replay.device(), CTX)?;
+    // Uninitialised: the kernel writes every element.
+    let out = ReplayBatch {
+        states: alloc_tensor::<f32>(dev, &[batch, OBS_DIM], CTX)?,
+        actions: alloc_tensor::<u32>(dev, &[batch], CTX)?,
+        rewards: alloc_tensor::<f32>(dev, &[batch], CTX)?,
+        next_states: alloc_tensor::<f32>(dev, &[batch, OBS_DIM], CTX)?,
+        dones: alloc_tensor::<f32>(dev, &[batch], CTX)?,
+    };
     let func = load(dev, "fx_replay_sample", CTX)?;
     launch_sample(&func, replay, None, replay.len() as u64, key, seed, &out)?;
     Ok(out)
@@ -159,10 +167,7 @@ fn launch_sample(
     if b == 0 || b > u32::MAX as usize {
         return Err(Error::shape("out", CTX, "1..2^32 rows", format!("{b} rows")));
     }
-    let Device::Cuda(dev) = replay.device() else {
-        return Err(Error::Device { what: "replay", expected: "a CUDA device".into(), context: CTX });
-    };
-    let s = dev.cuda_stream();
+    let s = cuda_device(replay.device(), "replay", CTX)?.cuda_stream();
     let p = |t: &Tensor, what| dev_ptr::<f32>(t, &s, what, CTX);
     let (rs, rr, rs2, rd) = (
         p(&replay.states, "replay.states")?,
@@ -183,7 +188,7 @@ fn launch_sample(
     let mut l = s.launch_builder(func);
     l.arg(&p_loop).arg(&len).arg(&key).arg(&key_offset).arg(&seed).arg(&stream_id).arg(&b32);
     l.arg(&rs).arg(&ra).arg(&rr).arg(&rs2).arg(&rd).arg(&os).arg(&oa).arg(&or).arg(&os2).arg(&od);
-    let total = b * crate::env::OBS_DIM;
+    let total = b * OBS_DIM;
     let grid = total.div_ceil(SAMPLE_BLOCK as usize).clamp(1, SAMPLE_MAX_GRID) as u32;
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (SAMPLE_BLOCK, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: arguments match fx_replay_sample; `out` was checked to hold b rows of the

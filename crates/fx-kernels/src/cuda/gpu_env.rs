@@ -366,7 +366,7 @@ impl GpuTradingEnv {
     /// step count, computed there), the post-reset states written into `obs` (`[E, 56]` f32)
     /// and the rewards and done flags into `reward` and `done` (`[E]` f32). Nothing on the
     /// host moves: after [`DqnLoop::launch_advance`] the caller mirrors the step with
-    /// [`ReplayBuffer::record_written`].
+    /// [`ReplayBuffer::advance`].
     pub fn collect_dqn_looped(
         &self,
         q: &Tensor,

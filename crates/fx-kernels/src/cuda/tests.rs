@@ -203,7 +203,7 @@ fn looped_collection_and_sampling_match_cpu() {
         let qg = qc.to_device(&dev).expect("q");
         gpu.collect_dqn_looped(&qg, sched, &lp, &rg, &obs, &rew, &done).expect("collect");
         lp.launch_advance(e, &rg, 2).expect("advance");
-        rg.record_written(e);
+        rg.advance(e);
         assert_close(&host_f32(&obs), &host_f32(&c.obs), 1e-6, "looped obs");
         assert_close(&host_f32(&rew), &host_f32(&c.reward), 1e-6, "looped reward");
         assert_eq!(host_f32(&done), host_f32(&c.done), "looped done, step {k}");
