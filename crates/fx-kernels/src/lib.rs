@@ -43,6 +43,7 @@ pub mod dropout;
 pub mod env;
 mod error;
 pub mod gae;
+pub mod gemm;
 pub mod mlp_cpu;
 pub mod mlp_ref;
 pub mod optim_ref;
@@ -51,6 +52,7 @@ pub mod rng;
 pub mod rollout;
 pub mod schedule;
 pub mod select;
+pub mod tft_ops;
 pub mod vec_env;
 
 #[cfg(test)]

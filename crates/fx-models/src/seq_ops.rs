@@ -210,6 +210,16 @@ impl DropoutRng {
         self.step.slice_set(&next, 0, 0)
     }
 
+    /// The generator's seed (fused training steps draw the same masks in their kernels).
+    pub(crate) fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The step counter: one U32 on the parameters' device.
+    pub(crate) fn step_tensor(&self) -> &Tensor {
+        &self.step
+    }
+
     /// Restarts the call numbers without advancing (a dry run of a step).
     pub fn restart_calls(&self) {
         self.calls.set(0);

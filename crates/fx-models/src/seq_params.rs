@@ -248,6 +248,19 @@ impl ParamStore {
         }
         Ok(out)
     }
+
+    /// Gradients given in [`ParamStore::vars`] order (a fused step's), under the spec names.
+    pub fn named_grads_in_order(&self, grads: &[Tensor]) -> Result<BTreeMap<String, Tensor>> {
+        if grads.len() != self.entries.len() {
+            let (want, got) = (self.entries.len(), grads.len());
+            return Err(Error::shape("grads", "ParamStore::named_grads_in_order", want, got));
+        }
+        let mut out = BTreeMap::new();
+        for (e, g) in self.entries.iter().zip(grads) {
+            split_into(&mut out, &e.names, g).ctx("ParamStore::named_grads_in_order")?;
+        }
+        Ok(out)
+    }
 }
 
 fn stacked_pattern(names: &[String]) -> String {

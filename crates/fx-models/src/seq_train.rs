@@ -112,6 +112,26 @@ pub trait SeqTask {
     }
     /// The parameters.
     fn params(&self) -> &ParamStore;
+    /// The model's fused training step for batches of `batch` windows at `precision`
+    /// (forward, loss and backward on preallocated device buffers, without candle's
+    /// autograd), when it has one for these shapes; `Err` says why not in one line, and the
+    /// trainer then captures candle's step instead.
+    #[cfg(feature = "cuda")]
+    fn fused_step(&self, _batch: usize, _precision: Precision) -> Result<Box<dyn FusedSeqStep>> {
+        Err(Error::config("SeqTask::fused_step", "no fused step for this model"))
+    }
+}
+
+/// A sequence model's training step without candle's autograd (CUDA): queues forward, loss
+/// and backward for one batch of the size it was built for, reads nothing back, and returns
+/// the loss and one gradient per parameter in `params().vars()` order, in buffers it reuses
+/// (so a CUDA graph captures it).
+#[cfg(feature = "cuda")]
+pub trait FusedSeqStep {
+    /// Windows per batch it was built for.
+    fn batch_size(&self) -> usize;
+    /// Loss and gradients of `inputs` against `target` (a [`SeqBatch`]'s), dropout from `rng`.
+    fn loss_and_grads(&self, inputs: &[Tensor], target: &Tensor, rng: &DropoutRng) -> Result<(Tensor, Vec<Tensor>)>;
 }
 
 fn tensor(v: Vec<f32>, shape: &[usize], device: &Device) -> Result<Tensor> {
@@ -180,6 +200,15 @@ impl SeqTask for Tft {
 
     fn params(&self) -> &ParamStore {
         Tft::params(self)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn fused_step(&self, batch: usize, precision: Precision) -> Result<Box<dyn FusedSeqStep>> {
+        if precision != Precision::F32 {
+            return Err(Error::config("Tft fused step", format!("{precision:?} (the fused TFT step runs F32)")));
+        }
+        let k = fx_kernels::cuda::tft::CudaTft::new(self.params().device()).ctx("Tft fused step")?;
+        Ok(Box::new(crate::tft::fused::TftFused::new(k, self, batch)?))
     }
 }
 
@@ -570,6 +599,10 @@ pub struct SeqTrainer {
     /// takes over the optimiser state from `opt` and holds it until the state is saved.
     #[cfg(feature = "cuda")]
     graph: crate::graph_update::GraphSlot,
+    /// The model's fused step the captured graph runs (its buffers live as long as the
+    /// graph); None when the graph captures candle's step.
+    #[cfg(feature = "cuda")]
+    fused_seq: Option<Box<dyn FusedSeqStep>>,
 }
 
 /// Stream mixed into the seed of the dropout generator (distinct from the sampler's).
@@ -608,6 +641,8 @@ impl SeqTrainer {
             batch_seconds: 0.0,
             #[cfg(feature = "cuda")]
             graph: Default::default(),
+            #[cfg(feature = "cuda")]
+            fused_seq: None,
         })
     }
 
@@ -624,7 +659,7 @@ impl SeqTrainer {
         if self.graph_ready(task, batch)? {
             let g = self.graph.get(CTX)?;
             g.fused().set_learning_rate(lr).ctx(CTX)?;
-            let mut body = graph_body(task, &self.rng, &self.cfg);
+            let mut body = graph_body(task, &self.rng, &self.cfg, self.fused_seq.as_deref());
             g.run(&graph_inputs(batch), &mut body)?;
             self.step += 1;
             if !read_loss {
@@ -658,6 +693,22 @@ impl SeqTrainer {
         if let Some(ready) = self.graph.decided(self.cfg.graph, task.params().device().is_cuda()) {
             return Ok(ready);
         }
+        if self.fused_seq.is_none() {
+            let name = task.params().model_name();
+            let made = if self.cfg.checkpoint {
+                Err(Error::config("SeqTrainer", "activation checkpointing is on (it needs candle's segments)"))
+            } else {
+                example
+                    .target
+                    .dim(0)
+                    .ctx("SeqTrainer::graph_ready")
+                    .and_then(|b| task.fused_step(b, self.cfg.precision))
+            };
+            match made {
+                Ok(f) => self.fused_seq = Some(f),
+                Err(e) => eprintln!("note: the {name} step is captured from candle's autograd (no fused step: {e})"),
+            }
+        }
         let captured = self.capture_graph(task, example);
         self.graph.settle(self.cfg.graph, task.params().model_name(), captured)
     }
@@ -672,7 +723,7 @@ impl SeqTrainer {
             fx_precision::FusedStep::new(task.params().named_vars(), &adamw, &scaler, Some(self.cfg.clip_norm))
                 .ctx(CTX)?;
         fused.load_optimizer(&self.opt).ctx(CTX)?;
-        let mut body = graph_body(task, &self.rng, &self.cfg);
+        let mut body = graph_body(task, &self.rng, &self.cfg, self.fused_seq.as_deref());
         let inputs = graph_inputs(example);
         crate::graph_update::GraphUpdate::capture(fused, &inputs, &mut body)
     }
@@ -918,15 +969,26 @@ fn graph_body<'a>(
     task: &'a impl SeqTask,
     rng: &'a DropoutRng,
     cfg: &'a SeqTrainConfig,
+    fused_seq: Option<&'a dyn FusedSeqStep>,
 ) -> Box<crate::graph_update::Body<'a>> {
     Box::new(move |fused, t, dry| {
         const CTX: &str = "SeqTrainer graph body";
         let (target, inputs) = t.split_last().ok_or_else(|| Error::config(CTX, "no inputs"))?;
-        let batch = SeqBatch { inputs: inputs.to_vec(), target: target.clone(), last_value: target.clone() };
         rng.restart_calls();
-        let c = Ctx::train(cfg.precision).with_rng(rng);
-        let (loss, grads) = task.loss_and_grads(&c, &batch, cfg.checkpoint)?;
-        fused.step(&loss, &grads, &[], dry).ctx(CTX)?;
+        match fused_seq {
+            // A short last batch (not the fused step's size) runs candle's step.
+            Some(f) if target.dim(0).ok() == Some(f.batch_size()) => {
+                let (loss, grads) = f.loss_and_grads(inputs, target, rng)?;
+                let grads: Vec<&Tensor> = grads.iter().collect();
+                fused.step_with(&loss, &grads, &[], dry).ctx(CTX)?;
+            }
+            _ => {
+                let batch = SeqBatch { inputs: inputs.to_vec(), target: target.clone(), last_value: target.clone() };
+                let c = Ctx::train(cfg.precision).with_rng(rng);
+                let (loss, grads) = task.loss_and_grads(&c, &batch, cfg.checkpoint)?;
+                fused.step(&loss, &grads, &[], dry).ctx(CTX)?;
+            }
+        }
         if dry {
             rng.restart_calls();
             Ok(())

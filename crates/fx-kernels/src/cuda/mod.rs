@@ -7,6 +7,7 @@
 //! candle device's single stream and cudarc frees memory stream-ordered (or after a
 //! stream sync), so a tensor dropped right after a launch is freed after the kernel.
 
+pub mod blas;
 pub(crate) mod dqn_loop;
 pub mod dropout;
 mod gpu_env;
@@ -14,11 +15,14 @@ mod launch;
 pub mod mlp;
 pub mod mlp_train;
 pub mod optim;
+pub mod tft;
 
 #[cfg(test)]
 mod optim_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tft_tests;
 
 pub use dqn_loop::{DqnLoop, DqnLoopCounters};
 pub use gpu_env::{
@@ -51,6 +55,11 @@ pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST
 pub(crate) const PTX_DROPOUT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/dropout.ptx"));
 /// PTX of `kernels/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
 pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/optim.ptx"));
+
+/// PTX of `kernels/tft.cu` (the TFT's fused training-step kernels).
+pub(crate) const PTX_TFT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/tft.ptx"));
+/// PTX of `kernels/lstm.cu` (one LSTM step, forward and backward).
+pub(crate) const PTX_LSTM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/lstm.ptx"));
 
 /// PTX of `kernels/replay.cu` (keyed replay sampling, the DQN loop's device counters).
 pub(crate) const PTX_REPLAY: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/replay.ptx"));

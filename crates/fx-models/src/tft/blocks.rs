@@ -10,8 +10,8 @@ use candle_core::Result;
 /// `Linear(i→o)` with bias, PyTorch layout.
 #[derive(Debug, Clone)]
 pub(crate) struct Lin {
-    w: Var,
-    b: Var,
+    pub(super) w: Var,
+    pub(super) b: Var,
 }
 
 impl Lin {
@@ -31,8 +31,8 @@ impl Lin {
 /// `n` Linear(i→o) layers, one per variable, held as `w [n, o, i]`, `b [n, o]`.
 #[derive(Debug, Clone)]
 pub(crate) struct StackedLin {
-    w: Var,
-    b: Var,
+    pub(super) w: Var,
+    pub(super) b: Var,
 }
 
 impl StackedLin {
@@ -72,9 +72,9 @@ impl StackedLin {
 /// LayerNorm(o) with weight and bias.
 #[derive(Debug, Clone)]
 pub(crate) struct Ln {
-    w: Var,
-    b: Var,
-    eps: f64,
+    pub(super) w: Var,
+    pub(super) b: Var,
+    pub(super) eps: f64,
 }
 
 impl Ln {
@@ -94,8 +94,8 @@ impl Ln {
 /// `GLU(i→o)`: `sigmoid(fc4(x)) ⊙ fc5(x)`.
 #[derive(Debug, Clone)]
 pub(crate) struct Glu {
-    fc4: Lin,
-    fc5: Lin,
+    pub(super) fc4: Lin,
+    pub(super) fc5: Lin,
 }
 
 impl Glu {
@@ -111,12 +111,12 @@ impl Glu {
 /// `GRN(i→o, hidden d)`: `out = norm(skip(x) + glu(dropout(fc2(ELU(fc1(x))))))`.
 #[derive(Debug, Clone)]
 pub(crate) struct Grn {
-    fc1: Lin,
-    fc2: Lin,
-    glu: Glu,
-    norm: Ln,
-    skip: Option<Lin>,
-    dropout: f64,
+    pub(super) fc1: Lin,
+    pub(super) fc2: Lin,
+    pub(super) glu: Glu,
+    pub(super) norm: Ln,
+    pub(super) skip: Option<Lin>,
+    pub(super) dropout: f64,
 }
 
 impl Grn {
@@ -153,14 +153,14 @@ impl Grn {
 /// `n` GRN(d→d), one per variable, evaluated as batched matmuls on `[n, M, d]`.
 #[derive(Debug, Clone)]
 pub(crate) struct StackedGrn {
-    fc1: StackedLin,
-    fc2: StackedLin,
-    fc4: StackedLin,
-    fc5: StackedLin,
-    norm_w: Var,
-    norm_b: Var,
-    eps: f64,
-    dropout: f64,
+    pub(super) fc1: StackedLin,
+    pub(super) fc2: StackedLin,
+    pub(super) fc4: StackedLin,
+    pub(super) fc5: StackedLin,
+    pub(super) norm_w: Var,
+    pub(super) norm_b: Var,
+    pub(super) eps: f64,
+    pub(super) dropout: f64,
 }
 
 impl StackedGrn {
@@ -193,11 +193,11 @@ impl StackedGrn {
 /// Per-variable embeddings followed by a variable selection network.
 #[derive(Debug, Clone)]
 pub(crate) struct EmbedVsn {
-    embed: StackedLin,
-    flat: Grn,
-    vars: StackedGrn,
-    n: usize,
-    d: usize,
+    pub(super) embed: StackedLin,
+    pub(super) flat: Grn,
+    pub(super) vars: StackedGrn,
+    pub(super) n: usize,
+    pub(super) d: usize,
 }
 
 impl EmbedVsn {
@@ -234,11 +234,11 @@ impl EmbedVsn {
 /// Single-layer batch-first LSTM with PyTorch's parameter layout, gate order i, f, g, o.
 #[derive(Debug, Clone)]
 pub(crate) struct Lstm {
-    w_ih: Var,
-    w_hh: Var,
-    b_ih: Var,
-    b_hh: Var,
-    d: usize,
+    pub(super) w_ih: Var,
+    pub(super) w_hh: Var,
+    pub(super) b_ih: Var,
+    pub(super) b_hh: Var,
+    pub(super) d: usize,
 }
 
 impl Lstm {
@@ -282,12 +282,12 @@ impl Lstm {
 /// projection, heads averaged before `out`.
 #[derive(Debug, Clone)]
 pub(crate) struct InterpretableMha {
-    q: StackedLin,
-    k: StackedLin,
-    v: Lin,
-    out: Lin,
-    n_head: usize,
-    dk: usize,
+    pub(super) q: StackedLin,
+    pub(super) k: StackedLin,
+    pub(super) v: Lin,
+    pub(super) out: Lin,
+    pub(super) n_head: usize,
+    pub(super) dk: usize,
 }
 
 impl InterpretableMha {

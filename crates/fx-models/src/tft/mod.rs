@@ -8,6 +8,7 @@
 //! (see [`crate::seq_params`]).
 
 mod blocks;
+pub(crate) mod fused;
 #[cfg(test)]
 mod tests;
 

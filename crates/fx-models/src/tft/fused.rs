@@ -1,0 +1,1212 @@
+//! The TFT training step without candle's autograd: forward, pinball loss and backward
+//! written out once over [`TftBackend`] (`fx_kernels::tft_ops`), on buffers allocated up front.
+//!
+//! candle's tape made a TFT step ~24,000 small kernels (every backward op allocates a zero
+//! gradient and adds into it), so even captured as one CUDA graph it was launch-bound
+//! (~140 ms at batch 256 on an H200). Here a step is ~70 GEMMs (the 55 per-variable GRNs of
+//! the encoder's variable selection as strided-batched GEMMs), one launch per LSTM step and
+//! a few dozen fused element-wise kernels; nothing is read back, so the step captures as a
+//! graph of a few hundred nodes.
+//!
+//! The same code runs on the CPU reference backend (`CpuTft`), which is how it is tested:
+//! loss and every gradient against [`Tft::loss_and_grads`] (candle's autograd), dropout
+//! included — the kernels draw the counter-based masks of `fx_kernels::dropout` at the same
+//! indices as the candle step. Rows are time-major (`step · B + b`), so LSTM step `t` is one
+//! contiguous block of rows and the decoder's rows follow the encoder's.
+//!
+//! Matmuls run in F32 (the candle step's `Precision::F32`); activations, norms and
+//! gradients are F32 throughout.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor, TensorId, Var};
+use fx_kernels::gemm::Gemm;
+use fx_kernels::tft_ops::{
+    partials_len, Act, Addr, Attn, AttnGrads, BiasAct, DropoutSite, Embed, EmbedGrads, GluLn, GluLnGrads, Lstm,
+    LstmGrads, Pack, Pinball, TftBackend, VsnMix, VsnMixGrads, MAX_ATTN_SCORES, MAX_ATTN_STEPS, MAX_HEAD_DIM,
+    MAX_NORM_WIDTH,
+};
+
+use super::blocks::{EmbedVsn, Glu, Grn, Lin, Ln};
+use super::Tft;
+use crate::error::{Context, Error, Result};
+use crate::seq_ops::DropoutRng;
+
+const CTX: &str = "TftFused";
+
+/// Dropout call numbers within a step, in the order the candle forward makes them.
+mod call {
+    pub(super) const ENC_FLAT: u64 = 0;
+    pub(super) const ENC_VARS: u64 = 1;
+    pub(super) const DEC_FLAT: u64 = 2;
+    pub(super) const DEC_VARS: u64 = 3;
+    pub(super) const POST_LSTM: u64 = 4;
+    pub(super) const ENRICH: u64 = 5;
+    pub(super) const POST_ATTN: u64 = 6;
+    pub(super) const FF: u64 = 7;
+}
+
+/// `y[rows, o] = x[rows, i] · wᵀ` (`w [o, i]`).
+fn lin(x: Addr, w: Addr, y: Addr, rows: usize, i: usize, o: usize) -> Gemm {
+    Gemm::new(false, true, rows, o, i, x, w, y)
+}
+
+/// `gw[o, i] = dyᵀ · x` (`dy [rows, o]`, `x [rows, i]`).
+fn grad_w(dy: Addr, x: Addr, gw: Addr, rows: usize, i: usize, o: usize) -> Gemm {
+    Gemm::new(true, false, o, i, rows, dy, x, gw)
+}
+
+/// `dx[rows, i] = dy · w` (`dy [rows, o]`, `w [o, i]`).
+fn grad_x(dy: Addr, w: Addr, dx: Addr, rows: usize, i: usize, o: usize) -> Gemm {
+    Gemm::new(false, false, rows, i, o, dy, w, dx)
+}
+
+/// `g[cols] = Σ_rows x[rows, cols]` through a `[1, rows]` row of ones.
+fn col_sums(x: Addr, ones: Addr, g: Addr, rows: usize, cols: usize) -> Gemm {
+    Gemm::new(false, false, 1, cols, rows, ones, x, g)
+}
+
+/// A variable selection network's buffers (`m` rows of `n` variables).
+struct VsnBufs {
+    m: usize,
+    n: usize,
+    steps: usize,
+    raw: Addr,
+    emb: Addr,
+    a1f: Addr,
+    a2f: Addr,
+    g4f: Addr,
+    g5f: Addr,
+    sf: Addr,
+    wsel: Addr,
+    stats_f: Addr,
+    a1v: Addr,
+    a2v: Addr,
+    g4v: Addr,
+    g5v: Addr,
+    stats_v: Addr,
+    demb: Addr,
+    dwsel: Addr,
+    dsf: Addr,
+    t1: Addr,
+    part_f: Addr,
+    part_v: Addr,
+    part_e: Addr,
+}
+
+/// A GLU + add & norm's buffers (`rows × d`).
+struct GluBufs {
+    g4: Addr,
+    g5: Addr,
+    out: Addr,
+    stats: Addr,
+    part: Addr,
+}
+
+/// A GRN(d → d)'s buffers: its hidden layers and its GLU + add & norm.
+struct GrnBufs {
+    a1: Addr,
+    a2: Addr,
+    glu: GluBufs,
+}
+
+/// Buffers and shapes of the fused step at one batch size; see the module docs.
+pub(crate) struct TftFused<K: TftBackend> {
+    k: K,
+    /// The model (sharing its parameters' storage, which optimisers update in place, so
+    /// their addresses hold for the life of the buffers and any graph captured over them).
+    model: Tft,
+    batch: usize,
+    l: usize,
+    h: usize,
+    d: usize,
+    n_head: usize,
+    eps: f32,
+    dropout: f64,
+    enc: VsnBufs,
+    dec: VsnBufs,
+    /// `[T·B, d]` VSN outputs (encoder rows, then decoder rows) and their gradient.
+    x: Addr,
+    dx: Addr,
+    /// LSTM: `x · W_ihᵀ` (reused for the gate gradients), `h`, `c`, activated gates, carried `dc`.
+    xg: Addr,
+    hs: Addr,
+    cs: Addr,
+    gates: Addr,
+    dc: Addr,
+    /// Post-LSTM: dropped LSTM output (then its gradient) and the gated skip φ.
+    hd: Addr,
+    post: GluBufs,
+    dphi: Addr,
+    enrich: GrnBufs,
+    denr: Addr,
+    q: Addr,
+    kk: Addr,
+    v: Addr,
+    attn: Addr,
+    avg: Addr,
+    ao: Addr,
+    davg: Addr,
+    dq: Addr,
+    dk: Addr,
+    dv: Addr,
+    post_attn: GluBufs,
+    dx2: Addr,
+    ff: GrnBufs,
+    pre: GluBufs,
+    out: Addr,
+    dout: Addr,
+    dx4: Addr,
+    loss: Addr,
+    /// Gradients, one flat buffer in the model's parameter order.
+    slots: HashMap<TensorId, Addr>,
+    order: Vec<(Addr, Vec<usize>)>,
+    ones: Tensor,
+    quantiles: Tensor,
+}
+
+impl<K: TftBackend> std::fmt::Debug for TftFused<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TftFused(batch {})", self.batch)
+    }
+}
+
+fn kerr(e: fx_kernels::Error) -> Error {
+    Error::Kernels { context: CTX, source: Box::new(e) }
+}
+
+/// The dropout sites of one step: the generator and the probability (None: no dropout).
+#[derive(Clone, Copy)]
+struct Drop {
+    seed: u64,
+    step: Addr,
+    p: f64,
+    batch: usize,
+}
+
+impl Drop {
+    fn site(this: Option<Drop>, call: u64, steps: usize) -> Option<DropoutSite> {
+        this.map(|d| DropoutSite {
+            seed: d.seed,
+            call,
+            step: d.step,
+            p: d.p,
+            scale: fx_kernels::dropout::keep_scale(d.p),
+            batch: d.batch,
+            steps,
+        })
+    }
+}
+
+impl<K: TftBackend> TftFused<K> {
+    /// Buffers on backend `k` for batches of `batch` windows of `model`; fails with a
+    /// one-line error for shapes beyond the kernels' limits (the caller then keeps the
+    /// candle step).
+    pub(crate) fn new(mut k: K, model: &Tft, batch: usize) -> Result<Self> {
+        let c = model.config();
+        let (l, h, d, nh) = (c.l_enc, c.h, c.d, c.n_head);
+        let (ne, nd, steps) = (c.n_observed + c.n_known, c.n_known, c.l_enc + c.h);
+        let dk = d / nh.max(1);
+        let fits = batch > 0
+            && l >= 2
+            && d >= 2
+            && d <= MAX_NORM_WIDTH
+            && ne <= MAX_NORM_WIDTH
+            && nd >= 1
+            && steps <= MAX_ATTN_STEPS
+            && dk <= MAX_HEAD_DIM
+            && nh * h * steps <= MAX_ATTN_SCORES
+            && !c.quantiles.is_empty();
+        if !fits {
+            return Err(Error::config(
+                CTX,
+                format!(
+                    "batch {batch}, L_enc {l}, H {h}, d {d}, {ne} variables, head width {dk}: beyond the fused \
+                     kernels (d and variables ≤ {MAX_NORM_WIDTH}, L_enc + H ≤ {MAX_ATTN_STEPS}, head ≤ \
+                     {MAX_HEAD_DIM}, L_enc ≥ 2)"
+                ),
+            ));
+        }
+        let dev = model.params().device().clone();
+        let (me, md, mt) = (l * batch, h * batch, steps * batch);
+        let nq = c.quantiles.len();
+        let mut al = |n: usize| k.alloc(n.max(1)).map_err(kerr);
+        let mut vsn = |m: usize, n: usize, steps: usize| -> Result<VsnBufs> {
+            Ok(VsnBufs {
+                m,
+                n,
+                steps,
+                raw: al(m * n)?,
+                emb: al(m * n * d)?,
+                a1f: al(m * d)?,
+                a2f: al(m * d)?,
+                g4f: al(m * n)?,
+                g5f: al(m * n)?,
+                sf: al(m * n)?,
+                wsel: al(m * n)?,
+                stats_f: al(m * 2)?,
+                a1v: al(n * m * d)?,
+                a2v: al(n * m * d)?,
+                g4v: al(n * m * d)?,
+                g5v: al(n * m * d)?,
+                stats_v: al(n * m * 2)?,
+                demb: al(m * n * d)?,
+                dwsel: al(m * n)?,
+                dsf: al(m * n)?,
+                t1: al(m * d)?,
+                part_f: al(partials_len(1, m, n))?,
+                part_v: al(partials_len(n, m, d))?,
+                part_e: al(partials_len(n, m, d))?,
+            })
+        };
+        let enc = vsn(me, ne, l)?;
+        let dec = vsn(md, nd, h)?;
+        let mut glu = |rows: usize| -> Result<GluBufs> {
+            Ok(GluBufs {
+                g4: al(rows * d)?,
+                g5: al(rows * d)?,
+                out: al(rows * d)?,
+                stats: al(rows * 2)?,
+                part: al(partials_len(1, rows, d))?,
+            })
+        };
+        let post = glu(mt)?;
+        let enrich_glu = glu(mt)?;
+        let post_attn = glu(md)?;
+        let ff_glu = glu(md)?;
+        let pre = glu(md)?;
+        let mut al = |n: usize| k.alloc(n.max(1)).map_err(kerr);
+        let enrich = GrnBufs { a1: al(mt * d)?, a2: al(mt * d)?, glu: enrich_glu };
+        let ff = GrnBufs { a1: al(md * d)?, a2: al(md * d)?, glu: ff_glu };
+        let (x, dx, xg, hs, cs, gates, dc) =
+            (al(mt * d)?, al(mt * d)?, al(mt * 4 * d)?, al(mt * d)?, al(mt * d)?, al(mt * 4 * d)?, al(batch * d)?);
+        let (hd, dphi, denr) = (al(mt * d)?, al(mt * d)?, al(mt * d)?);
+        let w = nh * dk;
+        let (q, kk, v, attn) = (al(md * w)?, al(mt * w)?, al(mt * dk)?, al(batch * nh * h * steps)?);
+        let (avg, ao, davg, dq, dkb, dv) =
+            (al(md * dk)?, al(md * d)?, al(md * dk)?, al(md * w)?, al(mt * w)?, al(mt * dk)?);
+        let (dx2, out, dout, dx4, loss) = (al(md * d)?, al(md * nq)?, al(md * nq)?, al(md * d)?, al(1)?);
+        let vars = model.params().vars();
+        let total: usize = vars.iter().map(|v| v.elem_count()).sum();
+        let flat = al(total)?;
+        let (mut slots, mut order, mut off) = (HashMap::new(), Vec::with_capacity(vars.len()), 0usize);
+        for var in &vars {
+            let a = flat + (off * 4) as Addr;
+            slots.insert(var.id(), a);
+            order.push((a, var.dims().to_vec()));
+            off += var.elem_count();
+        }
+        let ones = Tensor::ones(mt, DType::F32, &dev).ctx(CTX)?;
+        let qs: Vec<f32> = c.quantiles.iter().map(|&q| q as f32).collect();
+        let quantiles = Tensor::from_vec(qs, nq, &dev).ctx(CTX)?;
+        Ok(Self {
+            k,
+            model: model.clone(),
+            batch,
+            l,
+            h,
+            d,
+            n_head: nh,
+            eps: c.ln_eps as f32,
+            dropout: c.dropout,
+            enc,
+            dec,
+            x,
+            dx,
+            xg,
+            hs,
+            cs,
+            gates,
+            dc,
+            hd,
+            post,
+            dphi,
+            enrich,
+            denr,
+            q,
+            kk,
+            v,
+            attn,
+            avg,
+            ao,
+            davg,
+            dq,
+            dk: dkb,
+            dv,
+            post_attn,
+            dx2,
+            ff,
+            pre,
+            out,
+            dout,
+            dx4,
+            loss,
+            slots,
+            order,
+            ones,
+            quantiles,
+        })
+    }
+
+    fn p(&self, v: &Var) -> Result<Addr> {
+        self.k.addr_of(v.as_tensor(), "parameter").map_err(kerr)
+    }
+
+    fn g(&self, v: &Var) -> Result<Addr> {
+        self.slots.get(&v.id()).copied().ok_or_else(|| Error::config(CTX, "a parameter of another model"))
+    }
+
+    /// Queues the forward, the mean pinball loss and the backward of `observed [B, L_enc,
+    /// n_obs]`, `known [B, L_enc + H, n_known]` against `target [B, H]` (contiguous F32 on the
+    /// backend's device), with dropout drawn from `rng` (None: no dropout). Returns the loss
+    /// (F32 scalar) and one gradient per parameter in `model.params().vars()` order. Reads
+    /// nothing back and allocates nothing on the device; a second call overwrites the same
+    /// buffers.
+    pub(crate) fn loss_and_grads(
+        &self,
+        observed: &Tensor,
+        known: &Tensor,
+        target: &Tensor,
+        rng: Option<&DropoutRng>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let model = &self.model;
+        let c = model.config();
+        let (b, l, h) = (self.batch, self.l, self.h);
+        let want = [
+            ("observed", observed, vec![b, l, c.n_observed]),
+            ("known", known, vec![b, l + h, c.n_known]),
+            ("target", target, vec![b, h]),
+        ];
+        for (what, t, dims) in &want {
+            if t.dims() != dims.as_slice() || t.dtype() != DType::F32 {
+                return Err(Error::shape(
+                    what,
+                    CTX,
+                    format!("F32 {dims:?}"),
+                    format!("{:?} {:?}", t.dtype(), t.dims()),
+                ));
+            }
+        }
+        let drop = match rng {
+            Some(r) if self.dropout > 0.0 => Some(Drop {
+                seed: r.seed(),
+                step: self.k.addr_of(r.step_tensor(), "dropout step").map_err(kerr)?,
+                p: self.dropout,
+                batch: b,
+            }),
+            _ => None,
+        };
+        let inputs = [observed, known, target].map(|t| t.contiguous());
+        let [observed, known, target] = inputs;
+        let (observed, known, target) = (observed.ctx(CTX)?, known.ctx(CTX)?, target.ctx(CTX)?);
+        let addr = |t: &Tensor| self.k.addr_of(t, "input").map_err(kerr);
+        // SAFETY: every address is a buffer allocated in `new` for these shapes, a parameter
+        // of `model` (checked through its gradient slot) or an input checked above; all stay
+        // alive until the backend ran the work (CPU: now; CUDA: candle frees stream-ordered).
+        unsafe {
+            self.forward(model, addr(&observed)?, addr(&known)?, drop)?;
+            let a = Pinball {
+                batch: b,
+                h,
+                nq: c.quantiles.len(),
+                out: self.out,
+                bias: self.p(&model.head.b)?,
+                target: addr(&target)?,
+                quantiles: addr(&self.quantiles)?,
+                loss: self.loss,
+                dout: self.dout,
+            };
+            self.k.pinball(&a).map_err(kerr)?;
+            self.backward(model, drop)?;
+        }
+        let loss = self.k.tensor_at(self.loss, &[]).map_err(kerr)?;
+        let grads =
+            self.order.iter().map(|(a, dims)| self.k.tensor_at(*a, dims).map_err(kerr)).collect::<Result<Vec<_>>>()?;
+        Ok((loss, grads))
+    }
+
+    unsafe fn gemm(&self, g: Gemm) -> Result<()> {
+        unsafe { self.k.gemm(&g) }.map_err(kerr)
+    }
+
+    fn ones(&self) -> Result<Addr> {
+        self.k.addr_of(&self.ones, "ones").map_err(kerr)
+    }
+
+    /// Multiplies `[rows, d]` at `a` by the dropout mask of `site` in place (the forward of
+    /// a dropout whose input is a copy, and every dropout's backward); nothing without one.
+    unsafe fn apply_mask(&self, a: Addr, rows: usize, site: Option<DropoutSite>) -> Result<()> {
+        if site.is_none() {
+            return Ok(());
+        }
+        let m = BiasAct { y: a, bias: 0, rows, cols: self.d, rows_per_group: rows, act: Act::None, dropout: site };
+        unsafe { self.k.act_bwd(&m, a) }.map_err(kerr)
+    }
+
+    /// `y = x · Wᵀ + b` with the bias (and ELU or dropout) applied by one epilogue kernel.
+    unsafe fn linear(
+        &self,
+        lin_: &Lin,
+        x: Addr,
+        y: Addr,
+        rows: usize,
+        i: usize,
+        o: usize,
+        act: Act,
+        dropout: Option<DropoutSite>,
+    ) -> Result<()> {
+        unsafe {
+            self.gemm(lin(x, self.p(&lin_.w)?, y, rows, i, o))?;
+            let a = BiasAct { y, bias: self.p(&lin_.b)?, rows, cols: o, rows_per_group: rows, act, dropout };
+            self.k.bias_act(&a).map_err(kerr)
+        }
+    }
+
+    /// Backward of [`Self::linear`] given `dy` (already through the epilogue): weight and
+    /// bias gradients, and `dx` (written, or added with `acc`; skipped when 0).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn linear_bwd(
+        &self,
+        lin_: &Lin,
+        x: Addr,
+        dy: Addr,
+        dx: Addr,
+        acc: bool,
+        rows: usize,
+        i: usize,
+        o: usize,
+    ) -> Result<()> {
+        unsafe {
+            self.gemm(grad_w(dy, x, self.g(&lin_.w)?, rows, i, o))?;
+            self.gemm(col_sums(dy, self.ones()?, self.g(&lin_.b)?, rows, o))?;
+            if dx != 0 {
+                let g = grad_x(dy, self.p(&lin_.w)?, dx, rows, i, o);
+                self.gemm(if acc { g.accumulate() } else { g })?;
+            }
+            Ok(())
+        }
+    }
+
+    fn glu_args(&self, glu: &Glu, norm: &Ln, bufs: &GluBufs, res: Addr, rows: usize) -> Result<GluLn> {
+        Ok(GluLn {
+            rows,
+            o: self.d,
+            g4: bufs.g4,
+            b4: self.p(&glu.fc4.b)?,
+            g5: bufs.g5,
+            b5: self.p(&glu.fc5.b)?,
+            res,
+            res_bias: 0,
+            ln_w: self.p(&norm.w)?,
+            ln_b: self.p(&norm.b)?,
+            eps: self.eps,
+            softmax: false,
+            out: bufs.out,
+            stats: bufs.stats,
+        })
+    }
+
+    /// `out = LN(res + GLU(x))` over `rows × d`.
+    unsafe fn glu_norm(&self, glu: &Glu, norm: &Ln, bufs: &GluBufs, x: Addr, res: Addr, rows: usize) -> Result<()> {
+        let d = self.d;
+        unsafe {
+            self.gemm(lin(x, self.p(&glu.fc4.w)?, bufs.g4, rows, d, d))?;
+            self.gemm(lin(x, self.p(&glu.fc5.w)?, bufs.g5, rows, d, d))?;
+            self.k.glu_ln_fwd(&self.glu_args(glu, norm, bufs, res, rows)?).map_err(kerr)
+        }
+    }
+
+    /// Backward of [`Self::glu_norm`] given `dout`: the residual's gradient into `dres`
+    /// (added with `res_acc`), the GLU's and norm's parameter gradients, and `dx` (written)
+    /// into `dx_into`, which may be `x` itself (read before it is overwritten).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn glu_norm_bwd(
+        &self,
+        glu: &Glu,
+        norm: &Ln,
+        bufs: &GluBufs,
+        x: Addr,
+        res: Addr,
+        rows: usize,
+        dout: Addr,
+        dres: Addr,
+        res_acc: bool,
+        dx_into: Addr,
+    ) -> Result<()> {
+        let d = self.d;
+        let grads = GluLnGrads {
+            dout,
+            dres,
+            res_acc,
+            dg4: bufs.g4,
+            dg5: bufs.g5,
+            partials: bufs.part,
+            dln_w: self.g(&norm.w)?,
+            dln_b: self.g(&norm.b)?,
+        };
+        unsafe {
+            self.k.glu_ln_bwd(&self.glu_args(glu, norm, bufs, res, rows)?, &grads).map_err(kerr)?;
+            self.linear_bwd(&glu.fc4, x, bufs.g4, 0, false, rows, d, d)?;
+            self.linear_bwd(&glu.fc5, x, bufs.g5, 0, false, rows, d, d)?;
+            self.gemm(grad_x(bufs.g4, self.p(&glu.fc4.w)?, dx_into, rows, d, d))?;
+            self.gemm(grad_x(bufs.g5, self.p(&glu.fc5.w)?, dx_into, rows, d, d).accumulate())
+        }
+    }
+
+    /// A GRN(d → d) without skip (`out = LN(x + GLU(drop(fc2(ELU(fc1(x))))))`) over `rows`
+    /// time-major rows of `steps` steps.
+    unsafe fn grn(&self, g: &Grn, bufs: &GrnBufs, x: Addr, rows: usize, site: Option<DropoutSite>) -> Result<()> {
+        let d = self.d;
+        unsafe {
+            self.linear(&g.fc1, x, bufs.a1, rows, d, d, Act::Elu, None)?;
+            self.linear(&g.fc2, bufs.a1, bufs.a2, rows, d, d, Act::None, site)?;
+            self.glu_norm(&g.glu, &g.norm, &bufs.glu, bufs.a2, x, rows)
+        }
+    }
+
+    /// Backward of [`Self::grn`] given `dout`: `dx` gets the residual's gradient (written, or
+    /// added with `acc`) plus fc1's input gradient.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn grn_bwd(
+        &self,
+        g: &Grn,
+        bufs: &GrnBufs,
+        x: Addr,
+        rows: usize,
+        site: Option<DropoutSite>,
+        dout: Addr,
+        dx: Addr,
+        acc: bool,
+    ) -> Result<()> {
+        let d = self.d;
+        unsafe {
+            // d(fc2 output) lands in a2 (its forward value is read first by the GLU's weight
+            // gradients), then through the dropout mask; d(fc1 output) lands in g4 (free by then).
+            self.glu_norm_bwd(&g.glu, &g.norm, &bufs.glu, bufs.a2, x, rows, dout, dx, acc, bufs.a2)?;
+            self.apply_mask(bufs.a2, rows, site)?;
+            self.linear_bwd(&g.fc2, bufs.a1, bufs.a2, bufs.glu.g4, false, rows, d, d)?;
+            let elu =
+                BiasAct { y: bufs.a1, bias: 0, rows, cols: d, rows_per_group: rows, act: Act::Elu, dropout: None };
+            self.k.act_bwd(&elu, bufs.glu.g4).map_err(kerr)?;
+            self.linear_bwd(&g.fc1, x, bufs.glu.g4, dx, true, rows, d, d)
+        }
+    }
+
+    fn flat_args(&self, e: &EmbedVsn, vb: &VsnBufs) -> Result<GluLn> {
+        let f = &e.flat;
+        let skip = f.skip.as_ref().ok_or_else(|| Error::config(CTX, "a flat GRN without skip (d = 1)"))?;
+        Ok(GluLn {
+            rows: vb.m,
+            o: vb.n,
+            g4: vb.g4f,
+            b4: self.p(&f.glu.fc4.b)?,
+            g5: vb.g5f,
+            b5: self.p(&f.glu.fc5.b)?,
+            res: vb.sf,
+            res_bias: self.p(&skip.b)?,
+            ln_w: self.p(&f.norm.w)?,
+            ln_b: self.p(&f.norm.b)?,
+            eps: self.eps,
+            softmax: true,
+            out: vb.wsel,
+            stats: vb.stats_f,
+        })
+    }
+
+    fn mix_args(&self, e: &EmbedVsn, vb: &VsnBufs, out: Addr) -> Result<VsnMix> {
+        let v = &e.vars;
+        Ok(VsnMix {
+            rows: vb.m,
+            n: vb.n,
+            d: self.d,
+            emb: vb.emb,
+            g4: vb.g4v,
+            b4: self.p(&v.fc4.b)?,
+            g5: vb.g5v,
+            b5: self.p(&v.fc5.b)?,
+            ln_w: self.p(&v.norm_w)?,
+            ln_b: self.p(&v.norm_b)?,
+            eps: self.eps,
+            wsel: vb.wsel,
+            out,
+            stats: vb.stats_v,
+        })
+    }
+
+    /// Batched per-variable `y[j] = x[j] · W[j]ᵀ` over `n` variables of `m` rows each; `x`'s
+    /// rows are `x_ld` apart and its variables `x_stride` apart.
+    fn stacked(x: Addr, x_ld: usize, x_stride: usize, w: Addr, y: Addr, n: usize, m: usize, d: usize) -> Gemm {
+        let g = Gemm { lda: x_ld, ..lin(x, w, y, m, d, d) };
+        g.batched(n, x_stride, d * d, m * d)
+    }
+
+    /// Embeddings, the flat GRN's selection weights and the stacked per-variable GRNs,
+    /// mixed into `out [m, d]`.
+    unsafe fn vsn_fwd(
+        &self,
+        e: &EmbedVsn,
+        vb: &VsnBufs,
+        calls: (u64, u64),
+        drop: Option<Drop>,
+        out: Addr,
+    ) -> Result<()> {
+        let (m, n, d) = (vb.m, vb.n, self.d);
+        let f = &e.flat;
+        let v = &e.vars;
+        let skip = f.skip.as_ref().ok_or_else(|| Error::config(CTX, "a flat GRN without skip (d = 1)"))?;
+        let emb = Embed { rows: m, n, d, raw: vb.raw, w: self.p(&e.embed.w)?, b: self.p(&e.embed.b)?, emb: vb.emb };
+        unsafe {
+            self.k.embed_fwd(&emb).map_err(kerr)?;
+            self.linear(&f.fc1, vb.emb, vb.a1f, m, n * d, d, Act::Elu, None)?;
+            let site = Drop::site(drop, calls.0, vb.steps);
+            self.linear(&f.fc2, vb.a1f, vb.a2f, m, d, d, Act::None, site)?;
+            self.gemm(lin(vb.a2f, self.p(&f.glu.fc4.w)?, vb.g4f, m, d, n))?;
+            self.gemm(lin(vb.a2f, self.p(&f.glu.fc5.w)?, vb.g5f, m, d, n))?;
+            self.gemm(lin(vb.emb, self.p(&skip.w)?, vb.sf, m, n * d, n))?;
+            self.k.glu_ln_fwd(&self.flat_args(e, vb)?).map_err(kerr)?;
+            // The n per-variable GRNs: variable j reads emb[:, j, :] (rows n·d apart).
+            let rows = n * m;
+            self.gemm(Self::stacked(vb.emb, n * d, d, self.p(&v.fc1.w)?, vb.a1v, n, m, d))?;
+            let a1 = BiasAct {
+                y: vb.a1v,
+                bias: self.p(&v.fc1.b)?,
+                rows,
+                cols: d,
+                rows_per_group: m,
+                act: Act::Elu,
+                dropout: None,
+            };
+            self.k.bias_act(&a1).map_err(kerr)?;
+            self.gemm(Self::stacked(vb.a1v, d, m * d, self.p(&v.fc2.w)?, vb.a2v, n, m, d))?;
+            let site = Drop::site(drop, calls.1, vb.steps);
+            let a2 = BiasAct {
+                y: vb.a2v,
+                bias: self.p(&v.fc2.b)?,
+                rows,
+                cols: d,
+                rows_per_group: m,
+                act: Act::None,
+                dropout: site,
+            };
+            self.k.bias_act(&a2).map_err(kerr)?;
+            self.gemm(Self::stacked(vb.a2v, d, m * d, self.p(&v.fc4.w)?, vb.g4v, n, m, d))?;
+            self.gemm(Self::stacked(vb.a2v, d, m * d, self.p(&v.fc5.w)?, vb.g5v, n, m, d))?;
+            self.k.vsn_mix_fwd(&self.mix_args(e, vb, out)?).map_err(kerr)
+        }
+    }
+
+    unsafe fn forward(&self, m: &Tft, observed: Addr, known: Addr, drop: Option<Drop>) -> Result<()> {
+        let c = m.config();
+        let (b, l, h, d) = (self.batch, self.l, self.h, self.d);
+        let (steps, me, md, mt) = (l + h, l * b, h * b, (l + h) * b);
+        let pack = Pack {
+            batch: b,
+            l_enc: l,
+            h,
+            n_obs: c.n_observed,
+            n_known: c.n_known,
+            observed,
+            known,
+            raw_enc: self.enc.raw,
+            raw_dec: self.dec.raw,
+        };
+        unsafe {
+            self.k.pack(&pack).map_err(kerr)?;
+            self.vsn_fwd(&m.enc, &self.enc, (call::ENC_FLAT, call::ENC_VARS), drop, self.x)?;
+            let x_dec = self.x + (me * d * 4) as Addr;
+            self.vsn_fwd(&m.dec, &self.dec, (call::DEC_FLAT, call::DEC_VARS), drop, x_dec)?;
+            // LSTM: input projections per segment, then one launch per step.
+            self.gemm(lin(self.x, self.p(&m.lstm_enc.w_ih)?, self.xg, me, d, 4 * d))?;
+            let xg_dec = self.xg + (me * 4 * d * 4) as Addr;
+            self.gemm(lin(x_dec, self.p(&m.lstm_dec.w_ih)?, xg_dec, md, d, 4 * d))?;
+            let lstm = self.lstm_args(m)?;
+            for t in 0..steps {
+                self.k.lstm_fwd_step(&lstm, t).map_err(kerr)?;
+            }
+            // Gated skip over the dropped LSTM output.
+            self.k.copy(self.hd, self.hs, mt * d).map_err(kerr)?;
+            self.apply_mask(self.hd, mt, Drop::site(drop, call::POST_LSTM, steps))?;
+            self.glu_norm(&m.post_lstm_glu, &m.post_lstm_norm, &self.post, self.hd, self.x, mt)?;
+            let phi = self.post.out;
+            self.grn(&m.enrich, &self.enrich, phi, mt, Drop::site(drop, call::ENRICH, steps))?;
+            // Attention: decoder queries over all steps.
+            let enr = self.enrich.glu.out;
+            let enr_dec = enr + (me * d * 4) as Addr;
+            let dk = d / self.n_head;
+            let w = self.n_head * dk;
+            self.gemm(lin(enr_dec, self.p(&m.attn.q.w)?, self.q, md, d, w))?;
+            self.gemm(lin(enr, self.p(&m.attn.k.w)?, self.kk, mt, d, w))?;
+            self.gemm(lin(enr, self.p(&m.attn.v.w)?, self.v, mt, d, dk))?;
+            self.k.attn_fwd(&self.attn_args(m)?).map_err(kerr)?;
+            self.linear(&m.attn.out, self.avg, self.ao, md, dk, d, Act::None, Drop::site(drop, call::POST_ATTN, h))?;
+            self.glu_norm(&m.post_attn_glu, &m.post_attn_norm, &self.post_attn, self.ao, enr_dec, md)?;
+            let x2 = self.post_attn.out;
+            self.grn(&m.ff, &self.ff, x2, md, Drop::site(drop, call::FF, h))?;
+            let x3 = self.ff.glu.out;
+            let phi_dec = phi + (me * d * 4) as Addr;
+            self.glu_norm(&m.pre_out_glu, &m.pre_out_norm, &self.pre, x3, phi_dec, md)?;
+            let x4 = self.pre.out;
+            self.gemm(lin(x4, self.p(&m.head.w)?, self.out, md, d, c.quantiles.len()))
+        }
+    }
+
+    fn lstm_args(&self, m: &Tft) -> Result<Lstm> {
+        Ok(Lstm {
+            batch: self.batch,
+            d: self.d,
+            l_enc: self.l,
+            steps: self.l + self.h,
+            xg: self.xg,
+            w_hh: [self.p(&m.lstm_enc.w_hh)?, self.p(&m.lstm_dec.w_hh)?],
+            b_ih: [self.p(&m.lstm_enc.b_ih)?, self.p(&m.lstm_dec.b_ih)?],
+            b_hh: [self.p(&m.lstm_enc.b_hh)?, self.p(&m.lstm_dec.b_hh)?],
+            h: self.hs,
+            c: self.cs,
+            gates: self.gates,
+        })
+    }
+
+    fn attn_args(&self, m: &Tft) -> Result<Attn> {
+        let dk = self.d / self.n_head;
+        Ok(Attn {
+            batch: self.batch,
+            l_enc: self.l,
+            h: self.h,
+            n_head: self.n_head,
+            dk,
+            scale: (1.0 / (dk as f64).sqrt()) as f32,
+            q: self.q,
+            bq: self.p(&m.attn.q.b)?,
+            k: self.kk,
+            bk: self.p(&m.attn.k.b)?,
+            v: self.v,
+            bv: self.p(&m.attn.v.b)?,
+            attn: self.attn,
+            avg: self.avg,
+        })
+    }
+
+    unsafe fn backward(&self, m: &Tft, drop: Option<Drop>) -> Result<()> {
+        let c = m.config();
+        let (b, l, h, d) = (self.batch, self.l, self.h, self.d);
+        let (steps, me, md, mt) = (l + h, l * b, h * b, (l + h) * b);
+        let nq = c.quantiles.len();
+        let off = |rows: usize, width: usize| (rows * width * 4) as Addr;
+        let phi = self.post.out;
+        let enr = self.enrich.glu.out;
+        let (phi_dec, enr_dec) = (phi + off(me, d), enr + off(me, d));
+        let x2 = self.post_attn.out;
+        let x3 = self.ff.glu.out;
+        let x4 = self.pre.out;
+        unsafe {
+            self.k.zero(self.dphi, mt * d).map_err(kerr)?;
+            self.k.zero(self.denr, mt * d).map_err(kerr)?;
+            // Head and pre-output gate (residual φ of the decoder steps).
+            self.gemm(grad_w(self.dout, x4, self.g(&m.head.w)?, md, d, nq))?;
+            self.gemm(col_sums(self.dout, self.ones()?, self.g(&m.head.b)?, md, nq))?;
+            self.gemm(grad_x(self.dout, self.p(&m.head.w)?, self.dx4, md, d, nq))?;
+            let dphi_dec = self.dphi + off(me, d);
+            self.glu_norm_bwd(
+                &m.pre_out_glu,
+                &m.pre_out_norm,
+                &self.pre,
+                x3,
+                phi_dec,
+                md,
+                self.dx4,
+                dphi_dec,
+                true,
+                x3,
+            )?;
+            // Feed-forward GRN (residual x2), then the post-attention gate (residual: the
+            // enriched decoder steps).
+            let dx3 = x3;
+            self.grn_bwd(&m.ff, &self.ff, x2, md, Drop::site(drop, call::FF, h), dx3, self.dx2, false)?;
+            let denr_dec = self.denr + off(me, d);
+            self.glu_norm_bwd(
+                &m.post_attn_glu,
+                &m.post_attn_norm,
+                &self.post_attn,
+                self.ao,
+                enr_dec,
+                md,
+                self.dx2,
+                denr_dec,
+                true,
+                self.ao,
+            )?;
+            self.apply_mask(self.ao, md, Drop::site(drop, call::POST_ATTN, h))?;
+            let dk = d / self.n_head;
+            let w = self.n_head * dk;
+            self.linear_bwd(&m.attn.out, self.avg, self.ao, self.davg, false, md, dk, d)?;
+            let ag = AttnGrads { davg: self.davg, dq: self.dq, dk: self.dk, dv: self.dv };
+            self.k.attn_bwd(&self.attn_args(m)?, &ag).map_err(kerr)?;
+            self.gemm(grad_w(self.dq, enr_dec, self.g(&m.attn.q.w)?, md, d, w))?;
+            self.gemm(col_sums(self.dq, self.ones()?, self.g(&m.attn.q.b)?, md, w))?;
+            self.gemm(grad_x(self.dq, self.p(&m.attn.q.w)?, denr_dec, md, d, w).accumulate())?;
+            self.gemm(grad_w(self.dk, enr, self.g(&m.attn.k.w)?, mt, d, w))?;
+            self.gemm(col_sums(self.dk, self.ones()?, self.g(&m.attn.k.b)?, mt, w))?;
+            self.gemm(grad_x(self.dk, self.p(&m.attn.k.w)?, self.denr, mt, d, w).accumulate())?;
+            self.linear_bwd(&m.attn.v, enr, self.dv, self.denr, true, mt, d, dk)?;
+            // Enrichment GRN (residual φ), then the post-LSTM gate (residual: the VSN output).
+            self.grn_bwd(
+                &m.enrich,
+                &self.enrich,
+                phi,
+                mt,
+                Drop::site(drop, call::ENRICH, steps),
+                self.denr,
+                self.dphi,
+                true,
+            )?;
+            self.glu_norm_bwd(
+                &m.post_lstm_glu,
+                &m.post_lstm_norm,
+                &self.post,
+                self.hd,
+                self.x,
+                mt,
+                self.dphi,
+                self.dx,
+                false,
+                self.hd,
+            )?;
+            self.apply_mask(self.hd, mt, Drop::site(drop, call::POST_LSTM, steps))?;
+            // LSTM: the gate gradients land in xg's buffer (its forward value is not needed).
+            let lstm = self.lstm_args(m)?;
+            let lg = LstmGrads { dh_out: self.hd, dgates: self.xg, dc: self.dc };
+            for t in (0..steps).rev() {
+                self.k.lstm_bwd_step(&lstm, &lg, t).map_err(kerr)?;
+            }
+            let dg = self.xg;
+            let dg_dec = dg + off(me, 4 * d);
+            let x_dec = self.x + off(me, d);
+            let ones = self.ones()?;
+            // W_hh's gradient pairs each step's gate gradients with the previous step's h:
+            // encoder steps 1..L with h of steps 0..L−1, decoder steps with h of L−1..T−1.
+            for (cell, dgs, xs, dxs, rows, h_prev, rec_rows, dgs_rec) in [
+                (&m.lstm_enc, dg, self.x, self.dx, me, self.hs, me - b, dg + off(b, 4 * d)),
+                (&m.lstm_dec, dg_dec, x_dec, self.dx + off(me, d), md, self.hs + off(me - b, d), md, dg_dec),
+            ] {
+                self.gemm(grad_w(dgs, xs, self.g(&cell.w_ih)?, rows, d, 4 * d))?;
+                self.gemm(grad_w(dgs_rec, h_prev, self.g(&cell.w_hh)?, rec_rows, d, 4 * d))?;
+                self.gemm(col_sums(dgs, ones, self.g(&cell.b_ih)?, rows, 4 * d))?;
+                self.k.copy(self.g(&cell.b_hh)?, self.g(&cell.b_ih)?, 4 * d).map_err(kerr)?;
+                self.gemm(grad_x(dgs, self.p(&cell.w_ih)?, dxs, rows, d, 4 * d).accumulate())?;
+            }
+            self.vsn_bwd(&m.dec, &self.dec, (call::DEC_FLAT, call::DEC_VARS), drop, self.dx + off(me, d))?;
+            self.vsn_bwd(&m.enc, &self.enc, (call::ENC_FLAT, call::ENC_VARS), drop, self.dx)
+        }
+    }
+
+    /// Backward of [`Self::vsn_fwd`] given `dout [m, d]`.
+    unsafe fn vsn_bwd(
+        &self,
+        e: &EmbedVsn,
+        vb: &VsnBufs,
+        calls: (u64, u64),
+        drop: Option<Drop>,
+        dout: Addr,
+    ) -> Result<()> {
+        let (m, n, d) = (vb.m, vb.n, self.d);
+        let f = &e.flat;
+        let v = &e.vars;
+        let skip = f.skip.as_ref().ok_or_else(|| Error::config(CTX, "a flat GRN without skip (d = 1)"))?;
+        let ones = self.ones()?;
+        let rows = n * m;
+        unsafe {
+            // The per-variable GRNs: demb is written here first.
+            let mg = VsnMixGrads {
+                dout,
+                dwsel: vb.dwsel,
+                demb: vb.demb,
+                dg4: vb.g4v,
+                dg5: vb.g5v,
+                partials: vb.part_v,
+                dln_w: self.g(&v.norm_w)?,
+                dln_b: self.g(&v.norm_b)?,
+            };
+            self.k.vsn_mix_bwd(&self.mix_args(e, vb, 0)?, &mg).map_err(kerr)?;
+            // Weight gradients per variable: dW[j] = dY[j]ᵀ X[j]; bias gradients: column sums.
+            let stacked_dw = |dy: Addr, x: Addr, x_ld: usize, x_stride: usize, gw: Addr| -> Gemm {
+                let g = Gemm { ldb: x_ld, ..grad_w(dy, x, gw, m, d, d) };
+                g.batched(n, m * d, x_stride, d * d)
+            };
+            let stacked_db = |dy: Addr, gb: Addr| col_sums(dy, ones, gb, m, d).batched(n, 0, m * d, d);
+            let stacked_dx = |dy: Addr, w: Addr, dx: Addr, dx_ld: usize, dx_stride: usize| -> Gemm {
+                let g = Gemm { ldc: dx_ld, ..grad_x(dy, w, dx, m, d, d) };
+                g.batched(n, m * d, d * d, dx_stride)
+            };
+            for (lin_, dy) in [(&v.fc4, vb.g4v), (&v.fc5, vb.g5v)] {
+                self.gemm(stacked_dw(dy, vb.a2v, d, m * d, self.g(&lin_.w)?))?;
+                self.gemm(stacked_db(dy, self.g(&lin_.b)?))?;
+            }
+            self.gemm(stacked_dx(vb.g4v, self.p(&v.fc4.w)?, vb.a2v, d, m * d))?;
+            self.gemm(stacked_dx(vb.g5v, self.p(&v.fc5.w)?, vb.a2v, d, m * d).accumulate())?;
+            self.apply_mask(vb.a2v, rows, Drop::site(drop, calls.1, vb.steps))?;
+            self.gemm(stacked_dw(vb.a2v, vb.a1v, d, m * d, self.g(&v.fc2.w)?))?;
+            self.gemm(stacked_db(vb.a2v, self.g(&v.fc2.b)?))?;
+            self.gemm(stacked_dx(vb.a2v, self.p(&v.fc2.w)?, vb.g4v, d, m * d))?;
+            let a1 = BiasAct { y: vb.a1v, bias: 0, rows, cols: d, rows_per_group: m, act: Act::Elu, dropout: None };
+            self.k.act_bwd(&a1, vb.g4v).map_err(kerr)?;
+            self.gemm(stacked_dw(vb.g4v, vb.emb, n * d, d, self.g(&v.fc1.w)?))?;
+            self.gemm(stacked_db(vb.g4v, self.g(&v.fc1.b)?))?;
+            self.gemm(stacked_dx(vb.g4v, self.p(&v.fc1.w)?, vb.demb, n * d, d).accumulate())?;
+            // The flat GRN through the softmax of the selection weights.
+            let fg = GluLnGrads {
+                dout: vb.dwsel,
+                dres: vb.dsf,
+                res_acc: false,
+                dg4: vb.g4f,
+                dg5: vb.g5f,
+                partials: vb.part_f,
+                dln_w: self.g(&f.norm.w)?,
+                dln_b: self.g(&f.norm.b)?,
+            };
+            self.k.glu_ln_bwd(&self.flat_args(e, vb)?, &fg).map_err(kerr)?;
+            self.linear_bwd(skip, vb.emb, vb.dsf, vb.demb, true, m, n * d, n)?;
+            self.linear_bwd(&f.glu.fc4, vb.a2f, vb.g4f, 0, false, m, d, n)?;
+            self.linear_bwd(&f.glu.fc5, vb.a2f, vb.g5f, 0, false, m, d, n)?;
+            self.gemm(grad_x(vb.g4f, self.p(&f.glu.fc4.w)?, vb.t1, m, d, n))?;
+            self.gemm(grad_x(vb.g5f, self.p(&f.glu.fc5.w)?, vb.t1, m, d, n).accumulate())?;
+            self.apply_mask(vb.t1, m, Drop::site(drop, calls.0, vb.steps))?;
+            self.linear_bwd(&f.fc2, vb.a1f, vb.t1, vb.a2f, false, m, d, d)?;
+            let elu = BiasAct { y: vb.a1f, bias: 0, rows: m, cols: d, rows_per_group: m, act: Act::Elu, dropout: None };
+            self.k.act_bwd(&elu, vb.a2f).map_err(kerr)?;
+            self.linear_bwd(&f.fc1, vb.emb, vb.a2f, vb.demb, true, m, n * d, d)?;
+            let emb = Embed { rows: m, n, d, raw: vb.raw, w: self.p(&e.embed.w)?, b: self.p(&e.embed.b)?, emb: vb.emb };
+            let eg =
+                EmbedGrads { demb: vb.demb, partials: vb.part_e, dw: self.g(&e.embed.w)?, db: self.g(&e.embed.b)? };
+            self.k.embed_bwd(&emb, &eg).map_err(kerr)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl crate::seq_train::FusedSeqStep for TftFused<fx_kernels::cuda::tft::CudaTft> {
+    fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    fn loss_and_grads(&self, inputs: &[Tensor], target: &Tensor, rng: &DropoutRng) -> Result<(Tensor, Vec<Tensor>)> {
+        let [observed, known] = inputs else {
+            return Err(Error::config(CTX, format!("{} inputs (observed, known expected)", inputs.len())));
+        };
+        TftFused::loss_and_grads(self, observed, known, target, Some(rng))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+    use fx_kernels::tft_ops::CpuTft;
+    use fx_precision::Precision;
+
+    use super::*;
+    use crate::seq_ops::Ctx;
+    use crate::seq_testing::{rel_err, Fixture};
+    use crate::tft::TftConfig;
+
+    fn rand(shape: &[usize], seed: u64, scale: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> =
+            (0..n as u64).map(|i| ((fx_kernels::rng::draw(seed, 77, i, 0) * 2.0 - 1.0) * scale) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Loss and gradients of the fused step on the CPU backend against candle's autograd of
+    /// the same model, inputs and dropout masks.
+    fn check_against_candle(cfg: TftConfig, batch: usize, seed: u64, tol: f64) {
+        let m = Tft::new(cfg.clone(), &Device::Cpu, seed).unwrap();
+        let (l, h) = (cfg.l_enc, cfg.h);
+        let obs = rand(&[batch, l, cfg.n_observed], seed ^ 1, 2.0);
+        let known = rand(&[batch, l + h, cfg.n_known], seed ^ 2, 1.0);
+        let target = rand(&[batch, h], seed ^ 3, 0.05);
+        let rng = DropoutRng::new(seed ^ 4, &Device::Cpu).unwrap();
+        rng.set_step(3).unwrap();
+        let c = Ctx::train(Precision::F32).with_rng(&rng);
+        let (loss, grads) = m.loss_and_grads(&c, &obs, &known, &target, false).unwrap();
+        let fused = TftFused::new(CpuTft::new(), &m, batch).unwrap();
+        for round in 0..2 {
+            let (fl, fg) = fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
+            let e = rel_err(&fl, &loss);
+            assert!(e <= tol, "round {round}: loss {} vs candle {} (rel {e})", scalar(&fl), scalar(&loss));
+            for ((name, var), g) in m.params().named_vars().iter().zip(&fg) {
+                let want = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("candle has no gradient for {name}"));
+                assert!(g.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().all(|v| v.is_finite()), "{name}");
+                let e = rel_err(g, want);
+                // Gradients that are zero analytically (the attention keys' biases) are noise.
+                let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                if scale > 1e-7 {
+                    assert!(e <= tol, "round {round}: grad {name} rel err {e}");
+                }
+            }
+        }
+    }
+
+    fn scalar(t: &Tensor) -> f32 {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()[0]
+    }
+
+    #[test]
+    fn fused_step_matches_candle_autograd_with_dropout() {
+        let cfg = TftConfig {
+            n_observed: 5,
+            n_known: 2,
+            d: 16,
+            n_head: 2,
+            l_enc: 5,
+            h: 3,
+            dropout: 0.2,
+            quantiles: vec![0.1, 0.5, 0.9],
+            ln_eps: 1e-5,
+        };
+        check_against_candle(cfg, 3, 11, 2e-5);
+    }
+
+    #[test]
+    fn fused_step_matches_candle_without_dropout_and_other_widths() {
+        let cfg = TftConfig {
+            n_observed: 3,
+            n_known: 1,
+            d: 34,
+            n_head: 1,
+            l_enc: 2,
+            h: 1,
+            dropout: 0.0,
+            quantiles: vec![0.25, 0.75],
+            ln_eps: 1e-3,
+        };
+        check_against_candle(cfg, 2, 5, 2e-5);
+    }
+
+    #[test]
+    fn fused_step_matches_the_reference_fixture() {
+        let fx = Fixture::load("tft.safetensors");
+        let cfg: TftConfig = serde_json::from_str(&fx.metadata["config"]).unwrap();
+        let m = Tft::new(cfg, &Device::Cpu, 1).unwrap();
+        m.params().load_map(&fx.params(), "tft.safetensors").unwrap();
+        let obs = fx.get("in.observed");
+        let fused = TftFused::new(CpuTft::new(), &m, obs.dim(0).unwrap()).unwrap();
+        let (loss, grads) = fused.loss_and_grads(obs, fx.get("in.known"), fx.get("in.target"), None).unwrap();
+        let e = rel_err(&loss, fx.get("loss"));
+        assert!(e <= 1e-4, "loss rel err {e}");
+        let zeros: Vec<String> = serde_json::from_str(&fx.metadata["analytic_zero_grads"]).unwrap();
+        let named = m.params().named_grads_in_order(&grads).unwrap();
+        assert_eq!(named.len(), m.params().names_and_shapes().len());
+        for (name, g) in &named {
+            if zeros.contains(name) {
+                continue;
+            }
+            let e = rel_err(g, fx.get(&format!("grad.{name}")));
+            assert!(e <= 1e-4, "grad.{name} rel err {e}");
+        }
+    }
+
+    #[test]
+    fn shapes_beyond_the_kernels_are_refused_in_one_line() {
+        let cfg = TftConfig { l_enc: 300, d: 8, n_head: 2, ..TftConfig::default() };
+        let m = Tft::new(cfg, &Device::Cpu, 0).unwrap();
+        let e = TftFused::new(CpuTft::new(), &m, 2).unwrap_err().to_string();
+        assert!(e.contains("L_enc 300") && !e.contains('\n'), "{e}");
+    }
+}
+
+/// On the GPU: the fused step against candle's autograd on the same device (the default
+/// model, dropout on), and its time per step at the benchmark's batch.
+#[cfg(all(test, feature = "cuda"))]
+mod gpu_tests {
+    use candle_core::Device;
+    use fx_kernels::cuda::tft::CudaTft;
+    use fx_precision::Precision;
+
+    use super::*;
+    use crate::seq_ops::Ctx;
+    use crate::seq_testing::rel_err;
+    use crate::tft::TftConfig;
+
+    fn gpu() -> Option<Device> {
+        match std::panic::catch_unwind(|| Device::new_cuda(0)) {
+            Ok(Ok(d)) => Some(d),
+            _ => {
+                eprintln!("skipped: no CUDA device");
+                None
+            }
+        }
+    }
+
+    fn rand(shape: &[usize], seed: u64, scale: f64, dev: &Device) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> =
+            (0..n as u64).map(|i| ((fx_kernels::rng::draw(seed, 78, i, 0) * 2.0 - 1.0) * scale) as f32).collect();
+        Tensor::from_vec(v, shape, dev).unwrap()
+    }
+
+    fn inputs(cfg: &TftConfig, b: usize, seed: u64, dev: &Device) -> (Tensor, Tensor, Tensor) {
+        (
+            rand(&[b, cfg.l_enc, cfg.n_observed], seed ^ 1, 2.0, dev),
+            rand(&[b, cfg.l_enc + cfg.h, cfg.n_known], seed ^ 2, 1.0, dev),
+            rand(&[b, cfg.h], seed ^ 3, 0.05, dev),
+        )
+    }
+
+    #[test]
+    fn fused_step_on_the_gpu_matches_candle_autograd() {
+        let Some(dev) = gpu() else { return };
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        eprintln!("seed {seed}");
+        let cfg = TftConfig::default();
+        let b = 24;
+        let m = Tft::new(cfg.clone(), &dev, seed % 1000).unwrap();
+        let (obs, known, target) = inputs(&cfg, b, seed, &dev);
+        let rng = DropoutRng::new(seed ^ 4, &dev).unwrap();
+        rng.set_step(5).unwrap();
+        let c = Ctx::train(Precision::F32).with_rng(&rng);
+        let (loss, grads) = m.loss_and_grads(&c, &obs, &known, &target, false).unwrap();
+        let fused = TftFused::new(CudaTft::new(&dev).unwrap(), &m, b).unwrap();
+        for round in 0..2 {
+            let (fl, fg) = fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
+            let e = rel_err(&fl, &loss);
+            assert!(e <= 1e-5, "round {round}: loss rel err {e} (seed {seed})");
+            let mut worst = (0.0, String::new());
+            for ((name, var), g) in m.params().named_vars().iter().zip(&fg) {
+                let want = grads.get(var.as_tensor()).unwrap();
+                let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let e = rel_err(g, want);
+                assert!(e.is_finite(), "grad {name}: not finite (seed {seed})");
+                if scale > 1e-7 && e > worst.0 {
+                    worst = (e, name.clone());
+                }
+            }
+            eprintln!("round {round}: loss rel err {e:.2e}, worst gradient {} rel err {:.2e}", worst.1, worst.0);
+            assert!(worst.0 <= 1e-4, "round {round}: grad {} rel err {} (seed {seed})", worst.1, worst.0);
+        }
+    }
+
+    #[test]
+    fn fused_step_time_at_batch_256() {
+        let Some(dev) = gpu() else { return };
+        let cfg = TftConfig::default();
+        let b = 256;
+        let m = Tft::new(cfg.clone(), &dev, 3).unwrap();
+        let (obs, known, target) = inputs(&cfg, b, 9, &dev);
+        let rng = DropoutRng::new(4, &dev).unwrap();
+        let fused = TftFused::new(CudaTft::new(&dev).unwrap(), &m, b).unwrap();
+        let sync = || dev.synchronize().unwrap();
+        for _ in 0..3 {
+            fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
+        }
+        sync();
+        let t0 = std::time::Instant::now();
+        let n = 10;
+        for _ in 0..n {
+            fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
+        }
+        sync();
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / n as f64;
+        eprintln!(
+            "fused TFT forward+backward, batch 256, eager launches: {ms:.2} ms/step = {:.0} samples/s",
+            b as f64 * 1e3 / ms
+        );
+    }
+}
