@@ -13,6 +13,21 @@
 // Most attention steps (per-warp shared scores).
 #define FX_MAX_STEPS 256
 
+// F32 -> BF16 bits, round to nearest even, NaN kept quiet (half::bf16::from_f32).
+__device__ __forceinline__ unsigned short fx_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// dst[i] = bf16(src[i]): a GEMM operand's BF16 copy.
+extern "C" __global__ void fx_tft_cast_bf16(const float* __restrict__ src, unsigned short* __restrict__ dst,
+                                            fx_u64 n) {
+    for (fx_u64 i = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fx_u64)gridDim.x * blockDim.x)
+        dst[i] = fx_bf16(src[i]);
+}
+
 __device__ __forceinline__ float fx_sigmoid(float x) { return 1.0f / (expf(-x) + 1.0f); }
 
 __device__ __forceinline__ float fx_elu(float x) { return signbit(x) ? expf(x) - 1.0f : x; }
@@ -57,11 +72,13 @@ extern "C" __global__ void fx_tft_pack(const float* __restrict__ observed, const
 
 extern "C" __global__ void fx_tft_embed_fwd(const float* __restrict__ raw, const float* __restrict__ w,
                                             const float* __restrict__ b, float* __restrict__ emb, fx_u64 rows,
-                                            fx_u32 n, fx_u32 d) {
+                                            fx_u32 n, fx_u32 d, unsigned short* __restrict__ emb16) {
     const fx_u64 total = rows * n * d;
     for (fx_u64 i = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (fx_u64)gridDim.x * blockDim.x) {
         const fx_u64 k = i % d, rj = i / d, j = rj % n;
-        emb[i] = raw[rj] * w[j * d + k] + b[j * d + k];
+        const float v = raw[rj] * w[j * d + k] + b[j * d + k];
+        emb[i] = v;
+        if (emb16) emb16[i] = fx_bf16(v);
     }
 }
 
@@ -104,7 +121,7 @@ extern "C" __global__ void fx_tft_reduce_partials(const float* __restrict__ part
 extern "C" __global__ void fx_tft_bias_act(float* __restrict__ y, const float* __restrict__ bias, fx_u64 rows,
                                            fx_u32 cols, fx_u64 rows_per_group, fx_u32 act, fx_u32 drop_on,
                                            fx_u64 seed, fx_u64 call, const fx_u32* __restrict__ step_ptr, double p,
-                                           float scale, fx_u64 batch, fx_u64 steps) {
+                                           float scale, fx_u64 batch, fx_u64 steps, unsigned short* __restrict__ y16) {
     const fx_u32 step = drop_on ? step_ptr[0] : 0u;
     const fx_u64 total = rows * cols;
     for (fx_u64 i = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (fx_u64)gridDim.x * blockDim.x) {
@@ -113,6 +130,7 @@ extern "C" __global__ void fx_tft_bias_act(float* __restrict__ y, const float* _
         if (act == 1u) v = fx_elu(v);
         if (drop_on) v *= fx_drop_mask(seed, call, step, p, scale, batch, steps, r, k, cols);
         y[i] = v;
+        if (y16) y16[i] = fx_bf16(v);
     }
 }
 
@@ -120,7 +138,7 @@ extern "C" __global__ void fx_tft_bias_act(float* __restrict__ y, const float* _
 extern "C" __global__ void fx_tft_act_bwd(float* __restrict__ grad, const float* __restrict__ y, fx_u64 rows,
                                           fx_u32 cols, fx_u32 act, fx_u32 drop_on, fx_u64 seed, fx_u64 call,
                                           const fx_u32* __restrict__ step_ptr, double p, float scale, fx_u64 batch,
-                                          fx_u64 steps) {
+                                          fx_u64 steps, unsigned short* __restrict__ g16) {
     const fx_u32 step = drop_on ? step_ptr[0] : 0u;
     const fx_u64 total = rows * cols;
     for (fx_u64 i = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (fx_u64)gridDim.x * blockDim.x) {
@@ -131,6 +149,7 @@ extern "C" __global__ void fx_tft_act_bwd(float* __restrict__ grad, const float*
         }
         if (drop_on) g *= fx_drop_mask(seed, call, step, p, scale, batch, steps, i / cols, i % cols, cols);
         grad[i] = g;
+        if (g16) g16[i] = fx_bf16(g);
     }
 }
 
@@ -201,7 +220,8 @@ extern "C" __global__ void fx_tft_glu_ln_fwd(fx_u64 rows, fx_u32 o, const float*
                                              const float* __restrict__ b5, const float* __restrict__ res,
                                              const float* __restrict__ res_bias, const float* __restrict__ ln_w,
                                              const float* __restrict__ ln_b, float eps, fx_u32 softmax,
-                                             float* __restrict__ out, float* __restrict__ stats) {
+                                             float* __restrict__ out, float* __restrict__ stats,
+                                             unsigned short* __restrict__ out16) {
     const int lane = threadIdx.x & 31;
     const fx_u64 warps = (fx_u64)gridDim.x * (blockDim.x >> 5);
     for (fx_u64 r = (fx_u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
@@ -219,7 +239,10 @@ extern "C" __global__ void fx_tft_glu_ln_fwd(fx_u64 rows, fx_u32 o, const float*
 #pragma unroll
         for (int i = 0; i < FX_MAXV; ++i) {
             const fx_u32 k = lane + 32 * i;
-            if (k < o) out[r * o + k] = y[i];
+            if (k < o) {
+                out[r * o + k] = y[i];
+                if (out16) out16[r * o + k] = fx_bf16(y[i]);
+            }
         }
         if (lane == 0) {
             stats[2 * r] = mean;
@@ -278,7 +301,8 @@ extern "C" __global__ void fx_tft_glu_ln_bwd(fx_u64 rows, fx_u32 o, const float*
                                              const float* __restrict__ ln_b, fx_u32 softmax,
                                              const float* __restrict__ stats, const float* __restrict__ dout,
                                              float* __restrict__ dres, fx_u32 res_acc, float* dg4, float* dg5,
-                                             float* __restrict__ partials) {
+                                             float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                             unsigned short* __restrict__ dg5_16) {
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const fx_u64 r0 = (fx_u64)blockIdx.x * FX_PARTIAL_ROWS, r1 = min(rows, r0 + FX_PARTIAL_ROWS);
@@ -323,8 +347,13 @@ extern "C" __global__ void fx_tft_glu_ln_bwd(fx_u64 rows, fx_u32 o, const float*
                 const fx_u64 x = r * o + k;
                 const float prev = res_acc ? dres[x] : 0.0f;
                 dres[x] = prev + dz[i];
-                dg4[x] = dz[i] * t.v5[i] * t.s[i] * (1.0f - t.s[i]);
-                dg5[x] = dz[i] * t.s[i];
+                const float a = dz[i] * t.v5[i] * t.s[i] * (1.0f - t.s[i]), c = dz[i] * t.s[i];
+                dg4[x] = a;
+                dg5[x] = c;
+                if (dg4_16) {
+                    dg4_16[x] = fx_bf16(a);
+                    dg5_16[x] = fx_bf16(c);
+                }
             }
         }
     }
@@ -337,7 +366,7 @@ extern "C" __global__ void fx_tft_vsn_mix_fwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
                                               const float* __restrict__ g5, const float* __restrict__ b5,
                                               const float* __restrict__ ln_w, const float* __restrict__ ln_b,
                                               float eps, const float* __restrict__ wsel, float* __restrict__ out,
-                                              float* __restrict__ stats) {
+                                              float* __restrict__ stats, unsigned short* __restrict__ out16) {
     const int lane = threadIdx.x & 31;
     const fx_u64 warps = (fx_u64)gridDim.x * (blockDim.x >> 5);
     for (fx_u64 r = (fx_u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
@@ -365,7 +394,10 @@ extern "C" __global__ void fx_tft_vsn_mix_fwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
 #pragma unroll
         for (int i = 0; i < FX_MAXV; ++i) {
             const fx_u32 k = lane + 32 * i;
-            if (k < d) out[r * d + k] = acc[i];
+            if (k < d) {
+                out[r * d + k] = acc[i];
+                if (out16) out16[r * d + k] = fx_bf16(acc[i]);
+            }
         }
     }
 }
@@ -379,7 +411,8 @@ extern "C" __global__ void fx_tft_vsn_mix_bwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
                                               const float* __restrict__ wsel, const float* __restrict__ stats,
                                               const float* __restrict__ dout, float* __restrict__ dwsel,
                                               float* __restrict__ demb, float* dg4, float* dg5,
-                                              float* __restrict__ partials) {
+                                              float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                              unsigned short* __restrict__ dg5_16) {
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const fx_u64 j = blockIdx.y, nb = gridDim.x, bi = blockIdx.x;
@@ -418,8 +451,13 @@ extern "C" __global__ void fx_tft_vsn_mix_bwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
             if (k < d) {
                 const fx_u64 x = gr * d + k;
                 demb[(r * n + j) * d + k] = dz[i];
-                dg4[x] = dz[i] * t.v5[i] * t.s[i] * (1.0f - t.s[i]);
-                dg5[x] = dz[i] * t.s[i];
+                const float a = dz[i] * t.v5[i] * t.s[i] * (1.0f - t.s[i]), c = dz[i] * t.s[i];
+                dg4[x] = a;
+                dg5[x] = c;
+                if (dg4_16) {
+                    dg4_16[x] = fx_bf16(a);
+                    dg5_16[x] = fx_bf16(c);
+                }
             }
         }
     }

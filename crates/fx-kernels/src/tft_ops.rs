@@ -90,6 +90,8 @@ pub struct BiasAct {
     pub rows_per_group: usize,
     pub act: Act,
     pub dropout: Option<DropoutSite>,
+    /// A BF16 copy of what the op writes (`y` forward, `grad` backward), or 0 for none.
+    pub out16: Addr,
 }
 
 /// GLU + residual + LayerNorm over rows of width `o` (one group of parameters):
@@ -113,6 +115,8 @@ pub struct GluLn {
     pub softmax: bool,
     pub out: Addr,
     pub stats: Addr,
+    /// A BF16 copy of `out`, or 0.
+    pub out16: Addr,
 }
 
 /// The gradients of a [`GluLn`] given `dout`: `dres` (written, or added with `res_acc`),
@@ -128,6 +132,9 @@ pub struct GluLnGrads {
     pub partials: Addr,
     pub dln_w: Addr,
     pub dln_b: Addr,
+    /// BF16 copies of `dg4`, `dg5` (both or neither; 0 for none).
+    pub dg4_16: Addr,
+    pub dg5_16: Addr,
 }
 
 /// The variable selection's mix of its `n` per-variable GRNs (`d → d`, residual = the
@@ -150,6 +157,8 @@ pub struct VsnMix {
     pub wsel: Addr,
     pub out: Addr,
     pub stats: Addr,
+    /// A BF16 copy of `out`, or 0.
+    pub out16: Addr,
 }
 
 /// The gradients of a [`VsnMix`] given `dout [rows, d]`: `dwsel [rows, n]`, `demb` (written),
@@ -165,6 +174,9 @@ pub struct VsnMixGrads {
     pub partials: Addr,
     pub dln_w: Addr,
     pub dln_b: Addr,
+    /// BF16 copies of `dg4`, `dg5` (both or neither; 0 for none).
+    pub dg4_16: Addr,
+    pub dg5_16: Addr,
 }
 
 /// Per-variable scalar embeddings `emb[r, j, k] = raw[r, j] · w[j, k] + b[j, k]`
@@ -178,6 +190,8 @@ pub struct Embed {
     pub w: Addr,
     pub b: Addr,
     pub emb: Addr,
+    /// A BF16 copy of `emb`, or 0.
+    pub emb16: Addr,
 }
 
 /// The gradients of an [`Embed`] given `demb`: `dw`, `db [n, d]` via `partials`
@@ -299,6 +313,9 @@ pub trait TftKernels {
     unsafe fn zero(&self, a: Addr, n: usize) -> Result<()>;
     /// Copies `n` F32 values.
     unsafe fn copy(&self, dst: Addr, src: Addr, n: usize) -> Result<()>;
+    /// Writes `n` F32 values at `src` as BF16 (round to nearest even) at `dst`: a GEMM
+    /// operand's copy under BF16 compute.
+    unsafe fn cast_bf16(&self, src: Addr, dst: Addr, n: usize) -> Result<()>;
     unsafe fn pack(&self, a: &Pack) -> Result<()>;
     unsafe fn embed_fwd(&self, a: &Embed) -> Result<()>;
     unsafe fn embed_bwd(&self, a: &Embed, g: &EmbedGrads) -> Result<()>;
@@ -399,6 +416,14 @@ unsafe fn rd(a: Addr, i: usize) -> f32 {
 #[inline]
 unsafe fn wr(a: Addr, i: usize, v: f32) {
     unsafe { *(a as *mut f32).add(i) = v }
+}
+
+/// Writes `v` as BF16 at element `i` of `a`, if `a` is not 0.
+#[inline]
+unsafe fn wr16(a: Addr, i: usize, v: f32) {
+    if a != 0 {
+        unsafe { *(a as *mut u16).add(i) = half::bf16::from_f32(v).to_bits() }
+    }
 }
 
 /// `1 / (1 + e^{−x})`, as candle-nn's sigmoid.
@@ -555,6 +580,13 @@ impl TftKernels for CpuTft {
         Ok(())
     }
 
+    unsafe fn cast_bf16(&self, src: Addr, dst: Addr, n: usize) -> Result<()> {
+        for i in 0..n {
+            unsafe { wr16(dst, i, rd(src, i)) };
+        }
+        Ok(())
+    }
+
     unsafe fn pack(&self, a: &Pack) -> Result<()> {
         let (bs, l, steps) = (a.batch, a.l_enc, a.l_enc + a.h);
         let ne = a.n_obs + a.n_known;
@@ -588,7 +620,10 @@ impl TftKernels for CpuTft {
                 let x = unsafe { rd(a.raw, r * a.n + j) };
                 for k in 0..a.d {
                     let v = unsafe { x * rd(a.w, j * a.d + k) + rd(a.b, j * a.d + k) };
-                    unsafe { wr(a.emb, (r * a.n + j) * a.d + k, v) };
+                    unsafe {
+                        wr(a.emb, (r * a.n + j) * a.d + k, v);
+                        wr16(a.emb16, (r * a.n + j) * a.d + k, v);
+                    }
                 }
             }
         }
@@ -634,7 +669,10 @@ impl TftKernels for CpuTft {
                 if let Some(s) = &a.dropout {
                     v *= s.mask(r, k, a.cols, step);
                 }
-                unsafe { wr(a.y, i, v) };
+                unsafe {
+                    wr(a.y, i, v);
+                    wr16(a.out16, i, v);
+                }
             }
         }
         Ok(())
@@ -655,7 +693,10 @@ impl TftKernels for CpuTft {
                 if let Some(s) = &a.dropout {
                     gv *= s.mask(r, k, a.cols, step);
                 }
-                unsafe { wr(grad, i, gv) };
+                unsafe {
+                    wr(grad, i, gv);
+                    wr16(a.out16, i, gv);
+                }
             }
         }
         Ok(())
@@ -671,7 +712,10 @@ impl TftKernels for CpuTft {
                 softmax_in_place(&mut y);
             }
             for (k, v) in y.iter().enumerate() {
-                unsafe { wr(a.out, r * a.o + k, *v) };
+                unsafe {
+                    wr(a.out, r * a.o + k, *v);
+                    wr16(a.out16, r * a.o + k, *v);
+                }
             }
             unsafe {
                 wr(a.stats, 2 * r, mean);
@@ -708,8 +752,11 @@ impl TftKernels for CpuTft {
                     unsafe {
                         let prev = if g.res_acc { rd(g.dres, i) } else { 0.0 };
                         wr(g.dres, i, prev + dz[k]);
-                        wr(g.dg4, i, dz[k] * v5[k] * s[k] * (1.0 - s[k]));
-                        wr(g.dg5, i, dz[k] * s[k]);
+                        let (d4, d5) = (dz[k] * v5[k] * s[k] * (1.0 - s[k]), dz[k] * s[k]);
+                        wr(g.dg4, i, d4);
+                        wr(g.dg5, i, d5);
+                        wr16(g.dg4_16, i, d4);
+                        wr16(g.dg5_16, i, d5);
                     }
                 }
             }
@@ -742,7 +789,10 @@ impl TftKernels for CpuTft {
                 }
             }
             for (k, v) in acc.iter().enumerate() {
-                unsafe { wr(a.out, r * d + k, *v) };
+                unsafe {
+                    wr(a.out, r * d + k, *v);
+                    wr16(a.out16, r * d + k, *v);
+                }
             }
         }
         Ok(())
@@ -770,10 +820,13 @@ impl TftKernels for CpuTft {
                     ln_backward(&dy, &xn, &w, rstd, &mut dz, &mut dw, &mut db);
                     for k in 0..d {
                         let gi = (j * a.rows + r) * d + k;
+                        let (d4, d5) = (dz[k] * v5[k] * s[k] * (1.0 - s[k]), dz[k] * s[k]);
                         unsafe {
                             wr(g.demb, (r * a.n + j) * d + k, dz[k]);
-                            wr(g.dg4, gi, dz[k] * v5[k] * s[k] * (1.0 - s[k]));
-                            wr(g.dg5, gi, dz[k] * s[k]);
+                            wr(g.dg4, gi, d4);
+                            wr(g.dg5, gi, d5);
+                            wr16(g.dg4_16, gi, d4);
+                            wr16(g.dg5_16, gi, d5);
                         }
                     }
                 }

@@ -204,11 +204,8 @@ impl SeqTask for Tft {
 
     #[cfg(feature = "cuda")]
     fn fused_step(&self, batch: usize, precision: Precision) -> Result<Box<dyn FusedSeqStep>> {
-        if precision != Precision::F32 {
-            return Err(Error::config("Tft fused step", format!("{precision:?} (the fused TFT step runs F32)")));
-        }
         let k = fx_kernels::cuda::tft::CudaTft::new(self.params().device()).ctx("Tft fused step")?;
-        Ok(Box::new(crate::tft::fused::TftFused::new(k, self, batch)?))
+        Ok(Box::new(crate::tft::fused::TftFused::new(k, self, batch, precision)?))
     }
 }
 

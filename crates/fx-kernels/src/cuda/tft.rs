@@ -33,6 +33,7 @@ struct Funcs {
     attn_fwd: CudaFunction,
     attn_bwd: CudaFunction,
     pinball: CudaFunction,
+    cast: CudaFunction,
     lstm_fwd: CudaFunction,
     lstm_bwd: CudaFunction,
 }
@@ -85,6 +86,7 @@ impl CudaTft {
             attn_fwd: tft("fx_tft_attn_fwd")?,
             attn_bwd: tft("fx_tft_attn_bwd")?,
             pinball: tft("fx_tft_pinball")?,
+            cast: tft("fx_tft_cast_bf16")?,
             lstm_fwd: lstm("fx_lstm_fwd_step")?,
             lstm_bwd: lstm("fx_lstm_bwd_step")?,
         };
@@ -170,6 +172,17 @@ impl TftKernels for CudaTft {
             .map_err(driver("CudaTft::copy"))
     }
 
+    unsafe fn cast_bf16(&self, src: Addr, dst: Addr, n: usize) -> Result<()> {
+        const CTX: &str = "CudaTft::cast_bf16";
+        let n64 = n as u64;
+        let stream = self.stream();
+        let mut l = stream.launch_builder(&self.f.cast);
+        l.arg(&src).arg(&dst).arg(&n64);
+        // SAFETY: src holds n F32, dst n BF16 (the trait's contract).
+        unsafe { l.launch(grid(n)) }.map_err(driver(CTX))?;
+        Ok(())
+    }
+
     unsafe fn pack(&self, a: &Pack) -> Result<()> {
         const CTX: &str = "CudaTft::pack";
         let n = (a.l_enc * (a.n_obs + a.n_known) + a.h * a.n_known) * a.batch;
@@ -191,7 +204,7 @@ impl TftKernels for CudaTft {
         let (rows, n, d) = (a.rows as u64, u32_of(a.n, "n", CTX)?, u32_of(a.d, "d", CTX)?);
         let stream = self.stream();
         let mut l = stream.launch_builder(&self.f.embed_fwd);
-        l.arg(&a.raw).arg(&a.w).arg(&a.b).arg(&a.emb).arg(&rows).arg(&n).arg(&d);
+        l.arg(&a.raw).arg(&a.w).arg(&a.b).arg(&a.emb).arg(&rows).arg(&n).arg(&d).arg(&a.emb16);
         // SAFETY: as `Embed` documents.
         unsafe { l.launch(grid(a.rows * a.n * a.d)) }.map_err(driver(CTX))?;
         Ok(())
@@ -232,7 +245,7 @@ impl TftKernels for CudaTft {
         let stream = self.stream();
         let mut l = stream.launch_builder(&self.f.glu_fwd);
         l.arg(&rows).arg(&o).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5).arg(&a.res).arg(&a.res_bias);
-        l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps).arg(&sm).arg(&a.out).arg(&a.stats);
+        l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps).arg(&sm).arg(&a.out).arg(&a.stats).arg(&a.out16);
         // SAFETY: as `GluLn` documents; a null res_bias is the kernel's "none".
         unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
         Ok(())
@@ -252,7 +265,7 @@ impl TftKernels for CudaTft {
         let mut l = stream.launch_builder(&self.f.glu_bwd);
         l.arg(&rows).arg(&o).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5).arg(&a.res).arg(&a.res_bias);
         l.arg(&a.ln_w).arg(&a.ln_b).arg(&sm).arg(&a.stats).arg(&g.dout).arg(&g.dres).arg(&acc);
-        l.arg(&g.dg4).arg(&g.dg5).arg(&g.partials);
+        l.arg(&g.dg4).arg(&g.dg5).arg(&g.partials).arg(&g.dg4_16).arg(&g.dg5_16);
         // SAFETY: as `GluLnGrads` documents (dg4/dg5 may alias g4/g5: each element is read
         // and then written by the same thread).
         unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
@@ -272,7 +285,7 @@ impl TftKernels for CudaTft {
         let stream = self.stream();
         let mut l = stream.launch_builder(&self.f.mix_fwd);
         l.arg(&rows).arg(&n).arg(&d).arg(&a.emb).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5);
-        l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps).arg(&a.wsel).arg(&a.out).arg(&a.stats);
+        l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps).arg(&a.wsel).arg(&a.out).arg(&a.stats).arg(&a.out16);
         // SAFETY: as `VsnMix` documents.
         unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
         Ok(())
@@ -292,7 +305,7 @@ impl TftKernels for CudaTft {
         let mut l = stream.launch_builder(&self.f.mix_bwd);
         l.arg(&rows).arg(&n).arg(&d).arg(&a.emb).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5);
         l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.wsel).arg(&a.stats).arg(&g.dout).arg(&g.dwsel).arg(&g.demb);
-        l.arg(&g.dg4).arg(&g.dg5).arg(&g.partials);
+        l.arg(&g.dg4).arg(&g.dg5).arg(&g.partials).arg(&g.dg4_16).arg(&g.dg5_16);
         // SAFETY: as `VsnMixGrads` documents.
         unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
         unsafe { self.reduce(g.partials, a.n, a.rows, a.d, g.dln_w, g.dln_b) }
@@ -395,7 +408,7 @@ impl CudaTft {
                 let rpg = a.rows_per_group.max(1) as u64;
                 let mut l = stream.launch_builder(&self.f.bias_act);
                 l.arg(&a.y).arg(&a.bias).arg(&rows).arg(&cols).arg(&rpg).arg(&act).arg(&on).arg(&seed);
-                l.arg(&call).arg(&step).arg(&p).arg(&scale).arg(&batch).arg(&steps);
+                l.arg(&call).arg(&step).arg(&p).arg(&scale).arg(&batch).arg(&steps).arg(&a.out16);
                 // SAFETY: as `BiasAct` documents; a zero step address is never read when the
                 // mask is off.
                 unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
@@ -403,7 +416,7 @@ impl CudaTft {
             Some(g) => {
                 let mut l = stream.launch_builder(&self.f.act_bwd);
                 l.arg(&g).arg(&a.y).arg(&rows).arg(&cols).arg(&act).arg(&on).arg(&seed);
-                l.arg(&call).arg(&step).arg(&p).arg(&scale).arg(&batch).arg(&steps);
+                l.arg(&call).arg(&step).arg(&p).arg(&scale).arg(&batch).arg(&steps).arg(&a.out16);
                 // SAFETY: as above; `g` holds rows × cols F32.
                 unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
             }

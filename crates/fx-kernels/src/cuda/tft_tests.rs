@@ -83,6 +83,29 @@ impl Pair {
     }
 }
 
+impl Pair {
+    /// The first `n` BF16 values at `b` on both backends: equal within a BF16 step of the
+    /// F32 values they round (the F32 inputs may differ in their last bits).
+    fn check_bf16(&self, b: B2, n: usize, what: &str) {
+        let c = unsafe { std::slice::from_raw_parts(b.c as *const u16, n) }.to_vec();
+        let g: Vec<u16> = {
+            let t = self.gpu.tensor_at(b.g, &[b.n]).unwrap().to_vec1::<f32>().unwrap();
+            t.iter()
+                .flat_map(|v| {
+                    let u = v.to_bits();
+                    [(u & 0xffff) as u16, (u >> 16) as u16]
+                })
+                .take(n)
+                .collect()
+        };
+        for (i, (x, y)) in c.iter().zip(&g).enumerate() {
+            let (x, y) = (half::bf16::from_bits(*x).to_f32(), half::bf16::from_bits(*y).to_f32());
+            assert!(x.is_finite() && y.is_finite(), "{what}[{i}]: cpu {x} gpu {y} (seed {})", self.seed);
+            assert!((x - y).abs() <= 1e-2 * x.abs().max(1e-3), "{what}[{i}]: cpu {x} gpu {y} (seed {})", self.seed);
+        }
+    }
+}
+
 /// Runs `f` on both backends with each buffer's own address.
 macro_rules! both {
     ($p:expr, |$k:ident, $s:ident| $body:expr) => {{
@@ -97,6 +120,30 @@ macro_rules! both {
             unsafe { $body }.unwrap();
         }
     }};
+}
+
+#[test]
+fn bf16_casts_round_like_the_reference() {
+    let Some(dev) = gpu("tft bf16 cast") else { return };
+    let mut p = Pair::new(dev, seed());
+    let mut v: Vec<f32> = (0..4093u32).map(|i| ((i as f32) * 0.37).sin() * 10f32.powi((i % 11) as i32 - 5)).collect();
+    v.extend([f32::NAN, f32::INFINITY, -0.0, 1.0 + f32::EPSILON, f32::MAX, 3.3895e38]);
+    let n = v.len();
+    let src = p.put(&v);
+    let dst = p.nan(n / 2 + 1);
+    both!(p, |k, s| k.cast_bf16(s(src), s(dst), n));
+    let c = unsafe { std::slice::from_raw_parts(dst.c as *const u16, n) }.to_vec();
+    let g: Vec<u16> = p
+        .gpu
+        .tensor_at(dst.g, &[dst.n])
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .flat_map(|v| [(v.to_bits() & 0xffff) as u16, (v.to_bits() >> 16) as u16])
+        .take(n)
+        .collect();
+    assert_eq!(c, g, "bf16 bits (seed {})", p.seed);
 }
 
 fn seed() -> u64 {
@@ -150,9 +197,12 @@ fn pack_embed_and_epilogues_match_the_reference() {
     let rows = l * bs;
     let (w, b) = (p.rand(ne * d, -1.0, 1.0), p.rand(ne * d, -1.0, 1.0));
     let emb = p.nan(rows * ne * d);
-    let a = |s: &dyn Fn(B2) -> Addr| Embed { rows, n: ne, d, raw: s(re), w: s(w), b: s(b), emb: s(emb) };
+    let emb16 = p.nan(rows * ne * d / 2 + 1);
+    let a =
+        |s: &dyn Fn(B2) -> Addr| Embed { rows, n: ne, d, raw: s(re), w: s(w), b: s(b), emb: s(emb), emb16: s(emb16) };
     both!(p, |k, s| k.embed_fwd(&a(&s)));
     p.check(emb, 1e-6, "emb");
+    p.check_bf16(emb16, rows * ne * d, "emb16");
     let demb = p.rand(rows * ne * d, -1.0, 1.0);
     let part = p.nan(partials_len(ne, rows, d));
     let (dw, db) = (p.nan(ne * d), p.nan(ne * d));
@@ -182,6 +232,7 @@ fn pack_embed_and_epilogues_match_the_reference() {
             rows_per_group: per,
             act,
             dropout: with_drop.then(|| drop(s)),
+            out16: 0,
         };
         both!(p, |k, s| k.bias_act(&ba(&s)));
         p.check(y, 1e-6, "bias_act");
@@ -217,6 +268,7 @@ fn glu_layer_norm_matches_the_reference() {
             softmax,
             out: s(out),
             stats: s(stats),
+            out16: 0,
         };
         both!(p, |k, s| k.glu_ln_fwd(&a(&s)));
         p.check(out, 2e-6, "glu_ln out");
@@ -234,6 +286,8 @@ fn glu_layer_norm_matches_the_reference() {
             partials: s(part),
             dln_w: s(dw),
             dln_b: s(db),
+            dg4_16: 0,
+            dg5_16: 0,
         };
         both!(p, |k, s| k.glu_ln_bwd(&a(&s), &g(&s)));
         for (b, what) in [(dres, "dres"), (dg4, "dg4"), (dg5, "dg5"), (dw, "dln_w"), (db, "dln_b")] {
@@ -268,6 +322,7 @@ fn variable_selection_mix_matches_the_reference() {
             wsel: s(wsel),
             out: s(out),
             stats: s(stats),
+            out16: 0,
         };
         both!(p, |k, s| k.vsn_mix_fwd(&a(&s)));
         p.check(out, 2e-6, "mix out");
@@ -284,6 +339,8 @@ fn variable_selection_mix_matches_the_reference() {
             partials: s(part),
             dln_w: s(dw),
             dln_b: s(db),
+            dg4_16: 0,
+            dg5_16: 0,
         };
         both!(p, |k, s| k.vsn_mix_bwd(&a(&s), &g(&s)));
         for (b, what) in [(dwsel, "dwsel"), (demb, "demb"), (dg4, "dg4"), (dg5, "dg5"), (dw, "dln_w"), (db, "dln_b")] {
