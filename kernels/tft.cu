@@ -8,8 +8,9 @@
 
 #define FX_STREAM_DROPOUT 4ULL
 #define FX_PARTIAL_ROWS 64
-// Widest LayerNorm row (per-lane registers: FX_MAXV values of 32 lanes).
-#define FX_MAXV 8
+// The LayerNorm-type kernels hold a row in registers, V values per lane (rows up to 32 V
+// wide); each comes in V = 2, 4, 8 (suffix), so a 128-wide row does not pay 256-wide
+// register use (occupancy). The launcher picks the smallest V that fits.
 // Most attention steps (per-warp shared scores).
 #define FX_MAX_STEPS 256
 
@@ -42,15 +43,13 @@ __device__ __forceinline__ float fx_warp_max(float v) {
     return v;
 }
 
-// The scaled dropout mask of element (row, col) of a [groups * steps * B, cols] time-major
-// buffer, drawn at candle's batch-major index ((j*B + b)*steps + s)*cols + col.
-__device__ __forceinline__ float fx_drop_mask(fx_u64 seed, fx_u64 call, fx_u32 step, double p, float scale,
-                                              fx_u64 batch, fx_u64 steps, fx_u64 row, fx_u64 col, fx_u64 cols) {
+// The dropout draw index of element (row, 0) of a [groups * steps * B, cols] time-major
+// buffer: candle's batch-major index ((j*B + b)*steps + s)*cols; column k adds k.
+__device__ __forceinline__ fx_u64 fx_drop_base(fx_u64 batch, fx_u64 steps, fx_u64 row, fx_u64 cols) {
     const fx_u64 per_group = steps * batch;
     const fx_u64 j = row / per_group, rr = row % per_group;
     const fx_u64 s = rr / batch, b = rr % batch;
-    const fx_u64 idx = ((j * batch + b) * steps + s) * cols + col;
-    return fx_draw(seed, FX_STREAM_DROPOUT, call, (((fx_u64)step) << 32) | idx) >= p ? scale : 0.0f;
+    return ((j * batch + b) * steps + s) * cols;
 }
 
 extern "C" __global__ void fx_tft_pack(const float* __restrict__ observed, const float* __restrict__ known,
@@ -70,15 +69,20 @@ extern "C" __global__ void fx_tft_pack(const float* __restrict__ observed, const
     }
 }
 
+// Grid-stride over the (row, variable) rows of d columns, threads over the columns: index
+// arithmetic once per row, not per element (64-bit division is slow on the GPU).
 extern "C" __global__ void fx_tft_embed_fwd(const float* __restrict__ raw, const float* __restrict__ w,
                                             const float* __restrict__ b, float* __restrict__ emb, fx_u64 rows,
                                             fx_u32 n, fx_u32 d, unsigned short* __restrict__ emb16) {
-    const fx_u64 total = rows * n * d;
-    for (fx_u64 i = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (fx_u64)gridDim.x * blockDim.x) {
-        const fx_u64 k = i % d, rj = i / d, j = rj % n;
-        const float v = raw[rj] * w[j * d + k] + b[j * d + k];
-        emb[i] = v;
-        if (emb16) emb16[i] = fx_bf16(v);
+    const fx_u64 total_rows = rows * n;
+    for (fx_u64 rj = blockIdx.x; rj < total_rows; rj += gridDim.x) {
+        const fx_u64 j = rj % n;
+        const float x = raw[rj];
+        for (fx_u32 k = threadIdx.x; k < d; k += blockDim.x) {
+            const float v = x * w[j * d + k] + b[j * d + k];
+            emb[rj * d + k] = v;
+            if (emb16) emb16[rj * d + k] = fx_bf16(v);
+        }
     }
 }
 
@@ -118,52 +122,63 @@ extern "C" __global__ void fx_tft_reduce_partials(const float* __restrict__ part
 }
 
 // y = drop(act(y + bias[row / rows_per_group])) in place.
+// y = drop(act(y + bias[row / rows_per_group])) in place; grid-stride over rows, threads
+// over columns (the row's group and dropout base index computed once per row).
 extern "C" __global__ void fx_tft_bias_act(float* __restrict__ y, const float* __restrict__ bias, fx_u64 rows,
                                            fx_u32 cols, fx_u64 rows_per_group, fx_u32 act, fx_u32 drop_on,
                                            fx_u64 seed, fx_u64 call, const fx_u32* __restrict__ step_ptr, double p,
                                            float scale, fx_u64 batch, fx_u64 steps, unsigned short* __restrict__ y16) {
-    const fx_u32 step = drop_on ? step_ptr[0] : 0u;
-    const fx_u64 total = rows * cols;
-    for (fx_u64 i = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (fx_u64)gridDim.x * blockDim.x) {
-        const fx_u64 r = i / cols, k = i % cols;
-        float v = y[i] + bias[(r / rows_per_group) * cols + k];
-        if (act == 1u) v = fx_elu(v);
-        if (drop_on) v *= fx_drop_mask(seed, call, step, p, scale, batch, steps, r, k, cols);
-        y[i] = v;
-        if (y16) y16[i] = fx_bf16(v);
+    const fx_u64 hi = drop_on ? ((fx_u64)step_ptr[0]) << 32 : 0;
+    for (fx_u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* br = bias + (r / rows_per_group) * cols;
+        const fx_u64 base = drop_on ? fx_drop_base(batch, steps, r, cols) : 0;
+        for (fx_u32 k = threadIdx.x; k < cols; k += blockDim.x) {
+            const fx_u64 i = r * cols + k;
+            float v = y[i] + br[k];
+            if (act == 1u) v = fx_elu(v);
+            if (drop_on) v *= fx_draw(seed, FX_STREAM_DROPOUT, call, hi | (base + k)) >= p ? scale : 0.0f;
+            y[i] = v;
+            if (y16) y16[i] = fx_bf16(v);
+        }
     }
 }
 
 // grad *= act'(from output y) * mask, in place.
+// grad *= act'(from output y) * mask, in place; rows and columns as fx_tft_bias_act.
 extern "C" __global__ void fx_tft_act_bwd(float* __restrict__ grad, const float* __restrict__ y, fx_u64 rows,
                                           fx_u32 cols, fx_u32 act, fx_u32 drop_on, fx_u64 seed, fx_u64 call,
                                           const fx_u32* __restrict__ step_ptr, double p, float scale, fx_u64 batch,
                                           fx_u64 steps, unsigned short* __restrict__ g16) {
-    const fx_u32 step = drop_on ? step_ptr[0] : 0u;
-    const fx_u64 total = rows * cols;
-    for (fx_u64 i = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (fx_u64)gridDim.x * blockDim.x) {
-        float g = grad[i];
-        if (act == 1u) {
-            const float v = y[i];
-            g *= v > 0.0f ? 1.0f : v + 1.0f;
+    const fx_u64 hi = drop_on ? ((fx_u64)step_ptr[0]) << 32 : 0;
+    for (fx_u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const fx_u64 base = drop_on ? fx_drop_base(batch, steps, r, cols) : 0;
+        for (fx_u32 k = threadIdx.x; k < cols; k += blockDim.x) {
+            const fx_u64 i = r * cols + k;
+            float g = grad[i];
+            if (act == 1u) {
+                const float v = y[i];
+                g *= v > 0.0f ? 1.0f : v + 1.0f;
+            }
+            if (drop_on) g *= fx_draw(seed, FX_STREAM_DROPOUT, call, hi | (base + k)) >= p ? scale : 0.0f;
+            grad[i] = g;
+            if (g16) g16[i] = fx_bf16(g);
         }
-        if (drop_on) g *= fx_drop_mask(seed, call, step, p, scale, batch, steps, i / cols, i % cols, cols);
-        grad[i] = g;
-        if (g16) g16[i] = fx_bf16(g);
     }
 }
 
+template <int V>
 struct FxGluRow {
-    float z[FX_MAXV], s[FX_MAXV], v5[FX_MAXV];
+    float z[V], s[V], v5[V];
 };
 
 // Lane `lane`'s columns k = lane + 32 i of a row of width o: z = res[rr] (+ rb) +
 // sigmoid(g4[gr] + b4) * (g5[gr] + b5), with gr / rr the row's index in g4, g5 / in res.
-__device__ __forceinline__ void fx_glu_row(FxGluRow& t, fx_u64 gr, fx_u64 rr, fx_u32 o, int lane, const float* g4,
+template <int V>
+__device__ __forceinline__ void fx_glu_row(FxGluRow<V>& t, fx_u64 gr, fx_u64 rr, fx_u32 o, int lane, const float* g4,
                                            const float* b4, const float* g5, const float* b5, const float* res,
                                            const float* res_bias) {
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) {
+    for (int i = 0; i < V; ++i) {
         const fx_u32 k = lane + 32 * i;
         t.z[i] = 0.0f;
         t.s[i] = 0.0f;
@@ -179,31 +194,33 @@ __device__ __forceinline__ void fx_glu_row(FxGluRow& t, fx_u64 gr, fx_u64 rr, fx
 }
 
 // Mean and 1/sqrt(var + eps) of a row held across the warp (n valid values).
+template <int V>
 __device__ __forceinline__ void fx_row_stats(const float* z, fx_u32 o, int lane, float eps, float* mean,
                                              float* rstd) {
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i)
+    for (int i = 0; i < V; ++i)
         if (lane + 32 * i < (int)o) s += z[i];
     const float m = fx_warp_sum(s) / (float)o;
     float v = 0.0f;
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i)
+    for (int i = 0; i < V; ++i)
         if (lane + 32 * i < (int)o) v += (z[i] - m) * (z[i] - m);
     *mean = m;
     *rstd = 1.0f / sqrtf(fx_warp_sum(v) / (float)o + eps);
 }
 
 // Softmax over a row held across the warp, in place.
+template <int V>
 __device__ __forceinline__ void fx_row_softmax(float* y, fx_u32 o, int lane) {
     float m = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i)
+    for (int i = 0; i < V; ++i)
         if (lane + 32 * i < (int)o) m = fmaxf(m, y[i]);
     m = fx_warp_max(m);
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) {
+    for (int i = 0; i < V; ++i) {
         if (lane + 32 * i < (int)o) {
             y[i] = expf(y[i] - m);
             s += y[i];
@@ -211,11 +228,12 @@ __device__ __forceinline__ void fx_row_softmax(float* y, fx_u32 o, int lane) {
     }
     s = fx_warp_sum(s);
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) y[i] /= s;
+    for (int i = 0; i < V; ++i) y[i] /= s;
 }
 
 // One warp per row.
-extern "C" __global__ void fx_tft_glu_ln_fwd(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
+template <int V>
+__device__ __forceinline__ void fx_glu_ln_fwd_impl(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
                                              const float* __restrict__ b4, const float* __restrict__ g5,
                                              const float* __restrict__ b5, const float* __restrict__ res,
                                              const float* __restrict__ res_bias, const float* __restrict__ ln_w,
@@ -225,19 +243,19 @@ extern "C" __global__ void fx_tft_glu_ln_fwd(fx_u64 rows, fx_u32 o, const float*
     const int lane = threadIdx.x & 31;
     const fx_u64 warps = (fx_u64)gridDim.x * (blockDim.x >> 5);
     for (fx_u64 r = (fx_u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-        FxGluRow t;
-        fx_glu_row(t, r, r, o, lane, g4, b4, g5, b5, res, res_bias);
+        FxGluRow<V> t;
+        fx_glu_row<V>(t, r, r, o, lane, g4, b4, g5, b5, res, res_bias);
         float mean, rstd;
-        fx_row_stats(t.z, o, lane, eps, &mean, &rstd);
-        float y[FX_MAXV];
+        fx_row_stats<V>(t.z, o, lane, eps, &mean, &rstd);
+        float y[V];
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) {
+        for (int i = 0; i < V; ++i) {
             const fx_u32 k = lane + 32 * i;
             y[i] = k < o ? (t.z[i] - mean) * rstd * ln_w[k] + ln_b[k] : 0.0f;
         }
-        if (softmax) fx_row_softmax(y, o, lane);
+        if (softmax) fx_row_softmax<V>(y, o, lane);
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) {
+        for (int i = 0; i < V; ++i) {
             const fx_u32 k = lane + 32 * i;
             if (k < o) {
                 out[r * o + k] = y[i];
@@ -252,11 +270,12 @@ extern "C" __global__ void fx_tft_glu_ln_fwd(fx_u64 rows, fx_u32 o, const float*
 }
 
 // LayerNorm backward of a row across the warp: dz from dy; accumulates dw, db per lane.
+template <int V>
 __device__ __forceinline__ void fx_ln_bwd_row(const float* dy, const float* xn, const float* w, float rstd, fx_u32 o,
                                               int lane, float* dz, float* dw, float* db) {
     float mg = 0.0f, mgx = 0.0f;
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) {
+    for (int i = 0; i < V; ++i) {
         if (lane + 32 * i < (int)o) {
             const float g = dy[i] * w[i];
             mg += g;
@@ -268,16 +287,17 @@ __device__ __forceinline__ void fx_ln_bwd_row(const float* dy, const float* xn, 
     mg = fx_warp_sum(mg) / (float)o;
     mgx = fx_warp_sum(mgx) / (float)o;
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) dz[i] = (dy[i] * w[i] - mg - xn[i] * mgx) * rstd;
+    for (int i = 0; i < V; ++i) dz[i] = (dy[i] * w[i] - mg - xn[i] * mgx) * rstd;
 }
 
 // Sums each warp's dw/db registers into partials[base .. base + 2o] (block-wide, via smem
 // [warps][2][o]); the block's threads all call it.
+template <int V>
 __device__ __forceinline__ void fx_block_partials(const float* dw, const float* db, fx_u32 o, float* smem,
                                                   float* out) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) {
+    for (int i = 0; i < V; ++i) {
         const fx_u32 k = lane + 32 * i;
         if (k < o) {
             smem[(warp * 2) * o + k] = dw[i];
@@ -294,7 +314,8 @@ __device__ __forceinline__ void fx_block_partials(const float* dw, const float* 
 }
 
 // grid: row blocks of FX_PARTIAL_ROWS rows; 8 warps; dynamic smem 8 * 2 * o floats.
-extern "C" __global__ void fx_tft_glu_ln_bwd(fx_u64 rows, fx_u32 o, const float* g4,
+template <int V>
+__device__ __forceinline__ void fx_glu_ln_bwd_impl(fx_u64 rows, fx_u32 o, const float* g4,
                                              const float* __restrict__ b4, const float* g5,
                                              const float* __restrict__ b5, const float* __restrict__ res,
                                              const float* __restrict__ res_bias, const float* __restrict__ ln_w,
@@ -306,9 +327,9 @@ extern "C" __global__ void fx_tft_glu_ln_bwd(fx_u64 rows, fx_u32 o, const float*
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const fx_u64 r0 = (fx_u64)blockIdx.x * FX_PARTIAL_ROWS, r1 = min(rows, r0 + FX_PARTIAL_ROWS);
-    float w[FX_MAXV], lb[FX_MAXV], dw[FX_MAXV], db[FX_MAXV];
+    float w[V], lb[V], dw[V], db[V];
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) {
+    for (int i = 0; i < V; ++i) {
         const fx_u32 k = lane + 32 * i;
         w[i] = k < o ? ln_w[k] : 0.0f;
         lb[i] = k < o ? ln_b[k] : 0.0f;
@@ -316,32 +337,32 @@ extern "C" __global__ void fx_tft_glu_ln_bwd(fx_u64 rows, fx_u32 o, const float*
         db[i] = 0.0f;
     }
     for (fx_u64 r = r0 + warp; r < r1; r += warps) {
-        FxGluRow t;
-        fx_glu_row(t, r, r, o, lane, g4, b4, g5, b5, res, res_bias);
+        FxGluRow<V> t;
+        fx_glu_row<V>(t, r, r, o, lane, g4, b4, g5, b5, res, res_bias);
         const float mean = stats[2 * r], rstd = stats[2 * r + 1];
-        float xn[FX_MAXV], dy[FX_MAXV], dz[FX_MAXV];
+        float xn[V], dy[V], dz[V];
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) {
+        for (int i = 0; i < V; ++i) {
             const fx_u32 k = lane + 32 * i;
             xn[i] = k < o ? (t.z[i] - mean) * rstd : 0.0f;
             dy[i] = k < o ? dout[r * o + k] : 0.0f;
         }
         if (softmax) {
-            float p[FX_MAXV];
+            float p[V];
 #pragma unroll
-            for (int i = 0; i < FX_MAXV; ++i) p[i] = xn[i] * w[i] + lb[i];
-            fx_row_softmax(p, o, lane);
+            for (int i = 0; i < V; ++i) p[i] = xn[i] * w[i] + lb[i];
+            fx_row_softmax<V>(p, o, lane);
             float dot = 0.0f;
 #pragma unroll
-            for (int i = 0; i < FX_MAXV; ++i)
+            for (int i = 0; i < V; ++i)
                 if (lane + 32 * i < (int)o) dot += p[i] * dy[i];
             dot = fx_warp_sum(dot);
 #pragma unroll
-            for (int i = 0; i < FX_MAXV; ++i) dy[i] = lane + 32 * i < (int)o ? p[i] * (dy[i] - dot) : 0.0f;
+            for (int i = 0; i < V; ++i) dy[i] = lane + 32 * i < (int)o ? p[i] * (dy[i] - dot) : 0.0f;
         }
-        fx_ln_bwd_row(dy, xn, w, rstd, o, lane, dz, dw, db);
+        fx_ln_bwd_row<V>(dy, xn, w, rstd, o, lane, dz, dw, db);
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) {
+        for (int i = 0; i < V; ++i) {
             const fx_u32 k = lane + 32 * i;
             if (k < o) {
                 const fx_u64 x = r * o + k;
@@ -357,11 +378,12 @@ extern "C" __global__ void fx_tft_glu_ln_bwd(fx_u64 rows, fx_u32 o, const float*
             }
         }
     }
-    fx_block_partials(dw, db, o, smem, partials + (fx_u64)blockIdx.x * 2 * o);
+    fx_block_partials<V>(dw, db, o, smem, partials + (fx_u64)blockIdx.x * 2 * o);
 }
 
 // One warp per row: out[r] = sum_j wsel[r, j] * LN_j(emb[r, j] + sigmoid(g4 + b4) * (g5 + b5)).
-extern "C" __global__ void fx_tft_vsn_mix_fwd(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+template <int V>
+__device__ __forceinline__ void fx_vsn_mix_fwd_impl(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
                                               const float* __restrict__ g4, const float* __restrict__ b4,
                                               const float* __restrict__ g5, const float* __restrict__ b5,
                                               const float* __restrict__ ln_w, const float* __restrict__ ln_b,
@@ -370,19 +392,19 @@ extern "C" __global__ void fx_tft_vsn_mix_fwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
     const int lane = threadIdx.x & 31;
     const fx_u64 warps = (fx_u64)gridDim.x * (blockDim.x >> 5);
     for (fx_u64 r = (fx_u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-        float acc[FX_MAXV];
+        float acc[V];
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < V; ++i) acc[i] = 0.0f;
         for (fx_u32 j = 0; j < n; ++j) {
-            FxGluRow t;
+            FxGluRow<V> t;
             // The variable's GRN rows live at (j * rows + r); its residual is emb[r, j].
-            fx_glu_row(t, j * rows + r, r * n + j, d, lane, g4, b4 + (fx_u64)j * d, g5, b5 + (fx_u64)j * d, emb,
+            fx_glu_row<V>(t, j * rows + r, r * n + j, d, lane, g4, b4 + (fx_u64)j * d, g5, b5 + (fx_u64)j * d, emb,
                        nullptr);
             float mean, rstd;
-            fx_row_stats(t.z, d, lane, eps, &mean, &rstd);
+            fx_row_stats<V>(t.z, d, lane, eps, &mean, &rstd);
             const float wj = wsel[r * n + j];
 #pragma unroll
-            for (int i = 0; i < FX_MAXV; ++i) {
+            for (int i = 0; i < V; ++i) {
                 const fx_u32 k = lane + 32 * i;
                 if (k < d) acc[i] += wj * ((t.z[i] - mean) * rstd * ln_w[j * d + k] + ln_b[j * d + k]);
             }
@@ -392,7 +414,7 @@ extern "C" __global__ void fx_tft_vsn_mix_fwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
             }
         }
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) {
+        for (int i = 0; i < V; ++i) {
             const fx_u32 k = lane + 32 * i;
             if (k < d) {
                 out[r * d + k] = acc[i];
@@ -404,7 +426,8 @@ extern "C" __global__ void fx_tft_vsn_mix_fwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
 
 // grid (row blocks, n): block (bi, j) does variable j of rows [bi*64, ...); 8 warps;
 // dynamic smem 8 * 2 * d floats.
-extern "C" __global__ void fx_tft_vsn_mix_bwd(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+template <int V>
+__device__ __forceinline__ void fx_vsn_mix_bwd_impl(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
                                               const float* g4, const float* __restrict__ b4,
                                               const float* g5, const float* __restrict__ b5,
                                               const float* __restrict__ ln_w, const float* __restrict__ ln_b,
@@ -417,9 +440,9 @@ extern "C" __global__ void fx_tft_vsn_mix_bwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const fx_u64 j = blockIdx.y, nb = gridDim.x, bi = blockIdx.x;
     const fx_u64 r0 = bi * FX_PARTIAL_ROWS, r1 = min(rows, r0 + FX_PARTIAL_ROWS);
-    float w[FX_MAXV], lb[FX_MAXV], dw[FX_MAXV], db[FX_MAXV];
+    float w[V], lb[V], dw[V], db[V];
 #pragma unroll
-    for (int i = 0; i < FX_MAXV; ++i) {
+    for (int i = 0; i < V; ++i) {
         const fx_u32 k = lane + 32 * i;
         w[i] = k < d ? ln_w[j * d + k] : 0.0f;
         lb[i] = k < d ? ln_b[j * d + k] : 0.0f;
@@ -428,14 +451,14 @@ extern "C" __global__ void fx_tft_vsn_mix_bwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
     }
     for (fx_u64 r = r0 + warp; r < r1; r += warps) {
         const fx_u64 gr = j * rows + r;
-        FxGluRow t;
-        fx_glu_row(t, gr, r * n + j, d, lane, g4, b4 + j * d, g5, b5 + j * d, emb, nullptr);
+        FxGluRow<V> t;
+        fx_glu_row<V>(t, gr, r * n + j, d, lane, g4, b4 + j * d, g5, b5 + j * d, emb, nullptr);
         const float mean = stats[2 * gr], rstd = stats[2 * gr + 1];
         const float wj = wsel[r * n + j];
-        float xn[FX_MAXV], dy[FX_MAXV], dz[FX_MAXV];
+        float xn[V], dy[V], dz[V];
         float dsel = 0.0f;
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) {
+        for (int i = 0; i < V; ++i) {
             const fx_u32 k = lane + 32 * i;
             xn[i] = k < d ? (t.z[i] - mean) * rstd : 0.0f;
             const float g = k < d ? dout[r * d + k] : 0.0f;
@@ -444,9 +467,9 @@ extern "C" __global__ void fx_tft_vsn_mix_bwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
         }
         dsel = fx_warp_sum(dsel);
         if (lane == 0) dwsel[r * n + j] = dsel;
-        fx_ln_bwd_row(dy, xn, w, rstd, d, lane, dz, dw, db);
+        fx_ln_bwd_row<V>(dy, xn, w, rstd, d, lane, dz, dw, db);
 #pragma unroll
-        for (int i = 0; i < FX_MAXV; ++i) {
+        for (int i = 0; i < V; ++i) {
             const fx_u32 k = lane + 32 * i;
             if (k < d) {
                 const fx_u64 x = gr * d + k;
@@ -461,7 +484,137 @@ extern "C" __global__ void fx_tft_vsn_mix_bwd(fx_u64 rows, fx_u32 n, fx_u32 d, c
             }
         }
     }
-    fx_block_partials(dw, db, d, smem, partials + ((j * nb + bi) * 2) * d);
+    fx_block_partials<V>(dw, db, d, smem, partials + ((j * nb + bi) * 2) * d);
+}
+
+// The entry points, one per row-register width.
+extern "C" __global__ void fx_tft_glu_ln_fwd2(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
+                                             const float* __restrict__ b4, const float* __restrict__ g5,
+                                             const float* __restrict__ b5, const float* __restrict__ res,
+                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
+                                             const float* __restrict__ ln_b, float eps, fx_u32 softmax,
+                                             float* __restrict__ out, float* __restrict__ stats,
+                                             unsigned short* __restrict__ out16) {
+    fx_glu_ln_fwd_impl<2>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, eps, softmax, out, stats, out16);
+}
+
+extern "C" __global__ void fx_tft_glu_ln_fwd4(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
+                                             const float* __restrict__ b4, const float* __restrict__ g5,
+                                             const float* __restrict__ b5, const float* __restrict__ res,
+                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
+                                             const float* __restrict__ ln_b, float eps, fx_u32 softmax,
+                                             float* __restrict__ out, float* __restrict__ stats,
+                                             unsigned short* __restrict__ out16) {
+    fx_glu_ln_fwd_impl<4>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, eps, softmax, out, stats, out16);
+}
+
+extern "C" __global__ void fx_tft_glu_ln_fwd8(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
+                                             const float* __restrict__ b4, const float* __restrict__ g5,
+                                             const float* __restrict__ b5, const float* __restrict__ res,
+                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
+                                             const float* __restrict__ ln_b, float eps, fx_u32 softmax,
+                                             float* __restrict__ out, float* __restrict__ stats,
+                                             unsigned short* __restrict__ out16) {
+    fx_glu_ln_fwd_impl<8>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, eps, softmax, out, stats, out16);
+}
+
+extern "C" __global__ void fx_tft_glu_ln_bwd2(fx_u64 rows, fx_u32 o, const float* g4,
+                                             const float* __restrict__ b4, const float* g5,
+                                             const float* __restrict__ b5, const float* __restrict__ res,
+                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
+                                             const float* __restrict__ ln_b, fx_u32 softmax,
+                                             const float* __restrict__ stats, const float* __restrict__ dout,
+                                             float* __restrict__ dres, fx_u32 res_acc, float* dg4, float* dg5,
+                                             float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                             unsigned short* __restrict__ dg5_16) {
+    fx_glu_ln_bwd_impl<2>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, softmax, stats, dout, dres, res_acc, dg4, dg5, partials, dg4_16, dg5_16);
+}
+
+extern "C" __global__ void fx_tft_glu_ln_bwd4(fx_u64 rows, fx_u32 o, const float* g4,
+                                             const float* __restrict__ b4, const float* g5,
+                                             const float* __restrict__ b5, const float* __restrict__ res,
+                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
+                                             const float* __restrict__ ln_b, fx_u32 softmax,
+                                             const float* __restrict__ stats, const float* __restrict__ dout,
+                                             float* __restrict__ dres, fx_u32 res_acc, float* dg4, float* dg5,
+                                             float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                             unsigned short* __restrict__ dg5_16) {
+    fx_glu_ln_bwd_impl<4>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, softmax, stats, dout, dres, res_acc, dg4, dg5, partials, dg4_16, dg5_16);
+}
+
+extern "C" __global__ void fx_tft_glu_ln_bwd8(fx_u64 rows, fx_u32 o, const float* g4,
+                                             const float* __restrict__ b4, const float* g5,
+                                             const float* __restrict__ b5, const float* __restrict__ res,
+                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
+                                             const float* __restrict__ ln_b, fx_u32 softmax,
+                                             const float* __restrict__ stats, const float* __restrict__ dout,
+                                             float* __restrict__ dres, fx_u32 res_acc, float* dg4, float* dg5,
+                                             float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                             unsigned short* __restrict__ dg5_16) {
+    fx_glu_ln_bwd_impl<8>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, softmax, stats, dout, dres, res_acc, dg4, dg5, partials, dg4_16, dg5_16);
+}
+
+extern "C" __global__ void fx_tft_vsn_mix_fwd2(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+                                              const float* __restrict__ g4, const float* __restrict__ b4,
+                                              const float* __restrict__ g5, const float* __restrict__ b5,
+                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              float eps, const float* __restrict__ wsel, float* __restrict__ out,
+                                              float* __restrict__ stats, unsigned short* __restrict__ out16) {
+    fx_vsn_mix_fwd_impl<2>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, eps, wsel, out, stats, out16);
+}
+
+extern "C" __global__ void fx_tft_vsn_mix_fwd4(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+                                              const float* __restrict__ g4, const float* __restrict__ b4,
+                                              const float* __restrict__ g5, const float* __restrict__ b5,
+                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              float eps, const float* __restrict__ wsel, float* __restrict__ out,
+                                              float* __restrict__ stats, unsigned short* __restrict__ out16) {
+    fx_vsn_mix_fwd_impl<4>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, eps, wsel, out, stats, out16);
+}
+
+extern "C" __global__ void fx_tft_vsn_mix_fwd8(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+                                              const float* __restrict__ g4, const float* __restrict__ b4,
+                                              const float* __restrict__ g5, const float* __restrict__ b5,
+                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              float eps, const float* __restrict__ wsel, float* __restrict__ out,
+                                              float* __restrict__ stats, unsigned short* __restrict__ out16) {
+    fx_vsn_mix_fwd_impl<8>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, eps, wsel, out, stats, out16);
+}
+
+extern "C" __global__ void fx_tft_vsn_mix_bwd2(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+                                              const float* g4, const float* __restrict__ b4,
+                                              const float* g5, const float* __restrict__ b5,
+                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              const float* __restrict__ wsel, const float* __restrict__ stats,
+                                              const float* __restrict__ dout, float* __restrict__ dwsel,
+                                              float* __restrict__ demb, float* dg4, float* dg5,
+                                              float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                              unsigned short* __restrict__ dg5_16) {
+    fx_vsn_mix_bwd_impl<2>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, wsel, stats, dout, dwsel, demb, dg4, dg5, partials, dg4_16, dg5_16);
+}
+
+extern "C" __global__ void fx_tft_vsn_mix_bwd4(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+                                              const float* g4, const float* __restrict__ b4,
+                                              const float* g5, const float* __restrict__ b5,
+                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              const float* __restrict__ wsel, const float* __restrict__ stats,
+                                              const float* __restrict__ dout, float* __restrict__ dwsel,
+                                              float* __restrict__ demb, float* dg4, float* dg5,
+                                              float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                              unsigned short* __restrict__ dg5_16) {
+    fx_vsn_mix_bwd_impl<4>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, wsel, stats, dout, dwsel, demb, dg4, dg5, partials, dg4_16, dg5_16);
+}
+
+extern "C" __global__ void fx_tft_vsn_mix_bwd8(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+                                              const float* g4, const float* __restrict__ b4,
+                                              const float* g5, const float* __restrict__ b5,
+                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                                              const float* __restrict__ wsel, const float* __restrict__ stats,
+                                              const float* __restrict__ dout, float* __restrict__ dwsel,
+                                              float* __restrict__ demb, float* dg4, float* dg5,
+                                              float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
+                                              unsigned short* __restrict__ dg5_16) {
+    fx_vsn_mix_bwd_impl<8>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, wsel, stats, dout, dwsel, demb, dg4, dg5, partials, dg4_16, dg5_16);
 }
 
 // One warp per (b, decoder step s); per-warp shared scores.

@@ -26,10 +26,11 @@ struct Funcs {
     reduce: CudaFunction,
     bias_act: CudaFunction,
     act_bwd: CudaFunction,
-    glu_fwd: CudaFunction,
-    glu_bwd: CudaFunction,
-    mix_fwd: CudaFunction,
-    mix_bwd: CudaFunction,
+    /// Per row-register width (V = 2, 4, 8: rows up to 64, 128, 256 wide).
+    glu_fwd: [CudaFunction; 3],
+    glu_bwd: [CudaFunction; 3],
+    mix_fwd: [CudaFunction; 3],
+    mix_bwd: [CudaFunction; 3],
     attn_fwd: CudaFunction,
     attn_bwd: CudaFunction,
     pinball: CudaFunction,
@@ -57,6 +58,13 @@ fn grid(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// A row kernel's launch: a block (whole warps, up to 256 threads) per row of `cols`,
+/// grid-stride over `rows`.
+fn rows_grid(rows: usize, cols: usize) -> LaunchConfig {
+    let block = (cols.div_ceil(32) * 32).clamp(32, BLOCK as usize) as u32;
+    LaunchConfig { grid_dim: (rows.clamp(1, MAX_BLOCKS) as u32, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
 fn u32_of(v: usize, what: &'static str, ctx: &'static str) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::shape(what, ctx, "< 2^32", v.to_string()))
 }
@@ -72,6 +80,9 @@ impl CudaTft {
         let lstm = |name: &str| -> Result<CudaFunction> {
             Ok(dev.get_or_load_custom_func(name, "fx_lstm", PTX_LSTM).ctx(CTX)?.into_cuda_function())
         };
+        let widths = |name: &str| -> Result<[CudaFunction; 3]> {
+            Ok([tft(&format!("{name}2"))?, tft(&format!("{name}4"))?, tft(&format!("{name}8"))?])
+        };
         let f = Funcs {
             pack: tft("fx_tft_pack")?,
             embed_fwd: tft("fx_tft_embed_fwd")?,
@@ -79,10 +90,10 @@ impl CudaTft {
             reduce: tft("fx_tft_reduce_partials")?,
             bias_act: tft("fx_tft_bias_act")?,
             act_bwd: tft("fx_tft_act_bwd")?,
-            glu_fwd: tft("fx_tft_glu_ln_fwd")?,
-            glu_bwd: tft("fx_tft_glu_ln_bwd")?,
-            mix_fwd: tft("fx_tft_vsn_mix_fwd")?,
-            mix_bwd: tft("fx_tft_vsn_mix_bwd")?,
+            glu_fwd: widths("fx_tft_glu_ln_fwd")?,
+            glu_bwd: widths("fx_tft_glu_ln_bwd")?,
+            mix_fwd: widths("fx_tft_vsn_mix_fwd")?,
+            mix_bwd: widths("fx_tft_vsn_mix_bwd")?,
             attn_fwd: tft("fx_tft_attn_fwd")?,
             attn_bwd: tft("fx_tft_attn_bwd")?,
             pinball: tft("fx_tft_pinball")?,
@@ -97,11 +108,14 @@ impl CudaTft {
         self.dev.cuda_stream()
     }
 
-    fn check_norm_width(o: usize, ctx: &'static str) -> Result<()> {
-        if o == 0 || o > MAX_NORM_WIDTH {
-            return Err(Error::Unsupported { context: ctx, message: format!("row width {o} (1..={MAX_NORM_WIDTH})") });
+    /// The variant of a row kernel for rows `o` wide: the fewest registers that hold one.
+    fn width_variant(o: usize, ctx: &'static str) -> Result<usize> {
+        match o {
+            1..=64 => Ok(0),
+            65..=128 => Ok(1),
+            129..=MAX_NORM_WIDTH => Ok(2),
+            _ => Err(Error::Unsupported { context: ctx, message: format!("row width {o} (1..={MAX_NORM_WIDTH})") }),
         }
-        Ok(())
     }
 
     /// `partials` summed over their row blocks into `w`, `b` (`groups × width` each).
@@ -206,7 +220,7 @@ impl TftKernels for CudaTft {
         let mut l = stream.launch_builder(&self.f.embed_fwd);
         l.arg(&a.raw).arg(&a.w).arg(&a.b).arg(&a.emb).arg(&rows).arg(&n).arg(&d).arg(&a.emb16);
         // SAFETY: as `Embed` documents.
-        unsafe { l.launch(grid(a.rows * a.n * a.d)) }.map_err(driver(CTX))?;
+        unsafe { l.launch(rows_grid(a.rows * a.n, a.d)) }.map_err(driver(CTX))?;
         Ok(())
     }
 
@@ -234,7 +248,7 @@ impl TftKernels for CudaTft {
 
     unsafe fn glu_ln_fwd(&self, a: &GluLn) -> Result<()> {
         const CTX: &str = "CudaTft::glu_ln_fwd";
-        Self::check_norm_width(a.o, CTX)?;
+        let v = Self::width_variant(a.o, CTX)?;
         let (rows, o, sm) = (a.rows as u64, a.o as u32, u32::from(a.softmax));
         let warps_per_block = (BLOCK / 32) as usize;
         let cfg = LaunchConfig {
@@ -243,7 +257,7 @@ impl TftKernels for CudaTft {
             shared_mem_bytes: 0,
         };
         let stream = self.stream();
-        let mut l = stream.launch_builder(&self.f.glu_fwd);
+        let mut l = stream.launch_builder(&self.f.glu_fwd[v]);
         l.arg(&rows).arg(&o).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5).arg(&a.res).arg(&a.res_bias);
         l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps).arg(&sm).arg(&a.out).arg(&a.stats).arg(&a.out16);
         // SAFETY: as `GluLn` documents; a null res_bias is the kernel's "none".
@@ -253,7 +267,7 @@ impl TftKernels for CudaTft {
 
     unsafe fn glu_ln_bwd(&self, a: &GluLn, g: &GluLnGrads) -> Result<()> {
         const CTX: &str = "CudaTft::glu_ln_bwd";
-        Self::check_norm_width(a.o, CTX)?;
+        let v = Self::width_variant(a.o, CTX)?;
         let (rows, o, sm, acc) = (a.rows as u64, a.o as u32, u32::from(a.softmax), u32::from(g.res_acc));
         let blocks = u32_of(a.rows.div_ceil(PARTIAL_ROWS), "blocks", CTX)?;
         let cfg = LaunchConfig {
@@ -262,7 +276,7 @@ impl TftKernels for CudaTft {
             shared_mem_bytes: (BLOCK / 32) * 2 * o * 4,
         };
         let stream = self.stream();
-        let mut l = stream.launch_builder(&self.f.glu_bwd);
+        let mut l = stream.launch_builder(&self.f.glu_bwd[v]);
         l.arg(&rows).arg(&o).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5).arg(&a.res).arg(&a.res_bias);
         l.arg(&a.ln_w).arg(&a.ln_b).arg(&sm).arg(&a.stats).arg(&g.dout).arg(&g.dres).arg(&acc);
         l.arg(&g.dg4).arg(&g.dg5).arg(&g.partials).arg(&g.dg4_16).arg(&g.dg5_16);
@@ -274,7 +288,7 @@ impl TftKernels for CudaTft {
 
     unsafe fn vsn_mix_fwd(&self, a: &VsnMix) -> Result<()> {
         const CTX: &str = "CudaTft::vsn_mix_fwd";
-        Self::check_norm_width(a.d, CTX)?;
+        let v = Self::width_variant(a.d, CTX)?;
         let (rows, n, d) = (a.rows as u64, u32_of(a.n, "n", CTX)?, a.d as u32);
         let warps_per_block = (BLOCK / 32) as usize;
         let cfg = LaunchConfig {
@@ -283,7 +297,7 @@ impl TftKernels for CudaTft {
             shared_mem_bytes: 0,
         };
         let stream = self.stream();
-        let mut l = stream.launch_builder(&self.f.mix_fwd);
+        let mut l = stream.launch_builder(&self.f.mix_fwd[v]);
         l.arg(&rows).arg(&n).arg(&d).arg(&a.emb).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5);
         l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps).arg(&a.wsel).arg(&a.out).arg(&a.stats).arg(&a.out16);
         // SAFETY: as `VsnMix` documents.
@@ -293,7 +307,7 @@ impl TftKernels for CudaTft {
 
     unsafe fn vsn_mix_bwd(&self, a: &VsnMix, g: &VsnMixGrads) -> Result<()> {
         const CTX: &str = "CudaTft::vsn_mix_bwd";
-        Self::check_norm_width(a.d, CTX)?;
+        let v = Self::width_variant(a.d, CTX)?;
         let (rows, n, d) = (a.rows as u64, u32_of(a.n, "n", CTX)?, a.d as u32);
         let blocks = u32_of(a.rows.div_ceil(PARTIAL_ROWS), "blocks", CTX)?;
         let cfg = LaunchConfig {
@@ -302,7 +316,7 @@ impl TftKernels for CudaTft {
             shared_mem_bytes: (BLOCK / 32) * 2 * d * 4,
         };
         let stream = self.stream();
-        let mut l = stream.launch_builder(&self.f.mix_bwd);
+        let mut l = stream.launch_builder(&self.f.mix_bwd[v]);
         l.arg(&rows).arg(&n).arg(&d).arg(&a.emb).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5);
         l.arg(&a.ln_w).arg(&a.ln_b).arg(&a.wsel).arg(&a.stats).arg(&g.dout).arg(&g.dwsel).arg(&g.demb);
         l.arg(&g.dg4).arg(&g.dg5).arg(&g.partials).arg(&g.dg4_16).arg(&g.dg5_16);
@@ -402,7 +416,7 @@ impl CudaTft {
             None => (0u32, 0u64, 0u64, 0u64, 0f64, 1f32, 1u64, 1u64),
         };
         let stream = self.stream();
-        let cfg = grid(a.rows * a.cols);
+        let cfg = rows_grid(a.rows, a.cols);
         match grad {
             None => {
                 let rpg = a.rows_per_group.max(1) as u64;

@@ -300,7 +300,7 @@ fn glu_layer_norm_matches_the_reference() {
 fn variable_selection_mix_matches_the_reference() {
     let Some(dev) = gpu("tft vsn mix") else { return };
     let mut p = Pair::new(dev, seed());
-    for (rows, n, d) in [(130, 55, 128), (9, 4, 40)] {
+    for (rows, n, d) in [(130, 55, 128), (9, 4, 40), (70, 3, 200)] {
         let emb = p.rand(rows * n * d, -2.0, 2.0);
         let (g4, g5) = (p.rand(n * rows * d, -2.0, 2.0), p.rand(n * rows * d, -2.0, 2.0));
         let (b4, b5, lw, lb) =
