@@ -44,6 +44,7 @@ pub mod env;
 mod error;
 pub mod gae;
 pub mod gemm;
+pub mod mamba2_ref;
 pub mod mlp_cpu;
 pub mod mlp_ref;
 pub mod optim_ref;
@@ -52,6 +53,7 @@ pub mod rng;
 pub mod rollout;
 pub mod schedule;
 pub mod select;
+pub mod ssd_ref;
 pub mod tft_ops;
 pub mod vec_env;
 

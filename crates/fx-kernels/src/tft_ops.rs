@@ -306,6 +306,8 @@ pub struct Pinball {
 /// Every method dereferences the addresses in its arguments: they must be live buffers of
 /// this backend (F32 unless said otherwise) of the sizes the arguments imply, and outputs
 /// must not overlap inputs except where a field says it may.
+// One contract for every method, stated above rather than repeated on each.
+#[allow(clippy::missing_safety_doc)]
 pub trait TftKernels {
     /// Runs a GEMM ([`Gemm`], F32 output).
     unsafe fn gemm(&self, g: &Gemm) -> Result<()>;
@@ -1073,7 +1075,9 @@ mod tests {
         let step = 7u32;
         let site = DropoutSite { seed: 9, call: 2, step: 0, p: 0.5, scale: 2.0, batch: 3, steps: 4 };
         let row = 4 * 3 + 2 * 3;
-        let want = crate::dropout::mask_reference(9, 2, step, 2 * 3 * 4 * 5, 0.5)[((3 + 0) * 4 + 2) * 5 + 4];
+        // Batch-major index ((j·B + b)·steps + s)·cols + k with j 1, b 0, s 2, k 4.
+        let (j, b, s, k) = (1, 0, 2, 4);
+        let want = crate::dropout::mask_reference(9, 2, step, 2 * 3 * 4 * 5, 0.5)[((j * 3 + b) * 4 + s) * 5 + k];
         assert_eq!(site.mask(row, 4, 5, step), want);
     }
 

@@ -398,7 +398,7 @@ impl DqnTrainer {
             self.iteration = None;
         }
         self.ensure_q_forward(e)?;
-        if !self.q_forward.as_ref().is_some_and(|f| f.rows() == e) {
+        if self.q_forward.as_ref().is_none_or(|f| f.rows() != e) {
             return Ok(None);
         }
         let len_after = (self.replay.len() + e).min(self.replay.capacity());

@@ -42,6 +42,8 @@ pub mod mamba2;
 pub mod param_io;
 pub mod ppo;
 #[cfg(feature = "cuda")]
+mod ppo_epochs;
+#[cfg(feature = "cuda")]
 mod ppo_fused;
 #[cfg(feature = "cuda")]
 mod ppo_rollout;

@@ -187,6 +187,13 @@ pub struct PpoTrainer {
     /// turns them off for the trainer's life).
     #[cfg(feature = "cuda")]
     rollout_graphs: bool,
+    /// An iteration's epochs × minibatch updates as one graph (built at the first update
+    /// with a captured minibatch update); None before, or off.
+    #[cfg(feature = "cuda")]
+    epochs_graph: Option<crate::ppo_epochs::EpochsGraph>,
+    /// Whether epochs graphs may be used (as `rollout_graphs`).
+    #[cfg(feature = "cuda")]
+    epochs_graphs: bool,
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -233,6 +240,10 @@ impl PpoTrainer {
             rollout_graph: None,
             #[cfg(feature = "cuda")]
             rollout_graphs: true,
+            #[cfg(feature = "cuda")]
+            epochs_graph: None,
+            #[cfg(feature = "cuda")]
+            epochs_graphs: true,
         })
     }
 
@@ -433,7 +444,25 @@ impl PpoTrainer {
         #[cfg(feature = "cuda")]
         let skipped_before = self.skipped_updates;
         let mb = self.cfg.minibatch_size;
-        for _ in 0..self.cfg.epochs {
+        #[cfg(feature = "cuda")]
+        let whole = self.epochs_graph_ready(&obs, &actions, &logp)?;
+        #[cfg(not(feature = "cuda"))]
+        let whole = false;
+        #[cfg(feature = "cuda")]
+        if whole {
+            // The whole update phase in one replay: the epochs' permutations and this
+            // iteration's advantages and returns go into the graph's buffers.
+            let mut perms = Vec::with_capacity(self.cfg.epochs * n);
+            for _ in 0..self.cfg.epochs {
+                perms.extend(permutation(n, self.cfg.seed, self.epochs_done));
+                self.epochs_done += 1;
+            }
+            self.graph.reset_sums()?;
+            let eg = self.epochs_graph.as_ref().ok_or_else(|| Error::config(CTX, "no epochs graph"))?;
+            eg.run(&perms, &adv, &ret)?;
+            queued = true;
+        }
+        for _ in 0..if whole { 0 } else { self.cfg.epochs } {
             let perm = permutation(n, self.cfg.seed, self.epochs_done);
             self.epochs_done += 1;
             // One upload per epoch; each minibatch is a view of it.
@@ -559,6 +588,62 @@ impl PpoTrainer {
             grad_norm: report.grad_norm,
             skipped,
         })
+    }
+
+    /// Whether an iteration's updates run as one epochs graph: captures it at the first
+    /// call (after the minibatch update's own capture) on CUDA unless graphs are off; `auto`
+    /// falls back to replaying the update per minibatch with a one-line warning.
+    #[cfg(feature = "cuda")]
+    fn epochs_graph_ready(&mut self, obs: &Tensor, actions: &Tensor, logp: &Tensor) -> Result<bool> {
+        const CTX: &str = "PpoTrainer::epochs_graph_ready";
+        if self.epochs_graph.is_some() {
+            return Ok(true);
+        }
+        let (n, mb) = (obs.dim(0).ctx(CTX)?, self.cfg.minibatch_size);
+        if !self.epochs_graphs || mb.min(n) < 2 {
+            return Ok(false);
+        }
+        // The minibatch update graph first (any minibatch's shapes do as its example).
+        let rows = |t: &Tensor| t.narrow(0, 0, mb.min(n)).ctx(CTX);
+        let (o, a, lp) = (rows(obs)?, rows(actions)?, rows(logp)?);
+        let ex = PpoBatch { obs: &o, actions: &a, logp_old: &lp, advantages: &lp, returns: &lp };
+        if !self.graph_ready(ex)? {
+            self.epochs_graphs = false;
+            return Ok(false);
+        }
+        let captured = {
+            let g = self.graph.get(CTX)?;
+            let mut body = self.graph_body();
+            crate::ppo_epochs::EpochsGraph::capture(g.fused(), &mut body, obs, actions, logp, self.cfg.epochs, mb)
+        };
+        let what = "PPO epochs";
+        match crate::graph_update::settle_capture(self.cfg.graph, what, "replaying the update per minibatch", captured)?
+        {
+            Some(g) => {
+                self.epochs_graph = Some(g);
+                Ok(true)
+            }
+            None => {
+                self.epochs_graphs = false;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Allows (the default) or forbids capturing an iteration's updates as one graph
+    /// (tests compare it with the per-minibatch replays); forbidding drops a captured one.
+    #[cfg(feature = "cuda")]
+    pub fn set_epoch_graphs(&mut self, on: bool) {
+        self.epochs_graphs = on;
+        if !on {
+            self.epochs_graph = None;
+        }
+    }
+
+    /// Whether the last update ran as one epochs graph.
+    #[cfg(feature = "cuda")]
+    pub fn epochs_graph_active(&self) -> bool {
+        self.epochs_graph.is_some()
     }
 
     /// Sets `graph` (e.g. after [`Self::load_state`], whose config is the saved one).

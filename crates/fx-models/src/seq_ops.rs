@@ -211,11 +211,13 @@ impl DropoutRng {
     }
 
     /// The generator's seed (fused training steps draw the same masks in their kernels).
+    #[cfg(any(test, feature = "cuda"))]
     pub(crate) fn seed(&self) -> u64 {
         self.seed
     }
 
     /// The step counter: one U32 on the parameters' device.
+    #[cfg(any(test, feature = "cuda"))]
     pub(crate) fn step_tensor(&self) -> &Tensor {
         &self.step
     }

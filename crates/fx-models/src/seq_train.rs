@@ -268,6 +268,26 @@ impl SeqTask for Mamba2Task<'_> {
     fn params(&self) -> &ParamStore {
         self.model.params()
     }
+
+    #[cfg(feature = "cuda")]
+    fn fused_step(&self, batch: usize, precision: Precision) -> Result<Box<dyn FusedSeqStep>> {
+        Ok(Box::new(crate::mamba2::fused::Mamba2Fused::new(self.model, batch, self.seq_len, precision)?))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl FusedSeqStep for crate::mamba2::fused::Mamba2Fused {
+    fn batch_size(&self) -> usize {
+        self.batch()
+    }
+
+    fn loss_and_grads(&self, inputs: &[Tensor], target: &Tensor, _rng: &DropoutRng) -> Result<(Tensor, Vec<Tensor>)> {
+        // MAMBA-2 has no dropout.
+        let [x] = inputs else {
+            return Err(Error::config("Mamba2 fused step", format!("{} inputs (x expected)", inputs.len())));
+        };
+        crate::mamba2::fused::Mamba2Fused::loss_and_grads(self, x, target)
+    }
 }
 
 /// Hyper-parameters of [`train`].

@@ -8,6 +8,7 @@ use anyhow::Result;
 use candle_core::Device;
 use fx_kernels::{CpuTradingEnv, EnvConfig, EnvData, EnvState, VecEnv};
 
+#[allow(clippy::large_enum_variant)] // one per run, never moved in a loop
 pub enum TrainEnv {
     Cpu(CpuTradingEnv),
     #[cfg(feature = "cuda")]

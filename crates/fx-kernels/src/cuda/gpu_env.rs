@@ -367,6 +367,7 @@ impl GpuTradingEnv {
     /// and the rewards and done flags into `reward` and `done` (`[E]` f32). Nothing on the
     /// host moves: after [`DqnLoop::launch_advance`] the caller mirrors the step with
     /// [`ReplayBuffer::advance`].
+    #[allow(clippy::too_many_arguments)] // the kernel's buffers, each checked here
     pub fn collect_dqn_looped(
         &self,
         q: &Tensor,

@@ -576,7 +576,7 @@ impl MlpServer {
         // Every matrix of the snapshot is 16-byte aligned: float4 rows need only in % 4 == 0.
         p.vec4_mask = 0;
         for l in 0..=nh {
-            if p.width[l] % 4 == 0 {
+            if p.width[l].is_multiple_of(4) {
                 p.vec4_mask |= 1 << l;
             }
         }

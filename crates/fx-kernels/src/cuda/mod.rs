@@ -12,9 +12,11 @@ pub(crate) mod dqn_loop;
 pub mod dropout;
 mod gpu_env;
 mod launch;
+pub mod mamba2;
 pub mod mlp;
 pub mod mlp_train;
 pub mod optim;
+pub mod ssd;
 pub mod tft;
 
 #[cfg(test)]

@@ -165,7 +165,7 @@ fn gemms_match_the_reference() {
     });
     p.check(c, 1e-5, "batched gemm");
     // Column sums through a row of ones, transposed A.
-    let ones = p.put(&vec![1.0; 50]);
+    let ones = p.put(&[1.0; 50]);
     let x = p.rand(50 * 7, -1.0, 1.0);
     let y = p.nan(7);
     both!(p, |kk, s| kk.gemm(&Gemm::new(false, false, 1, 7, 50, s(ones), s(x), s(y))));

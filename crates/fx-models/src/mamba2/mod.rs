@@ -5,7 +5,11 @@
 //! the chunked SSD ([`ssd::ssd_chunked`]) for whole sequences and the recurrence
 //! ([`Mamba2::step`]) for one new bar at a time with constant memory.
 
+#[cfg(feature = "cuda")]
+pub mod fused;
 pub mod ssd;
+#[cfg(any(test, feature = "cuda"))]
+mod step;
 #[cfg(test)]
 mod tests;
 

@@ -275,8 +275,7 @@ impl<K: TftBackend> TftFused<K> {
         let dk = d / nh.max(1);
         let fits = batch > 0
             && l >= 2
-            && d >= 2
-            && d <= MAX_NORM_WIDTH
+            && (2..=MAX_NORM_WIDTH).contains(&d)
             && ne <= MAX_NORM_WIDTH
             && nd >= 1
             && steps <= MAX_ATTN_STEPS

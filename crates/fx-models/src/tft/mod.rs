@@ -8,6 +8,8 @@
 //! (see [`crate::seq_params`]).
 
 mod blocks;
+// The fused step runs on CUDA; its CPU reference backend is what the tests run.
+#[cfg(any(test, feature = "cuda"))]
 pub(crate) mod fused;
 #[cfg(test)]
 mod tests;

@@ -55,6 +55,7 @@ impl EnvWhat {
 }
 
 /// The backend behind the trait (kept concrete so the GPU's error flags can be read).
+#[allow(clippy::large_enum_variant)] // one per benchmark case, never moved in a loop
 enum AnyEnv {
     Cpu(CpuTradingEnv),
     #[cfg(feature = "cuda")]
