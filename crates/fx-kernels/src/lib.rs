@@ -31,6 +31,12 @@
 //! optimiser tail ([`optim_ref`], `cuda::optim`), the MLP training and decision kernels
 //! ([`mlp_ref`], `cuda::mlp_train`, `cuda::mlp`) and counter-based dropout masks
 //! ([`dropout`], `cuda::dropout`) that a captured CUDA graph can replay with fresh draws.
+//!
+//! The sequence models' fused training steps: [`gemm::Gemm`] (a row-major GEMM on raw
+//! addresses, run by cuBLAS in `cuda::blas` and by [`gemm::gemm_ref`] on the CPU), the TFT's
+//! operations ([`tft_ops`]: the trait, the CPU reference backend, `cuda::tft` on the GPU) and
+//! MAMBA-2's SSD scan and element-wise kernels ([`ssd_ref`], [`mamba2_ref`], `cuda::ssd`,
+//! `cuda::mamba2`).
 
 // Index loops over accounts mirror the one-thread-per-account CUDA kernels line by line;
 // iterator chains over several parallel arrays would hide that correspondence.

@@ -9,7 +9,9 @@
 //! trait, so the CPU environment and the GPU experience kernels plug in the same way;
 //! optimisers, clipping, loss scaling, the NaN/Inf guard and the precision policy come
 //! from `fx-precision`. The sequence models (TFT, MAMBA-2) live beside these in their own
-//! modules.
+//! modules, with [`seq_train`]; on CUDA their training step is a fused forward + backward
+//! (`tft::fused`, `mamba2::fused`) that the trainer captures as one graph, candle's autograd
+//! staying the CPU path and the reference those steps are tested against.
 //!
 //! Map:
 //! - [`dqn`]: [`DuelingDqn`] (`forward`, `forward_inference`, `greedy_actions`,
