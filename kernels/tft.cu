@@ -487,38 +487,24 @@ __device__ __forceinline__ void fx_vsn_mix_bwd_impl(fx_u64 rows, fx_u32 n, fx_u3
     fx_block_partials<V>(dw, db, d, smem, partials + ((j * nb + bi) * 2) * d);
 }
 
-// The entry points, one per row-register width.
-extern "C" __global__ void fx_tft_glu_ln_fwd2(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
+// The entry points, one per row-register width (V = 2, 4, 8: names ending in V).
+#define FX_ROW_KERNELS(name, impl, params, args)                \
+    extern "C" __global__ void name##2 params { impl<2> args; } \
+    extern "C" __global__ void name##4 params { impl<4> args; } \
+    extern "C" __global__ void name##8 params { impl<8> args; }
+
+FX_ROW_KERNELS(fx_tft_glu_ln_fwd, fx_glu_ln_fwd_impl,
+               (fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
                                              const float* __restrict__ b4, const float* __restrict__ g5,
                                              const float* __restrict__ b5, const float* __restrict__ res,
                                              const float* __restrict__ res_bias, const float* __restrict__ ln_w,
                                              const float* __restrict__ ln_b, float eps, fx_u32 softmax,
                                              float* __restrict__ out, float* __restrict__ stats,
-                                             unsigned short* __restrict__ out16) {
-    fx_glu_ln_fwd_impl<2>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, eps, softmax, out, stats, out16);
-}
+                                             unsigned short* __restrict__ out16),
+               (rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, eps, softmax, out, stats, out16))
 
-extern "C" __global__ void fx_tft_glu_ln_fwd4(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
-                                             const float* __restrict__ b4, const float* __restrict__ g5,
-                                             const float* __restrict__ b5, const float* __restrict__ res,
-                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
-                                             const float* __restrict__ ln_b, float eps, fx_u32 softmax,
-                                             float* __restrict__ out, float* __restrict__ stats,
-                                             unsigned short* __restrict__ out16) {
-    fx_glu_ln_fwd_impl<4>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, eps, softmax, out, stats, out16);
-}
-
-extern "C" __global__ void fx_tft_glu_ln_fwd8(fx_u64 rows, fx_u32 o, const float* __restrict__ g4,
-                                             const float* __restrict__ b4, const float* __restrict__ g5,
-                                             const float* __restrict__ b5, const float* __restrict__ res,
-                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
-                                             const float* __restrict__ ln_b, float eps, fx_u32 softmax,
-                                             float* __restrict__ out, float* __restrict__ stats,
-                                             unsigned short* __restrict__ out16) {
-    fx_glu_ln_fwd_impl<8>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, eps, softmax, out, stats, out16);
-}
-
-extern "C" __global__ void fx_tft_glu_ln_bwd2(fx_u64 rows, fx_u32 o, const float* g4,
+FX_ROW_KERNELS(fx_tft_glu_ln_bwd, fx_glu_ln_bwd_impl,
+               (fx_u64 rows, fx_u32 o, const float* g4,
                                              const float* __restrict__ b4, const float* g5,
                                              const float* __restrict__ b5, const float* __restrict__ res,
                                              const float* __restrict__ res_bias, const float* __restrict__ ln_w,
@@ -526,62 +512,20 @@ extern "C" __global__ void fx_tft_glu_ln_bwd2(fx_u64 rows, fx_u32 o, const float
                                              const float* __restrict__ stats, const float* __restrict__ dout,
                                              float* __restrict__ dres, fx_u32 res_acc, float* dg4, float* dg5,
                                              float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
-                                             unsigned short* __restrict__ dg5_16) {
-    fx_glu_ln_bwd_impl<2>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, softmax, stats, dout, dres, res_acc, dg4, dg5, partials, dg4_16, dg5_16);
-}
+                                             unsigned short* __restrict__ dg5_16),
+               (rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, softmax, stats, dout, dres, res_acc, dg4, dg5, partials, dg4_16, dg5_16))
 
-extern "C" __global__ void fx_tft_glu_ln_bwd4(fx_u64 rows, fx_u32 o, const float* g4,
-                                             const float* __restrict__ b4, const float* g5,
-                                             const float* __restrict__ b5, const float* __restrict__ res,
-                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
-                                             const float* __restrict__ ln_b, fx_u32 softmax,
-                                             const float* __restrict__ stats, const float* __restrict__ dout,
-                                             float* __restrict__ dres, fx_u32 res_acc, float* dg4, float* dg5,
-                                             float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
-                                             unsigned short* __restrict__ dg5_16) {
-    fx_glu_ln_bwd_impl<4>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, softmax, stats, dout, dres, res_acc, dg4, dg5, partials, dg4_16, dg5_16);
-}
-
-extern "C" __global__ void fx_tft_glu_ln_bwd8(fx_u64 rows, fx_u32 o, const float* g4,
-                                             const float* __restrict__ b4, const float* g5,
-                                             const float* __restrict__ b5, const float* __restrict__ res,
-                                             const float* __restrict__ res_bias, const float* __restrict__ ln_w,
-                                             const float* __restrict__ ln_b, fx_u32 softmax,
-                                             const float* __restrict__ stats, const float* __restrict__ dout,
-                                             float* __restrict__ dres, fx_u32 res_acc, float* dg4, float* dg5,
-                                             float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
-                                             unsigned short* __restrict__ dg5_16) {
-    fx_glu_ln_bwd_impl<8>(rows, o, g4, b4, g5, b5, res, res_bias, ln_w, ln_b, softmax, stats, dout, dres, res_acc, dg4, dg5, partials, dg4_16, dg5_16);
-}
-
-extern "C" __global__ void fx_tft_vsn_mix_fwd2(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+FX_ROW_KERNELS(fx_tft_vsn_mix_fwd, fx_vsn_mix_fwd_impl,
+               (fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
                                               const float* __restrict__ g4, const float* __restrict__ b4,
                                               const float* __restrict__ g5, const float* __restrict__ b5,
                                               const float* __restrict__ ln_w, const float* __restrict__ ln_b,
                                               float eps, const float* __restrict__ wsel, float* __restrict__ out,
-                                              float* __restrict__ stats, unsigned short* __restrict__ out16) {
-    fx_vsn_mix_fwd_impl<2>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, eps, wsel, out, stats, out16);
-}
+                                              float* __restrict__ stats, unsigned short* __restrict__ out16),
+               (rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, eps, wsel, out, stats, out16))
 
-extern "C" __global__ void fx_tft_vsn_mix_fwd4(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
-                                              const float* __restrict__ g4, const float* __restrict__ b4,
-                                              const float* __restrict__ g5, const float* __restrict__ b5,
-                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-                                              float eps, const float* __restrict__ wsel, float* __restrict__ out,
-                                              float* __restrict__ stats, unsigned short* __restrict__ out16) {
-    fx_vsn_mix_fwd_impl<4>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, eps, wsel, out, stats, out16);
-}
-
-extern "C" __global__ void fx_tft_vsn_mix_fwd8(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
-                                              const float* __restrict__ g4, const float* __restrict__ b4,
-                                              const float* __restrict__ g5, const float* __restrict__ b5,
-                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-                                              float eps, const float* __restrict__ wsel, float* __restrict__ out,
-                                              float* __restrict__ stats, unsigned short* __restrict__ out16) {
-    fx_vsn_mix_fwd_impl<8>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, eps, wsel, out, stats, out16);
-}
-
-extern "C" __global__ void fx_tft_vsn_mix_bwd2(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
+FX_ROW_KERNELS(fx_tft_vsn_mix_bwd, fx_vsn_mix_bwd_impl,
+               (fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
                                               const float* g4, const float* __restrict__ b4,
                                               const float* g5, const float* __restrict__ b5,
                                               const float* __restrict__ ln_w, const float* __restrict__ ln_b,
@@ -589,33 +533,8 @@ extern "C" __global__ void fx_tft_vsn_mix_bwd2(fx_u64 rows, fx_u32 n, fx_u32 d, 
                                               const float* __restrict__ dout, float* __restrict__ dwsel,
                                               float* __restrict__ demb, float* dg4, float* dg5,
                                               float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
-                                              unsigned short* __restrict__ dg5_16) {
-    fx_vsn_mix_bwd_impl<2>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, wsel, stats, dout, dwsel, demb, dg4, dg5, partials, dg4_16, dg5_16);
-}
-
-extern "C" __global__ void fx_tft_vsn_mix_bwd4(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
-                                              const float* g4, const float* __restrict__ b4,
-                                              const float* g5, const float* __restrict__ b5,
-                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-                                              const float* __restrict__ wsel, const float* __restrict__ stats,
-                                              const float* __restrict__ dout, float* __restrict__ dwsel,
-                                              float* __restrict__ demb, float* dg4, float* dg5,
-                                              float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
-                                              unsigned short* __restrict__ dg5_16) {
-    fx_vsn_mix_bwd_impl<4>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, wsel, stats, dout, dwsel, demb, dg4, dg5, partials, dg4_16, dg5_16);
-}
-
-extern "C" __global__ void fx_tft_vsn_mix_bwd8(fx_u64 rows, fx_u32 n, fx_u32 d, const float* __restrict__ emb,
-                                              const float* g4, const float* __restrict__ b4,
-                                              const float* g5, const float* __restrict__ b5,
-                                              const float* __restrict__ ln_w, const float* __restrict__ ln_b,
-                                              const float* __restrict__ wsel, const float* __restrict__ stats,
-                                              const float* __restrict__ dout, float* __restrict__ dwsel,
-                                              float* __restrict__ demb, float* dg4, float* dg5,
-                                              float* __restrict__ partials, unsigned short* __restrict__ dg4_16,
-                                              unsigned short* __restrict__ dg5_16) {
-    fx_vsn_mix_bwd_impl<8>(rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, wsel, stats, dout, dwsel, demb, dg4, dg5, partials, dg4_16, dg5_16);
-}
+                                              unsigned short* __restrict__ dg5_16),
+               (rows, n, d, emb, g4, b4, g5, b5, ln_w, ln_b, wsel, stats, dout, dwsel, demb, dg4, dg5, partials, dg4_16, dg5_16))
 
 // One warp per (b, decoder step s); per-warp shared scores.
 extern "C" __global__ void fx_tft_attn_fwd(fx_u32 B, fx_u32 L, fx_u32 H, fx_u32 n_head, fx_u32 dk, float scale,

@@ -1,7 +1,7 @@
 //! Launch configuration from the device: block size for occupancy, grid from the SM count.
 
 use candle_core::CudaDevice;
-use cudarc::driver::{sys, CudaFunction, LaunchConfig};
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
 use super::driver;
 use crate::error::Result;
@@ -36,14 +36,7 @@ impl LaunchPlan {
     ) -> Result<Self> {
         let sm_count = match sm_count {
             Some(n) if n > 0 => n,
-            _ => {
-                let stream = dev.cuda_stream();
-                stream
-                    .context()
-                    .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                    .map_err(driver(ctx))?
-                    .max(1) as u32
-            }
+            _ => super::sm_count(&dev.cuda_stream(), ctx)?,
         };
         let (_, block) = func.occupancy_max_potential_block_size(no_dynamic_smem, 0, 512, None).map_err(driver(ctx))?;
         // Whole warps only: the env kernels' warp-cooperative row writes need them.

@@ -205,11 +205,7 @@ impl Mamba2Kernels {
             Ok(dev.get_or_load_custom_func(name, "fx_mamba2", PTX_MAMBA2).ctx(CTX)?.into_cuda_function())
         };
         let stream = dev.cuda_stream();
-        let sm_count = stream
-            .context()
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(driver(CTX))?
-            .max(1) as u32;
+        let sm_count = super::sm_count(&stream, CTX)?;
         Ok(Self {
             rmsnorm_fwd: get("fx_m2_rmsnorm_fwd")?,
             rmsnorm_bwd: get("fx_m2_rmsnorm_bwd")?,

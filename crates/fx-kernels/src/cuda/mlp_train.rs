@@ -114,11 +114,7 @@ impl MlpTrainKernels {
             Ok(dev.get_or_load_custom_func(name, "fx_mlp_train", PTX_MLP_TRAIN).ctx(CTX)?.into_cuda_function())
         };
         let stream = dev.cuda_stream();
-        let sm_count = stream
-            .context()
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(driver(CTX))?
-            .max(1) as u32;
+        let sm_count = super::sm_count(&stream, CTX)?;
         Ok(Self {
             bias_act: get("fx_bias_act")?,
             act_bwd: get("fx_act_bwd")?,

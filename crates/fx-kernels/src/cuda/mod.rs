@@ -71,6 +71,15 @@ pub(crate) fn driver(context: &'static str) -> impl FnOnce(cudarc::driver::Drive
     move |e| Error::Cuda { context, message: format!("{e:?}") }
 }
 
+/// The device's number of streaming multiprocessors (grid bounds), through `stream`'s context.
+pub(crate) fn sm_count(stream: &cudarc::driver::CudaStream, ctx: &'static str) -> Result<u32> {
+    let n = stream
+        .context()
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(driver(ctx))?;
+    Ok(n.max(1) as u32)
+}
+
 /// The candle CUDA device behind `device`, or an error naming `what`.
 pub(crate) fn cuda_device<'a>(device: &'a Device, what: &'static str, ctx: &'static str) -> Result<&'a CudaDevice> {
     match device {

@@ -58,6 +58,12 @@ fn grid(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// A warp-per-row kernel's launch: 8 warps a block, grid-stride over `rows`.
+fn warp_rows_grid(rows: usize) -> LaunchConfig {
+    let blocks = rows.div_ceil((BLOCK / 32) as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
 /// A row kernel's launch: a block (whole warps, up to 256 threads) per row of `cols`,
 /// grid-stride over `rows`.
 fn rows_grid(rows: usize, cols: usize) -> LaunchConfig {
@@ -250,12 +256,7 @@ impl TftKernels for CudaTft {
         const CTX: &str = "CudaTft::glu_ln_fwd";
         let v = Self::width_variant(a.o, CTX)?;
         let (rows, o, sm) = (a.rows as u64, a.o as u32, u32::from(a.softmax));
-        let warps_per_block = (BLOCK / 32) as usize;
-        let cfg = LaunchConfig {
-            grid_dim: (a.rows.div_ceil(warps_per_block).clamp(1, MAX_BLOCKS) as u32, 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = warp_rows_grid(a.rows);
         let stream = self.stream();
         let mut l = stream.launch_builder(&self.f.glu_fwd[v]);
         l.arg(&rows).arg(&o).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5).arg(&a.res).arg(&a.res_bias);
@@ -290,12 +291,7 @@ impl TftKernels for CudaTft {
         const CTX: &str = "CudaTft::vsn_mix_fwd";
         let v = Self::width_variant(a.d, CTX)?;
         let (rows, n, d) = (a.rows as u64, u32_of(a.n, "n", CTX)?, a.d as u32);
-        let warps_per_block = (BLOCK / 32) as usize;
-        let cfg = LaunchConfig {
-            grid_dim: (a.rows.div_ceil(warps_per_block).clamp(1, MAX_BLOCKS) as u32, 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = warp_rows_grid(a.rows);
         let stream = self.stream();
         let mut l = stream.launch_builder(&self.f.mix_fwd[v]);
         l.arg(&rows).arg(&n).arg(&d).arg(&a.emb).arg(&a.g4).arg(&a.b4).arg(&a.g5).arg(&a.b5);
