@@ -121,7 +121,6 @@ extern "C" __global__ void fx_tft_reduce_partials(const float* __restrict__ part
     }
 }
 
-// y = drop(act(y + bias[row / rows_per_group])) in place.
 // y = drop(act(y + bias[row / rows_per_group])) in place; grid-stride over rows, threads
 // over columns (the row's group and dropout base index computed once per row).
 extern "C" __global__ void fx_tft_bias_act(float* __restrict__ y, const float* __restrict__ bias, fx_u64 rows,
@@ -143,7 +142,6 @@ extern "C" __global__ void fx_tft_bias_act(float* __restrict__ y, const float* _
     }
 }
 
-// grad *= act'(from output y) * mask, in place.
 // grad *= act'(from output y) * mask, in place; rows and columns as fx_tft_bias_act.
 extern "C" __global__ void fx_tft_act_bwd(float* __restrict__ grad, const float* __restrict__ y, fx_u64 rows,
                                           fx_u32 cols, fx_u32 act, fx_u32 drop_on, fx_u64 seed, fx_u64 call,

@@ -353,16 +353,36 @@ pub trait TftBackend: TftKernels {
 }
 
 /// The reference backend: plain loops over host memory (addresses are host pointers), in
-/// F32 as the kernels compute (GEMMs accumulate in f64). Owns the buffers it allocates.
+/// F32 as the kernels compute (GEMMs accumulate in f64). Owns the buffers it allocates: raw
+/// allocations (address, length), since the ops write through their addresses, which a
+/// pointer taken from a live `Box` or `Vec` would not permit.
 #[derive(Debug, Default)]
 pub struct CpuTft {
-    buffers: Vec<Box<[f32]>>,
+    buffers: Vec<(*mut f32, usize)>,
 }
 
 impl CpuTft {
     /// A backend with no buffers yet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The buffer holding `n` elements at `a`, as (base, length).
+    fn buffer_of(&self, a: Addr, n: usize) -> Option<(*mut f32, usize)> {
+        self.buffers.iter().copied().find(|&(p, len)| {
+            let base = p as Addr;
+            a >= base && a + (n * 4) as Addr <= base + (len * 4) as Addr
+        })
+    }
+}
+
+impl Drop for CpuTft {
+    fn drop(&mut self) {
+        for &(p, len) in &self.buffers {
+            // SAFETY: each pair came from `Box::into_raw` of a `[f32]` of `len` elements in
+            // `alloc` and is freed once, here.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, len)) });
+        }
     }
 }
 
@@ -371,10 +391,9 @@ impl TftBackend for CpuTft {
         if n == 0 {
             return Err(Error::shape("buffer", "CpuTft::alloc", "at least one element", "0"));
         }
-        let b = vec![0f32; n].into_boxed_slice();
-        let a = b.as_ptr() as Addr;
-        self.buffers.push(b);
-        Ok(a)
+        let p = Box::into_raw(vec![0f32; n].into_boxed_slice()) as *mut f32;
+        self.buffers.push((p, n));
+        Ok(p as Addr)
     }
 
     fn addr_of(&self, t: &Tensor, what: &'static str) -> Result<Addr> {
@@ -397,16 +416,11 @@ impl TftBackend for CpuTft {
     fn tensor_at(&self, a: Addr, shape: &[usize]) -> Result<Tensor> {
         const CTX: &str = "CpuTft::tensor_at";
         let n: usize = shape.iter().product();
-        let buf = self
-            .buffers
-            .iter()
-            .find(|b| {
-                let base = b.as_ptr() as Addr;
-                a >= base && a + (n * 4) as Addr <= base + (b.len() * 4) as Addr
-            })
+        self.buffer_of(a, n)
             .ok_or_else(|| Error::shape("address", CTX, "inside one allocated buffer", format!("{a:#x} + {n}")))?;
-        let start = (a - buf.as_ptr() as Addr) as usize / 4;
-        Tensor::from_slice(&buf[start..start + n], shape, &Device::Cpu).ctx(CTX)
+        // SAFETY: `a .. a + n` lies inside a live buffer of this backend (checked above).
+        let values = unsafe { std::slice::from_raw_parts(a as *const f32, n) };
+        Tensor::from_slice(values, shape, &Device::Cpu).ctx(CTX)
     }
 }
 
@@ -681,6 +695,10 @@ impl TftKernels for CpuTft {
     }
 
     unsafe fn act_bwd(&self, a: &BiasAct, grad: Addr) -> Result<()> {
+        if a.act == Act::Elu && a.dropout.is_some() {
+            // ELU's derivative comes from its output, which a mask has scaled.
+            return Err(Error::Unsupported { context: "CpuTft::act_bwd", message: "ELU and dropout together".into() });
+        }
         let step = match &a.dropout {
             Some(s) => unsafe { *(s.step as *const u32) },
             None => 0,

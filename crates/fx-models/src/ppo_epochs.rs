@@ -24,9 +24,21 @@ pub(crate) struct EpochsGraph {
     /// `[n]` F32 static copies of the iteration's advantages and returns.
     adv: Tensor,
     ret: Tensor,
+    /// The rollout views the graph reads (held so their storage outlives the graph; `run`
+    /// refuses views of other storage).
+    sources: [Tensor; 3],
     n: usize,
     epochs: usize,
     graph: CapturedGraph,
+}
+
+/// The device address of a contiguous F32 or U32 CUDA tensor (what a captured graph reads).
+fn address(t: &Tensor) -> Result<u64> {
+    const CTX: &str = "EpochsGraph";
+    match t.dtype() {
+        DType::U32 => fx_kernels::cuda::optim::u32_address(t, "rollout").ctx(CTX),
+        _ => fx_kernels::cuda::optim::f32_address(t, "rollout").ctx(CTX),
+    }
 }
 
 impl EpochsGraph {
@@ -73,16 +85,23 @@ impl EpochsGraph {
             run().map_err(crate::graph_update::capture_error(CTX))
         })
         .ctx(CTX)?;
-        Ok(Self { perms, adv, ret, n, epochs, graph })
+        let sources = [obs.clone(), actions.clone(), log_probs.clone()];
+        Ok(Self { perms, adv, ret, sources, n, epochs, graph })
     }
 
     /// Queues the iteration's updates: `perms` (`K · n` rows, epoch by epoch), `adv` and
     /// `ret` (`[n]`) are copied into the graph's buffers (stream-ordered), then the graph
-    /// replays. Nothing is read back.
-    pub(crate) fn run(&self, perms: &[u32], adv: &Tensor, ret: &Tensor) -> Result<()> {
+    /// replays, reading `sources` (the same rollout views as at capture). Nothing is read
+    /// back.
+    pub(crate) fn run(&self, perms: &[u32], adv: &Tensor, ret: &Tensor, sources: [&Tensor; 3]) -> Result<()> {
         const CTX: &str = "EpochsGraph::run";
         if perms.len() != self.epochs * self.n || adv.dims() != [self.n] || ret.dims() != [self.n] {
             return Err(Error::config(CTX, format!("inputs for {} epochs of {} rows expected", self.epochs, self.n)));
+        }
+        for (held, given) in self.sources.iter().zip(sources) {
+            if held.dims() != given.dims() || address(held)? != address(given)? {
+                return Err(Error::config(CTX, "the rollout's storage is not the one the graph was captured on"));
+            }
         }
         let p = Tensor::from_slice(perms, perms.len(), self.perms.device()).ctx(CTX)?;
         self.perms.slice_set(&p, 0, 0).ctx(CTX)?;

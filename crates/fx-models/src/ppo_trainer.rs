@@ -453,13 +453,14 @@ impl PpoTrainer {
             // The whole update phase in one replay: the epochs' permutations and this
             // iteration's advantages and returns go into the graph's buffers.
             let mut perms = Vec::with_capacity(self.cfg.epochs * n);
-            for _ in 0..self.cfg.epochs {
-                perms.extend(permutation(n, self.cfg.seed, self.epochs_done));
-                self.epochs_done += 1;
+            for e in 0..self.cfg.epochs as u64 {
+                perms.extend(permutation(n, self.cfg.seed, self.epochs_done + e));
             }
             self.graph.reset_sums()?;
             let eg = self.epochs_graph.as_ref().ok_or_else(|| Error::config(CTX, "no epochs graph"))?;
-            eg.run(&perms, &adv, &ret)?;
+            eg.run(&perms, &adv, &ret, [&obs, &actions, &logp])?;
+            // Counted once the epochs are queued, so a failed replay leaves the counter as it was.
+            self.epochs_done += self.cfg.epochs as u64;
             queued = true;
         }
         for _ in 0..if whole { 0 } else { self.cfg.epochs } {

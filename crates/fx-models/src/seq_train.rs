@@ -726,8 +726,23 @@ impl SeqTrainer {
                 Err(e) => eprintln!("note: the {name} step is captured from candle's autograd (no fused step: {e})"),
             }
         }
-        let captured = self.capture_graph(task, example);
-        self.graph.settle(self.cfg.graph, task.params().model_name(), captured)
+        let mut captured = self.capture_graph(task, example);
+        if let Err(e) = &captured {
+            // Under `auto` a fused step that will not capture gives way to candle's step,
+            // captured, before falling back to eager steps (`on` reports the error).
+            if self.fused_seq.is_some() && self.cfg.graph != GraphMode::On {
+                let name = task.params().model_name();
+                eprintln!("warning: the {name} fused step was not captured ({e}); capturing candle's step instead");
+                self.fused_seq = None;
+                captured = self.capture_graph(task, example);
+            }
+        }
+        let ready = self.graph.settle(self.cfg.graph, task.params().model_name(), captured)?;
+        if !ready {
+            // Eager steps run candle's autograd: free the fused step's buffers.
+            self.fused_seq = None;
+        }
+        Ok(ready)
     }
 
     #[cfg(feature = "cuda")]

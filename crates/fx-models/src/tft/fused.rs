@@ -292,6 +292,15 @@ impl<K: TftBackend> TftFused<K> {
                 ),
             ));
         }
+        // A dropout draw's counter holds the step in its high 32 bits and the element in the
+        // low ones, so no site may have 2^32 elements (the largest: the encoder's variable GRNs).
+        let largest_site = (ne * l).max(steps) * batch * d;
+        if c.dropout > 0.0 && largest_site > fx_kernels::dropout::MAX_ELEMENTS {
+            return Err(Error::config(
+                CTX,
+                format!("batch {batch}: a dropout site of {largest_site} elements (at most 2^32 draw counters)"),
+            ));
+        }
         let bf16 = match precision {
             Precision::F32 => false,
             Precision::Bf16 => true,
