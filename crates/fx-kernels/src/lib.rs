@@ -51,6 +51,7 @@ mod error;
 pub mod gae;
 pub mod gemm;
 pub mod mamba2_ref;
+pub mod mamba2_step_ref;
 pub mod mlp_cpu;
 pub mod mlp_ref;
 pub mod optim_ref;

@@ -310,7 +310,7 @@ pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
         }
     }
     for &what in &plan.seq_infer {
-        for &mode in seq_infer::modes(ctx.device.is_cuda()) {
+        for &mode in what.modes(&ctx.device) {
             let rec = base(ctx, what.case(), what.kind(), what.model(), mode, what.batch());
             out.push(guarded(ctx, t0, rec, |ctx, r| seq_infer::seq_infer_case(ctx, what, mode, r)));
         }

@@ -355,7 +355,8 @@ fn head_and_loss_kernels_match_reference() {
         check(&format!("{tag} sq"), &down(&sq), &sr, 2e-5);
         let (l, b) = r::loss_reduce(&down(&sq), &down(&dp), rows).unwrap();
         check(&format!("{tag} loss"), &down(&loss), &[l], 1e-6);
-        check(&format!("{tag} dhead_b"), &down(&dhb), &[b], 1e-5);
+        // A sum of B·L signed per-step gradients: F32 cancellation reached 2.2e-5 on the H200.
+        check(&format!("{tag} dhead_b"), &down(&dhb), &[b], 1e-4);
     }
 }
 

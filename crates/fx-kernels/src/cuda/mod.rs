@@ -13,6 +13,7 @@ pub mod dropout;
 mod gpu_env;
 mod launch;
 pub mod mamba2;
+pub mod mamba2_step;
 pub mod mlp;
 pub mod mlp_train;
 pub mod optim;

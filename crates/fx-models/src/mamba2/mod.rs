@@ -5,6 +5,7 @@
 //! the chunked SSD ([`ssd::ssd_chunked`]) for whole sequences and the recurrence
 //! ([`Mamba2::step`]) for one new bar at a time with constant memory.
 
+pub mod decode;
 #[cfg(feature = "cuda")]
 pub mod fused;
 pub mod ssd;

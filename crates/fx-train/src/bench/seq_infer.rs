@@ -6,8 +6,13 @@
 //!
 //! Modes: `eager_fp32` (candle's ops, one launch each) and, on CUDA, `graph_fp32` (the same
 //! forward captured once as a CUDA graph on static input and output buffers — and, for the
-//! MAMBA-2 step, a static state updated in place — replayed per call). Every call is timed
-//! on the host clock up to a device synchronisation, like bench.py's latency cases.
+//! MAMBA-2 step, a static state updated in place — replayed per call). The MAMBA-2 step has two
+//! more on CUDA: `fused_fp32`, `fx_models::mamba2::decode::Mamba2Decoder::step` (the whole step as
+//! one kernel launch on a thread-block cluster, Hopper+), and `fused_graph_fp32`, that launch
+//! captured as a one-node CUDA graph and replayed; their records add the kernel's device time
+//! (`kernel_us`, and `kernel_us_l1_prefetch` with its optional L1 prefetch) and the first
+//! prediction's relative distance to candle's step (`rel_err_vs_candle`). Every call is timed on
+//! the host clock up to a device synchronisation, like bench.py's latency cases.
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
@@ -71,9 +76,35 @@ impl SeqInfer {
             _ => 1,
         }
     }
+
+    /// The case's modes on `device`: [`modes`], and for the MAMBA-2 step the fused ones where
+    /// its kernel runs (a thread-block cluster: Hopper and later), so older cards report no
+    /// failed case.
+    pub(crate) fn modes(self, device: &Device) -> &'static [&'static str] {
+        match self {
+            SeqInfer::Mamba2Step if fused_step_runs(device) => {
+                &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32"]
+            }
+            _ => modes(device.is_cuda()),
+        }
+    }
 }
 
-/// The modes of a device.
+/// Whether the fused MAMBA-2 step's cluster kernel can run on `device` (compute capability 9+).
+#[cfg(feature = "cuda")]
+fn fused_step_runs(device: &Device) -> bool {
+    match device {
+        Device::Cuda(d) => d.cuda_stream().context().compute_capability().is_ok_and(|(major, _)| major >= 9),
+        _ => false,
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_step_runs(_device: &Device) -> bool {
+    false
+}
+
+/// The modes of a device (every case has these).
 pub(crate) fn modes(cuda: bool) -> &'static [&'static str] {
     if cuda {
         &["eager_fp32", "graph_fp32"]
@@ -88,8 +119,10 @@ type Call<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
 /// One case in `mode`; fills `rec`.
 pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec: &mut Record) -> Result<()> {
     let dev = ctx.device.clone();
-    let graph = mode == "graph_fp32";
-    ensure!(!graph || dev.is_cuda(), "graph modes need CUDA");
+    let graph = mode == "graph_fp32" || mode == "fused_graph_fp32";
+    let fused = mode.starts_with("fused");
+    ensure!(!(graph || fused) || dev.is_cuda(), "graph and fused modes need CUDA");
+    ensure!(!fused || what == SeqInfer::Mamba2Step, "fused modes exist for the MAMBA-2 step only");
     let c = Ctx::inference(Precision::F32);
     let (n_warm, n) = if what.kind() == "infer" {
         (5, (ctx.lat_n / 20).max(20))
@@ -116,6 +149,7 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
             ensure!(first.iter().all(|v| v.is_finite()), "non-finite TFT forecast");
             time_calls(&dev, graph, &mut body, n_warm, n)?
         }
+        SeqInfer::Mamba2Step if fused => mamba2_fused(&dev, graph, n_warm, n, rec)?,
         SeqInfer::Mamba2Step => {
             let cfg = Mamba2Config::default();
             let model = Mamba2::new(cfg.clone(), &dev, 0)?;
@@ -145,6 +179,65 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
         rec.insert("samples_per_s".into(), json!(round(b as f64 / (p50 / 1e6), 1)));
     }
     Ok(())
+}
+
+/// The MAMBA-2 step as one fused kernel launch (`Mamba2Decoder`), from the same model, bar and
+/// 64-bar prefill as the candle modes; with `graph` the launch is captured and replayed.
+#[cfg(feature = "cuda")]
+fn mamba2_fused(dev: &Device, graph: bool, n_warm: usize, n: usize, rec: &mut Record) -> Result<Vec<f64>> {
+    use fx_models::mamba2::decode::Mamba2Decoder;
+    let c = Ctx::inference(Precision::F32);
+    let cfg = Mamba2Config::default();
+    let model = Mamba2::new(cfg.clone(), dev, 0)?;
+    rec.insert("params".into(), json!(model.params().param_count()));
+    let x = Tensor::from_vec(normals(7, 1, cfg.n_in), (1, cfg.n_in), dev)?;
+    let hist = Tensor::from_vec(normals(7, 2, 64 * cfg.n_in), (1, 64, cfg.n_in), dev)?;
+    let prefill = model.forward_with_state(&c, &hist)?.1;
+    let mut dec = Mamba2Decoder::new(&model, 1)?;
+    // The first bar after the prefill through both steps.
+    let mut st = prefill.to_buffers()?;
+    let want = model.step(&c, &x, &mut st)?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+    dec.load_state(&prefill)?;
+    let got = dec.step(&x)?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+    ensure!(got.is_finite(), "non-finite fused MAMBA-2 prediction");
+    rec.insert("rel_err_vs_candle".into(), json!((got - want).abs() / want.abs().max(1e-30)));
+    rec.insert("kernel".into(), json!("fx_m2_step_b1: one cluster of 8 blocks x 512 threads"));
+    rec.insert("launches_per_call".into(), json!(1));
+    // The kernel's own device time; the rest of p50 is the launch (or replay) and the sync.
+    // `kernel_us` is the decoder's default (no L1 prefetch); the prefetch variant beside it.
+    for (prefetch, key) in [(true, "kernel_us_l1_prefetch"), (false, "kernel_us")] {
+        dec.set_l1_prefetch(prefetch);
+        let us = kernel_device_us(dev, || Ok(dec.step(&x).map(|_| ())?))?;
+        rec.insert(key.into(), json!(round(us, 2)));
+    }
+    dec.load_state(&prefill)?;
+    let mut body = |_dry: bool| -> Result<()> {
+        dec.step(&x)?;
+        Ok(())
+    };
+    time_calls(dev, graph, &mut body, n_warm, n)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn mamba2_fused(_dev: &Device, _graph: bool, _warm: usize, _n: usize, _rec: &mut Record) -> Result<Vec<f64>> {
+    anyhow::bail!("fused modes need a build with the cuda feature")
+}
+
+/// Device time of one `call` (a launch, nothing synchronous), as `latency.rs` measures its
+/// kernels: 64 calls captured in one CUDA graph, replayed back to back with an event pair per
+/// replay; the median of 20 replays over 64, in microseconds.
+#[cfg(feature = "cuda")]
+fn kernel_device_us(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
+    const CALLS: usize = 64;
+    let graph = fx_precision::CapturedGraph::capture(dev, 1, |_dry| {
+        for _ in 0..CALLS {
+            call().map_err(|e| fx_precision::Error::Cuda { context: "kernel_device_us", message: format!("{e:#}") })?;
+        }
+        Ok(())
+    })?;
+    let timer = super::timing::StepTimer::for_device(dev)?;
+    let (ts, _) = timer.time_steps(dev, 20, || Ok(graph.replay()?))?;
+    Ok(pct(&ts, 50.0) * 1e3 / CALLS as f64)
 }
 
 /// Times `n` calls of `body` (after `warm`), each up to a device synchronisation, in µs;

@@ -1,0 +1,639 @@
+//! Launch wrapper of `kernels/mamba2_step.cu`: one MAMBA-2 recurrent decode step — a new bar
+//! `x [B, n_in]` through every layer's conv and SSM state to the prediction `[B]` — as one kernel
+//! launch on one thread-block cluster of [`CLUSTER_BLOCKS`] blocks (compute capability 9.0+;
+//! elsewhere [`Mamba2StepKernel::new`] answers [`Error::Unsupported`]). What it computes, in f64,
+//! is [`crate::mamba2_step_ref::step`]; the limits are [`StepDims::supported`]'s (batch ≤ 8).
+//!
+//! Why one cluster (the numbers are the default model's: d_model 256, 4 layers, 6.9 MB of F32
+//! weights): a step is ~13 dependent phases, each a GEMV too small to fill the GPU. Eight SMs
+//! each stream 1/8 of every weight matrix (~0.9 MB, L2-resident between calls) and exchange the
+//! vectors through distributed shared memory with three hardware cluster barriers per layer,
+//! instead of ~60 launches (candle) or ~13 graph nodes with a kernel boundary each.
+//!
+//! The parameters and the state are read and written through raw device addresses taken once, at
+//! construction: the kernel keeps clones of the tensors, so their memory stays allocated, and sees
+//! in-place updates of them (`Var::set`, `slice_set`), which must be queued on candle's stream (the
+//! one the kernel runs on). Nothing reads to the host, so a CUDA graph can capture
+//! [`Mamba2StepKernel::launch`]; replays read `x` and the state from the same addresses.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
+use cudarc::driver::{result, sys, CudaFunction, CudaStream};
+
+use super::{cuda_device, dev_ptr, driver};
+use crate::checks::expect_tensor;
+use crate::error::{CandleContext, Error, Result};
+pub use crate::mamba2_step_ref::{StepDims, CLUSTER_BLOCKS, MAX_BATCH, MAX_LAYERS};
+
+/// PTX of `kernels/mamba2_step.cu` (compute_90).
+const PTX_MAMBA2_STEP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mamba2_step.ptx"));
+
+/// Threads per block (`FX_S_THREADS`): 16 warps, one block per SM (`__launch_bounds__(512, 1)`).
+const THREADS: u32 = 512;
+/// `FX_S_FLAG_PREFETCH`: L1 prefetch of the next weight slice while a block waits at a barrier.
+const FLAG_PREFETCH: u32 = 1;
+/// Shared memory a block gets without opting in.
+const DEFAULT_SMEM: usize = 48 * 1024;
+
+/// `struct FxStepParams` of mamba2_step.cu, field for field (both sides assert 1496 bytes): per
+/// layer the addresses of norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, the gated norm's
+/// weight, out_proj, the conv state and the SSM state; then embed_w, embed_b, norm_f, head_w,
+/// head_b; batch, n_in, d_model, n_layer, d_inner, d_state, headdim, ngroups, d_conv; eps; flags.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Params {
+    layer: [[u64; 11]; MAX_LAYERS],
+    globals: [u64; 5],
+    dims: [u32; 9],
+    eps: f32,
+    flags: u32,
+    pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<Params>() == 1496);
+
+/// One layer's tensors (F32, contiguous, on the kernel's device; element counts as the model's
+/// shapes: weights `[out, in]`, `conv_w [conv_dim, 1, d_conv]` or `[conv_dim, d_conv]`).
+#[derive(Debug, Clone, Copy)]
+pub struct StepLayerTensors<'a> {
+    pub norm_w: &'a Tensor,
+    pub in_proj: &'a Tensor,
+    pub conv_w: &'a Tensor,
+    pub conv_b: &'a Tensor,
+    pub dt_bias: &'a Tensor,
+    pub a_log: &'a Tensor,
+    pub d: &'a Tensor,
+    /// The gated RMSNorm's weight `[d_inner]`.
+    pub gnorm_w: &'a Tensor,
+    pub out_proj: &'a Tensor,
+    /// `[B, d_conv − 1, conv_dim]`, updated in place by every launch.
+    pub conv_state: &'a Tensor,
+    /// `[B, nheads, headdim, d_state]`, updated in place by every launch.
+    pub ssm_state: &'a Tensor,
+}
+
+/// Every tensor of the step (see [`StepLayerTensors`]); `head_w` has `d_model` elements, `head_b` one.
+#[derive(Debug, Clone)]
+pub struct StepTensors<'a> {
+    pub embed_w: &'a Tensor,
+    pub embed_b: &'a Tensor,
+    pub layers: Vec<StepLayerTensors<'a>>,
+    pub norm_f: &'a Tensor,
+    pub head_w: &'a Tensor,
+    pub head_b: &'a Tensor,
+}
+
+/// The decode-step kernel bound to one model's parameters and one state (see the module docs).
+#[derive(Debug)]
+pub struct Mamba2StepKernel {
+    func: CudaFunction,
+    params: Params,
+    dims: StepDims,
+    smem: u32,
+    stream: Arc<CudaStream>,
+    device: Device,
+    /// Keeps the memory behind `params`' addresses allocated.
+    _tensors: Vec<Tensor>,
+}
+
+/// Takes `t`'s address after checking it: F32, `n` elements, contiguous, on `device`. An empty
+/// tensor (the conv state at `d_conv = 1`) is address 0, which the kernel never reads.
+fn bind(
+    t: &Tensor,
+    n: usize,
+    what: &'static str,
+    stream: &CudaStream,
+    device: &Device,
+    keep: &mut Vec<Tensor>,
+) -> Result<u64> {
+    const CTX: &str = "Mamba2StepKernel::new";
+    if t.elem_count() != n {
+        return Err(Error::shape(what, CTX, format!("{n} elements"), format!("{:?}", t.dims())));
+    }
+    if t.dtype() != DType::F32 {
+        return Err(Error::DType { what, expected: DType::F32, got: t.dtype(), context: CTX });
+    }
+    if !t.device().same_device(device) {
+        return Err(Error::Device { what, expected: "the parameters' CUDA device".into(), context: CTX });
+    }
+    if n == 0 {
+        return Ok(0);
+    }
+    keep.push(t.clone());
+    dev_ptr::<f32>(t, stream, what, CTX)
+}
+
+/// Whether at least one cluster of `f` (compiled cluster size, [`THREADS`] a block, `smem` bytes
+/// of dynamic shared memory) can be resident on the stream's device at once (a MIG or MPS
+/// partition may have too few SMs).
+fn cluster_fits(f: &CudaFunction, stream: &CudaStream, smem: u32) -> bool {
+    let config = sys::CUlaunchConfig {
+        gridDimX: CLUSTER_BLOCKS as u32,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: THREADS,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: std::ptr::null_mut(),
+        numAttrs: 0,
+    };
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `f` is a loaded function of this context; `config` lives across the call and
+    // names no attributes.
+    let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };
+    r == sys::CUresult::CUDA_SUCCESS && n > 0
+}
+
+impl Mamba2StepKernel {
+    /// Binds the kernel to `t` (checked against `dims`: element counts, F32, contiguous, one
+    /// CUDA device). Errors: [`Error::Unsupported`] beyond [`StepDims::supported`], below compute
+    /// capability 9.0, or where no cluster of 8 blocks fits (fall back to candle's step then);
+    /// shape, dtype and device errors for the tensors; a driver error if the module fails to load.
+    pub fn new(dims: &StepDims, t: &StepTensors<'_>) -> Result<Self> {
+        const CTX: &str = "Mamba2StepKernel::new";
+        dims.supported(CTX)?;
+        if t.layers.len() != dims.n_layer {
+            return Err(Error::shape("layers", CTX, dims.n_layer, t.layers.len()));
+        }
+        let device = t.embed_w.device().clone();
+        let cdev = cuda_device(&device, "embed_w", CTX)?;
+        let stream = cdev.cuda_stream();
+        let (major, minor) = stream.context().compute_capability().map_err(driver(CTX))?;
+        if major < 9 {
+            return Err(Error::Unsupported {
+                context: CTX,
+                message: format!("thread-block clusters need compute capability 9.0+, the device has {major}.{minor}"),
+            });
+        }
+        let smem_bytes = dims.smem_floats() * 4;
+        let optin = stream
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(driver(CTX))?;
+        if smem_bytes > optin.max(0) as usize {
+            return Err(Error::Unsupported {
+                context: CTX,
+                message: format!("{smem_bytes} bytes of shared memory per block; the device allows {optin}"),
+            });
+        }
+        let name = if dims.batch == 1 { "fx_m2_step_b1" } else { "fx_m2_step_b8" };
+        let func = cdev.get_or_load_custom_func(name, "fx_mamba2_step", PTX_MAMBA2_STEP).ctx(CTX)?.into_cuda_function();
+        stream.context().bind_to_thread().map_err(driver(CTX))?;
+        if smem_bytes > DEFAULT_SMEM {
+            func.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes as i32,
+            )
+            .map_err(driver(CTX))?;
+        }
+        let smem = smem_bytes as u32;
+        if !cluster_fits(&func, &stream, smem) {
+            return Err(Error::Unsupported {
+                context: CTX,
+                message: format!("no cluster of {CLUSTER_BLOCKS} blocks of {THREADS} threads fits on this device"),
+            });
+        }
+
+        let (dm, di, nh, cd) = (dims.d_model, dims.d_inner, dims.nheads(), dims.conv_dim());
+        let mut keep = Vec::new();
+        let mut p = Params::default();
+        let mut b = |x: &Tensor, n: usize, what: &'static str| bind(x, n, what, &stream, &device, &mut keep);
+        for (slot, l) in p.layer.iter_mut().zip(&t.layers) {
+            *slot = [
+                b(l.norm_w, dm, "norm_w")?,
+                b(l.in_proj, dims.in_proj_rows() * dm, "in_proj")?,
+                b(l.conv_w, cd * dims.d_conv, "conv_w")?,
+                b(l.conv_b, cd, "conv_b")?,
+                b(l.dt_bias, nh, "dt_bias")?,
+                b(l.a_log, nh, "a_log")?,
+                b(l.d, nh, "d")?,
+                b(l.gnorm_w, di, "gnorm_w")?,
+                b(l.out_proj, dm * di, "out_proj")?,
+                b(l.conv_state, dims.conv_state_len(), "conv_state")?,
+                b(l.ssm_state, dims.ssm_state_len(), "ssm_state")?,
+            ];
+        }
+        p.globals = [
+            b(t.embed_w, dm * dims.n_in, "embed_w")?,
+            b(t.embed_b, dm, "embed_b")?,
+            b(t.norm_f, dm, "norm_f")?,
+            b(t.head_w, dm, "head_w")?,
+            b(t.head_b, 1, "head_b")?,
+        ];
+        // `supported` bounds every size far below 2^31.
+        let u = |v: usize| v as u32;
+        p.dims = [
+            u(dims.batch),
+            u(dims.n_in),
+            u(dm),
+            u(dims.n_layer),
+            u(di),
+            u(dims.d_state),
+            u(dims.headdim),
+            u(dims.ngroups),
+            u(dims.d_conv),
+        ];
+        p.eps = dims.eps as f32;
+        // Off: on the H200 the prefetch made the kernel slower (66.6 µs with, 61.3 without;
+        // docs/perf/2026-12-02-h200-fused-seq/decode-fx.json).
+        p.flags = 0;
+        Ok(Self { func, params: p, dims: *dims, smem, stream, device, _tensors: keep })
+    }
+
+    /// The sizes it was built for.
+    pub fn dims(&self) -> &StepDims {
+        &self.dims
+    }
+
+    /// The CUDA device of every tensor.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Whether a block prefetches its slice of the next weight matrix into L1 while it waits at a
+    /// cluster barrier (default off, measured slower). Results are the same either way, bit for bit.
+    pub fn set_l1_prefetch(&mut self, on: bool) {
+        if on {
+            self.params.flags |= FLAG_PREFETCH;
+        } else {
+            self.params.flags &= !FLAG_PREFETCH;
+        }
+    }
+
+    /// Queues one step on candle's stream (no sync): reads `x [B, n_in]`, updates the bound state
+    /// in place and writes the predictions into `pred [B]` (both F32, contiguous, on the kernel's
+    /// device).
+    pub fn launch(&self, x: &Tensor, pred: &Tensor) -> Result<()> {
+        const CTX: &str = "Mamba2StepKernel::launch";
+        expect_tensor(x, "x", CTX, &[self.dims.batch, self.dims.n_in], DType::F32, &self.device)?;
+        expect_tensor(pred, "pred", CTX, &[self.dims.batch], DType::F32, &self.device)?;
+        let px = dev_ptr::<f32>(x, &self.stream, "x", CTX)?;
+        let pp = dev_ptr::<f32>(pred, &self.stream, "pred", CTX)?;
+        let (mut p, mut px, mut pp) = (self.params, px, pp);
+        let mut args: [*mut c_void; 3] = [
+            &mut p as *mut Params as *mut c_void,
+            &mut px as *mut u64 as *mut c_void,
+            &mut pp as *mut u64 as *mut c_void,
+        ];
+        self.stream.context().bind_to_thread().map_err(driver(CTX))?;
+        // SAFETY: the arguments match fx_m2_step_b{1,8}'s signature (FxStepParams by value, two
+        // pointers); the grid is one cluster of the compiled cluster size with the shared memory
+        // the kernel carves (StepDims::smem_floats); every address in `p` was checked in `new`
+        // and is kept allocated by `self`; `x` and `pred` were checked above and live until the
+        // kernel ran (candle frees stream-ordered).
+        unsafe {
+            result::launch_kernel(
+                self.func.cu_function(),
+                (CLUSTER_BLOCKS as u32, 1, 1),
+                (THREADS, 1, 1),
+                self.smem,
+                self.stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(driver(CTX))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Device tests: the kernel against [`crate::mamba2_step_ref::step`] over a few steps on fresh
+    //! random parameters and state (the seed is printed), predictions poisoned with NaN before
+    //! each launch; bit-identical repeats with and without the L1 prefetch; refusals. Each test
+    //! returns early without a GPU of compute capability 9.0+.
+    use super::*;
+    use crate::cuda::tests::gpu;
+    use crate::mamba2_step_ref::{step, LayerParams, LayerState, StepParams};
+    use crate::rng;
+
+    fn fresh_seed(test: &str) -> u64 {
+        let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        eprintln!("{test}: seed {s}");
+        s
+    }
+
+    /// A Hopper+ device, or None (the test is skipped).
+    fn hopper(test: &str) -> Option<Device> {
+        let dev = gpu(test)?;
+        let Device::Cuda(cd) = &dev else { return None };
+        match cd.cuda_stream().context().compute_capability() {
+            Ok((major, _)) if major >= 9 => Some(dev),
+            other => {
+                eprintln!("{test}: skipped, compute capability {other:?} < 9.0");
+                None
+            }
+        }
+    }
+
+    /// Host values of a model and state with the model's init ranges.
+    struct Host {
+        /// embed_w, embed_b, norm_f, head_w, head_b.
+        globals: Vec<Vec<f32>>,
+        /// Per layer the nine parameters in [`StepLayerTensors`] order.
+        layers: Vec<Vec<Vec<f32>>>,
+        conv: Vec<Vec<f32>>,
+        ssm: Vec<Vec<f32>>,
+    }
+
+    fn uniform(n: usize, seed: u64, stream: u64, lo: f64, hi: f64) -> Vec<f32> {
+        (0..n as u64).map(|i| (lo + (hi - lo) * rng::draw(seed, stream, 0, i)) as f32).collect()
+    }
+
+    fn host(d: StepDims, seed: u64) -> Host {
+        let (dm, di, nh, cd) = (d.d_model, d.d_inner, d.nheads(), d.conv_dim());
+        let mut s = 0u64;
+        let mut u = |n: usize, lo: f64, hi: f64| {
+            s += 1;
+            uniform(n, seed, s, lo, hi)
+        };
+        let a = |n: usize| 1.0 / (n as f64).sqrt();
+        let globals = vec![
+            u(dm * d.n_in, -a(d.n_in), a(d.n_in)),
+            u(dm, -a(d.n_in), a(d.n_in)),
+            u(dm, 0.5, 1.5),
+            u(dm, -a(dm), a(dm)),
+            u(1, -0.1, 0.1),
+        ];
+        let mut layers = Vec::new();
+        let (mut conv, mut ssm) = (Vec::new(), Vec::new());
+        for _ in 0..d.n_layer {
+            // dt log-uniform in [1e-3, 1e-1] stored as softplus⁻¹, A_log = ln U(1, 16) (the model's init).
+            let dt_bias =
+                u(nh, 1e-3f64.ln(), 1e-1f64.ln()).iter().map(|&l| ((l as f64).exp().exp_m1()).ln() as f32).collect();
+            let a_log = u(nh, 1.0, 16.0).iter().map(|&v| v.ln()).collect();
+            layers.push(vec![
+                u(dm, 0.5, 1.5),
+                u(d.in_proj_rows() * dm, -a(dm), a(dm)),
+                u(cd * d.d_conv, -a(d.d_conv), a(d.d_conv)),
+                u(cd, -a(d.d_conv), a(d.d_conv)),
+                dt_bias,
+                a_log,
+                u(nh, 0.5, 1.5),
+                u(di, 0.5, 1.5),
+                u(dm * di, -a(di), a(di)),
+            ]);
+            conv.push(u(d.conv_state_len(), -1.0, 1.0));
+            ssm.push(u(d.ssm_state_len(), -0.5, 0.5));
+        }
+        Host { globals, layers, conv, ssm }
+    }
+
+    fn f64s(v: &[f32]) -> Vec<f64> {
+        v.iter().map(|&x| x as f64).collect()
+    }
+
+    fn up(dev: &Device, v: &[f32]) -> Tensor {
+        Tensor::from_vec(v.to_vec(), v.len(), dev).unwrap()
+    }
+
+    fn down(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// ‖got − want‖ / ‖want‖, every element finite.
+    fn check(what: &str, got: &[f64], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+            panic!("{what}[{i}] = {} is not finite (unwritten?)", got[i]);
+        }
+        let num = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum::<f64>().sqrt();
+        let den = want.iter().map(|b| b * b).sum::<f64>().sqrt();
+        let e = num / den.max(1e-30);
+        eprintln!("{what}: rel err {e:.2e}");
+        assert!(e <= tol, "{what}: rel err {e} > {tol}");
+    }
+
+    /// Device copies of `h`: parameters (in [`StepTensors`] order) and the state.
+    struct Dev {
+        globals: Vec<Tensor>,
+        layers: Vec<Vec<Tensor>>,
+        conv: Vec<Tensor>,
+        ssm: Vec<Tensor>,
+    }
+
+    fn upload(dev: &Device, h: &Host) -> Dev {
+        Dev {
+            globals: h.globals.iter().map(|v| up(dev, v)).collect(),
+            layers: h.layers.iter().map(|l| l.iter().map(|v| up(dev, v)).collect()).collect(),
+            conv: h.conv.iter().map(|v| up(dev, v)).collect(),
+            ssm: h.ssm.iter().map(|v| up(dev, v)).collect(),
+        }
+    }
+
+    fn tensors(t: &Dev) -> StepTensors<'_> {
+        let layers = t
+            .layers
+            .iter()
+            .zip(t.conv.iter().zip(&t.ssm))
+            .map(|(l, (c, s))| StepLayerTensors {
+                norm_w: &l[0],
+                in_proj: &l[1],
+                conv_w: &l[2],
+                conv_b: &l[3],
+                dt_bias: &l[4],
+                a_log: &l[5],
+                d: &l[6],
+                gnorm_w: &l[7],
+                out_proj: &l[8],
+                conv_state: c,
+                ssm_state: s,
+            })
+            .collect();
+        let g = &t.globals;
+        StepTensors { embed_w: &g[0], embed_b: &g[1], layers, norm_f: &g[2], head_w: &g[3], head_b: &g[4] }
+    }
+
+    fn dims(batch: usize, n_in: usize, d_model: usize, n_layer: usize, d_inner: usize) -> StepDims {
+        StepDims { batch, n_in, d_model, n_layer, d_inner, d_state: 64, headdim: 64, ngroups: 1, d_conv: 4, eps: 1e-5 }
+    }
+
+    #[test]
+    fn step_kernel_matches_reference() {
+        const T: &str = "step_kernel_matches_reference";
+        let Some(dev) = hopper(T) else { return };
+        let seed = fresh_seed(T);
+        let default = dims(1, 51, 256, 4, 512);
+        let cases = [
+            default,
+            StepDims { batch: 3, ..default },
+            StepDims { batch: 8, ..default },
+            // d_state 33 (crosses a warp), 3 groups, d_conv 2
+            StepDims {
+                batch: 8,
+                n_in: 7,
+                d_model: 24,
+                n_layer: 2,
+                d_inner: 48,
+                d_state: 33,
+                headdim: 8,
+                ngroups: 3,
+                d_conv: 2,
+                eps: 1e-5,
+            },
+            // d_model 6: scalar GEMV loads; d_state 128 (d_conv 1, no conv state, runs in the CPU
+            // emulation only: CUDA refuses the zero-byte allocation of its state)
+            StepDims {
+                batch: 2,
+                n_in: 6,
+                d_model: 6,
+                n_layer: 3,
+                d_inner: 12,
+                d_state: 128,
+                headdim: 4,
+                ngroups: 1,
+                d_conv: 2,
+                eps: 1e-5,
+            },
+            // 16 layers, 4 groups, most blocks with short or empty slices
+            StepDims {
+                batch: 1,
+                n_in: 9,
+                d_model: 20,
+                n_layer: 16,
+                d_inner: 40,
+                d_state: 8,
+                headdim: 10,
+                ngroups: 4,
+                d_conv: 3,
+                eps: 1e-5,
+            },
+        ];
+        for (ci, d) in cases.into_iter().enumerate() {
+            let h = host(d, seed.wrapping_add(ci as u64));
+            let t = upload(&dev, &h);
+            let k = Mamba2StepKernel::new(&d, &tensors(&t)).unwrap();
+            let params: Vec<Vec<f64>> = h.globals.iter().map(|v| f64s(v)).collect();
+            let layer_params: Vec<Vec<Vec<f64>>> =
+                h.layers.iter().map(|l| l.iter().map(|v| f64s(v)).collect()).collect();
+            let p = StepParams {
+                embed_w: &params[0],
+                embed_b: &params[1],
+                layers: layer_params
+                    .iter()
+                    .map(|l| LayerParams {
+                        norm_w: &l[0],
+                        in_proj: &l[1],
+                        conv_w: &l[2],
+                        conv_b: &l[3],
+                        dt_bias: &l[4],
+                        a_log: &l[5],
+                        d: &l[6],
+                        gnorm_w: &l[7],
+                        out_proj: &l[8],
+                    })
+                    .collect(),
+                norm_f: &params[2],
+                head_w: &params[3],
+                head_b: &params[4],
+            };
+            let mut st: Vec<LayerState> =
+                h.conv.iter().zip(&h.ssm).map(|(c, s)| LayerState { conv: f64s(c), ssm: f64s(s) }).collect();
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            for s in 0..3u64 {
+                let x = uniform(d.batch * d.n_in, seed, 1000 + 10 * ci as u64 + s, -1.0, 1.0);
+                let pred = up(&dev, &vec![f32::NAN; d.batch]);
+                k.launch(&up(&dev, &x).reshape((d.batch, d.n_in)).unwrap(), &pred).unwrap();
+                got.extend(down(&pred));
+                want.extend(step(&d, &p, &mut st, &f64s(&x)).unwrap());
+            }
+            let tag = format!("case {ci} {d:?}");
+            check(&format!("{tag}: predictions"), &got, &want, 1e-5);
+            for (l, s) in st.iter().enumerate() {
+                check(&format!("{tag}: layer {l} conv state"), &down(&t.conv[l]), &s.conv, 1e-6);
+                check(&format!("{tag}: layer {l} ssm state"), &down(&t.ssm[l]), &s.ssm, 1e-5);
+            }
+        }
+    }
+
+    /// The same step twice from the same state, with and without the L1 prefetch: bit-identical
+    /// predictions and states (every sum runs in a fixed order).
+    #[test]
+    fn step_kernel_is_deterministic_and_prefetch_neutral() {
+        const T: &str = "step_kernel_is_deterministic_and_prefetch_neutral";
+        let Some(dev) = hopper(T) else { return };
+        let seed = fresh_seed(T);
+        let d = StepDims { batch: 2, ..dims(1, 51, 256, 4, 512) };
+        let h = host(d, seed);
+        let x = up(&dev, &uniform(d.batch * d.n_in, seed, 999, -1.0, 1.0)).reshape((d.batch, d.n_in)).unwrap();
+        let mut outs = Vec::new();
+        for prefetch in [true, true, false] {
+            let t = upload(&dev, &h);
+            let mut k = Mamba2StepKernel::new(&d, &tensors(&t)).unwrap();
+            k.set_l1_prefetch(prefetch);
+            let pred = up(&dev, &vec![f32::NAN; d.batch]);
+            k.launch(&x, &pred).unwrap();
+            k.launch(&x, &pred).unwrap();
+            let mut all = down(&pred);
+            for s in t.conv.iter().chain(&t.ssm) {
+                all.extend(down(s));
+            }
+            outs.push(all);
+        }
+        assert!(outs[0].iter().all(|v| v.is_finite()));
+        assert!(outs[0] == outs[1], "two runs differ");
+        assert!(outs[0] == outs[2], "the L1 prefetch changed a result");
+    }
+
+    #[test]
+    fn step_kernel_refuses_what_it_cannot_run() {
+        const T: &str = "step_kernel_refuses_what_it_cannot_run";
+        let Some(dev) = hopper(T) else { return };
+        let d = dims(1, 5, 16, 1, 32);
+        let h = host(StepDims { d_state: 8, headdim: 8, ..d }, 1);
+        let t = upload(&dev, &h);
+        let too_big = StepDims { batch: 9, d_state: 8, headdim: 8, ..d };
+        assert!(matches!(Mamba2StepKernel::new(&too_big, &tensors(&t)), Err(Error::Unsupported { .. })));
+        // state sized for batch 1 against dims for batch 2
+        let two = StepDims { batch: 2, d_state: 8, headdim: 8, ..d };
+        assert!(matches!(Mamba2StepKernel::new(&two, &tensors(&t)), Err(Error::Shape { .. })));
+        let k = Mamba2StepKernel::new(&StepDims { d_state: 8, headdim: 8, ..d }, &tensors(&t)).unwrap();
+        let pred = up(&dev, &[0.0]);
+        assert!(k.launch(&up(&dev, &[0.0; 4]).reshape((1, 4)).unwrap(), &pred).is_err(), "x of the wrong width");
+        let x = up(&dev, &[0.0; 5]).reshape((1, 5)).unwrap();
+        assert!(k.launch(&x, &up(&dev, &[0.0, 0.0])).is_err(), "pred of the wrong length");
+        k.launch(&x, &pred).unwrap();
+    }
+
+    /// Device time of one step at the default size (200 launches back to back between two events),
+    /// with and without the L1 prefetch, at batch 1 and 8: `--ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn step_kernel_timing() {
+        use cudarc::driver::sys::CUevent_flags;
+        const T: &str = "step_kernel_timing";
+        let Some(dev) = hopper(T) else { return };
+        for batch in [1usize, 8] {
+            let d = dims(batch, 51, 256, 4, 512);
+            let h = host(d, 5);
+            let t = upload(&dev, &h);
+            let mut k = Mamba2StepKernel::new(&d, &tensors(&t)).unwrap();
+            let x = up(&dev, &uniform(batch * d.n_in, 5, 999, -1.0, 1.0)).reshape((batch, d.n_in)).unwrap();
+            let pred = up(&dev, &vec![0.0; batch]);
+            let Device::Cuda(cd) = &dev else { return };
+            let stream = cd.cuda_stream();
+            for prefetch in [true, false] {
+                k.set_l1_prefetch(prefetch);
+                for _ in 0..50 {
+                    k.launch(&x, &pred).unwrap();
+                }
+                let ctx = stream.context();
+                let (a, b) = (
+                    ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap(),
+                    ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap(),
+                );
+                a.record(&stream).unwrap();
+                for _ in 0..200 {
+                    k.launch(&x, &pred).unwrap();
+                }
+                b.record(&stream).unwrap();
+                stream.synchronize().unwrap();
+                let us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / 200.0;
+                eprintln!("{T}: batch {batch}, L1 prefetch {prefetch}: {us:.2} us per step (device time)");
+            }
+        }
+    }
+}
