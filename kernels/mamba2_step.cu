@@ -1,19 +1,33 @@
 // fx-arch: compute_90
 // One MAMBA-2 recurrent decode step — a new bar x [B, n_in] through every layer's conv and SSM
-// state to the prediction [B] — in one launch on one thread-block cluster of 8 blocks (Hopper+;
-// wrapper crates/fx-kernels/src/cuda/mamba2_step.rs, f64 reference mamba2_step_ref.rs, which
-// also holds the shared-memory layout below as StepDims::smem_floats).
+// state to the prediction [B] — in one launch on one thread-block cluster of C blocks, C = 16
+// where the device allows that non-portable size, else 8 (Hopper+; wrapper
+// crates/fx-kernels/src/cuda/mamba2_step.rs, f64 reference mamba2_step_ref.rs, which also holds
+// the shared-memory layout below as StepDims::smem_floats).
 //
 // Why one cluster: at batch 1 the step is a chain of ~13 dependent phases (embedding; per layer
 // in_proj + conv, the SSD update + gate, out_proj + residual; norm_f + head), each a small GEMV
 // over weights (7 MB F32 at the default size, L2-resident between calls). Kernel boundaries in a
 // graph or grid-wide software barriers cost microseconds each; a cluster barrier is a hardware
 // barrier, and distributed shared memory lets each block push its slice of every vector straight
-// into the other blocks' shared memory. Each block streams 1/8 of the rows of every big weight
-// matrix (16-byte loads, a warp per group of rows) and keeps a full copy of the vectors the next
-// phase reads.
+// into the other blocks' shared memory. Each block owns 1/C of the rows of every big weight
+// matrix and keeps a full copy of the vectors the next phase reads.
 //
-// Phases of layer l (block `rank` of 8, all its threads):
+// Where the time went (clock64 stamps per phase and Nsight Compute's stall sampling, H200): not
+// in arithmetic but in chains of dependent loads and in warps idling at barriers. A layer's small
+// parameters (norm and conv weights, dt_bias, A_log, D) were read from global memory inside
+// loops that also store, so each load waited for the one before (~500 cycles each); each block
+// now copies them, and its rows' conv state, into shared memory with cp.async one layer ahead
+// (group P, issued after the SSD phase; the gated norm's weight as group O after out_proj), so
+// the phases read shared memory only, bar the weight matrices (streamed from L2) and the SSM
+// state (loaded into registers while the block waits at barrier 1). Staging the weight slices
+// in shared memory the same way was tried and dropped: issuing ~74 KB of cp.async a layer
+// stalled the issuing warps about as long as the loads it replaced (in_proj 5.9k cycles with,
+// 5.8k without, at 16 blocks; 70 against 65 µs at 8). The rmsnorms run on every warp (each
+// computes the row's root itself, one division a thread) instead of one warp per row, and the
+// cluster is 16 blocks where the device allows it (54 against 65 µs at 8 blocks).
+//
+// Phases of layer l (block `rank` of C, all its threads):
 //  A. u = rmsnorm(h) (every block, every row); its rows [lo, hi) of zxbcdt = in_proj · u into a
 //     local stage; each (b, row) then becomes its final value — z as is, xBC through the causal
 //     conv (window = conv_state ++ new value; the state shifted in global memory, a channel's
@@ -22,7 +36,7 @@
 //  B. its rows q = b·d_inner + c in [qlo, qhi) of the SSM state, a warp per row of N values:
 //     s = exp(dt·A)·s + (x·dt)·B, y = C·s + D·x, yz = y·silu(z), s written back; yz pushed into
 //     every block, with this block's partial Σ yz² per (batch row, group). Cluster barrier 2.
-//  C. every block: each group's sqrt(mean + eps) from the 8 partials (summed in rank order), yz
+//  C. every block: each group's sqrt(mean + eps) from the C partials (summed in rank order), yz
 //     normalised and weighted in place; its rows [olo, ohi) of out_proj · yz added to h and pushed
 //     into every block. Cluster barrier 3.
 // After the last layer rank 0 computes norm_f + head into pred.
@@ -33,20 +47,21 @@
 // h: a row is written only by its owner in C, read whole in A after barrier 3). The start barrier
 // (arrive at entry, wait before layer 0's first push) makes sure every block of the cluster runs
 // before anyone writes into its shared memory; nothing is accessed remotely after the last
-// barrier, so blocks may exit. Between a barrier's arrive and its wait a block issues what does
-// not depend on the others: the SSM state of its first rows (B) and, with flags bit 0, L1
-// prefetches of what the next phase reads from global memory (its slice of the next weight
-// matrix — for in_proj the first group of rows of each warp —, norm and conv parameters, the conv
-// state), so that the phase's loads hit L1 instead of paying an L2 round trip each.
+// barrier, so blocks may exit. Staged copies (local only) are overwritten only after every thread
+// of the block has passed a barrier that follows its last read of them, and read only after
+// cp.async.wait_group and a barrier: the groups are issued in the order P_{l+1} (small parameters
+// + conv state, after barrier 2), O_{l+1} (after barrier 3), so before layer l's rmsnorm "all but
+// the newest group" means P_l, and before the gated norm "all but the newest" means O_l.
 //
 // Every sum runs in a fixed order (lanes, then a butterfly; partials in rank order), so a step is
-// bit-reproducible. No fast-math: expf, log1pf, sqrtf and divisions are IEEE-accurate, as the
-// reference's f64 math needs.
+// bit-reproducible for a given C. No fast-math: expf, log1pf, sqrtf and
+// divisions are IEEE-accurate, as the reference's f64 math needs.
 #include <cooperative_groups.h>
 
 namespace cg = cooperative_groups;
 
-#define FX_S_CLUSTER 8
+// Largest cluster (the launch's cluster size C is read at run time: 8 or 16).
+#define FX_S_MAX_CLUSTER 16
 #ifndef FX_S_THREADS
 #define FX_S_THREADS 512
 #endif
@@ -56,8 +71,20 @@ namespace cg = cooperative_groups;
 #define FX_S_MAX_STATE 128
 #define FX_S_NV (FX_S_MAX_STATE / 32)
 // SSM rows a warp holds at once (their state loads are in flight together).
-#define FX_S_SSD_ROWS 4
-#define FX_S_FLAG_PREFETCH 1u
+#define FX_S_SSD_ROWS 2
+
+// Phase timestamps for a profile: a probe build defines FX_S_TRACE and reads fx_s_trace.
+#ifdef FX_S_TRACE
+__device__ long long fx_s_trace[FX_S_MAX_CLUSTER][64];
+#define FX_S_STAMP(i)                                                                           \
+    do {                                                                                        \
+        if (threadIdx.x == 0) fx_s_trace[cg::this_cluster().block_rank()][(i)] = clock64();    \
+    } while (0)
+#else
+#define FX_S_STAMP(i) \
+    do {              \
+    } while (0)
+#endif
 
 // One layer's parameters and recurrent state (F32, contiguous, row-major [out, in] weights).
 struct FxStepLayer {
@@ -94,7 +121,32 @@ static_assert(sizeof(FxStepParams) == 1496, "FxStepParams must match mamba2_step
 // different iterations, and .aligned would need the warp provably converged there.
 __device__ __forceinline__ void fx_s_arrive() { asm volatile("barrier.cluster.arrive;" ::: "memory"); }
 __device__ __forceinline__ void fx_s_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
-__device__ __forceinline__ void fx_s_prefetch_line(size_t a) { asm volatile("prefetch.global.L1 [%0];" ::"l"(a)); }
+
+// cp.async: global -> this block's shared memory without holding registers; groups complete in
+// the order they were committed.
+__device__ __forceinline__ void fx_s_cp4(float* dst, const float* src) {
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void fx_s_cp16(float* dst, const float* src) {
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void fx_s_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fx_s_wait_groups() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// n contiguous floats src -> dst by the whole block (16-byte copies where both ends allow).
+__device__ __forceinline__ void fx_s_copy(float* dst, const float* src, unsigned int n) {
+    const bool v4 = ((reinterpret_cast<size_t>(src) | reinterpret_cast<size_t>(dst)) & 15u) == 0u && n % 4u == 0u;
+    if (v4) {
+        for (unsigned int i = 4 * threadIdx.x; i < n; i += 4 * FX_S_THREADS) fx_s_cp16(dst + i, src + i);
+    } else {
+        for (unsigned int i = threadIdx.x; i < n; i += FX_S_THREADS) fx_s_cp4(dst + i, src + i);
+    }
+}
 
 __device__ __forceinline__ float fx_s_warp_sum(float v) {
 #pragma unroll
@@ -106,49 +158,21 @@ __device__ __forceinline__ float fx_s_silu(float x) { return x / (1.0f + expf(-x
 __device__ __forceinline__ float fx_s_softplus(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 __device__ __forceinline__ unsigned int fx_s_r4(unsigned int n) { return (n + 3u) & ~3u; }
 
-// Block `rank`'s share [lo, hi) of `total` items: ceil(total / 8) each, the last ones may be short
+// Block `rank`'s share [lo, hi) of `total` items: ceil(total / C) each, the last ones may be short
 // or empty.
-__device__ __forceinline__ void fx_s_slice(unsigned int total, unsigned int rank, unsigned int& lo,
+__device__ __forceinline__ void fx_s_slice(unsigned int total, unsigned int rank, unsigned int nblk, unsigned int& lo,
                                            unsigned int& hi) {
-    const unsigned int per = (total + FX_S_CLUSTER - 1) / FX_S_CLUSTER;
+    const unsigned int per = (total + nblk - 1) / nblk;
     lo = min(total, rank * per);
     hi = min(total, lo + per);
-}
-
-// Asks for the 128-byte lines of n floats at a to be brought into this SM's L1 (the whole block).
-__device__ __forceinline__ void fx_s_prefetch(const float* a, size_t n) {
-    const size_t end = reinterpret_cast<size_t>(a + n);
-    for (size_t line = (reinterpret_cast<size_t>(a) & ~size_t(127)) + 128 * (size_t)threadIdx.x; line < end;
-         line += 128 * (size_t)FX_S_THREADS)
-        fx_s_prefetch_line(line);
-}
-
-// With flags bit 0, what phase A of layer l reads from global memory before its loads of later
-// in_proj passes: norm_w, each warp's first group of in_proj rows, and for this block's rows
-// [lo, hi) the conv state, weights and bias (xBC rows) and dt_bias (dt rows). Issued while the
-// block waits at the barrier before the phase, so that those loads then hit L1.
-__device__ __forceinline__ void fx_s_prefetch_a(const FxStepLayer& L, unsigned int lo, unsigned int hi,
-                                                unsigned int dm, unsigned int di, unsigned int cd, unsigned int K,
-                                                unsigned int B) {
-    fx_s_prefetch(L.norm_w, dm);
-    fx_s_prefetch(L.in_proj + (size_t)lo * dm, (size_t)(min(hi, lo + 4u * FX_S_WARPS) - lo) * dm);
-    const unsigned int c0 = max(lo, di), c1 = min(hi, di + cd);
-    if (c0 < c1) {
-        fx_s_prefetch(L.conv_w + (size_t)(c0 - di) * K, (size_t)(c1 - c0) * K);
-        fx_s_prefetch(L.conv_b + (c0 - di), c1 - c0);
-        for (unsigned int b = 0; b < B; ++b)
-            for (unsigned int k = 0; k + 1 < K; ++k)
-                fx_s_prefetch(L.conv_state + ((size_t)b * (K - 1) + k) * cd + (c0 - di), c1 - c0);
-    }
-    const unsigned int h0 = max(lo, di + cd);
-    if (h0 < hi) fx_s_prefetch(L.dt_bias + (h0 - di - cd), hi - h0);
 }
 
 // v into element i of `buf` in every block of the cluster.
 __device__ __forceinline__ void fx_s_push(float* buf, unsigned int i, float v) {
     cg::cluster_group cluster = cg::this_cluster();
-#pragma unroll
-    for (int r = 0; r < FX_S_CLUSTER; ++r) *cluster.map_shared_rank(buf + i, r) = v;
+    const unsigned int nblk = cluster.num_blocks();
+#pragma unroll 4
+    for (unsigned int r = 0; r < nblk; ++r) *cluster.map_shared_rank(buf + i, (int)r) = v;
 }
 
 // The embedding's store: h[b, r] = v + bias[r] (local).
@@ -183,9 +207,9 @@ struct FxStoreResidual {
 // store(row, b, W[row, :] · act[b, :]) for rows [lo, hi) and b < nb, act [nb, cols] in shared
 // memory. A warp takes ROWS consecutive rows at a time (groups strided over the warps), its lanes
 // the columns: float4 loads when cols % 4 == 0 and W is 16-byte aligned (act's rows are then
-// 16-byte aligned too), all ROWS rows' loads issued before their FMAs; each sum is reduced across
-// the warp in a fixed order and lane 0 stores it.
-template <int MAXB, int ROWS, class Store>
+// 16-byte aligned too), all ROWS rows' loads of UNROLL column steps issued before their FMAs; each
+// sum is reduced across the warp in a fixed order and lane 0 stores it.
+template <int MAXB, int ROWS, int UNROLL, class Store>
 __device__ __forceinline__ void fx_s_gemv(const float* __restrict__ W, unsigned int cols, unsigned int lo,
                                           unsigned int hi, const float* act, unsigned int nb, const Store& store) {
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -202,12 +226,13 @@ __device__ __forceinline__ void fx_s_gemv(const float* __restrict__ W, unsigned 
             const unsigned int c4 = cols / 4u;
             const float4* w4 = reinterpret_cast<const float4*>(W);
             const float4* a4 = reinterpret_cast<const float4*>(act);
-#pragma unroll 2
+#pragma unroll UNROLL
             for (unsigned int k = lane; k < c4; k += 32) {
                 float4 w[ROWS];
 #pragma unroll
                 for (int i = 0; i < ROWS; ++i)
-                    w[i] = r0 + i < hi ? __ldg(w4 + (size_t)(r0 + i) * c4 + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    w[i] = r0 + i < hi ? __ldg(w4 + (size_t)(r0 + i) * c4 + k)
+                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
                 for (int b = 0; b < MAXB; ++b) {
                     if (b < (int)nb) {
@@ -223,10 +248,12 @@ __device__ __forceinline__ void fx_s_gemv(const float* __restrict__ W, unsigned 
                 }
             }
         } else {
+#pragma unroll UNROLL
             for (unsigned int k = lane; k < cols; k += 32) {
                 float w[ROWS];
 #pragma unroll
-                for (int i = 0; i < ROWS; ++i) w[i] = r0 + i < hi ? __ldg(W + (size_t)(r0 + i) * cols + k) : 0.0f;
+                for (int i = 0; i < ROWS; ++i)
+                    w[i] = r0 + i < hi ? __ldg(W + (size_t)(r0 + i) * cols + k) : 0.0f;
 #pragma unroll
                 for (int b = 0; b < MAXB; ++b) {
                     if (b < (int)nb) {
@@ -262,17 +289,64 @@ __device__ __forceinline__ void fx_s_load_state(const float* st, unsigned int q0
         }
 }
 
-// rmsnorm of h's nb rows of `cols` with weight w into u (a warp per row): h / sqrt(mean(h²) + eps) · w.
-__device__ __forceinline__ void fx_s_rmsnorm(const float* h, const float* __restrict__ w, float* u, unsigned int nb,
+// rmsnorm of h's nb rows of `cols` with weight w (shared memory) into u, by the whole block:
+// every warp computes each row's root itself (the same lanes-then-butterfly order, so the same
+// value), then each thread writes its elements h / root · w. Ends with a block barrier.
+template <int MAXB>
+__device__ __forceinline__ void fx_s_rmsnorm(const float* h, const float* w, float* u, unsigned int nb,
                                              unsigned int cols, float eps) {
-    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (unsigned int b = warp; b < nb; b += FX_S_WARPS) {
-        const float* hb = h + (size_t)b * cols;
-        float s = 0.0f;
-        for (unsigned int k = lane; k < cols; k += 32) s = fmaf(hb[k], hb[k], s);
-        const float q = sqrtf(fx_s_warp_sum(s) / (float)cols + eps);
-        for (unsigned int k = lane; k < cols; k += 32) u[(size_t)b * cols + k] = hb[k] / q * w[k];
+    const unsigned int lane = threadIdx.x % 32;
+    float q[MAXB];
+#pragma unroll
+    for (int b = 0; b < MAXB; ++b) {
+        if (b < (int)nb) {
+            const float* hb = h + (size_t)b * cols;
+            float s = 0.0f;
+            for (unsigned int k = lane; k < cols; k += 32) s = fmaf(hb[k], hb[k], s);
+            q[b] = sqrtf(fx_s_warp_sum(s) / (float)cols + eps);
+        }
     }
+    for (unsigned int t = threadIdx.x; t < nb * cols; t += FX_S_THREADS) {
+        const unsigned int b = t / cols, k = t % cols;
+        float qb = q[0];
+#pragma unroll
+        for (int r = 1; r < MAXB; ++r)
+            if (r == (int)b) qb = q[r];
+        u[t] = h[t] / qb * w[k];
+    }
+    __syncthreads();
+}
+
+// The shared-memory layout (floats; StepDims::smem_floats mirrors it, each piece a multiple of
+// 16 bytes). The staged pieces are single-buffered: one layer ahead at most.
+struct FxStepSmem {
+    float *h, *u, *zx, *yz, *stage, *ss, *sq;
+    // P: norm_w [dm], this block's rows' conv weights [per_a, K] and bias [per_a] (xBC rows only),
+    // their conv state [B, K-1, per_a], dt_bias, A_log, D [nh] each.
+    float *p_norm, *p_convw, *p_convb, *p_cstate, *p_dtb, *p_alog, *p_d;
+    // O: the gated norm's weight [di].
+    float* o_gnorm;
+};
+
+// Copies what layer L's phase A and B read locally (group P): norm_w, conv weights, bias and
+// state of this block's xBC rows [c0, c1) (as conv channels), dt_bias, A_log, D.
+__device__ __forceinline__ void fx_s_stage_p(const FxStepLayer& L, const FxStepSmem& m, unsigned int lo,
+                                             unsigned int hi, unsigned int per_a, unsigned int dm, unsigned int di,
+                                             unsigned int cd, unsigned int nh, unsigned int K, unsigned int B) {
+    fx_s_copy(m.p_norm, L.norm_w, dm);
+    const unsigned int c0 = max(lo, di), c1 = min(hi, di + cd);
+    if (c0 < c1) {
+        const unsigned int nc = c1 - c0, r0 = c0 - lo;
+        fx_s_copy(m.p_convw + r0 * K, L.conv_w + (size_t)(c0 - di) * K, nc * K);
+        fx_s_copy(m.p_convb + r0, L.conv_b + (c0 - di), nc);
+        for (unsigned int t = threadIdx.x; t < B * (K - 1) * nc; t += FX_S_THREADS) {
+            const unsigned int c = t % nc, bk = t / nc;
+            fx_s_cp4(m.p_cstate + (size_t)bk * per_a + r0 + c, L.conv_state + (size_t)bk * cd + (c0 - di) + c);
+        }
+    }
+    fx_s_copy(m.p_dtb, L.dt_bias, nh);
+    fx_s_copy(m.p_alog, L.a_log, nh);
+    fx_s_copy(m.p_d, L.d, nh);
 }
 
 template <int MAXB>
@@ -280,81 +354,103 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
                                           float* __restrict__ pred) {
     extern __shared__ __align__(16) float fx_s_smem[];
     cg::cluster_group cluster = cg::this_cluster();
-    const unsigned int rank = cluster.block_rank();
+    const unsigned int rank = cluster.block_rank(), nblk = cluster.num_blocks();
     const unsigned int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const unsigned int B = p.batch, dm = p.d_model, di = p.d_inner, N = p.d_state, P = p.headdim, G = p.ngroups;
     const unsigned int K = p.d_conv, nh = di / P, gn = G * N, cd = di + 2 * gn, R = di + cd + nh;
     const unsigned int gs = di / G, hpg = nh / G, pairs = B * G;
-    const unsigned int per_a = (R + FX_S_CLUSTER - 1) / FX_S_CLUSTER;
-    const unsigned int per_q = (B * di + FX_S_CLUSTER - 1) / FX_S_CLUSTER;
-    const bool prefetch = (p.flags & FX_S_FLAG_PREFETCH) != 0u;
+    const unsigned int per_a = (R + nblk - 1) / nblk;
+    const unsigned int per_q = (B * di + nblk - 1) / nblk;
 
-    // Shared memory, each piece a multiple of 16 bytes (StepDims::smem_floats).
-    float* h = fx_s_smem;                                       // [B, dm] residual stream
-    float* u = h + fx_s_r4(B * dm);                             // [B, max(dm, n_in)] GEMV input
-    float* zx = u + fx_s_r4(B * max(dm, p.n_in));               // [B, R] z | xBC (conv, SiLU) | dt
-    float* yz = zx + fx_s_r4(B * R);                            // [B, di] gated SSD output
-    float* stage = yz + fx_s_r4(B * di);                        // this block's rows of a phase
-    float* ss = stage + fx_s_r4(max(B * per_a, per_q));         // [8, B·G] partial Σ yz²
-    float* sq = ss + fx_s_r4(FX_S_CLUSTER * pairs);             // [B·G] sqrt(mean + eps)
+    FxStepSmem m;
+    m.h = fx_s_smem;                                      // [B, dm] residual stream
+    m.u = m.h + fx_s_r4(B * dm);                          // [B, max(dm, n_in)] GEMV input
+    m.zx = m.u + fx_s_r4(B * max(dm, p.n_in));            // [B, R] z | xBC (conv, SiLU) | dt
+    m.yz = m.zx + fx_s_r4(B * R);                         // [B, di] gated SSD output
+    m.stage = m.yz + fx_s_r4(B * di);                     // this block's rows of a phase
+    m.ss = m.stage + fx_s_r4(max(B * per_a, per_q));      // [C, B·G] partial Σ yz²
+    m.sq = m.ss + fx_s_r4(nblk * pairs);                  // [B·G] sqrt(mean + eps)
+    m.p_norm = m.sq + fx_s_r4(pairs);
+    m.p_convw = m.p_norm + fx_s_r4(dm);
+    m.p_convb = m.p_convw + fx_s_r4(per_a * K);
+    m.p_cstate = m.p_convb + fx_s_r4(per_a);
+    m.p_dtb = m.p_cstate + fx_s_r4(B * (K - 1) * per_a);
+    m.p_alog = m.p_dtb + fx_s_r4(nh);
+    m.p_d = m.p_alog + fx_s_r4(nh);
+    m.o_gnorm = m.p_d + fx_s_r4(nh);
 
+    FX_S_STAMP(0);
     fx_s_arrive();  // the start barrier, waited for before the first remote store
     unsigned int lo, hi, qlo, qhi, olo, ohi;
-    fx_s_slice(R, rank, lo, hi);
-    fx_s_slice(B * di, rank, qlo, qhi);
-    fx_s_slice(dm, rank, olo, ohi);
+    fx_s_slice(R, rank, nblk, lo, hi);
+    fx_s_slice(B * di, rank, nblk, qlo, qhi);
+    fx_s_slice(dm, rank, nblk, olo, ohi);
     const unsigned int na = hi - lo, nq = qhi - qlo, chunks = (nq + FX_S_SSD_ROWS - 1) / FX_S_SSD_ROWS;
-    if (prefetch) fx_s_prefetch_a(p.layer[0], lo, hi, dm, di, cd, K, B);
+
+    // Layer 0's groups, in the steady order: P_0, O_0 (see Hazards).
+    fx_s_stage_p(p.layer[0], m, lo, hi, per_a, dm, di, cd, nh, K, B);
+    fx_s_commit();
+    fx_s_copy(m.o_gnorm, p.layer[0].gnorm_w, di);
+    fx_s_commit();
 
     // Embedding, every block every row: 52 KB of weights at the default size, cheaper than a
-    // barrier, and it hides the start barrier.
-    for (unsigned int t = tid; t < B * p.n_in; t += FX_S_THREADS) u[t] = x[t];
+    // barrier, and it hides the start barrier and layer 0's copies. At batch 1 a warp takes 16
+    // rows at once, so each lane has all its loads in flight together.
+    for (unsigned int t = tid; t < B * p.n_in; t += FX_S_THREADS) m.u[t] = x[t];
     __syncthreads();
-    fx_s_gemv<MAXB, 4>(p.embed_w, p.n_in, 0u, dm, u, B, FxStoreBias{h, p.embed_b, dm});
-    __syncthreads();
+    if constexpr (MAXB == 1) {
+        fx_s_gemv<MAXB, 16, 2>(p.embed_w, p.n_in, 0u, dm, m.u, B, FxStoreBias{m.h, p.embed_b, dm});
+    } else {
+        fx_s_gemv<MAXB, 4, 2>(p.embed_w, p.n_in, 0u, dm, m.u, B, FxStoreBias{m.h, p.embed_b, dm});
+    }
+    FX_S_STAMP(1);
 
     for (unsigned int l = 0; l < p.n_layer; ++l) {
         const FxStepLayer& L = p.layer[l];
+        const bool next = l + 1 < p.n_layer;
+        const unsigned int ts = 2 + 10 * l;
 
         // A. rmsnorm, in_proj rows [lo, hi), conv / SiLU / softplus, pushed into zx.
-        fx_s_rmsnorm(h, L.norm_w, u, B, dm, p.eps);
+        fx_s_wait_groups<1>();  // P_l
         __syncthreads();
-        fx_s_gemv<MAXB, 4>(L.in_proj, dm, lo, hi, u, B, FxStoreStage{stage, lo, per_a});
+        fx_s_rmsnorm<MAXB>(m.h, m.p_norm, m.u, B, dm, p.eps);
+        FX_S_STAMP(ts + 0);
+        fx_s_gemv<MAXB, 4, 2>(L.in_proj, dm, lo, hi, m.u, B, FxStoreStage{m.stage, lo, per_a});
         __syncthreads();
+        FX_S_STAMP(ts + 1);
         if (l == 0) fx_s_wait();
         for (unsigned int t = tid; t < B * na; t += FX_S_THREADS) {
-            const unsigned int b = t / na, j = lo + t % na;
-            const float raw = stage[b * per_a + (j - lo)];
+            const unsigned int b = t / na, jl = t % na, j = lo + jl;
+            const float raw = m.stage[b * per_a + jl];
             float v = raw;
             if (j >= di && j < di + cd) {
                 // window = (state rows 0 .. K-2, raw) · w[c, :] + bias; the state shifts by one.
                 const unsigned int c = j - di;
                 float* cs = L.conv_state + (size_t)b * (K - 1) * cd + c;
-                const float* w = L.conv_w + (size_t)c * K;
+                const float* old = m.p_cstate + (size_t)b * (K - 1) * per_a + jl;
+                const float* w = m.p_convw + (size_t)jl * K;
                 float s = 0.0f;
                 for (unsigned int k = 0; k + 1 < K; ++k) {
-                    const float old = cs[(size_t)k * cd];
-                    s = fmaf(w[k], old, s);
-                    if (k > 0) cs[(size_t)(k - 1) * cd] = old;
+                    const float o = old[(size_t)k * per_a];
+                    s = fmaf(w[k], o, s);
+                    if (k > 0) cs[(size_t)(k - 1) * cd] = o;
                 }
                 s = fmaf(w[K - 1], raw, s);
                 if (K > 1) cs[(size_t)(K - 2) * cd] = raw;
-                v = fx_s_silu(s + L.conv_b[c]);
+                v = fx_s_silu(s + m.p_convb[jl]);
             } else if (j >= di + cd) {
-                v = fx_s_softplus(raw + L.dt_bias[j - di - cd]);
+                v = fx_s_softplus(raw + m.p_dtb[j - di - cd]);
             }
-            fx_s_push(zx, b * R + j, v);
+            fx_s_push(m.zx, b * R + j, v);
         }
+        FX_S_STAMP(ts + 2);
         fx_s_arrive();  // barrier 1
 
         // B. SSM rows [qlo, qhi), a warp per row; the first rows' state loads overlap the wait.
         float sv[FX_S_SSD_ROWS][FX_S_NV];
         if (warp < chunks) fx_s_load_state(L.ssm_state, qlo + warp * FX_S_SSD_ROWS, qhi, N, sv);
-        if (prefetch) {
-            fx_s_prefetch(L.a_log, nh);
-            fx_s_prefetch(L.d, nh);
-        }
         fx_s_wait();
+        FX_S_STAMP(ts + 3);
         for (unsigned int ci = warp; ci < chunks; ci += FX_S_WARPS) {
             if (ci != warp) fx_s_load_state(L.ssm_state, qlo + ci * FX_S_SSD_ROWS, qhi, N, sv);
 #pragma unroll
@@ -362,9 +458,9 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
                 const unsigned int q = qlo + ci * FX_S_SSD_ROWS + i;
                 if (q < qhi) {
                     const unsigned int b = q / di, c = q % di, hh = c / P, g = hh / hpg;
-                    const float* zb = zx + (size_t)b * R;
+                    const float* zb = m.zx + (size_t)b * R;
                     const float dt = zb[di + cd + hh];
-                    const float decay = expf(dt * -expf(L.a_log[hh]));
+                    const float decay = expf(dt * -expf(m.p_alog[hh]));
                     const float xv = zb[di + c], xs = xv * dt;
                     const float* bn = zb + di + di + g * N;
                     const float* cn = bn + gn;
@@ -378,78 +474,84 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
                             y = fmaf(s, cn[k], y);
                         }
                     }
-                    y = fmaf(xv, L.d[hh], fx_s_warp_sum(y));
-                    if (lane == 0) stage[q - qlo] = y * fx_s_silu(zb[c]);
+                    y = fmaf(xv, m.p_d[hh], fx_s_warp_sum(y));
+                    if (lane == 0) m.stage[q - qlo] = y * fx_s_silu(zb[c]);
                 }
             }
         }
         __syncthreads();
+        FX_S_STAMP(ts + 4);
         for (unsigned int pi = warp; pi < pairs; pi += FX_S_WARPS) {
             const unsigned int b = pi / G, g = pi % G;
             const unsigned int a0 = max(qlo, b * di + g * gs), a1 = min(qhi, b * di + (g + 1) * gs);
             float s = 0.0f;
-            for (unsigned int q = a0 + lane; q < a1; q += 32) s = fmaf(stage[q - qlo], stage[q - qlo], s);
+            for (unsigned int q = a0 + lane; q < a1; q += 32) s = fmaf(m.stage[q - qlo], m.stage[q - qlo], s);
             s = fx_s_warp_sum(s);
-            if (lane < FX_S_CLUSTER) *cluster.map_shared_rank(ss + rank * pairs + pi, (int)lane) = s;
+            if (lane < nblk) *cluster.map_shared_rank(m.ss + rank * pairs + pi, (int)lane) = s;
         }
-        for (unsigned int t = tid; t < nq; t += FX_S_THREADS) fx_s_push(yz, qlo + t, stage[t]);
+        for (unsigned int t = tid; t < nq; t += FX_S_THREADS) fx_s_push(m.yz, qlo + t, m.stage[t]);
+        FX_S_STAMP(ts + 5);
         fx_s_arrive();  // barrier 2
-        if (prefetch) {
-            fx_s_prefetch(L.out_proj + (size_t)olo * di, (size_t)(ohi - olo) * di);
-            fx_s_prefetch(L.gnorm_w, di);
-        }
         fx_s_wait();
+        FX_S_STAMP(ts + 6);
+        // Every thread of this block is past phase B: P may take layer l+1's parameters.
+        if (next) fx_s_stage_p(p.layer[l + 1], m, lo, hi, per_a, dm, di, cd, nh, K, B);
+        fx_s_commit();  // P_{l+1}
 
         // C. gated RMSNorm in place, out_proj rows [olo, ohi) + residual, pushed into h.
+        fx_s_wait_groups<1>();  // O_l
         for (unsigned int t = tid; t < pairs; t += FX_S_THREADS) {
             float s = 0.0f;
-#pragma unroll
-            for (int r = 0; r < FX_S_CLUSTER; ++r) s += ss[r * pairs + t];
-            sq[t] = sqrtf(s / (float)gs + p.eps);
+            for (unsigned int r = 0; r < nblk; ++r) s += m.ss[r * pairs + t];
+            m.sq[t] = sqrtf(s / (float)gs + p.eps);
         }
         __syncthreads();
         for (unsigned int q = tid; q < B * di; q += FX_S_THREADS) {
             const unsigned int b = q / di, c = q % di;
-            yz[q] = yz[q] / sq[b * G + c / gs] * L.gnorm_w[c];
+            m.yz[q] = m.yz[q] / m.sq[b * G + c / gs] * m.o_gnorm[c];
         }
         __syncthreads();
-        fx_s_gemv<MAXB, 2>(L.out_proj, di, olo, ohi, yz, B, FxStoreResidual{h, dm});
+        FX_S_STAMP(ts + 7);
+        fx_s_gemv<MAXB, 1, 4>(L.out_proj, di, olo, ohi, m.yz, B, FxStoreResidual{m.h, dm});
+        FX_S_STAMP(ts + 8);
         fx_s_arrive();  // barrier 3
-        if (prefetch) {
-            if (l + 1 < p.n_layer) {
-                fx_s_prefetch_a(p.layer[l + 1], lo, hi, dm, di, cd, K, B);
-            } else if (rank == 0) {
-                fx_s_prefetch(p.norm_f, dm);
-                fx_s_prefetch(p.head_w, dm);
-            }
-        }
         fx_s_wait();
+        FX_S_STAMP(ts + 9);
+        if (next) fx_s_copy(m.o_gnorm, p.layer[l + 1].gnorm_w, di);
+        fx_s_commit();  // O_{l+1}
     }
 
     // norm_f + head: rank 0, a warp per row (everyone's h is complete after the last barrier).
     if (rank == 0) {
         for (unsigned int b = warp; b < B; b += FX_S_WARPS) {
-            const float* hb = h + (size_t)b * dm;
+            const float* hb = m.h + (size_t)b * dm;
             float s = 0.0f;
             for (unsigned int k = lane; k < dm; k += 32) s = fmaf(hb[k], hb[k], s);
             const float q = sqrtf(fx_s_warp_sum(s) / (float)dm + p.eps);
             float acc = 0.0f;
-            for (unsigned int k = lane; k < dm; k += 32) acc = fmaf(hb[k] / q * p.norm_f[k], p.head_w[k], acc);
+#pragma unroll 8
+            for (unsigned int k = lane; k < dm; k += 32) acc = fmaf(hb[k] / q * __ldg(p.norm_f + k), __ldg(p.head_w + k), acc);
             acc = fx_s_warp_sum(acc);
             if (lane == 0) pred[b] = acc + p.head_b[0];
         }
     }
+    FX_S_STAMP(2 + 10 * p.n_layer);
+    fx_s_wait_groups<0>();  // nothing may land in shared memory after the block exits
 }
 
-// x [batch, n_in], pred [batch] (F32, contiguous); grid: one cluster of 8 blocks of FX_S_THREADS
-// threads, dynamic shared memory StepDims::smem_floats() · 4 bytes. _b1 takes batch 1, _b8 up
-// to 8 rows (its accumulators sized for 8).
-extern "C" __global__ void __cluster_dims__(FX_S_CLUSTER, 1, 1) __launch_bounds__(FX_S_THREADS, 1)
-    fx_m2_step_b1(const FxStepParams p, const float* __restrict__ x, float* __restrict__ pred) {
+// Cluster dimensions are the launch's (8 or 16 blocks, the wrapper decides); the probe build may
+// define FX_S_LAUNCH_ATTRS away.
+#define FX_S_LAUNCH_ATTRS __launch_bounds__(FX_S_THREADS, 1)
+
+// x [batch, n_in], pred [batch] (F32, contiguous); grid: one cluster of C blocks of FX_S_THREADS
+// threads, dynamic shared memory StepDims::smem_floats(C) · 4 bytes. _b1 takes batch 1,
+// _b8 up to 8 rows (its accumulators sized for 8).
+extern "C" __global__ void FX_S_LAUNCH_ATTRS fx_m2_step_b1(const FxStepParams p, const float* __restrict__ x,
+                                                           float* __restrict__ pred) {
     fx_s_step<1>(p, x, pred);
 }
 
-extern "C" __global__ void __cluster_dims__(FX_S_CLUSTER, 1, 1) __launch_bounds__(FX_S_THREADS, 1)
-    fx_m2_step_b8(const FxStepParams p, const float* __restrict__ x, float* __restrict__ pred) {
+extern "C" __global__ void FX_S_LAUNCH_ATTRS fx_m2_step_b8(const FxStepParams p, const float* __restrict__ x,
+                                                           float* __restrict__ pred) {
     fx_s_step<8>(p, x, pred);
 }

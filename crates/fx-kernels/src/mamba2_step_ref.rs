@@ -16,8 +16,10 @@ use crate::error::{Error, Result};
 use crate::mamba2_ref::{softplus, MAX_CONV};
 use crate::ssd_ref::need;
 
-/// Blocks of the kernel's thread-block cluster: each streams 1/8 of the rows of every weight matrix.
-pub const CLUSTER_BLOCKS: usize = 8;
+/// Blocks of the kernel's thread-block cluster, in the order the wrapper tries them: 16 (a
+/// non-portable size, where the device allows it) then 8. Each block streams 1/C of the rows of
+/// every weight matrix.
+pub const CLUSTER_SIZES: [usize; 2] = [16, 8];
 /// Most rows per launch (every block keeps every row's vectors in its shared memory).
 pub const MAX_BATCH: usize = 8;
 /// Most layers (the kernel's parameter block holds a fixed table of layer addresses).
@@ -121,25 +123,35 @@ impl StepDims {
         }
     }
 
-    /// Floats of the kernel's dynamic shared memory per block, in its order (each piece rounded up
-    /// to 4 floats): the residual `h [B, d_model]`, the GEMV input `u [B, max(d_model, n_in)]`,
-    /// `zx [B, in_proj_rows]`, `yz [B, d_inner]`, a block's stage (its in_proj rows of every batch
-    /// row or its SSM rows), the per-block partial sums `[8, B·ngroups]` and their roots
-    /// `[B·ngroups]`.
-    pub fn smem_floats(&self) -> usize {
+    /// Floats of the kernel's dynamic shared memory per block on a cluster of `blocks`, in its
+    /// order (each piece rounded up to 4 floats): the residual `h [B, d_model]`, the GEMV input
+    /// `u [B, max(d_model, n_in)]`, `zx [B, in_proj_rows]`, `yz [B, d_inner]`, a block's stage (its
+    /// in_proj rows of every batch row or its SSM rows), the per-block partial sums
+    /// `[blocks, B·ngroups]` and their roots `[B·ngroups]`; then a layer's staged parameters: the
+    /// norm weight `[d_model]`, the block's rows' conv weights `[per_a, d_conv]`, bias `[per_a]`
+    /// and state `[B, d_conv − 1, per_a]`, `dt_bias`, `A_log`, `D` `[nheads]` each, and the gated
+    /// norm's weight `[d_inner]` (`per_a` = in_proj rows / blocks, rounded up).
+    pub fn smem_floats(&self, blocks: usize) -> usize {
         let r4 = |n: usize| n.div_ceil(4) * 4;
         let b = self.batch;
         let rows = self.in_proj_rows();
-        let per_a = rows.div_ceil(CLUSTER_BLOCKS);
-        let per_q = (b * self.d_inner).div_ceil(CLUSTER_BLOCKS);
+        let per_a = rows.div_ceil(blocks);
+        let per_q = (b * self.d_inner).div_ceil(blocks);
         let pairs = b * self.ngroups;
+        let k = self.d_conv;
         r4(b * self.d_model)
             + r4(b * self.d_model.max(self.n_in))
             + r4(b * rows)
             + r4(b * self.d_inner)
             + r4((b * per_a).max(per_q))
-            + r4(CLUSTER_BLOCKS * pairs)
+            + r4(blocks * pairs)
             + r4(pairs)
+            + r4(self.d_model)
+            + r4(per_a * k)
+            + r4(per_a)
+            + r4(b * (k - 1) * per_a)
+            + 3 * r4(self.nheads())
+            + r4(self.d_inner)
     }
 }
 
@@ -344,11 +356,14 @@ mod tests {
     fn sizes_limits_and_shared_memory() {
         let d = default_dims(1);
         assert_eq!((d.nheads(), d.conv_dim(), d.in_proj_rows()), (8, 640, 1160));
-        // h 256 + u 256 + zx 1160 + yz 512 + stage max(145, 64) → 148 + ss 8 + sq 1 → 4.
-        assert_eq!(d.smem_floats(), 256 + 256 + 1160 + 512 + 148 + 8 + 4);
+        // h 256 + u 256 + zx 1160 + yz 512 + stage max(145, 64) → 148 + ss 8 + sq 1 → 4, then
+        // norm 256 + conv weights 145·4 + bias 145 → 148 + state 3·145 → 436 + 3·8 + gnorm 512.
+        assert_eq!(d.smem_floats(8), 256 + 256 + 1160 + 512 + 148 + 8 + 4 + 256 + 580 + 148 + 436 + 24 + 512);
+        // 16 blocks: stage max(73, 32) → 76, ss 16, conv weights 292, bias 76, state 219 → 220.
+        assert_eq!(d.smem_floats(16), 256 + 256 + 1160 + 512 + 76 + 16 + 4 + 256 + 292 + 76 + 220 + 24 + 512);
         assert!(d.supported("t").is_ok());
         // Batch 8 at the default size stays well inside Hopper's 227 KiB per block.
-        assert!(default_dims(8).smem_floats() * 4 < 100 * 1024);
+        assert!(default_dims(8).smem_floats(8) * 4 < 100 * 1024);
         for bad in [
             StepDims { batch: 9, ..d },
             StepDims { n_layer: 17, ..d },

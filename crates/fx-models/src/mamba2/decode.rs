@@ -1,6 +1,6 @@
 //! Recurrent decoding of a [`Mamba2`] on CUDA, one new bar at a time, with the fused decode-step
 //! kernel (`fx_kernels::cuda::mamba2_step`, feature `cuda`): [`Mamba2Decoder::step`] is one kernel
-//! launch on a thread-block cluster of 8 SMs (Hopper+) where [`Mamba2::step`] is ~60 candle
+//! launch on a thread-block cluster of 16 SMs, or 8 (Hopper+) where [`Mamba2::step`] is ~60 candle
 //! launches, with the same math to F32 rounding (the kernel's f64 reference is
 //! `fx_kernels::mamba2_step_ref`, tested here against [`Mamba2::step`] on the CPU).
 //!
@@ -163,10 +163,9 @@ mod gpu {
             &self.pred
         }
 
-        /// Whether the kernel's blocks prefetch their next weight slice into L1 while they wait at
-        /// a cluster barrier (default off: slower on the H200; results are bit-identical either way).
-        pub fn set_l1_prefetch(&mut self, on: bool) {
-            self.kernel.set_l1_prefetch(on);
+        /// Blocks of the kernel's thread-block cluster (16 where the device allows, else 8).
+        pub fn cluster_blocks(&self) -> usize {
+            self.kernel.cluster_blocks()
         }
     }
 }

@@ -10,7 +10,7 @@
 //! more on CUDA: `fused_fp32`, `fx_models::mamba2::decode::Mamba2Decoder::step` (the whole step as
 //! one kernel launch on a thread-block cluster, Hopper+), and `fused_graph_fp32`, that launch
 //! captured as a one-node CUDA graph and replayed; their records add the kernel's device time
-//! (`kernel_us`, and `kernel_us_l1_prefetch` with its optional L1 prefetch) and the first
+//! (`kernel_us`) and the first
 //! prediction's relative distance to candle's step (`rel_err_vs_candle`). Every call is timed on
 //! the host clock up to a device synchronisation, like bench.py's latency cases.
 
@@ -201,15 +201,14 @@ fn mamba2_fused(dev: &Device, graph: bool, n_warm: usize, n: usize, rec: &mut Re
     let got = dec.step(&x)?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
     ensure!(got.is_finite(), "non-finite fused MAMBA-2 prediction");
     rec.insert("rel_err_vs_candle".into(), json!((got - want).abs() / want.abs().max(1e-30)));
-    rec.insert("kernel".into(), json!("fx_m2_step_b1: one cluster of 8 blocks x 512 threads"));
+    rec.insert(
+        "kernel".into(),
+        json!(format!("fx_m2_step_b1: one cluster of {} blocks x 512 threads", dec.cluster_blocks())),
+    );
     rec.insert("launches_per_call".into(), json!(1));
     // The kernel's own device time; the rest of p50 is the launch (or replay) and the sync.
-    // `kernel_us` is the decoder's default (no L1 prefetch); the prefetch variant beside it.
-    for (prefetch, key) in [(true, "kernel_us_l1_prefetch"), (false, "kernel_us")] {
-        dec.set_l1_prefetch(prefetch);
-        let us = kernel_device_us(dev, || Ok(dec.step(&x).map(|_| ())?))?;
-        rec.insert(key.into(), json!(round(us, 2)));
-    }
+    let us = kernel_device_us(dev, || Ok(dec.step(&x).map(|_| ())?))?;
+    rec.insert("kernel_us".into(), json!(round(us, 2)));
     dec.load_state(&prefill)?;
     let mut body = |_dry: bool| -> Result<()> {
         dec.step(&x)?;
