@@ -16,6 +16,9 @@
 //! - TFT / MAMBA-2: at most the training windows / 64, so an epoch is still at least 64
 //!   optimiser steps.
 //!
+//! Out of memory at start-up, a budget batch is retried once a tier down ([`smaller_tier`],
+//! driven by `lifecycle`); a batch the user set is not.
+//!
 //! The learning rate and the updates per environment step are kept: AdamW's step size does
 //! not scale with the batch, a larger batch only averages more samples per update (checked
 //! on the H200: the default DQN run at its auto batch still beats flat and random on the
@@ -221,9 +224,34 @@ pub fn resolve(
 /// The hardware budget's batch for `cfg.model` on `device` (free memory over the model's
 /// estimated cost), or `None` on the CPU.
 pub fn budget_batch(cfg: &RunConfig, device: &Device) -> Option<usize> {
+    // The unit tests stand in a GPU's budget on the CPU (`lifecycle::test_hooks`).
+    #[cfg(test)]
+    if let Some(b) = crate::lifecycle::test_hooks::budget_batch() {
+        return Some(b);
+    }
     let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else { return None };
     let overrides = fx_hw::Overrides::default().with_device(&format!("cuda:{gpu_id}"));
     Some(fx_hw::HardwareBudget::detect_with(&overrides).batch_size(model_kind(cfg.model)).value)
+}
+
+/// The batch an `auto` run retries at once after the device ran out of memory at start-up
+/// (`lifecycle`): the next smaller tier of the budget, whose batches are powers of two
+/// from 256 up (the tier table's 8192 / 4096 / 2048 / ...: half the activation memory a
+/// tier down), i.e. the largest power of two below the batch, not below the model's
+/// smallest budget batch (`fx_hw::ModelKind::batch_bounds`). `None` for a batch the user
+/// set (config, model key, `FX_BATCH_SIZE`, flag, the CPU's config value: the user gets the
+/// out-of-memory hint instead) or one already at the smallest tier.
+pub fn smaller_tier(choice: &BatchChoice, model: ModelChoice) -> Option<BatchChoice> {
+    if choice.source != BatchSource::Budget || choice.value < 2 {
+        return None;
+    }
+    let below = 1usize << (usize::BITS - 1 - (choice.value - 1).leading_zeros());
+    let (lo, _) = model_kind(model).batch_bounds();
+    (below >= lo).then(|| BatchChoice {
+        value: below,
+        source: BatchSource::Budget,
+        detail: format!("{}; retried a tier down after running out of memory at batch {}", choice.detail, choice.value),
+    })
 }
 
 #[cfg(test)]
@@ -305,5 +333,30 @@ mod tests {
         let ch = resolve(&mut c, |_| unreachable!("a set batch never asks the hardware"), Some(1_000_000));
         assert_eq!((ch.value, ch.source), (48, BatchSource::ModelKey));
         assert!(ch.describe(ModelChoice::Tft).contains("seq.batch_size"));
+    }
+
+    #[test]
+    fn a_budget_batch_steps_down_one_power_of_two_and_a_set_batch_never() {
+        let budget = |value| BatchChoice { value, source: BatchSource::Budget, detail: format!("budget {value}") };
+        let tier = |value, model| smaller_tier(&budget(value), model).map(|c| c.value);
+        assert_eq!(tier(8192, ModelChoice::Dqn), Some(4096));
+        assert_eq!(tier(2048, ModelChoice::Ppo), Some(1024));
+        // A data-bounded or sub-256 budget batch goes to the power of two below it.
+        assert_eq!(tier(1562, ModelChoice::Tft), Some(1024));
+        assert_eq!(tier(230, ModelChoice::Dqn), Some(128));
+        // Not below the model's smallest budget batch (RL 64, sequence models 8).
+        assert_eq!(tier(64, ModelChoice::Dqn), None);
+        assert_eq!(tier(100, ModelChoice::Dqn), Some(64));
+        assert_eq!(tier(15, ModelChoice::Mamba2), Some(8));
+        assert_eq!(tier(8, ModelChoice::Mamba2), None);
+        let c = smaller_tier(&budget(2048), ModelChoice::Dqn).unwrap();
+        assert_eq!(c.source, BatchSource::Budget);
+        assert!(c.detail.contains("out of memory at batch 2048"), "{}", c.detail);
+        for source in
+            [BatchSource::Config, BatchSource::ModelKey, BatchSource::Env, BatchSource::Flag, BatchSource::CpuDefault]
+        {
+            let set = BatchChoice { value: 4096, source, detail: String::new() };
+            assert_eq!(smaller_tier(&set, ModelChoice::Dqn), None, "{source:?}");
+        }
     }
 }

@@ -10,14 +10,15 @@ mod dataset;
 mod device_memory;
 mod gpu_busy;
 mod hw;
+mod lifecycle;
 mod plots;
 mod progress;
 mod quantize;
 mod report;
+mod rl_run;
 mod run_dir;
 mod run_start;
 mod seq_run;
-mod train;
 mod train_env;
 
 use std::process::ExitCode;
@@ -35,8 +36,8 @@ fn main() -> ExitCode {
     }
     let cli = cli::Cli::parse();
     match run(cli) {
-        Ok(train::Outcome::Finished) => ExitCode::SUCCESS,
-        Ok(train::Outcome::Interrupted) => ExitCode::from(train::EXIT_INTERRUPTED),
+        Ok(lifecycle::Outcome::Finished) => ExitCode::SUCCESS,
+        Ok(lifecycle::Outcome::Interrupted) => ExitCode::from(lifecycle::EXIT_INTERRUPTED),
         Err(e) => {
             // One line with the whole cause chain: what failed and where (the crates' errors
             // are one line each; anything multi-line from a library is folded here too).
@@ -48,8 +49,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
-    let done = |r: anyhow::Result<()>| r.map(|()| train::Outcome::Finished);
+fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
+    let done = |r: anyhow::Result<()>| r.map(|()| lifecycle::Outcome::Finished);
     match cli.command {
         // The embedded default: synthetic market -> features -> DQN -> backtest report.
         // Each invocation gets a fresh run folder under runs/.
@@ -58,16 +59,16 @@ fn run(cli: cli::Cli) -> anyhow::Result<train::Outcome> {
             cfg.apply_env_overrides(&fx_hw::Overrides::from_env()?);
             cfg.out = fresh_run_folder(&cfg.out);
             set_cpu_threads(cfg.model, cfg.threads)?;
-            train::run(cfg, train::TrainOptions { resume: false, quiet: false, steps: None })
+            lifecycle::run(cfg, lifecycle::TrainOptions { resume: false, quiet: false, steps: None })
         }
         Some(cli::Command::Train(args)) => {
             let (model, threads) = args.check_flags()?;
             set_cpu_threads(model, threads)?;
             let cfg = args.to_config()?;
-            train::run(cfg, train::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps })
+            lifecycle::run(cfg, lifecycle::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps })
         }
         Some(cli::Command::Eval(args)) if args.int8 => done(quantize::eval_int8(&args.checkpoint)),
-        Some(cli::Command::Eval(args)) => done(train::eval(&args.checkpoint)),
+        Some(cli::Command::Eval(args)) => done(rl_run::eval(&args.checkpoint)),
         Some(cli::Command::Hw(args)) => done(hw::run(&args)),
         Some(cli::Command::Features(args)) => done(features(&args)),
         Some(cli::Command::Bench(args)) => done(bench::run(&args)),

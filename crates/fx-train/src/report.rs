@@ -10,8 +10,8 @@ use serde_json::json;
 use crate::agent::Agent;
 use crate::config::RunConfig;
 use crate::dataset::Dataset;
+use crate::rl_run::Profile;
 use crate::run_dir::{write_atomic, RunDir};
-use crate::train::Profile;
 
 #[derive(Serialize)]
 pub struct Report {

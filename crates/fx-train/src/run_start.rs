@@ -2,18 +2,37 @@
 //! (locked), the config (a resumed run continues under its own; only `--steps` may extend
 //! it), the device, the checkpoint to continue from (the newest that verifies, and of the
 //! config's model), the data's identity against it, the batch settled for the device, and
-//! the config recorded in the folder. `train.rs` and `seq_run.rs` go on from here with
-//! their own loops.
+//! the config recorded in the folder. `lifecycle` goes on from here.
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::Device;
 
 use crate::batch::BatchChoice;
 use crate::config::RunConfig;
+use crate::lifecycle::TrainOptions;
 use crate::run_dir::{write_atomic, Checkpoint, RunDir};
-use crate::train::{device_for, TrainOptions};
+
+/// The candle device a config asks for (`FX_DEVICE` was folded into the config already).
+/// `auto` falls back to the CPU; an explicit `cuda` / `cuda:N` that cannot be had is an
+/// error naming why, never a silent CPU run.
+pub fn device_for(cfg: &RunConfig) -> Result<Device> {
+    let overrides = fx_hw::Overrides::default().try_with_device(&cfg.device)?;
+    let budget = fx_hw::HardwareBudget::detect_with(&overrides);
+    let wants_gpu = matches!(overrides.device.as_ref().map(|d| d.value), Some(fx_hw::DeviceRequest::Cuda(_)));
+    if wants_gpu && budget.device.value == fx_hw::DeviceKind::Cpu {
+        bail!(
+            "device {} is not available: {}",
+            cfg.device,
+            budget.cpu_fallback_reason.as_deref().unwrap_or("no CUDA device")
+        );
+    }
+    match budget.device.value {
+        fx_hw::DeviceKind::Cpu => Ok(Device::Cpu),
+        fx_hw::DeviceKind::Cuda(n) => Ok(Device::new_cuda(n)?),
+    }
+}
 
 /// A run, opened (see the module docs).
 pub(crate) struct RunStart {
@@ -24,6 +43,8 @@ pub(crate) struct RunStart {
     pub device: Device,
     /// What a resumed run continues from.
     pub checkpoint: Option<Checkpoint>,
+    /// The batch once settled (what the first metrics line names).
+    pub batch: Option<BatchChoice>,
 }
 
 impl RunStart {
@@ -44,7 +65,7 @@ impl RunStart {
         if let Some(c) = &checkpoint {
             c.check_model(cfg.model, "the config asks for")?;
         }
-        Ok(Self { t_start, dir, cfg, device, checkpoint })
+        Ok(Self { t_start, dir, cfg, device, checkpoint, batch: None })
     }
 
     /// The normaliser a resumed run keeps (fitted when it started).
@@ -61,14 +82,43 @@ impl RunStart {
     }
 
     /// Settles the batch for the run's device (`crate::batch`; `train_windows`: the
-    /// sequence models' data bound), checks the sizes again with it, and prints it.
+    /// sequence models' data bound), checks the sizes again with it, and prints it. Once
+    /// settled it stays: a task rebuilt after an out-of-memory retry
+    /// ([`RunStart::retry_at_smaller_batch`]) gets the batch the retry chose, unprinted.
     pub fn settle_batch(&mut self, train_windows: Option<usize>) -> Result<BatchChoice> {
+        if let Some(b) = &self.batch {
+            return Ok(b.clone());
+        }
         let mut cfg = self.cfg.clone();
         let device = &self.device;
         let batch = crate::batch::resolve(&mut cfg, |c| crate::batch::budget_batch(c, device), train_windows);
         self.cfg = cfg.resolve()?;
         println!("{}", batch.describe(self.cfg.model));
+        self.batch = Some(batch.clone());
         Ok(batch)
+    }
+
+    /// After the device ran out of memory at start-up: moves a batch taken from the hardware
+    /// budget to the next smaller budget tier (`crate::batch::smaller_tier`) and returns the
+    /// line saying so; `None` (nothing changed) for a batch the user set or one already at
+    /// the smallest tier.
+    pub fn retry_at_smaller_batch(&mut self) -> Result<Option<String>> {
+        let Some(old) = self.batch.clone() else { return Ok(None) };
+        let Some(new) = crate::batch::smaller_tier(&old, self.cfg.model) else { return Ok(None) };
+        let mut cfg = self.cfg.clone();
+        cfg.set_batch_key(new.value);
+        cfg.batch = crate::batch::BatchSize::Fixed(new.value);
+        cfg.batch_source = new.source;
+        self.cfg = cfg.resolve()?;
+        let line = format!(
+            "the device ran out of memory at batch {} ({}, source {}): retrying once at the next smaller budget tier, batch {}",
+            old.value,
+            crate::batch::model_key_name(self.cfg.model),
+            old.source.as_str(),
+            new.value
+        );
+        self.batch = Some(new);
+        Ok(Some(line))
     }
 
     /// Writes config.toml for a new run, or for a resumed one whose length `--steps`

@@ -1,6 +1,7 @@
-//! `fx-train train|eval` for the sequence models (TFT, MAMBA-2): data → windows →
-//! `fx_models::seq_train::SeqTrainer` epoch by epoch → a checkpoint and a metrics line per
-//! epoch → forecast metrics on the test split. The run folder has the RL runs' layout.
+//! `fx-train train|eval` for the sequence models (TFT, MAMBA-2), [`SeqRun`] as a task of
+//! the shared `lifecycle`: data → windows → `fx_models::seq_train::SeqTrainer` epoch by
+//! epoch → a checkpoint and a metrics line per epoch → forecast metrics on the test split.
+//! The run folder has the RL runs' layout.
 //!
 //! The target is the next bar's log return in units of its standard deviation over the
 //! training rows (so the losses are of order one whatever the bar frequency); inputs are
@@ -8,35 +9,25 @@
 //! MSEs and pinball losses in the report are in those units; directional accuracy,
 //! coverage and rank correlation do not depend on them.
 
-use std::io::IsTerminal;
 use std::ops::{ControlFlow, Range};
-use std::sync::atomic::Ordering;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use fx_models::seq_train::{
-    evaluate, evaluate_forecasts, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries, SeqTask, SeqTrainer,
+    evaluate, evaluate_forecasts, EpochLog, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries, SeqTask, SeqTrainer,
 };
 use fx_models::{Mamba2, Tft};
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{json, Map, Value};
 
 use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
+use crate::lifecycle::{BarSpec, Chunk, ChunkCtx, RunTask, Timings};
 use crate::run_dir::{write_atomic, Checkpoint, RunDir, RunState};
-use crate::train::{device_for, install_ctrlc, Outcome, TrainOptions, INTERRUPTED};
-
-/// Whether `train` runs a sequence model: the flag's/config's model, or on `--resume` the
-/// model of the run being resumed.
-pub fn is_sequence_run(cfg: &RunConfig, opts: &TrainOptions) -> bool {
-    if opts.resume {
-        if let Ok(saved) = RunConfig::from_toml_file(&cfg.out.join("config.toml")) {
-            return saved.model.is_sequence();
-        }
-    }
-    cfg.model.is_sequence()
-}
+use crate::run_start::{device_for, RunStart};
 
 /// Wall-clock split of a sequence run (seconds).
 #[derive(Default, Serialize)]
@@ -85,7 +76,7 @@ pub struct SeqReport {
 }
 
 /// The data as the sequence models see it, and the row ranges of the splits.
-struct SeqData {
+pub(crate) struct SeqData {
     data: Dataset,
     series: SeqSeries,
     target_scale: f64,
@@ -130,36 +121,84 @@ fn check_windows(d: &SeqData, len: usize, batch_size: usize) -> Result<()> {
     Ok(())
 }
 
-/// Calls `f` with the run's model as a [`SeqTask`] (weights seeded by the run's seed).
-fn with_task<R>(cfg: &RunConfig, device: &Device, f: impl FnOnce(&dyn SeqTaskRun) -> Result<R>) -> Result<R> {
-    match cfg.model {
-        ModelChoice::Tft => {
-            let m = Tft::new(cfg.tft.clone(), device, cfg.seed).context("building the TFT")?;
-            f(&m)
+/// The run's model, owned (a MAMBA-2 reaches the trainer through a [`Mamba2Task`], which
+/// borrows it).
+enum SeqModel {
+    Tft(Box<Tft>),
+    Mamba2 { model: Mamba2, seq_len: usize },
+}
+
+impl SeqModel {
+    /// The config's model, its weights seeded by the run's seed.
+    fn new(cfg: &RunConfig, device: &Device) -> Result<Self> {
+        Ok(match cfg.model {
+            ModelChoice::Tft => {
+                SeqModel::Tft(Box::new(Tft::new(cfg.tft.clone(), device, cfg.seed).context("building the TFT")?))
+            }
+            ModelChoice::Mamba2 => SeqModel::Mamba2 {
+                model: Mamba2::new(cfg.mamba2.clone(), device, cfg.seed).context("building the MAMBA-2")?,
+                seq_len: cfg.mamba2_seq_len,
+            },
+            other => bail!("{} is not a sequence model", other.as_str()),
+        })
+    }
+
+    /// Calls `f` with the model as a [`SeqTask`] (behind the object-safe [`SeqTaskRun`]).
+    fn with<R>(&self, f: impl FnOnce(&dyn SeqTaskRun) -> R) -> R {
+        match self {
+            SeqModel::Tft(m) => f(m.as_ref()),
+            SeqModel::Mamba2 { model, seq_len } => f(&Mamba2Task { model, seq_len: *seq_len }),
         }
-        ModelChoice::Mamba2 => {
-            let m = Mamba2::new(cfg.mamba2.clone(), device, cfg.seed).context("building the MAMBA-2")?;
-            f(&Mamba2Task { model: &m, seq_len: cfg.mamba2_seq_len })
-        }
-        other => bail!("{} is not a sequence model", other.as_str()),
     }
 }
 
-/// The generic body of a run, object-safe so that [`with_task`] can hand either model over.
+/// What a run does with its model, written once over every [`SeqTask`] and object-safe so
+/// that [`SeqModel::with`] can hand either model over.
 trait SeqTaskRun {
-    fn train(&self, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome>;
+    fn window_len(&self) -> usize;
+    /// A new trainer, or one restored from checkpoint `c` (weights, optimiser, counters).
+    fn trainer(&self, cfg: &RunConfig, c: Option<&Checkpoint>, d: &SeqData) -> Result<SeqTrainer>;
+    /// One epoch and its validation; `None` when `on_batch` stopped it half-way.
+    fn train_epoch(
+        &self,
+        trainer: &mut SeqTrainer,
+        d: &SeqData,
+        on_batch: &mut dyn FnMut(usize, f64) -> ControlFlow<()>,
+    ) -> Result<Option<EpochLog>>;
+    fn save_state(&self, trainer: &SeqTrainer, path: &Path) -> Result<()>;
+    /// The best epoch's weights loaded, the forecast metrics on the test split.
+    fn evaluate(&self, trainer: &SeqTrainer, cfg: &RunConfig, d: &SeqData) -> Result<SeqReport>;
+    fn forecast_plot(&self, cfg: &RunConfig, d: &SeqData, dir: &RunDir) -> Result<()>;
     fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()>;
 }
 
-struct RunCtx {
-    start: crate::run_start::RunStart,
-    d: SeqData,
-    profile: SeqProfile,
-}
-
 impl<T: SeqTask> SeqTaskRun for T {
-    fn train(&self, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
-        run_task(self, opts, ctx)
+    fn window_len(&self) -> usize {
+        SeqTask::window_len(self)
+    }
+    fn trainer(&self, cfg: &RunConfig, c: Option<&Checkpoint>, d: &SeqData) -> Result<SeqTrainer> {
+        match c {
+            Some(c) => restored(self, cfg, c, d),
+            None => Ok(SeqTrainer::new(self, d.data.splits.train.clone(), &cfg.seq)?),
+        }
+    }
+    fn train_epoch(
+        &self,
+        trainer: &mut SeqTrainer,
+        d: &SeqData,
+        on_batch: &mut dyn FnMut(usize, f64) -> ControlFlow<()>,
+    ) -> Result<Option<EpochLog>> {
+        Ok(trainer.train_epoch_with(self, &d.series, d.data.splits.valid.clone(), on_batch)?)
+    }
+    fn save_state(&self, trainer: &SeqTrainer, path: &Path) -> Result<()> {
+        Ok(trainer.save_state(self, path)?)
+    }
+    fn evaluate(&self, trainer: &SeqTrainer, cfg: &RunConfig, d: &SeqData) -> Result<SeqReport> {
+        trainer.finish(self)?;
+        report(self, cfg, d, trainer)
+    }
+    fn forecast_plot(&self, cfg: &RunConfig, d: &SeqData, dir: &RunDir) -> Result<()> {
+        forecast_plot(self, cfg, d, dir)
     }
     fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()> {
         let trainer = restored(self, cfg, c, d)?;
@@ -179,134 +218,163 @@ fn restored(task: &impl SeqTask, cfg: &RunConfig, c: &Checkpoint, d: &SeqData) -
     Ok(t)
 }
 
-pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
-    // A resumed run continues under the config it started with (its schedule spans the
-    // epochs it was started for).
-    let start = crate::run_start::RunStart::open(cfg, &opts)?;
-    let t = Instant::now();
-    let d = seq_data(&start.cfg, start.saved_normalizer()?)?;
-    start.check_source(&d.data.source)?;
-    let profile = SeqProfile { data_prep: t.elapsed().as_secs_f64(), ..SeqProfile::default() };
-    let (cfg, device) = (start.cfg.clone(), start.device.clone());
-    let ctx = RunCtx { start, d, profile };
-    with_task(&cfg, &device, |task| task.train(&opts, ctx))
+/// A TFT or MAMBA-2 run being trained: a chunk is an epoch (stopped at the next batch by
+/// a signal), with a metrics line and a checkpoint after each; the initial state is
+/// checkpointed too, and nothing after an interruption (a half-done epoch cannot be saved:
+/// the run resumes from the last epoch's checkpoint). A resumed run continues under the
+/// config it started with (its schedule spans the epochs it was started for).
+pub(crate) struct SeqRun {
+    cfg: RunConfig,
+    d: Arc<SeqData>,
+    model: SeqModel,
+    trainer: SeqTrainer,
+    batches_per_epoch: u64,
+    /// The trainer's batch-building seconds when this run (or resume) started.
+    batch_seconds_start: f64,
+    /// The epoch just trained, for its metrics line.
+    last: Option<EpochDone>,
 }
 
-fn run_task(task: &impl SeqTask, opts: &TrainOptions, ctx: RunCtx) -> Result<Outcome> {
-    let RunCtx { mut start, d, mut profile } = ctx;
-    let train_windows = d.data.splits.train.len().saturating_sub(task.window_len()) + 1;
-    let mut batch_line = Some(start.settle_batch(Some(train_windows))?);
-    check_windows(&d, task.window_len(), start.cfg.seq.batch_size)?;
-    let mut trainer = match &start.checkpoint {
-        Some(c) => restored(task, &start.cfg, c, &d)?,
-        None => SeqTrainer::new(task, d.data.splits.train.clone(), &start.cfg.seq)?,
-    };
-    start.record_config(opts)?;
-    let crate::run_start::RunStart { t_start, dir, device, checkpoint, cfg } = start;
-    let cfg = &cfg;
-    let mut metrics = dir.metrics(checkpoint.as_ref().map(|c| c.run.env_steps))?;
-    let prior_seconds = checkpoint.as_ref().map_or(0.0, |c| c.run.train_seconds);
-    let save = |trainer: &SeqTrainer, profile: &mut SeqProfile, secs: f64| -> Result<()> {
-        let t = Instant::now();
-        let run =
-            RunState::new_seq(cfg.model, trainer.epochs_done() as u64, &d.data.normalizer, d.data.source.clone(), secs);
-        dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| Ok(trainer.save_state(task, p)?))?;
-        profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
-        Ok(())
-    };
-    // The initial state is on disk, so Ctrl-C in the first epoch leaves a run to resume.
-    if checkpoint.is_none() {
-        save(&trainer, &mut profile, 0.0)?;
+struct EpochDone {
+    /// 1-based.
+    epoch: usize,
+    log: EpochLog,
+    seconds: f64,
+    /// Of `seconds`: building and uploading training batches.
+    batch_seconds: f64,
+}
+
+impl RunTask for SeqRun {
+    type Data = SeqData;
+    const CHECKPOINT_FIRST: bool = true;
+    const CHECKPOINT_LAST: bool = false;
+
+    fn load_data(start: &RunStart) -> Result<SeqData> {
+        seq_data(&start.cfg, start.saved_normalizer()?)
     }
 
-    let quiet = opts.quiet || !std::io::stdout().is_terminal();
-    let bpe = trainer.batches_per_epoch() as u64;
-    let (len, start) = (bpe * cfg.seq.epochs as u64, bpe * trainer.epochs_done() as u64);
-    let bar = crate::progress::bar(format!("train {}", cfg.model.as_str()), len, start, "batches", quiet);
-    install_ctrlc();
-    let mut mem = crate::device_memory::MemProbe::for_device(&device);
-    mem.start(&device)?;
-    let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
-    let t_loop = Instant::now();
-    let mut interrupted = false;
-    let samples_per_batch = cfg.seq.batch_size as f64;
-    let batch_seconds_start = trainer.batch_seconds();
-    while !trainer.is_done() {
+    fn data_source(d: &SeqData) -> &str {
+        &d.data.source
+    }
+
+    fn build(start: &mut RunStart, d: &Arc<SeqData>) -> Result<Self> {
+        let model = SeqModel::new(&start.cfg, &start.device)?;
+        let len = model.with(|t| t.window_len());
+        let train_windows = d.data.splits.train.len().saturating_sub(len) + 1;
+        start.settle_batch(Some(train_windows))?;
+        check_windows(d, len, start.cfg.seq.batch_size)?;
+        let cfg = start.cfg.clone();
+        let trainer = model.with(|t| t.trainer(&cfg, start.checkpoint.as_ref(), d))?;
+        Ok(Self {
+            batches_per_epoch: trainer.batches_per_epoch() as u64,
+            batch_seconds_start: trainer.batch_seconds(),
+            cfg,
+            d: d.clone(),
+            model,
+            trainer,
+            last: None,
+        })
+    }
+
+    fn bar(&self) -> BarSpec {
+        let bpe = self.batches_per_epoch;
+        BarSpec { len: bpe * self.cfg.seq.epochs as u64, pos: bpe * self.trainer.epochs_done() as u64, unit: "batches" }
+    }
+
+    fn is_done(&self) -> bool {
+        self.trainer.is_done()
+    }
+
+    fn step_chunk(&mut self, ctx: &ChunkCtx) -> Result<Chunk> {
         let t_epoch = Instant::now();
-        let batch_seconds_before = trainer.batch_seconds();
-        let epoch = trainer.epochs_done() + 1;
-        let log = trainer
-            .train_epoch_with(task, &d.series, d.data.splits.valid.clone(), |_, loss| {
-                bar.inc(1);
-                bar.set_message(format!("epoch {epoch}/{} | loss {loss:.4}", cfg.seq.epochs));
-                if INTERRUPTED.load(Ordering::SeqCst) {
-                    ControlFlow::Break(())
-                } else {
-                    ControlFlow::Continue(())
-                }
-            })
-            .map_err(|e| crate::train::with_oom_hint(e.into(), cfg))?;
-        let secs = t_epoch.elapsed().as_secs_f64();
-        profile.train += secs;
-        let Some(log) = log else {
-            interrupted = true;
-            break;
+        let batch_seconds_before = self.trainer.batch_seconds();
+        let epoch = self.trainer.epochs_done() + 1;
+        let epochs = self.cfg.seq.epochs;
+        let Self { model, trainer, d, .. } = self;
+        let mut on_batch = |_, loss: f64| {
+            ctx.bar.inc(1);
+            ctx.bar.set_message(format!("epoch {epoch}/{epochs} | loss {loss:.4}"));
+            if ctx.stop_requested() {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
         };
-        let t = Instant::now();
-        let mut rec = json!({
-            "epoch": epoch,
-            "steps": trainer.step(),
-            "train_loss": log.train_loss,
-            "val_loss": log.val_loss,
-            "best_val_loss": trainer.best().map(|b| b.1),
-            "lr": log.lr,
-            "train_samples_per_s": bpe as f64 * samples_per_batch / secs.max(1e-9),
-            "gpu_mem_peak_mib": mem.peak_mib(&device)?,
-            "gpu_busy_fraction": busy.interval(),
-            "data_stall_fraction": (trainer.batch_seconds() - batch_seconds_before) / secs.max(1e-9),
-            "elapsed_s": prior_seconds + t_loop.elapsed().as_secs_f64(),
-        });
-        if let Some(b) = batch_line.take() {
-            rec["batch_size"] = json!(b.value);
-            rec["batch_source"] = json!(b.source.as_str());
-        }
-        metrics.write(&rec)?;
-        profile.checkpoint_and_logging += t.elapsed().as_secs_f64();
-        save(&trainer, &mut profile, prior_seconds + t_loop.elapsed().as_secs_f64())?;
-    }
-    bar.finish_and_clear();
-    profile.gpu_busy_fraction = busy.total();
-    if profile.train > 0.0 {
-        profile.data_stall_fraction = Some((trainer.batch_seconds() - batch_seconds_start) / profile.train);
-    }
-    if interrupted {
-        eprintln!(
-            "interrupted in epoch {}: the checkpoint after epoch {} is in {}; continue with `fx-train train --resume --out {}`",
-            trainer.epochs_done() + 1,
-            trainer.epochs_done(),
-            dir.root().display(),
-            dir.root().display()
-        );
-        return Ok(Outcome::Interrupted);
+        let Some(log) = model.with(|t| t.train_epoch(trainer, d, &mut on_batch))? else {
+            return Ok(Chunk::Stopped);
+        };
+        let batch_seconds = self.trainer.batch_seconds() - batch_seconds_before;
+        self.last = Some(EpochDone { epoch, log, seconds: t_epoch.elapsed().as_secs_f64(), batch_seconds });
+        Ok(Chunk::Trained { log: true, checkpoint: true })
     }
 
-    let t = Instant::now();
-    trainer.finish(task)?;
-    let rep = report(task, cfg, &d, &trainer)?;
-    profile.evaluation = t.elapsed().as_secs_f64();
-    profile.total = t_start.elapsed().as_secs_f64();
-    let accounted = profile.data_prep + profile.train + profile.checkpoint_and_logging + profile.evaluation;
-    profile.other = (profile.total - accounted).max(0.0);
-    write_report(&dir, "report.json", &rep, Some(&profile))?;
-    crate::plots::training_curves(
-        &dir,
-        "epoch",
-        "epoch",
-        &[("training loss (mean over the epoch)", "train_loss"), ("validation loss", "val_loss")],
-    )?;
-    forecast_plot(task, cfg, &d, &dir)?;
-    print(&rep, Some(&profile), &dir);
-    Ok(Outcome::Finished)
+    fn metrics(&mut self, _: &ChunkCtx) -> Result<Map<String, Value>> {
+        let e = self.last.as_ref().context("no epoch was trained")?;
+        let secs = e.seconds.max(1e-9);
+        let rec = json!({
+            "epoch": e.epoch,
+            "steps": self.trainer.step(),
+            "train_loss": e.log.train_loss,
+            "val_loss": e.log.val_loss,
+            "best_val_loss": self.trainer.best().map(|b| b.1),
+            "lr": e.log.lr,
+            "train_samples_per_s": self.batches_per_epoch as f64 * self.cfg.seq.batch_size as f64 / secs,
+            "data_stall_fraction": e.batch_seconds / secs,
+        });
+        match rec {
+            Value::Object(m) => Ok(m),
+            _ => unreachable!("json! of an object"),
+        }
+    }
+
+    fn checkpoint(&mut self, dir: &RunDir, train_seconds: f64, _last: bool) -> Result<()> {
+        let (cfg, d) = (&self.cfg, &self.d);
+        let epochs = self.trainer.epochs_done() as u64;
+        let run = RunState::new_seq(cfg.model, epochs, &d.data.normalizer, d.data.source.clone(), train_seconds);
+        let (model, trainer) = (&self.model, &self.trainer);
+        dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| model.with(|t| t.save_state(trainer, p)))?;
+        Ok(())
+    }
+
+    fn interrupted_line(&self, dir: &Path) -> String {
+        format!(
+            "interrupted in epoch {}: the checkpoint after epoch {} is in {}; continue with `fx-train train --resume --out {}`",
+            self.trainer.epochs_done() + 1,
+            self.trainer.epochs_done(),
+            dir.display(),
+            dir.display()
+        )
+    }
+
+    fn report(self, dir: &RunDir, times: Timings) -> Result<()> {
+        let Self { cfg, d, model, trainer, batch_seconds_start, .. } = self;
+        let mut profile = SeqProfile {
+            data_prep: times.data_prep,
+            train: times.train,
+            checkpoint_and_logging: times.checkpoint_and_logging,
+            gpu_busy_fraction: times.gpu_busy_fraction,
+            ..SeqProfile::default()
+        };
+        if profile.train > 0.0 {
+            profile.data_stall_fraction = Some((trainer.batch_seconds() - batch_seconds_start) / profile.train);
+        }
+        let t = Instant::now();
+        let rep = model.with(|t| t.evaluate(&trainer, &cfg, &d))?;
+        profile.evaluation = t.elapsed().as_secs_f64();
+        profile.total = times.t_start.elapsed().as_secs_f64();
+        let accounted = profile.data_prep + profile.train + profile.checkpoint_and_logging + profile.evaluation;
+        profile.other = (profile.total - accounted).max(0.0);
+        write_report(dir, "report.json", &rep, Some(&profile))?;
+        crate::plots::training_curves(
+            dir,
+            "epoch",
+            "epoch",
+            &[("training loss (mean over the epoch)", "train_loss"), ("validation loss", "val_loss")],
+        )?;
+        model.with(|t| t.forecast_plot(&cfg, &d, dir))?;
+        print(&rep, Some(&profile), dir);
+        Ok(())
+    }
 }
 
 /// `forecast.png`: over the test split, the equity of holding the sign of each bar's
@@ -448,5 +516,5 @@ pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     let device = device_for(&cfg)?;
     let d = seq_data(&cfg, Some(c.run.normalizer()?))?;
     c.check_source(&d.data.source, "config.toml now names")?;
-    with_task(&cfg, &device, |task| task.eval(&cfg, dir, &c, &d))
+    SeqModel::new(&cfg, &device)?.with(|task| task.eval(&cfg, dir, &c, &d))
 }
