@@ -72,6 +72,8 @@ namespace cg = cooperative_groups;
 #define FX_S_NV (FX_S_MAX_STATE / 32)
 // SSM rows a warp holds at once (their state loads are in flight together).
 #define FX_S_SSD_ROWS 2
+// flags bit 0: stage each block's in_proj and out_proj rows in shared memory (bulk copies).
+#define FX_S_FLAG_STAGE 1u
 
 // Phase timestamps for a profile: a probe build defines FX_S_TRACE and reads fx_s_trace.
 #ifdef FX_S_TRACE
@@ -148,6 +150,38 @@ __device__ __forceinline__ void fx_s_copy(float* dst, const float* src, unsigned
     }
 }
 
+// Bulk copies (the Hopper copy engine, one instruction for a whole contiguous range) completing
+// on an mbarrier: a block's weight slices stream into its shared memory without occupying its
+// threads or their load queues.
+__device__ __forceinline__ unsigned int fx_s_saddr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+// `arrivals`: the fx_s_bulk calls of each phase.
+__device__ __forceinline__ void fx_s_mbar_init(unsigned long long* bar, unsigned int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(fx_s_saddr(bar)), "r"(arrivals) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One thread: `bytes` (a multiple of 16, both ends 16-byte aligned) from src into dst, the
+// barrier's phase completing when they have landed.
+__device__ __forceinline__ void fx_s_bulk(float* dst, const float* src, unsigned int bytes, unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fx_s_saddr(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     fx_s_saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(fx_s_saddr(bar))
+                 : "memory");
+}
+// Every thread: waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void fx_s_mbar_wait(unsigned long long* bar, unsigned int parity) {
+    const unsigned int a = fx_s_saddr(bar);
+    unsigned int done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(a), "r"(parity)
+            : "memory");
+    }
+}
+
 __device__ __forceinline__ float fx_s_warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -175,16 +209,6 @@ __device__ __forceinline__ void fx_s_push(float* buf, unsigned int i, float v) {
     for (unsigned int r = 0; r < nblk; ++r) *cluster.map_shared_rank(buf + i, (int)r) = v;
 }
 
-// The embedding's store: h[b, r] = v + bias[r] (local).
-struct FxStoreBias {
-    float* h;
-    const float* bias;
-    unsigned int ld;
-    __device__ __forceinline__ void operator()(unsigned int r, unsigned int b, float v) const {
-        h[b * ld + r] = v + bias[r];
-    }
-};
-
 // in_proj's store: the local stage [b, r - lo].
 struct FxStoreStage {
     float* stage;
@@ -204,14 +228,28 @@ struct FxStoreResidual {
     }
 };
 
-// store(row, b, W[row, :] · act[b, :]) for rows [lo, hi) and b < nb, act [nb, cols] in shared
-// memory. A warp takes ROWS consecutive rows at a time (groups strided over the warps), its lanes
-// the columns: float4 loads when cols % 4 == 0 and W is 16-byte aligned (act's rows are then
-// 16-byte aligned too), all ROWS rows' loads of UNROLL column steps issued before their FMAs; each
-// sum is reduced across the warp in a fixed order and lane 0 stores it.
-template <int MAXB, int ROWS, int UNROLL, class Store>
-__device__ __forceinline__ void fx_s_gemv(const float* __restrict__ W, unsigned int cols, unsigned int lo,
-                                          unsigned int hi, const float* act, unsigned int nb, const Store& store) {
+template <bool GLOBAL>
+__device__ __forceinline__ float4 fx_s_ld4(const float4* p) {
+    if constexpr (GLOBAL) return __ldg(p);
+    else return *p;
+}
+template <bool GLOBAL>
+__device__ __forceinline__ float fx_s_ld1(const float* p) {
+    if constexpr (GLOBAL) return __ldg(p);
+    else return *p;
+}
+
+// store(row, b, W[row - w0, :] · act[b, :]) for rows [lo, hi) and b < nb, act [nb, cols] in
+// shared memory; W holds rows from w0 on (GLOBAL: the whole matrix in global memory, w0 = 0;
+// else this block's staged rows in shared memory, w0 = lo). A warp takes ROWS consecutive rows
+// at a time (groups strided over the warps), its lanes the columns: float4 loads when cols % 4 ==
+// 0 and W is 16-byte aligned (act's rows are then 16-byte aligned too), all ROWS rows' loads of
+// UNROLL column steps issued before their FMAs; each sum is reduced across the warp in a fixed
+// order and lane 0 stores it. Staging changes where W is read, not the order of any sum.
+template <int MAXB, int ROWS, int UNROLL, bool GLOBAL, class Store>
+__device__ __forceinline__ void fx_s_gemv(const float* __restrict__ W, unsigned int w0, unsigned int cols,
+                                          unsigned int lo, unsigned int hi, const float* act, unsigned int nb,
+                                          const Store& store) {
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned int groups = (hi - lo + ROWS - 1) / ROWS;
     const bool v4 = (cols % 4u) == 0u && (reinterpret_cast<size_t>(W) & 15u) == 0u;
@@ -231,7 +269,7 @@ __device__ __forceinline__ void fx_s_gemv(const float* __restrict__ W, unsigned 
                 float4 w[ROWS];
 #pragma unroll
                 for (int i = 0; i < ROWS; ++i)
-                    w[i] = r0 + i < hi ? __ldg(w4 + (size_t)(r0 + i) * c4 + k)
+                    w[i] = r0 + i < hi ? fx_s_ld4<GLOBAL>(w4 + (size_t)(r0 + i - w0) * c4 + k)
                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
                 for (int b = 0; b < MAXB; ++b) {
@@ -253,7 +291,7 @@ __device__ __forceinline__ void fx_s_gemv(const float* __restrict__ W, unsigned 
                 float w[ROWS];
 #pragma unroll
                 for (int i = 0; i < ROWS; ++i)
-                    w[i] = r0 + i < hi ? __ldg(W + (size_t)(r0 + i) * cols + k) : 0.0f;
+                    w[i] = r0 + i < hi ? fx_s_ld1<GLOBAL>(W + (size_t)(r0 + i - w0) * cols + k) : 0.0f;
 #pragma unroll
                 for (int b = 0; b < MAXB; ++b) {
                     if (b < (int)nb) {
@@ -326,6 +364,12 @@ struct FxStepSmem {
     float *p_norm, *p_convw, *p_convb, *p_cstate, *p_dtb, *p_alog, *p_d;
     // O: the gated norm's weight [di].
     float* o_gnorm;
+    // With staging: this block's out_proj rows [per_o, di] and in_proj rows [per_a, dm], the
+    // embedding's weight [dm, n_in], norm_f and the head's weight [dm] each.
+    float *o_w, *i_w, *e_w, *f_w, *head_w;
+    // The bulk copies' barriers: in_proj, out_proj (one phase a layer each), the embedding and
+    // the head (one phase a launch).
+    unsigned long long *bar_in, *bar_out, *bar_emb, *bar_head;
 };
 
 // Copies what layer L's phase A and B read locally (group P): norm_w, conv weights, bias and
@@ -361,9 +405,17 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
     const unsigned int gs = di / G, hpg = nh / G, pairs = B * G;
     const unsigned int per_a = (R + nblk - 1) / nblk;
     const unsigned int per_q = (B * di + nblk - 1) / nblk;
+    const unsigned int per_o = (dm + nblk - 1) / nblk;
+    // Batch 1 only: the decision path. (ptxas 13.0 also crashes on the bulk copies in the
+    // batch-8 instantiation; there the flag is ignored and the code compiled out.)
+    const bool staged = MAXB == 1 && (p.flags & FX_S_FLAG_STAGE) != 0u;
 
     FxStepSmem m;
-    m.h = fx_s_smem;                                      // [B, dm] residual stream
+    m.bar_in = reinterpret_cast<unsigned long long*>(fx_s_smem);  // 4 barriers: 8 floats
+    m.bar_out = m.bar_in + 1;
+    m.bar_emb = m.bar_in + 2;
+    m.bar_head = m.bar_in + 3;
+    m.h = fx_s_smem + 8;                                  // [B, dm] residual stream
     m.u = m.h + fx_s_r4(B * dm);                          // [B, max(dm, n_in)] GEMV input
     m.zx = m.u + fx_s_r4(B * max(dm, p.n_in));            // [B, R] z | xBC (conv, SiLU) | dt
     m.yz = m.zx + fx_s_r4(B * R);                         // [B, di] gated SSD output
@@ -378,6 +430,13 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
     m.p_alog = m.p_dtb + fx_s_r4(nh);
     m.p_d = m.p_alog + fx_s_r4(nh);
     m.o_gnorm = m.p_d + fx_s_r4(nh);
+    m.o_w = m.o_gnorm + fx_s_r4(di);
+    m.i_w = m.o_w + (staged ? fx_s_r4(per_o * di) : 0u);
+    m.e_w = m.i_w + (staged ? fx_s_r4(per_a * dm) : 0u);
+    m.f_w = m.e_w + (staged ? fx_s_r4(dm * p.n_in) : 0u);
+    m.head_w = m.f_w + (staged ? fx_s_r4(dm) : 0u);
+    // The embedding's weight is a whole number of 16-byte pieces at the default size (256 · 51).
+    const bool stage_e = staged && (dm * p.n_in) % 4u == 0u;
 
     FX_S_STAMP(0);
     fx_s_arrive();  // the start barrier, waited for before the first remote store
@@ -386,6 +445,25 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
     fx_s_slice(B * di, rank, nblk, qlo, qhi);
     fx_s_slice(dm, rank, nblk, olo, ohi);
     const unsigned int na = hi - lo, nq = qhi - qlo, chunks = (nq + FX_S_SSD_ROWS - 1) / FX_S_SSD_ROWS;
+    const unsigned int no = ohi - olo;
+
+    // Layer 0's weight slices start streaming first (thread 0 issues every bulk copy; a phase
+    // per layer and barrier, waited for with parity l & 1). Zero-byte slices are not copied,
+    // and their GEMVs have no rows to read.
+    if (staged && tid == 0) {
+        fx_s_mbar_init(m.bar_in, 1);
+        fx_s_mbar_init(m.bar_out, 1);
+        fx_s_mbar_init(m.bar_emb, 1);
+        fx_s_mbar_init(m.bar_head, 2);
+        if (stage_e) fx_s_bulk(m.e_w, p.embed_w, dm * p.n_in * 4u, m.bar_emb);
+        if (na) fx_s_bulk(m.i_w, p.layer[0].in_proj + (size_t)lo * dm, na * dm * 4u, m.bar_in);
+        if (no) fx_s_bulk(m.o_w, p.layer[0].out_proj + (size_t)olo * di, no * di * 4u, m.bar_out);
+        // Only rank 0 computes the head, so only it copies (and waits for) its weights.
+        if (rank == 0) {
+            fx_s_bulk(m.f_w, p.norm_f, dm * 4u, m.bar_head);
+            fx_s_bulk(m.head_w, p.head_w, dm * 4u, m.bar_head);
+        }
+    }
 
     // Layer 0's groups, in the steady order: P_0, O_0 (see Hazards).
     fx_s_stage_p(p.layer[0], m, lo, hi, per_a, dm, di, cd, nh, K, B);
@@ -393,30 +471,53 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
     fx_s_copy(m.o_gnorm, p.layer[0].gnorm_w, di);
     fx_s_commit();
 
-    // Embedding, every block every row: 52 KB of weights at the default size, cheaper than a
-    // barrier, and it hides the start barrier and layer 0's copies. At batch 1 a warp takes 16
-    // rows at once, so each lane has all its loads in flight together.
+    // Embedding, every block every row (52 KB of weights at the default size, cheaper than a
+    // barrier, and it hides the start barrier and layer 0's copies): a thread a row, its n_in
+    // loads in flight together and no cross-lane reduction (n_in is small).
     for (unsigned int t = tid; t < B * p.n_in; t += FX_S_THREADS) m.u[t] = x[t];
     __syncthreads();
-    if constexpr (MAXB == 1) {
-        fx_s_gemv<MAXB, 16, 2>(p.embed_w, p.n_in, 0u, dm, m.u, B, FxStoreBias{m.h, p.embed_b, dm});
-    } else {
-        fx_s_gemv<MAXB, 4, 2>(p.embed_w, p.n_in, 0u, dm, m.u, B, FxStoreBias{m.h, p.embed_b, dm});
+    if (stage_e) fx_s_mbar_wait(m.bar_emb, 0);
+    const float* ew = stage_e ? m.e_w : p.embed_w;
+    for (unsigned int r = tid; r < dm; r += FX_S_THREADS) {
+        const float* w = ew + (size_t)r * p.n_in;
+        float acc[MAXB];
+#pragma unroll
+        for (int b = 0; b < MAXB; ++b) acc[b] = 0.0f;
+#pragma unroll 8
+        for (unsigned int k = 0; k < p.n_in; ++k) {
+            const float wk = w[k];
+#pragma unroll
+            for (int b = 0; b < MAXB; ++b)
+                if (b < (int)B) acc[b] = fmaf(wk, m.u[b * p.n_in + k], acc[b]);
+        }
+        const float bias = __ldg(p.embed_b + r);
+#pragma unroll
+        for (int b = 0; b < MAXB; ++b)
+            if (b < (int)B) m.h[b * dm + r] = acc[b] + bias;
     }
     FX_S_STAMP(1);
 
     for (unsigned int l = 0; l < p.n_layer; ++l) {
         const FxStepLayer& L = p.layer[l];
         const bool next = l + 1 < p.n_layer;
-        const unsigned int ts = 2 + 10 * l;
+        const unsigned int ts = 2 + 10 * l;  // the trace stamps' slot
+        (void)ts;
 
         // A. rmsnorm, in_proj rows [lo, hi), conv / SiLU / softplus, pushed into zx.
         fx_s_wait_groups<1>();  // P_l
         __syncthreads();
         fx_s_rmsnorm<MAXB>(m.h, m.p_norm, m.u, B, dm, p.eps);
         FX_S_STAMP(ts + 0);
-        fx_s_gemv<MAXB, 4, 2>(L.in_proj, dm, lo, hi, m.u, B, FxStoreStage{m.stage, lo, per_a});
+        if (staged) {
+            if (na) fx_s_mbar_wait(m.bar_in, l & 1u);
+            fx_s_gemv<MAXB, 4, 2, false>(m.i_w, lo, dm, lo, hi, m.u, B, FxStoreStage{m.stage, lo, per_a});
+        } else {
+            fx_s_gemv<MAXB, 4, 2, true>(L.in_proj, 0u, dm, lo, hi, m.u, B, FxStoreStage{m.stage, lo, per_a});
+        }
         __syncthreads();
+        // Every thread is past its reads of the in_proj slice: the next layer's may stream in.
+        if (staged && next && tid == 0 && na)
+            fx_s_bulk(m.i_w, p.layer[l + 1].in_proj + (size_t)lo * dm, na * dm * 4u, m.bar_in);
         FX_S_STAMP(ts + 1);
         if (l == 0) fx_s_wait();
         for (unsigned int t = tid; t < B * na; t += FX_S_THREADS) {
@@ -512,17 +613,28 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
         }
         __syncthreads();
         FX_S_STAMP(ts + 7);
-        fx_s_gemv<MAXB, 1, 4>(L.out_proj, di, olo, ohi, m.yz, B, FxStoreResidual{m.h, dm});
+        if (staged) {
+            if (no) fx_s_mbar_wait(m.bar_out, l & 1u);
+            fx_s_gemv<MAXB, 1, 4, false>(m.o_w, olo, di, olo, ohi, m.yz, B, FxStoreResidual{m.h, dm});
+        } else {
+            fx_s_gemv<MAXB, 1, 4, true>(L.out_proj, 0u, di, olo, ohi, m.yz, B, FxStoreResidual{m.h, dm});
+        }
         FX_S_STAMP(ts + 8);
         fx_s_arrive();  // barrier 3
         fx_s_wait();
         FX_S_STAMP(ts + 9);
         if (next) fx_s_copy(m.o_gnorm, p.layer[l + 1].gnorm_w, di);
+        // Every thread of the block is past barrier 3, so past its reads of the out_proj slice.
+        if (staged && next && tid == 0 && no)
+            fx_s_bulk(m.o_w, p.layer[l + 1].out_proj + (size_t)olo * di, no * di * 4u, m.bar_out);
         fx_s_commit();  // O_{l+1}
     }
 
     // norm_f + head: rank 0, a warp per row (everyone's h is complete after the last barrier).
     if (rank == 0) {
+        if (staged) fx_s_mbar_wait(m.bar_head, 0);
+        const float* nf = staged ? m.f_w : p.norm_f;
+        const float* hw = staged ? m.head_w : p.head_w;
         for (unsigned int b = warp; b < B; b += FX_S_WARPS) {
             const float* hb = m.h + (size_t)b * dm;
             float s = 0.0f;
@@ -530,7 +642,7 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
             const float q = sqrtf(fx_s_warp_sum(s) / (float)dm + p.eps);
             float acc = 0.0f;
 #pragma unroll 8
-            for (unsigned int k = lane; k < dm; k += 32) acc = fmaf(hb[k] / q * __ldg(p.norm_f + k), __ldg(p.head_w + k), acc);
+            for (unsigned int k = lane; k < dm; k += 32) acc = fmaf(hb[k] / q * nf[k], hw[k], acc);
             acc = fx_s_warp_sum(acc);
             if (lane == 0) pred[b] = acc + p.head_b[0];
         }
@@ -544,7 +656,7 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
 #define FX_S_LAUNCH_ATTRS __launch_bounds__(FX_S_THREADS, 1)
 
 // x [batch, n_in], pred [batch] (F32, contiguous); grid: one cluster of C blocks of FX_S_THREADS
-// threads, dynamic shared memory StepDims::smem_floats(C) · 4 bytes. _b1 takes batch 1,
+// threads, dynamic shared memory StepDims::smem_floats(C, staged) · 4 bytes. _b1 takes batch 1,
 // _b8 up to 8 rows (its accumulators sized for 8).
 extern "C" __global__ void FX_S_LAUNCH_ATTRS fx_m2_step_b1(const FxStepParams p, const float* __restrict__ x,
                                                            float* __restrict__ pred) {

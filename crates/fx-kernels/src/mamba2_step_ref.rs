@@ -124,14 +124,18 @@ impl StepDims {
     }
 
     /// Floats of the kernel's dynamic shared memory per block on a cluster of `blocks`, in its
-    /// order (each piece rounded up to 4 floats): the residual `h [B, d_model]`, the GEMV input
+    /// order (each piece rounded up to 4 floats): four bulk-copy barriers (8 floats), the
+    /// residual `h [B, d_model]`, the GEMV input
     /// `u [B, max(d_model, n_in)]`, `zx [B, in_proj_rows]`, `yz [B, d_inner]`, a block's stage (its
     /// in_proj rows of every batch row or its SSM rows), the per-block partial sums
     /// `[blocks, B·ngroups]` and their roots `[B·ngroups]`; then a layer's staged parameters: the
     /// norm weight `[d_model]`, the block's rows' conv weights `[per_a, d_conv]`, bias `[per_a]`
     /// and state `[B, d_conv − 1, per_a]`, `dt_bias`, `A_log`, `D` `[nheads]` each, and the gated
-    /// norm's weight `[d_inner]` (`per_a` = in_proj rows / blocks, rounded up).
-    pub fn smem_floats(&self, blocks: usize) -> usize {
+    /// norm's weight `[d_inner]` (`per_a` = in_proj rows / blocks, rounded up); with `staged`
+    /// weights then the block's out_proj rows `[per_o, d_inner]` (`per_o` = d_model / blocks,
+    /// rounded up) and in_proj rows `[per_a, d_model]`, the embedding's weight
+    /// `[d_model, n_in]`, norm_f's and the head's weights `[d_model]` each.
+    pub fn smem_floats(&self, blocks: usize, staged: bool) -> usize {
         let r4 = |n: usize| n.div_ceil(4) * 4;
         let b = self.batch;
         let rows = self.in_proj_rows();
@@ -139,7 +143,13 @@ impl StepDims {
         let per_q = (b * self.d_inner).div_ceil(blocks);
         let pairs = b * self.ngroups;
         let k = self.d_conv;
-        r4(b * self.d_model)
+        let dm = self.d_model;
+        let weights = if staged {
+            r4(dm.div_ceil(blocks) * self.d_inner) + r4(per_a * dm) + r4(dm * self.n_in) + 2 * r4(dm)
+        } else {
+            0
+        };
+        8 + r4(b * self.d_model)
             + r4(b * self.d_model.max(self.n_in))
             + r4(b * rows)
             + r4(b * self.d_inner)
@@ -152,6 +162,7 @@ impl StepDims {
             + r4(b * (k - 1) * per_a)
             + 3 * r4(self.nheads())
             + r4(self.d_inner)
+            + weights
     }
 }
 
@@ -358,12 +369,23 @@ mod tests {
         assert_eq!((d.nheads(), d.conv_dim(), d.in_proj_rows()), (8, 640, 1160));
         // h 256 + u 256 + zx 1160 + yz 512 + stage max(145, 64) → 148 + ss 8 + sq 1 → 4, then
         // norm 256 + conv weights 145·4 + bias 145 → 148 + state 3·145 → 436 + 3·8 + gnorm 512.
-        assert_eq!(d.smem_floats(8), 256 + 256 + 1160 + 512 + 148 + 8 + 4 + 256 + 580 + 148 + 436 + 24 + 512);
+        assert_eq!(
+            d.smem_floats(8, false),
+            8 + 256 + 256 + 1160 + 512 + 148 + 8 + 4 + 256 + 580 + 148 + 436 + 24 + 512
+        );
         // 16 blocks: stage max(73, 32) → 76, ss 16, conv weights 292, bias 76, state 219 → 220.
-        assert_eq!(d.smem_floats(16), 256 + 256 + 1160 + 512 + 76 + 16 + 4 + 256 + 292 + 76 + 220 + 24 + 512);
+        assert_eq!(
+            d.smem_floats(16, false),
+            8 + 256 + 256 + 1160 + 512 + 76 + 16 + 4 + 256 + 292 + 76 + 220 + 24 + 512
+        );
         assert!(d.supported("t").is_ok());
         // Batch 8 at the default size stays well inside Hopper's 227 KiB per block.
-        assert!(default_dims(8).smem_floats(8) * 4 < 100 * 1024);
+        assert!(default_dims(8).smem_floats(8, false) * 4 < 100 * 1024);
+        // Staged at 16 blocks: + out_proj 16·512 + in_proj 73·256 + embed 256·51 + 2·256, inside
+        // Hopper's 227 KiB.
+        let staged = d.smem_floats(16, true);
+        assert_eq!(staged, d.smem_floats(16, false) + 8192 + 18688 + 13056 + 512);
+        assert!(staged * 4 < 227 * 1024);
         for bad in [
             StepDims { batch: 9, ..d },
             StepDims { n_layer: 17, ..d },

@@ -125,7 +125,8 @@ fn check_windows(d: &SeqData, len: usize, batch_size: usize) -> Result<()> {
 /// borrows it).
 enum SeqModel {
     Tft(Box<Tft>),
-    Mamba2 { model: Mamba2, seq_len: usize },
+    // Boxed like the TFT: with the cuda feature the model holds its fused step's buffers.
+    Mamba2 { model: Box<Mamba2>, seq_len: usize },
 }
 
 impl SeqModel {
@@ -136,7 +137,7 @@ impl SeqModel {
                 SeqModel::Tft(Box::new(Tft::new(cfg.tft.clone(), device, cfg.seed).context("building the TFT")?))
             }
             ModelChoice::Mamba2 => SeqModel::Mamba2 {
-                model: Mamba2::new(cfg.mamba2.clone(), device, cfg.seed).context("building the MAMBA-2")?,
+                model: Box::new(Mamba2::new(cfg.mamba2.clone(), device, cfg.seed).context("building the MAMBA-2")?),
                 seq_len: cfg.mamba2_seq_len,
             },
             other => bail!("{} is not a sequence model", other.as_str()),

@@ -11,7 +11,9 @@
 //! exchange the vectors through distributed shared memory with three hardware cluster barriers
 //! per layer, instead of ~60 launches (candle) or ~13 graph nodes with a kernel boundary each.
 //! Sixteen blocks is a non-portable cluster size (the function opts in); on the H200 it took the
-//! kernel from 65 to 54 µs against eight.
+//! kernel from 65 to 54 µs against eight. At batch 1 each block also stages its weight slices in
+//! shared memory with the copy engine (bulk copies, one layer ahead), where they fit (16 blocks
+//! at the default size; 8 would need 285 KB a block).
 //!
 //! The parameters and the state are read and written through raw device addresses taken once, at
 //! construction: the kernel keeps clones of the tensors, so their memory stays allocated, and sees
@@ -36,6 +38,8 @@ const PTX_MAMBA2_STEP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "
 
 /// Threads per block (`FX_S_THREADS`): 16 warps, one block per SM (`__launch_bounds__(512, 1)`).
 const THREADS: u32 = 512;
+/// `FX_S_FLAG_STAGE`: weight slices staged in shared memory by bulk copies (batch 1).
+const FLAG_STAGE: u32 = 1;
 /// Shared memory a block gets without opting in.
 const DEFAULT_SMEM: usize = 48 * 1024;
 
@@ -43,7 +47,7 @@ const DEFAULT_SMEM: usize = 48 * 1024;
 /// layer the addresses of norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, the gated norm's
 /// weight, out_proj, the conv state and the SSM state; then embed_w, embed_b, norm_f, head_w,
 /// head_b; batch, n_in, d_model, n_layer, d_inner, d_state, headdim, ngroups, d_conv; eps; flags
-/// (none defined: always 0).
+/// (bit 0: [`FLAG_STAGE`]).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct Params {
@@ -95,6 +99,8 @@ pub struct Mamba2StepKernel {
     dims: StepDims,
     /// Blocks of the launch's cluster (one of [`CLUSTER_SIZES`]).
     blocks: u32,
+    /// Whether the weight slices are staged in shared memory (see the module docs).
+    staged: bool,
     smem: u32,
     stream: Arc<CudaStream>,
     device: Device,
@@ -187,27 +193,48 @@ fn cluster_fits(f: &CudaFunction, stream: &CudaStream, blocks: u32, smem: u32) -
 
 impl Mamba2StepKernel {
     /// Binds the kernel to `t` (checked against `dims`: element counts, F32, contiguous, one
-    /// CUDA device), on the first of [`CLUSTER_SIZES`] that fits the device. Errors:
+    /// CUDA device), on the first of [`CLUSTER_SIZES`] that fits the device, with its weights
+    /// staged in shared memory where they fit ([`Self::stages_weights`]). Errors:
     /// [`Error::Unsupported`] beyond [`StepDims::supported`], below compute capability 9.0, or
     /// where no cluster of 8 blocks fits (fall back to candle's step then); shape, dtype and device
     /// errors for the tensors; a driver error if the module fails to load.
     pub fn new(dims: &StepDims, t: &StepTensors<'_>) -> Result<Self> {
-        Self::build(dims, t, &CLUSTER_SIZES)
+        let layouts: Vec<(usize, bool)> = CLUSTER_SIZES
+            .iter()
+            .flat_map(|&b| [(b, true), (b, false)])
+            .filter(|&(_, st)| !st || Self::can_stage(dims))
+            .collect();
+        Self::build(dims, t, &layouts)
     }
 
-    /// [`Self::new`] on a cluster of exactly `blocks` blocks (one of [`CLUSTER_SIZES`]), e.g. to
-    /// compare the sizes; [`Error::Unsupported`] if that size does not fit.
-    pub fn with_cluster(dims: &StepDims, t: &StepTensors<'_>, blocks: usize) -> Result<Self> {
-        if !CLUSTER_SIZES.contains(&blocks) {
+    /// [`Self::new`] on a cluster of exactly `blocks` blocks (one of [`CLUSTER_SIZES`]), the
+    /// weights staged or not, e.g. to compare the layouts; [`Error::Unsupported`] if that layout
+    /// does not fit or cannot stage these sizes.
+    pub fn with_layout(dims: &StepDims, t: &StepTensors<'_>, blocks: usize, staged: bool) -> Result<Self> {
+        if !CLUSTER_SIZES.contains(&blocks) || (staged && !Self::can_stage(dims)) {
             return Err(Error::Unsupported {
-                context: "Mamba2StepKernel::with_cluster",
-                message: format!("a cluster of {blocks} blocks; the kernel runs on {CLUSTER_SIZES:?}"),
+                context: "Mamba2StepKernel::with_layout",
+                message: format!(
+                    "a cluster of {blocks} blocks, staged {staged}; the kernel runs on {CLUSTER_SIZES:?} blocks and \
+                     stages at batch 1 with d_model and d_inner multiples of 4"
+                ),
             });
         }
-        Self::build(dims, t, &[blocks])
+        Self::build(dims, t, &[(blocks, staged)])
     }
 
-    fn build(dims: &StepDims, t: &StepTensors<'_>, sizes: &[usize]) -> Result<Self> {
+    /// Whether the kernel can stage these sizes' weights: batch 1 (the `_b1` kernel), rows
+    /// that are whole 16-byte pieces (bulk copies move 16-byte multiples).
+    fn can_stage(dims: &StepDims) -> bool {
+        dims.batch == 1 && dims.d_model % 4 == 0 && dims.d_inner % 4 == 0
+    }
+
+    /// Whether the weight slices are staged in shared memory (batch 1 where they fit).
+    pub fn stages_weights(&self) -> bool {
+        self.staged
+    }
+
+    fn build(dims: &StepDims, t: &StepTensors<'_>, layouts: &[(usize, bool)]) -> Result<Self> {
         const CTX: &str = "Mamba2StepKernel::new";
         dims.supported(CTX)?;
         if t.layers.len() != dims.n_layer {
@@ -230,18 +257,19 @@ impl Mamba2StepKernel {
         let name = if dims.batch == 1 { "fx_m2_step_b1" } else { "fx_m2_step_b8" };
         let func = cdev.get_or_load_custom_func(name, "fx_mamba2_step", PTX_MAMBA2_STEP).ctx(CTX)?.into_cuda_function();
         stream.context().bind_to_thread().map_err(driver(CTX))?;
-        let fit = sizes.iter().find_map(|&blocks| {
-            let bytes = dims.smem_floats(blocks) * 4;
-            (bytes <= optin.max(0) as usize && cluster_fits(&func, &stream, blocks as u32, bytes as u32))
-                .then_some((blocks as u32, bytes as u32))
-        });
-        let Some((blocks, smem)) = fit else {
+        let fit =
+            layouts.iter().find_map(|&(blocks, staged)| {
+                let bytes = dims.smem_floats(blocks, staged) * 4;
+                (bytes <= optin.max(0) as usize && cluster_fits(&func, &stream, blocks as u32, bytes as u32))
+                    .then_some((blocks as u32, staged, bytes as u32))
+            });
+        let Some((blocks, staged, smem)) = fit else {
+            let least = layouts.iter().map(|&(b, st)| dims.smem_floats(b, st) * 4).min().unwrap_or(0);
             return Err(Error::Unsupported {
                 context: CTX,
                 message: format!(
-                    "no cluster of {sizes:?} blocks of {THREADS} threads with {} bytes of shared memory each fits \
-                     on this device (it allows {optin} a block)",
-                    dims.smem_floats(*sizes.last().unwrap_or(&8)) * 4
+                    "no cluster of {layouts:?} (blocks, staged) of {THREADS} threads fits on this device ({least} \
+                     bytes of shared memory a block at least; it allows {optin})"
                 ),
             });
         };
@@ -287,8 +315,8 @@ impl Mamba2StepKernel {
             u(dims.d_conv),
         ];
         p.eps = dims.eps as f32;
-        p.flags = 0;
-        Ok(Self { func, params: p, dims: *dims, blocks, smem, stream, device, _tensors: keep })
+        p.flags = if staged { FLAG_STAGE } else { 0 };
+        Ok(Self { func, params: p, dims: *dims, blocks, staged, smem, stream, device, _tensors: keep })
     }
 
     /// The sizes it was built for.
@@ -539,14 +567,18 @@ mod tests {
                 eps: 1e-5,
             },
         ];
-        for (ci, d, blocks) in cases.into_iter().enumerate().flat_map(|(ci, d)| CLUSTER_SIZES.map(|b| (ci, d, b))) {
+        let layouts = CLUSTER_SIZES.iter().flat_map(|&b| [(b, false), (b, true)]);
+        for (ci, d, (blocks, staged)) in
+            cases.into_iter().enumerate().flat_map(|(ci, d)| layouts.clone().map(move |l| (ci, d, l)))
+        {
             let h = host(d, seed.wrapping_add(ci as u64));
             let t = upload(&dev, &h);
-            let k = match Mamba2StepKernel::with_cluster(&d, &tensors(&t), blocks) {
+            let k = match Mamba2StepKernel::with_layout(&d, &tensors(&t), blocks, staged) {
                 Ok(k) => k,
-                // 16 is non-portable: a device may refuse it (8 must run on every Hopper+).
-                Err(e) if blocks > 8 => {
-                    eprintln!("{T}: case {ci} on {blocks} blocks skipped: {e}");
+                // 16 is non-portable: a device may refuse it, and staging needs batch 1, aligned
+                // rows and room (8 unstaged blocks must run on every Hopper+).
+                Err(e) if blocks > 8 || staged => {
+                    eprintln!("{T}: case {ci} on {blocks} blocks, staged {staged}, skipped: {e}");
                     continue;
                 }
                 Err(e) => panic!("case {ci} on {blocks} blocks: {e}"),
@@ -585,7 +617,7 @@ mod tests {
                 got.extend(down(&pred));
                 want.extend(step(&d, &p, &mut st, &f64s(&x)).unwrap());
             }
-            let tag = format!("case {ci} on {blocks} blocks {d:?}");
+            let tag = format!("case {ci} on {blocks} blocks, staged {staged}, {d:?}");
             check(&format!("{tag}: predictions"), &got, &want, 1e-5);
             for (l, s) in st.iter().enumerate() {
                 check(&format!("{tag}: layer {l} conv state"), &down(&t.conv[l]), &s.conv, 1e-6);
@@ -594,21 +626,30 @@ mod tests {
         }
     }
 
-    /// The same two steps from the same state, three times: bit-identical predictions and states
-    /// (every sum runs in a fixed order); `new` takes the largest cluster that fits.
+    /// The same two steps from the same state, three times with `new`'s layout (the largest
+    /// cluster that fits, staged at batch 1) and once unstaged on the same cluster:
+    /// bit-identical predictions and states (every sum runs in a fixed order; staging changes
+    /// where weights are read, not the arithmetic).
     #[test]
     fn step_kernel_is_deterministic() {
         const T: &str = "step_kernel_is_deterministic";
         let Some(dev) = hopper(T) else { return };
         let seed = fresh_seed(T);
-        let d = StepDims { batch: 2, ..dims(1, 51, 256, 4, 512) };
+        let d = dims(1, 51, 256, 4, 512);
         let h = host(d, seed);
         let x = up(&dev, &uniform(d.batch * d.n_in, seed, 999, -1.0, 1.0)).reshape((d.batch, d.n_in)).unwrap();
         let mut outs = Vec::new();
-        for _ in 0..3 {
+        let mut layout = None;
+        for run in 0..4 {
             let t = upload(&dev, &h);
-            let k = Mamba2StepKernel::new(&d, &tensors(&t)).unwrap();
-            eprintln!("{T}: {} blocks", k.cluster_blocks());
+            let k = match layout {
+                Some((blocks, _)) if run == 3 => {
+                    Mamba2StepKernel::with_layout(&d, &tensors(&t), blocks, false).unwrap()
+                }
+                _ => Mamba2StepKernel::new(&d, &tensors(&t)).unwrap(),
+            };
+            layout = Some((k.cluster_blocks(), k.stages_weights()));
+            eprintln!("{T}: {} blocks, staged {}", k.cluster_blocks(), k.stages_weights());
             let pred = up(&dev, &vec![f32::NAN; d.batch]);
             k.launch(&x, &pred).unwrap();
             k.launch(&x, &pred).unwrap();
@@ -620,6 +661,7 @@ mod tests {
         }
         assert!(outs[0].iter().all(|v| v.is_finite()));
         assert!(outs[0] == outs[1] && outs[0] == outs[2], "runs differ");
+        assert!(outs[0] == outs[3], "staging changed a result");
     }
 
     #[test]
@@ -632,7 +674,7 @@ mod tests {
         let too_big = StepDims { batch: 9, d_state: 8, headdim: 8, ..d };
         assert!(matches!(Mamba2StepKernel::new(&too_big, &tensors(&t)), Err(Error::Unsupported { .. })));
         let ok = StepDims { d_state: 8, headdim: 8, ..d };
-        assert!(matches!(Mamba2StepKernel::with_cluster(&ok, &tensors(&t), 4), Err(Error::Unsupported { .. })));
+        assert!(matches!(Mamba2StepKernel::with_layout(&ok, &tensors(&t), 4, false), Err(Error::Unsupported { .. })));
         // state sized for batch 1 against dims for batch 2
         let two = StepDims { batch: 2, d_state: 8, headdim: 8, ..d };
         assert!(matches!(Mamba2StepKernel::new(&two, &tensors(&t)), Err(Error::Shape { .. })));
@@ -660,8 +702,8 @@ mod tests {
             let pred = up(&dev, &vec![0.0; batch]);
             let Device::Cuda(cd) = &dev else { return };
             let stream = cd.cuda_stream();
-            for blocks in CLUSTER_SIZES {
-                let Ok(k) = Mamba2StepKernel::with_cluster(&d, &tensors(&t), blocks) else { continue };
+            for (blocks, staged) in CLUSTER_SIZES.iter().flat_map(|&b| [(b, true), (b, false)]) {
+                let Ok(k) = Mamba2StepKernel::with_layout(&d, &tensors(&t), blocks, staged) else { continue };
                 for _ in 0..50 {
                     k.launch(&x, &pred).unwrap();
                 }
@@ -677,7 +719,7 @@ mod tests {
                 b.record(&stream).unwrap();
                 stream.synchronize().unwrap();
                 let us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / 200.0;
-                eprintln!("{T}: batch {batch}, {blocks} blocks: {us:.2} us per step (device time)");
+                eprintln!("{T}: batch {batch}, {blocks} blocks, staged {staged}: {us:.2} us per step (device time)");
             }
         }
     }

@@ -167,6 +167,11 @@ mod gpu {
         pub fn cluster_blocks(&self) -> usize {
             self.kernel.cluster_blocks()
         }
+
+        /// Whether the kernel stages its weight slices in shared memory (batch 1, where they fit).
+        pub fn stages_weights(&self) -> bool {
+            self.kernel.stages_weights()
+        }
     }
 }
 
