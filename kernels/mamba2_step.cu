@@ -18,14 +18,17 @@
 // parameters (norm and conv weights, dt_bias, A_log, D) were read from global memory inside
 // loops that also store, so each load waited for the one before (~500 cycles each); each block
 // now copies them, and its rows' conv state, into shared memory with cp.async one layer ahead
-// (group P, issued after the SSD phase; the gated norm's weight as group O after out_proj), so
-// the phases read shared memory only, bar the weight matrices (streamed from L2) and the SSM
-// state (loaded into registers while the block waits at barrier 1). Staging the weight slices
-// in shared memory the same way was tried and dropped: issuing ~74 KB of cp.async a layer
-// stalled the issuing warps about as long as the loads it replaced (in_proj 5.9k cycles with,
-// 5.8k without, at 16 blocks; 70 against 65 µs at 8). The rmsnorms run on every warp (each
-// computes the row's root itself, one division a thread) instead of one warp per row, and the
-// cluster is 16 blocks where the device allows it (54 against 65 µs at 8 blocks).
+// (group P, issued while the block waits at barrier 1; A_log and D of every layer once at the
+// start; the gated norm's weight as group O after out_proj). The
+// weight slices streamed from L2 at ~13 bytes a cycle while the block did nothing else (in_proj
+// 5.8k cycles a layer at 16 blocks); copying them with per-thread cp.async stalled the issuing
+// warps about as long, so at batch 1 (flags bit 0) they come by bulk copies of the copy engine,
+// issued by one thread on an mbarrier, one layer ahead: this block's in_proj rows right after its
+// in_proj GEMV, its out_proj rows after barrier 3, and the embedding's and head's weights at the
+// start. The phases then read shared memory only, bar the SSM state (loaded into registers while
+// the block waits at barrier 1). The rmsnorms run on every warp (each computes the row's root
+// itself, one division a thread) instead of one warp per row, and the cluster is 16 blocks where
+// the device allows it (54 against 65 µs at 8 blocks before the bulk copies).
 //
 // Phases of layer l (block `rank` of C, all its threads):
 //  A. u = rmsnorm(h) (every block, every row); its rows [lo, hi) of zxbcdt = in_proj · u into a
@@ -48,10 +51,12 @@
 // (arrive at entry, wait before layer 0's first push) makes sure every block of the cluster runs
 // before anyone writes into its shared memory; nothing is accessed remotely after the last
 // barrier, so blocks may exit. Staged copies (local only) are overwritten only after every thread
-// of the block has passed a barrier that follows its last read of them, and read only after
-// cp.async.wait_group and a barrier: the groups are issued in the order P_{l+1} (small parameters
-// + conv state, after barrier 2), O_{l+1} (after barrier 3), so before layer l's rmsnorm "all but
-// the newest group" means P_l, and before the gated norm "all but the newest" means O_l.
+// of the block has passed a barrier that follows its last read of them; bulk copies are read
+// after their mbarrier's phase completes, and every one issued is waited for before the block
+// exits. Per-thread copies are read only after cp.async.wait_group and a barrier: the groups are
+// issued in the order P_{l+1} (small parameters + conv state, after a block barrier at the end
+// of phase A), O_{l+1} (after barrier 3), so before layer l's rmsnorm "all but the newest group" means P_l, and before the
+// gated norm "all but the newest" means O_l.
 //
 // Every sum runs in a fixed order (lanes, then a butterfly; partials in rank order), so a step is
 // bit-reproducible for a given C. No fast-math: expf, log1pf, sqrtf and
@@ -360,8 +365,11 @@ __device__ __forceinline__ void fx_s_rmsnorm(const float* h, const float* w, flo
 struct FxStepSmem {
     float *h, *u, *zx, *yz, *stage, *ss, *sq;
     // P: norm_w [dm], this block's rows' conv weights [per_a, K] and bias [per_a] (xBC rows only),
-    // their conv state [B, K-1, per_a], dt_bias, A_log, D [nh] each.
-    float *p_norm, *p_convw, *p_convb, *p_cstate, *p_dtb, *p_alog, *p_d;
+    // their conv state [B, K-1, per_a], dt_bias [nh]: what phase A reads.
+    float *p_norm, *p_convw, *p_convb, *p_cstate, *p_dtb;
+    // Every layer's A_log and D [n_layer, nh] each (phase B's), copied once at the start, so that
+    // P can take the next layer's values as soon as phase A is done.
+    float *alog, *dd;
     // O: the gated norm's weight [di].
     float* o_gnorm;
     // With staging: this block's out_proj rows [per_o, di] and in_proj rows [per_a, dm], the
@@ -372,8 +380,8 @@ struct FxStepSmem {
     unsigned long long *bar_in, *bar_out, *bar_emb, *bar_head;
 };
 
-// Copies what layer L's phase A and B read locally (group P): norm_w, conv weights, bias and
-// state of this block's xBC rows [c0, c1) (as conv channels), dt_bias, A_log, D.
+// Copies what layer L's phase A reads locally (group P): norm_w, conv weights, bias and state of
+// this block's xBC rows [c0, c1) (as conv channels), dt_bias.
 __device__ __forceinline__ void fx_s_stage_p(const FxStepLayer& L, const FxStepSmem& m, unsigned int lo,
                                              unsigned int hi, unsigned int per_a, unsigned int dm, unsigned int di,
                                              unsigned int cd, unsigned int nh, unsigned int K, unsigned int B) {
@@ -389,8 +397,6 @@ __device__ __forceinline__ void fx_s_stage_p(const FxStepLayer& L, const FxStepS
         }
     }
     fx_s_copy(m.p_dtb, L.dt_bias, nh);
-    fx_s_copy(m.p_alog, L.a_log, nh);
-    fx_s_copy(m.p_d, L.d, nh);
 }
 
 template <int MAXB>
@@ -427,9 +433,9 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
     m.p_convb = m.p_convw + fx_s_r4(per_a * K);
     m.p_cstate = m.p_convb + fx_s_r4(per_a);
     m.p_dtb = m.p_cstate + fx_s_r4(B * (K - 1) * per_a);
-    m.p_alog = m.p_dtb + fx_s_r4(nh);
-    m.p_d = m.p_alog + fx_s_r4(nh);
-    m.o_gnorm = m.p_d + fx_s_r4(nh);
+    m.alog = m.p_dtb + fx_s_r4(nh);
+    m.dd = m.alog + fx_s_r4(p.n_layer * nh);
+    m.o_gnorm = m.dd + fx_s_r4(p.n_layer * nh);
     m.o_w = m.o_gnorm + fx_s_r4(di);
     m.i_w = m.o_w + (staged ? fx_s_r4(per_o * di) : 0u);
     m.e_w = m.i_w + (staged ? fx_s_r4(per_a * dm) : 0u);
@@ -467,6 +473,10 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
 
     // Layer 0's groups, in the steady order: P_0, O_0 (see Hazards).
     fx_s_stage_p(p.layer[0], m, lo, hi, per_a, dm, di, cd, nh, K, B);
+    for (unsigned int l = 0; l < p.n_layer; ++l) {
+        fx_s_copy(m.alog + l * nh, p.layer[l].a_log, nh);
+        fx_s_copy(m.dd + l * nh, p.layer[l].d, nh);
+    }
     fx_s_commit();
     fx_s_copy(m.o_gnorm, p.layer[0].gnorm_w, di);
     fx_s_commit();
@@ -544,8 +554,13 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
             }
             fx_s_push(m.zx, b * R + j, v);
         }
+        __syncthreads();  // the whole block is past its reads of P
         FX_S_STAMP(ts + 2);
         fx_s_arrive();  // barrier 1
+        // P takes the next layer's values while the block waits (they land long before its
+        // rmsnorm); issued after the arrive, so no other block waits for the issue.
+        if (next) fx_s_stage_p(p.layer[l + 1], m, lo, hi, per_a, dm, di, cd, nh, K, B);
+        fx_s_commit();  // P_{l+1}
 
         // B. SSM rows [qlo, qhi), a warp per row; the first rows' state loads overlap the wait.
         float sv[FX_S_SSD_ROWS][FX_S_NV];
@@ -561,7 +576,7 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
                     const unsigned int b = q / di, c = q % di, hh = c / P, g = hh / hpg;
                     const float* zb = m.zx + (size_t)b * R;
                     const float dt = zb[di + cd + hh];
-                    const float decay = expf(dt * -expf(m.p_alog[hh]));
+                    const float decay = expf(dt * -expf(m.alog[l * nh + hh]));
                     const float xv = zb[di + c], xs = xv * dt;
                     const float* bn = zb + di + di + g * N;
                     const float* cn = bn + gn;
@@ -575,7 +590,7 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
                             y = fmaf(s, cn[k], y);
                         }
                     }
-                    y = fmaf(xv, m.p_d[hh], fx_s_warp_sum(y));
+                    y = fmaf(xv, m.dd[l * nh + hh], fx_s_warp_sum(y));
                     if (lane == 0) m.stage[q - qlo] = y * fx_s_silu(zb[c]);
                 }
             }
@@ -595,9 +610,6 @@ __device__ __forceinline__ void fx_s_step(const FxStepParams& p, const float* __
         fx_s_arrive();  // barrier 2
         fx_s_wait();
         FX_S_STAMP(ts + 6);
-        // Every thread of this block is past phase B: P may take layer l+1's parameters.
-        if (next) fx_s_stage_p(p.layer[l + 1], m, lo, hi, per_a, dm, di, cd, nh, K, B);
-        fx_s_commit();  // P_{l+1}
 
         // C. gated RMSNorm in place, out_proj rows [olo, ohi) + residual, pushed into h.
         fx_s_wait_groups<1>();  // O_l

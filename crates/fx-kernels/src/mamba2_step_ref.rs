@@ -130,7 +130,8 @@ impl StepDims {
     /// in_proj rows of every batch row or its SSM rows), the per-block partial sums
     /// `[blocks, B·ngroups]` and their roots `[B·ngroups]`; then a layer's staged parameters: the
     /// norm weight `[d_model]`, the block's rows' conv weights `[per_a, d_conv]`, bias `[per_a]`
-    /// and state `[B, d_conv − 1, per_a]`, `dt_bias`, `A_log`, `D` `[nheads]` each, and the gated
+    /// and state `[B, d_conv − 1, per_a]`, `dt_bias [nheads]`, every layer's `A_log` and `D`
+    /// `[n_layer, nheads]` each, and the gated
     /// norm's weight `[d_inner]` (`per_a` = in_proj rows / blocks, rounded up); with `staged`
     /// weights then the block's out_proj rows `[per_o, d_inner]` (`per_o` = d_model / blocks,
     /// rounded up) and in_proj rows `[per_a, d_model]`, the embedding's weight
@@ -160,7 +161,8 @@ impl StepDims {
             + r4(per_a * k)
             + r4(per_a)
             + r4(b * (k - 1) * per_a)
-            + 3 * r4(self.nheads())
+            + r4(self.nheads())
+            + 2 * r4(self.n_layer * self.nheads())
             + r4(self.d_inner)
             + weights
     }
@@ -368,15 +370,16 @@ mod tests {
         let d = default_dims(1);
         assert_eq!((d.nheads(), d.conv_dim(), d.in_proj_rows()), (8, 640, 1160));
         // h 256 + u 256 + zx 1160 + yz 512 + stage max(145, 64) → 148 + ss 8 + sq 1 → 4, then
-        // norm 256 + conv weights 145·4 + bias 145 → 148 + state 3·145 → 436 + 3·8 + gnorm 512.
+        // norm 256 + conv weights 145·4 + bias 145 → 148 + state 3·145 → 436 + dt_bias 8 + A_log
+        // and D 2·4·8 + gnorm 512.
         assert_eq!(
             d.smem_floats(8, false),
-            8 + 256 + 256 + 1160 + 512 + 148 + 8 + 4 + 256 + 580 + 148 + 436 + 24 + 512
+            8 + 256 + 256 + 1160 + 512 + 148 + 8 + 4 + 256 + 580 + 148 + 436 + 72 + 512
         );
         // 16 blocks: stage max(73, 32) → 76, ss 16, conv weights 292, bias 76, state 219 → 220.
         assert_eq!(
             d.smem_floats(16, false),
-            8 + 256 + 256 + 1160 + 512 + 76 + 16 + 4 + 256 + 292 + 76 + 220 + 24 + 512
+            8 + 256 + 256 + 1160 + 512 + 76 + 16 + 4 + 256 + 292 + 76 + 220 + 72 + 512
         );
         assert!(d.supported("t").is_ok());
         // Batch 8 at the default size stays well inside Hopper's 227 KiB per block.
