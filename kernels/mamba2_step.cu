@@ -80,7 +80,7 @@ namespace cg = cooperative_groups;
 // flags bit 0: stage each block's in_proj and out_proj rows in shared memory (bulk copies).
 #define FX_S_FLAG_STAGE 1u
 
-// Phase timestamps for a profile: a probe build defines FX_S_TRACE and reads fx_s_trace.
+// Phase timestamps for a profile: scripts/mamba2-step-probe defines FX_S_TRACE and reads fx_s_trace.
 #ifdef FX_S_TRACE
 __device__ long long fx_s_trace[FX_S_MAX_CLUSTER][64];
 #define FX_S_STAMP(i)                                                                           \
