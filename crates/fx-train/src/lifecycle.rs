@@ -275,7 +275,9 @@ fn is_out_of_memory(e: &anyhow::Error) -> bool {
     text.contains("OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")
 }
 
-/// A device out-of-memory error, restated with the batch the hardware budget says fits.
+/// A device out-of-memory error, restated with a batch to try: the hardware budget's, or
+/// half the failed one where the budget's is no smaller (the budget's batch itself failed,
+/// or the retry a tier down did).
 pub(crate) fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error {
     if !is_out_of_memory(&e) {
         return e;
@@ -283,11 +285,16 @@ pub(crate) fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error 
     let text = format!("{e:#}");
     let batch = cfg.batch_key_value();
     let overrides = fx_hw::Overrides::default().with_device(&cfg.device);
-    let fits = fx_hw::HardwareBudget::detect_with(&overrides).batch_size(crate::batch::model_kind(cfg.model)).value;
+    let budget = fx_hw::HardwareBudget::detect_with(&overrides).batch_size(crate::batch::model_kind(cfg.model)).value;
+    let (fits, why) = if budget < batch {
+        (budget, format!("the hardware budget says batch {budget} fits (`fx-train hw`)"))
+    } else {
+        let half = (batch / 2).max(1);
+        (half, format!("the hardware budget's batch ({budget}) is not smaller; try batch {half}"))
+    };
     anyhow::anyhow!(
-        "the device ran out of memory at batch {batch}; the hardware budget says batch {fits} fits \
-         (`fx-train hw`): start the run again with --batch-size {fits} (or batch = {fits} in the config) \
-         (driver said: {})",
+        "the device ran out of memory at batch {batch}; {why}: start the run again with --batch-size {fits} \
+         (or batch = {fits} in the config) (driver said: {})",
         text.lines().next().unwrap_or_default()
     )
 }
@@ -318,6 +325,8 @@ pub(crate) mod test_hooks {
     thread_local! {
         static BUDGET: Cell<Option<usize>> = const { Cell::new(None) };
         static OOM_ABOVE: Cell<Option<usize>> = const { Cell::new(None) };
+        static OOM_AFTER: Cell<usize> = const { Cell::new(0) };
+        static OOM_PASSED: Cell<usize> = const { Cell::new(0) };
         static OOM_RAISED: Cell<usize> = const { Cell::new(0) };
     }
 
@@ -330,9 +339,12 @@ pub(crate) mod test_hooks {
         BUDGET.with(Cell::get)
     }
 
-    /// Every training chunk at a batch above `batch` fails as CUDA's allocator does.
-    pub fn set_oom_above(batch: Option<usize>) {
+    /// Every training chunk at a batch above `batch` fails as CUDA's allocator does, once
+    /// `after` of them have trained (so a failure can come after metrics lines were written).
+    pub fn set_oom_above(batch: Option<usize>, after: usize) {
         OOM_ABOVE.with(|b| b.set(batch));
+        OOM_AFTER.with(|n| n.set(after));
+        OOM_PASSED.with(|n| n.set(0));
         OOM_RAISED.with(|n| n.set(0));
     }
 
@@ -343,6 +355,10 @@ pub(crate) mod test_hooks {
 
     pub(super) fn injected_oom(batch: usize) -> anyhow::Result<()> {
         if OOM_ABOVE.with(Cell::get).is_some_and(|max| batch > max) {
+            if OOM_PASSED.with(Cell::get) < OOM_AFTER.with(Cell::get) {
+                OOM_PASSED.with(|n| n.set(n.get() + 1));
+                return Ok(());
+            }
             OOM_RAISED.with(|n| n.set(n.get() + 1));
             anyhow::bail!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
         }
@@ -405,15 +421,20 @@ mod tests {
     struct Hooks;
     impl Hooks {
         fn set(budget: usize, oom_above: usize) -> Self {
+            Self::set_after(budget, oom_above, 0)
+        }
+
+        /// As `set`, the failures starting after `after` chunks have trained.
+        fn set_after(budget: usize, oom_above: usize, after: usize) -> Self {
             test_hooks::set_budget_batch(Some(budget));
-            test_hooks::set_oom_above(Some(oom_above));
+            test_hooks::set_oom_above(Some(oom_above), after);
             Hooks
         }
     }
     impl Drop for Hooks {
         fn drop(&mut self) {
             test_hooks::set_budget_batch(None);
-            test_hooks::set_oom_above(None);
+            test_hooks::set_oom_above(None, 0);
         }
     }
 
@@ -422,8 +443,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cfg = tiny(crate::config::ModelChoice::Dqn, dir.path());
         let run_dir = cfg.out.clone();
-        // A budget of 128 (as on a GPU) whose steps run out of memory above 64.
-        let _hooks = Hooks::set(128, 64);
+        // A budget of 128 (as on a GPU) whose steps run out of memory above 64, from the 8th
+        // step on: after the failed start's metrics line at step 5, before its first
+        // checkpoint at step 10.
+        let _hooks = Hooks::set_after(128, 64, 7);
         let outcome = run(cfg, opts()).expect("the run retries at batch 64 and finishes");
         assert!(matches!(outcome, Outcome::Finished));
         assert_eq!(test_hooks::oom_raised(), 1, "one failed start at 128, then none at 64");
@@ -432,6 +455,10 @@ mod tests {
         let m = first_metrics(&run_dir);
         assert_eq!((m["batch_size"].as_u64(), m["batch_source"].as_str()), (Some(64), Some("budget")));
         assert_eq!(m["env_steps"].as_u64(), Some(5), "the failed start's lines are gone");
+        let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+        let steps: Vec<u64> =
+            text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["env_steps"].as_u64().unwrap()).collect();
+        assert!(steps.windows(2).all(|w| w[0] < w[1]), "one run's lines, in order: {steps:?}");
         assert!(run_dir.join("report.json").exists());
     }
 
@@ -460,7 +487,12 @@ mod tests {
         let _hooks = Hooks::set(128, 32);
         let e = run(tiny(crate::config::ModelChoice::Dqn, dir.path()), opts()).err().expect("out of memory twice");
         assert_eq!(test_hooks::oom_raised(), 2);
-        assert!(e.to_string().contains("ran out of memory at batch 64;"), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("ran out of memory at batch 64;"), "{msg}");
+        // The batch it suggests is below the one that failed (never the budget's 128 again).
+        let suggested: usize =
+            msg.split("--batch-size ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+        assert!(suggested < 64, "{msg}");
         // A batch the user set (config, FX_BATCH_SIZE, flag) is never changed.
         for source in [BatchSource::Config, BatchSource::Env, BatchSource::Flag] {
             let dir = tempfile::tempdir().unwrap();

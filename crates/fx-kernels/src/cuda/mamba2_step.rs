@@ -171,9 +171,12 @@ fn cluster_attr() -> sys::CUlaunchAttribute {
 /// cluster size 16) and at least one such cluster resident at once (a MIG or MPS partition may
 /// have too few SMs, a device may refuse 16).
 fn cluster_fits(f: &CudaFunction, stream: &CudaStream, blocks: u32, smem: u32) -> bool {
+    // Only ever raised: the function is shared by every kernel built on this device, and a
+    // smaller setting would make an earlier, larger layout fail at launch.
+    let max_dyn = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     if smem as usize > DEFAULT_SMEM
-        && f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .is_err()
+        && f.get_attribute(max_dyn).unwrap_or(0) < smem as i32
+        && f.set_attribute(max_dyn, smem as i32).is_err()
     {
         return false;
     }
@@ -226,7 +229,7 @@ impl Mamba2StepKernel {
     /// Whether the kernel can stage these sizes' weights: batch 1 (the `_b1` kernel), rows
     /// that are whole 16-byte pieces (bulk copies move 16-byte multiples).
     fn can_stage(dims: &StepDims) -> bool {
-        dims.batch == 1 && dims.d_model % 4 == 0 && dims.d_inner % 4 == 0
+        dims.batch == 1 && dims.d_model.is_multiple_of(4) && dims.d_inner.is_multiple_of(4)
     }
 
     /// Whether the weight slices are staged in shared memory (batch 1 where they fit).
@@ -257,24 +260,6 @@ impl Mamba2StepKernel {
         let name = if dims.batch == 1 { "fx_m2_step_b1" } else { "fx_m2_step_b8" };
         let func = cdev.get_or_load_custom_func(name, "fx_mamba2_step", PTX_MAMBA2_STEP).ctx(CTX)?.into_cuda_function();
         stream.context().bind_to_thread().map_err(driver(CTX))?;
-        let fit =
-            layouts.iter().find_map(|&(blocks, staged)| {
-                let bytes = dims.smem_floats(blocks, staged) * 4;
-                (bytes <= optin.max(0) as usize && cluster_fits(&func, &stream, blocks as u32, bytes as u32))
-                    .then_some((blocks as u32, staged, bytes as u32))
-            });
-        let Some((blocks, staged, smem)) = fit else {
-            let least = layouts.iter().map(|&(b, st)| dims.smem_floats(b, st) * 4).min().unwrap_or(0);
-            return Err(Error::Unsupported {
-                context: CTX,
-                message: format!(
-                    "no cluster of {layouts:?} (blocks, staged) of {THREADS} threads fits on this device ({least} \
-                     bytes of shared memory a block at least; it allows {optin})"
-                ),
-            });
-        };
-        // The opt-ins of a larger size tried first stay set; they allow, they do not require.
-
         let (dm, di, nh, cd) = (dims.d_model, dims.d_inner, dims.nheads(), dims.conv_dim());
         let mut keep = Vec::new();
         let mut p = Params::default();
@@ -301,6 +286,28 @@ impl Mamba2StepKernel {
             b(t.head_w, dm, "head_w")?,
             b(t.head_b, 1, "head_b")?,
         ];
+        // Bulk copies need 16-byte aligned sources: a parameter that is a view at an odd
+        // offset rules staging out.
+        let weights = p.layer.iter().take(dims.n_layer).flat_map(|l| [l[1], l[8]]);
+        let aligned = weights.chain([p.globals[0], p.globals[2], p.globals[3]]).all(|a| a.is_multiple_of(16));
+        let fit =
+            layouts.iter().filter(|&&(_, staged)| aligned || !staged).find_map(|&(blocks, staged)| {
+                let bytes = dims.smem_floats(blocks, staged) * 4;
+                (bytes <= optin.max(0) as usize && cluster_fits(&func, &stream, blocks as u32, bytes as u32))
+                    .then_some((blocks as u32, staged, bytes as u32))
+            });
+        let Some((blocks, staged, smem)) = fit else {
+            let least = layouts.iter().map(|&(b, st)| dims.smem_floats(b, st) * 4).min().unwrap_or(0);
+            return Err(Error::Unsupported {
+                context: CTX,
+                message: format!(
+                    "no cluster of {layouts:?} (blocks, staged) of {THREADS} threads fits on this device ({least} \
+                     bytes of shared memory a block at least; it allows {optin})"
+                ),
+            });
+        };
+        // The opt-ins of a larger size tried first stay set; they allow, they do not require.
+
         // `supported` bounds every size far below 2^31.
         let u = |v: usize| v as u32;
         p.dims = [
@@ -539,8 +546,8 @@ mod tests {
                 d_conv: 2,
                 eps: 1e-5,
             },
-            // d_model 6: scalar GEMV loads; d_state 128 (d_conv 1, no conv state, runs in the CPU
-            // emulation only: CUDA refuses the zero-byte allocation of its state)
+            // d_model 6: scalar GEMV loads; d_state 128; d_conv 2 (d_conv 1, with no conv state,
+            // is left to the CPU tests: CUDA refuses the zero-byte allocation of its state)
             StepDims {
                 batch: 2,
                 n_in: 6,
@@ -568,6 +575,7 @@ mod tests {
             },
         ];
         let layouts = CLUSTER_SIZES.iter().flat_map(|&b| [(b, false), (b, true)]);
+        let mut staged_runs = 0;
         for (ci, d, (blocks, staged)) in
             cases.into_iter().enumerate().flat_map(|(ci, d)| layouts.clone().map(move |l| (ci, d, l)))
         {
@@ -576,13 +584,15 @@ mod tests {
             let k = match Mamba2StepKernel::with_layout(&d, &tensors(&t), blocks, staged) {
                 Ok(k) => k,
                 // 16 is non-portable: a device may refuse it, and staging needs batch 1, aligned
-                // rows and room (8 unstaged blocks must run on every Hopper+).
-                Err(e) if blocks > 8 || staged => {
+                // rows and room (8 unstaged blocks must run on every Hopper+). Only a refusal
+                // skips; any other error fails the test.
+                Err(e @ Error::Unsupported { .. }) if blocks > 8 || staged => {
                     eprintln!("{T}: case {ci} on {blocks} blocks, staged {staged}, skipped: {e}");
                     continue;
                 }
-                Err(e) => panic!("case {ci} on {blocks} blocks: {e}"),
+                Err(e) => panic!("case {ci} on {blocks} blocks, staged {staged}: {e}"),
             };
+            staged_runs += usize::from(staged);
             let params: Vec<Vec<f64>> = h.globals.iter().map(|v| f64s(v)).collect();
             let layer_params: Vec<Vec<Vec<f64>>> =
                 h.layers.iter().map(|l| l.iter().map(|v| f64s(v)).collect()).collect();
@@ -624,6 +634,8 @@ mod tests {
                 check(&format!("{tag}: layer {l} ssm state"), &down(&t.ssm[l]), &s.ssm, 1e-5);
             }
         }
+        // The two batch-1 shapes stage on 16 blocks on any Hopper (the 16-layer one on 8 too).
+        assert!(staged_runs > 0, "no staged layout ran");
     }
 
     /// The same two steps from the same state, three times with `new`'s layout (the largest
@@ -639,7 +651,8 @@ mod tests {
         let h = host(d, seed);
         let x = up(&dev, &uniform(d.batch * d.n_in, seed, 999, -1.0, 1.0)).reshape((d.batch, d.n_in)).unwrap();
         let mut outs = Vec::new();
-        let mut layout = None;
+        let mut layout: Option<(usize, bool)> = None;
+        let mut first_staged = false;
         for run in 0..4 {
             let t = upload(&dev, &h);
             let k = match layout {
@@ -649,6 +662,7 @@ mod tests {
                 _ => Mamba2StepKernel::new(&d, &tensors(&t)).unwrap(),
             };
             layout = Some((k.cluster_blocks(), k.stages_weights()));
+            first_staged |= run == 0 && k.stages_weights();
             eprintln!("{T}: {} blocks, staged {}", k.cluster_blocks(), k.stages_weights());
             let pred = up(&dev, &vec![f32::NAN; d.batch]);
             k.launch(&x, &pred).unwrap();
@@ -661,6 +675,8 @@ mod tests {
         }
         assert!(outs[0].iter().all(|v| v.is_finite()));
         assert!(outs[0] == outs[1] && outs[0] == outs[2], "runs differ");
+        assert!(first_staged, "new() stages the default size at batch 1 on a Hopper");
+        assert!(layout.is_some_and(|(_, staged)| !staged), "run 3 is the unstaged one");
         assert!(outs[0] == outs[3], "staging changed a result");
     }
 
