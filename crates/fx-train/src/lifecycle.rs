@@ -7,8 +7,8 @@
 //! `seq_run::SeqRun` (TFT, MAMBA-2: a chunk is an epoch).
 //!
 //! Out of memory at start-up: when the batch came from the hardware budget (`auto` on a
-//! GPU) and training fails with the device out of memory before the run's first
-//! checkpoint of trained state, the task is dropped and built again, once, at the next
+//! GPU) and building the task or training fails with the device out of memory before the
+//! run's first checkpoint of trained state, the task is dropped and built again, once, at the next
 //! smaller budget tier's batch (`batch::smaller_tier`), with a line saying so; config.toml
 //! and the first metrics line then carry that batch. A batch the user set is never changed:
 //! the error names a batch that fits instead ([`with_oom_hint`]).
@@ -145,18 +145,27 @@ fn run_task<T: RunTask>(mut start: RunStart, opts: &TrainOptions) -> Result<Outc
     let data_prep = t.elapsed().as_secs_f64();
     let mut retried = false;
     loop {
-        let task = T::build(&mut start, &data)?;
-        start.record_config(opts)?;
-        match drive(task, &start, opts, data_prep)? {
-            Ended::Outcome(o) => return Ok(o),
-            // The failed task is dropped by now (its device memory freed).
-            Ended::OutOfMemoryAtStart(e) => {
-                let line = if retried { None } else { start.retry_at_smaller_batch()? };
-                let Some(line) = line else { return Err(with_oom_hint(e, &start.cfg)) };
-                println!("{line}");
-                retried = true;
+        // Building allocates the batch-sized buffers (and may capture graphs): running out
+        // of memory there is start-up too.
+        let built = T::build(&mut start, &data);
+        #[cfg(test)]
+        let built = built.and_then(|task| test_hooks::injected_build_oom(start.cfg.batch_key_value()).map(|()| task));
+        let failed = match built {
+            Ok(task) => {
+                start.record_config(opts)?;
+                match drive(task, &start, opts, data_prep)? {
+                    Ended::Outcome(o) => return Ok(o),
+                    // The failed task is dropped by now (its device memory freed).
+                    Ended::OutOfMemoryAtStart(e) => e,
+                }
             }
-        }
+            Err(e) if is_out_of_memory(&e) => e,
+            Err(e) => return Err(e),
+        };
+        let line = if retried { None } else { start.retry_at_smaller_batch()? };
+        let Some(line) = line else { return Err(with_oom_hint(failed, &start.cfg)) };
+        println!("{line}");
+        retried = true;
     }
 }
 
@@ -328,6 +337,20 @@ pub(crate) mod test_hooks {
         static OOM_AFTER: Cell<usize> = const { Cell::new(0) };
         static OOM_PASSED: Cell<usize> = const { Cell::new(0) };
         static OOM_RAISED: Cell<usize> = const { Cell::new(0) };
+        static BUILD_OOM_ABOVE: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+
+    /// Building a task at a batch above `batch` fails as CUDA's allocator does.
+    pub fn set_build_oom_above(batch: Option<usize>) {
+        BUILD_OOM_ABOVE.with(|b| b.set(batch));
+    }
+
+    pub(super) fn injected_build_oom(batch: usize) -> anyhow::Result<()> {
+        if BUILD_OOM_ABOVE.with(Cell::get).is_some_and(|max| batch > max) {
+            OOM_RAISED.with(|n| n.set(n.get() + 1));
+            anyhow::bail!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\") allocating the replay");
+        }
+        Ok(())
     }
 
     /// `batch::budget_batch` returns `batch`, as on a GPU (None: the CPU's None).
@@ -435,6 +458,7 @@ mod tests {
         fn drop(&mut self) {
             test_hooks::set_budget_batch(None);
             test_hooks::set_oom_above(None, 0);
+            test_hooks::set_build_oom_above(None);
         }
     }
 
@@ -507,6 +531,30 @@ mod tests {
             let e = e.to_string();
             assert!(e.contains("ran out of memory at batch 128;") && e.contains("--batch-size"), "{source:?}: {e}");
         }
+    }
+
+    /// Out of memory while the task is built (its batch-sized buffers) is start-up too:
+    /// retried a tier down; a user's batch gets the hint error, not the bare driver error.
+    #[test]
+    fn out_of_memory_while_building_retries_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = tiny(crate::config::ModelChoice::Dqn, dir.path());
+        let run_dir = cfg.out.clone();
+        let _hooks = Hooks::set(128, usize::MAX);
+        test_hooks::set_build_oom_above(Some(64));
+        assert!(matches!(run(cfg, opts()).expect("retried at batch 64"), Outcome::Finished));
+        assert_eq!(test_hooks::oom_raised(), 1);
+        let saved = RunConfig::from_toml_file(&run_dir.join("config.toml")).unwrap();
+        assert_eq!(saved.dqn.batch_size, 64);
+
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = RunConfig {
+            batch: BatchSize::Fixed(128),
+            batch_source: BatchSource::Flag,
+            ..tiny(crate::config::ModelChoice::Dqn, dir.path())
+        };
+        let e = run(cfg, opts()).err().expect("no retry at a set batch").to_string();
+        assert!(e.contains("ran out of memory at batch 128;") && e.contains("--batch-size"), "{e}");
     }
 
     #[test]
