@@ -37,12 +37,17 @@
 //! operations ([`tft_ops`]: the trait, the CPU reference backend, `cuda::tft` on the GPU) and
 //! MAMBA-2's SSD scan and element-wise kernels ([`ssd_ref`], [`mamba2_ref`], `cuda::ssd`,
 //! `cuda::mamba2`).
+//!
+//! Decisions and forecasts one bar at a time on the CPU, with no thread pool and no
+//! allocation: [`mlp_cpu`] (greedy MLP policies) and [`mamba2_cpu`] (MAMBA-2's recurrent step;
+//! on Hopper+ GPUs `cuda::mamba2_step`, against the f64 reference [`mamba2_step_ref`]).
 
 // Index loops over accounts mirror the one-thread-per-account CUDA kernels line by line;
 // iterator chains over several parallel arrays would hide that correspondence.
 #![allow(clippy::needless_range_loop)]
 
 mod checks;
+mod cpu_dot;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dropout;
@@ -50,6 +55,7 @@ pub mod env;
 mod error;
 pub mod gae;
 pub mod gemm;
+pub mod mamba2_cpu;
 pub mod mamba2_ref;
 pub mod mamba2_step_ref;
 pub mod mlp_cpu;

@@ -244,7 +244,13 @@ fn rmsnorm(x: &[f64], w: &[f64], cols: usize, eps: f64) -> Vec<f64> {
     out
 }
 
-fn check_params(d: &StepDims, p: &StepParams<'_>, state: &[LayerState], x: &[f64], ctx: &'static str) -> Result<()> {
+pub(crate) fn check_params(
+    d: &StepDims,
+    p: &StepParams<'_>,
+    state: &[LayerState],
+    x: &[f64],
+    ctx: &'static str,
+) -> Result<()> {
     d.check(ctx)?;
     if p.layers.len() != d.n_layer || state.len() != d.n_layer {
         return Err(Error::shape(

@@ -10,6 +10,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
+#[cfg(target_arch = "x86_64")]
+use crate::cpu_dot::avx2_fma;
+use crate::cpu_dot::pick_dot;
 use crate::error::{CandleContext, Error, Result};
 use crate::mlp_ref::{Activation, GreedyMlp, Head, MlpDims};
 
@@ -131,12 +134,6 @@ fn column_layer_portable(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activ
     column_layer(l, x, out, act)
 }
 
-/// Whether this CPU runs the AVX2 + FMA builds of the layer and dot kernels.
-#[cfg(target_arch = "x86_64")]
-fn avx2_fma() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-}
-
 /// A hidden layer's evaluation: the fastest this CPU runs (decided once per policy).
 type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
 
@@ -147,60 +144,6 @@ fn pick_layer() -> LayerFn {
         return |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) };
     }
     column_layer_portable
-}
-
-/// `Σ a_i b_i` over 32 independent F32 lanes, then 8, then one (a fixed order, so results
-/// are reproducible on one machine). Plain multiply-add: without the FMA target feature,
-/// `mul_add` is a libm call per element (seen here: 20× slower).
-#[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; 32];
-    let (a32, b32) = (a.chunks_exact(32), b.chunks_exact(32));
-    let (ra, rb) = (a32.remainder(), b32.remainder());
-    for (x, y) in a32.zip(b32) {
-        for k in 0..32 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let mut acc8 = [0.0f32; 8];
-    let (a8, b8) = (ra.chunks_exact(8), rb.chunks_exact(8));
-    let (ra, rb) = (a8.remainder(), b8.remainder());
-    for (x, y) in a8.zip(b8) {
-        for k in 0..8 {
-            acc8[k] += x[k] * y[k];
-        }
-    }
-    for k in 0..32 {
-        acc8[k % 8] += acc[k];
-    }
-    let mut s = ((acc8[0] + acc8[4]) + (acc8[1] + acc8[5])) + ((acc8[2] + acc8[6]) + (acc8[3] + acc8[7]));
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
-/// [`dot_lanes`] compiled for AVX2 + FMA (chosen at run time when the CPU has them).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_lanes(a, b)
-}
-
-fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
-    dot_lanes(a, b)
-}
-
-/// The fastest dot product this CPU runs (decided once per policy).
-fn pick_dot() -> fn(&[f32], &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
-        // SAFETY: the features `dot_avx2` is compiled for were detected on this CPU.
-        return |a, b| unsafe { dot_avx2(a, b) };
-    }
-    dot_portable
 }
 
 /// `tanh` through one `exp` (libm's `tanhf` costs several times more; the error is a few
@@ -331,6 +274,7 @@ impl CpuPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_dot::dot_portable;
     use crate::mlp_ref::{reference_greedy, Linear};
 
     fn t(shape: &[usize], seed: u64, scale: f64) -> Tensor {

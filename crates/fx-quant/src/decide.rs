@@ -1,5 +1,6 @@
 //! The decision API for services: load a policy once, then `act(&observation) -> action`
-//! on the calling thread, with no allocation and no thread pool per call.
+//! on the calling thread, with no allocation and no thread pool per call; and its forecaster
+//! equivalent, [`Forecast`]: a model fed one bar at a time, `forecast(&bar) -> prediction`.
 //!
 //! ```no_run
 //! use fx_quant::{Decide, Int8Policy};
@@ -60,6 +61,42 @@ impl Decide for fx_kernels::mlp_cpu::CpuPolicy {
     }
 }
 
+/// A forecaster fed one bar at a time through its recurrent state: MAMBA-2's CPU step
+/// (`fx_kernels::mamba2_cpu::Mamba2CpuStep`, from `fx_models::Mamba2::cpu_step`, F32)
+/// implements it, so a service can hold a forecaster as `Box<dyn Forecast>`.
+///
+/// ```no_run
+/// use fx_quant::Forecast;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dev = candle_core::Device::Cpu;
+/// let model = fx_models::Mamba2::load(fx_models::Mamba2Config::default(), "model.safetensors".as_ref(), &dev)?;
+/// let mut f: Box<dyn Forecast> = Box::new(model.cpu_step()?);
+/// let bar = vec![0.0f32; f.n_in()];
+/// let next = f.forecast(&bar)?; // the model's next-bar prediction
+/// # let _ = next; Ok(()) }
+/// ```
+pub trait Forecast: Send {
+    /// Features per bar.
+    fn n_in(&self) -> usize;
+    /// Feeds one bar (`n_in` finite values) and returns the prediction after it; a wrong
+    /// length or a non-finite value is a one-line error that leaves the state as it was.
+    fn forecast(&mut self, bar: &[f32]) -> Result<f32>;
+    /// Forgets every bar seen (the state before the first).
+    fn reset(&mut self);
+}
+
+impl Forecast for fx_kernels::mamba2_cpu::Mamba2CpuStep {
+    fn n_in(&self) -> usize {
+        self.dims().n_in
+    }
+    fn forecast(&mut self, bar: &[f32]) -> Result<f32> {
+        Ok(self.step(bar)?)
+    }
+    fn reset(&mut self) {
+        fx_kernels::mamba2_cpu::Mamba2CpuStep::reset(self)
+    }
+}
+
 impl Int8Policy {
     /// Loads a quantised checkpoint (see [`crate::checkpoint`]) for decisions on this
     /// CPU's best ISA. The source checkpoint's hash is not checked here (a service may
@@ -67,5 +104,35 @@ impl Int8Policy {
     pub fn load(path: &std::path::Path) -> Result<Self> {
         let (net, _) = crate::checkpoint::load(path, None)?;
         Int8Policy::new(&net)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A MAMBA-2 as a `Box<dyn Forecast>`: bars in, predictions out; reset replays the same
+    /// predictions; a bad bar is an error.
+    #[test]
+    fn a_mamba2_forecasts_through_the_trait() {
+        let cfg = fx_models::Mamba2Config {
+            n_in: 6,
+            d_model: 16,
+            n_layer: 2,
+            d_state: 8,
+            headdim: 8,
+            ..fx_models::Mamba2Config::default()
+        };
+        let model = fx_models::Mamba2::new(cfg, &candle_core::Device::Cpu, 3).unwrap();
+        let mut f: Box<dyn Forecast> = Box::new(model.cpu_step().unwrap());
+        assert_eq!(f.n_in(), 6);
+        let bars: Vec<Vec<f32>> = (0..4).map(|t| (0..6).map(|i| ((t * 6 + i) as f32 * 0.37).sin()).collect()).collect();
+        let first: Vec<f32> = bars.iter().map(|b| f.forecast(b).unwrap()).collect();
+        assert!(first.iter().all(|v| v.is_finite()));
+        f.reset();
+        let again: Vec<f32> = bars.iter().map(|b| f.forecast(b).unwrap()).collect();
+        assert_eq!(first, again);
+        let e = f.forecast(&bars[0][..5]).unwrap_err().to_string();
+        assert!(e.contains("x") && e.contains('6'), "{e}");
     }
 }

@@ -30,7 +30,7 @@ pub mod qnet;
 pub mod reference;
 
 pub use calibrate::CalibMethod;
-pub use decide::Decide;
+pub use decide::{Decide, Forecast};
 pub use error::{Error, Result};
 pub use float_net::{FloatLayer, FloatNet, PolicyKind};
 pub use gemv_i8::Isa;

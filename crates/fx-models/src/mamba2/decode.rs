@@ -1,5 +1,11 @@
-//! Recurrent decoding of a [`Mamba2`] on CUDA, one new bar at a time, with the fused decode-step
-//! kernel (`fx_kernels::cuda::mamba2_step`, feature `cuda`): [`Mamba2Decoder::step`] is one kernel
+//! Recurrent decoding of a [`Mamba2`], one new bar at a time, for a trading loop.
+//!
+//! On the CPU, [`Mamba2::cpu_step`] gives an `fx_kernels::mamba2_cpu::Mamba2CpuStep`: the
+//! model's weights copied once, the step on the calling thread with no thread pool and no
+//! allocation; [`Mamba2State::layer_states`] hands it the state after a history.
+//!
+//! On CUDA, the fused decode-step kernel (`fx_kernels::cuda::mamba2_step`, feature `cuda`):
+//! [`Mamba2Decoder::step`] is one kernel
 //! launch on a thread-block cluster of 16 SMs, or 8 (Hopper+) where [`Mamba2::step`] is ~60 candle
 //! launches, with the same math to F32 rounding (the kernel's f64 reference is
 //! `fx_kernels::mamba2_step_ref`, tested here against [`Mamba2::step`] on the CPU).
@@ -12,16 +18,99 @@
 //! A step reads nothing to the host and uses fixed addresses, so a CUDA graph can capture it
 //! (`fx_precision::CapturedGraph`) on an input buffer refilled in place.
 
-#[cfg(any(test, feature = "cuda"))]
-use fx_kernels::mamba2_step_ref::StepDims;
+use candle_core::{DType, Tensor};
+use fx_kernels::mamba2_cpu::Mamba2CpuStep;
+use fx_kernels::mamba2_step_ref::{LayerParams, LayerState, StepDims, StepParams};
 
-#[cfg(any(test, feature = "cuda"))]
-use super::Mamba2Config;
+use super::{Mamba2, Mamba2Config, Mamba2State};
+use crate::error::{Context, Error, Result};
+
+/// f64 host copies of a model's parameters, in the order of [`StepParams`]: embed_w,
+/// embed_b, norm_f, head_w, head_b; per layer the nine of [`LayerParams`] in its order.
+pub(crate) struct HostParams {
+    globals: Vec<Vec<f64>>,
+    layers: Vec<Vec<Vec<f64>>>,
+}
+
+fn host(t: &Tensor, ctx: &'static str) -> Result<Vec<f64>> {
+    t.to_dtype(DType::F64).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1()).ctx(ctx)
+}
+
+impl HostParams {
+    pub(crate) fn of(m: &Mamba2) -> Result<Self> {
+        const CTX: &str = "mamba2::decode::HostParams";
+        let g = [&m.embed_w, &m.embed_b, &m.norm_f, &m.head_w, &m.head_b];
+        let layers = m
+            .layers
+            .iter()
+            .map(|l| {
+                let x = &l.mixer;
+                [&l.norm_w, &x.in_proj, &x.conv_w, &x.conv_b, &x.dt_bias, &x.a_log, &x.d, &x.norm_w, &x.out_proj]
+                    .iter()
+                    .map(|v| host(v.as_tensor(), CTX))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { globals: g.iter().map(|v| host(v.as_tensor(), CTX)).collect::<Result<_>>()?, layers })
+    }
+
+    pub(crate) fn view(&self) -> StepParams<'_> {
+        let g = &self.globals;
+        StepParams {
+            embed_w: &g[0],
+            embed_b: &g[1],
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerParams {
+                    norm_w: &l[0],
+                    in_proj: &l[1],
+                    conv_w: &l[2],
+                    conv_b: &l[3],
+                    dt_bias: &l[4],
+                    a_log: &l[5],
+                    d: &l[6],
+                    gnorm_w: &l[7],
+                    out_proj: &l[8],
+                })
+                .collect(),
+            norm_f: &g[2],
+            head_w: &g[3],
+            head_b: &g[4],
+        }
+    }
+}
+
+impl Mamba2 {
+    /// The model's recurrent step on the CPU, one bar at a time (batch 1), from a zero state:
+    /// its weights copied into an `fx_kernels::mamba2_cpu::Mamba2CpuStep`, which then computes
+    /// on the calling thread with no allocation. A model trained further needs a new one.
+    pub fn cpu_step(&self) -> Result<Mamba2CpuStep> {
+        const CTX: &str = "Mamba2::cpu_step";
+        let params = HostParams::of(self)?;
+        Mamba2CpuStep::new(&step_dims(self.config(), 1), &params.view()).ctx(CTX)
+    }
+}
+
+impl Mamba2State {
+    /// Every layer's state as f64 host copies in the kernels' reference layout (a batch-1
+    /// state starts a [`Mamba2CpuStep`] after a history: `Mamba2CpuStep::set_state`).
+    pub fn layer_states(&self) -> Result<Vec<LayerState>> {
+        const CTX: &str = "Mamba2State::layer_states";
+        if self.conv.len() != self.ssm.len() {
+            return Err(Error::config(CTX, "conv and SSM states of different layer counts"));
+        }
+        self.conv
+            .iter()
+            .zip(&self.ssm)
+            .map(|(c, m)| Ok(LayerState { conv: host(c, CTX)?, ssm: host(m, CTX)? }))
+            .collect()
+    }
+}
 #[cfg(feature = "cuda")]
 pub use gpu::Mamba2Decoder;
 
-/// The decode-step kernel's sizes for `cfg` at `batch` rows.
-#[cfg(any(test, feature = "cuda"))]
+/// The decode step's sizes for `cfg` at `batch` rows.
 fn step_dims(cfg: &Mamba2Config, batch: usize) -> StepDims {
     StepDims {
         batch,
@@ -183,11 +272,10 @@ mod tests {
     //! [`Mamba2::step`] on the GPU over 10 bars from a prefill, state included; a captured graph's
     //! replays against eager steps, bit for bit; refusals.
     use candle_core::{DType, Device, Tensor};
-    use fx_kernels::mamba2_step_ref::{step, LayerParams, LayerState, StepParams};
+    use fx_kernels::mamba2_step_ref::step;
     use fx_precision::Precision;
 
     use super::*;
-    use crate::mamba2::{Mamba2, Mamba2State};
     use crate::seq_ops::Ctx;
 
     fn host(t: &Tensor) -> Vec<f64> {
@@ -204,59 +292,8 @@ mod tests {
         n / want.iter().map(|b| b * b).sum::<f64>().sqrt().max(1e-30)
     }
 
-    /// f64 copies of a model's parameters: embed_w, embed_b, norm_f, head_w, head_b; per layer the
-    /// nine of [`LayerParams`] in its order.
-    struct RefParams {
-        globals: Vec<Vec<f64>>,
-        layers: Vec<Vec<Vec<f64>>>,
-    }
-
-    fn ref_params(m: &Mamba2) -> RefParams {
-        let g = [&m.embed_w, &m.embed_b, &m.norm_f, &m.head_w, &m.head_b];
-        RefParams {
-            globals: g.iter().map(|v| host(v.as_tensor())).collect(),
-            layers: m
-                .layers
-                .iter()
-                .map(|l| {
-                    let x = &l.mixer;
-                    [&l.norm_w, &x.in_proj, &x.conv_w, &x.conv_b, &x.dt_bias, &x.a_log, &x.d, &x.norm_w, &x.out_proj]
-                        .iter()
-                        .map(|v| host(v.as_tensor()))
-                        .collect()
-                })
-                .collect(),
-        }
-    }
-
-    fn view(r: &RefParams) -> StepParams<'_> {
-        let g = &r.globals;
-        StepParams {
-            embed_w: &g[0],
-            embed_b: &g[1],
-            layers: r
-                .layers
-                .iter()
-                .map(|l| LayerParams {
-                    norm_w: &l[0],
-                    in_proj: &l[1],
-                    conv_w: &l[2],
-                    conv_b: &l[3],
-                    dt_bias: &l[4],
-                    a_log: &l[5],
-                    d: &l[6],
-                    gnorm_w: &l[7],
-                    out_proj: &l[8],
-                })
-                .collect(),
-            norm_f: &g[2],
-            head_w: &g[3],
-            head_b: &g[4],
-        }
-    }
-
     fn ref_state(s: &Mamba2State) -> Vec<LayerState> {
-        s.conv.iter().zip(&s.ssm).map(|(c, m)| LayerState { conv: host(c), ssm: host(m) }).collect()
+        s.layer_states().unwrap()
     }
 
     fn small(ngroups: usize) -> Mamba2Config {
@@ -295,8 +332,8 @@ mod tests {
             let (_, views) = m.forward_with_state(&c, &x.narrow(1, 0, hist).unwrap()).unwrap();
             let mut st = views.to_buffers().unwrap();
             let mut rs = ref_state(&st);
-            let (rp, dims) = (ref_params(&m), step_dims(&cfg, batch));
-            let p = view(&rp);
+            let (rp, dims) = (HostParams::of(&m).unwrap(), step_dims(&cfg, batch));
+            let p = rp.view();
             let (mut got, mut want) = (Vec::new(), Vec::new());
             for t in hist..hist + 3 {
                 let xt = x.narrow(1, t, 1).unwrap().squeeze(1).unwrap();
@@ -307,6 +344,34 @@ mod tests {
             eprintln!("{tag}: predictions rel err {e:.2e}");
             assert!(e <= 1e-5, "{tag}: predictions rel err {e}");
             check_state(&tag, &ref_state(&st), &rs, 1e-5);
+        }
+    }
+
+    /// The CPU one-bar step against candle's [`Mamba2::step`] over 6 bars after a history,
+    /// predictions and state (F32 both, different summation orders).
+    #[test]
+    fn cpu_step_matches_candle_step() {
+        let dev = Device::Cpu;
+        let c = Ctx::inference(Precision::F32);
+        for (cfg, hist, seed) in [(Mamba2Config::default(), 10, 4), (small(2), 7, 5)] {
+            let tag = format!("{cfg:?}");
+            let m = Mamba2::new(cfg.clone(), &dev, seed).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (1, hist + 6, cfg.n_in), &dev).unwrap();
+            let (_, views) = m.forward_with_state(&c, &x.narrow(1, 0, hist).unwrap()).unwrap();
+            let mut st = views.to_buffers().unwrap();
+            let mut fast = m.cpu_step().unwrap();
+            fast.set_state(&st.layer_states().unwrap()).unwrap();
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            for t in hist..hist + 6 {
+                let xt = x.narrow(1, t, 1).unwrap().squeeze(1).unwrap();
+                want.extend(host(&m.step(&c, &xt, &mut st).unwrap()));
+                let bar: Vec<f32> = xt.flatten_all().unwrap().to_vec1().unwrap();
+                got.push(f64::from(fast.step(&bar).unwrap()));
+            }
+            let e = rel(&got, &want);
+            eprintln!("{tag}: CPU step predictions rel err {e:.2e}");
+            assert!(e <= 1e-5, "{tag}: CPU step predictions rel err {e}");
+            check_state(&tag, &fast.state(), &ref_state(&st), 1e-5);
         }
     }
 

@@ -10,9 +10,10 @@
 //! more on CUDA: `fused_fp32`, `fx_models::mamba2::decode::Mamba2Decoder::step` (the whole step as
 //! one kernel launch on a thread-block cluster, Hopper+), and `fused_graph_fp32`, that launch
 //! captured as a one-node CUDA graph and replayed; their records add the kernel's device time
-//! (`kernel_us`) and the first
-//! prediction's relative distance to candle's step (`rel_err_vs_candle`). Every call is timed on
-//! the host clock up to a device synchronisation, like bench.py's latency cases.
+//! (`kernel_us`) and the first prediction's relative distance to candle's step
+//! (`rel_err_vs_candle`). On the CPU it has `cpu_fp32`: `Mamba2::cpu_step`, the step on the
+//! calling thread with no tensor and no allocation. Every call is timed on the host clock up to
+//! a device synchronisation, like bench.py's latency cases.
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
@@ -85,6 +86,7 @@ impl SeqInfer {
             SeqInfer::Mamba2Step if fused_step_runs(device) => {
                 &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32"]
             }
+            SeqInfer::Mamba2Step if !device.is_cuda() => &["eager_fp32", "cpu_fp32"],
             _ => modes(device.is_cuda()),
         }
     }
@@ -123,6 +125,8 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
     let fused = mode.starts_with("fused");
     ensure!(!(graph || fused) || dev.is_cuda(), "graph and fused modes need CUDA");
     ensure!(!fused || what == SeqInfer::Mamba2Step, "fused modes exist for the MAMBA-2 step only");
+    let cpu_step = mode == "cpu_fp32";
+    ensure!(!cpu_step || (what == SeqInfer::Mamba2Step && !dev.is_cuda()), "cpu_fp32 is the MAMBA-2 step on the CPU");
     let c = Ctx::inference(Precision::F32);
     let (n_warm, n) = if what.kind() == "infer" {
         (5, (ctx.lat_n / 20).max(20))
@@ -150,6 +154,7 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
             time_calls(&dev, graph, &mut body, n_warm, n)?
         }
         SeqInfer::Mamba2Step if fused => mamba2_fused(&dev, graph, n_warm, n, rec)?,
+        SeqInfer::Mamba2Step if cpu_step => mamba2_cpu(&dev, n_warm, n, rec)?,
         SeqInfer::Mamba2Step => {
             let cfg = Mamba2Config::default();
             let model = Mamba2::new(cfg.clone(), &dev, 0)?;
@@ -179,6 +184,33 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
         rec.insert("samples_per_s".into(), json!(round(b as f64 / (p50 / 1e6), 1)));
     }
     Ok(())
+}
+
+/// The MAMBA-2 step on the CPU (`Mamba2::cpu_step`: one bar on the calling thread, no
+/// allocation), from the same model, bar and 64-bar prefill as the candle mode, its first
+/// prediction checked against candle's; each call then advances the state by that bar, as a
+/// trading loop does (restoring the state per call would time a 0.5 MB copy, not the step).
+fn mamba2_cpu(dev: &Device, n_warm: usize, n: usize, rec: &mut Record) -> Result<Vec<f64>> {
+    let c = Ctx::inference(Precision::F32);
+    let cfg = Mamba2Config::default();
+    let model = Mamba2::new(cfg.clone(), dev, 0)?;
+    rec.insert("params".into(), json!(model.params().param_count()));
+    let bar = normals(7, 1, cfg.n_in);
+    let x = Tensor::from_vec(bar.clone(), (1, cfg.n_in), dev)?;
+    let hist = Tensor::from_vec(normals(7, 2, 64 * cfg.n_in), (1, 64, cfg.n_in), dev)?;
+    let prefill = model.forward_with_state(&c, &hist)?.1.to_buffers()?;
+    let want = model.step(&c, &x, &mut prefill.clone())?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+    let state = prefill.layer_states()?;
+    let mut fast = model.cpu_step()?;
+    fast.set_state(&state)?;
+    let got = f64::from(fast.step(&bar)?);
+    ensure!(got.is_finite(), "non-finite CPU MAMBA-2 prediction");
+    rec.insert("rel_err_vs_candle".into(), json!((got - want).abs() / want.abs().max(1e-30)));
+    let mut call = || -> Result<()> {
+        std::hint::black_box(fast.step(&bar)?);
+        Ok(())
+    };
+    super::latency::time_calls(dev, n_warm, n, false, &mut call)
 }
 
 /// The MAMBA-2 step as one fused kernel launch (`Mamba2Decoder`), from the same model, bar and
