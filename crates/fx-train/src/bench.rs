@@ -611,9 +611,12 @@ mod tests {
                 ("tft_infer_b1", "eager_fp32", "ok"),
                 ("tft_infer_b8", "eager_fp32", "ok"),
                 ("mamba2_step_b1", "eager_fp32", "ok"),
+                ("mamba2_step_b1", "cpu_fp32", "ok"),
             ],
             "{recs:#?}"
         );
+        // The CPU step's first prediction equals candle's step to F32 rounding.
+        assert!(num(&recs[5], "rel_err_vs_candle") < 1e-5, "{:?}", recs[5]);
         assert!(num(&recs[0], "loss_last").is_finite() && num(&recs[1], "tokens_per_s") > 0.0);
         assert_eq!(recs[1]["seq_len"], 256);
         for r in &recs[2..] {
