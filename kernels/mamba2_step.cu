@@ -28,7 +28,8 @@
 // start. The phases then read shared memory only, bar the SSM state (loaded into registers while
 // the block waits at barrier 1). The rmsnorms run on every warp (each computes the row's root
 // itself, one division a thread) instead of one warp per row, and the cluster is 16 blocks where
-// the device allows it (54 against 65 µs at 8 blocks before the bulk copies).
+// the device allows it (unstaged: 53.0 against 62.3 µs, docs/perf/2026-12-02-h200-decode/
+// tests-decode.log; the cycle counts above are probe runs, scripts/mamba2-step-probe).
 //
 // Phases of layer l (block `rank` of C, all its threads):
 //  A. u = rmsnorm(h) (every block, every row); its rows [lo, hi) of zxbcdt = in_proj · u into a

@@ -244,7 +244,7 @@ mod tests {
     //! Against the f64 reference on fresh random parameters, states and bars (the seed is
     //! printed), over several steps and shapes; refusals.
     use super::*;
-    use crate::mamba2_step_ref::{step, LayerParams};
+    use crate::mamba2_step_ref::{step, HostStepParams};
     use crate::rng;
 
     fn fresh_seed(test: &str) -> u64 {
@@ -262,67 +262,32 @@ mod tests {
         StepDims { batch: 1, n_in, d_model, n_layer, d_inner, d_state, headdim, ngroups: 1, d_conv: 4, eps: 1e-5 }
     }
 
-    /// Owned parameters: embed_w, embed_b, norm_f, head_w, head_b, then per layer the nine of
-    /// [`LayerParams`] in order.
-    struct Owned {
-        globals: Vec<Vec<f64>>,
-        layers: Vec<Vec<Vec<f64>>>,
-    }
-
-    impl Owned {
-        fn new(d: &StepDims, seed: u64) -> Self {
-            let (dm, di, nh, cd) = (d.d_model, d.d_inner, d.nheads(), d.conv_dim());
-            let mut s = 0u64;
-            let mut u = |n: usize, lo: f64, hi: f64| {
-                s += 1;
-                uniform(n, seed, s, lo, hi)
-            };
-            let (ai, ad) = (1.0 / (d.n_in as f64).sqrt(), 1.0 / (dm as f64).sqrt());
-            let globals =
-                vec![u(dm * d.n_in, -ai, ai), u(dm, -0.1, 0.1), u(dm, 0.5, 1.5), u(dm, -ad, ad), u(1, -0.1, 0.1)];
-            let layers = (0..d.n_layer)
-                .map(|_| {
-                    vec![
-                        u(dm, 0.5, 1.5),
-                        u(d.in_proj_rows() * dm, -ad, ad),
-                        u(cd * d.d_conv, -0.5, 0.5),
-                        u(cd, -0.1, 0.1),
-                        u(nh, -3.0, -1.0),
-                        u(nh, 0.0, 1.5),
-                        u(nh, 0.5, 1.5),
-                        u(di, 0.5, 1.5),
-                        u(dm * di, -1.0 / (di as f64).sqrt(), 1.0 / (di as f64).sqrt()),
-                    ]
-                })
-                .collect();
-            Self { globals, layers }
-        }
-
-        fn params(&self) -> StepParams<'_> {
-            let g = &self.globals;
-            StepParams {
-                embed_w: &g[0],
-                embed_b: &g[1],
-                layers: self
-                    .layers
-                    .iter()
-                    .map(|l| LayerParams {
-                        norm_w: &l[0],
-                        in_proj: &l[1],
-                        conv_w: &l[2],
-                        conv_b: &l[3],
-                        dt_bias: &l[4],
-                        a_log: &l[5],
-                        d: &l[6],
-                        gnorm_w: &l[7],
-                        out_proj: &l[8],
-                    })
-                    .collect(),
-                norm_f: &g[2],
-                head_w: &g[3],
-                head_b: &g[4],
-            }
-        }
+    /// Random parameters with the model's init ranges.
+    fn random_params(d: &StepDims, seed: u64) -> HostStepParams {
+        let (dm, di, nh, cd) = (d.d_model, d.d_inner, d.nheads(), d.conv_dim());
+        let mut s = 0u64;
+        let mut u = |n: usize, lo: f64, hi: f64| {
+            s += 1;
+            uniform(n, seed, s, lo, hi)
+        };
+        let (ai, ad) = (1.0 / (d.n_in as f64).sqrt(), 1.0 / (dm as f64).sqrt());
+        let globals = vec![u(dm * d.n_in, -ai, ai), u(dm, -0.1, 0.1), u(dm, 0.5, 1.5), u(dm, -ad, ad), u(1, -0.1, 0.1)];
+        let layers = (0..d.n_layer)
+            .map(|_| {
+                vec![
+                    u(dm, 0.5, 1.5),
+                    u(d.in_proj_rows() * dm, -ad, ad),
+                    u(cd * d.d_conv, -0.5, 0.5),
+                    u(cd, -0.1, 0.1),
+                    u(nh, -3.0, -1.0),
+                    u(nh, 0.0, 1.5),
+                    u(nh, 0.5, 1.5),
+                    u(di, 0.5, 1.5),
+                    u(dm * di, -1.0 / (di as f64).sqrt(), 1.0 / (di as f64).sqrt()),
+                ]
+            })
+            .collect();
+        HostStepParams { globals, layers }
     }
 
     fn close(what: &str, got: f64, want: f64, tol: f64) {
@@ -342,8 +307,8 @@ mod tests {
             StepDims { d_conv: 1, ..dims(5, 12, 3, 24, 8, 4) },
         ];
         for (ci, d) in cases.into_iter().enumerate() {
-            let w = Owned::new(&d, seed.wrapping_add(ci as u64));
-            let p = w.params();
+            let w = random_params(&d, seed.wrapping_add(ci as u64));
+            let p = w.view();
             let mut fast = Mamba2CpuStep::new(&d, &p).unwrap();
             // Start from a random state, as after a history.
             let mut st: Vec<LayerState> = (0..d.n_layer as u64)
@@ -372,8 +337,8 @@ mod tests {
     #[test]
     fn reset_and_refusals() {
         let d = StepDims { d_conv: 2, ..dims(5, 12, 2, 24, 8, 4) };
-        let w = Owned::new(&d, 7);
-        let p = w.params();
+        let w = random_params(&d, 7);
+        let p = w.view();
         assert!(matches!(Mamba2CpuStep::new(&StepDims { batch: 2, ..d }, &p), Err(Error::Unsupported { .. })));
         let mut m = Mamba2CpuStep::new(&d, &p).unwrap();
         let x = [0.5f32, -1.0, 0.25, 2.0, -0.75];

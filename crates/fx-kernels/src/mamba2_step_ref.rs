@@ -202,6 +202,46 @@ pub struct StepParams<'a> {
     pub head_b: &'a [f64],
 }
 
+/// Owned host copies of a step's parameters, in the order of [`StepParams`]: `globals` are
+/// embed_w, embed_b, norm_f, head_w, head_b; each of `layers` the nine of [`LayerParams`] in
+/// its order (norm_w, in_proj, conv_w, conv_b, dt_bias, a_log, d, gnorm_w, out_proj). What a
+/// model's tensors or a test's random values become before [`HostStepParams::view`] lends them
+/// to [`step`] or `mamba2_cpu::Mamba2CpuStep::new`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostStepParams {
+    pub globals: Vec<Vec<f64>>,
+    pub layers: Vec<Vec<Vec<f64>>>,
+}
+
+impl HostStepParams {
+    /// The borrowed view the step functions take (short lists panic: build them whole).
+    pub fn view(&self) -> StepParams<'_> {
+        let g = &self.globals;
+        StepParams {
+            embed_w: &g[0],
+            embed_b: &g[1],
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerParams {
+                    norm_w: &l[0],
+                    in_proj: &l[1],
+                    conv_w: &l[2],
+                    conv_b: &l[3],
+                    dt_bias: &l[4],
+                    a_log: &l[5],
+                    d: &l[6],
+                    gnorm_w: &l[7],
+                    out_proj: &l[8],
+                })
+                .collect(),
+            norm_f: &g[2],
+            head_w: &g[3],
+            head_b: &g[4],
+        }
+    }
+}
+
 /// One layer's recurrent state: conv `[B, d_conv − 1, conv_dim]`, SSM `[B, nheads, headdim, d_state]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerState {

@@ -10,8 +10,9 @@
 //! SMs each stream 1/C of every weight matrix (~0.43 MB at C = 16, L2-resident between calls) and
 //! exchange the vectors through distributed shared memory with three hardware cluster barriers
 //! per layer, instead of ~60 launches (candle) or ~13 graph nodes with a kernel boundary each.
-//! Sixteen blocks is a non-portable cluster size (the function opts in); on the H200 it took the
-//! kernel from 65 to 54 µs against eight. At batch 1 each block also stages its weight slices in
+//! Sixteen blocks is a non-portable cluster size (the function opts in); on the H200 the kernel
+//! takes 53.0 µs on 16 blocks against 62.3 on 8, and 44.2 staged (batch 1, `step_kernel_timing`,
+//! docs/perf/2026-12-02-h200-decode/tests-decode.log). At batch 1 each block also stages its weight slices in
 //! shared memory with the copy engine (bulk copies, one layer ahead), where they fit (16 blocks
 //! at the default size; 8 would need 285 KB a block).
 //!
@@ -379,7 +380,7 @@ mod tests {
     //! test returns early without a GPU of compute capability 9.0+.
     use super::*;
     use crate::cuda::tests::gpu;
-    use crate::mamba2_step_ref::{step, LayerParams, LayerState, StepParams};
+    use crate::mamba2_step_ref::{step, HostStepParams, LayerState};
     use crate::rng;
 
     fn fresh_seed(test: &str) -> u64 {
@@ -593,30 +594,11 @@ mod tests {
                 Err(e) => panic!("case {ci} on {blocks} blocks, staged {staged}: {e}"),
             };
             staged_runs += usize::from(staged);
-            let params: Vec<Vec<f64>> = h.globals.iter().map(|v| f64s(v)).collect();
-            let layer_params: Vec<Vec<Vec<f64>>> =
-                h.layers.iter().map(|l| l.iter().map(|v| f64s(v)).collect()).collect();
-            let p = StepParams {
-                embed_w: &params[0],
-                embed_b: &params[1],
-                layers: layer_params
-                    .iter()
-                    .map(|l| LayerParams {
-                        norm_w: &l[0],
-                        in_proj: &l[1],
-                        conv_w: &l[2],
-                        conv_b: &l[3],
-                        dt_bias: &l[4],
-                        a_log: &l[5],
-                        d: &l[6],
-                        gnorm_w: &l[7],
-                        out_proj: &l[8],
-                    })
-                    .collect(),
-                norm_f: &params[2],
-                head_w: &params[3],
-                head_b: &params[4],
+            let hp = HostStepParams {
+                globals: h.globals.iter().map(|v| f64s(v)).collect(),
+                layers: h.layers.iter().map(|l| l.iter().map(|v| f64s(v)).collect()).collect(),
             };
+            let p = hp.view();
             let mut st: Vec<LayerState> =
                 h.conv.iter().zip(&h.ssm).map(|(c, s)| LayerState { conv: f64s(c), ssm: f64s(s) }).collect();
             let (mut got, mut want) = (Vec::new(), Vec::new());

@@ -20,65 +20,31 @@
 
 use candle_core::{DType, Tensor};
 use fx_kernels::mamba2_cpu::Mamba2CpuStep;
-use fx_kernels::mamba2_step_ref::{LayerParams, LayerState, StepDims, StepParams};
+use fx_kernels::mamba2_step_ref::{HostStepParams, LayerState, StepDims};
 
 use super::{Mamba2, Mamba2Config, Mamba2State};
 use crate::error::{Context, Error, Result};
-
-/// f64 host copies of a model's parameters, in the order of [`StepParams`]: embed_w,
-/// embed_b, norm_f, head_w, head_b; per layer the nine of [`LayerParams`] in its order.
-pub(crate) struct HostParams {
-    globals: Vec<Vec<f64>>,
-    layers: Vec<Vec<Vec<f64>>>,
-}
 
 fn host(t: &Tensor, ctx: &'static str) -> Result<Vec<f64>> {
     t.to_dtype(DType::F64).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1()).ctx(ctx)
 }
 
-impl HostParams {
-    pub(crate) fn of(m: &Mamba2) -> Result<Self> {
-        const CTX: &str = "mamba2::decode::HostParams";
-        let g = [&m.embed_w, &m.embed_b, &m.norm_f, &m.head_w, &m.head_b];
-        let layers = m
-            .layers
-            .iter()
-            .map(|l| {
-                let x = &l.mixer;
-                [&l.norm_w, &x.in_proj, &x.conv_w, &x.conv_b, &x.dt_bias, &x.a_log, &x.d, &x.norm_w, &x.out_proj]
-                    .iter()
-                    .map(|v| host(v.as_tensor(), CTX))
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self { globals: g.iter().map(|v| host(v.as_tensor(), CTX)).collect::<Result<_>>()?, layers })
-    }
-
-    pub(crate) fn view(&self) -> StepParams<'_> {
-        let g = &self.globals;
-        StepParams {
-            embed_w: &g[0],
-            embed_b: &g[1],
-            layers: self
-                .layers
+/// f64 host copies of a model's parameters, in the reference's order.
+pub(crate) fn host_params(m: &Mamba2) -> Result<HostStepParams> {
+    const CTX: &str = "mamba2::decode::host_params";
+    let g = [&m.embed_w, &m.embed_b, &m.norm_f, &m.head_w, &m.head_b];
+    let layers = m
+        .layers
+        .iter()
+        .map(|l| {
+            let x = &l.mixer;
+            [&l.norm_w, &x.in_proj, &x.conv_w, &x.conv_b, &x.dt_bias, &x.a_log, &x.d, &x.norm_w, &x.out_proj]
                 .iter()
-                .map(|l| LayerParams {
-                    norm_w: &l[0],
-                    in_proj: &l[1],
-                    conv_w: &l[2],
-                    conv_b: &l[3],
-                    dt_bias: &l[4],
-                    a_log: &l[5],
-                    d: &l[6],
-                    gnorm_w: &l[7],
-                    out_proj: &l[8],
-                })
-                .collect(),
-            norm_f: &g[2],
-            head_w: &g[3],
-            head_b: &g[4],
-        }
-    }
+                .map(|v| host(v.as_tensor(), CTX))
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(HostStepParams { globals: g.iter().map(|v| host(v.as_tensor(), CTX)).collect::<Result<_>>()?, layers })
 }
 
 impl Mamba2 {
@@ -87,7 +53,7 @@ impl Mamba2 {
     /// on the calling thread with no allocation. A model trained further needs a new one.
     pub fn cpu_step(&self) -> Result<Mamba2CpuStep> {
         const CTX: &str = "Mamba2::cpu_step";
-        let params = HostParams::of(self)?;
+        let params = host_params(self)?;
         Mamba2CpuStep::new(&step_dims(self.config(), 1), &params.view()).ctx(CTX)
     }
 }
@@ -332,7 +298,7 @@ mod tests {
             let (_, views) = m.forward_with_state(&c, &x.narrow(1, 0, hist).unwrap()).unwrap();
             let mut st = views.to_buffers().unwrap();
             let mut rs = ref_state(&st);
-            let (rp, dims) = (HostParams::of(&m).unwrap(), step_dims(&cfg, batch));
+            let (rp, dims) = (host_params(&m).unwrap(), step_dims(&cfg, batch));
             let p = rp.view();
             let (mut got, mut want) = (Vec::new(), Vec::new());
             for t in hist..hist + 3 {
