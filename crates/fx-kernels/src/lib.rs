@@ -61,6 +61,7 @@ pub mod mamba2_step_ref;
 pub mod mlp_cpu;
 pub mod mlp_ref;
 pub mod optim_ref;
+pub mod readback;
 pub mod replay;
 pub mod rng;
 pub mod rollout;

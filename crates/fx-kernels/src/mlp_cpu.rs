@@ -2,9 +2,9 @@
 //! time inside a trading loop: the weights are copied once into plain `Vec<f32>`s, and a
 //! decision is a few dot products on the calling thread — no thread pool (candle's CPU
 //! matmul sizes its pool by the machine: 100× slower at batch 1 on a 16-core box), no
-//! allocation, no tensor. Hidden layers are stored input-major and computed 32 outputs at a
-//! time in registers (one broadcast and four vector multiply-adds per input, no horizontal
-//! sums); the small heads are F32 dot products in 32 independent lanes (the compiler
+//! allocation, no tensor. Hidden layers are stored input-major and computed eight vectors of
+//! outputs at a time in registers (one broadcast and eight vector multiply-adds per input, no
+//! horizontal sums; AVX-512 where the CPU has it); the small heads are F32 dot products in 32 independent lanes (the compiler
 //! vectorises both; AVX2 + FMA when the CPU has them, chosen at run time);
 //! [`crate::mlp_ref::reference_greedy`] (f64) is what it is tested against.
 
@@ -60,7 +60,7 @@ struct ColumnDense {
     padded: usize,
 }
 
-/// Outputs one pass of [`column_layer`] keeps in registers (four AVX2 vectors).
+/// Outputs per pass of the portable [`column_layer`], and the pass before the tail.
 const COL_BLOCK: usize = 32;
 /// The pass width for the outputs left over after the full blocks (one vector).
 const COL_TAIL: usize = 8;
@@ -94,25 +94,37 @@ fn column_block<const W: usize>(wt: &[f32], padded: usize, o0: usize, x: &[f32])
     acc
 }
 
-/// `out = act(W x + b)` for a [`ColumnDense`] layer: blocks of [`COL_BLOCK`] outputs, then
+/// `out = act(W x + b)` for a [`ColumnDense`] layer: blocks of `B` outputs, then
 /// [`COL_TAIL`]. Each weight is read once per decision, as in the row-major form, but
-/// without a horizontal sum per output.
+/// without a horizontal sum per output. `B` is chosen per instruction set so that a block
+/// is eight vector accumulators: eight independent multiply-add chains keep two FMA units
+/// busy through their four-cycle latency (four chains, the old 32-wide block under AVX2,
+/// left half of that idle). Every output still sums its inputs in order, so the result does
+/// not depend on `B`.
 #[inline(always)]
-fn column_layer(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
+fn column_layer<const B: usize>(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
+    // Bias first, then the activation over the block's outputs in a loop of its own (no
+    // branch inside, so the compiler vectorises it, `fast_tanh` included).
     let mut put = |o0: usize, acc: &[f32]| {
-        for (k, &a) in acc.iter().enumerate() {
-            let o = o0 + k;
-            if o < l.outputs {
-                let v = a + l.b[o];
-                out[o] = match act {
-                    Activation::Identity => v,
-                    Activation::Relu => v.max(0.0),
-                    Activation::Tanh => fast_tanh(v),
-                };
-            }
+        let end = (o0 + acc.len()).min(l.outputs);
+        if end <= o0 {
+            return;
+        }
+        let ys = &mut out[o0..end];
+        for ((y, &a), &b) in ys.iter_mut().zip(acc).zip(&l.b[o0..end]) {
+            *y = a + b;
+        }
+        match act {
+            Activation::Identity => {}
+            Activation::Relu => ys.iter_mut().for_each(|v| *v = v.max(0.0)),
+            Activation::Tanh => ys.iter_mut().for_each(|v| *v = fast_tanh(*v)),
         }
     };
     let mut o0 = 0;
+    while o0 + B <= l.padded {
+        put(o0, &column_block::<B>(&l.wt, l.padded, o0, x));
+        o0 += B;
+    }
     while o0 + COL_BLOCK <= l.padded {
         put(o0, &column_block::<COL_BLOCK>(&l.wt, l.padded, o0, x));
         o0 += COL_BLOCK;
@@ -123,43 +135,85 @@ fn column_layer(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
     }
 }
 
-/// [`column_layer`] compiled for AVX2 + FMA (chosen at run time when the CPU has them).
+/// [`column_layer`] compiled for AVX2 + FMA, 64 outputs (eight vectors) per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn column_layer_avx2(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
-    column_layer(l, x, out, act)
+    column_layer::<64>(l, x, out, act)
+}
+
+/// [`column_layer`] compiled for AVX-512 F, 128 outputs (eight vectors) per block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn column_layer_avx512(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
+    column_layer::<128>(l, x, out, act)
 }
 
 fn column_layer_portable(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
-    column_layer(l, x, out, act)
+    column_layer::<COL_BLOCK>(l, x, out, act)
 }
 
 /// A hidden layer's evaluation: the fastest this CPU runs (decided once per policy).
 type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
 
-fn pick_layer() -> LayerFn {
+/// The layer kernels this CPU runs, fastest first (the portable one last).
+fn layer_kernels() -> Vec<(&'static str, LayerFn)> {
+    let mut v: Vec<(&'static str, LayerFn)> = Vec::new();
     #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
-        // SAFETY: the features `column_layer_avx2` is compiled for were detected on this CPU.
-        return |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) };
+    {
+        if avx2_fma() && is_x86_feature_detected!("avx512f") {
+            // SAFETY: the features `column_layer_avx512` is compiled for were detected here.
+            v.push(("avx512", |l, x, o, a| unsafe { column_layer_avx512(l, x, o, a) }));
+        }
+        if avx2_fma() {
+            // SAFETY: the features `column_layer_avx2` is compiled for were detected here.
+            v.push(("avx2", |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) }));
+        }
     }
-    column_layer_portable
+    v.push(("portable", column_layer_portable));
+    v
+}
+
+fn pick_layer() -> LayerFn {
+    layer_kernels()[0].1
 }
 
 /// `tanh` through one `exp` (libm's `tanhf` costs several times more; the error is a few
-/// ulps of the result, far inside the 1e-5 the reference test allows).
-#[inline]
+/// ulps of the result, far inside the 1e-5 the reference test allows). Branch-free, with
+/// [`exp_f32`] instead of libm's `expf` (a call per element), so that a layer's loop of it
+/// is vectorised.
+#[inline(always)]
 fn fast_tanh(x: f32) -> f32 {
+    // Odd Taylor terms below 1/16: exact to f32 rounding there, and no cancellation near 0.
+    let x2 = x * x;
+    let small = x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0)));
+    // Beyond ±9.1, 1 − tanh(x) < 2.5e-8 rounds to 1 in f32: the clamp changes nothing.
+    let e = exp_f32(2.0 * x.clamp(-9.1, 9.1));
+    let big = 1.0 - 2.0 / (e + 1.0);
     if x.abs() < 0.0625 {
-        // Odd Taylor terms: exact to f32 rounding here, and no cancellation near 0.
-        let x2 = x * x;
-        return x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0)));
+        small
+    } else {
+        big
     }
-    let e = (2.0 * x).exp();
-    if e.is_infinite() {
-        return 1.0;
-    }
-    1.0 - 2.0 / (e + 1.0)
+}
+
+/// `e^x` for `x` in `[-18.2, 18.2]` (Cephes' `expf`: `x = n ln 2 + r` with `ln 2` in two
+/// parts, a degree-6 polynomial of `r`, then `2^n` through the exponent bits); within
+/// 2 ulps of libm's, and plain arithmetic, so it vectorises.
+#[inline(always)]
+#[allow(clippy::excessive_precision)]
+fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_375;
+    const C2: f32 = -2.121_944_4e-4;
+    let n = (x * LOG2E + 0.5).floor();
+    let r = (x - n * C1) - n * C2;
+    let p = ((((1.987_569_15e-4 * r + 1.398_199_95e-3) * r + 8.333_451_9e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_55e-1)
+        * r
+        + 5.000_000_1e-1;
+    let y = p * (r * r) + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) << 23) as u32)
 }
 
 /// A greedy policy on the CPU; see the module docs.
@@ -344,6 +398,36 @@ mod tests {
         }
     }
 
+    /// Every layer kernel this CPU runs (AVX-512, AVX2, portable) gives the portable
+    /// kernel's outputs bit for bit, on fresh random layers whose widths exercise every
+    /// block size (128, 64, 32 and the 8-wide tail), for each activation.
+    #[test]
+    fn every_layer_kernel_equals_the_portable_one() {
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(5, |d| d.as_nanos() as u64);
+        for (case, (inputs, outputs)) in
+            [(56usize, 256usize), (256, 128), (17, 300), (3, 8), (64, 45)].into_iter().enumerate()
+        {
+            let s = seed.wrapping_add(10 * case as u64);
+            let w: Vec<f32> = t(&[outputs, inputs], s, 0.3).flatten_all().unwrap().to_vec1().unwrap();
+            let b: Vec<f32> = t(&[outputs], s + 1, 0.1).flatten_all().unwrap().to_vec1().unwrap();
+            let x: Vec<f32> = t(&[inputs], s + 2, 2.0).flatten_all().unwrap().to_vec1().unwrap();
+            let l = ColumnDense::from(&Dense { w, b, inputs });
+            for act in [Activation::Identity, Activation::Relu, Activation::Tanh] {
+                let mut want = vec![f32::NAN; outputs];
+                column_layer_portable(&l, &x, &mut want, act);
+                assert!(want.iter().all(|v| v.is_finite()));
+                for (name, k) in layer_kernels() {
+                    let mut got = vec![f32::NAN; outputs];
+                    k(&l, &x, &mut got, act);
+                    let (g, w): (Vec<u32>, Vec<u32>) =
+                        (got.iter().map(|v| v.to_bits()).collect(), want.iter().map(|v| v.to_bits()).collect());
+                    assert_eq!(g, w, "{name}, {inputs}x{outputs}, {act:?} (seed {s})");
+                }
+            }
+        }
+    }
+
     /// The run-time-chosen dot product (AVX2 + FMA here when present) and the portable one
     /// agree with an f64 sum on random vectors of every length class; `fast_tanh` stays
     /// within 2e-7 of `tanh` (absolute) over the range that matters.
@@ -365,6 +449,13 @@ mod tests {
             assert!(e <= 2e-7, "tanh({x}): error {e}");
         }
         assert_eq!((fast_tanh(100.0), fast_tanh(-100.0), fast_tanh(0.0)), (1.0, -1.0, 0.0));
+        assert_eq!((fast_tanh(f32::MAX), fast_tanh(f32::MIN)), (1.0, -1.0));
+        // The exponential over the range the clamp allows: within 3e-7 relative of f64's.
+        for k in -18_200..=18_200 {
+            let x = k as f32 * 0.001;
+            let e = (exp_f32(x) as f64 / (x as f64).exp() - 1.0).abs();
+            assert!(e <= 3e-7, "exp({x}): relative error {e}");
+        }
     }
 
     #[test]

@@ -77,7 +77,7 @@ pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
 
 pub use fx_kernels::LinearSchedule;
-pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer};
+pub use ppo_trainer::{PpoConfig, PpoIterStats, PpoMinibatchStats, PpoTrainer, UpdatePhases};
 pub use seq_ops::{Ctx, DropoutRng};
 pub use state_snapshot::StateSnapshot;
 pub use tft::{quantile_loss, Tft, TftConfig};

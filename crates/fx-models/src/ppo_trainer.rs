@@ -136,6 +136,21 @@ pub struct PpoIterStats {
     pub explained_variance: f64,
 }
 
+/// Host seconds of [`PpoTrainer::update`]'s phases, summed over iterations (for profiles:
+/// on a GPU, the device idles in whatever part of `prepare`, `launch` and `finish` it has
+/// no queued work for).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct UpdatePhases {
+    /// The critic's value of the last states, GAE, the minibatch permutations.
+    pub prepare: f64,
+    /// Queueing the epochs' updates (one graph replay, or the minibatch steps).
+    pub launch: f64,
+    /// Waiting for the device to finish them (the statistics' read).
+    pub device_wait: f64,
+    /// The rollout's statistics (explained variance, rewards, episodes) read back.
+    pub finish: f64,
+}
+
 /// Counters saved with the state (JSON in the state file's metadata).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct PpoCounters {
@@ -169,6 +184,11 @@ pub struct PpoTrainer {
     skipped_updates: u64,
     /// Host seconds building the loss (forward), for profiles.
     forward_seconds: f64,
+    /// Host seconds of the update's phases, for profiles.
+    phases: UpdatePhases,
+    /// The next rollout was started on the device by [`PpoTrainer::iterate_and_start_next`]
+    /// and is not counted yet: [`PpoTrainer::collect_rollout`] claims it.
+    started_rollout: bool,
     /// The captured minibatch update (CUDA, `graph` not off), built at the first update.
     #[cfg(feature = "cuda")]
     graph: crate::graph_update::GraphSlot,
@@ -230,6 +250,8 @@ impl PpoTrainer {
             updates: 0,
             skipped_updates: 0,
             forward_seconds: 0.0,
+            phases: UpdatePhases::default(),
+            started_rollout: false,
             #[cfg(feature = "cuda")]
             graph: Default::default(),
             #[cfg(feature = "cuda")]
@@ -284,6 +306,11 @@ impl PpoTrainer {
         (self.forward_seconds, self.step.times())
     }
 
+    /// Host seconds of the updates' phases so far (see [`UpdatePhases`]).
+    pub fn update_phases(&self) -> UpdatePhases {
+        self.phases
+    }
+
     /// Actions sampled from the policy (`[E]` u32) with the env's stream-3 draws.
     pub fn act(&self, env: &dyn VecEnv) -> Result<Tensor> {
         let probs = self.model.probs_inference(&env.observe().ctx("PpoTrainer::act")?)?;
@@ -297,9 +324,42 @@ impl PpoTrainer {
         self.update(env)
     }
 
+    /// [`PpoTrainer::iterate`], and the next iteration's rollout started on the device
+    /// before this one's statistics are read, so that the GPU has work while the host reads
+    /// them, logs and launches (without it the GPU idled there: PPO runs at 83 % busy on
+    /// the H200). Only where the rollout is one replayed graph (CUDA, the GPU env); elsewhere
+    /// it is [`PpoTrainer::iterate`]. The same kernels run in the same order, so training is
+    /// bit-identical. The started rollout is counted (env steps) by the next
+    /// [`PpoTrainer::collect_rollout`] on the same `env`; until then [`PpoTrainer::snapshot`]
+    /// refuses, so a caller starts one only when it will run the next iteration.
+    pub fn iterate_and_start_next(&mut self, env: &mut dyn VecEnv) -> Result<PpoIterStats> {
+        self.collect_rollout(env)?;
+        self.update_and_start_next(env)
+    }
+
+    /// [`PpoTrainer::update`] with the next rollout started before the read (the second
+    /// half of [`PpoTrainer::iterate_and_start_next`]).
+    pub fn update_and_start_next(&mut self, env: &dyn VecEnv) -> Result<PpoIterStats> {
+        self.update_inner(env, true)
+    }
+
+    /// Whether a rollout started by [`PpoTrainer::iterate_and_start_next`] waits to be
+    /// claimed by the next iteration.
+    pub fn rollout_started(&self) -> bool {
+        self.started_rollout
+    }
+
     /// Fills the rollout: as one replayed graph on the GPU env when it can (see
-    /// `ppo_rollout`), else [`PpoTrainer::collect_step`] until full.
+    /// `ppo_rollout`), else [`PpoTrainer::collect_step`] until full. A rollout already
+    /// started by [`PpoTrainer::iterate_and_start_next`] is only counted.
     pub fn collect_rollout(&mut self, env: &mut dyn VecEnv) -> Result<()> {
+        if self.started_rollout {
+            self.started_rollout = false;
+            let t = self.rollout.horizon();
+            self.rollout.record_rows(t);
+            self.env_steps += t as u64;
+            return Ok(());
+        }
         #[cfg(feature = "cuda")]
         if self.rollout.is_empty() && self.rollout_by_graph(env)? {
             return Ok(());
@@ -419,6 +479,13 @@ impl PpoTrainer {
     /// The update after a full rollout: GAE from the critic's value of `env`'s current
     /// states, then `K` epochs of shuffled minibatch steps; clears the rollout.
     pub fn update(&mut self, env: &dyn VecEnv) -> Result<PpoIterStats> {
+        self.update_inner(env, false)
+    }
+
+    /// [`PpoTrainer::update`]; with `start_next`, the next rollout's graph is replayed
+    /// after the updates are queued and before anything is read (see
+    /// [`PpoTrainer::iterate_and_start_next`]).
+    fn update_inner(&mut self, env: &dyn VecEnv, start_next: bool) -> Result<PpoIterStats> {
         const CTX: &str = "PpoTrainer::update";
         if !self.rollout.is_full() {
             return Err(Error::config(
@@ -426,6 +493,7 @@ impl PpoTrainer {
                 format!("the rollout holds {} of {} steps", self.rollout.len(), self.cfg.num_steps),
             ));
         }
+        let started = std::time::Instant::now();
         let (_, last_value) = self.rollout_forward(&env.observe().ctx(CTX)?)?;
         let (adv, ret) = self.rollout.advantages(&last_value, self.cfg.gae).ctx(CTX)?;
         let n = self.cfg.num_steps * self.num_envs;
@@ -448,6 +516,8 @@ impl PpoTrainer {
         let whole = self.epochs_graph_ready(&obs, &actions, &logp)?;
         #[cfg(not(feature = "cuda"))]
         let whole = false;
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut launched = std::time::Instant::now();
         #[cfg(feature = "cuda")]
         if whole {
             // The whole update phase in one replay: the epochs' permutations and this
@@ -456,6 +526,7 @@ impl PpoTrainer {
             for e in 0..self.cfg.epochs as u64 {
                 perms.extend(permutation(n, self.cfg.seed, self.epochs_done + e));
             }
+            launched = std::time::Instant::now();
             self.graph.reset_sums()?;
             let eg = self.epochs_graph.as_ref().ok_or_else(|| Error::config(CTX, "no epochs graph"))?;
             eg.run(&perms, &adv, &ret, [&obs, &actions, &logp])?;
@@ -496,6 +567,27 @@ impl PpoTrainer {
                 count += 1;
             }
         }
+        // Rewards and episode ends over the rollout, summed on the device and read below
+        // with the values and returns, after the statistics: one read, no GPU idle between.
+        let sums_dev = Tensor::stack(&[self.rollout.rewards(), self.rollout.dones()], 0)
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.flatten_from(1))
+            .and_then(|t| t.sum(1))
+            .ctx(CTX)?;
+        // The next rollout overwrites the rollout's storage: the values read below are
+        // copied first (stream-ordered); the returns and sums are tensors of their own.
+        let values = if start_next { values.copy().ctx(CTX)? } else { values };
+        self.rollout.clear();
+        #[cfg(feature = "cuda")]
+        if start_next {
+            if let Some(g) = self.rollout_graph.as_ref().filter(|_| self.rollout_graphs) {
+                g.replay()?;
+                self.started_rollout = true;
+            }
+        }
+        let waited = std::time::Instant::now();
+        self.phases.prepare += (launched - started).as_secs_f64();
+        self.phases.launch += (waited - launched).as_secs_f64();
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut mean = sum.scaled(1.0 / count.max(1) as f64);
         #[cfg(feature = "cuda")]
@@ -520,16 +612,15 @@ impl PpoTrainer {
                 }
             };
         }
-        let explained_variance = explained_variance(&values, &ret)?;
-        // Rewards and episode ends over the rollout, summed on the device, read once.
-        let sums: Vec<f64> = Tensor::stack(&[self.rollout.rewards(), self.rollout.dones()], 0)
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.flatten_from(1))
-            .and_then(|t| t.sum(1))
-            .and_then(|t| t.to_vec1())
-            .ctx(CTX)?;
+        let finishing = std::time::Instant::now();
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).ctx(CTX);
+        let host = fx_kernels::readback::to_host(&[f32s(&values)?, f32s(&ret)?, sums_dev]).ctx(CTX)?;
+        let vec = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).ctx(CTX);
+        let explained_variance = explained_variance_of(&vec(&host[0])?, &vec(&host[1])?);
+        let sums: Vec<f64> = host[2].to_vec1().ctx(CTX)?;
         let (reward_sum, episodes) = (sums[0], sums[1]);
-        self.rollout.clear();
+        self.phases.device_wait += (finishing - waited).as_secs_f64();
+        self.phases.finish += finishing.elapsed().as_secs_f64();
         self.iterations += 1;
         Ok(PpoIterStats {
             iteration: self.iterations,
@@ -748,7 +839,7 @@ impl PpoTrainer {
     /// [`crate::StateSnapshot::write`], from another thread if need be).
     pub fn snapshot(&self) -> Result<crate::StateSnapshot> {
         const CTX: &str = "PpoTrainer::snapshot";
-        if !self.rollout.is_empty() {
+        if !self.rollout.is_empty() || self.started_rollout {
             return Err(Error::config(CTX, "save between iterations: the rollout is partly collected"));
         }
         let mut t: HashMap<String, Tensor> = self.model.params().to_tensors("model.")?;
@@ -850,20 +941,21 @@ pub(crate) fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<u32> {
     p
 }
 
-/// `1 − Var(R − V) / Var(R)` in f64 (NaN when the returns have no variance, as in
-/// CleanRL / SB3).
-pub(crate) fn explained_variance(values: &Tensor, returns: &Tensor) -> Result<f64> {
-    const CTX: &str = "explained_variance";
-    let v: Vec<f32> = values.to_dtype(DType::F32).and_then(|t| t.to_vec1()).ctx(CTX)?;
-    let r: Vec<f32> = returns.to_dtype(DType::F32).and_then(|t| t.to_vec1()).ctx(CTX)?;
+/// `1 − Var(R − V) / Var(R)` of the values and returns, in f64 (NaN when the returns
+/// have no variance, as in CleanRL / SB3).
+pub(crate) fn explained_variance_of(v: &[f32], r: &[f32]) -> f64 {
     let var = |x: &mut dyn Iterator<Item = f64>| {
         let xs: Vec<f64> = x.collect();
         let m = xs.iter().sum::<f64>() / xs.len() as f64;
         xs.iter().map(|a| (a - m) * (a - m)).sum::<f64>() / xs.len() as f64
     };
     let var_r = var(&mut r.iter().map(|&a| a as f64));
-    let var_d = var(&mut r.iter().zip(&v).map(|(&a, &b)| a as f64 - b as f64));
-    Ok(if var_r == 0.0 { f64::NAN } else { 1.0 - var_d / var_r })
+    let var_d = var(&mut r.iter().zip(v).map(|(&a, &b)| a as f64 - b as f64));
+    if var_r == 0.0 {
+        f64::NAN
+    } else {
+        1.0 - var_d / var_r
+    }
 }
 
 #[cfg(test)]
@@ -944,13 +1036,12 @@ mod tests {
 
     #[test]
     fn explained_variance_matches_definition() {
-        let r = Tensor::new(&[1.0f32, 2.0, 3.0, 4.0], &Device::Cpu).unwrap();
-        assert!((explained_variance(&r, &r).unwrap() - 1.0).abs() < 1e-12);
-        let v = Tensor::new(&[2.5f32, 2.5, 2.5, 2.5], &Device::Cpu).unwrap();
-        assert!(explained_variance(&v, &r).unwrap().abs() < 1e-12);
-        let v = Tensor::new(&[1.5f32, 2.5, 2.5, 3.5], &Device::Cpu).unwrap();
+        let r = [1.0f32, 2.0, 3.0, 4.0];
+        assert!((explained_variance_of(&r, &r) - 1.0).abs() < 1e-12);
+        assert!(explained_variance_of(&[2.5; 4], &r).abs() < 1e-12);
         // R - V = [-0.5, -0.5, 0.5, 0.5]: var 0.25; var R = 1.25.
-        assert!((explained_variance(&v, &r).unwrap() - 0.8).abs() < 1e-6);
+        assert!((explained_variance_of(&[1.5, 2.5, 2.5, 3.5], &r) - 0.8).abs() < 1e-6);
+        assert!(explained_variance_of(&r, &[2.0; 4]).is_nan());
     }
 
     fn tiny_cfg() -> PpoConfig {

@@ -137,7 +137,7 @@ impl Gemv {
 }
 
 /// Most activation vectors one [`Gemv::run_vertical`] pass takes.
-pub const MAX_ROWS: usize = 4;
+pub const MAX_ROWS: usize = 8;
 
 /// Widest (padded) input of an interleaved layer: the kernel keeps the inputs' byte groups
 /// on the stack (1024 covers every network here; wider layers stay row-major).
@@ -240,48 +240,103 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn gemv_vertical_avx512(w: &super::VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) {
         const R: usize = super::MAX_ROWS;
-        let (groups, n) = (w.stride / 4, xs.len());
-        // Each vector's bytes + 128 (unsigned for vpdpbusd), four at a time, on the stack
-        // (VerticalWeights holds at most MAX_VERTICAL_INPUTS inputs: no allocation per call).
-        let group = |x: &[i8], g: usize| {
-            u32::from_le_bytes([x[4 * g], x[4 * g + 1], x[4 * g + 2], x[4 * g + 3]].map(|v| (v as u8) ^ 0x80))
-        };
-        let mut stack = [[0u32; super::MAX_VERTICAL_INPUTS / 4]; R];
-        for (dst, x) in stack.iter_mut().zip(xs) {
-            for (g, d) in dst[..groups].iter_mut().enumerate() {
-                *d = group(x, g);
+        // Each vector's bytes + 128 (unsigned for vpdpbusd) on the stack, 64 at a time; a
+        // group of four is then one little-endian u32. Only the `stride` bytes of the `n`
+        // rows are written, and only those are read (no 8 KB clear per call; VerticalWeights
+        // holds at most MAX_VERTICAL_INPUTS inputs: no allocation).
+        let mut stack = std::mem::MaybeUninit::<[[u32; super::MAX_VERTICAL_INPUTS / 4]; R]>::uninit();
+        let base = stack.as_mut_ptr() as *mut u32;
+        let bias = _mm512_set1_epi8(0x80u8 as i8);
+        let mut s: [*const u32; R] = [std::ptr::null(); R];
+        for (r, x) in xs.iter().enumerate() {
+            // SAFETY: row r of the stack holds MAX_VERTICAL_INPUTS bytes >= stride; `x` holds
+            // at least stride bytes (checked by run_vertical); stride is a multiple of 64.
+            let dst = unsafe { base.add(r * super::MAX_VERTICAL_INPUTS / 4) };
+            let mut c = 0;
+            while c < w.stride {
+                unsafe {
+                    let v = _mm512_loadu_si512(x.as_ptr().add(c) as *const __m512i);
+                    _mm512_storeu_si512((dst as *mut u8).add(c) as *mut __m512i, _mm512_xor_si512(v, bias));
+                }
+                c += 64;
+            }
+            s[r] = dst;
+        }
+        // One instantiation per row count keeps every accumulator in a register.
+        let s = &s;
+        unsafe {
+            match xs.len() {
+                1 => vertical_rows::<1>(w, s, outs),
+                2 => vertical_rows::<2>(w, s, outs),
+                3 => vertical_rows::<3>(w, s, outs),
+                4 => vertical_rows::<4>(w, s, outs),
+                5 => vertical_rows::<5>(w, s, outs),
+                6 => vertical_rows::<6>(w, s, outs),
+                7 => vertical_rows::<7>(w, s, outs),
+                _ => vertical_rows::<8>(w, s, outs),
             }
         }
-        let mut xu: [&[u32]; R] = [&[]; R];
-        for (r, v) in xu.iter_mut().enumerate().take(n) {
-            *v = &stack[r][..groups];
-        }
+    }
+
+    /// `N` rows through the interleaved weights, two blocks of 16 outputs per pass: 2·N
+    /// independent accumulators (16 at N = 8, of the 32 registers) hide `vpdpbusd`'s
+    /// latency, and each activation broadcast feeds two blocks.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present; `xp[..N]` point at `w.stride / 4` written groups of N
+    /// vectors each, `outs[..N]` are at least `w.rows` long.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn vertical_rows<const N: usize>(
+        w: &super::VerticalWeights,
+        xp: &[*const u32; super::MAX_ROWS],
+        outs: &mut [&mut [i32]],
+    ) {
+        const L: usize = super::LANES;
+        let groups = w.stride / 4;
         let wp = w.data.as_ptr();
-        let blocks = w.row_sum.len() / super::LANES;
-        let mut tmp = [0i32; super::LANES];
-        for b in 0..blocks {
-            let mut acc = [_mm512_setzero_si512(); R];
-            let base = unsafe { wp.add(b * groups * 64) };
+        let blocks = w.row_sum.len() / L;
+        let load = |p: *const i8| unsafe { _mm512_loadu_si512(p as *const __m512i) };
+        // acc − 128 · row_sum, stored to the valid lanes of block `b` of every row.
+        let mut store = |b: usize, acc: &[__m512i; N]| {
+            let corr =
+                _mm512_slli_epi32::<7>(unsafe { _mm512_loadu_si512(w.row_sum.as_ptr().add(b * L) as *const __m512i) });
+            let lo = b * L;
+            let valid = (w.rows.saturating_sub(lo)).min(L);
+            let mask: __mmask16 = if valid == L { 0xffff } else { (1u16 << valid) - 1 };
+            for (r, a) in acc.iter().enumerate() {
+                // SAFETY: lanes past `valid` are masked off; outs[r] holds w.rows values.
+                unsafe { _mm512_mask_storeu_epi32(outs[r].as_mut_ptr().add(lo), mask, _mm512_sub_epi32(*a, corr)) };
+            }
+        };
+        let mut b = 0;
+        while b + 2 <= blocks {
+            let (mut a0, mut a1) = ([_mm512_setzero_si512(); N], [_mm512_setzero_si512(); N]);
+            let (p0, p1) = unsafe { (wp.add(b * groups * 64), wp.add((b + 1) * groups * 64)) };
             for g in 0..groups {
-                let wv = unsafe { _mm512_loadu_si512(base.add(g * 64) as *const __m512i) };
-                for (a, x) in acc.iter_mut().zip(&xu[..n]) {
-                    *a = _mm512_dpbusd_epi32(*a, _mm512_set1_epi32(x[g] as i32), wv);
+                let (w0, w1) = unsafe { (load(p0.add(g * 64)), load(p1.add(g * 64))) };
+                for r in 0..N {
+                    // SAFETY: g < groups <= MAX_VERTICAL_INPUTS / 4.
+                    let xb = _mm512_set1_epi32(unsafe { *xp[r].add(g) } as i32);
+                    a0[r] = _mm512_dpbusd_epi32(a0[r], xb, w0);
+                    a1[r] = _mm512_dpbusd_epi32(a1[r], xb, w1);
                 }
             }
-            let corr = _mm512_slli_epi32::<7>(unsafe {
-                _mm512_loadu_si512(w.row_sum.as_ptr().add(b * super::LANES) as *const __m512i)
-            });
-            let lo = b * super::LANES;
-            let valid = (w.rows - lo).min(super::LANES);
-            for r in 0..n {
-                let v = _mm512_sub_epi32(acc[r], corr);
-                if valid == super::LANES {
-                    unsafe { _mm512_storeu_si512(outs[r].as_mut_ptr().add(lo) as *mut __m512i, v) };
-                } else {
-                    unsafe { _mm512_storeu_si512(tmp.as_mut_ptr() as *mut __m512i, v) };
-                    outs[r][lo..lo + valid].copy_from_slice(&tmp[..valid]);
+            store(b, &a0);
+            store(b + 1, &a1);
+            b += 2;
+        }
+        if b < blocks {
+            let mut a0 = [_mm512_setzero_si512(); N];
+            let p0 = unsafe { wp.add(b * groups * 64) };
+            for g in 0..groups {
+                let w0 = unsafe { load(p0.add(g * 64)) };
+                for r in 0..N {
+                    let xb = _mm512_set1_epi32(unsafe { *xp[r].add(g) } as i32);
+                    a0[r] = _mm512_dpbusd_epi32(a0[r], xb, w0);
                 }
             }
+            store(b, &a0);
         }
     }
 

@@ -148,8 +148,14 @@ pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
         );
         if p.checkpoint_snapshot + p.checkpoint_wait > 0.0 {
             println!(
-                "checkpoints: state to host {:.2}s + waiting for the previous write {:.2}s",
-                p.checkpoint_snapshot, p.checkpoint_wait
+                "checkpoints: device's queued work {:.2}s + state to host {:.2}s + waiting for the previous write {:.2}s",
+                p.checkpoint_device_wait, p.checkpoint_snapshot, p.checkpoint_wait
+            );
+        }
+        if let Some(u) = &p.update_phases {
+            println!(
+                "PPO updates: prepare {:.2}s + queue the epochs {:.2}s + wait for the device {:.2}s + read the rollout's statistics {:.2}s",
+                u.prepare, u.launch, u.device_wait, u.finish
             );
         }
         let split = p.update_forward + p.update_backward + p.update_device_wait + p.update_optimizer;

@@ -41,10 +41,19 @@ pub struct Profile {
     pub update_device_wait: f64,
     /// Unscale, clip and the optimiser (and, for DQN, the soft target update is in `update`).
     pub update_optimizer: f64,
+    /// PPO: `update`'s host phases (the critic's last values, GAE and permutations;
+    /// queueing the epochs; waiting for the device; reading the rollout's statistics). On a
+    /// GPU the device idles in whatever part of the first, second and last it has no work
+    /// queued for. Null for DQN.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub update_phases: Option<fx_models::UpdatePhases>,
     /// Writing checkpoints and metrics.
     pub checkpoint_and_logging: f64,
-    /// Of `checkpoint_and_logging`: copying the trainer's state to host memory (waits for
-    /// the device's queued work, then the transfers).
+    /// Of `checkpoint_and_logging`: waiting for the device's queued work before a
+    /// checkpoint (the GPU is busy then, not idle).
+    pub checkpoint_device_wait: f64,
+    /// Of `checkpoint_and_logging`: copying the environment's and trainer's state to host
+    /// memory once the device is idle (the GPU waits for the host meanwhile).
     pub checkpoint_snapshot: f64,
     /// Of `checkpoint_and_logging`: waiting for the writer thread to finish the previous
     /// checkpoint before handing it the next.
@@ -145,7 +154,15 @@ impl RunTask for RlTask {
         // Only the steps that are logged read statistics back (one DQN env step per call),
         // so the host is not made to wait for the GPU twice per step.
         let read = self.agent.env_steps() + 1 >= self.next_log.min(self.cfg.steps);
-        let p = self.agent.advance_with(self.env.as_vec_env(), read)?;
+        // A PPO iteration starts the next one's rollout before its read, so the GPU is not
+        // idle while the host reads, logs and launches; only when that next iteration will
+        // run before anything is saved: not the last, not one a checkpoint follows, not
+        // after a stop signal.
+        let start_next = self.agent.iteration_steps().is_some_and(|t| {
+            let after = self.agent.env_steps() + t;
+            after < self.cfg.steps && after < self.next_ckpt && !ctx.stop_requested()
+        });
+        let p = self.agent.advance_with(self.env.as_vec_env(), read, start_next)?;
         self.profile.env_collect += p.collect_seconds;
         self.profile.update += p.update_seconds;
         self.samples_since += p.update_samples;
@@ -182,6 +199,13 @@ impl RunTask for RlTask {
     }
 
     fn checkpoint(&mut self, dir: &RunDir, train_seconds: f64, last: bool) -> Result<()> {
+        // A stop signal may come after a PPO iteration started the next rollout: that
+        // iteration runs to its end first (its metrics line is not written).
+        self.agent.settle(self.env.as_vec_env())?;
+        // The queued work is waited for first, so the snapshot's time is the host's alone.
+        let t = Instant::now();
+        self.device.synchronize()?;
+        self.profile.checkpoint_device_wait += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let (cfg, data) = (&self.cfg, &self.data);
         let run = RunState::new(
@@ -220,6 +244,7 @@ impl RunTask for RlTask {
         profile.update_backward = update.backward;
         profile.update_device_wait = update.device_wait;
         profile.update_optimizer = update.optimizer;
+        profile.update_phases = agent.update_phases();
         profile.data_prep = times.data_prep;
         profile.checkpoint_and_logging = times.checkpoint_and_logging;
         profile.gpu_busy_fraction = times.gpu_busy_fraction;

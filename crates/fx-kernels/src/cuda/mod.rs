@@ -23,7 +23,7 @@ pub mod tft;
 #[cfg(test)]
 mod optim_tests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 #[cfg(test)]
 mod tft_tests;
 
