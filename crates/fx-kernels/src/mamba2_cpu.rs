@@ -5,16 +5,75 @@
 //! thread pool, no tensor, no allocation. It computes what
 //! [`crate::mamba2_step_ref::step`] computes (f64), at batch 1, and is tested against it; the
 //! GPU twin is `cuda::mamba2_step`.
+//!
+//! Each layer's `in_proj` and `out_proj` (some 90 % of the bytes a bar reads) sit behind the
+//! [`Projection`] trait: F32 rows here ([`Mamba2CpuStep::new`]); `fx-quant` plugs in INT8
+//! rows through [`Mamba2CpuStep::with_projections`].
 
 use crate::cpu_dot::pick_dot;
 use crate::error::{Error, Result};
 use crate::mamba2_step_ref::{LayerState, StepDims, StepParams};
 
-/// One layer's weights (the model's layouts, F32).
+/// Which of a layer's two projections a [`Projection`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProjectionKind {
+    /// `[in_proj_rows, d_model]`: the normed residual to `z | xBC | dt`.
+    In,
+    /// `[d_model, d_inner]`: the gated SSD output back to the residual.
+    Out,
+}
+
+/// A layer's projection `out[r] = Σ_i W[r, i] · x[i]` (`x` of its `cols`, `out` of its rows),
+/// computed on the calling thread without allocating.
+pub trait Projection: Send + std::fmt::Debug {
+    /// `out = W x`.
+    fn apply(&mut self, x: &[f32], out: &mut [f32]);
+    /// The bytes of its weights (for reports).
+    fn bytes(&self) -> usize;
+    /// A copy (the step is `Clone`).
+    fn clone_box(&self) -> Box<dyn Projection>;
+}
+
+/// F32 weight rows and the shared dot product (the default projection).
+#[derive(Debug, Clone)]
+pub struct F32Rows {
+    w: Vec<f32>,
+    cols: usize,
+    dot: fn(&[f32], &[f32]) -> f32,
+}
+
+impl F32Rows {
+    /// `w`: `rows × cols`, row-major.
+    pub fn new(w: Vec<f32>, cols: usize) -> Self {
+        Self { w, cols, dot: pick_dot() }
+    }
+}
+
+impl Projection for F32Rows {
+    fn apply(&mut self, x: &[f32], out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(self.w.chunks_exact(self.cols)) {
+            *o = (self.dot)(row, &x[..self.cols]);
+        }
+    }
+    fn bytes(&self) -> usize {
+        self.w.len() * 4
+    }
+    fn clone_box(&self) -> Box<dyn Projection> {
+        Box::new(self.clone())
+    }
+}
+
+impl Clone for Box<dyn Projection> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+/// One layer's weights (the model's layouts, F32, the projections behind [`Projection`]).
 #[derive(Debug, Clone)]
 struct Layer {
     norm_w: Vec<f32>,
-    in_proj: Vec<f32>,
+    in_proj: Box<dyn Projection>,
     conv_w: Vec<f32>,
     conv_b: Vec<f32>,
     dt_bias: Vec<f32>,
@@ -22,7 +81,7 @@ struct Layer {
     a: Vec<f32>,
     d: Vec<f32>,
     gnorm_w: Vec<f32>,
-    out_proj: Vec<f32>,
+    out_proj: Box<dyn Projection>,
     /// `[d_conv − 1, conv_dim]`, oldest first.
     conv_state: Vec<f32>,
     /// `[nheads, headdim, d_state]`.
@@ -45,8 +104,14 @@ pub struct Mamba2CpuStep {
     u: Vec<f32>,
     zx: Vec<f32>,
     yz: Vec<f32>,
+    /// `out_proj`'s output `[d_model]`, added to the residual.
+    po: Vec<f32>,
     dot: fn(&[f32], &[f32]) -> f32,
 }
+
+/// Builds a layer's projection from its F32 weights: `(kind, layer, rows, cols, w)`.
+pub type MakeProjection<'a> =
+    dyn FnMut(ProjectionKind, usize, usize, usize, Vec<f32>) -> Result<Box<dyn Projection>> + 'a;
 
 fn f32s(v: &[f64]) -> Vec<f32> {
     v.iter().map(|&x| x as f32).collect()
@@ -72,6 +137,13 @@ impl Mamba2CpuStep {
     /// Copies `p` (checked against `dims`, batch 1) and starts from a zero state. Values that
     /// came from F32 weights convert back exactly.
     pub fn new(dims: &StepDims, p: &StepParams<'_>) -> Result<Self> {
+        Self::with_projections(dims, p, &mut |_, _, _, cols, w| Ok(Box::new(F32Rows::new(w, cols))))
+    }
+
+    /// [`Mamba2CpuStep::new`] with each layer's `in_proj` and `out_proj` built by `make`
+    /// from their F32 weights (INT8 rows in `fx-quant`; a projection must compute `W x` for
+    /// the rows and columns it is given).
+    pub fn with_projections(dims: &StepDims, p: &StepParams<'_>, make: &mut MakeProjection<'_>) -> Result<Self> {
         const CTX: &str = "Mamba2CpuStep::new";
         if dims.batch != 1 {
             return Err(Error::Unsupported {
@@ -85,20 +157,23 @@ impl Mamba2CpuStep {
         let layers = p
             .layers
             .iter()
-            .map(|l| Layer {
-                norm_w: f32s(l.norm_w),
-                in_proj: f32s(l.in_proj),
-                conv_w: f32s(l.conv_w),
-                conv_b: f32s(l.conv_b),
-                dt_bias: f32s(l.dt_bias),
-                a: l.a_log.iter().map(|&v| -(v as f32).exp()).collect(),
-                d: f32s(l.d),
-                gnorm_w: f32s(l.gnorm_w),
-                out_proj: f32s(l.out_proj),
-                conv_state: vec![0.0; dims.conv_state_len()],
-                ssm_state: vec![0.0; dims.ssm_state_len()],
+            .enumerate()
+            .map(|(i, l)| {
+                Ok(Layer {
+                    norm_w: f32s(l.norm_w),
+                    in_proj: make(ProjectionKind::In, i, dims.in_proj_rows(), dims.d_model, f32s(l.in_proj))?,
+                    conv_w: f32s(l.conv_w),
+                    conv_b: f32s(l.conv_b),
+                    dt_bias: f32s(l.dt_bias),
+                    a: l.a_log.iter().map(|&v| -(v as f32).exp()).collect(),
+                    d: f32s(l.d),
+                    gnorm_w: f32s(l.gnorm_w),
+                    out_proj: make(ProjectionKind::Out, i, dims.d_model, dims.d_inner, f32s(l.out_proj))?,
+                    conv_state: vec![0.0; dims.conv_state_len()],
+                    ssm_state: vec![0.0; dims.ssm_state_len()],
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             dims: *dims,
             embed_w: f32s(p.embed_w),
@@ -111,8 +186,15 @@ impl Mamba2CpuStep {
             u: vec![0.0; dims.d_model.max(dims.n_in)],
             zx: vec![0.0; dims.in_proj_rows()],
             yz: vec![0.0; dims.d_inner],
+            po: vec![0.0; dims.d_model],
             dot: pick_dot(),
         })
+    }
+
+    /// The bytes of every layer's `in_proj` and `out_proj` weights (as their projections
+    /// hold them).
+    pub fn projection_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.in_proj.bytes() + l.out_proj.bytes()).sum()
     }
 
     /// The sizes it steps.
@@ -182,9 +264,7 @@ impl Mamba2CpuStep {
         }
         for l in &mut self.layers {
             rmsnorm(&self.h, &l.norm_w, eps, &mut self.u[..dm]);
-            for (r, o) in self.zx.iter_mut().enumerate().take(rows) {
-                *o = dot(&l.in_proj[r * dm..(r + 1) * dm], &self.u[..dm]);
-            }
+            l.in_proj.apply(&self.u[..dm], &mut self.zx[..rows]);
             // Causal conv over (state rows 0 .. K−2, the new value) + SiLU, in place over xBC;
             // the state shifts by one.
             let (z, rest) = self.zx.split_at_mut(di);
@@ -230,8 +310,9 @@ impl Mamba2CpuStep {
                     *v = *v / q * w;
                 }
             }
-            for (r, hv) in self.h.iter_mut().enumerate() {
-                *hv += dot(&l.out_proj[r * di..(r + 1) * di], &self.yz);
+            l.out_proj.apply(&self.yz, &mut self.po);
+            for (hv, p) in self.h.iter_mut().zip(&self.po) {
+                *hv += p;
             }
         }
         rmsnorm(&self.h, &self.norm_f, eps, &mut self.u[..dm]);

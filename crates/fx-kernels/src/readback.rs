@@ -48,12 +48,27 @@ mod cuda_path {
     /// The process's staging buffer (page-locked host memory of one CUDA context; replaced if
     /// a tensor of another context comes).
     static STAGING: Mutex<Option<PinnedHostSlice<u8>>> = Mutex::new(None);
+    // Every staged tensor fits the buffer on its own.
+    const _: () = assert!(DIRECT_BYTES <= STAGING_BYTES);
 
     pub(super) fn to_host_cuda(tensors: &[Tensor]) -> Result<Vec<Tensor>> {
         const CTX: &str = "cuda::readback::to_host";
         let mut out: Vec<Option<Tensor>> = vec![None; tensors.len()];
         // (index, contiguous tensor, bytes) of the tensors to stage.
         let mut staged: Vec<(usize, Tensor, usize)> = Vec::new();
+        // One stream for all (checked before anything is queued).
+        let mut stream: Option<std::sync::Arc<CudaStream>> = None;
+        for t in tensors.iter().filter(|t| t.device().is_cuda()) {
+            let s = stream_of(t, CTX)?;
+            if stream.as_ref().is_some_and(|first| !std::sync::Arc::ptr_eq(first, &s)) {
+                return Err(Error::Device {
+                    what: "tensors",
+                    expected: "every CUDA tensor on one device".into(),
+                    context: CTX,
+                });
+            }
+            stream.get_or_insert(s);
+        }
         for (i, t) in tensors.iter().enumerate() {
             let Device::Cuda(_) = t.device() else {
                 out[i] = Some(t.clone());
@@ -67,7 +82,7 @@ mod cuda_path {
             // A strided view is gathered on the device first (rare: parameters are contiguous).
             staged.push((i, t.contiguous().ctx(CTX)?, bytes));
         }
-        if !staged.is_empty() {
+        if let (false, Some(stream)) = (staged.is_empty(), stream) {
             let mut guard =
                 STAGING.lock().map_err(|_| Error::Cuda { context: CTX, message: "staging lock poisoned".into() })?;
             let mut start = 0;
@@ -79,31 +94,25 @@ mod cuda_path {
                     end += 1;
                 }
                 let batch = &staged[start..end];
-                let stream = stream_of(&batch[0].1, CTX)?;
                 let buf = staging_for(&mut guard, &stream, CTX)?;
                 let host = buf.as_mut_slice().map_err(driver(CTX))?;
                 let mut offsets = Vec::with_capacity(batch.len());
                 let mut off = 0usize;
+                let mut queued = Ok(());
                 for (_, t, bytes) in batch {
                     off = off.next_multiple_of(ALIGN);
-                    if !std::sync::Arc::ptr_eq(&stream_of(t, CTX)?, &stream) {
-                        return Err(Error::Device {
-                            what: "tensors",
-                            expected: "every CUDA tensor on one device".into(),
-                            context: CTX,
-                        });
+                    queued = queue_copy(t, &stream, &mut host[off..off + bytes], CTX);
+                    if queued.is_err() {
+                        break;
                     }
-                    let ptr = device_address(t, &stream, CTX)?;
-                    // SAFETY: `ptr` addresses `bytes` bytes of `t`'s live device buffer (checked
-                    // contiguous, its layout's offset applied); the destination is this call's
-                    // slice of the page-locked buffer, which nothing else touches until the
-                    // stream is synchronised below (the lock is held). `t` stays alive in `batch`.
-                    unsafe { result::memcpy_dtoh_async(&mut host[off..off + bytes], ptr, stream.cu_stream()) }
-                        .map_err(driver(CTX))?;
                     offsets.push(off);
                     off += bytes;
                 }
-                stream.synchronize().map_err(driver(CTX))?;
+                // Also after a failed copy: the copies queued before it must land before the
+                // buffer is released.
+                let synced = stream.synchronize().map_err(driver(CTX));
+                queued?;
+                synced?;
                 for ((i, t, bytes), off) in batch.iter().zip(offsets) {
                     let h =
                         Tensor::from_raw_buffer(&host[off..off + bytes], t.dtype(), t.dims(), &Device::Cpu).ctx(CTX)?;
@@ -125,8 +134,9 @@ mod cuda_path {
             };
             layout.is_contiguous() && layout.start_offset() == 0 && len == Some(t.elem_count())
         };
-        // A view into a larger buffer is copied to its own first, so that only its bytes cross.
-        let t = if whole { t.clone() } else { t.copy()? };
+        // A view into a larger buffer is gathered into a buffer of its own first, so that only
+        // its bytes cross (`copy` would clone the whole buffer).
+        let t = if whole { t.clone() } else { t.force_contiguous()? };
         t.to_device(&Device::Cpu)
     }
 
@@ -161,38 +171,49 @@ mod cuda_path {
         let same = slot.as_ref().is_some_and(|b| b.context().cu_ctx() == stream.context().cu_ctx());
         if !same {
             *slot = None;
-            // SAFETY: u8 has no invalid bit patterns; every byte read back was written by a copy.
-            let b = unsafe { stream.context().alloc_pinned::<u8>(STAGING_BYTES) }.map_err(driver(ctx))?;
+            // Flags 0, not cudarc's default write-combined memory: the host reads this buffer,
+            // and reads of write-combined memory are uncached and slow.
+            // SAFETY: the memory is zeroed through its raw pointer before any slice of it is
+            // made.
+            let mut b =
+                unsafe { stream.context().alloc_pinned_with_flags::<u8>(STAGING_BYTES, 0) }.map_err(driver(ctx))?;
+            let p = b.as_mut_ptr().map_err(driver(ctx))?;
+            unsafe { std::ptr::write_bytes(p, 0, STAGING_BYTES) };
             *slot = Some(b);
         }
         Ok(slot.as_mut().expect("allocated above"))
     }
 
-    /// Byte address of the first element of a contiguous CUDA tensor of any dtype.
-    fn device_address(t: &Tensor, stream: &CudaStream, ctx: &'static str) -> Result<u64> {
+    /// Queues the copy of a contiguous CUDA tensor's bytes (any dtype, its layout's offset
+    /// applied) into `dst` (exactly its size) on `stream`.
+    fn queue_copy(t: &Tensor, stream: &CudaStream, dst: &mut [u8], ctx: &'static str) -> Result<()> {
         let (storage, layout) = t.storage_and_layout();
-        if !layout.is_contiguous() {
-            return Err(Error::shape("tensor", ctx, "a contiguous tensor", "a strided view"));
+        if !layout.is_contiguous() || dst.len() != t.elem_count() * t.dtype().size_in_bytes() {
+            return Err(Error::shape("tensor", ctx, "a contiguous tensor of the destination's size", "a strided view"));
         }
         let Storage::Cuda(cs) = &*storage else {
             return Err(Error::Device { what: "tensor", expected: "a CUDA device".into(), context: ctx });
         };
-        macro_rules! addr {
+        let offset = (layout.start_offset() * t.dtype().size_in_bytes()) as u64;
+        macro_rules! copy {
             ($($d:ident => $t:ty),*) => {
                 match t.dtype() {
                     $(DType::$d => {
                         let s = cs.as_cuda_slice::<$t>().ctx(ctx)?;
+                        // The guard records cudarc's read event when dropped: after the copy.
                         let (ptr, _record) = s.device_ptr(stream);
-                        ptr
+                        // SAFETY: `ptr + offset` addresses `dst.len()` bytes of the slice's live
+                        // buffer (contiguous, size checked above); `dst` is the caller's part
+                        // of the page-locked buffer, untouched until the stream is synchronised
+                        // (the caller holds the lock), and `t` outlives that synchronisation.
+                        unsafe { result::memcpy_dtoh_async(dst, ptr + offset, stream.cu_stream()) }
+                            .map_err(driver(ctx))
                     })*
-                    other => {
-                        return Err(Error::shape("tensor", ctx, "a dtype CUDA storage holds", format!("{other:?}")))
-                    }
+                    other => Err(Error::shape("tensor", ctx, "a dtype CUDA storage holds", format!("{other:?}"))),
                 }
             };
         }
-        let base = addr!(U8 => u8, U32 => u32, I16 => i16, I32 => i32, I64 => i64, BF16 => half::bf16, F16 => half::f16, F32 => f32, F64 => f64);
-        Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+        copy!(U8 => u8, U32 => u32, I16 => i16, I32 => i32, I64 => i64, BF16 => half::bf16, F16 => half::f16, F32 => f32, F64 => f64)
     }
 }
 

@@ -186,9 +186,6 @@ pub struct PpoTrainer {
     forward_seconds: f64,
     /// Host seconds of the update's phases, for profiles.
     phases: UpdatePhases,
-    /// The next rollout was started on the device by [`PpoTrainer::iterate_and_start_next`]
-    /// and is not counted yet: [`PpoTrainer::collect_rollout`] claims it.
-    started_rollout: bool,
     /// The captured minibatch update (CUDA, `graph` not off), built at the first update.
     #[cfg(feature = "cuda")]
     graph: crate::graph_update::GraphSlot,
@@ -251,7 +248,6 @@ impl PpoTrainer {
             skipped_updates: 0,
             forward_seconds: 0.0,
             phases: UpdatePhases::default(),
-            started_rollout: false,
             #[cfg(feature = "cuda")]
             graph: Default::default(),
             #[cfg(feature = "cuda")]
@@ -324,42 +320,9 @@ impl PpoTrainer {
         self.update(env)
     }
 
-    /// [`PpoTrainer::iterate`], and the next iteration's rollout started on the device
-    /// before this one's statistics are read, so that the GPU has work while the host reads
-    /// them, logs and launches (without it the GPU idled there: PPO runs at 83 % busy on
-    /// the H200). Only where the rollout is one replayed graph (CUDA, the GPU env); elsewhere
-    /// it is [`PpoTrainer::iterate`]. The same kernels run in the same order, so training is
-    /// bit-identical. The started rollout is counted (env steps) by the next
-    /// [`PpoTrainer::collect_rollout`] on the same `env`; until then [`PpoTrainer::snapshot`]
-    /// refuses, so a caller starts one only when it will run the next iteration.
-    pub fn iterate_and_start_next(&mut self, env: &mut dyn VecEnv) -> Result<PpoIterStats> {
-        self.collect_rollout(env)?;
-        self.update_and_start_next(env)
-    }
-
-    /// [`PpoTrainer::update`] with the next rollout started before the read (the second
-    /// half of [`PpoTrainer::iterate_and_start_next`]).
-    pub fn update_and_start_next(&mut self, env: &dyn VecEnv) -> Result<PpoIterStats> {
-        self.update_inner(env, true)
-    }
-
-    /// Whether a rollout started by [`PpoTrainer::iterate_and_start_next`] waits to be
-    /// claimed by the next iteration.
-    pub fn rollout_started(&self) -> bool {
-        self.started_rollout
-    }
-
     /// Fills the rollout: as one replayed graph on the GPU env when it can (see
-    /// `ppo_rollout`), else [`PpoTrainer::collect_step`] until full. A rollout already
-    /// started by [`PpoTrainer::iterate_and_start_next`] is only counted.
+    /// `ppo_rollout`), else [`PpoTrainer::collect_step`] until full.
     pub fn collect_rollout(&mut self, env: &mut dyn VecEnv) -> Result<()> {
-        if self.started_rollout {
-            self.started_rollout = false;
-            let t = self.rollout.horizon();
-            self.rollout.record_rows(t);
-            self.env_steps += t as u64;
-            return Ok(());
-        }
         #[cfg(feature = "cuda")]
         if self.rollout.is_empty() && self.rollout_by_graph(env)? {
             return Ok(());
@@ -479,13 +442,6 @@ impl PpoTrainer {
     /// The update after a full rollout: GAE from the critic's value of `env`'s current
     /// states, then `K` epochs of shuffled minibatch steps; clears the rollout.
     pub fn update(&mut self, env: &dyn VecEnv) -> Result<PpoIterStats> {
-        self.update_inner(env, false)
-    }
-
-    /// [`PpoTrainer::update`]; with `start_next`, the next rollout's graph is replayed
-    /// after the updates are queued and before anything is read (see
-    /// [`PpoTrainer::iterate_and_start_next`]).
-    fn update_inner(&mut self, env: &dyn VecEnv, start_next: bool) -> Result<PpoIterStats> {
         const CTX: &str = "PpoTrainer::update";
         if !self.rollout.is_full() {
             return Err(Error::config(
@@ -574,17 +530,6 @@ impl PpoTrainer {
             .and_then(|t| t.flatten_from(1))
             .and_then(|t| t.sum(1))
             .ctx(CTX)?;
-        // The next rollout overwrites the rollout's storage: the values read below are
-        // copied first (stream-ordered); the returns and sums are tensors of their own.
-        let values = if start_next { values.copy().ctx(CTX)? } else { values };
-        self.rollout.clear();
-        #[cfg(feature = "cuda")]
-        if start_next {
-            if let Some(g) = self.rollout_graph.as_ref().filter(|_| self.rollout_graphs) {
-                g.replay()?;
-                self.started_rollout = true;
-            }
-        }
         let waited = std::time::Instant::now();
         self.phases.prepare += (launched - started).as_secs_f64();
         self.phases.launch += (waited - launched).as_secs_f64();
@@ -621,6 +566,7 @@ impl PpoTrainer {
         let (reward_sum, episodes) = (sums[0], sums[1]);
         self.phases.device_wait += (finishing - waited).as_secs_f64();
         self.phases.finish += finishing.elapsed().as_secs_f64();
+        self.rollout.clear();
         self.iterations += 1;
         Ok(PpoIterStats {
             iteration: self.iterations,
@@ -839,7 +785,7 @@ impl PpoTrainer {
     /// [`crate::StateSnapshot::write`], from another thread if need be).
     pub fn snapshot(&self) -> Result<crate::StateSnapshot> {
         const CTX: &str = "PpoTrainer::snapshot";
-        if !self.rollout.is_empty() || self.started_rollout {
+        if !self.rollout.is_empty() {
             return Err(Error::config(CTX, "save between iterations: the rollout is partly collected"));
         }
         let mut t: HashMap<String, Tensor> = self.model.params().to_tensors("model.")?;

@@ -136,7 +136,11 @@ proptest! {
         let (lc, lv, ent) = (lc / b as f64, 0.5 * lv / b as f64, ent / b as f64);
         let want = lc + 0.5 * lv - 0.01 * ent;
         let got = p.loss.to_scalar::<f32>().unwrap() as f64;
-        prop_assert!((got - want).abs() <= 2e-5 * want.abs().max(1e-2), "{} vs {}", got, want);
+        // Relative to the terms' sizes, not the sum's: the terms can cancel to a small loss
+        // (seen: −0.0105 from terms near 0.1, F32 off by 2.4e-7), and F32's error follows the
+        // terms.
+        let scale = lc.abs() + 0.5 * lv.abs() + 0.01 * ent.abs();
+        prop_assert!((got - want).abs() <= 2e-5 * scale.max(1e-2), "{} vs {} (terms {})", got, want, scale);
         let l_clip = p.l_clip.to_scalar::<f32>().unwrap() as f64;
         prop_assert!((l_clip - lc).abs() <= 2e-5 * lc.abs().max(1e-2));
     }

@@ -553,66 +553,6 @@ fn ppo_rollout_graph_equals_stepwise() {
     assert!((q.mean.clip_frac - r.mean.clip_frac).abs() <= 0.01, "{q:?} vs {r:?}");
 }
 
-/// Iterations that start the next rollout before their read (`iterate_and_start_next`)
-/// against plain iterations on the GPU env: the same kernels in the same order, so the
-/// weights, statistics, env state and counters are bit-identical; while a started rollout
-/// waits, the trainer refuses to save and counts nothing of it.
-#[test]
-fn ppo_started_rollouts_equal_plain_iterations() {
-    use std::sync::Arc;
-    let Some(dev) = gpu() else { return };
-    let t_len = 2000;
-    let market: Vec<f32> = vals(t_len * fx_kernels::N_MARKET, 11, 3);
-    let close: Vec<f64> = (0..t_len).map(|i| 1.0 + 0.1 * (i as f64 * 0.013).cos()).collect();
-    let data = Arc::new(fx_kernels::EnvData::new(market, close).unwrap());
-    let e = 32;
-    let env_cfg = fx_kernels::EnvConfig { num_envs: e, episode_len: 60, ..Default::default() };
-    let cfg = PpoConfig {
-        num_steps: 24,
-        epochs: 3,
-        minibatch_size: 128,
-        graph: GraphMode::On,
-        seed: 6,
-        ..Default::default()
-    };
-    let run = |start_next: bool| {
-        let mut env =
-            fx_kernels::GpuTradingEnv::new(data.clone(), env_cfg.clone(), &dev, fx_kernels::GpuEnvOptions::default())
-                .unwrap();
-        let mut tr = PpoTrainer::new(cfg.clone(), e, &dev).unwrap();
-        let mut stats = Vec::new();
-        for i in 0..4 {
-            if start_next && i < 3 {
-                let steps = tr.env_steps();
-                stats.push(tr.iterate_and_start_next(&mut env).unwrap());
-                assert!(tr.rollout_started(), "iteration {i}: the rollout graph should have started the next rollout");
-                assert_eq!(tr.env_steps(), steps + 24, "a started rollout is not counted");
-                assert!(tr.snapshot().is_err(), "saving with a started rollout must be refused");
-            } else {
-                stats.push(tr.iterate(&mut env).unwrap());
-                assert!(!tr.rollout_started());
-            }
-        }
-        let w: Vec<Vec<f32>> = tr
-            .model()
-            .params()
-            .vars()
-            .iter()
-            .map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
-            .collect();
-        tr.snapshot().unwrap();
-        (w, stats, env.state().unwrap(), (tr.updates(), tr.skipped_updates(), tr.env_steps()))
-    };
-    let (started, plain) = (run(true), run(false));
-    assert_eq!(started.3, plain.3, "counters");
-    assert_eq!(started.2, plain.2, "env state");
-    assert_eq!(started.0, plain.0, "weights");
-    for (a, b) in started.1.iter().zip(&plain.1) {
-        assert_eq!(format!("{a:?}"), format!("{b:?}"), "iteration statistics");
-        assert!(a.explained_variance.is_finite() && a.mean.loss.is_finite(), "{a:?}");
-    }
-}
-
 /// A PPO iteration's epochs × minibatch updates as one graph against the same updates
 /// replayed minibatch by minibatch: the same kernels in the same order on the same
 /// permutations, so the weights, counters and statistics are bit-identical (with a short

@@ -240,6 +240,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn gemv_vertical_avx512(w: &super::VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) {
         const R: usize = super::MAX_ROWS;
+        debug_assert!((1..=R).contains(&xs.len()) && xs.iter().all(|x| x.len() >= w.stride));
         // Each vector's bytes + 128 (unsigned for vpdpbusd) on the stack, 64 at a time; a
         // group of four is then one little-endian u32. Only the `stride` bytes of the `n`
         // rows are written, and only those are read (no 8 KB clear per call; VerticalWeights

@@ -25,6 +25,7 @@ mod decide;
 mod error;
 pub mod float_net;
 mod gemv_i8;
+pub mod mamba2;
 mod policy;
 pub mod qnet;
 pub mod reference;
@@ -34,6 +35,7 @@ pub use decide::{Decide, Forecast};
 pub use error::{Error, Result};
 pub use float_net::{FloatLayer, FloatNet, PolicyKind};
 pub use gemv_i8::Isa;
+pub use mamba2::{mamba2_int8_step, Int8Rows};
 pub use policy::Int8Policy;
 pub use qnet::{CalibInfo, QuantLayer, QuantLinear, QuantNet};
 

@@ -91,7 +91,7 @@ fn quantize_row(l: &PackedLinear, x: &[f32], xq: &mut [i8]) -> Option<f32> {
 /// unvectorised, lane by lane: the largest share of a batch's non-GEMM time in a profile on
 /// the dev machine).
 #[inline(always)]
-fn quantize_slice(x: &[f32], inv: f32, out: &mut [i8]) {
+pub(crate) fn quantize_slice(x: &[f32], inv: f32, out: &mut [i8]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 detected just above; `x` and `out` have the same length.

@@ -90,25 +90,6 @@ impl Agent {
         }
     }
 
-    /// PPO: env steps one iteration takes (the rollout's length); None for DQN.
-    pub fn iteration_steps(&self) -> Option<u64> {
-        match self {
-            Agent::Dqn(_) => None,
-            Agent::Ppo(t) => Some(t.config().num_steps as u64),
-        }
-    }
-
-    /// Runs the iteration whose rollout `advance_with(.., start_next)` started, if any, so
-    /// that the state can be saved (a stop signal may come between the two).
-    pub fn settle(&mut self, env: &mut dyn VecEnv) -> Result<()> {
-        if let Agent::Ppo(t) = self {
-            if t.rollout_started() {
-                t.iterate(env)?;
-            }
-        }
-        Ok(())
-    }
-
     pub fn env_steps(&self) -> u64 {
         match self {
             Agent::Dqn(t) => t.env_steps(),
@@ -121,11 +102,8 @@ impl Agent {
     ///
     /// Unless `read`, the DQN step reads nothing back from the device
     /// (`DqnTrainer::step_with`: its metrics are then absent, its updates only queued), so
-    /// the host runs ahead of the GPU. A PPO iteration reads its statistics once, at its end;
-    /// with `start_next` it starts the next iteration's rollout on the GPU before that read
-    /// (`PpoTrainer::iterate_and_start_next`: the caller must run the next iteration before
-    /// a checkpoint, see [`Agent::settle`]).
-    pub fn advance_with(&mut self, env: &mut dyn VecEnv, read: bool, start_next: bool) -> Result<Progress> {
+    /// the host runs ahead of the GPU. A PPO iteration reads its statistics once, at its end.
+    pub fn advance_with(&mut self, env: &mut dyn VecEnv, read: bool) -> Result<Progress> {
         let mut p = Progress::default();
         match self {
             Agent::Dqn(t) => {
@@ -154,7 +132,7 @@ impl Agent {
                 t.collect_rollout(env)?;
                 p.collect_seconds = started.elapsed().as_secs_f64();
                 let started = Instant::now();
-                let s = if start_next { t.update_and_start_next(env)? } else { t.update(env)? };
+                let s = t.update(env)?;
                 p.update_seconds = started.elapsed().as_secs_f64();
                 let m = &s.mean;
                 p.loss = Some(m.loss);

@@ -582,7 +582,7 @@ mod tests {
 
     /// The TFT and MAMBA-2 cases on the CPU (bench.py's default models, small batches, one
     /// timed step): training in both precisions with finite losses, inference with
-    /// positive latencies.
+    /// positive latencies (the MAMBA-2 step also on the CPU in F32 and INT8).
     #[test]
     fn sequence_model_cases_run() {
         let plan = Plan {
@@ -612,11 +612,15 @@ mod tests {
                 ("tft_infer_b8", "eager_fp32", "ok"),
                 ("mamba2_step_b1", "eager_fp32", "ok"),
                 ("mamba2_step_b1", "cpu_fp32", "ok"),
+                ("mamba2_step_b1", "int8", "ok"),
             ],
             "{recs:#?}"
         );
-        // The CPU step's first prediction equals candle's step to F32 rounding.
+        // The CPU step's first prediction equals candle's step to F32 rounding; the INT8
+        // step's is near it, with a quarter of the projections' bytes.
         assert!(num(&recs[5], "rel_err_vs_candle") < 1e-5, "{:?}", recs[5]);
+        assert!(num(&recs[6], "rel_err_vs_candle") < 0.1, "{:?}", recs[6]);
+        assert!(num(&recs[6], "projection_bytes") * 3.0 < num(&recs[5], "projection_bytes"), "{:?}", recs[6]);
         assert!(num(&recs[0], "loss_last").is_finite() && num(&recs[1], "tokens_per_s") > 0.0);
         assert_eq!(recs[1]["seq_len"], 256);
         for r in &recs[2..] {

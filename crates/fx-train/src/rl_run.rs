@@ -154,15 +154,7 @@ impl RunTask for RlTask {
         // Only the steps that are logged read statistics back (one DQN env step per call),
         // so the host is not made to wait for the GPU twice per step.
         let read = self.agent.env_steps() + 1 >= self.next_log.min(self.cfg.steps);
-        // A PPO iteration starts the next one's rollout before its read, so the GPU is not
-        // idle while the host reads, logs and launches; only when that next iteration will
-        // run before anything is saved: not the last, not one a checkpoint follows, not
-        // after a stop signal.
-        let start_next = self.agent.iteration_steps().is_some_and(|t| {
-            let after = self.agent.env_steps() + t;
-            after < self.cfg.steps && after < self.next_ckpt && !ctx.stop_requested()
-        });
-        let p = self.agent.advance_with(self.env.as_vec_env(), read, start_next)?;
+        let p = self.agent.advance_with(self.env.as_vec_env(), read)?;
         self.profile.env_collect += p.collect_seconds;
         self.profile.update += p.update_seconds;
         self.samples_since += p.update_samples;
@@ -199,9 +191,6 @@ impl RunTask for RlTask {
     }
 
     fn checkpoint(&mut self, dir: &RunDir, train_seconds: f64, last: bool) -> Result<()> {
-        // A stop signal may come after a PPO iteration started the next rollout: that
-        // iteration runs to its end first (its metrics line is not written).
-        self.agent.settle(self.env.as_vec_env())?;
         // The queued work is waited for first, so the snapshot's time is the host's alone.
         let t = Instant::now();
         self.device.synchronize()?;

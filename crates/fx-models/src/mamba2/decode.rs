@@ -56,6 +56,14 @@ impl Mamba2 {
         let params = host_params(self)?;
         Mamba2CpuStep::new(&step_dims(self.config(), 1), &params.view()).ctx(CTX)
     }
+
+    /// [`Mamba2::cpu_step`] with the layers' projections built by `make` (INT8 rows:
+    /// `fx_quant::mamba2_int8_step`).
+    pub fn cpu_step_with(&self, make: &mut fx_kernels::mamba2_cpu::MakeProjection<'_>) -> Result<Mamba2CpuStep> {
+        const CTX: &str = "Mamba2::cpu_step_with";
+        let params = host_params(self)?;
+        Mamba2CpuStep::with_projections(&step_dims(self.config(), 1), &params.view(), make).ctx(CTX)
+    }
 }
 
 impl Mamba2State {

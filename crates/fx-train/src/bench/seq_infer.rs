@@ -12,7 +12,8 @@
 //! captured as a one-node CUDA graph and replayed; their records add the kernel's device time
 //! (`kernel_us`) and the first prediction's relative distance to candle's step
 //! (`rel_err_vs_candle`). On the CPU it has `cpu_fp32`: `Mamba2::cpu_step`, the step on the
-//! calling thread with no tensor and no allocation. Every call is timed on the host clock up to
+//! calling thread with no tensor and no allocation, and `int8`: `fx_quant::mamba2_int8_step`,
+//! the same step with INT8 `in_proj` / `out_proj` (its record adds the ISA). Every call is timed on the host clock up to
 //! a device synchronisation, like bench.py's latency cases.
 
 use anyhow::{ensure, Result};
@@ -86,7 +87,7 @@ impl SeqInfer {
             SeqInfer::Mamba2Step if fused_step_runs(device) => {
                 &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32"]
             }
-            SeqInfer::Mamba2Step if !device.is_cuda() => &["eager_fp32", "cpu_fp32"],
+            SeqInfer::Mamba2Step if !device.is_cuda() => &["eager_fp32", "cpu_fp32", "int8"],
             _ => modes(device.is_cuda()),
         }
     }
@@ -125,8 +126,8 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
     let fused = mode.starts_with("fused");
     ensure!(!(graph || fused) || dev.is_cuda(), "graph and fused modes need CUDA");
     ensure!(!fused || what == SeqInfer::Mamba2Step, "fused modes exist for the MAMBA-2 step only");
-    let cpu_step = mode == "cpu_fp32";
-    ensure!(!cpu_step || (what == SeqInfer::Mamba2Step && !dev.is_cuda()), "cpu_fp32 is the MAMBA-2 step on the CPU");
+    let cpu_step = mode == "cpu_fp32" || mode == "int8";
+    ensure!(!cpu_step || (what == SeqInfer::Mamba2Step && !dev.is_cuda()), "{mode} is the MAMBA-2 step on the CPU");
     let c = Ctx::inference(Precision::F32);
     let (n_warm, n) = if what.kind() == "infer" {
         (5, (ctx.lat_n / 20).max(20))
@@ -154,7 +155,7 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
             time_calls(&dev, graph, &mut body, n_warm, n)?
         }
         SeqInfer::Mamba2Step if fused => mamba2_fused(&dev, graph, n_warm, n, rec)?,
-        SeqInfer::Mamba2Step if cpu_step => mamba2_cpu(&dev, n_warm, n, rec)?,
+        SeqInfer::Mamba2Step if cpu_step => mamba2_cpu(&dev, mode == "int8", n_warm, n, rec)?,
         SeqInfer::Mamba2Step => {
             let cfg = Mamba2Config::default();
             let model = Mamba2::new(cfg.clone(), &dev, 0)?;
@@ -187,10 +188,10 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
 }
 
 /// The MAMBA-2 step on the CPU (`Mamba2::cpu_step`: one bar on the calling thread, no
-/// allocation), from the same model, bar and 64-bar prefill as the candle mode, its first
+/// allocation; with `int8`, `fx_quant::mamba2_int8_step`), from the same model, bar and 64-bar prefill as the candle mode, its first
 /// prediction checked against candle's; each call then advances the state by that bar, as a
 /// trading loop does (restoring the state per call would time a 0.5 MB copy, not the step).
-fn mamba2_cpu(dev: &Device, n_warm: usize, n: usize, rec: &mut Record) -> Result<Vec<f64>> {
+fn mamba2_cpu(dev: &Device, int8: bool, n_warm: usize, n: usize, rec: &mut Record) -> Result<Vec<f64>> {
     let c = Ctx::inference(Precision::F32);
     let cfg = Mamba2Config::default();
     let model = Mamba2::new(cfg.clone(), dev, 0)?;
@@ -201,7 +202,13 @@ fn mamba2_cpu(dev: &Device, n_warm: usize, n: usize, rec: &mut Record) -> Result
     let prefill = model.forward_with_state(&c, &hist)?.1.to_buffers()?;
     let want = model.step(&c, &x, &mut prefill.clone())?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
     let state = prefill.layer_states()?;
-    let mut fast = model.cpu_step()?;
+    let mut fast = if int8 {
+        rec.insert("isa".into(), json!(fx_quant::Isa::detect().name()));
+        fx_quant::mamba2_int8_step(&model)?
+    } else {
+        model.cpu_step()?
+    };
+    rec.insert("projection_bytes".into(), json!(fast.projection_bytes()));
     fast.set_state(&state)?;
     let got = f64::from(fast.step(&bar)?);
     ensure!(got.is_finite(), "non-finite CPU MAMBA-2 prediction");
