@@ -35,14 +35,31 @@ fn sample_percent(value: u64, value_type: c_int) -> Option<f64> {
     }
 }
 
-/// The mean of the samples (timestamp µs, percent) taken strictly after `after`, as a
-/// fraction in [0, 1], with the newest timestamp and the number of samples; `None` when
-/// there is none.
-pub fn mean_busy_after(samples: &[(u64, f64)], after: u64) -> Option<(f64, u64, usize)> {
-    let fresh: Vec<&(u64, f64)> = samples.iter().filter(|(t, v)| *t > after && v.is_finite()).collect();
-    let newest = fresh.iter().map(|(t, _)| *t).max()?;
-    let mean = fresh.iter().map(|(_, v)| v.clamp(0.0, 100.0)).sum::<f64>() / fresh.len() as f64 / 100.0;
-    Some((mean, newest, fresh.len()))
+/// The fresh samples (timestamp µs, percent) taken strictly after `after`, as a weighted
+/// sum of fractions and the sum of weights, with the newest timestamp; `None` when there is
+/// none. Every sample weighs 1, except that the first one's period, `(after, t]`, is
+/// clipped to begin at `start` when `clip` (the share of that period after `start`): the
+/// sample that straddles the moment measuring began counts only for its part after it.
+pub fn busy_after(samples: &[(u64, f64)], after: u64, start: u64, clip: bool) -> Option<(f64, f64, u64)> {
+    let mut fresh: Vec<(u64, f64)> = samples.iter().copied().filter(|(t, v)| *t > after && v.is_finite()).collect();
+    fresh.sort_by_key(|s| s.0);
+    let newest = fresh.last()?.0;
+    let (mut sum, mut weight) = (0.0, 0.0);
+    for (i, (t, v)) in fresh.iter().enumerate() {
+        let w = if i == 0 && clip && after > 0 && start > after {
+            t.saturating_sub(start) as f64 / (t - after) as f64
+        } else {
+            1.0
+        };
+        sum += w * v.clamp(0.0, 100.0) / 100.0;
+        weight += w;
+    }
+    Some((sum, weight, newest))
+}
+
+/// Microseconds since the Unix epoch now (NVML's sample clock, checked at run time).
+fn now_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 /// NVML utilisation samples of one GPU, read interval by interval (see the module docs).
@@ -51,7 +68,12 @@ pub struct BusyMeter {
     device: NvmlDevice,
     get_samples: GetSamplesFn,
     last_seen: u64,
-    total: (f64, usize),
+    /// When measuring began (µs since the epoch), and whether NVML's timestamps are on that
+    /// clock (a sample taken within the last 5 s when the meter was made), so that the first
+    /// sample's period can be clipped to it.
+    start: u64,
+    clip: bool,
+    total: (f64, f64),
     _lib: libloading::Library,
 }
 
@@ -104,9 +126,12 @@ impl BusyMeter {
                 return Err(format!("nvmlDeviceGetHandleByPciBusId_v2: NVML error {r}"));
             }
             let get_samples = *get_samples;
-            let mut me = Self { device, get_samples, last_seen: 0, total: (0.0, 0), _lib: lib };
+            let mut me =
+                Self { device, get_samples, last_seen: 0, start: 0, clip: false, total: (0.0, 0.0), _lib: lib };
             // Start from the newest sample the driver holds now.
             me.last_seen = me.samples(0).iter().map(|s| s.0).max().unwrap_or(0);
+            me.start = now_us();
+            me.clip = me.last_seen > 0 && me.start.abs_diff(me.last_seen) < 5_000_000;
             Ok(me)
         }
     }
@@ -134,19 +159,21 @@ impl BusyMeter {
     }
 
     /// The busy fraction since the previous call (or the meter's start): the mean of the
-    /// samples taken since; `None` when the driver took none (an interval shorter than its
-    /// sampling period).
+    /// samples taken since, the first sample after the start counting only for the part of
+    /// its period after it ([`busy_after`]: before this, up to one sampling period of the
+    /// idle setup before a training loop counted as the loop's); `None` when the driver took
+    /// none (an interval shorter than its sampling period).
     pub fn fraction_since_last(&mut self) -> Option<f64> {
-        let (mean, newest, n) = mean_busy_after(&self.samples(self.last_seen), self.last_seen)?;
-        self.total.0 += mean * n as f64;
-        self.total.1 += n;
+        let (sum, weight, newest) = busy_after(&self.samples(self.last_seen), self.last_seen, self.start, self.clip)?;
+        self.total.0 += sum;
+        self.total.1 += weight;
         self.last_seen = newest;
-        Some(mean)
+        (weight > 0.0).then(|| sum / weight)
     }
 
     /// The busy fraction over every interval read so far (sample-weighted), if any.
     pub fn fraction_total(&self) -> Option<f64> {
-        (self.total.1 > 0).then(|| self.total.0 / self.total.1 as f64)
+        (self.total.1 > 0.0).then(|| self.total.0 / self.total.1)
     }
 }
 
@@ -154,15 +181,25 @@ impl BusyMeter {
 mod tests {
     use super::*;
 
+    /// Every fresh sample weighs 1 but the first, which counts for the share of its period
+    /// `(after, t]` after `start` when clipping (timestamps on the same clock).
     #[test]
-    fn mean_of_the_fresh_samples_only() {
-        let s = [(10, 50.0), (20, 100.0), (30, 0.0), (40, 100.0)];
-        assert_eq!(mean_busy_after(&s, 20), Some((0.5, 40, 2)));
-        assert_eq!(mean_busy_after(&s, 0), Some((0.625, 40, 4)));
-        assert_eq!(mean_busy_after(&s, 40), None);
-        assert_eq!(mean_busy_after(&[], 0), None);
-        // Out-of-range values are clamped, non-finite ones ignored.
-        assert_eq!(mean_busy_after(&[(1, 150.0), (2, f64::NAN)], 0), Some((1.0, 1, 1)));
+    fn the_sample_straddling_the_start_counts_for_its_part_after_it() {
+        let s = [(100, 0.0), (200, 100.0), (300, 100.0)];
+        // Measuring began at 175: the sample at 200 covers (100, 200], a quarter of it after.
+        assert_eq!(busy_after(&s, 100, 175, true).unwrap(), (1.25, 1.25, 300));
+        let (sum, w, _) = busy_after(&[(200, 0.0), (300, 100.0)], 100, 175, true).unwrap();
+        assert!((sum / w - 1.0 / 1.25).abs() < 1e-12);
+        // Unclipped, or a start before the period: plain means (NaN skipped, percent clamped).
+        assert_eq!(busy_after(&[(200, 0.0), (300, 100.0)], 100, 175, false).unwrap(), (1.0, 2.0, 300));
+        assert_eq!(busy_after(&[(200, 0.0), (300, 100.0), (250, f64::NAN)], 100, 50, true).unwrap(), (1.0, 2.0, 300));
+        assert_eq!(busy_after(&[(200, 150.0)], 100, 0, true).unwrap(), (1.0, 1.0, 200));
+        // No sample before (after = 0): nothing to clip against.
+        assert_eq!(busy_after(&[(200, 50.0)], 0, 150, true).unwrap(), (0.5, 1.0, 200));
+        assert_eq!(busy_after(&s, 300, 0, true), None);
+        assert_eq!(busy_after(&[], 0, 0, true), None);
+        // A start after the sample: it weighs nothing.
+        assert_eq!(busy_after(&[(200, 100.0), (300, 50.0)], 100, 250, true).unwrap(), (0.5, 1.0, 300));
     }
 
     #[test]
