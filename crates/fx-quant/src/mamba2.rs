@@ -2,27 +2,22 @@
 //! the projections are some 90 % of the bytes a bar reads (6.9 MB in F32 for the default
 //! model), and the step streams them once per bar, so four times fewer bytes is the lever.
 //!
-//! [`Int8Rows`] is the projection: per-output-row symmetric INT8 weights (the scale of
-//! [`crate::qnet::quantize_row`]), the input quantised per call with the dynamic scale
-//! `max |x| / 127` (the rule of the policies' dynamic layers), the exact i32 product of
-//! [`crate::gemv_i8`] on the CPU's best ISA, then `acc · w_scale · x_scale`. Everything else in
-//! the step (conv, SSM recurrence, norms) stays F32.
+//! [`Int8Rows`] is the projection: an INT8 layer of the policies' own kind (a
+//! [`QuantLinear`] quantised row by row, packed for the kernels, with dynamic input scales:
+//! `max |x| / 127` per call) run through the same path as an [`crate::Int8Policy`]'s layer,
+//! with a zero bias. Everything else in the step (conv, SSM recurrence, norms) stays F32.
 
 use fx_kernels::mamba2_cpu::{Mamba2CpuStep, Projection, ProjectionKind};
 
 use crate::error::{Error, Result};
-use crate::gemv_i8::{padded, row_sums, Gemv, Isa};
-use crate::qnet::{dynamic_input_scale, quantize_row};
+use crate::float_net::FloatLayer;
+use crate::gemv_i8::{Gemv, Isa};
+use crate::qnet::{PackedLinear, QuantLinear};
 
 /// A projection's INT8 rows; see the module docs.
 #[derive(Debug, Clone)]
 pub struct Int8Rows {
-    /// `rows × stride` (zero-padded columns).
-    w: Vec<i8>,
-    row_sum: Vec<i32>,
-    scale: Vec<f32>,
-    cols: usize,
-    stride: usize,
+    layer: PackedLinear,
     gemv: Gemv,
     /// Scratch: the quantised input (padding stays zero) and the i32 sums.
     xq: Vec<i8>,
@@ -41,36 +36,20 @@ impl Int8Rows {
         }
         let gemv = Gemv::new(isa)
             .ok_or_else(|| Error::Invalid { what: "ISA", message: format!("this CPU lacks {}", isa.name()) })?;
-        let stride = padded(cols);
-        let mut q = vec![0i8; rows * stride];
-        let mut scale = Vec::with_capacity(rows);
-        for (r, row) in w.chunks_exact(cols).enumerate() {
-            let (qr, s) = quantize_row(row);
-            q[r * stride..r * stride + cols].copy_from_slice(&qr);
-            scale.push(s);
-        }
-        let row_sum = row_sums(&q, stride, rows);
-        Ok(Self { w: q, row_sum, scale, cols, stride, gemv, xq: vec![0; stride], acc: vec![0; rows] })
-    }
-
-    /// The weight of row `r`, column `c` after quantisation (`q · scale`), for references.
-    pub fn dequantized(&self, r: usize, c: usize) -> f32 {
-        self.w[r * self.stride + c] as f32 * self.scale[r]
+        let f =
+            FloatLayer { name: "projection".into(), out: rows, inp: cols, weight: w.to_vec(), bias: vec![0.0; rows] };
+        let layer = PackedLinear::new(&QuantLinear::from_f32(&f, 1.0), true);
+        Ok(Self { xq: vec![0; layer.stride], acc: vec![0; rows], layer, gemv })
     }
 }
 
 impl Projection for Int8Rows {
     fn apply(&mut self, x: &[f32], out: &mut [f32]) {
-        let x = &x[..self.cols];
-        let s = dynamic_input_scale(x);
-        crate::policy::quantize_slice(x, 1.0 / s, &mut self.xq[..self.cols]);
-        self.gemv.run(&self.w, self.stride, &self.xq, &self.row_sum, &mut self.acc);
-        for ((o, &a), &ws) in out.iter_mut().zip(&self.acc).zip(&self.scale) {
-            *o = a as f32 * (ws * s);
-        }
+        crate::policy::dense_int8(&self.layer, self.gemv, x, out, &mut self.xq, &mut self.acc);
     }
     fn bytes(&self) -> usize {
-        self.w.len() + self.scale.len() * 4
+        // Weights and scales (the zero bias the shared layer carries is not needed here).
+        self.layer.weight.len() + self.layer.dequant.len() * 4
     }
     fn clone_box(&self) -> Box<dyn Projection> {
         Box::new(self.clone())
@@ -93,7 +72,7 @@ pub fn mamba2_int8_step(model: &fx_models::Mamba2) -> Result<Mamba2CpuStep> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::qnet::quantize_input;
+    use crate::qnet::{dynamic_input_scale, quantize_input};
     use candle_core::Device;
     use fx_models::{Mamba2, Mamba2Config};
 
@@ -123,8 +102,9 @@ mod tests {
                 let mut out = vec![f32::NAN; rows];
                 p.apply(&x, &mut out);
                 for r in 0..rows {
-                    let acc: i64 = (0..cols).map(|c| i64::from(p.w[r * p.stride + c]) * i64::from(xq[c])).sum();
-                    let want = acc as i32 as f32 * (p.scale[r] * xs);
+                    let l = &p.layer;
+                    let acc: i64 = (0..cols).map(|c| i64::from(l.weight[r * l.stride + c]) * i64::from(xq[c])).sum();
+                    let want = acc as i32 as f32 * (l.dequant[r] * xs);
                     assert_eq!(out[r].to_bits(), want.to_bits(), "{isa:?} {rows}x{cols} row {r} (seed {s})");
                     let exact: f64 = (0..cols).map(|c| f64::from(w[r * cols + c]) * f64::from(x[c])).sum();
                     let mag: f64 = (0..cols).map(|c| (f64::from(w[r * cols + c]) * f64::from(x[c])).abs()).sum();
@@ -163,13 +143,10 @@ mod tests {
             n_in: n_obs,
             d_model: 32,
             n_layer: 2,
-            expand: 2,
             d_state: 8,
             headdim: 8,
-            ngroups: 1,
-            d_conv: 4,
             chunk_size: 8,
-            norm_eps: 1e-5,
+            ..Default::default()
         };
         let model = Mamba2::new(cfg, &Device::Cpu, 1).unwrap();
         let task = Mamba2Task { model: &model, seq_len: 24 };

@@ -91,7 +91,7 @@ fn quantize_row(l: &PackedLinear, x: &[f32], xq: &mut [i8]) -> Option<f32> {
 /// unvectorised, lane by lane: the largest share of a batch's non-GEMM time in a profile on
 /// the dev machine).
 #[inline(always)]
-pub(crate) fn quantize_slice(x: &[f32], inv: f32, out: &mut [i8]) {
+fn quantize_slice(x: &[f32], inv: f32, out: &mut [i8]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 detected just above; `x` and `out` have the same length.
@@ -168,14 +168,20 @@ fn dense(layer: &Packed, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], ac
         // rows (docs/perf/2026-12-01-h200-host-cpu-int8/first-try/compare_cpu.md) against
         // 4.2 us row-major (compare_cpu.md beside it), both with the old quantiser; batches
         // gain from the interleaved one.
-        Packed::Int8(l, _) => {
-            let step = quantize_row(l, x, xq);
-            let acc = &mut acc[..l.out];
-            gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
-            dequantize_row(l, acc, step, y);
-        }
+        Packed::Int8(l, _) => dense_int8(l, gemv, x, y, xq, acc),
         Packed::F32(l) => dense_f32(l, x, y),
     }
+}
+
+/// An INT8 layer's row: the input quantised (its dynamic step, or the layer's), the exact
+/// integer product, then dequantised with the bias. `xq` holds at least `l.stride` bytes whose
+/// padding past `l.inp` is zero; `acc` at least `l.out`.
+#[inline(always)]
+pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
+    let step = quantize_row(l, x, xq);
+    let acc = &mut acc[..l.out];
+    gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
+    dequantize_row(l, acc, step, y);
 }
 
 /// One layer for `n <= MAX_ROWS` rows at once: row `r`'s input is `xs[r·wx ..][..inp]`,

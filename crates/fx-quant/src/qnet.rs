@@ -28,6 +28,21 @@ pub struct QuantLinear {
     pub bias: Vec<f32>,
 }
 
+impl QuantLinear {
+    /// `l`'s weights quantised row by row ([`quantize_row`]), its bias kept, with
+    /// `input_scale` (unused by layers run with dynamic input scales).
+    pub fn from_f32(l: &FloatLayer, input_scale: f32) -> Self {
+        let mut weight = Vec::with_capacity(l.weight.len());
+        let mut weight_scale = Vec::with_capacity(l.out);
+        for row in l.weight.chunks_exact(l.inp) {
+            let (q, s) = quantize_row(row);
+            weight.extend(q);
+            weight_scale.push(s);
+        }
+        Self { name: l.name.clone(), out: l.out, inp: l.inp, weight, weight_scale, input_scale, bias: l.bias.clone() }
+    }
+}
+
 /// A layer of a [`QuantNet`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum QuantLayer {
@@ -133,22 +148,7 @@ impl QuantNet {
                 layers.push(QuantLayer::F32(l.clone()));
                 continue;
             }
-            let mut weight = Vec::with_capacity(l.weight.len());
-            let mut weight_scale = Vec::with_capacity(l.out);
-            for row in l.weight.chunks_exact(l.inp) {
-                let (q, s) = quantize_row(row);
-                weight.extend(q);
-                weight_scale.push(s);
-            }
-            layers.push(QuantLayer::Int8(QuantLinear {
-                name: l.name.clone(),
-                out: l.out,
-                inp: l.inp,
-                weight,
-                weight_scale,
-                input_scale,
-                bias: l.bias.clone(),
-            }));
+            layers.push(QuantLayer::Int8(QuantLinear::from_f32(l, input_scale)));
         }
         let q = Self { kind: net.kind, layers, calibration };
         q.check()?;
