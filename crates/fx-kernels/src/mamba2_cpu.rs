@@ -325,50 +325,11 @@ mod tests {
     //! Against the f64 reference on fresh random parameters, states and bars (the seed is
     //! printed), over several steps and shapes; refusals.
     use super::*;
-    use crate::mamba2_step_ref::{step, HostStepParams};
-    use crate::rng;
-
-    fn fresh_seed(test: &str) -> u64 {
-        let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        eprintln!("{test}: seed {s}");
-        s
-    }
-
-    /// `n` F32-representable values in [lo, hi) (as f64).
-    fn uniform(n: usize, seed: u64, stream: u64, lo: f64, hi: f64) -> Vec<f64> {
-        (0..n as u64).map(|i| f64::from((lo + (hi - lo) * rng::draw(seed, stream, 0, i)) as f32)).collect()
-    }
+    use crate::mamba2_step_ref::step;
+    use crate::mamba2_step_ref::testing::{fresh_seed, random_model, uniform};
 
     fn dims(n_in: usize, d_model: usize, n_layer: usize, d_inner: usize, d_state: usize, headdim: usize) -> StepDims {
         StepDims { batch: 1, n_in, d_model, n_layer, d_inner, d_state, headdim, ngroups: 1, d_conv: 4, eps: 1e-5 }
-    }
-
-    /// Random parameters with the model's init ranges.
-    fn random_params(d: &StepDims, seed: u64) -> HostStepParams {
-        let (dm, di, nh, cd) = (d.d_model, d.d_inner, d.nheads(), d.conv_dim());
-        let mut s = 0u64;
-        let mut u = |n: usize, lo: f64, hi: f64| {
-            s += 1;
-            uniform(n, seed, s, lo, hi)
-        };
-        let (ai, ad) = (1.0 / (d.n_in as f64).sqrt(), 1.0 / (dm as f64).sqrt());
-        let globals = vec![u(dm * d.n_in, -ai, ai), u(dm, -0.1, 0.1), u(dm, 0.5, 1.5), u(dm, -ad, ad), u(1, -0.1, 0.1)];
-        let layers = (0..d.n_layer)
-            .map(|_| {
-                vec![
-                    u(dm, 0.5, 1.5),
-                    u(d.in_proj_rows() * dm, -ad, ad),
-                    u(cd * d.d_conv, -0.5, 0.5),
-                    u(cd, -0.1, 0.1),
-                    u(nh, -3.0, -1.0),
-                    u(nh, 0.0, 1.5),
-                    u(nh, 0.5, 1.5),
-                    u(di, 0.5, 1.5),
-                    u(dm * di, -1.0 / (di as f64).sqrt(), 1.0 / (di as f64).sqrt()),
-                ]
-            })
-            .collect();
-        HostStepParams { globals, layers }
     }
 
     fn close(what: &str, got: f64, want: f64, tol: f64) {
@@ -388,16 +349,10 @@ mod tests {
             StepDims { d_conv: 1, ..dims(5, 12, 3, 24, 8, 4) },
         ];
         for (ci, d) in cases.into_iter().enumerate() {
-            let w = random_params(&d, seed.wrapping_add(ci as u64));
+            // Start from a random state, as after a history.
+            let (w, mut st) = random_model(&d, seed.wrapping_add(ci as u64));
             let p = w.view();
             let mut fast = Mamba2CpuStep::new(&d, &p).unwrap();
-            // Start from a random state, as after a history.
-            let mut st: Vec<LayerState> = (0..d.n_layer as u64)
-                .map(|l| LayerState {
-                    conv: uniform(d.conv_state_len(), seed, 900 + l, -1.0, 1.0),
-                    ssm: uniform(d.ssm_state_len(), seed, 950 + l, -0.5, 0.5),
-                })
-                .collect();
             fast.set_state(&st).unwrap();
             for s in 0..5u64 {
                 let x = uniform(d.n_in, seed, 1000 + s, -2.0, 2.0);
@@ -418,7 +373,7 @@ mod tests {
     #[test]
     fn reset_and_refusals() {
         let d = StepDims { d_conv: 2, ..dims(5, 12, 2, 24, 8, 4) };
-        let w = random_params(&d, 7);
+        let (w, _) = random_model(&d, 7);
         let p = w.view();
         assert!(matches!(Mamba2CpuStep::new(&StepDims { batch: 2, ..d }, &p), Err(Error::Unsupported { .. })));
         let mut m = Mamba2CpuStep::new(&d, &p).unwrap();

@@ -392,6 +392,67 @@ pub fn step(d: &StepDims, p: &StepParams<'_>, state: &mut [LayerState], x: &[f64
     Ok(u.chunks(dm).map(|r| r.iter().zip(p.head_w).map(|(a, w)| a * w).sum::<f64>() + p.head_b[0]).collect())
 }
 
+/// Random models for the step's tests (the CPU step's and the kernel's): clock seeds, F32-
+/// representable draws, parameters with the model's init ranges and a state.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::{HostStepParams, LayerState, StepDims};
+    use crate::rng;
+
+    /// A seed from the clock, printed with the test's name.
+    pub(crate) fn fresh_seed(test: &str) -> u64 {
+        let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        eprintln!("{test}: seed {s}");
+        s
+    }
+
+    /// `n` F32-representable values in `[lo, hi)` (as f64), from stream `stream` of `seed`.
+    pub(crate) fn uniform(n: usize, seed: u64, stream: u64, lo: f64, hi: f64) -> Vec<f64> {
+        (0..n as u64).map(|i| f64::from((lo + (hi - lo) * rng::draw(seed, stream, 0, i)) as f32)).collect()
+    }
+
+    /// Parameters with the model's init ranges and a random state, every value
+    /// F32-representable. Streams 1, 2, … of `seed` are drawn in order: the globals, then per
+    /// layer its nine parameters, its conv state and its SSM state.
+    pub(crate) fn random_model(d: &StepDims, seed: u64) -> (HostStepParams, Vec<LayerState>) {
+        let (dm, di, nh, cd) = (d.d_model, d.d_inner, d.nheads(), d.conv_dim());
+        let mut s = 0u64;
+        let mut u = |n: usize, lo: f64, hi: f64| {
+            s += 1;
+            uniform(n, seed, s, lo, hi)
+        };
+        let a = |n: usize| 1.0 / (n as f64).sqrt();
+        let f32s = |v: Vec<f64>, f: fn(f64) -> f32| v.into_iter().map(|x| f64::from(f(x))).collect::<Vec<_>>();
+        let globals = vec![
+            u(dm * d.n_in, -a(d.n_in), a(d.n_in)),
+            u(dm, -a(d.n_in), a(d.n_in)),
+            u(dm, 0.5, 1.5),
+            u(dm, -a(dm), a(dm)),
+            u(1, -0.1, 0.1),
+        ];
+        let (mut layers, mut states) = (Vec::new(), Vec::new());
+        for _ in 0..d.n_layer {
+            // dt log-uniform in [1e-3, 1e-1] stored as softplus⁻¹, A_log = ln U(1, 16) (the
+            // model's init), both rounded to F32.
+            let dt_bias = f32s(u(nh, 1e-3f64.ln(), 1e-1f64.ln()), |l| (l.exp().exp_m1()).ln() as f32);
+            let a_log = f32s(u(nh, 1.0, 16.0), |v| (v as f32).ln());
+            layers.push(vec![
+                u(dm, 0.5, 1.5),
+                u(d.in_proj_rows() * dm, -a(dm), a(dm)),
+                u(cd * d.d_conv, -a(d.d_conv), a(d.d_conv)),
+                u(cd, -a(d.d_conv), a(d.d_conv)),
+                dt_bias,
+                a_log,
+                u(nh, 0.5, 1.5),
+                u(di, 0.5, 1.5),
+                u(dm * di, -a(di), a(di)),
+            ]);
+            states.push(LayerState { conv: u(d.conv_state_len(), -1.0, 1.0), ssm: u(d.ssm_state_len(), -0.5, 0.5) });
+        }
+        (HostStepParams { globals, layers }, states)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

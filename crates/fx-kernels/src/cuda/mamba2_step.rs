@@ -380,14 +380,8 @@ mod tests {
     //! test returns early without a GPU of compute capability 9.0+.
     use super::*;
     use crate::cuda::tests::gpu;
+    use crate::mamba2_step_ref::testing::{fresh_seed, random_model, uniform};
     use crate::mamba2_step_ref::{step, HostStepParams, LayerState};
-    use crate::rng;
-
-    fn fresh_seed(test: &str) -> u64 {
-        let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        eprintln!("{test}: seed {s}");
-        s
-    }
 
     /// A Hopper+ device, or None (the test is skipped).
     fn hopper(test: &str) -> Option<Device> {
@@ -402,65 +396,13 @@ mod tests {
         }
     }
 
-    /// Host values of a model and state with the model's init ranges.
-    struct Host {
-        /// embed_w, embed_b, norm_f, head_w, head_b.
-        globals: Vec<Vec<f32>>,
-        /// Per layer the nine parameters in [`StepLayerTensors`] order.
-        layers: Vec<Vec<Vec<f32>>>,
-        conv: Vec<Vec<f32>>,
-        ssm: Vec<Vec<f32>>,
-    }
-
-    fn uniform(n: usize, seed: u64, stream: u64, lo: f64, hi: f64) -> Vec<f32> {
-        (0..n as u64).map(|i| (lo + (hi - lo) * rng::draw(seed, stream, 0, i)) as f32).collect()
-    }
-
-    fn host(d: StepDims, seed: u64) -> Host {
-        let (dm, di, nh, cd) = (d.d_model, d.d_inner, d.nheads(), d.conv_dim());
-        let mut s = 0u64;
-        let mut u = |n: usize, lo: f64, hi: f64| {
-            s += 1;
-            uniform(n, seed, s, lo, hi)
-        };
-        let a = |n: usize| 1.0 / (n as f64).sqrt();
-        let globals = vec![
-            u(dm * d.n_in, -a(d.n_in), a(d.n_in)),
-            u(dm, -a(d.n_in), a(d.n_in)),
-            u(dm, 0.5, 1.5),
-            u(dm, -a(dm), a(dm)),
-            u(1, -0.1, 0.1),
-        ];
-        let mut layers = Vec::new();
-        let (mut conv, mut ssm) = (Vec::new(), Vec::new());
-        for _ in 0..d.n_layer {
-            // dt log-uniform in [1e-3, 1e-1] stored as softplus⁻¹, A_log = ln U(1, 16) (the model's init).
-            let dt_bias =
-                u(nh, 1e-3f64.ln(), 1e-1f64.ln()).iter().map(|&l| ((l as f64).exp().exp_m1()).ln() as f32).collect();
-            let a_log = u(nh, 1.0, 16.0).iter().map(|&v| v.ln()).collect();
-            layers.push(vec![
-                u(dm, 0.5, 1.5),
-                u(d.in_proj_rows() * dm, -a(dm), a(dm)),
-                u(cd * d.d_conv, -a(d.d_conv), a(d.d_conv)),
-                u(cd, -a(d.d_conv), a(d.d_conv)),
-                dt_bias,
-                a_log,
-                u(nh, 0.5, 1.5),
-                u(di, 0.5, 1.5),
-                u(dm * di, -a(di), a(di)),
-            ]);
-            conv.push(u(d.conv_state_len(), -1.0, 1.0));
-            ssm.push(u(d.ssm_state_len(), -0.5, 0.5));
-        }
-        Host { globals, layers, conv, ssm }
-    }
-
-    fn f64s(v: &[f32]) -> Vec<f64> {
-        v.iter().map(|&x| x as f64).collect()
-    }
-
     fn up(dev: &Device, v: &[f32]) -> Tensor {
         Tensor::from_vec(v.to_vec(), v.len(), dev).unwrap()
+    }
+
+    /// F32-representable values (the testing draws) as an F32 tensor.
+    fn up64(dev: &Device, v: &[f64]) -> Tensor {
+        up(dev, &v.iter().map(|&x| x as f32).collect::<Vec<_>>())
     }
 
     fn down(t: &Tensor) -> Vec<f64> {
@@ -480,7 +422,7 @@ mod tests {
         assert!(e <= tol, "{what}: rel err {e} > {tol}");
     }
 
-    /// Device copies of `h`: parameters (in [`StepTensors`] order) and the state.
+    /// Device copies of a model's parameters (in [`StepTensors`] order) and state.
     struct Dev {
         globals: Vec<Tensor>,
         layers: Vec<Vec<Tensor>>,
@@ -488,12 +430,12 @@ mod tests {
         ssm: Vec<Tensor>,
     }
 
-    fn upload(dev: &Device, h: &Host) -> Dev {
+    fn upload(dev: &Device, (p, st): &(HostStepParams, Vec<LayerState>)) -> Dev {
         Dev {
-            globals: h.globals.iter().map(|v| up(dev, v)).collect(),
-            layers: h.layers.iter().map(|l| l.iter().map(|v| up(dev, v)).collect()).collect(),
-            conv: h.conv.iter().map(|v| up(dev, v)).collect(),
-            ssm: h.ssm.iter().map(|v| up(dev, v)).collect(),
+            globals: p.globals.iter().map(|v| up64(dev, v)).collect(),
+            layers: p.layers.iter().map(|l| l.iter().map(|v| up64(dev, v)).collect()).collect(),
+            conv: st.iter().map(|s| up64(dev, &s.conv)).collect(),
+            ssm: st.iter().map(|s| up64(dev, &s.ssm)).collect(),
         }
     }
 
@@ -580,7 +522,7 @@ mod tests {
         for (ci, d, (blocks, staged)) in
             cases.into_iter().enumerate().flat_map(|(ci, d)| layouts.clone().map(move |l| (ci, d, l)))
         {
-            let h = host(d, seed.wrapping_add(ci as u64));
+            let h = random_model(&d, seed.wrapping_add(ci as u64));
             let t = upload(&dev, &h);
             let k = match Mamba2StepKernel::with_layout(&d, &tensors(&t), blocks, staged) {
                 Ok(k) => k,
@@ -594,20 +536,15 @@ mod tests {
                 Err(e) => panic!("case {ci} on {blocks} blocks, staged {staged}: {e}"),
             };
             staged_runs += usize::from(staged);
-            let hp = HostStepParams {
-                globals: h.globals.iter().map(|v| f64s(v)).collect(),
-                layers: h.layers.iter().map(|l| l.iter().map(|v| f64s(v)).collect()).collect(),
-            };
-            let p = hp.view();
-            let mut st: Vec<LayerState> =
-                h.conv.iter().zip(&h.ssm).map(|(c, s)| LayerState { conv: f64s(c), ssm: f64s(s) }).collect();
+            let p = h.0.view();
+            let mut st = h.1.clone();
             let (mut got, mut want) = (Vec::new(), Vec::new());
             for s in 0..3u64 {
                 let x = uniform(d.batch * d.n_in, seed, 1000 + 10 * ci as u64 + s, -1.0, 1.0);
                 let pred = up(&dev, &vec![f32::NAN; d.batch]);
-                k.launch(&up(&dev, &x).reshape((d.batch, d.n_in)).unwrap(), &pred).unwrap();
+                k.launch(&up64(&dev, &x).reshape((d.batch, d.n_in)).unwrap(), &pred).unwrap();
                 got.extend(down(&pred));
-                want.extend(step(&d, &p, &mut st, &f64s(&x)).unwrap());
+                want.extend(step(&d, &p, &mut st, &x).unwrap());
             }
             let tag = format!("case {ci} on {blocks} blocks, staged {staged}, {d:?}");
             check(&format!("{tag}: predictions"), &got, &want, 1e-5);
@@ -630,8 +567,8 @@ mod tests {
         let Some(dev) = hopper(T) else { return };
         let seed = fresh_seed(T);
         let d = dims(1, 51, 256, 4, 512);
-        let h = host(d, seed);
-        let x = up(&dev, &uniform(d.batch * d.n_in, seed, 999, -1.0, 1.0)).reshape((d.batch, d.n_in)).unwrap();
+        let h = random_model(&d, seed);
+        let x = up64(&dev, &uniform(d.batch * d.n_in, seed, 999, -1.0, 1.0)).reshape((d.batch, d.n_in)).unwrap();
         let mut outs = Vec::new();
         let mut layout: Option<(usize, bool)> = None;
         let mut first_staged = false;
@@ -667,7 +604,7 @@ mod tests {
         const T: &str = "step_kernel_refuses_what_it_cannot_run";
         let Some(dev) = hopper(T) else { return };
         let d = dims(1, 5, 16, 1, 32);
-        let h = host(StepDims { d_state: 8, headdim: 8, ..d }, 1);
+        let h = random_model(&StepDims { d_state: 8, headdim: 8, ..d }, 1);
         let t = upload(&dev, &h);
         let too_big = StepDims { batch: 9, d_state: 8, headdim: 8, ..d };
         assert!(matches!(Mamba2StepKernel::new(&too_big, &tensors(&t)), Err(Error::Unsupported { .. })));
@@ -694,9 +631,9 @@ mod tests {
         let Some(dev) = hopper(T) else { return };
         for batch in [1usize, 8] {
             let d = dims(batch, 51, 256, 4, 512);
-            let h = host(d, 5);
+            let h = random_model(&d, 5);
             let t = upload(&dev, &h);
-            let x = up(&dev, &uniform(batch * d.n_in, 5, 999, -1.0, 1.0)).reshape((batch, d.n_in)).unwrap();
+            let x = up64(&dev, &uniform(batch * d.n_in, 5, 999, -1.0, 1.0)).reshape((batch, d.n_in)).unwrap();
             let pred = up(&dev, &vec![0.0; batch]);
             let Device::Cuda(cd) = &dev else { return };
             let stream = cd.cuda_stream();
