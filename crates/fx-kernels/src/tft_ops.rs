@@ -578,6 +578,41 @@ impl VsnMix {
     }
 }
 
+/// The cell of LSTM step `t` on the host (what [`CpuTft`]'s step runs after its recurrent
+/// product, and what a backend with its own recurrent product reuses): gates from `xg`, both
+/// biases and `rec [B, 4d]` (`h_{t−1} · W_hhᵀ`, row `b` for batch row `b`; ignored at `t =
+/// 0`, where `h` and `c` start at zero), then `c`, `h` and the activated gates of step `t`.
+///
+/// # Safety
+/// `a`'s addresses are live host buffers of the sizes [`Lstm`] states; `rec` holds `B · 4d`
+/// values.
+pub unsafe fn lstm_cell_step(a: &Lstm, t: usize, rec: &[f32]) {
+    let (bs, d) = (a.batch, a.d);
+    let seg = usize::from(t >= a.l_enc);
+    for b in 0..bs {
+        let row = t * bs + b;
+        for u in 0..d {
+            let mut pre = [0f32; 4];
+            for (gi, p) in pre.iter_mut().enumerate() {
+                let col = gi * d + u;
+                let r = if t > 0 { rec[b * 4 * d + col] } else { 0.0 };
+                let bias = unsafe { rd(a.b_ih[seg], col) + rd(a.b_hh[seg], col) };
+                *p = unsafe { rd(a.xg, row * 4 * d + col) } + bias + r;
+            }
+            let (i, f, g, o) = (sigmoid(pre[0]), sigmoid(pre[1]), pre[2].tanh(), sigmoid(pre[3]));
+            let c_prev = if t > 0 { unsafe { rd(a.c, (row - bs) * d + u) } } else { 0.0 };
+            let c = f * c_prev + i * g;
+            unsafe {
+                wr(a.c, row * d + u, c);
+                wr(a.h, row * d + u, o * c.tanh());
+                for (gi, v) in [i, f, g, o].into_iter().enumerate() {
+                    wr(a.gates, row * 4 * d + gi * d + u, v);
+                }
+            }
+        }
+    }
+}
+
 impl TftKernels for CpuTft {
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
         unsafe { gemm_ref(g) };
@@ -866,33 +901,18 @@ impl TftKernels for CpuTft {
     unsafe fn lstm_fwd_step(&self, a: &Lstm, t: usize) -> Result<()> {
         let (bs, d) = (a.batch, a.d);
         let seg = usize::from(t >= a.l_enc);
-        for b in 0..bs {
-            let row = t * bs + b;
-            for u in 0..d {
-                let mut pre = [0f32; 4];
-                for (gi, p) in pre.iter_mut().enumerate() {
-                    let col = gi * d + u;
-                    let mut rec = 0f32;
-                    if t > 0 {
-                        for k in 0..d {
-                            rec += unsafe { rd(a.h, (row - bs) * d + k) * rd(a.w_hh[seg], col * d + k) };
-                        }
-                    }
-                    let bias = unsafe { rd(a.b_ih[seg], col) + rd(a.b_hh[seg], col) };
-                    *p = unsafe { rd(a.xg, row * 4 * d + col) } + bias + rec;
-                }
-                let (i, f, g, o) = (sigmoid(pre[0]), sigmoid(pre[1]), pre[2].tanh(), sigmoid(pre[3]));
-                let c_prev = if t > 0 { unsafe { rd(a.c, (row - bs) * d + u) } } else { 0.0 };
-                let c = f * c_prev + i * g;
-                unsafe {
-                    wr(a.c, row * d + u, c);
-                    wr(a.h, row * d + u, o * c.tanh());
-                    for (gi, v) in [i, f, g, o].into_iter().enumerate() {
-                        wr(a.gates, row * 4 * d + gi * d + u, v);
+        let mut rec = vec![0f32; bs * 4 * d];
+        if t > 0 {
+            for (b, rb) in rec.chunks_exact_mut(4 * d).enumerate() {
+                let prev = (t - 1) * bs + b;
+                for (col, r) in rb.iter_mut().enumerate() {
+                    for k in 0..d {
+                        *r += unsafe { rd(a.h, prev * d + k) * rd(a.w_hh[seg], col * d + k) };
                     }
                 }
             }
         }
+        unsafe { lstm_cell_step(a, t, &rec) };
         Ok(())
     }
 

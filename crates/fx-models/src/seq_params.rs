@@ -140,6 +140,15 @@ impl ParamStore {
             .collect()
     }
 
+    /// The spec names of `var`'s parts: one name for a plain parameter, one per slice of
+    /// the leading axis for a stacked one; None for a tensor of another store.
+    pub fn part_names(&self, var: &Var) -> Option<Vec<String>> {
+        self.entries.iter().find(|e| e.var.id() == var.id()).map(|e| match &e.names {
+            Names::One(n) => vec![n.clone()],
+            Names::Stacked { names, .. } => names.clone(),
+        })
+    }
+
     /// Spec names and shapes, in registration order.
     pub fn names_and_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let mut out = Vec::new();

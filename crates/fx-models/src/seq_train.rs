@@ -192,10 +192,7 @@ impl SeqTask for Tft {
 
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
         let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
-        let qs = &self.config().quantiles;
-        // the quantile closest to the median
-        let mid = (0..qs.len()).min_by(|&a, &b| (qs[a] - 0.5).abs().total_cmp(&(qs[b] - 0.5).abs())).unwrap_or(0);
-        q.narrow(2, mid, 1).and_then(|t| t.squeeze(2)).ctx("Tft point forecast")
+        crate::tft::point_forecast(&self.config().quantiles, &q)
     }
 
     fn params(&self) -> &ParamStore {
@@ -546,15 +543,42 @@ pub fn evaluate_forecasts(
     batch_size: usize,
     precision: Precision,
 ) -> Result<ForecastMetrics> {
-    let dev = task.params().device().clone();
-    let smp = sampler(&range, task.window_len(), batch_size, 0)?;
     let c = Ctx::inference(precision);
+    let dev = task.params().device().clone();
+    evaluate_forecasts_with(task, series, range, batch_size, &dev, |batch| {
+        Ok(Forecasts { point: task.point(&c, batch)?, quantiles: task.quantiles(&c, batch)? })
+    })
+}
+
+/// One batch's forecasts, as [`evaluate_forecasts_with`] scores them.
+#[derive(Debug, Clone)]
+pub struct Forecasts {
+    /// The point forecast, shaped as the batch's target.
+    pub point: Tensor,
+    /// Quantile levels and forecasts `[.., levels]`, for quantile forecasters.
+    pub quantiles: Option<(Vec<f64>, Tensor)>,
+}
+
+/// [`ForecastMetrics`] over every window in `range`, in `task`'s batches on `device`, of
+/// the forecasts `forecast` makes of each batch (another implementation of the task's
+/// model, such as its INT8 version, scored on exactly the windows
+/// [`evaluate_forecasts`] uses).
+pub fn evaluate_forecasts_with(
+    task: &impl SeqTask,
+    series: &SeqSeries,
+    range: Range<usize>,
+    batch_size: usize,
+    device: &candle_core::Device,
+    mut forecast: impl FnMut(&SeqBatch) -> Result<Forecasts>,
+) -> Result<ForecastMetrics> {
+    let smp = sampler(&range, task.window_len(), batch_size, 0)?;
     let (mut levels, mut qs, mut pts, mut ys) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for bi in smp.epoch_batches(0) {
-        let batch = task.batch(series, &bi.starts, &dev)?;
-        pts.extend(host(&task.point(&c, &batch)?)?);
+        let batch = task.batch(series, &bi.starts, device)?;
+        let f = forecast(&batch)?;
+        pts.extend(host(&f.point)?);
         ys.extend(host(&batch.target)?);
-        if let Some((lv, q)) = task.quantiles(&c, &batch)? {
+        if let Some((lv, q)) = f.quantiles {
             levels = lv;
             qs.extend(host(&q)?);
         }

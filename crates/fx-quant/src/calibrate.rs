@@ -82,35 +82,75 @@ pub fn input_scales(net: &FloatNet, obs: &[f32], method: CalibMethod) -> Result<
             context: "calibrate::input_scales",
         });
     }
-    let n = net.layers.len();
-    let mut absmax = vec![0.0f64; n];
-    // Percentiles need every value; min-max only the running maximum.
-    let mut all: Vec<Vec<f32>> = vec![Vec::new(); if matches!(method, CalibMethod::Percentile(_)) { n } else { 0 }];
+    let mut stats: Vec<InputStats> = net.layers.iter().map(|_| InputStats::new(method, None)).collect();
     for row in obs.chunks_exact(d) {
-        net.forward_f64(row, |layer, x| {
-            for &v in x {
-                absmax[layer] = absmax[layer].max(v.abs());
-            }
-            if let Some(a) = all.get_mut(layer) {
-                a.extend(x.iter().map(|v| v.abs() as f32));
-            }
-        });
+        net.forward_f64(row, |layer, x| stats[layer].observe(x.iter().map(|&v| v as f32)));
     }
-    let bounds: Vec<f64> = match method {
-        CalibMethod::MinMax | CalibMethod::Dynamic => absmax,
-        CalibMethod::Percentile(p) => all
-            .iter_mut()
-            .map(|v| {
+    Ok(stats.iter_mut().map(|s| s.scale(method)).collect())
+}
+
+/// The running record of one layer's inputs that its input scale comes from: the largest
+/// `|x|`, and for percentiles the `|x|` values themselves, all of them or, with a cap, an
+/// evenly thinned sample (every value until the cap, then every second one, and so on:
+/// deterministic, and the same for every layer of a model).
+#[derive(Debug, Clone)]
+pub(crate) struct InputStats {
+    absmax: f32,
+    kept: Option<Vec<f32>>,
+    cap: Option<usize>,
+    every: u64,
+    seen: u64,
+}
+
+impl InputStats {
+    /// A record for `method`, keeping at most `cap` values for a percentile (None: all).
+    pub(crate) fn new(method: CalibMethod, cap: Option<usize>) -> Self {
+        let kept = matches!(method, CalibMethod::Percentile(_)).then(Vec::new);
+        Self { absmax: 0.0, kept, cap: cap.map(|c| c.max(2)), every: 1, seen: 0 }
+    }
+
+    /// Adds inputs (finite).
+    pub(crate) fn observe(&mut self, x: impl IntoIterator<Item = f32>) {
+        for v in x {
+            let a = v.abs();
+            self.absmax = self.absmax.max(a);
+            if let Some(kept) = self.kept.as_mut() {
+                if self.seen.is_multiple_of(self.every) {
+                    kept.push(a);
+                    if self.cap.is_some_and(|c| kept.len() >= c) {
+                        let mut i = 0;
+                        kept.retain(|_| {
+                            i += 1;
+                            i % 2 == 1
+                        });
+                        self.every *= 2;
+                    }
+                }
+                self.seen += 1;
+            }
+        }
+    }
+
+    /// The input scale, `bound / 127`: the bound is the largest `|x|` (`minmax`, `dynamic`)
+    /// or the percentile of the kept values; a layer that only ever saw zeros (a dead ReLU
+    /// layer) gets step 1: any positive scale quantises zeros exactly, and the file must
+    /// hold a positive scale.
+    pub(crate) fn scale(&mut self, method: CalibMethod) -> f32 {
+        let bound = match (method, self.kept.as_mut()) {
+            (CalibMethod::Percentile(p), Some(v)) if !v.is_empty() => {
                 // The smallest value with at least p % of the values at or below it.
                 let k = ((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
                 let (_, nth, _) = v.select_nth_unstable_by(k, f32::total_cmp);
-                *nth as f64
-            })
-            .collect(),
-    };
-    // A layer that only ever saw zeros (a dead ReLU layer) gets step 1: any positive scale
-    // quantises zeros exactly, and the file must hold a positive scale.
-    Ok(bounds.into_iter().map(|b| if b > 0.0 && b.is_finite() { (b / 127.0) as f32 } else { 1.0 }).collect())
+                f64::from(*nth)
+            }
+            _ => f64::from(self.absmax),
+        };
+        if bound > 0.0 && bound.is_finite() {
+            (bound / 127.0) as f32
+        } else {
+            1.0
+        }
+    }
 }
 
 /// `obs` rows (`rows × width`) reduced to at most `n` rows spread evenly over them (in

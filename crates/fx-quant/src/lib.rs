@@ -29,6 +29,7 @@ pub mod mamba2;
 mod policy;
 pub mod qnet;
 pub mod reference;
+pub mod tft;
 
 pub use calibrate::CalibMethod;
 pub use decide::{Decide, Forecast};
@@ -38,6 +39,7 @@ pub use gemv_i8::Isa;
 pub use mamba2::{mamba2_int8_step, Int8Rows};
 pub use policy::Int8Policy;
 pub use qnet::{CalibInfo, QuantLayer, QuantLinear, QuantNet};
+pub use tft::{quantize_tft, Int8Tft, QuantTft};
 
 /// Calibrates and quantises `net` on `calib_obs` (`rows × state_dim`), keeping the layers
 /// named in `keep_f32` in F32.

@@ -17,7 +17,7 @@ use crate::gemv_i8::{Gemv, Isa, VerticalWeights, MAX_ROWS};
 use crate::qnet::{dynamic_input_scale, quantize_input, PackedLinear, QuantLayer, QuantNet};
 
 #[derive(Debug, Clone)]
-enum Packed {
+pub(crate) enum Packed {
     /// Row-major weights, and the interleaved copy where the AVX-512 VNNI kernel runs.
     Int8(PackedLinear, Option<VerticalWeights>),
     F32(FloatLayer),
@@ -190,7 +190,7 @@ pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32],
 /// once for all the rows (where the interleaved kernel runs).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn dense_rows(
+pub(crate) fn dense_rows(
     layer: &Packed,
     gemv: Gemv,
     n: usize,

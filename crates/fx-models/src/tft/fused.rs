@@ -20,6 +20,10 @@
 //! BF16 shadow that the kernel producing it writes alongside (or one cast launch), and the
 //! weights are cast once per step.
 
+// Without CUDA (and outside tests) only the forward runs, for `forecast::TftForecaster`;
+// the training step's backward and its buffers are compiled but unused there.
+#![cfg_attr(not(any(test, feature = "cuda")), allow(dead_code, unused_imports))]
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -247,21 +251,7 @@ impl Drop {
 
 /// The weights the step's GEMMs read (each gets a BF16 shadow under BF16 compute).
 fn gemm_weights(m: &Tft) -> Vec<&Var> {
-    let mut w = Vec::new();
-    for e in [&m.enc, &m.dec] {
-        let f = &e.flat;
-        w.extend([&f.fc1.w, &f.fc2.w, &f.glu.fc4.w, &f.glu.fc5.w]);
-        w.extend(f.skip.as_ref().map(|s| &s.w));
-        w.extend([&e.vars.fc1.w, &e.vars.fc2.w, &e.vars.fc4.w, &e.vars.fc5.w]);
-    }
-    w.extend([&m.lstm_enc.w_ih, &m.lstm_dec.w_ih, &m.post_lstm_glu.fc4.w, &m.post_lstm_glu.fc5.w]);
-    for g in [&m.enrich, &m.ff] {
-        w.extend([&g.fc1.w, &g.fc2.w, &g.glu.fc4.w, &g.glu.fc5.w]);
-    }
-    w.extend([&m.attn.q.w, &m.attn.k.w, &m.attn.v.w, &m.attn.out.w]);
-    w.extend([&m.post_attn_glu.fc4.w, &m.post_attn_glu.fc5.w, &m.pre_out_glu.fc4.w, &m.pre_out_glu.fc5.w]);
-    w.push(&m.head.w);
-    w
+    m.gemm_weights()
 }
 
 impl<K: TftBackend> TftFused<K> {
@@ -435,6 +425,16 @@ impl<K: TftBackend> TftFused<K> {
         })
     }
 
+    /// The batch the buffers hold.
+    pub(crate) fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    /// The backend.
+    pub(crate) fn backend(&self) -> &K {
+        &self.k
+    }
+
     /// Calls `marker` with a section's name before each section of every later step (the
     /// caller times the sections, e.g. by synchronising the device in it); None stops.
     #[cfg_attr(not(test), allow(dead_code))] // the profiling tests' hook
@@ -472,6 +472,7 @@ impl<K: TftBackend> TftFused<K> {
     /// (F32 scalar) and one gradient per parameter in `model.params().vars()` order. Reads
     /// nothing back and allocates nothing on the device; a second call overwrites the same
     /// buffers.
+    #[cfg(any(test, feature = "cuda"))]
     pub(crate) fn loss_and_grads(
         &self,
         observed: &Tensor,
@@ -543,6 +544,42 @@ impl<K: TftBackend> TftFused<K> {
         let grads =
             self.order.iter().map(|(a, dims)| self.k.tensor_at(*a, dims).map_err(kerr)).collect::<Result<Vec<_>>>()?;
         Ok((loss, grads))
+    }
+
+    /// Queues the forward alone (no dropout) of `observed [B, L_enc, n_obs]`, `known [B,
+    /// L_enc + H, n_known]` (contiguous F32 on the backend's device, `B` the batch of
+    /// [`Self::new`]) and returns the quantile forecasts `[B, H, n_quantiles]`, the head's
+    /// bias added (the training step adds it inside the loss kernel).
+    pub(crate) fn forecast(&self, observed: &Tensor, known: &Tensor) -> Result<Tensor> {
+        let model = &self.model;
+        let c = model.config();
+        let (b, l, h, nq) = (self.batch, self.l, self.h, c.quantiles.len());
+        for (what, t, dims) in [("observed", observed, [b, l, c.n_observed]), ("known", known, [b, l + h, c.n_known])] {
+            if t.dims() != dims.as_slice() || t.dtype() != DType::F32 {
+                return Err(Error::shape(
+                    what,
+                    CTX,
+                    format!("F32 {dims:?}"),
+                    format!("{:?} {:?}", t.dtype(), t.dims()),
+                ));
+            }
+        }
+        let (observed, known) = (observed.contiguous().ctx(CTX)?, known.contiguous().ctx(CTX)?);
+        let addr = |t: &Tensor| self.k.addr_of(t, "input").map_err(kerr);
+        // SAFETY: as in `loss_and_grads`: the buffers of `new`, `model`'s parameters and the
+        // inputs checked above, alive until the backend ran the work.
+        unsafe {
+            if self.bf16 {
+                for var in gemm_weights(model) {
+                    let sh = self.wop(var)?;
+                    self.k.cast_bf16(sh.f, sh.h, var.elem_count()).map_err(kerr)?;
+                }
+            }
+            self.forward(model, addr(&observed)?, addr(&known)?, None)?;
+        }
+        let out = self.k.tensor_at(self.out, &[h, b, nq]).map_err(kerr)?;
+        let bias = model.head.b.as_tensor().reshape((1, 1, nq)).ctx(CTX)?;
+        out.transpose(0, 1).and_then(|t| t.broadcast_add(&bias)).and_then(|t| t.contiguous()).ctx(CTX)
     }
 
     /// Runs `g` on the operands' F32 data, or under BF16 compute on their shadows `a`, `b`.

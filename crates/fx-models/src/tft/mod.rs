@@ -8,8 +8,9 @@
 //! (see [`crate::seq_params`]).
 
 mod blocks;
-// The fused step runs on CUDA; its CPU reference backend is what the tests run.
-#[cfg(any(test, feature = "cuda"))]
+// The fused step: training on CUDA (its CPU reference backend is what the tests run) and
+// forecasts on any backend (`forecast`).
+pub mod forecast;
 pub(crate) mod fused;
 #[cfg(test)]
 mod tests;
@@ -88,6 +89,14 @@ pub struct TftAux {
     pub attn_weights: Tensor,
     /// `[B, H, d]` attention output (after `out`).
     pub attn_out: Tensor,
+}
+
+/// The point forecast `[B, H]` of quantile forecasts `[B, H, levels]`: the quantile whose
+/// level is closest to the median.
+pub fn point_forecast(levels: &[f64], q: &Tensor) -> Result<Tensor> {
+    let mid =
+        (0..levels.len()).min_by(|&a, &b| (levels[a] - 0.5).abs().total_cmp(&(levels[b] - 0.5).abs())).unwrap_or(0);
+    q.narrow(2, mid, 1).and_then(|t| t.squeeze(2)).ctx("Tft point forecast")
 }
 
 /// Encoder-step segments of the variable selection under activation checkpointing.
@@ -193,6 +202,36 @@ impl Tft {
     /// The tensors an optimiser updates.
     pub fn vars(&self) -> Vec<Var> {
         self.params.vars()
+    }
+
+    /// The weight matrices of every Linear the forward multiplies by (`x · Wᵀ`; the
+    /// per-variable GRNs' as one stacked tensor each), in a fixed order.
+    pub(crate) fn gemm_weights(&self) -> Vec<&Var> {
+        let mut w = Vec::new();
+        for e in [&self.enc, &self.dec] {
+            let f = &e.flat;
+            w.extend([&f.fc1.w, &f.fc2.w, &f.glu.fc4.w, &f.glu.fc5.w]);
+            w.extend(f.skip.as_ref().map(|s| &s.w));
+            w.extend([&e.vars.fc1.w, &e.vars.fc2.w, &e.vars.fc4.w, &e.vars.fc5.w]);
+        }
+        w.extend([&self.lstm_enc.w_ih, &self.lstm_dec.w_ih, &self.post_lstm_glu.fc4.w, &self.post_lstm_glu.fc5.w]);
+        for g in [&self.enrich, &self.ff] {
+            w.extend([&g.fc1.w, &g.fc2.w, &g.glu.fc4.w, &g.glu.fc5.w]);
+        }
+        w.extend([&self.attn.q.w, &self.attn.k.w, &self.attn.v.w, &self.attn.out.w]);
+        w.extend([&self.post_attn_glu.fc4.w, &self.post_attn_glu.fc5.w, &self.pre_out_glu.fc4.w]);
+        w.extend([&self.pre_out_glu.fc5.w, &self.head.w]);
+        w
+    }
+
+    /// Every weight matrix of the model, `[out, in]` each or stacked `[parts, out, in]`:
+    /// the Linears' ([`Self::gemm_weights`]) and the LSTMs' recurrent `W_hh` (what INT8
+    /// quantisation covers; embeddings, biases and norms are not matrices). Each is a
+    /// parameter of [`Self::params`], so [`ParamStore::part_names`] names its parts.
+    pub fn weight_matrices(&self) -> Vec<&Var> {
+        let mut w = self.gemm_weights();
+        w.extend([&self.lstm_enc.w_hh, &self.lstm_dec.w_hh]);
+        w
     }
 
     /// `[H, L_enc + H]` additive causal mask: decoder step `i` (absolute `L_enc + i`)
