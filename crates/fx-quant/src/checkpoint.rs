@@ -12,7 +12,7 @@
 //! the metadata, and (when asked) the source checkpoint's hash; each failure is one line
 //! naming the file and the tensor or key.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::path::Path;
 
@@ -21,6 +21,8 @@ use safetensors::{Dtype, SafeTensors};
 use crate::error::{Error, Result};
 use crate::float_net::{FloatLayer, PolicyKind};
 use crate::qnet::{CalibInfo, QuantLayer, QuantLinear, QuantNet};
+use crate::tft::QuantTft;
+use fx_models::{Tft, TftConfig};
 
 /// The `format` metadata value this crate writes and reads.
 pub const FORMAT: &str = "fx-int8/1";
@@ -57,18 +59,15 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// Writes `net` to `path` (atomically: a temporary file in the same folder, then a rename).
 pub fn save(net: &QuantNet, provenance: &Provenance, path: &Path) -> Result<()> {
     net.check()?;
-    let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut owned: Vec<Owned> = Vec::new();
     for layer in &net.layers {
         match layer {
             QuantLayer::Int8(l) => {
-                owned.push((
-                    format!("{}.weight", l.name),
-                    Dtype::I8,
-                    vec![l.out, l.inp],
-                    l.weight.iter().map(|&v| v as u8).collect(),
-                ));
-                owned.push((format!("{}.weight_scale", l.name), Dtype::F32, vec![l.out], f32_bytes(&l.weight_scale)));
-                owned.push((format!("{}.input_scale", l.name), Dtype::F32, vec![1], f32_bytes(&[l.input_scale])));
+                let wname = format!("{}.weight", l.name);
+                let (ws, is) = scale_names(&wname);
+                owned.push((wname, Dtype::I8, vec![l.out, l.inp], i8_bytes(&l.weight)));
+                owned.push((ws, Dtype::F32, vec![l.out], f32_bytes(&l.weight_scale)));
+                owned.push((is, Dtype::F32, vec![1], f32_bytes(&[l.input_scale])));
                 owned.push((format!("{}.bias", l.name), Dtype::F32, vec![l.out], f32_bytes(&l.bias)));
             }
             QuantLayer::F32(l) => {
@@ -77,26 +76,45 @@ pub fn save(net: &QuantNet, provenance: &Provenance, path: &Path) -> Result<()> 
             }
         }
     }
-    let mut views = Vec::with_capacity(owned.len());
-    for (name, dtype, shape, bytes) in &owned {
+    let mut meta = common_meta(net.kind.as_str(), provenance, &net.calibration);
+    meta.insert("f32_layers".to_string(), net.f32_layers().join(","));
+    write_tensors(path, &owned, meta)
+}
+
+/// A tensor to write: name, dtype, shape, little-endian bytes.
+type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// The metadata every quantised file carries.
+fn common_meta(model: &str, provenance: &Provenance, calibration: &CalibInfo) -> HashMap<String, String> {
+    let mut meta = HashMap::from([
+        ("format".to_string(), FORMAT.to_string()),
+        ("model".to_string(), model.to_string()),
+        ("source_sha256".to_string(), provenance.source_sha256.clone()),
+        ("source".to_string(), provenance.source.clone()),
+        ("calibration_method".to_string(), calibration.method.clone()),
+        ("calibration_rows".to_string(), calibration.rows.to_string()),
+    ]);
+    if let Some(p) = calibration.percentile {
+        meta.insert("calibration_percentile".into(), p.to_string());
+    }
+    meta
+}
+
+/// Serialises `tensors` with `meta` to `path` atomically.
+fn write_tensors(path: &Path, tensors: &[Owned], meta: HashMap<String, String>) -> Result<()> {
+    let mut views = Vec::with_capacity(tensors.len());
+    for (name, dtype, shape, bytes) in tensors {
         let v = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
             .map_err(|e| Error::file(path, format!("tensor {name}: {e}")))?;
         views.push((name.clone(), v));
     }
-    let mut meta = HashMap::from([
-        ("format".to_string(), FORMAT.to_string()),
-        ("model".to_string(), net.kind.as_str().to_string()),
-        ("source_sha256".to_string(), provenance.source_sha256.clone()),
-        ("source".to_string(), provenance.source.clone()),
-        ("calibration_method".to_string(), net.calibration.method.clone()),
-        ("calibration_rows".to_string(), net.calibration.rows.to_string()),
-        ("f32_layers".to_string(), net.f32_layers().join(",")),
-    ]);
-    if let Some(p) = net.calibration.percentile {
-        meta.insert("calibration_percentile".into(), p.to_string());
-    }
     let bytes = safetensors::tensor::serialize(views, Some(meta)).map_err(|e| Error::file(path, e.to_string()))?;
     write_atomic(path, &bytes)
+}
+
+/// An INT8 weight tensor's bytes.
+fn i8_bytes(v: &[i8]) -> Vec<u8> {
+    v.iter().map(|&x| x as u8).collect()
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -126,123 +144,241 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// checkpoint is refused rather than silently used).
 pub fn load(path: &Path, source_sha256: Option<&str>) -> Result<(QuantNet, Provenance)> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let one_line = |e: &dyn std::fmt::Display| e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
-    let (_, header) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| Error::file(path, format!("not a safetensors file: {}", one_line(&e))))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| Error::file(path, format!("not a safetensors file: {}", one_line(&e))))?;
-    let meta = header.metadata().clone().unwrap_or_default();
-    let key =
-        |k: &str| meta.get(k).map(String::as_str).ok_or_else(|| Error::file(path, format!("metadata lacks `{k}`")));
-    let format = key("format")?;
-    if format != FORMAT {
-        return Err(Error::file(path, format!("metadata format is {format:?}, expected {FORMAT:?}")));
-    }
-    let model = key("model")?;
+    let r = Reader::new(path, &bytes)?;
+    let model = r.key("model")?;
     let kind = PolicyKind::parse(model)
         .ok_or_else(|| Error::file(path, format!("metadata model is {model:?}, expected \"dqn\" or \"ppo\"")))?;
-    let provenance =
-        Provenance { source_sha256: key("source_sha256")?.to_string(), source: key("source")?.to_string() };
-    if let Some(want) = source_sha256 {
-        if provenance.source_sha256 != want {
-            return Err(Error::file(
-                path,
-                format!(
-                    "quantised from a checkpoint with SHA-256 {}, but the F32 checkpoint now has {want} \
-                     (re-run `fx-train quantize`)",
-                    provenance.source_sha256
-                ),
-            ));
-        }
-    }
-    let rows = key("calibration_rows")?;
-    let rows = rows
-        .parse::<usize>()
-        .map_err(|_| Error::file(path, format!("metadata calibration_rows is {rows:?}, not a count")))?;
-    let method = key("calibration_method")?.to_string();
-    let percentile = match meta.get("calibration_percentile") {
-        Some(p) => Some(
-            p.parse::<f64>()
-                .map_err(|_| Error::file(path, format!("metadata calibration_percentile is {p:?}, not a number")))?,
-        ),
-        None => None,
-    };
-
-    let tensor = |name: &str, dtype: Dtype, shape: Option<&[usize]>| -> Result<Vec<u8>> {
-        let t = st.tensor(name).map_err(|_| Error::file(path, format!("tensor {name} is missing")))?;
-        if t.dtype() != dtype {
-            return Err(Error::file(path, format!("tensor {name} is {:?}, expected {dtype:?}", t.dtype())));
-        }
-        if let Some(s) = shape {
-            if t.shape() != s {
-                return Err(Error::file(path, format!("tensor {name} has shape {:?}, expected {s:?}", t.shape())));
-            }
-        }
-        Ok(t.data().to_vec())
-    };
-    let floats = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-        let v: Vec<f32> = tensor(name, Dtype::F32, Some(shape))?
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-            return Err(Error::file(path, format!("tensor {name} holds the non-finite value {} at index {i}", v[i])));
-        }
-        Ok(v)
-    };
-    let scales = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-        let v = floats(name, shape)?;
-        if let Some(i) = v.iter().position(|x| *x <= 0.0) {
-            return Err(Error::file(
-                path,
-                format!("tensor {name} holds the scale {} at index {i} (must be > 0)", v[i]),
-            ));
-        }
-        Ok(v)
-    };
-
+    let provenance = r.provenance(source_sha256)?;
+    let calibration = r.calibration()?;
     let mut layers = Vec::new();
-    let mut expected_names = Vec::new();
+    let mut expected = HashSet::new();
     for name in kind.layer_names() {
         let wname = format!("{name}.weight");
-        let t = st.tensor(&wname).map_err(|_| Error::file(path, format!("tensor {wname} is missing")))?;
+        let t = r.st.tensor(&wname).map_err(|_| Error::file(path, format!("tensor {wname} is missing")))?;
         let [out, inp] = *t.shape() else {
             return Err(Error::file(path, format!("tensor {wname} has shape {:?}, expected [out, in]", t.shape())));
         };
-        let bias = floats(&format!("{name}.bias"), &[out])?;
-        expected_names.extend([wname.clone(), format!("{name}.bias")]);
+        let bias = r.floats(&format!("{name}.bias"), &[out])?;
+        expected.extend([wname.clone(), format!("{name}.bias")]);
         match t.dtype() {
             Dtype::I8 => {
-                let weight: Vec<i8> = tensor(&wname, Dtype::I8, None)?.into_iter().map(|b| b as i8).collect();
-                if let Some(i) = weight.iter().position(|&w| w == i8::MIN) {
-                    return Err(Error::file(path, format!("tensor {wname} holds -128 at index {i} (range is ±127)")));
-                }
-                let weight_scale = scales(&format!("{name}.weight_scale"), &[out])?;
-                let input_scale = scales(&format!("{name}.input_scale"), &[1])?[0];
-                expected_names.extend([format!("{name}.weight_scale"), format!("{name}.input_scale")]);
-                layers.push(QuantLayer::Int8(QuantLinear {
-                    name: name.to_string(),
-                    out,
-                    inp,
-                    weight,
-                    weight_scale,
-                    input_scale,
-                    bias,
-                }));
+                let weight = r.int8(&wname, &[out, inp])?;
+                let (ws, is) = scale_names(&wname);
+                let weight_scale = r.scales(&ws, &[out])?;
+                let input_scale = r.scales(&is, &[1])?[0];
+                expected.extend([ws, is]);
+                let name = name.to_string();
+                layers.push(QuantLayer::Int8(QuantLinear { name, out, inp, weight, weight_scale, input_scale, bias }));
             }
             Dtype::F32 => {
-                let weight = floats(&wname, &[out, inp])?;
+                let weight = r.floats(&wname, &[out, inp])?;
                 layers.push(QuantLayer::F32(FloatLayer { name: name.to_string(), out, inp, weight, bias }));
             }
             other => return Err(Error::file(path, format!("tensor {wname} is {other:?}, expected I8 or F32"))),
         }
     }
-    if let Some(extra) = st.names().into_iter().find(|n| !expected_names.iter().any(|e| e == n)) {
+    if let Some(extra) = r.unexpected(&expected) {
         return Err(Error::file(path, format!("unexpected tensor {extra} for a {} network", kind.as_str())));
     }
-    let net = QuantNet { kind, layers, calibration: CalibInfo { method, percentile, rows } };
+    let net = QuantNet { kind, layers, calibration };
     net.check().map_err(|e| Error::file(path, e.to_string()))?;
     Ok((net, provenance))
+}
+
+/// The names of an INT8 weight tensor's scales: `P.weightS` (any suffix `S`, e.g. `_hh_l0`)
+/// has `P.weightS_scale` (per row) and `P.inputS_scale` (its input's).
+pub fn scale_names(weight: &str) -> (String, String) {
+    let (prefix, last) = weight.rsplit_once('.').map_or(("", weight), |(p, l)| (p, l));
+    let suffix = last.strip_prefix("weight").unwrap_or(last);
+    let dot = if prefix.is_empty() { "" } else { "." };
+    (format!("{weight}_scale"), format!("{prefix}{dot}input{suffix}_scale"))
+}
+
+/// Writes a quantised TFT to `path` (atomically): per matrix part (spec name `W`) `W` I8
+/// `[out, in]` with its [`scale_names`] (`[out]` and `[1]`), every other parameter F32 under
+/// its name; metadata as the policies' files, `model` = `tft` and `tft_config` (JSON).
+pub fn save_tft(q: &QuantTft, provenance: &Provenance, path: &Path) -> Result<()> {
+    q.check()?;
+    let mut owned: Vec<Owned> = Vec::new();
+    for m in &q.matrices {
+        let (ws, is) = scale_names(&m.name);
+        owned.push((m.name.clone(), Dtype::I8, vec![m.out, m.inp], i8_bytes(&m.weight)));
+        owned.push((ws, Dtype::F32, vec![m.out], f32_bytes(&m.weight_scale)));
+        owned.push((is, Dtype::F32, vec![1], f32_bytes(&[m.input_scale])));
+    }
+    for (name, shape, v) in &q.floats {
+        owned.push((name.clone(), Dtype::F32, shape.clone(), f32_bytes(v)));
+    }
+    let mut meta = common_meta("tft", provenance, &q.calibration);
+    let cfg = serde_json::to_string(&q.config).map_err(|e| Error::file(path, format!("tft_config: {e}")))?;
+    meta.insert("tft_config".into(), cfg);
+    write_tensors(path, &owned, meta)
+}
+
+/// Reads a quantised TFT written by [`save_tft`], checking every tensor the model's
+/// configuration implies (and no other), as [`load`] checks a policy's.
+pub fn load_tft(path: &Path, source_sha256: Option<&str>) -> Result<(QuantTft, Provenance)> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let r = Reader::new(path, &bytes)?;
+    let model = r.key("model")?;
+    if model != "tft" {
+        return Err(Error::file(path, format!("metadata model is {model:?}, expected \"tft\"")));
+    }
+    let provenance = r.provenance(source_sha256)?;
+    let calibration = r.calibration()?;
+    let config: TftConfig = serde_json::from_str(r.key("tft_config")?)
+        .map_err(|e| Error::file(path, format!("metadata tft_config: {e}")))?;
+    let shape_of = Tft::new(config.clone(), &candle_core::Device::Cpu, 0)
+        .map_err(|e| Error::file(path, format!("metadata tft_config: {e}")))?;
+    let mut expected = HashSet::new();
+    let mut matrices = Vec::new();
+    let mut int8_names = HashSet::new();
+    for var in shape_of.weight_matrices() {
+        let names = shape_of.params().part_names(var).unwrap_or_default();
+        let dims = var.dims();
+        let (out, inp) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        for name in names {
+            let (ws, is) = scale_names(&name);
+            let weight = r.int8(&name, &[out, inp])?;
+            let weight_scale = r.scales(&ws, &[out])?;
+            let input_scale = r.scales(&is, &[1])?[0];
+            expected.extend([name.clone(), ws, is]);
+            int8_names.insert(name.clone());
+            matrices.push(QuantLinear { name, out, inp, weight, weight_scale, input_scale, bias: Vec::new() });
+        }
+    }
+    let mut floats = Vec::new();
+    for (name, shape) in shape_of.params().names_and_shapes() {
+        if !int8_names.contains(&name) {
+            floats.push((name.clone(), shape.clone(), r.floats(&name, &shape)?));
+            expected.insert(name);
+        }
+    }
+    if let Some(extra) = r.unexpected(&expected) {
+        return Err(Error::file(path, format!("unexpected tensor {extra} for a tft model")));
+    }
+    let q = QuantTft { config, matrices, floats, calibration };
+    q.check().map_err(|e| Error::file(path, e.to_string()))?;
+    Ok((q, provenance))
+}
+
+/// A quantised file opened for reading: its tensors and metadata, every read checked and
+/// every failure one line naming the file and the tensor or key.
+struct Reader<'a> {
+    path: &'a Path,
+    st: SafeTensors<'a>,
+    meta: HashMap<String, String>,
+}
+
+impl<'a> Reader<'a> {
+    /// Parses `bytes` and checks the format.
+    fn new(path: &'a Path, bytes: &'a [u8]) -> Result<Self> {
+        let one_line = |e: &dyn std::fmt::Display| e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
+        let (_, header) = SafeTensors::read_metadata(bytes)
+            .map_err(|e| Error::file(path, format!("not a safetensors file: {}", one_line(&e))))?;
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| Error::file(path, format!("not a safetensors file: {}", one_line(&e))))?;
+        let r = Self { path, st, meta: header.metadata().clone().unwrap_or_default() };
+        let format = r.key("format")?;
+        if format != FORMAT {
+            return Err(Error::file(path, format!("metadata format is {format:?}, expected {FORMAT:?}")));
+        }
+        Ok(r)
+    }
+
+    fn key(&self, k: &str) -> Result<&str> {
+        self.meta.get(k).map(String::as_str).ok_or_else(|| Error::file(self.path, format!("metadata lacks `{k}`")))
+    }
+
+    /// The provenance; with `want`, it must name the F32 checkpoint with that hash.
+    fn provenance(&self, want: Option<&str>) -> Result<Provenance> {
+        let p = Provenance {
+            source_sha256: self.key("source_sha256")?.to_string(),
+            source: self.key("source")?.to_string(),
+        };
+        if let Some(want) = want {
+            if p.source_sha256 != want {
+                return Err(Error::file(
+                    self.path,
+                    format!(
+                        "quantised from a checkpoint with SHA-256 {}, but the F32 checkpoint now has {want} \
+                         (re-run `fx-train quantize`)",
+                        p.source_sha256
+                    ),
+                ));
+            }
+        }
+        Ok(p)
+    }
+
+    fn calibration(&self) -> Result<CalibInfo> {
+        let rows = self.key("calibration_rows")?;
+        let rows = rows
+            .parse::<usize>()
+            .map_err(|_| Error::file(self.path, format!("metadata calibration_rows is {rows:?}, not a count")))?;
+        let percentile = match self.meta.get("calibration_percentile") {
+            Some(p) => Some(p.parse::<f64>().map_err(|_| {
+                Error::file(self.path, format!("metadata calibration_percentile is {p:?}, not a number"))
+            })?),
+            None => None,
+        };
+        Ok(CalibInfo { method: self.key("calibration_method")?.to_string(), percentile, rows })
+    }
+
+    fn tensor(&self, name: &str, dtype: Dtype, shape: Option<&[usize]>) -> Result<Vec<u8>> {
+        let t = self.st.tensor(name).map_err(|_| Error::file(self.path, format!("tensor {name} is missing")))?;
+        if t.dtype() != dtype {
+            return Err(Error::file(self.path, format!("tensor {name} is {:?}, expected {dtype:?}", t.dtype())));
+        }
+        if let Some(s) = shape {
+            if t.shape() != s {
+                return Err(Error::file(self.path, format!("tensor {name} has shape {:?}, expected {s:?}", t.shape())));
+            }
+        }
+        Ok(t.data().to_vec())
+    }
+
+    /// F32 values, all finite.
+    fn floats(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let v: Vec<f32> = self
+            .tensor(name, Dtype::F32, Some(shape))?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(Error::file(
+                self.path,
+                format!("tensor {name} holds the non-finite value {} at index {i}", v[i]),
+            ));
+        }
+        Ok(v)
+    }
+
+    /// Scales: finite and > 0.
+    fn scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let v = self.floats(name, shape)?;
+        if let Some(i) = v.iter().position(|x| *x <= 0.0) {
+            return Err(Error::file(
+                self.path,
+                format!("tensor {name} holds the scale {} at index {i} (must be > 0)", v[i]),
+            ));
+        }
+        Ok(v)
+    }
+
+    /// INT8 weights in ±127.
+    fn int8(&self, name: &str, shape: &[usize]) -> Result<Vec<i8>> {
+        let w: Vec<i8> = self.tensor(name, Dtype::I8, Some(shape))?.into_iter().map(|b| b as i8).collect();
+        if let Some(i) = w.iter().position(|&x| x == i8::MIN) {
+            return Err(Error::file(self.path, format!("tensor {name} holds -128 at index {i} (range is ±127)")));
+        }
+        Ok(w)
+    }
+
+    /// The first tensor not in `expected`.
+    fn unexpected(&self, expected: &std::collections::HashSet<String>) -> Option<String> {
+        self.st.names().into_iter().find(|n| !expected.contains(*n)).map(str::to_string)
+    }
 }
 
 #[cfg(test)]
@@ -382,5 +518,98 @@ mod tests {
         let e = load(&dir.path().join("junk"), None).unwrap_err().to_string();
         assert!(e.contains("not a safetensors file") && !e.contains('\n'), "{e}");
         assert!(load(&dir.path().join("absent"), None).unwrap_err().to_string().contains("absent"));
+    }
+
+    fn quantised_tft() -> QuantTft {
+        use candle_core::{Device, Tensor};
+        let cfg = TftConfig { n_observed: 3, n_known: 2, d: 8, n_head: 2, l_enc: 4, h: 2, ..TftConfig::default() };
+        let model = Tft::new(cfg.clone(), &Device::Cpu, 4).unwrap();
+        let t = |shape: &[usize], stream: u64| {
+            let n: usize = shape.iter().product();
+            Tensor::from_vec(uniforms(4, stream, n), shape, &Device::Cpu).unwrap()
+        };
+        let w = vec![(t(&[2, 4, 3], 1), t(&[2, 6, 2], 2))];
+        crate::quantize_tft(&model, &w, CalibMethod::Percentile(99.0)).unwrap()
+    }
+
+    #[test]
+    fn tft_round_trip_keeps_everything_and_names_scales_by_the_spec() {
+        assert_eq!(
+            scale_names("enc_vsn.vars.3.fc1.weight"),
+            ("enc_vsn.vars.3.fc1.weight_scale".into(), "enc_vsn.vars.3.fc1.input_scale".into())
+        );
+        assert_eq!(
+            scale_names("lstm_enc.weight_hh_l0"),
+            ("lstm_enc.weight_hh_l0_scale".into(), "lstm_enc.input_hh_l0_scale".into())
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let q = quantised_tft();
+        let path = dir.path().join("tft.int8.safetensors");
+        save_tft(&q, &prov(), &path).unwrap();
+        let (back, p) = load_tft(&path, Some(&"ab".repeat(32))).unwrap();
+        // The file orders floats by name; compare as sets.
+        let sorted = |q: &QuantTft| {
+            let mut f = q.floats.clone();
+            f.sort_by(|a, b| a.0.cmp(&b.0));
+            f
+        };
+        assert_eq!(
+            (back.config.clone(), back.matrices.clone(), back.calibration.clone()),
+            (q.config.clone(), q.matrices.clone(), q.calibration.clone())
+        );
+        assert_eq!(sorted(&back), sorted(&q));
+        assert_eq!(p, prov());
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("lstm_dec.weight_hh_l0").unwrap().dtype(), Dtype::I8);
+        assert_eq!(st.tensor("attn.q.1.weight").unwrap().shape(), &[4, 8]);
+        assert_eq!(st.tensor("lstm_dec.input_hh_l0_scale").unwrap().dtype(), Dtype::F32);
+        assert_eq!(st.tensor("enc_embed.0.weight").unwrap().dtype(), Dtype::F32);
+        // A policy file is not a TFT file, nor the reverse.
+        let pol = dir.path().join("dqn.safetensors");
+        save(&quantised(&[]), &prov(), &pol).unwrap();
+        assert!(load_tft(&pol, None).unwrap_err().to_string().contains("expected \"tft\""));
+        assert!(load(&path, None).unwrap_err().to_string().contains("metadata model"));
+    }
+
+    #[test]
+    fn damaged_tft_files_are_one_line_errors_naming_the_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("good.safetensors");
+        save_tft(&quantised_tft(), &prov(), &good).unwrap();
+        let bytes = std::fs::read(&good).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let meta0 = header.metadata().clone().unwrap();
+        let t0: Vec<Owned> =
+            st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+        type Edit = Box<dyn Fn(&mut Vec<Owned>, &mut HashMap<String, String>)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (Box::new(|_, m| drop(m.insert("tft_config".into(), "{\"d\": \"wide\"}".into()))), "tft_config"),
+            (Box::new(|t, _| t.retain(|x| x.0 != "ff.fc2.input_scale")), "ff.fc2.input_scale is missing"),
+            (Box::new(|t, _| t.retain(|x| x.0 != "post_attn_norm.bias")), "post_attn_norm.bias is missing"),
+            (
+                Box::new(|t, _| set(t, "head.weight_scale", |x| x.3[0..4].copy_from_slice(&(-2f32).to_le_bytes()))),
+                "head.weight_scale holds the scale -2",
+            ),
+            (Box::new(|t, _| set(t, "lstm_enc.weight_hh_l0", |x| x.3[5] = 0x80)), "lstm_enc.weight_hh_l0 holds -128"),
+            (
+                Box::new(|t, _| {
+                    set(t, "enc_embed.2.bias", |x| x.3[0..4].copy_from_slice(&f32::INFINITY.to_le_bytes()))
+                }),
+                "enc_embed.2.bias holds the non-finite",
+            ),
+            (Box::new(|t, _| t.push(("extra".into(), Dtype::F32, vec![1], vec![0; 4]))), "unexpected tensor extra"),
+        ];
+        for (edit, want) in cases {
+            let (mut t, mut m) = (t0.clone(), meta0.clone());
+            edit(&mut t, &mut m);
+            let path = dir.path().join("bad.safetensors");
+            write_tensors(&path, &t, m).unwrap();
+            let e = load_tft(&path, None).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("bad.safetensors") && !e.contains('\n'), "want {want:?}: {e}");
+        }
+        let e = load_tft(&good, Some(&"cd".repeat(32))).unwrap_err().to_string();
+        assert!(e.contains("SHA-256"), "{e}");
     }
 }
