@@ -172,3 +172,87 @@ fn quantize_and_eval_int8_for_dqn_and_ppo() {
         err_line(&fx_train().args(["quantize", "--f32-layers", "trunk.9", "--checkpoint"]).arg(&dqn).output().unwrap());
     assert!(e.contains("trunk.9"), "{e}");
 }
+
+/// A short TFT run (width 16) on `bars` synthetic bars, or on real daily bars with `data`.
+fn short_tft_run(dir: &Path, name: &str, data: Option<&str>) -> PathBuf {
+    let cfg = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &cfg,
+        r#"model = "tft"
+device = "cpu"
+[synthetic]
+bars = 1500
+[tft]
+d = 16
+n_head = 2
+L_enc = 16
+H = 2
+dropout = 0.0
+[seq]
+epochs = 3
+batch_size = 32
+lr = 0.005
+patience = 5
+"#,
+    )
+    .unwrap();
+    let run = dir.join(name);
+    let mut cmd = fx_train();
+    cmd.args(["train", "--quiet", "--config"]).arg(&cfg).arg("--out").arg(&run);
+    if let Some(d) = data {
+        cmd.args(["--data", d]);
+    }
+    ok(&cmd.output().unwrap());
+    run
+}
+
+/// Issue 13's TFT half end to end, on synthetic bars and on AAPL's daily bars: `quantize`
+/// writes the INT8 file (every weight matrix I8 under its spec name) and a report whose
+/// test-split pinball loss is within 1 % of F32's and coverage within one point, for the
+/// default (dynamic) and the percentile method; `eval --int8` scores the file again; a
+/// MAMBA-2 run and --f32-layers on a TFT run are one-line errors.
+#[test]
+fn quantize_and_eval_int8_for_tft() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, data) in [("tft", None), ("tft-aapl", Some("../../../shared/data/aapl_daily_2000_2013.csv"))] {
+        let run = short_tft_run(dir.path(), name, data);
+        for method in ["dynamic", "percentile"] {
+            let text =
+                ok(&fx_train().args(["quantize", "--method", method, "--checkpoint"]).arg(&run).output().unwrap());
+            assert!(text.contains("TFT matrices INT8") && text.contains("mean pinball loss"), "{text}");
+            let r = json_file(&run.join("quant_report.json"));
+            assert_eq!(r["model"], "tft");
+            assert_eq!(r["calibration"]["method"], method);
+            assert_eq!(r["calibration"]["rows"], 256);
+            let rel = r["pinball_rel_diff"].as_f64().unwrap();
+            let cov = r["coverage_diff_points"].as_f64().unwrap();
+            eprintln!("{name} {method}: pinball {rel:.5} apart, coverage {cov:+.3} points");
+            assert!(rel <= 0.01, "{name} {method}: pinball {rel}");
+            assert!(cov.abs() <= 1.0, "{name} {method}: coverage {cov}");
+            assert!(r["f32"]["n"].as_u64().unwrap() > 100 && r["size_ratio"].as_f64().unwrap() > 2.5, "{r}");
+        }
+        let file = int8_file(&run);
+        let bytes = std::fs::read(&file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("enc_vsn.vars.7.glu.fc4.weight").unwrap().dtype(), safetensors::Dtype::I8);
+        assert_eq!(st.tensor("lstm_enc.weight_hh_l0").unwrap().dtype(), safetensors::Dtype::I8);
+        assert_eq!(st.tensor("lstm_enc.input_hh_l0_scale").unwrap().shape(), &[1]);
+        assert_eq!(st.tensor("post_attn_norm.weight").unwrap().dtype(), safetensors::Dtype::F32);
+        let text = ok(&fx_train().args(["eval", "--int8", "--checkpoint"]).arg(&run).output().unwrap());
+        assert!(text.contains("eval_int8.json"), "{text}");
+        let e = json_file(&run.join("eval_int8.json"));
+        assert_eq!(e["mean_pinball_int8"], json_file(&run.join("quant_report.json"))["mean_pinball_int8"]);
+    }
+    let run = dir.path().join("tft");
+    let e =
+        err_line(&fx_train().args(["quantize", "--f32-layers", "head", "--checkpoint"]).arg(&run).output().unwrap());
+    assert!(e.contains("--f32-layers") && e.contains("tft"), "{e}");
+    // A MAMBA-2 run: its config alone decides.
+    let m = dir.path().join("m2");
+    std::fs::create_dir_all(&m).unwrap();
+    let cfg =
+        std::fs::read_to_string(run.join("config.toml")).unwrap().replace("model = \"tft\"", "model = \"mamba2\"");
+    std::fs::write(m.join("config.toml"), cfg).unwrap();
+    let e = err_line(&fx_train().args(["quantize", "--checkpoint"]).arg(&m).output().unwrap());
+    assert!(e.contains("mamba2") && e.contains("mamba2_int8_step"), "{e}");
+}

@@ -301,19 +301,20 @@ pub enum QuantMethod {
 
 #[derive(Debug, Args)]
 pub struct QuantizeArgs {
-    /// Run folder whose latest checkpoint to quantise (a dqn or ppo run).
+    /// Run folder whose latest checkpoint to quantise (a dqn, ppo or tft run).
     #[arg(long)]
     pub checkpoint: PathBuf,
-    /// Calibration observations, spread evenly over a greedy replay of the training split.
-    #[arg(long, default_value_t = 2048)]
-    pub calib_rows: usize,
+    /// Calibration rows, spread evenly over the training split: observations of a greedy
+    /// replay (dqn, ppo; default 2048) or forecast windows (tft; default 256).
+    #[arg(long)]
+    pub calib_rows: Option<usize>,
     /// Input-scale calibration method.
     #[arg(long, value_enum, default_value_t = QuantMethod::Dynamic)]
     pub method: QuantMethod,
     /// Percentile of |input| for --method percentile.
     #[arg(long, default_value_t = 99.99)]
     pub percentile: f64,
-    /// Layers to keep in F32 (spec names, comma-separated, e.g. value,advantage).
+    /// Layers to keep in F32 (spec names, comma-separated, e.g. value,advantage; dqn and ppo).
     #[arg(long, value_delimiter = ',')]
     pub f32_layers: Vec<String>,
 }

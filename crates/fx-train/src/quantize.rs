@@ -2,6 +2,8 @@
 //! (`fx-quant`), written beside the run's latest checkpoint as
 //! `checkpoint-<step>.int8.safetensors`, with `quant_report.json` (agreement with F32 on
 //! the test split, score errors, sizes); and its backtest beside F32's (`eval_int8.json`).
+//! A TFT run's INT8 model goes the same way through `seq_run::quantize_tft` /
+//! `eval_int8_tft` (forecast metrics instead of actions).
 //!
 //! Calibration and agreement rows are the observations a greedy F32 replay sees (the
 //! backtest's `replay_policy`): calibration on the training split, agreement on the test
@@ -17,7 +19,7 @@ use serde_json::json;
 
 use crate::agent::Agent;
 use crate::cli::{QuantMethod, QuantizeArgs};
-use crate::config::RunConfig;
+use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
 use crate::run_dir::{write_atomic, Checkpoint, RunDir};
 
@@ -30,16 +32,22 @@ struct Loaded {
     data: Dataset,
 }
 
-fn load_run(run: &Path) -> Result<Loaded> {
+/// A run's folder and config, for the commands to pick the model's path.
+fn run_config(run: &Path) -> Result<(RunDir, RunConfig)> {
     let dir = RunDir::existing(run)?;
     let cfg = RunConfig::from_toml_file(&dir.path("config.toml"))?.resolve()?;
-    if cfg.model.is_sequence() {
+    if cfg.model == ModelChoice::Mamba2 {
         bail!(
-            "{}: INT8 quantisation covers dqn and ppo runs so far; this is a {} run",
-            run.display(),
-            cfg.model.as_str()
+            "{}: INT8 files cover dqn, ppo and tft runs; a mamba2 run's INT8 one-bar step needs no file \
+             (fx_quant::mamba2_int8_step quantises the loaded model's projections with dynamic scales)",
+            run.display()
         );
     }
+    Ok((dir, cfg))
+}
+
+fn load_run(run: &Path) -> Result<Loaded> {
+    let (dir, cfg) = run_config(run)?;
     let Some(checkpoint) = dir.latest_checkpoint()? else {
         bail!("{} holds no checkpoint yet", run.display());
     };
@@ -69,20 +77,32 @@ fn replay_observations(l: &Loaded, rows: std::ops::Range<usize>) -> Result<Vec<f
     Ok(seen)
 }
 
+/// The calibration method the flags ask for.
+pub(crate) fn calib_method(args: &QuantizeArgs) -> CalibMethod {
+    match args.method {
+        QuantMethod::Minmax => CalibMethod::MinMax,
+        QuantMethod::Percentile => CalibMethod::Percentile(args.percentile),
+        QuantMethod::Dynamic => CalibMethod::Dynamic,
+    }
+}
+
 pub fn run(args: &QuantizeArgs) -> Result<()> {
-    if args.calib_rows == 0 {
+    if args.calib_rows == Some(0) {
         bail!("--calib-rows must be at least 1");
+    }
+    let (dir, cfg) = run_config(&args.checkpoint)?;
+    if cfg.model == ModelChoice::Tft {
+        if !args.f32_layers.is_empty() {
+            bail!("--f32-layers applies to dqn and ppo runs (every matrix of a tft run is INT8)");
+        }
+        return crate::seq_run::quantize_tft(&dir, cfg, args.calib_rows.unwrap_or(256), calib_method(args));
     }
     let l = load_run(&args.checkpoint)?;
     let float = l.agent.float_net()?;
     let width = float.state_dim();
     let train_obs = replay_observations(&l, l.data.splits.train.clone())?;
-    let calib = fx_quant::calibrate::spread_rows(&train_obs, width, args.calib_rows);
-    let method = match args.method {
-        QuantMethod::Minmax => CalibMethod::MinMax,
-        QuantMethod::Percentile => CalibMethod::Percentile(args.percentile),
-        QuantMethod::Dynamic => CalibMethod::Dynamic,
-    };
+    let calib = fx_quant::calibrate::spread_rows(&train_obs, width, args.calib_rows.unwrap_or(2048));
+    let method = calib_method(args);
     let keep: Vec<&str> = args.f32_layers.iter().map(String::as_str).collect();
     let q = fx_quant::quantize(&float, &calib, method, &keep)?;
 
@@ -189,6 +209,10 @@ const SHARPE_REL_TARGET: f64 = 0.02;
 
 /// `fx-train eval --int8`: the INT8 policy's backtest beside the F32 policy's.
 pub fn eval_int8(run: &Path) -> Result<()> {
+    let (dir, cfg) = run_config(run)?;
+    if cfg.model == ModelChoice::Tft {
+        return crate::seq_run::eval_int8_tft(&dir, cfg);
+    }
     let l = load_run(run)?;
     let trainer = &l.checkpoint.trainer;
     let path = int8_path(trainer);

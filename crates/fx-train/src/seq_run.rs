@@ -519,3 +519,197 @@ pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     c.check_source(&d.data.source, "config.toml now names")?;
     SeqModel::new(&cfg, &device)?.with(|task| task.eval(&cfg, dir, &c, &d))
 }
+
+/// Issue 13's TFT bars: the INT8 model's mean pinball loss within this relative distance
+/// of F32's, and its interval coverage within this many points. Below them the commands
+/// say so on stderr (the files are still written: the numbers are the user's to judge).
+const PINBALL_REL_TARGET: f64 = 0.01;
+const COVERAGE_TARGET: f64 = 0.01;
+
+/// Forecast windows per INT8 evaluation batch.
+const INT8_EVAL_BATCH: usize = 32;
+
+/// A TFT run's latest checkpoint with its best epoch's weights, on the CPU (where the
+/// INT8 model runs), and its data.
+fn best_tft_on_cpu(dir: &RunDir, cfg: &RunConfig) -> Result<(Checkpoint, SeqData, Tft)> {
+    let Some(c) = dir.latest_checkpoint()? else {
+        bail!("{} holds no checkpoint yet", dir.root().display());
+    };
+    c.check_model(cfg.model, "config.toml says")?;
+    let d = seq_data(cfg, Some(c.run.normalizer()?))?;
+    c.check_source(&d.data.source, "config.toml now names")?;
+    let model = Tft::new(cfg.tft.clone(), &Device::Cpu, cfg.seed).context("building the TFT")?;
+    let trainer = restored(&model, cfg, &c, &d)?;
+    trainer.finish(&model).with_context(|| format!("{}: no epoch is done yet", c.trainer.display()))?;
+    Ok((c, d, model))
+}
+
+/// F32 (candle's forward) and INT8 forecast metrics on the test split, on the same windows.
+fn tft_int8_metrics(
+    model: &Tft,
+    q: &fx_quant::QuantTft,
+    d: &SeqData,
+) -> Result<(ForecastMetrics, ForecastMetrics, fx_quant::Isa)> {
+    let test = d.data.splits.test.clone();
+    let p = fx_precision::Precision::F32;
+    let f32m = evaluate_forecasts(model, &d.series, test.clone(), INT8_EVAL_BATCH, p).context("F32 forecasts")?;
+    let int8 = fx_quant::Int8Tft::new(q, INT8_EVAL_BATCH)?;
+    let levels = model.config().quantiles.clone();
+    let i8m =
+        fx_models::seq_train::evaluate_forecasts_with(model, &d.series, test, INT8_EVAL_BATCH, &Device::Cpu, |b| {
+            let qs = int8
+                .forecast(&b.inputs[0], &b.inputs[1])
+                .map_err(|e| fx_models::Error::Config { context: "INT8 TFT forecast", message: e.to_string() })?;
+            let point = fx_models::tft::point_forecast(&levels, &qs)?;
+            Ok(fx_models::seq_train::Forecasts { point, quantiles: Some((levels.clone(), qs)) })
+        })
+        .context("INT8 forecasts")?;
+    Ok((f32m, i8m, int8.isa()))
+}
+
+/// The comparison's JSON, its console lines, and warnings past the targets.
+fn tft_int8_comparison(f32m: &ForecastMetrics, i8m: &ForecastMetrics, target_scale: f64) -> Value {
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (pf, pq) = (mean(&f32m.pinball), mean(&i8m.pinball));
+    let rel = if pf > 0.0 { (pq - pf).abs() / pf } else { (pq - pf).abs() };
+    let (cf, cq) = (f32m.interval_coverage.unwrap_or(0.0), i8m.interval_coverage.unwrap_or(0.0));
+    println!("test split ({} forecasts), F32 against INT8:", f32m.n);
+    for (k, q) in f32m.levels.iter().enumerate() {
+        println!("  pinball loss q={q:<4} {:.5} / {:.5}", f32m.pinball[k], i8m.pinball[k]);
+    }
+    println!("  mean pinball loss {pf:.5} / {pq:.5} ({:.3}% apart)", 100.0 * rel);
+    println!("  band coverage {:.2}% / {:.2}% ({:+.2} points)", 100.0 * cf, 100.0 * cq, 100.0 * (cq - cf));
+    println!(
+        "  directional accuracy {:.2}% / {:.2}%",
+        100.0 * f32m.directional_accuracy,
+        100.0 * i8m.directional_accuracy
+    );
+    if rel > PINBALL_REL_TARGET || (cq - cf).abs() > COVERAGE_TARGET {
+        eprintln!(
+            "warning: the INT8 TFT's mean pinball loss is {:.2}% from F32's (target {:.0}%) and its coverage {:+.2} \
+             points (target ±{:.0}): check it before deploying it, or try another --method",
+            100.0 * rel,
+            100.0 * PINBALL_REL_TARGET,
+            100.0 * (cq - cf),
+            100.0 * COVERAGE_TARGET
+        );
+    }
+    json!({
+        "target_units": format!("target / {target_scale:.6e} (the training split's return std)"),
+        "f32": f32m,
+        "int8": i8m,
+        "mean_pinball_f32": pf,
+        "mean_pinball_int8": pq,
+        "pinball_rel_diff": rel,
+        "coverage_f32": cf,
+        "coverage_int8": cq,
+        "coverage_diff_points": 100.0 * (cq - cf),
+    })
+}
+
+/// `fx-train quantize` of a TFT run: the best weights of its latest checkpoint quantised
+/// with input scales from `windows` forecast windows spread evenly over the training
+/// split, written beside the checkpoint (`fx_quant::checkpoint::save_tft`), read back
+/// through the checked loader and scored against F32 on the test split
+/// (`quant_report.json`).
+pub(crate) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method: fx_quant::CalibMethod) -> Result<()> {
+    let (c, d, model) = best_tft_on_cpu(dir, &cfg)?;
+    let train = d.data.splits.train.clone();
+    let win = SeqTask::window_len(&model);
+    let last = train
+        .end
+        .checked_sub(win)
+        .filter(|&l| l >= train.start)
+        .context("the training split is shorter than a window")?;
+    let span = last - train.start + 1;
+    let n = windows.min(span);
+    let starts: Vec<usize> = (0..n).map(|k| train.start + k * span / n).collect();
+    let mut calib = Vec::new();
+    for chunk in starts.chunks(INT8_EVAL_BATCH) {
+        let b = model.batch(&d.series, chunk, &Device::Cpu)?;
+        calib.push((b.inputs[0].clone(), b.inputs[1].clone()));
+    }
+    // One batch size for the calibration pass: the last, short chunk is dropped unless alone.
+    if calib.len() > 1 && starts.len() % INT8_EVAL_BATCH != 0 {
+        calib.pop();
+    }
+    let q = fx_quant::quantize_tft(&model, &calib, method)?;
+    let provenance = fx_quant::checkpoint::Provenance {
+        source_sha256: fx_quant::checkpoint::sha256_file(&c.trainer)?,
+        source: c.trainer.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+    };
+    let out = crate::quantize::int8_path(&c.trainer);
+    fx_quant::checkpoint::save_tft(&q, &provenance, &out)?;
+    let (q, _) = fx_quant::checkpoint::load_tft(&out, Some(&provenance.source_sha256))?;
+    let f32_bytes = 4 * model.params().param_count();
+    println!(
+        "wrote {} ({} TFT matrices INT8, calibrated on {} training-split windows, {method}); weights {:.0} KiB F32 -> \
+         {:.0} KiB INT8 ({:.2}x)",
+        out.display(),
+        q.matrices.len(),
+        q.calibration.rows,
+        f32_bytes as f64 / 1024.0,
+        q.bytes() as f64 / 1024.0,
+        f32_bytes as f64 / q.bytes() as f64
+    );
+    let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
+    let mut report = tft_int8_comparison(&f32m, &i8m, d.target_scale);
+    let file_bytes = std::fs::metadata(&out).with_context(|| format!("reading {}", out.display()))?.len();
+    let extra = json!({
+        "model": "tft",
+        "checkpoint": c.trainer.display().to_string(),
+        "int8_file": out.display().to_string(),
+        "source_sha256": provenance.source_sha256,
+        "format": fx_quant::checkpoint::FORMAT,
+        "calibration": {
+            "method": method.name(),
+            "percentile": q.calibration.percentile,
+            "rows": q.calibration.rows,
+            "from": "forecast windows spread evenly over the training split",
+        },
+        "int8_matrices": q.matrices.len(),
+        "f32_parameters": q.floats.len(),
+        "isa": isa.name(),
+        "f32_bytes": f32_bytes,
+        "int8_bytes": q.bytes(),
+        "size_ratio": f32_bytes as f64 / q.bytes() as f64,
+        "file_bytes": file_bytes,
+    });
+    if let (Some(r), Value::Object(e)) = (report.as_object_mut(), extra) {
+        r.extend(e);
+    }
+    write_atomic(&dir.path("quant_report.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
+    println!("report: {}", dir.path("quant_report.json").display());
+    Ok(())
+}
+
+/// `fx-train eval --int8` of a TFT run: the INT8 file of its latest checkpoint (refused if
+/// it came from another checkpoint) scored beside F32 on the test split (`eval_int8.json`).
+pub(crate) fn eval_int8_tft(dir: &RunDir, cfg: RunConfig) -> Result<()> {
+    let (c, d, model) = best_tft_on_cpu(dir, &cfg)?;
+    let path = crate::quantize::int8_path(&c.trainer);
+    if !path.exists() {
+        bail!(
+            "{} has no INT8 model for {}: run `fx-train quantize --checkpoint {}` first",
+            dir.root().display(),
+            c.trainer.file_name().unwrap_or_default().to_string_lossy(),
+            dir.root().display()
+        );
+    }
+    let sha = match &c.run.trainer_sha256 {
+        Some(s) => s.clone(),
+        None => fx_quant::checkpoint::sha256_file(&c.trainer)?,
+    };
+    let (q, _) = fx_quant::checkpoint::load_tft(&path, Some(&sha))?;
+    let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
+    let mut doc = tft_int8_comparison(&f32m, &i8m, d.target_scale);
+    if let Some(r) = doc.as_object_mut() {
+        r.insert("model".into(), json!("tft"));
+        r.insert("checkpoint".into(), json!(c.trainer.display().to_string()));
+        r.insert("int8_file".into(), json!(path.display().to_string()));
+        r.insert("isa".into(), json!(isa.name()));
+    }
+    write_atomic(&dir.path("eval_int8.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    println!("report: {}", dir.path("eval_int8.json").display());
+    Ok(())
+}
