@@ -630,7 +630,7 @@ pub(crate) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method:
         calib.push((b.inputs[0].clone(), b.inputs[1].clone()));
     }
     // One batch size for the calibration pass: the last, short chunk is dropped unless alone.
-    if calib.len() > 1 && starts.len() % INT8_EVAL_BATCH != 0 {
+    if calib.len() > 1 && !starts.len().is_multiple_of(INT8_EVAL_BATCH) {
         calib.pop();
     }
     let q = fx_quant::quantize_tft(&model, &calib, method)?;
