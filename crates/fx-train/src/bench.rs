@@ -582,7 +582,8 @@ mod tests {
 
     /// The TFT and MAMBA-2 cases on the CPU (bench.py's default models, small batches, one
     /// timed step): training in both precisions with finite losses, inference with
-    /// positive latencies (the MAMBA-2 step also on the CPU in F32 and INT8).
+    /// positive latencies (the TFT also in INT8, the MAMBA-2 step also on the CPU in F32 and
+    /// INT8).
     #[test]
     fn sequence_model_cases_run() {
         let plan = Plan {
@@ -609,24 +610,31 @@ mod tests {
                 ("tft_train_b2", "eager_fp32", "ok"),
                 ("mamba2_train_b1", "eager_fp32", "ok"),
                 ("tft_infer_b1", "eager_fp32", "ok"),
+                ("tft_infer_b1", "int8", "ok"),
                 ("tft_infer_b8", "eager_fp32", "ok"),
+                ("tft_infer_b8", "int8", "ok"),
                 ("mamba2_step_b1", "eager_fp32", "ok"),
                 ("mamba2_step_b1", "cpu_fp32", "ok"),
                 ("mamba2_step_b1", "int8", "ok"),
             ],
             "{recs:#?}"
         );
+        // The INT8 TFT's forecasts are near candle's F32 ones, with under a third of the bytes.
+        for r in [&recs[3], &recs[5]] {
+            assert!(num(r, "rel_err_vs_candle") < 0.05, "{r:?}");
+            assert!(num(r, "param_bytes") * 3.0 < num(r, "param_bytes_f32"), "{r:?}");
+        }
         // The CPU step's first prediction equals candle's step to F32 rounding; the INT8
         // step's is near it, with a quarter of the projections' bytes.
-        assert!(num(&recs[5], "rel_err_vs_candle") < 1e-5, "{:?}", recs[5]);
-        assert!(num(&recs[6], "rel_err_vs_candle") < 0.1, "{:?}", recs[6]);
-        assert!(num(&recs[6], "projection_bytes") * 3.0 < num(&recs[5], "projection_bytes"), "{:?}", recs[6]);
+        assert!(num(&recs[7], "rel_err_vs_candle") < 1e-5, "{:?}", recs[7]);
+        assert!(num(&recs[8], "rel_err_vs_candle") < 0.1, "{:?}", recs[8]);
+        assert!(num(&recs[8], "projection_bytes") * 3.0 < num(&recs[7], "projection_bytes"), "{:?}", recs[8]);
         assert!(num(&recs[0], "loss_last").is_finite() && num(&recs[1], "tokens_per_s") > 0.0);
         assert_eq!(recs[1]["seq_len"], 256);
         for r in &recs[2..] {
             assert!(num(r, "p50_us") > 0.0 && num(r, "p50_us") <= num(r, "p99_us"), "{r:?}");
         }
-        assert!(num(&recs[3], "samples_per_s") > 0.0);
+        assert!(num(&recs[4], "samples_per_s") > 0.0 && num(&recs[5], "samples_per_s") > 0.0);
     }
 
     fn num(r: &Record, k: &str) -> f64 {

@@ -6,7 +6,10 @@
 //!
 //! Modes: `eager_fp32` (candle's ops, one launch each) and, on CUDA, `graph_fp32` (the same
 //! forward captured once as a CUDA graph on static input and output buffers — and, for the
-//! MAMBA-2 step, a static state updated in place — replayed per call). The MAMBA-2 step has two
+//! MAMBA-2 step, a static state updated in place — replayed per call). The TFT cases have
+//! `fused_fp32` / `fused_graph_fp32` on CUDA (the fused step's forward alone,
+//! `TftForecaster`, eager and captured) and `int8` on the CPU (`fx_quant::Int8Tft`); their
+//! records add `rel_err_vs_candle` (relative RMS against candle's forecast). The MAMBA-2 step has two
 //! more on CUDA: `fused_fp32`, `fx_models::mamba2::decode::Mamba2Decoder::step` (the whole step as
 //! one kernel launch on a thread-block cluster, Hopper+), and `fused_graph_fp32`, that launch
 //! captured as a one-node CUDA graph and replayed; their records add the kernel's device time
@@ -88,7 +91,9 @@ impl SeqInfer {
                 &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32"]
             }
             SeqInfer::Mamba2Step if !device.is_cuda() => &["eager_fp32", "cpu_fp32", "int8"],
-            _ => modes(device.is_cuda()),
+            SeqInfer::Mamba2Step => modes(true),
+            _ if device.is_cuda() => &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32"],
+            _ => &["eager_fp32", "int8"],
         }
     }
 }
@@ -125,9 +130,9 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
     let graph = mode == "graph_fp32" || mode == "fused_graph_fp32";
     let fused = mode.starts_with("fused");
     ensure!(!(graph || fused) || dev.is_cuda(), "graph and fused modes need CUDA");
-    ensure!(!fused || what == SeqInfer::Mamba2Step, "fused modes exist for the MAMBA-2 step only");
     let cpu_step = mode == "cpu_fp32" || mode == "int8";
-    ensure!(!cpu_step || (what == SeqInfer::Mamba2Step && !dev.is_cuda()), "{mode} is the MAMBA-2 step on the CPU");
+    ensure!(!cpu_step || !dev.is_cuda(), "{mode} runs on the CPU");
+    ensure!(mode != "cpu_fp32" || what == SeqInfer::Mamba2Step, "cpu_fp32 is the MAMBA-2 step's");
     let c = Ctx::inference(Precision::F32);
     let (n_warm, n) = if what.kind() == "infer" {
         (5, (ctx.lat_n / 20).max(20))
@@ -144,14 +149,22 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
             let known = Tensor::from_vec(known, (b, l + h, cfg.n_known), &dev)?;
             let model = Tft::new(cfg, &dev, 0)?;
             rec.insert("params".into(), json!(model.params().param_count()));
-            let out = model.forward(&c, &obs, &known)?.contiguous()?.copy()?;
+            let want = model.forward(&c, &obs, &known)?.contiguous()?;
+            let out = want.copy()?;
+            let mut forecast = tft_forecast(&model, &obs, &known, mode, b, rec)?;
             let mut body = |_dry: bool| -> Result<()> {
-                let q = model.forward(&c, &obs, &known)?;
+                let q = forecast()?;
                 out.slice_set(&q.contiguous()?, 0, 0)?;
                 Ok(())
             };
+            body(false)?;
             let first = out.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
             ensure!(first.iter().all(|v| v.is_finite()), "non-finite TFT forecast");
+            if mode != "eager_fp32" && mode != "graph_fp32" {
+                let d = (&out - &want)?.sqr()?.sum_all()?.to_scalar::<f32>()?;
+                let w = want.sqr()?.sum_all()?.to_scalar::<f32>()?;
+                rec.insert("rel_err_vs_candle".into(), json!((f64::from(d) / f64::from(w).max(1e-30)).sqrt()));
+            }
             time_calls(&dev, graph, &mut body, n_warm, n)?
         }
         SeqInfer::Mamba2Step if fused => mamba2_fused(&dev, graph, n_warm, n, rec)?,
@@ -185,6 +198,55 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
         rec.insert("samples_per_s".into(), json!(round(b as f64 / (p50 / 1e6), 1)));
     }
     Ok(())
+}
+
+/// A TFT forecast of `obs`, `known` in `mode`: candle's forward (`eager_fp32`, and captured:
+/// `graph_fp32`), the fused forward (`fx_models::tft::forecast::TftForecaster` on CUDA:
+/// `fused_fp32`, captured: `fused_graph_fp32`) or the INT8 model on the CPU (`int8`:
+/// `fx_quant::Int8Tft`, dynamic input scales, quantised from this model with the timed
+/// batch as its calibration window; the record adds the ISA and the parameter bytes).
+fn tft_forecast<'a>(
+    model: &'a Tft,
+    obs: &'a Tensor,
+    known: &'a Tensor,
+    mode: &str,
+    batch: usize,
+    rec: &mut Record,
+) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
+    let c = Ctx::inference(Precision::F32);
+    Ok(match mode {
+        "int8" => {
+            let q = fx_quant::quantize_tft(model, &[(obs.clone(), known.clone())], fx_quant::CalibMethod::Dynamic)?;
+            let f = fx_quant::Int8Tft::new(&q, batch)?;
+            rec.insert("isa".into(), json!(f.isa().name()));
+            rec.insert("param_bytes".into(), json!(q.bytes()));
+            rec.insert("param_bytes_f32".into(), json!(4 * model.params().param_count()));
+            Box::new(move || Ok(f.forecast(obs, known)?))
+        }
+        "fused_fp32" | "fused_graph_fp32" => tft_fused(model, obs, known, batch)?,
+        _ => Box::new(move || Ok(model.forward(&c, obs, known)?)),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn tft_fused<'a>(
+    model: &'a Tft,
+    obs: &'a Tensor,
+    known: &'a Tensor,
+    batch: usize,
+) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
+    let f = model.cuda_forecaster(batch)?;
+    Ok(Box::new(move || Ok(f.forecast(obs, known)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn tft_fused<'a>(
+    _model: &'a Tft,
+    _obs: &'a Tensor,
+    _known: &'a Tensor,
+    _batch: usize,
+) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
+    anyhow::bail!("fused modes need a build with the cuda feature")
 }
 
 /// The MAMBA-2 step on the CPU (`Mamba2::cpu_step`: one bar on the calling thread, no
