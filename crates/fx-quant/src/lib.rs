@@ -1,5 +1,5 @@
-//! INT8 post-training quantisation of the DQN and PPO greedy policies, and INT8 decisions
-//! on the CPU without a thread pool.
+//! INT8 post-training quantisation of the DQN and PPO greedy policies and of the TFT, and
+//! INT8 decisions and forecasts on the CPU without a thread pool.
 //!
 //! The pipeline (what `fx-train quantize` runs; `docs/QUANT.md` explains the choices):
 //! 1. [`FloatNet`]: the F32 policy network on the host under the spec's layer names
@@ -16,7 +16,10 @@
 //!    against the plain [`reference::reference_scores`];
 //! 6. [`Decide`]: the small trait a service holds (INT8 or F32 `CpuPolicy`).
 //!
-//! The TFT / MAMBA-2 and GPU halves of issue 13 are not here yet.
+//! The sequence models: [`tft`] quantises every weight matrix of a TFT and forecasts with
+//! them ([`quantize_tft`], [`QuantTft`], [`Int8Tft`]; the file through
+//! [`checkpoint::save_tft`]); [`mamba2`] gives MAMBA-2's one-bar CPU step INT8 projections.
+//! The GPU half of issue 13 (INT8 matmuls on the device) is not here yet.
 
 pub mod activation;
 pub mod calibrate;
