@@ -576,6 +576,7 @@ impl<K: TftBackend> TftFused<K> {
                 }
             }
             self.forward(model, addr(&observed)?, addr(&known)?, None)?;
+            self.mark("end");
         }
         let out = self.k.tensor_at(self.out, &[h, b, nq]).map_err(kerr)?;
         let bias = model.head.b.as_tensor().reshape((1, 1, nq)).ctx(CTX)?;
@@ -1484,6 +1485,43 @@ mod gpu_tests {
                     worst.0
                 );
             }
+        }
+    }
+
+    #[test]
+    fn fused_forecast_time_and_profile_at_batch_256() {
+        let Some(dev) = gpu() else { return };
+        let cfg = TftConfig::default();
+        let b = 256;
+        let m = Tft::new(cfg.clone(), &dev, 3).unwrap();
+        let (obs, known, _) = inputs(&cfg, b, 9, &dev);
+        let fused = TftFused::new(CudaTft::new(&dev).unwrap(), &m, b, Precision::F32).unwrap();
+        for _ in 0..3 {
+            fused.forecast(&obs, &known).unwrap();
+        }
+        dev.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        let n = 10;
+        for _ in 0..n {
+            fused.forecast(&obs, &known).unwrap();
+        }
+        dev.synchronize().unwrap();
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / n as f64;
+        eprintln!("fused TFT F32 forecast, batch 256: {ms:.3} ms = {:.0} forecasts/s (eager)", b as f64 * 1e3 / ms);
+        let marks: Rc<RefCell<Vec<(&'static str, std::time::Instant)>>> = Rc::default();
+        let (mk, dv) = (marks.clone(), dev.clone());
+        fused.set_marker(Some(Box::new(move |what| {
+            dv.synchronize().unwrap();
+            mk.borrow_mut().push((what, std::time::Instant::now()));
+        })));
+        for _ in 0..3 {
+            marks.borrow_mut().clear();
+            fused.forecast(&obs, &known).unwrap();
+        }
+        fused.set_marker(None);
+        let mk = marks.borrow();
+        for w in mk.windows(2) {
+            eprintln!("  forecast {:<40} {:8.3} ms", w[0].0, (w[1].1 - w[0].1).as_secs_f64() * 1e3);
         }
     }
 
