@@ -41,7 +41,7 @@ impl CalibMethod {
         }
     }
 
-    fn check(self) -> Result<()> {
+    pub(crate) fn check(self) -> Result<()> {
         match self {
             CalibMethod::Percentile(p) if !(p > 0.0 && p <= 100.0) => {
                 Err(Error::invalid("calibration percentile", format!("{p} is not in (0, 100]")))
@@ -84,58 +84,59 @@ pub fn input_scales(net: &FloatNet, obs: &[f32], method: CalibMethod) -> Result<
     }
     let mut stats: Vec<InputStats> = net.layers.iter().map(|_| InputStats::new(method, None)).collect();
     for row in obs.chunks_exact(d) {
-        net.forward_f64(row, |layer, x| stats[layer].observe(x.iter().map(|&v| v as f32)));
+        net.forward_f64(row, |layer, x| stats[layer].observe_row(x));
     }
-    Ok(stats.iter_mut().map(|s| s.scale(method)).collect())
+    stats.iter_mut().map(|s| s.scale(method)).collect()
 }
 
 /// The running record of one layer's inputs that its input scale comes from: the largest
-/// `|x|`, and for percentiles the `|x|` values themselves, all of them or, with a cap, an
-/// evenly thinned sample (every value until the cap, then every second one, and so on:
-/// deterministic, and the same for every layer of a model).
+/// `|x|`, and for percentiles the `|x|` values themselves: all of them, or with a cap a sample
+/// of whole input rows (every row until the cap, then every second row, and so on:
+/// deterministic, and every feature of a row is sampled alike, which thinning single values
+/// of a row-major stream would not do).
 #[derive(Debug, Clone)]
 pub(crate) struct InputStats {
-    absmax: f32,
+    absmax: f64,
     kept: Option<Vec<f32>>,
     cap: Option<usize>,
     every: u64,
-    seen: u64,
+    rows_seen: u64,
 }
 
 impl InputStats {
-    /// A record for `method`, keeping at most `cap` values for a percentile (None: all).
+    /// A record for `method`, keeping at most about `cap` values for a percentile (None: all).
     pub(crate) fn new(method: CalibMethod, cap: Option<usize>) -> Self {
         let kept = matches!(method, CalibMethod::Percentile(_)).then(Vec::new);
-        Self { absmax: 0.0, kept, cap: cap.map(|c| c.max(2)), every: 1, seen: 0 }
+        Self { absmax: 0.0, kept, cap, every: 1, rows_seen: 0 }
     }
 
-    /// Adds inputs (finite).
-    pub(crate) fn observe(&mut self, x: impl IntoIterator<Item = f32>) {
-        for v in x {
-            let a = v.abs();
-            self.absmax = self.absmax.max(a);
-            if let Some(kept) = self.kept.as_mut() {
-                if self.seen.is_multiple_of(self.every) {
-                    kept.push(a);
-                    if self.cap.is_some_and(|c| kept.len() >= c) {
-                        let mut i = 0;
-                        kept.retain(|_| {
-                            i += 1;
-                            i % 2 == 1
-                        });
-                        self.every *= 2;
-                    }
+    /// Adds one input row.
+    pub(crate) fn observe_row<T: Copy + Into<f64>>(&mut self, row: &[T]) {
+        for &v in row {
+            self.absmax = self.absmax.max(v.into().abs());
+        }
+        let Some(kept) = self.kept.as_mut() else { return };
+        if self.rows_seen.is_multiple_of(self.every) {
+            kept.extend(row.iter().map(|&v| v.into().abs() as f32));
+            if !row.is_empty() && self.cap.is_some_and(|c| kept.len() >= c.max(2 * row.len())) {
+                // Keep every second kept row, from now on every second row of `every`.
+                let w = row.len();
+                let rows = kept.len() / w;
+                for r in 1..rows.div_ceil(2) {
+                    kept.copy_within(2 * r * w..(2 * r + 1) * w, r * w);
                 }
-                self.seen += 1;
+                kept.truncate(rows.div_ceil(2) * w);
+                self.every *= 2;
             }
         }
+        self.rows_seen += 1;
     }
 
     /// The input scale, `bound / 127`: the bound is the largest `|x|` (`minmax`, `dynamic`)
-    /// or the percentile of the kept values; a layer that only ever saw zeros (a dead ReLU
-    /// layer) gets step 1: any positive scale quantises zeros exactly, and the file must
-    /// hold a positive scale.
-    pub(crate) fn scale(&mut self, method: CalibMethod) -> f32 {
+    /// or the percentile of the kept values. A layer that only ever saw zeros (a dead ReLU
+    /// layer) gets step 1: any positive scale quantises zeros exactly, and the file must hold
+    /// a positive scale. A non-finite bound (an overflowing activation) is an error.
+    pub(crate) fn scale(&mut self, method: CalibMethod) -> Result<f32> {
         let bound = match (method, self.kept.as_mut()) {
             (CalibMethod::Percentile(p), Some(v)) if !v.is_empty() => {
                 // The smallest value with at least p % of the values at or below it.
@@ -143,13 +144,12 @@ impl InputStats {
                 let (_, nth, _) = v.select_nth_unstable_by(k, f32::total_cmp);
                 f64::from(*nth)
             }
-            _ => f64::from(self.absmax),
+            _ => self.absmax,
         };
-        if bound > 0.0 && bound.is_finite() {
-            (bound / 127.0) as f32
-        } else {
-            1.0
+        if !bound.is_finite() || !((bound / 127.0) as f32).is_finite() {
+            return Err(Error::invalid("calibration", format!("an input of magnitude {bound} (not finite in F32)")));
         }
+        Ok(if bound > 0.0 { (bound / 127.0) as f32 } else { 1.0 })
     }
 }
 
@@ -219,5 +219,29 @@ mod tests {
         let obs: Vec<f32> = (0..20).map(|i| i as f32).collect();
         assert_eq!(spread_rows(&obs, 2, 5), vec![0.0, 1.0, 4.0, 5.0, 8.0, 9.0, 12.0, 13.0, 16.0, 17.0]);
         assert_eq!(spread_rows(&obs, 2, 50).len(), 20);
+    }
+
+    /// A capped record keeps whole rows: every column of a row-major stream is sampled (a
+    /// column-dependent input gives the same percentile as the full record's, to the
+    /// thinning's resolution), the maximum is exact, and the kept values stay under the cap.
+    #[test]
+    fn capped_percentile_samples_whole_rows() {
+        let (width, rows) = (128usize, 4000usize);
+        // Column c holds values up to c + 1: the 99th percentile is set by the wide columns.
+        let value = |r: usize, c: usize| ((r * 7919 + c * 104729) % 1000) as f32 / 1000.0 * (c + 1) as f32;
+        let method = CalibMethod::Percentile(99.0);
+        let (mut full, mut capped) = (InputStats::new(method, None), InputStats::new(method, Some(1 << 14)));
+        for r in 0..rows {
+            let row: Vec<f32> = (0..width).map(|c| value(r, c)).collect();
+            full.observe_row(&row);
+            capped.observe_row(&row);
+        }
+        assert!(capped.kept.as_ref().unwrap().len() <= 1 << 14);
+        assert_eq!(capped.absmax, full.absmax);
+        let (f, c) = (full.scale(method).unwrap(), capped.scale(method).unwrap());
+        assert!((f - c).abs() <= 0.02 * f, "full {f}, capped {c}");
+        let mut inf = InputStats::new(CalibMethod::MinMax, None);
+        inf.observe_row(&[1.0f64, f64::INFINITY]);
+        assert!(inf.scale(CalibMethod::MinMax).unwrap_err().to_string().contains("not finite"));
     }
 }

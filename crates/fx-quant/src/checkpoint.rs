@@ -1,5 +1,7 @@
 //! The quantised checkpoint: one safetensors file (format `fx-int8/1`) beside the F32
-//! checkpoint it came from. Layout (`docs/QUANT.md` has the full description):
+//! checkpoint it came from; a TFT's ([`save_tft`], [`load_tft`]) holds every weight matrix
+//! part in I8 under its spec name with its [`scale_names`], and every other parameter in F32.
+//! A policy's layout (`docs/QUANT.md` has the full description of both):
 //! - per INT8 layer `NAME` (the spec's names, e.g. `trunk.0`): `NAME.weight` I8 `[out, in]`,
 //!   `NAME.weight_scale` F32 `[out]`, `NAME.input_scale` F32 `[1]`, `NAME.bias` F32 `[out]`;
 //! - per layer kept in F32: `NAME.weight` F32 `[out, in]`, `NAME.bias` F32 `[out]`;
@@ -228,6 +230,23 @@ pub fn load_tft(path: &Path, source_sha256: Option<&str>) -> Result<(QuantTft, P
     let calibration = r.calibration()?;
     let config: TftConfig = serde_json::from_str(r.key("tft_config")?)
         .map_err(|e| Error::file(path, format!("metadata tft_config: {e}")))?;
+    // The file's tensors bound the model built from its config (a config naming a huge
+    // model beside small tensors is refused before anything is allocated).
+    let (d, ne) = (config.d, config.n_observed + config.n_known);
+    for (name, shape) in [
+        ("head.weight".to_string(), vec![config.quantiles.len(), d]),
+        ("lstm_enc.weight_hh_l0".to_string(), vec![4 * d, d]),
+        ("enc_vsn.flat.skip.weight".to_string(), vec![ne, ne * d]),
+        (format!("enc_vsn.vars.{}.fc1.weight", ne.max(1) - 1), vec![d, d]),
+    ] {
+        let t = r.st.tensor(&name).map_err(|_| Error::file(path, format!("tensor {name} is missing")))?;
+        if t.shape() != shape.as_slice() {
+            return Err(Error::file(
+                path,
+                format!("tensor {name} has shape {:?}, but tft_config implies {shape:?}", t.shape()),
+            ));
+        }
+    }
     let shape_of = Tft::new(config.clone(), &candle_core::Device::Cpu, 0)
         .map_err(|e| Error::file(path, format!("metadata tft_config: {e}")))?;
     let mut expected = HashSet::new();
@@ -586,6 +605,10 @@ mod tests {
         type Edit = Box<dyn Fn(&mut Vec<Owned>, &mut HashMap<String, String>)>;
         let cases: Vec<(Edit, &str)> = vec![
             (Box::new(|_, m| drop(m.insert("tft_config".into(), "{\"d\": \"wide\"}".into()))), "tft_config"),
+            (
+                Box::new(|_, m| drop(m.insert("tft_config".into(), "{\"d\": 4096, \"n_head\": 2}".into()))),
+                "but tft_config implies",
+            ),
             (Box::new(|t, _| t.retain(|x| x.0 != "ff.fc2.input_scale")), "ff.fc2.input_scale is missing"),
             (Box::new(|t, _| t.retain(|x| x.0 != "post_attn_norm.bias")), "post_attn_norm.bias is missing"),
             (

@@ -124,7 +124,7 @@ impl QuantTft {
 }
 
 /// What a backend hook takes over: the weight GEMMs and the LSTM's recurrent product.
-pub trait MatrixHook {
+pub(crate) trait MatrixHook {
     /// Runs `g` if its `B` operand is a weight this hook knows (returns true), else
     /// nothing (false: the CPU backend runs it).
     ///
@@ -140,14 +140,14 @@ pub trait MatrixHook {
 
 /// The CPU reference backend with a [`MatrixHook`]; see the module docs.
 #[derive(Debug)]
-pub struct MatrixHooked<H> {
+pub(crate) struct MatrixHooked<H> {
     cpu: CpuTft,
     hook: H,
 }
 
 impl<H> MatrixHooked<H> {
     /// The hook (e.g. to read what it recorded).
-    pub fn hook(&self) -> &H {
+    pub(crate) fn hook(&self) -> &H {
         &self.hook
     }
 }
@@ -269,8 +269,8 @@ fn matrices(model: &Tft) -> Result<(Vec<Matrix>, HashMap<Addr, usize>)> {
     Ok((list, by_addr))
 }
 
-/// The parts a weight GEMM's batch entry `j` covers: (first part, first row within it,
-/// rows); one GEMM entry may span several parts (the attention heads), or be one part.
+/// The parts a weight GEMM's batch entry `j` covers, as (first part, number of parts): one
+/// GEMM entry may span several parts (the attention heads), or be one part (a variable's GRN).
 fn entry_parts(m: &Matrix, g: &Gemm, j: usize) -> Result<(usize, usize)> {
     let off = j * g.stride_b as usize;
     if !off.is_multiple_of(m.inp) || g.k != m.inp || g.ldb != m.inp {
@@ -283,12 +283,27 @@ fn entry_parts(m: &Matrix, g: &Gemm, j: usize) -> Result<(usize, usize)> {
     if !row0.is_multiple_of(m.rows_per_part) || !g.n.is_multiple_of(m.rows_per_part) {
         return Err(Error::invalid("weight GEMM", format!("{}: rows {row0}.. +{} split a part", m.names[0], g.n)));
     }
-    Ok((row0 / m.rows_per_part, g.n / m.rows_per_part))
+    let (p0, np) = (row0 / m.rows_per_part, g.n / m.rows_per_part);
+    if np == 0 || p0 + np > m.names.len() {
+        return Err(Error::invalid("weight GEMM", format!("{}: parts {p0}.. +{np} of {}", m.names[0], m.names.len())));
+    }
+    Ok((p0, np))
 }
 
 /// Checks a GEMM is a forward `y = x · Wᵀ` the hooks can take over.
 fn check_forward(g: &Gemm) -> Result<()> {
-    let ok = !g.ta && g.tb && g.alpha == 1.0 && g.beta == 0.0 && g.inputs == GemmInputs::F32 && g.stride_b >= 0;
+    let ok = !g.ta
+        && g.tb
+        && g.alpha == 1.0
+        && g.beta == 0.0
+        && g.inputs == GemmInputs::F32
+        && g.batch >= 1
+        && g.m >= 1
+        && g.stride_a >= 0
+        && g.stride_b >= 0
+        && g.stride_c >= 0
+        && g.lda >= g.k
+        && g.ldc >= g.n;
     if ok {
         Ok(())
     } else {
@@ -298,7 +313,7 @@ fn check_forward(g: &Gemm) -> Result<()> {
 
 /// The calibration hook: F32 products, and every matrix part's input statistics.
 #[derive(Debug)]
-pub struct CalibrationHook {
+pub(crate) struct CalibrationHook {
     list: Vec<Matrix>,
     by_addr: HashMap<Addr, usize>,
     stats: RefCell<Vec<Vec<InputStats>>>,
@@ -328,7 +343,7 @@ impl MatrixHook for CalibrationHook {
                 // SAFETY: the GEMM's A operand: row r of entry j, k values.
                 let row = unsafe { std::slice::from_raw_parts((a + 4 * r * g.lda) as *const f32, g.k) };
                 for s in &mut stats[idx][p0..p0 + np] {
-                    s.observe(row.iter().copied());
+                    s.observe_row(row);
                 }
             }
         }
@@ -371,7 +386,9 @@ impl MatrixHook for CalibrationHook {
             let h = unsafe {
                 std::slice::from_raw_parts((a.h as usize + 4 * (t - 1) * a.batch * a.d) as *const f32, a.batch * a.d)
             };
-            self.stats.borrow_mut()[idx][0].observe(h.iter().copied());
+            for row in h.chunks_exact(a.d) {
+                self.stats.borrow_mut()[idx][0].observe_row(row);
+            }
         }
         unsafe { cpu.lstm_fwd_step(a, t) }.map_err(Error::Kernels)?;
         Ok(true)
@@ -380,13 +397,23 @@ impl MatrixHook for CalibrationHook {
 
 /// Quantises `model` with input scales from its forward over `windows` (pairs of
 /// `observed [B, L_enc, n_observed]`, `known [B, L_enc + H, n_known]` on the CPU, the same
-/// `B` ≥ 1 for all, at least one pair): the training split's windows.
+/// `B` ≥ 1 for all, at least one pair): the training split's windows. The method is checked
+/// (a percentile in `(0, 100]`).
 pub fn quantize_tft(model: &Tft, windows: &[(Tensor, Tensor)], method: CalibMethod) -> Result<QuantTft> {
     const CTX: &str = "quantize_tft";
     let Some((first, _)) = windows.first() else {
         return Err(Error::invalid("calibration windows", "none given"));
     };
+    method.check()?;
     let batch = first.dims().first().copied().unwrap_or(0);
+    // One batch for every window: a smaller one would be padded with zero windows, whose
+    // activations would count as calibration inputs.
+    if let Some((o, _)) = windows.iter().find(|(o, _)| o.dims().first() != Some(&batch)) {
+        return Err(Error::invalid(
+            "calibration windows",
+            format!("batches of {batch} and {:?} windows (one size for all)", o.dims().first()),
+        ));
+    }
     let hooked = MatrixHooked { cpu: CpuTft::new(), hook: CalibrationHook::new(model, method)? };
     let f = TftForecaster::new(hooked, model, batch.max(1)).map_err(|source| Error::Model { context: CTX, source })?;
     let mut rows = 0;
@@ -411,7 +438,7 @@ pub fn quantize_tft(model: &Tft, windows: &[(Tensor, Tensor)], method: CalibMeth
                 weight: wp.to_vec(),
                 bias: Vec::new(),
             };
-            matrices.push(QuantLinear::from_f32(&f, s.scale(method)));
+            matrices.push(QuantLinear::from_f32(&f, s.scale(method)?));
             quantised.insert(name.clone());
         }
     }
@@ -458,12 +485,14 @@ struct PackedPart {
 
 /// The INT8 hook: every matrix part packed, and scratch for eight rows.
 #[derive(Debug)]
-pub struct Int8Hook {
+pub(crate) struct Int8Hook {
     list: Vec<Matrix>,
     by_addr: HashMap<Addr, usize>,
     parts: Vec<Vec<PackedPart>>,
     gemv: Gemv,
     scratch: RefCell<(Vec<i8>, Vec<i32>, Vec<f32>)>,
+    /// Products run per matrix part (a test checks that every part runs in INT8).
+    hits: RefCell<Vec<Vec<u64>>>,
     /// Row pitches of the scratch: padded inputs, outputs.
     wq: usize,
     wa: usize,
@@ -499,7 +528,8 @@ impl Int8Hook {
             parts.push(v);
         }
         let scratch = RefCell::new((vec![0i8; MAX_ROWS * wq], vec![0i32; MAX_ROWS * wa], Vec::new()));
-        Ok(Self { list, by_addr, parts, gemv, scratch, wq, wa })
+        let hits = RefCell::new(list.iter().map(|m| vec![0; m.names.len()]).collect());
+        Ok(Self { list, by_addr, parts, gemv, scratch, hits, wq, wa })
     }
 
     /// `y[r, ..out] = x[r, ..inp] · Wᵀ` for `rows` rows of part `p` of matrix `idx`, `x` rows
@@ -509,6 +539,7 @@ impl Int8Hook {
     /// `x` and `y` address live host buffers of those shapes.
     #[allow(clippy::too_many_arguments)]
     unsafe fn part_rows(&self, idx: usize, p: usize, x: *const f32, lda: usize, y: *mut f32, ldc: usize, rows: usize) {
+        self.hits.borrow_mut()[idx][p] += 1;
         let part = &self.parts[idx][p].layer;
         let (inp, out) = (self.list[idx].inp, self.list[idx].rows_per_part);
         let mut s = self.scratch.borrow_mut();
@@ -596,6 +627,14 @@ impl Int8Tft {
     /// The largest batch a call takes.
     pub fn batch_size(&self) -> usize {
         self.forecaster.batch_size()
+    }
+
+    /// How many INT8 products each matrix part has run, by spec name.
+    #[cfg(test)]
+    fn hits(&self) -> Vec<(String, u64)> {
+        let h = self.forecaster.backend().hook();
+        let hits = h.hits.borrow();
+        h.list.iter().zip(hits.iter()).flat_map(|(m, c)| m.names.iter().cloned().zip(c.iter().copied())).collect()
     }
 
     /// Quantile forecasts `[B, H, n_quantiles]` (F32, on the CPU) of `observed [B, L_enc,
@@ -695,6 +734,19 @@ mod tests {
         }
         let q = quantize_tft(&model, &calib, CalibMethod::MinMax).unwrap();
         let f = Int8Tft::new(&q, 2).unwrap();
+        // Every matrix part ran in INT8: each Linear once a forecast, the recurrent matrices
+        // once a step after the first of their segment.
+        f.forecast(&test.0.narrow(0, 0, 2).unwrap(), &test.1.narrow(0, 0, 2).unwrap()).unwrap();
+        let hits = f.hits();
+        assert_eq!(hits.len(), q.matrices.len());
+        for (name, n) in hits {
+            let want = match name.as_str() {
+                "lstm_enc.weight_hh_l0" => cfg.l_enc as u64 - 1,
+                "lstm_dec.weight_hh_l0" => cfg.h as u64,
+                _ => 1,
+            };
+            assert_eq!(n, want, "{name}");
+        }
         let mut bad = values(&test.0);
         bad[3] = f64::NAN;
         let bad =
@@ -702,6 +754,12 @@ mod tests {
         let e = f.forecast(&bad.narrow(0, 0, 2).unwrap(), &test.1.narrow(0, 0, 2).unwrap()).unwrap_err().to_string();
         assert!(e.contains("non-finite") && e.contains("observed") && !e.contains('\n'), "{e}");
         assert!(quantize_tft(&model, &[], CalibMethod::MinMax).is_err());
+        let e = quantize_tft(&model, &calib, CalibMethod::Percentile(f64::NAN)).unwrap_err().to_string();
+        assert!(e.contains("percentile"), "{e}");
+        let mut mixed = calib.clone();
+        mixed.extend(windows(&cfg, 3, 1, s ^ 9));
+        let e = quantize_tft(&model, &mixed, CalibMethod::MinMax).unwrap_err().to_string();
+        assert!(e.contains("one size for all") && !e.contains('\n'), "{e}");
     }
 
     /// At the default size the INT8 parameters are at least 3.5× smaller than F32 (issue

@@ -622,16 +622,17 @@ pub(crate) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method:
         .filter(|&l| l >= train.start)
         .context("the training split is shorter than a window")?;
     let span = last - train.start + 1;
-    let n = windows.min(span);
+    // Equal batches of at most INT8_EVAL_BATCH windows (the calibration pass takes one batch
+    // size), spread evenly over the split: up to chunks − 1 fewer windows than asked.
+    let want = windows.min(span);
+    let chunks = want.div_ceil(INT8_EVAL_BATCH);
+    let per = want / chunks;
+    let n = per * chunks;
     let starts: Vec<usize> = (0..n).map(|k| train.start + k * span / n).collect();
     let mut calib = Vec::new();
-    for chunk in starts.chunks(INT8_EVAL_BATCH) {
+    for chunk in starts.chunks(per) {
         let b = model.batch(&d.series, chunk, &Device::Cpu)?;
         calib.push((b.inputs[0].clone(), b.inputs[1].clone()));
-    }
-    // One batch size for the calibration pass: the last, short chunk is dropped unless alone.
-    if calib.len() > 1 && !starts.len().is_multiple_of(INT8_EVAL_BATCH) {
-        calib.pop();
     }
     let q = fx_quant::quantize_tft(&model, &calib, method)?;
     let provenance = fx_quant::checkpoint::Provenance {

@@ -249,11 +249,6 @@ impl Drop {
     }
 }
 
-/// The weights the step's GEMMs read (each gets a BF16 shadow under BF16 compute).
-fn gemm_weights(m: &Tft) -> Vec<&Var> {
-    m.gemm_weights()
-}
-
 impl<K: TftBackend> TftFused<K> {
     /// Buffers on backend `k` for batches of `batch` windows of `model` with GEMMs at
     /// `precision` (F32 or BF16); fails with a one-line error for shapes beyond the kernels'
@@ -349,7 +344,7 @@ impl<K: TftBackend> TftFused<K> {
         let (avg, ao, dq) = (al.op(md * dk)?, al.op(md * d)?, al.op(md * w)?);
         let (dkb, dv, dout) = (al.op(mt * w)?, al.op(mt * dk)?, al.op(md * nq)?);
         let mut w16 = HashMap::new();
-        for var in gemm_weights(model) {
+        for var in model.gemm_weights() {
             let sh = al.op(var.elem_count())?.h;
             if sh != 0 {
                 w16.insert(var.id(), sh);
@@ -517,7 +512,7 @@ impl<K: TftBackend> TftFused<K> {
         unsafe {
             if self.bf16 {
                 self.mark("cast weights");
-                for var in gemm_weights(model) {
+                for var in model.gemm_weights() {
                     let sh = self.wop(var)?;
                     self.k.cast_bf16(sh.f, sh.h, var.elem_count()).map_err(kerr)?;
                 }
@@ -570,7 +565,7 @@ impl<K: TftBackend> TftFused<K> {
         // inputs checked above, alive until the backend ran the work.
         unsafe {
             if self.bf16 {
-                for var in gemm_weights(model) {
+                for var in model.gemm_weights() {
                     let sh = self.wop(var)?;
                     self.k.cast_bf16(sh.f, sh.h, var.elem_count()).map_err(kerr)?;
                 }

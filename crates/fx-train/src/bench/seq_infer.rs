@@ -82,9 +82,10 @@ impl SeqInfer {
         }
     }
 
-    /// The case's modes on `device`: [`modes`], and for the MAMBA-2 step the fused ones where
-    /// its kernel runs (a thread-block cluster: Hopper and later), so older cards report no
-    /// failed case.
+    /// The case's modes on `device`: [`modes`]; for the MAMBA-2 step the fused ones where
+    /// its kernel runs (a thread-block cluster: Hopper and later, so older cards report no
+    /// failed case) and on the CPU `cpu_fp32` and `int8`; for the TFT the fused ones on CUDA
+    /// and `int8` on the CPU.
     pub(crate) fn modes(self, device: &Device) -> &'static [&'static str] {
         match self {
             SeqInfer::Mamba2Step if fused_step_runs(device) => {
