@@ -77,6 +77,38 @@ fn replay_observations(l: &Loaded, rows: std::ops::Range<usize>) -> Result<Vec<f
     Ok(seen)
 }
 
+/// What every `quant_report.json` starts with: the model, the checkpoint and the INT8 file,
+/// the source's hash and the calibration.
+pub(crate) fn report_head(
+    model: &str,
+    checkpoint: &Path,
+    int8_file: &Path,
+    provenance: &fx_quant::checkpoint::Provenance,
+    calibration: &fx_quant::CalibInfo,
+    from: &str,
+) -> serde_json::Value {
+    json!({
+        "model": model,
+        "checkpoint": checkpoint.display().to_string(),
+        "int8_file": int8_file.display().to_string(),
+        "source_sha256": provenance.source_sha256,
+        "format": fx_quant::checkpoint::FORMAT,
+        "calibration": {
+            "method": calibration.method,
+            "percentile": calibration.percentile,
+            "rows": calibration.rows,
+            "from": from,
+        },
+    })
+}
+
+/// Adds `more`'s fields to the JSON object `doc`.
+pub(crate) fn extend(doc: &mut serde_json::Value, more: serde_json::Value) {
+    if let (Some(d), serde_json::Value::Object(m)) = (doc.as_object_mut(), more) {
+        d.extend(m);
+    }
+}
+
 /// The calibration method the flags ask for.
 pub(crate) fn calib_method(args: &QuantizeArgs) -> CalibMethod {
     match args.method {
@@ -139,18 +171,15 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             fx_quant::QuantLayer::F32(x) => json!({ "name": x.name, "dtype": "f32", "shape": [x.out, x.inp] }),
         })
         .collect();
-    let report = json!({
-        "model": l.cfg.model.as_str(),
-        "checkpoint": trainer.display().to_string(),
-        "int8_file": out.display().to_string(),
-        "source_sha256": provenance.source_sha256,
-        "format": fx_quant::checkpoint::FORMAT,
-        "calibration": {
-            "method": method.name(),
-            "percentile": q.calibration.percentile,
-            "rows": q.calibration.rows,
-            "from": "greedy F32 replay of the training split",
-        },
+    let mut report = report_head(
+        l.cfg.model.as_str(),
+        trainer,
+        &out,
+        &provenance,
+        &q.calibration,
+        "greedy F32 replay of the training split",
+    );
+    let body = json!({
         "f32_layers": q.f32_layers(),
         "layers": layers,
         "isa": policy.isa().name(),
@@ -166,6 +195,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         "size_ratio": f32_bytes as f64 / q.bytes() as f64,
         "file_bytes": file_bytes,
     });
+    extend(&mut report, body);
     write_atomic(&l.dir.path("quant_report.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
     println!(
         "wrote {} ({} {} layers INT8{}, calibrated on {} training-split rows, {}; {} path)",

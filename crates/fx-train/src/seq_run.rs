@@ -656,18 +656,16 @@ pub(crate) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method:
     let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
     let mut report = tft_int8_comparison(&f32m, &i8m, d.target_scale);
     let file_bytes = std::fs::metadata(&out).with_context(|| format!("reading {}", out.display()))?.len();
-    let extra = json!({
-        "model": "tft",
-        "checkpoint": c.trainer.display().to_string(),
-        "int8_file": out.display().to_string(),
-        "source_sha256": provenance.source_sha256,
-        "format": fx_quant::checkpoint::FORMAT,
-        "calibration": {
-            "method": method.name(),
-            "percentile": q.calibration.percentile,
-            "rows": q.calibration.rows,
-            "from": "forecast windows spread evenly over the training split",
-        },
+    let head = crate::quantize::report_head(
+        "tft",
+        &c.trainer,
+        &out,
+        &provenance,
+        &q.calibration,
+        "forecast windows spread evenly over the training split",
+    );
+    crate::quantize::extend(&mut report, head);
+    let sizes = json!({
         "int8_matrices": q.matrices.len(),
         "f32_parameters": q.floats.len(),
         "isa": isa.name(),
@@ -676,9 +674,7 @@ pub(crate) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method:
         "size_ratio": f32_bytes as f64 / q.bytes() as f64,
         "file_bytes": file_bytes,
     });
-    if let (Some(r), Value::Object(e)) = (report.as_object_mut(), extra) {
-        r.extend(e);
-    }
+    crate::quantize::extend(&mut report, sizes);
     write_atomic(&dir.path("quant_report.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
     println!("report: {}", dir.path("quant_report.json").display());
     Ok(())

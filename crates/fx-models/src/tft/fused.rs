@@ -1483,41 +1483,51 @@ mod gpu_tests {
         }
     }
 
-    #[test]
-    fn fused_forecast_time_and_profile_at_batch_256() {
-        let Some(dev) = gpu() else { return };
-        let cfg = TftConfig::default();
-        let b = 256;
-        let m = Tft::new(cfg.clone(), &dev, 3).unwrap();
-        let (obs, known, _) = inputs(&cfg, b, 9, &dev);
-        let fused = TftFused::new(CudaTft::new(&dev).unwrap(), &m, b, Precision::F32).unwrap();
+    /// Times `call` (10 calls after 3, on the device clock through a synchronisation) and
+    /// prints it as `what`, then its sections: the device is synchronised at every mark, so
+    /// each section lasts its own work.
+    fn time_and_sections(dev: &Device, fused: &TftFused<CudaTft>, what: &str, mut call: impl FnMut()) {
         for _ in 0..3 {
-            fused.forecast(&obs, &known).unwrap();
+            call();
         }
         dev.synchronize().unwrap();
         let t0 = std::time::Instant::now();
         let n = 10;
         for _ in 0..n {
-            fused.forecast(&obs, &known).unwrap();
+            call();
         }
         dev.synchronize().unwrap();
         let ms = t0.elapsed().as_secs_f64() * 1e3 / n as f64;
-        eprintln!("fused TFT F32 forecast, batch 256: {ms:.3} ms = {:.0} forecasts/s (eager)", b as f64 * 1e3 / ms);
+        eprintln!(
+            "fused TFT {what}, batch {}: {ms:.3} ms = {:.0} samples/s",
+            fused.batch,
+            fused.batch as f64 * 1e3 / ms
+        );
         let marks: Rc<RefCell<Vec<(&'static str, std::time::Instant)>>> = Rc::default();
         let (mk, dv) = (marks.clone(), dev.clone());
-        fused.set_marker(Some(Box::new(move |what| {
+        fused.set_marker(Some(Box::new(move |section| {
             dv.synchronize().unwrap();
-            mk.borrow_mut().push((what, std::time::Instant::now()));
+            mk.borrow_mut().push((section, std::time::Instant::now()));
         })));
         for _ in 0..3 {
             marks.borrow_mut().clear();
-            fused.forecast(&obs, &known).unwrap();
+            call();
         }
         fused.set_marker(None);
         let mk = marks.borrow();
         for w in mk.windows(2) {
-            eprintln!("  forecast {:<40} {:8.3} ms", w[0].0, (w[1].1 - w[0].1).as_secs_f64() * 1e3);
+            eprintln!("  {what}: {:<40} {:8.3} ms", w[0].0, (w[1].1 - w[0].1).as_secs_f64() * 1e3);
         }
+    }
+
+    #[test]
+    fn fused_forecast_time_and_profile_at_batch_256() {
+        let Some(dev) = gpu() else { return };
+        let cfg = TftConfig::default();
+        let m = Tft::new(cfg.clone(), &dev, 3).unwrap();
+        let (obs, known, _) = inputs(&cfg, 256, 9, &dev);
+        let fused = TftFused::new(CudaTft::new(&dev).unwrap(), &m, 256, Precision::F32).unwrap();
+        time_and_sections(&dev, &fused, "F32 forecast", || drop(fused.forecast(&obs, &known).unwrap()));
     }
 
     #[test]
@@ -1530,37 +1540,9 @@ mod gpu_tests {
         let rng = DropoutRng::new(4, &dev).unwrap();
         for precision in [Precision::F32, Precision::Bf16] {
             let fused = TftFused::new(CudaTft::new(&dev).unwrap(), &m, b, precision).unwrap();
-            for _ in 0..3 {
-                fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
-            }
-            dev.synchronize().unwrap();
-            let t0 = std::time::Instant::now();
-            let n = 10;
-            for _ in 0..n {
-                fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
-            }
-            dev.synchronize().unwrap();
-            let ms = t0.elapsed().as_secs_f64() * 1e3 / n as f64;
-            eprintln!(
-                "fused TFT {precision:?} forward+backward, batch 256: {ms:.2} ms/step = {:.0} samples/s",
-                b as f64 * 1e3 / ms
-            );
-            // Sections: the device is synchronised at every mark, so each lasts its own work.
-            let marks: Rc<RefCell<Vec<(&'static str, std::time::Instant)>>> = Rc::default();
-            let (mk, dv) = (marks.clone(), dev.clone());
-            fused.set_marker(Some(Box::new(move |what| {
-                dv.synchronize().unwrap();
-                mk.borrow_mut().push((what, std::time::Instant::now()));
-            })));
-            for _ in 0..3 {
-                marks.borrow_mut().clear();
-                fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
-            }
-            fused.set_marker(None);
-            let mk = marks.borrow();
-            for w in mk.windows(2) {
-                eprintln!("  {precision:?} {:<40} {:8.3} ms", w[0].0, (w[1].1 - w[0].1).as_secs_f64() * 1e3);
-            }
+            time_and_sections(&dev, &fused, &format!("{precision:?} forward+backward"), || {
+                drop(fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap())
+            });
         }
     }
 }
