@@ -33,7 +33,13 @@ impl<K: TftBackend> TftForecaster<K> {
     /// A forecaster of `model` on backend `k` for batches of up to `batch` windows, in
     /// F32; shapes beyond the fused kernels' limits are a one-line error.
     pub fn new(k: K, model: &Tft, batch: usize) -> Result<Self> {
-        Ok(Self { fused: TftFused::new(k, model, batch, Precision::F32)? })
+        Self::with_precision(k, model, batch, Precision::F32)
+    }
+
+    /// The same with the GEMMs at `precision`: F32, or BF16 (BF16 copies of the GEMM
+    /// operands, F32 accumulation, everything else F32; on CUDA).
+    pub fn with_precision(k: K, model: &Tft, batch: usize, precision: Precision) -> Result<Self> {
+        Ok(Self { fused: TftFused::new(k, model, batch, precision)? })
     }
 
     /// The largest batch a call takes.
@@ -84,11 +90,16 @@ impl Tft {
 
     /// A forecaster of this model on its CUDA device (the fused step's kernels: a forecast
     /// is some 70 GEMMs, one launch per LSTM step and a few dozen fused kernels, and
-    /// captures as one CUDA graph) for batches of up to `batch` windows.
+    /// captures as one CUDA graph) for batches of up to `batch` windows, its GEMMs at
+    /// `precision` (F32 or BF16).
     #[cfg(feature = "cuda")]
-    pub fn cuda_forecaster(&self, batch: usize) -> Result<TftForecaster<fx_kernels::cuda::tft::CudaTft>> {
+    pub fn cuda_forecaster(
+        &self,
+        batch: usize,
+        precision: Precision,
+    ) -> Result<TftForecaster<fx_kernels::cuda::tft::CudaTft>> {
         let k = fx_kernels::cuda::tft::CudaTft::new(self.params().device()).ctx(CTX)?;
-        TftForecaster::new(k, self, batch)
+        TftForecaster::with_precision(k, self, batch, precision)
     }
 }
 
@@ -192,7 +203,7 @@ mod gpu_tests {
         let seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(3, |d| d.as_nanos() as u64);
         let m = Tft::new(cfg.clone(), &dev, seed % 1000).unwrap();
-        let f = m.cuda_forecaster(16).unwrap();
+        let f = m.cuda_forecaster(16, Precision::F32).unwrap();
         let c = Ctx::inference(Precision::F32);
         for b in [16, 5] {
             let n = |len: usize, stream: u64, scale: f64| -> Vec<f32> {

@@ -7,8 +7,8 @@
 //! Modes: `eager_fp32` (candle's ops, one launch each) and, on CUDA, `graph_fp32` (the same
 //! forward captured once as a CUDA graph on static input and output buffers — and, for the
 //! MAMBA-2 step, a static state updated in place — replayed per call). The TFT cases have
-//! `fused_fp32` / `fused_graph_fp32` on CUDA (the fused step's forward alone,
-//! `TftForecaster`, eager and captured) and `int8` on the CPU (`fx_quant::Int8Tft`); their
+//! `fused_fp32` / `fused_graph_fp32` / `fused_graph_bf16` on CUDA (the fused step's forward
+//! alone, `TftForecaster`, eager and captured, the last with BF16 GEMM operands) and `int8` on the CPU (`fx_quant::Int8Tft`); their
 //! records add `rel_err_vs_candle` (relative RMS against candle's forecast). The MAMBA-2 step has two
 //! more on CUDA: `fused_fp32`, `fx_models::mamba2::decode::Mamba2Decoder::step` (the whole step as
 //! one kernel launch on a thread-block cluster, Hopper+), and `fused_graph_fp32`, that launch
@@ -93,7 +93,9 @@ impl SeqInfer {
             }
             SeqInfer::Mamba2Step if !device.is_cuda() => &["eager_fp32", "cpu_fp32", "int8"],
             SeqInfer::Mamba2Step => modes(true),
-            _ if device.is_cuda() => &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32"],
+            _ if device.is_cuda() => {
+                &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32", "fused_graph_bf16"]
+            }
             _ => &["eager_fp32", "int8"],
         }
     }
@@ -128,7 +130,7 @@ type Call<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
 /// One case in `mode`; fills `rec`.
 pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec: &mut Record) -> Result<()> {
     let dev = ctx.device.clone();
-    let graph = mode == "graph_fp32" || mode == "fused_graph_fp32";
+    let graph = matches!(mode, "graph_fp32" | "fused_graph_fp32" | "fused_graph_bf16");
     let fused = mode.starts_with("fused");
     ensure!(!(graph || fused) || dev.is_cuda(), "graph and fused modes need CUDA");
     let cpu_step = mode == "cpu_fp32" || mode == "int8";
@@ -203,7 +205,8 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
 
 /// A TFT forecast of `obs`, `known` in `mode`: candle's forward (`eager_fp32`, and captured:
 /// `graph_fp32`), the fused forward (`fx_models::tft::forecast::TftForecaster` on CUDA:
-/// `fused_fp32`, captured: `fused_graph_fp32`) or the INT8 model on the CPU (`int8`:
+/// `fused_fp32`, captured: `fused_graph_fp32`; its GEMMs in BF16, captured: `fused_graph_bf16`)
+/// or the INT8 model on the CPU (`int8`:
 /// `fx_quant::Int8Tft`, dynamic input scales, quantised from this model with the timed
 /// batch as its calibration window; the record adds the ISA and the parameter bytes).
 fn tft_forecast<'a>(
@@ -224,7 +227,8 @@ fn tft_forecast<'a>(
             rec.insert("param_bytes_f32".into(), json!(4 * model.params().param_count()));
             Box::new(move || Ok(f.forecast(obs, known)?))
         }
-        "fused_fp32" | "fused_graph_fp32" => tft_fused(model, obs, known, batch)?,
+        "fused_fp32" | "fused_graph_fp32" => tft_fused(model, obs, known, batch, Precision::F32)?,
+        "fused_graph_bf16" => tft_fused(model, obs, known, batch, Precision::Bf16)?,
         _ => Box::new(move || Ok(model.forward(&c, obs, known)?)),
     })
 }
@@ -235,8 +239,9 @@ fn tft_fused<'a>(
     obs: &'a Tensor,
     known: &'a Tensor,
     batch: usize,
+    precision: Precision,
 ) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
-    let f = model.cuda_forecaster(batch)?;
+    let f = model.cuda_forecaster(batch, precision)?;
     Ok(Box::new(move || Ok(f.forecast(obs, known)?)))
 }
 
@@ -246,6 +251,7 @@ fn tft_fused<'a>(
     _obs: &'a Tensor,
     _known: &'a Tensor,
     _batch: usize,
+    _precision: Precision,
 ) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
     anyhow::bail!("fused modes need a build with the cuda feature")
 }
