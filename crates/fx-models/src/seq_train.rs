@@ -58,6 +58,16 @@ impl SeqSeries {
         self.target.len()
     }
 
+    /// Row `r`'s observed features (`n_observed` values).
+    pub fn observed_row(&self, r: usize) -> &[f32] {
+        &self.observed[r * self.n_observed..(r + 1) * self.n_observed]
+    }
+
+    /// Every row's target (the return from that row to the next).
+    pub fn targets(&self) -> &[f32] {
+        &self.target
+    }
+
     fn gather(src: &[f32], width: usize, starts: &[usize], offset: usize, len: usize) -> Vec<f32> {
         let mut out = Vec::with_capacity(starts.len() * len * width);
         for &s in starts {

@@ -3,7 +3,8 @@
 //! `checkpoint-<step>.int8.safetensors`, with `quant_report.json` (agreement with F32 on
 //! the test split, score errors, sizes); and its backtest beside F32's (`eval_int8.json`).
 //! A TFT run's INT8 model goes the same way through `seq_run::quantize_tft` /
-//! `eval_int8_tft` (forecast metrics instead of actions).
+//! `eval_int8_tft` (forecast metrics instead of actions); a MAMBA-2 run's INT8 one-bar step
+//! needs no file (it quantises when built) and both commands score it (`seq_run::int8_mamba2`).
 //!
 //! Calibration and agreement rows are the observations a greedy F32 replay sees (the
 //! backtest's `replay_policy`): calibration on the training split, agreement on the test
@@ -36,13 +37,6 @@ struct Loaded {
 fn run_config(run: &Path) -> Result<(RunDir, RunConfig)> {
     let dir = RunDir::existing(run)?;
     let cfg = RunConfig::from_toml_file(&dir.path("config.toml"))?.resolve()?;
-    if cfg.model == ModelChoice::Mamba2 {
-        bail!(
-            "{}: INT8 files cover dqn, ppo and tft runs; a mamba2 run's INT8 one-bar step needs no file \
-             (fx_quant::mamba2_int8_step quantises the loaded model's projections with dynamic scales)",
-            run.display()
-        );
-    }
     Ok((dir, cfg))
 }
 
@@ -123,11 +117,17 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         bail!("--calib-rows must be at least 1");
     }
     let (dir, cfg) = run_config(&args.checkpoint)?;
+    if cfg.model.is_sequence() && !args.f32_layers.is_empty() {
+        bail!("--f32-layers applies to dqn and ppo runs (not to a {} run)", cfg.model.as_str());
+    }
     if cfg.model == ModelChoice::Tft {
-        if !args.f32_layers.is_empty() {
-            bail!("--f32-layers applies to dqn and ppo runs (every matrix of a tft run is INT8)");
-        }
         return crate::seq_run::quantize_tft(&dir, cfg, args.calib_rows.unwrap_or(256), calib_method(args));
+    }
+    if cfg.model == ModelChoice::Mamba2 {
+        if args.method != QuantMethod::Dynamic || args.calib_rows.is_some() {
+            bail!("a mamba2 run's INT8 step takes dynamic input scales: no --method or --calib-rows");
+        }
+        return crate::seq_run::int8_mamba2(&dir, cfg, "quant_report.json");
     }
     let l = load_run(&args.checkpoint)?;
     let float = l.agent.float_net()?;
@@ -242,6 +242,9 @@ pub fn eval_int8(run: &Path) -> Result<()> {
     let (dir, cfg) = run_config(run)?;
     if cfg.model == ModelChoice::Tft {
         return crate::seq_run::eval_int8_tft(&dir, cfg);
+    }
+    if cfg.model == ModelChoice::Mamba2 {
+        return crate::seq_run::int8_mamba2(&dir, cfg, "eval_int8.json");
     }
     let l = load_run(run)?;
     let trainer = &l.checkpoint.trainer;

@@ -710,3 +710,90 @@ pub(crate) fn eval_int8_tft(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     println!("report: {}", dir.path("eval_int8.json").display());
     Ok(())
 }
+
+/// Issue 13's MAMBA-2 bar: the INT8 step's forecast MSE within this relative distance of
+/// the F32 step's.
+const MSE_REL_TARGET: f64 = 0.01;
+
+/// `fx-train quantize` and `eval --int8` of a MAMBA-2 run: no file (the INT8 one-bar step,
+/// `fx_quant::mamba2_int8_step`, quantises the loaded model's projections with dynamic input
+/// scales when it is built); the best weights of the latest checkpoint fed every bar of the
+/// series one at a time from a zero state, as a trading loop feeds them, through the F32 CPU
+/// step and the INT8 one, scored on the test split's bars (`report` in the run folder).
+pub(crate) fn int8_mamba2(dir: &RunDir, cfg: RunConfig, report: &str) -> Result<()> {
+    let Some(c) = dir.latest_checkpoint()? else {
+        bail!("{} holds no checkpoint yet", dir.root().display());
+    };
+    c.check_model(cfg.model, "config.toml says")?;
+    let d = seq_data(&cfg, Some(c.run.normalizer()?))?;
+    c.check_source(&d.data.source, "config.toml now names")?;
+    let model = Mamba2::new(cfg.mamba2.clone(), &Device::Cpu, cfg.seed).context("building the MAMBA-2")?;
+    let task = Mamba2Task { model: &model, seq_len: cfg.mamba2_seq_len };
+    let trainer = restored(&task, &cfg, &c, &d)?;
+    trainer.finish(&task).with_context(|| format!("{}: no epoch is done yet", c.trainer.display()))?;
+    let (mut f32_step, mut int8_step) = (model.cpu_step()?, fx_quant::mamba2_int8_step(&model)?);
+    let test = d.data.splits.test.clone();
+    let target = d.series.targets();
+    let (mut se_f, mut se_q, mut max_diff, mut n) = (0.0f64, 0.0f64, 0.0f64, 0usize);
+    let (mut hit_f, mut hit_q, mut m) = (0usize, 0usize, 0usize);
+    for (r, &y) in target.iter().enumerate().take(test.end) {
+        let bar = d.series.observed_row(r);
+        let (pf, pq) = (f64::from(f32_step.step(bar)?), f64::from(int8_step.step(bar)?));
+        if r >= test.start {
+            let y = f64::from(y);
+            se_f += (pf - y) * (pf - y);
+            se_q += (pq - y) * (pq - y);
+            max_diff = max_diff.max((pf - pq).abs());
+            n += 1;
+            if y != 0.0 {
+                m += 1;
+                hit_f += usize::from(pf.signum() == y.signum() && pf != 0.0);
+                hit_q += usize::from(pq.signum() == y.signum() && pq != 0.0);
+            }
+        }
+    }
+    if n == 0 {
+        bail!("{}: the test split holds no bars", dir.root().display());
+    }
+    let (mse_f, mse_q) = (se_f / n as f64, se_q / n as f64);
+    let rel = if mse_f > 0.0 { (mse_q - mse_f).abs() / mse_f } else { (mse_q - mse_f).abs() };
+    let (pb_f, pb_q) = (f32_step.projection_bytes(), int8_step.projection_bytes());
+    println!(
+        "MAMBA-2 fed {} bars one at a time, scored on the test split's {n}: forecast MSE F32 {mse_f:.5}, INT8 {mse_q:.5} \
+         ({:.3}% apart), max |Δprediction| {max_diff:.3e}; directional accuracy {:.2}% / {:.2}%; projections {:.0} KiB \
+         F32 -> {:.0} KiB INT8",
+        test.end.min(d.series.rows()),
+        100.0 * rel,
+        100.0 * hit_f as f64 / m.max(1) as f64,
+        100.0 * hit_q as f64 / m.max(1) as f64,
+        pb_f as f64 / 1024.0,
+        pb_q as f64 / 1024.0
+    );
+    if rel > MSE_REL_TARGET {
+        eprintln!(
+            "warning: the INT8 step's forecast MSE is {:.2}% from F32's (target {:.0}%)",
+            100.0 * rel,
+            100.0 * MSE_REL_TARGET
+        );
+    }
+    let doc = json!({
+        "model": "mamba2",
+        "checkpoint": c.trainer.display().to_string(),
+        "int8_file": null,
+        "int8": "fx_quant::mamba2_int8_step: in_proj and out_proj per-row INT8, dynamic input scales, built from the F32 model",
+        "target_units": format!("target / {:.6e} (the training split's return std)", d.target_scale),
+        "test_bars": n,
+        "mse_f32": mse_f,
+        "mse_int8": mse_q,
+        "mse_rel_diff": rel,
+        "max_abs_prediction_diff": max_diff,
+        "directional_accuracy_f32": hit_f as f64 / m.max(1) as f64,
+        "directional_accuracy_int8": hit_q as f64 / m.max(1) as f64,
+        "projection_bytes_f32": pb_f,
+        "projection_bytes_int8": pb_q,
+        "isa": fx_quant::Isa::detect().name(),
+    });
+    write_atomic(&dir.path(report), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    println!("report: {}", dir.path(report).display());
+    Ok(())
+}
