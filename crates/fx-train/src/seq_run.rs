@@ -17,7 +17,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use fx_models::seq_train::{
-    evaluate, evaluate_forecasts, EpochLog, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries, SeqTask, SeqTrainer,
+    evaluate, evaluate_forecasts, forecast_metrics, EpochLog, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries,
+    SeqTask, SeqTrainer,
 };
 use fx_models::{Mamba2, Tft};
 use serde::Serialize;
@@ -202,8 +203,7 @@ impl<T: SeqTask> SeqTaskRun for T {
         forecast_plot(self, cfg, d, dir)
     }
     fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()> {
-        let trainer = restored(self, cfg, c, d)?;
-        trainer.finish(self).with_context(|| format!("{}: no epoch is done yet", c.trainer.display()))?;
+        let trainer = best_weights(self, cfg, c, d)?;
         let rep = report(self, cfg, d, &trainer)?;
         write_report(dir, "eval.json", &rep, None)?;
         print(&rep, None, dir);
@@ -217,6 +217,27 @@ fn restored(task: &impl SeqTask, cfg: &RunConfig, c: &Checkpoint, d: &SeqData) -
     t.load_state(task, &c.trainer)
         .with_context(|| format!("loading {} checkpoint {}", cfg.model.as_str(), c.trainer.display()))?;
     Ok(t)
+}
+
+/// A trainer restored from checkpoint `c` with its best epoch's weights loaded into `task`'s
+/// model (what `eval`, `quantize` and `eval --int8` score).
+fn best_weights(task: &impl SeqTask, cfg: &RunConfig, c: &Checkpoint, d: &SeqData) -> Result<SeqTrainer> {
+    let trainer = restored(task, cfg, c, d)?;
+    trainer.finish(task).with_context(|| format!("{}: no epoch is done yet", c.trainer.display()))?;
+    Ok(trainer)
+}
+
+/// A finished command's view of a run: its latest checkpoint (of the config's model) and
+/// the data it was trained on, normalised as then (refused if the config now names other
+/// data).
+fn latest_with_data(dir: &RunDir, cfg: &RunConfig) -> Result<(Checkpoint, SeqData)> {
+    let Some(c) = dir.latest_checkpoint()? else {
+        bail!("{} holds no checkpoint yet", dir.root().display());
+    };
+    c.check_model(cfg.model, "config.toml says")?;
+    let d = seq_data(cfg, Some(c.run.normalizer()?))?;
+    c.check_source(&d.data.source, "config.toml now names")?;
+    Ok((c, d))
 }
 
 /// A TFT or MAMBA-2 run being trained: a chunk is an epoch (stopped at the next batch by
@@ -510,13 +531,8 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
 /// `fx-train eval` of a sequence run: the best weights of its latest checkpoint, forecast
 /// metrics on the test split (written to `eval.json`).
 pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
-    let Some(c) = dir.latest_checkpoint()? else {
-        bail!("{} holds no checkpoint yet", dir.root().display());
-    };
-    c.check_model(cfg.model, "config.toml says")?;
+    let (c, d) = latest_with_data(dir, &cfg)?;
     let device = device_for(&cfg)?;
-    let d = seq_data(&cfg, Some(c.run.normalizer()?))?;
-    c.check_source(&d.data.source, "config.toml now names")?;
     SeqModel::new(&cfg, &device)?.with(|task| task.eval(&cfg, dir, &c, &d))
 }
 
@@ -526,21 +542,18 @@ pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
 const PINBALL_REL_TARGET: f64 = 0.01;
 const COVERAGE_TARGET: f64 = 0.01;
 
+/// Where a TFT's calibration windows come from (the reports say).
+const TFT_CALIB_FROM: &str = "forecast windows spread evenly over the training split";
+
 /// Forecast windows per INT8 evaluation batch.
 const INT8_EVAL_BATCH: usize = 32;
 
 /// A TFT run's latest checkpoint with its best epoch's weights, on the CPU (where the
 /// INT8 model runs), and its data.
 fn best_tft_on_cpu(dir: &RunDir, cfg: &RunConfig) -> Result<(Checkpoint, SeqData, Tft)> {
-    let Some(c) = dir.latest_checkpoint()? else {
-        bail!("{} holds no checkpoint yet", dir.root().display());
-    };
-    c.check_model(cfg.model, "config.toml says")?;
-    let d = seq_data(cfg, Some(c.run.normalizer()?))?;
-    c.check_source(&d.data.source, "config.toml now names")?;
+    let (c, d) = latest_with_data(dir, cfg)?;
     let model = Tft::new(cfg.tft.clone(), &Device::Cpu, cfg.seed).context("building the TFT")?;
-    let trainer = restored(&model, cfg, &c, &d)?;
-    trainer.finish(&model).with_context(|| format!("{}: no epoch is done yet", c.trainer.display()))?;
+    best_weights(&model, cfg, &c, &d)?;
     Ok((c, d, model))
 }
 
@@ -656,14 +669,7 @@ pub(crate) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method:
     let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
     let mut report = tft_int8_comparison(&f32m, &i8m, d.target_scale);
     let file_bytes = std::fs::metadata(&out).with_context(|| format!("reading {}", out.display()))?.len();
-    let head = crate::quantize::report_head(
-        "tft",
-        &c.trainer,
-        &out,
-        &provenance,
-        &q.calibration,
-        "forecast windows spread evenly over the training split",
-    );
+    let head = crate::quantize::report_head("tft", &c.trainer, &out, &provenance, &q.calibration, TFT_CALIB_FROM);
     crate::quantize::extend(&mut report, head);
     let sizes = json!({
         "int8_matrices": q.matrices.len(),
@@ -697,15 +703,12 @@ pub(crate) fn eval_int8_tft(dir: &RunDir, cfg: RunConfig) -> Result<()> {
         Some(s) => s.clone(),
         None => fx_quant::checkpoint::sha256_file(&c.trainer)?,
     };
-    let (q, _) = fx_quant::checkpoint::load_tft(&path, Some(&sha))?;
+    let (q, provenance) = fx_quant::checkpoint::load_tft(&path, Some(&sha))?;
     let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
     let mut doc = tft_int8_comparison(&f32m, &i8m, d.target_scale);
-    if let Some(r) = doc.as_object_mut() {
-        r.insert("model".into(), json!("tft"));
-        r.insert("checkpoint".into(), json!(c.trainer.display().to_string()));
-        r.insert("int8_file".into(), json!(path.display().to_string()));
-        r.insert("isa".into(), json!(isa.name()));
-    }
+    let head = crate::quantize::report_head("tft", &c.trainer, &path, &provenance, &q.calibration, TFT_CALIB_FROM);
+    crate::quantize::extend(&mut doc, head);
+    crate::quantize::extend(&mut doc, json!({ "isa": isa.name() }));
     write_atomic(&dir.path("eval_int8.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
     println!("report: {}", dir.path("eval_int8.json").display());
     Ok(())
@@ -721,41 +724,32 @@ const MSE_REL_TARGET: f64 = 0.01;
 /// series one at a time from a zero state, as a trading loop feeds them, through the F32 CPU
 /// step and the INT8 one, scored on the test split's bars (`report` in the run folder).
 pub(crate) fn int8_mamba2(dir: &RunDir, cfg: RunConfig, report: &str) -> Result<()> {
-    let Some(c) = dir.latest_checkpoint()? else {
-        bail!("{} holds no checkpoint yet", dir.root().display());
-    };
-    c.check_model(cfg.model, "config.toml says")?;
-    let d = seq_data(&cfg, Some(c.run.normalizer()?))?;
-    c.check_source(&d.data.source, "config.toml now names")?;
+    let (c, d) = latest_with_data(dir, &cfg)?;
     let model = Mamba2::new(cfg.mamba2.clone(), &Device::Cpu, cfg.seed).context("building the MAMBA-2")?;
     let task = Mamba2Task { model: &model, seq_len: cfg.mamba2_seq_len };
-    let trainer = restored(&task, &cfg, &c, &d)?;
-    trainer.finish(&task).with_context(|| format!("{}: no epoch is done yet", c.trainer.display()))?;
+    best_weights(&task, &cfg, &c, &d)?;
     let (mut f32_step, mut int8_step) = (model.cpu_step()?, fx_quant::mamba2_int8_step(&model)?);
     let test = d.data.splits.test.clone();
     let target = d.series.targets();
-    let (mut se_f, mut se_q, mut max_diff, mut n) = (0.0f64, 0.0f64, 0.0f64, 0usize);
-    let (mut hit_f, mut hit_q, mut m) = (0usize, 0usize, 0usize);
+    // Predictions of the test split's bars (each the return from its bar to the next).
+    let (mut pf, mut pq, mut ys) = (Vec::new(), Vec::new(), Vec::new());
     for (r, &y) in target.iter().enumerate().take(test.end) {
         let bar = d.series.observed_row(r);
-        let (pf, pq) = (f64::from(f32_step.step(bar)?), f64::from(int8_step.step(bar)?));
+        let (a, b) = (f64::from(f32_step.step(bar)?), f64::from(int8_step.step(bar)?));
         if r >= test.start {
-            let y = f64::from(y);
-            se_f += (pf - y) * (pf - y);
-            se_q += (pq - y) * (pq - y);
-            max_diff = max_diff.max((pf - pq).abs());
-            n += 1;
-            if y != 0.0 {
-                m += 1;
-                hit_f += usize::from(pf.signum() == y.signum() && pf != 0.0);
-                hit_q += usize::from(pq.signum() == y.signum() && pq != 0.0);
-            }
+            pf.push(a);
+            pq.push(b);
+            ys.push(f64::from(y));
         }
     }
+    let n = ys.len();
     if n == 0 {
         bail!("{}: the test split holds no bars", dir.root().display());
     }
-    let (mse_f, mse_q) = (se_f / n as f64, se_q / n as f64);
+    let mse = |p: &[f64]| p.iter().zip(&ys).map(|(p, y)| (p - y) * (p - y)).sum::<f64>() / n as f64;
+    let (mse_f, mse_q) = (mse(&pf), mse(&pq));
+    let max_diff = pf.iter().zip(&pq).fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+    let (mf, mq) = (forecast_metrics(&[], &[], &pf, &ys)?, forecast_metrics(&[], &[], &pq, &ys)?);
     let rel = if mse_f > 0.0 { (mse_q - mse_f).abs() / mse_f } else { (mse_q - mse_f).abs() };
     let (pb_f, pb_q) = (f32_step.projection_bytes(), int8_step.projection_bytes());
     println!(
@@ -764,8 +758,8 @@ pub(crate) fn int8_mamba2(dir: &RunDir, cfg: RunConfig, report: &str) -> Result<
          F32 -> {:.0} KiB INT8",
         test.end.min(d.series.rows()),
         100.0 * rel,
-        100.0 * hit_f as f64 / m.max(1) as f64,
-        100.0 * hit_q as f64 / m.max(1) as f64,
+        100.0 * mf.directional_accuracy,
+        100.0 * mq.directional_accuracy,
         pb_f as f64 / 1024.0,
         pb_q as f64 / 1024.0
     );
@@ -787,8 +781,8 @@ pub(crate) fn int8_mamba2(dir: &RunDir, cfg: RunConfig, report: &str) -> Result<
         "mse_int8": mse_q,
         "mse_rel_diff": rel,
         "max_abs_prediction_diff": max_diff,
-        "directional_accuracy_f32": hit_f as f64 / m.max(1) as f64,
-        "directional_accuracy_int8": hit_q as f64 / m.max(1) as f64,
+        "directional_accuracy_f32": mf.directional_accuracy,
+        "directional_accuracy_int8": mq.directional_accuracy,
         "projection_bytes_f32": pb_f,
         "projection_bytes_int8": pb_q,
         "isa": fx_quant::Isa::detect().name(),
