@@ -222,6 +222,17 @@ impl<K: TftBackend> std::fmt::Debug for TftFused<K> {
     }
 }
 
+/// Each `(what, tensor, dims)`: an F32 tensor of exactly those dims, or a one-line error.
+fn check_inputs(want: &[(&'static str, &Tensor, &[usize])]) -> Result<()> {
+    for &(what, t, dims) in want {
+        if t.dims() != dims || t.dtype() != DType::F32 {
+            let got = format!("{:?} {:?}", t.dtype(), t.dims());
+            return Err(Error::shape(what, CTX, format!("F32 {dims:?}"), got));
+        }
+    }
+    Ok(())
+}
+
 fn kerr(e: fx_kernels::Error) -> Error {
     Error::Kernels { context: CTX, source: Box::new(e) }
 }
@@ -478,21 +489,11 @@ impl<K: TftBackend> TftFused<K> {
         let model = &self.model;
         let c = model.config();
         let (b, l, h) = (self.batch, self.l, self.h);
-        let want = [
-            ("observed", observed, vec![b, l, c.n_observed]),
-            ("known", known, vec![b, l + h, c.n_known]),
-            ("target", target, vec![b, h]),
-        ];
-        for (what, t, dims) in &want {
-            if t.dims() != dims.as_slice() || t.dtype() != DType::F32 {
-                return Err(Error::shape(
-                    what,
-                    CTX,
-                    format!("F32 {dims:?}"),
-                    format!("{:?} {:?}", t.dtype(), t.dims()),
-                ));
-            }
-        }
+        check_inputs(&[
+            ("observed", observed, &[b, l, c.n_observed]),
+            ("known", known, &[b, l + h, c.n_known]),
+            ("target", target, &[b, h]),
+        ])?;
         let drop = match rng {
             Some(r) if self.dropout > 0.0 => Some(Drop {
                 seed: r.seed(),
@@ -549,16 +550,7 @@ impl<K: TftBackend> TftFused<K> {
         let model = &self.model;
         let c = model.config();
         let (b, l, h, nq) = (self.batch, self.l, self.h, c.quantiles.len());
-        for (what, t, dims) in [("observed", observed, [b, l, c.n_observed]), ("known", known, [b, l + h, c.n_known])] {
-            if t.dims() != dims.as_slice() || t.dtype() != DType::F32 {
-                return Err(Error::shape(
-                    what,
-                    CTX,
-                    format!("F32 {dims:?}"),
-                    format!("{:?} {:?}", t.dtype(), t.dims()),
-                ));
-            }
-        }
+        check_inputs(&[("observed", observed, &[b, l, c.n_observed]), ("known", known, &[b, l + h, c.n_known])])?;
         let (observed, known) = (observed.contiguous().ctx(CTX)?, known.contiguous().ctx(CTX)?);
         let addr = |t: &Tensor| self.k.addr_of(t, "input").map_err(kerr);
         // SAFETY: as in `loss_and_grads`: the buffers of `new`, `model`'s parameters and the
