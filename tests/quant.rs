@@ -173,29 +173,18 @@ fn quantize_and_eval_int8_for_dqn_and_ppo() {
     assert!(e.contains("trunk.9"), "{e}");
 }
 
-/// A short TFT run (width 16) on `bars` synthetic bars, or on real daily bars with `data`.
-fn short_tft_run(dir: &Path, name: &str, data: Option<&str>) -> PathBuf {
+/// The `[seq]` table of the short sequence runs.
+const SHORT_SEQ: &str = "[seq]\nepochs = 3\nbatch_size = 32\nlr = 0.005\npatience = 5\n";
+
+/// AAPL's daily bars, from the crate's folder (where the tests run).
+const AAPL: &str = "../../../shared/data/aapl_daily_2000_2013.csv";
+
+/// A short sequence-model run `dir/name` on the CPU: top-level keys `top`, 1,500 synthetic
+/// bars, the model's tables `tables` and [`SHORT_SEQ`]; on real bars with `data`.
+fn short_seq_run(dir: &Path, name: &str, top: &str, tables: &str, data: Option<&str>) -> PathBuf {
     let cfg = dir.join(format!("{name}.toml"));
-    std::fs::write(
-        &cfg,
-        r#"model = "tft"
-device = "cpu"
-[synthetic]
-bars = 1500
-[tft]
-d = 16
-n_head = 2
-L_enc = 16
-H = 2
-dropout = 0.0
-[seq]
-epochs = 3
-batch_size = 32
-lr = 0.005
-patience = 5
-"#,
-    )
-    .unwrap();
+    let text = format!("{top}device = \"cpu\"\n[synthetic]\nbars = 1500\n{tables}{SHORT_SEQ}");
+    std::fs::write(&cfg, text).unwrap();
     let run = dir.join(name);
     let mut cmd = fx_train();
     cmd.args(["train", "--quiet", "--config"]).arg(&cfg).arg("--out").arg(&run);
@@ -206,6 +195,12 @@ patience = 5
     run
 }
 
+/// A short TFT run (width 16); see [`short_seq_run`].
+fn short_tft_run(dir: &Path, name: &str, data: Option<&str>) -> PathBuf {
+    let tables = "[tft]\nd = 16\nn_head = 2\nL_enc = 16\nH = 2\ndropout = 0.0\n";
+    short_seq_run(dir, name, "model = \"tft\"\n", tables, data)
+}
+
 /// Issue 13's TFT half end to end, on synthetic bars and on AAPL's daily bars: `quantize`
 /// writes the INT8 file (every weight matrix I8 under its spec name) and a report whose
 /// test-split pinball loss is within 1 % of F32's and coverage within one point, for the
@@ -214,7 +209,7 @@ patience = 5
 #[test]
 fn quantize_and_eval_int8_for_tft() {
     let dir = tempfile::tempdir().unwrap();
-    for (name, data) in [("tft", None), ("tft-aapl", Some("../../../shared/data/aapl_daily_2000_2013.csv"))] {
+    for (name, data) in [("tft", None), ("tft-aapl", Some(AAPL))] {
         let run = short_tft_run(dir.path(), name, data);
         for method in ["dynamic", "percentile"] {
             let text =
@@ -256,36 +251,10 @@ fn quantize_and_eval_int8_for_tft() {
 #[test]
 fn quantize_and_eval_int8_for_mamba2() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("m2.toml");
-    std::fs::write(
-        &cfg,
-        r#"model = "mamba2"
-device = "cpu"
-mamba2_seq_len = 32
-[synthetic]
-bars = 1500
-[mamba2]
-d_model = 32
-n_layer = 2
-d_state = 8
-headdim = 8
-chunk_size = 8
-[seq]
-epochs = 3
-batch_size = 32
-lr = 0.005
-patience = 5
-"#,
-    )
-    .unwrap();
-    for (name, data) in [("m2", None), ("m2-aapl", Some("../../../shared/data/aapl_daily_2000_2013.csv"))] {
-        let run = dir.path().join(name);
-        let mut cmd = fx_train();
-        cmd.args(["train", "--quiet", "--config"]).arg(&cfg).arg("--out").arg(&run);
-        if let Some(d) = data {
-            cmd.args(["--data", d]);
-        }
-        ok(&cmd.output().unwrap());
+    let top = "model = \"mamba2\"\nmamba2_seq_len = 32\n";
+    let tables = "[mamba2]\nd_model = 32\nn_layer = 2\nd_state = 8\nheaddim = 8\nchunk_size = 8\n";
+    for (name, data) in [("m2", None), ("m2-aapl", Some(AAPL))] {
+        let run = short_seq_run(dir.path(), name, top, tables, data);
         let text = ok(&fx_train().args(["quantize", "--checkpoint"]).arg(&run).output().unwrap());
         assert!(text.contains("forecast MSE F32") && text.contains("INT8"), "{text}");
         let r = json_file(&run.join("quant_report.json"));
