@@ -348,9 +348,10 @@ impl MatrixHook for CalibrationHook {
             }
         }
         drop(stats);
-        // The F32 product through candle's CPU matmul (threaded, F32 accumulation) rather
-        // than the reference backend's f64 loops: a calibration pass over a few hundred
-        // default-size windows takes seconds, not minutes.
+        // The F32 product through candle's CPU matmul (threaded, vectorised, F32
+        // accumulation) rather than the reference backend's scalar f64 loops, which are
+        // written for clarity: the calibration pass runs the whole model over hundreds of
+        // windows.
         let cand = |e| candle_err("calibration GEMM", e);
         for j in 0..g.batch {
             let a = g.a as usize + 4 * j * g.stride_a as usize;
