@@ -68,6 +68,7 @@ pub mod rollout;
 pub mod schedule;
 pub mod select;
 pub mod ssd_ref;
+pub mod tft_int8;
 pub mod tft_ops;
 pub mod vec_env;
 

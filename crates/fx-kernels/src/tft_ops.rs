@@ -179,6 +179,23 @@ pub struct VsnMixGrads {
     pub dg5_16: Addr,
 }
 
+/// A variable selection network's whole forward for a forecast (no dropout, nothing kept for
+/// a backward), for a backend with its own (`fx-quant`'s INT8 TFT on the GPU): the
+/// selection weights into `wsel [rows, n]` and the mix into `out [rows, d]` (and its BF16
+/// copy `out16`, or 0) from `raw [rows, n]`. `key` names the network: the address of its
+/// per-variable GRNs' stacked `fc2` weight.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VsnForecast {
+    pub key: Addr,
+    pub rows: usize,
+    pub n: usize,
+    pub d: usize,
+    pub raw: Addr,
+    pub wsel: Addr,
+    pub out: Addr,
+    pub out16: Addr,
+}
+
 /// Per-variable scalar embeddings `emb[r, j, k] = raw[r, j] · w[j, k] + b[j, k]`
 /// (`raw [rows, n]`, `w`, `b [n, d]`, `emb [rows, n, d]`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -337,6 +354,12 @@ pub trait TftKernels {
     unsafe fn attn_fwd(&self, a: &Attn) -> Result<()>;
     unsafe fn attn_bwd(&self, a: &Attn, g: &AttnGrads) -> Result<()>;
     unsafe fn pinball(&self, a: &Pinball) -> Result<()>;
+    /// Runs a [`VsnForecast`] if this backend has its own for network `a.key` (true); by
+    /// default none (false), and the caller runs the network op by op.
+    unsafe fn vsn_forecast(&self, a: &VsnForecast) -> Result<bool> {
+        let _ = a;
+        Ok(false)
+    }
 }
 
 /// The memory side of a backend: the fused step's buffers and the addresses of candle

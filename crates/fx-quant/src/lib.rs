@@ -19,7 +19,9 @@
 //! The sequence models: [`tft`] quantises every weight matrix of a TFT and forecasts with
 //! them ([`quantize_tft`], [`QuantTft`], [`Int8Tft`]; the file through
 //! [`checkpoint::save_tft`]); [`mamba2`] gives MAMBA-2's one-bar CPU step INT8 projections.
-//! The GPU half of issue 13 (INT8 matmuls on the device) is not here yet.
+//! On the GPU (feature `cuda`), `CudaInt8Tft` forecasts with the variable selection
+//! networks' per-variable GRNs in INT8, one kernel per network (`tft_vsn`); the policies'
+//! INT8 runs on the CPU only.
 
 pub mod activation;
 pub mod calibrate;
@@ -33,6 +35,7 @@ mod policy;
 pub mod qnet;
 pub mod reference;
 pub mod tft;
+mod tft_vsn;
 
 pub use calibrate::CalibMethod;
 pub use decide::{Decide, Forecast};
@@ -42,6 +45,8 @@ pub use gemv_i8::Isa;
 pub use mamba2::{mamba2_int8_step, Int8Rows};
 pub use policy::Int8Policy;
 pub use qnet::{CalibInfo, QuantLayer, QuantLinear, QuantNet};
+#[cfg(feature = "cuda")]
+pub use tft::CudaInt8Tft;
 pub use tft::{quantize_tft, Int8Tft, QuantTft};
 
 /// Calibrates and quantises `net` on `calib_obs` (`rows × state_dim`), keeping the layers

@@ -23,7 +23,7 @@ use candle_core::{Device, Tensor};
 use fx_kernels::gemm::{Gemm, GemmInputs};
 use fx_kernels::tft_ops::{
     lstm_cell_step, Addr, Attn, AttnGrads, BiasAct, CpuTft, Embed, EmbedGrads, GluLn, GluLnGrads, Lstm, LstmGrads,
-    Pack, Pinball, TftBackend, TftKernels, VsnMix, VsnMixGrads,
+    Pack, Pinball, TftBackend, TftKernels, VsnForecast, VsnMix, VsnMixGrads,
 };
 use fx_models::tft::forecast::TftForecaster;
 use fx_models::{Tft, TftConfig};
@@ -101,9 +101,13 @@ impl QuantTft {
     /// (`w_q · w_scale`): the INT8 forecaster's own (its F32 parameters, and the weights'
     /// addresses), and a fake-quantised reference.
     pub fn dequantized(&self) -> Result<Tft> {
+        self.dequantized_on(&Device::Cpu)
+    }
+
+    /// [`Self::dequantized`] on `device`.
+    pub fn dequantized_on(&self, device: &Device) -> Result<Tft> {
         const CTX: &str = "QuantTft::dequantized";
-        let model =
-            Tft::new(self.config.clone(), &Device::Cpu, 0).map_err(|source| Error::Model { context: CTX, source })?;
+        let model = Tft::new(self.config.clone(), device, 0).map_err(|source| Error::Model { context: CTX, source })?;
         let mut map = HashMap::new();
         let cand = |e: candle_core::Error| candle_err(CTX, e);
         for m in &self.matrices {
@@ -123,29 +127,39 @@ impl QuantTft {
     }
 }
 
-/// What a backend hook takes over: the weight GEMMs and the LSTM's recurrent product.
-pub(crate) trait MatrixHook {
+/// What a backend hook takes over from its inner backend `B`: the weight GEMMs, the LSTM's
+/// recurrent product, a variable selection network's whole forecast forward.
+pub(crate) trait MatrixHook<B> {
     /// Runs `g` if its `B` operand is a weight this hook knows (returns true), else
-    /// nothing (false: the CPU backend runs it).
+    /// nothing (false: the inner backend runs it).
     ///
     /// # Safety
     /// As [`TftKernels::gemm`].
-    unsafe fn gemm(&self, cpu: &CpuTft, g: &Gemm) -> Result<bool>;
+    unsafe fn gemm(&self, inner: &B, g: &Gemm) -> Result<bool>;
     /// Runs LSTM step `t` if it knows the step's recurrent matrix (true), else nothing.
     ///
     /// # Safety
     /// As [`TftKernels::lstm_fwd_step`].
-    unsafe fn lstm_fwd_step(&self, cpu: &CpuTft, a: &Lstm, t: usize) -> Result<bool>;
+    unsafe fn lstm_fwd_step(&self, inner: &B, a: &Lstm, t: usize) -> Result<bool>;
+    /// Runs a variable selection network's forecast forward if it has its own (true); by
+    /// default none.
+    ///
+    /// # Safety
+    /// As [`TftKernels::vsn_forecast`].
+    unsafe fn vsn_forecast(&self, inner: &B, a: &VsnForecast) -> Result<bool> {
+        let _ = (inner, a);
+        Ok(false)
+    }
 }
 
-/// The CPU reference backend with a [`MatrixHook`]; see the module docs.
+/// A backend (the CPU reference, or CUDA) with a [`MatrixHook`]; see the module docs.
 #[derive(Debug)]
-pub(crate) struct MatrixHooked<H> {
-    cpu: CpuTft,
-    hook: H,
+pub(crate) struct MatrixHooked<B, H> {
+    pub(crate) inner: B,
+    pub(crate) hook: H,
 }
 
-impl<H> MatrixHooked<H> {
+impl<B, H> MatrixHooked<B, H> {
     /// The hook (e.g. to read what it recorded).
     pub(crate) fn hook(&self) -> &H {
         &self.hook
@@ -156,80 +170,86 @@ fn kerr(context: &'static str) -> impl Fn(Error) -> fx_kernels::Error {
     move |e| fx_kernels::Error::Config { context, message: e.to_string() }
 }
 
-// Everything but the hooked two delegates to the CPU backend.
+// Everything but the hooked three delegates to the inner backend.
 #[allow(clippy::missing_safety_doc)]
-impl<H: MatrixHook> TftKernels for MatrixHooked<H> {
+impl<B: TftBackend, H: MatrixHook<B>> TftKernels for MatrixHooked<B, H> {
     unsafe fn gemm(&self, g: &Gemm) -> fx_kernels::Result<()> {
-        if unsafe { self.hook.gemm(&self.cpu, g) }.map_err(kerr("INT8 TFT GEMM"))? {
+        if unsafe { self.hook.gemm(&self.inner, g) }.map_err(kerr("INT8 TFT GEMM"))? {
             return Ok(());
         }
-        unsafe { self.cpu.gemm(g) }
+        unsafe { self.inner.gemm(g) }
     }
     unsafe fn zero(&self, a: Addr, n: usize) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.zero(a, n) }
+        unsafe { self.inner.zero(a, n) }
     }
     unsafe fn copy(&self, dst: Addr, src: Addr, n: usize) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.copy(dst, src, n) }
+        unsafe { self.inner.copy(dst, src, n) }
     }
     unsafe fn cast_bf16(&self, src: Addr, dst: Addr, n: usize) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.cast_bf16(src, dst, n) }
+        unsafe { self.inner.cast_bf16(src, dst, n) }
     }
     unsafe fn pack(&self, a: &Pack) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.pack(a) }
+        unsafe { self.inner.pack(a) }
     }
     unsafe fn embed_fwd(&self, a: &Embed) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.embed_fwd(a) }
+        unsafe { self.inner.embed_fwd(a) }
     }
     unsafe fn embed_bwd(&self, a: &Embed, g: &EmbedGrads) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.embed_bwd(a, g) }
+        unsafe { self.inner.embed_bwd(a, g) }
     }
     unsafe fn bias_act(&self, a: &BiasAct) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.bias_act(a) }
+        unsafe { self.inner.bias_act(a) }
     }
     unsafe fn act_bwd(&self, a: &BiasAct, grad: Addr) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.act_bwd(a, grad) }
+        unsafe { self.inner.act_bwd(a, grad) }
     }
     unsafe fn glu_ln_fwd(&self, a: &GluLn) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.glu_ln_fwd(a) }
+        unsafe { self.inner.glu_ln_fwd(a) }
     }
     unsafe fn glu_ln_bwd(&self, a: &GluLn, g: &GluLnGrads) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.glu_ln_bwd(a, g) }
+        unsafe { self.inner.glu_ln_bwd(a, g) }
     }
     unsafe fn vsn_mix_fwd(&self, a: &VsnMix) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.vsn_mix_fwd(a) }
+        unsafe { self.inner.vsn_mix_fwd(a) }
     }
     unsafe fn vsn_mix_bwd(&self, a: &VsnMix, g: &VsnMixGrads) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.vsn_mix_bwd(a, g) }
+        unsafe { self.inner.vsn_mix_bwd(a, g) }
     }
     unsafe fn lstm_fwd_step(&self, a: &Lstm, t: usize) -> fx_kernels::Result<()> {
-        if unsafe { self.hook.lstm_fwd_step(&self.cpu, a, t) }.map_err(kerr("INT8 TFT LSTM"))? {
+        if unsafe { self.hook.lstm_fwd_step(&self.inner, a, t) }.map_err(kerr("INT8 TFT LSTM"))? {
             return Ok(());
         }
-        unsafe { self.cpu.lstm_fwd_step(a, t) }
+        unsafe { self.inner.lstm_fwd_step(a, t) }
     }
     unsafe fn lstm_bwd_step(&self, a: &Lstm, g: &LstmGrads, t: usize) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.lstm_bwd_step(a, g, t) }
+        unsafe { self.inner.lstm_bwd_step(a, g, t) }
     }
     unsafe fn attn_fwd(&self, a: &Attn) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.attn_fwd(a) }
+        unsafe { self.inner.attn_fwd(a) }
     }
     unsafe fn attn_bwd(&self, a: &Attn, g: &AttnGrads) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.attn_bwd(a, g) }
+        unsafe { self.inner.attn_bwd(a, g) }
     }
     unsafe fn pinball(&self, a: &Pinball) -> fx_kernels::Result<()> {
-        unsafe { self.cpu.pinball(a) }
+        unsafe { self.inner.pinball(a) }
+    }
+    unsafe fn vsn_forecast(&self, a: &VsnForecast) -> fx_kernels::Result<bool> {
+        if unsafe { self.hook.vsn_forecast(&self.inner, a) }.map_err(kerr("INT8 TFT variable selection"))? {
+            return Ok(true);
+        }
+        unsafe { self.inner.vsn_forecast(a) }
     }
 }
 
-impl<H: MatrixHook> TftBackend for MatrixHooked<H> {
+impl<B: TftBackend, H: MatrixHook<B>> TftBackend for MatrixHooked<B, H> {
     fn alloc(&mut self, n: usize) -> fx_kernels::Result<Addr> {
-        self.cpu.alloc(n)
+        self.inner.alloc(n)
     }
     fn addr_of(&self, t: &Tensor, what: &'static str) -> fx_kernels::Result<Addr> {
-        self.cpu.addr_of(t, what)
+        self.inner.addr_of(t, what)
     }
     fn tensor_at(&self, a: Addr, shape: &[usize]) -> fx_kernels::Result<Tensor> {
-        self.cpu.tensor_at(a, shape)
+        self.inner.tensor_at(a, shape)
     }
 }
 
@@ -330,7 +350,7 @@ impl CalibrationHook {
     }
 }
 
-impl MatrixHook for CalibrationHook {
+impl MatrixHook<CpuTft> for CalibrationHook {
     unsafe fn gemm(&self, _cpu: &CpuTft, g: &Gemm) -> Result<bool> {
         let Some(&idx) = self.by_addr.get(&g.b) else { return Ok(false) };
         check_forward(g)?;
@@ -415,7 +435,7 @@ pub fn quantize_tft(model: &Tft, windows: &[(Tensor, Tensor)], method: CalibMeth
             format!("batches of {batch} and {:?} windows (one size for all)", o.dims().first()),
         ));
     }
-    let hooked = MatrixHooked { cpu: CpuTft::new(), hook: CalibrationHook::new(model, method)? };
+    let hooked = MatrixHooked { inner: CpuTft::new(), hook: CalibrationHook::new(model, method)? };
     let f = TftForecaster::new(hooked, model, batch.max(1)).map_err(|source| Error::Model { context: CTX, source })?;
     let mut rows = 0;
     for (obs, known) in windows {
@@ -557,7 +577,7 @@ impl Int8Hook {
     }
 }
 
-impl MatrixHook for Int8Hook {
+impl MatrixHook<CpuTft> for Int8Hook {
     unsafe fn gemm(&self, _cpu: &CpuTft, g: &Gemm) -> Result<bool> {
         let Some(&idx) = self.by_addr.get(&g.b) else { return Ok(false) };
         check_forward(g)?;
@@ -594,7 +614,7 @@ impl MatrixHook for Int8Hook {
 
 /// INT8 TFT forecasts on the CPU, on the calling thread; see the module docs.
 pub struct Int8Tft {
-    forecaster: TftForecaster<MatrixHooked<Int8Hook>>,
+    forecaster: TftForecaster<MatrixHooked<CpuTft, Int8Hook>>,
     isa: Isa,
 }
 
@@ -614,7 +634,7 @@ impl Int8Tft {
     pub fn with_isa(q: &QuantTft, batch: usize, isa: Isa) -> Result<Self> {
         q.check()?;
         let model = q.dequantized()?;
-        let hooked = MatrixHooked { cpu: CpuTft::new(), hook: Int8Hook::new(q, &model, isa)? };
+        let hooked = MatrixHooked { inner: CpuTft::new(), hook: Int8Hook::new(q, &model, isa)? };
         let forecaster = TftForecaster::new(hooked, &model, batch.max(1))
             .map_err(|source| Error::Model { context: "Int8Tft::new", source })?;
         Ok(Self { forecaster, isa })
@@ -649,8 +669,60 @@ impl Int8Tft {
     }
 }
 
+/// INT8 TFT forecasts on the GPU: the variable selection networks' per-variable GRNs and
+/// selection mix in INT8 as one kernel per network, the embeddings folded into the layers
+/// after them (`crate::tft_vsn`); every other matrix is the file's INT8 weights dequantised
+/// in the F32 forecaster's GEMMs. Inputs and forecasts stay on the device; nothing is read
+/// back, so a call can be captured as a CUDA graph.
+#[cfg(feature = "cuda")]
+pub struct CudaInt8Tft {
+    forecaster: TftForecaster<
+        MatrixHooked<fx_kernels::cuda::tft::CudaTft, crate::tft_vsn::VsnHook<fx_kernels::cuda::tft_int8::CudaVsnI8>>,
+    >,
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for CudaInt8Tft {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaInt8Tft(batch {})", self.forecaster.batch_size())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaInt8Tft {
+    /// Forecasts of `q` on `device` (CUDA) for batches of up to `batch` windows; a width the
+    /// INT8 kernel does not take (`d` a multiple of 4 up to 128) is a one-line error.
+    pub fn new(q: &QuantTft, device: &Device, batch: usize) -> Result<Self> {
+        const CTX: &str = "CudaInt8Tft::new";
+        q.check()?;
+        let batch = batch.max(1);
+        let model = q.dequantized_on(device)?;
+        let mut inner = fx_kernels::cuda::tft::CudaTft::new(device).map_err(Error::Kernels)?;
+        let hook = crate::tft_vsn::VsnHook::new(&mut inner, &model, q, batch, |w| {
+            fx_kernels::cuda::tft_int8::CudaVsnI8::new(device, w).map_err(Error::Kernels)
+        })?;
+        let forecaster = TftForecaster::new(MatrixHooked { inner, hook }, &model, batch)
+            .map_err(|source| Error::Model { context: CTX, source })?;
+        Ok(Self { forecaster })
+    }
+
+    /// The largest batch a call takes.
+    pub fn batch_size(&self) -> usize {
+        self.forecaster.batch_size()
+    }
+
+    /// Quantile forecasts `[B, H, n_quantiles]` of `observed [B, L_enc, n_observed]` and
+    /// `known [B, L_enc + H, n_known]` (F32 on the forecaster's device, `1 ≤ B ≤` the batch
+    /// size). Not checked for non-finite values (that would read the inputs back).
+    pub fn forecast(&self, observed: &Tensor, known: &Tensor) -> Result<Tensor> {
+        self.forecaster
+            .forecast(observed, known)
+            .map_err(|source| Error::Model { context: "CudaInt8Tft::forecast", source })
+    }
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use fx_models::seq_train::{
         evaluate_forecasts, evaluate_forecasts_with, train, Forecasts, SeqSeries, SeqTask, SeqTrainConfig,
@@ -658,7 +730,7 @@ mod tests {
     use fx_models::Ctx;
     use fx_precision::Precision;
 
-    fn seed() -> u64 {
+    pub(crate) fn seed() -> u64 {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(23, |d| d.as_nanos() as u64)
     }
 
@@ -669,11 +741,11 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    fn small() -> TftConfig {
+    pub(crate) fn small() -> TftConfig {
         TftConfig { n_observed: 5, n_known: 2, d: 16, n_head: 2, l_enc: 8, h: 3, dropout: 0.1, ..TftConfig::default() }
     }
 
-    fn windows(cfg: &TftConfig, b: usize, n: usize, seed: u64) -> Vec<(Tensor, Tensor)> {
+    pub(crate) fn windows(cfg: &TftConfig, b: usize, n: usize, seed: u64) -> Vec<(Tensor, Tensor)> {
         (0..n as u64)
             .map(|k| {
                 (
@@ -684,7 +756,7 @@ mod tests {
             .collect()
     }
 
-    fn values(t: &Tensor) -> Vec<f64> {
+    pub(crate) fn values(t: &Tensor) -> Vec<f64> {
         t.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1().unwrap()
     }
 
@@ -813,26 +885,35 @@ mod tests {
         for method in [CalibMethod::Percentile(CalibMethod::DEFAULT_PERCENTILE), CalibMethod::Dynamic] {
             let q = quantize_tft(&model, &calib, method).unwrap();
             let int8 = Int8Tft::new(&q, 16).unwrap();
-            let levels = cfg.quantiles.clone();
-            let i8m = evaluate_forecasts_with(&model, &series, held.clone(), 16, &Device::Cpu, |b| {
-                let qs = int8
-                    .forecast(&b.inputs[0], &b.inputs[1])
-                    .map_err(|e| fx_models::Error::Config { context: "int8", message: e.to_string() })?;
-                Ok(Forecasts {
-                    point: fx_models::tft::point_forecast(&levels, &qs)?,
-                    quantiles: Some((levels.clone(), qs)),
+            // The GPU forecaster's path (INT8 variable selection, the rest F32), on the CPU.
+            let vsn = crate::tft_vsn::cpu_reference(&q, 16).unwrap();
+            let paths: [(&str, &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>); 2] = [
+                ("INT8", &|o, k| int8.forecast(o, k)),
+                ("INT8 variable selection", &|o, k| {
+                    vsn.forecast(o, k).map_err(|source| Error::Model { context: "vsn", source })
+                }),
+            ];
+            for (path, forecast) in paths {
+                let levels = cfg.quantiles.clone();
+                let i8m = evaluate_forecasts_with(&model, &series, held.clone(), 16, &Device::Cpu, |b| {
+                    let qs = forecast(&b.inputs[0], &b.inputs[1])
+                        .map_err(|e| fx_models::Error::Config { context: "int8", message: e.to_string() })?;
+                    Ok(Forecasts {
+                        point: fx_models::tft::point_forecast(&levels, &qs)?,
+                        quantiles: Some((levels.clone(), qs)),
+                    })
                 })
-            })
-            .unwrap();
-            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-            let (pf, pq) = (mean(&f32m.pinball), mean(&i8m.pinball));
-            let (cf, cq) = (f32m.interval_coverage.unwrap(), i8m.interval_coverage.unwrap());
-            eprintln!(
-                "trained TFT ({method}): pinball F32 {pf:.5} INT8 {pq:.5}, coverage F32 {cf:.4} INT8 {cq:.4}, n {}",
-                f32m.n
-            );
-            assert!((pq - pf).abs() <= 0.01 * pf, "{method}: pinball {pq} against {pf}");
-            assert!((cq - cf).abs() <= 0.01, "{method}: coverage {cq} against {cf}");
+                .unwrap();
+                let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+                let (pf, pq) = (mean(&f32m.pinball), mean(&i8m.pinball));
+                let (cf, cq) = (f32m.interval_coverage.unwrap(), i8m.interval_coverage.unwrap());
+                eprintln!(
+                    "trained TFT ({method}, {path}): pinball F32 {pf:.5} INT8 {pq:.5}, coverage F32 {cf:.4} INT8 {cq:.4}, n {}",
+                    f32m.n
+                );
+                assert!((pq - pf).abs() <= 0.01 * pf, "{method} {path}: pinball {pq} against {pf}");
+                assert!((cq - cf).abs() <= 0.01, "{method} {path}: coverage {cq} against {cf}");
+            }
         }
         assert!(f32m.rank_correlation > 0.3, "the model did not learn: rank correlation {}", f32m.rank_correlation);
     }

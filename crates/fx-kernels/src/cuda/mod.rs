@@ -19,6 +19,7 @@ pub mod mlp_train;
 pub mod optim;
 pub mod ssd;
 pub mod tft;
+pub mod tft_int8;
 
 #[cfg(test)]
 mod optim_tests;
@@ -61,6 +62,8 @@ pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR
 
 /// PTX of `kernels/tft.cu` (the TFT's fused training-step kernels).
 pub(crate) const PTX_TFT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/tft.ptx"));
+/// PTX of `kernels/tft_int8.cu` (the INT8 variable selection of a TFT forecast).
+pub(crate) const PTX_TFT_INT8: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/tft_int8.ptx"));
 /// PTX of `kernels/lstm.cu` (one LSTM step, forward and backward).
 pub(crate) const PTX_LSTM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/lstm.ptx"));
 

@@ -31,8 +31,8 @@ use candle_core::{DType, Tensor, TensorId, Var};
 use fx_kernels::gemm::Gemm;
 use fx_kernels::tft_ops::{
     partials_len, Act, Addr, Attn, AttnGrads, BiasAct, DropoutSite, Embed, EmbedGrads, GluLn, GluLnGrads, Lstm,
-    LstmGrads, Pack, Pinball, TftBackend, VsnMix, VsnMixGrads, MAX_ATTN_SCORES, MAX_ATTN_STEPS, MAX_HEAD_DIM,
-    MAX_NORM_WIDTH,
+    LstmGrads, Pack, Pinball, TftBackend, VsnForecast, VsnMix, VsnMixGrads, MAX_ATTN_SCORES, MAX_ATTN_STEPS,
+    MAX_HEAD_DIM, MAX_NORM_WIDTH,
 };
 use fx_precision::Precision;
 
@@ -518,7 +518,7 @@ impl<K: TftBackend> TftFused<K> {
                     self.k.cast_bf16(sh.f, sh.h, var.elem_count()).map_err(kerr)?;
                 }
             }
-            self.forward(model, addr(&observed)?, addr(&known)?, drop)?;
+            self.forward(model, addr(&observed)?, addr(&known)?, drop, false)?;
             self.mark("loss");
             let a = Pinball {
                 batch: b,
@@ -562,7 +562,7 @@ impl<K: TftBackend> TftFused<K> {
                     self.k.cast_bf16(sh.f, sh.h, var.elem_count()).map_err(kerr)?;
                 }
             }
-            self.forward(model, addr(&observed)?, addr(&known)?, None)?;
+            self.forward(model, addr(&observed)?, addr(&known)?, None, true)?;
             self.mark("end");
         }
         let out = self.k.tensor_at(self.out, &[h, b, nq]).map_err(kerr)?;
@@ -845,10 +845,37 @@ impl<K: TftBackend> TftFused<K> {
 
     /// Embeddings, the flat GRN's selection weights and the stacked per-variable GRNs,
     /// mixed into `out [m, d]`.
-    unsafe fn vsn_fwd(&self, e: &EmbedVsn, vb: &VsnBufs, calls: (u64, u64), drop: Option<Drop>, out: Op) -> Result<()> {
+    /// Under `forecast`, a backend with its own whole-network forward
+    /// ([`TftKernels::vsn_forecast`](fx_kernels::tft_ops::TftKernels::vsn_forecast)) runs
+    /// it instead, and only `out` (and the selection weights) are written.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn vsn_fwd(
+        &self,
+        e: &EmbedVsn,
+        vb: &VsnBufs,
+        calls: (u64, u64),
+        drop: Option<Drop>,
+        forecast: bool,
+        out: Op,
+    ) -> Result<()> {
         let (m, n, d) = (vb.m, vb.n, self.d);
         let f = &e.flat;
         let v = &e.vars;
+        if forecast {
+            let a = VsnForecast {
+                key: self.p(&v.fc2.w)?,
+                rows: m,
+                n,
+                d,
+                raw: vb.raw,
+                wsel: vb.wsel,
+                out: out.f,
+                out16: out.h,
+            };
+            if unsafe { self.k.vsn_forecast(&a) }.map_err(kerr)? {
+                return Ok(());
+            }
+        }
         let skip = f.skip.as_ref().ok_or_else(|| Error::config(CTX, "a flat GRN without skip (d = 1)"))?;
         let emb = Embed {
             rows: m,
@@ -908,7 +935,8 @@ impl<K: TftBackend> TftFused<K> {
         }
     }
 
-    unsafe fn forward(&self, m: &Tft, observed: Addr, known: Addr, drop: Option<Drop>) -> Result<()> {
+    /// The forward; `forecast`: for a forecast (see [`Self::vsn_fwd`]), not a training step.
+    unsafe fn forward(&self, m: &Tft, observed: Addr, known: Addr, drop: Option<Drop>, forecast: bool) -> Result<()> {
         let c = m.config();
         let (b, l, h, d) = (self.batch, self.l, self.h, self.d);
         let (steps, me, md, mt) = (l + h, l * b, h * b, (l + h) * b);
@@ -926,10 +954,10 @@ impl<K: TftBackend> TftFused<K> {
         unsafe {
             self.mark("encoder variable selection");
             self.k.pack(&pack).map_err(kerr)?;
-            self.vsn_fwd(&m.enc, &self.enc, (call::ENC_FLAT, call::ENC_VARS), drop, self.x)?;
+            self.vsn_fwd(&m.enc, &self.enc, (call::ENC_FLAT, call::ENC_VARS), drop, forecast, self.x)?;
             self.mark("decoder variable selection");
             let x_dec = self.x.at(me * d);
-            self.vsn_fwd(&m.dec, &self.dec, (call::DEC_FLAT, call::DEC_VARS), drop, x_dec)?;
+            self.vsn_fwd(&m.dec, &self.dec, (call::DEC_FLAT, call::DEC_VARS), drop, forecast, x_dec)?;
             // LSTM: input projections per segment, then one launch per step.
             self.mark("lstm forward");
             let (wie, wid) = (self.wop(&m.lstm_enc.w_ih)?, self.wop(&m.lstm_dec.w_ih)?);

@@ -8,7 +8,9 @@
 //! forward captured once as a CUDA graph on static input and output buffers — and, for the
 //! MAMBA-2 step, a static state updated in place — replayed per call). The TFT cases have
 //! `fused_fp32` / `fused_graph_fp32` / `fused_graph_bf16` on CUDA (the fused step's forward
-//! alone, `TftForecaster`, eager and captured, the last with BF16 GEMM operands) and `int8` on the CPU (`fx_quant::Int8Tft`); their
+//! alone, `TftForecaster`, eager and captured, the last with BF16 GEMM operands), `int8` on
+//! the CPU (`fx_quant::Int8Tft`) and `int8` / `int8_graph` on CUDA (`fx_quant::CudaInt8Tft`,
+//! eager and captured); their
 //! records add `rel_err_vs_candle` (relative RMS against candle's forecast). The MAMBA-2 step has two
 //! more on CUDA: `fused_fp32`, `fx_models::mamba2::decode::Mamba2Decoder::step` (the whole step as
 //! one kernel launch on a thread-block cluster, Hopper+), and `fused_graph_fp32`, that launch
@@ -93,9 +95,15 @@ impl SeqInfer {
             }
             SeqInfer::Mamba2Step if !device.is_cuda() => &["eager_fp32", "cpu_fp32", "int8"],
             SeqInfer::Mamba2Step => modes(true),
-            _ if device.is_cuda() => {
-                &["eager_fp32", "graph_fp32", "fused_fp32", "fused_graph_fp32", "fused_graph_bf16"]
-            }
+            _ if device.is_cuda() => &[
+                "eager_fp32",
+                "graph_fp32",
+                "fused_fp32",
+                "fused_graph_fp32",
+                "fused_graph_bf16",
+                "int8",
+                "int8_graph",
+            ],
             _ => &["eager_fp32", "int8"],
         }
     }
@@ -130,10 +138,10 @@ type Call<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
 /// One case in `mode`; fills `rec`.
 pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec: &mut Record) -> Result<()> {
     let dev = ctx.device.clone();
-    let graph = matches!(mode, "graph_fp32" | "fused_graph_fp32" | "fused_graph_bf16");
+    let graph = matches!(mode, "graph_fp32" | "fused_graph_fp32" | "fused_graph_bf16" | "int8_graph");
     let fused = mode.starts_with("fused");
     ensure!(!(graph || fused) || dev.is_cuda(), "graph and fused modes need CUDA");
-    let cpu_step = mode == "cpu_fp32" || mode == "int8";
+    let cpu_step = what == SeqInfer::Mamba2Step && (mode == "cpu_fp32" || mode == "int8");
     ensure!(!cpu_step || !dev.is_cuda(), "{mode} runs on the CPU");
     ensure!(mode != "cpu_fp32" || what == SeqInfer::Mamba2Step, "cpu_fp32 is the MAMBA-2 step's");
     let c = Ctx::inference(Precision::F32);
@@ -206,9 +214,10 @@ pub(crate) fn seq_infer_case(ctx: &mut BenchCtx, what: SeqInfer, mode: &str, rec
 /// A TFT forecast of `obs`, `known` in `mode`: candle's forward (`eager_fp32`, and captured:
 /// `graph_fp32`), the fused forward (`fx_models::tft::forecast::TftForecaster` on CUDA:
 /// `fused_fp32`, captured: `fused_graph_fp32`; its GEMMs in BF16, captured: `fused_graph_bf16`)
-/// or the INT8 model on the CPU (`int8`:
-/// `fx_quant::Int8Tft`, dynamic input scales, quantised from this model with the timed
-/// batch as its calibration window; the record adds the ISA and the parameter bytes).
+/// or the INT8 model (`int8`; on the CPU `fx_quant::Int8Tft`, dynamic input scales,
+/// quantised from this model with the timed batch as its calibration window, the record
+/// adding the ISA and the parameter bytes; on CUDA `fx_quant::CudaInt8Tft`, and captured:
+/// `int8_graph`).
 fn tft_forecast<'a>(
     model: &'a Tft,
     obs: &'a Tensor,
@@ -219,7 +228,7 @@ fn tft_forecast<'a>(
 ) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
     let c = Ctx::inference(Precision::F32);
     Ok(match mode {
-        "int8" => {
+        "int8" if !obs.device().is_cuda() => {
             let q = fx_quant::quantize_tft(model, &[(obs.clone(), known.clone())], fx_quant::CalibMethod::Dynamic)?;
             let f = fx_quant::Int8Tft::new(&q, batch)?;
             rec.insert("isa".into(), json!(f.isa().name()));
@@ -227,6 +236,7 @@ fn tft_forecast<'a>(
             rec.insert("param_bytes_f32".into(), json!(4 * model.params().param_count()));
             Box::new(move || Ok(f.forecast(obs, known)?))
         }
+        "int8" | "int8_graph" => tft_int8_cuda(model, obs, known, batch, rec)?,
         "fused_fp32" | "fused_graph_fp32" => tft_fused(model, obs, known, batch, Precision::F32)?,
         "fused_graph_bf16" => tft_fused(model, obs, known, batch, Precision::Bf16)?,
         _ => Box::new(move || Ok(model.forward(&c, obs, known)?)),
@@ -243,6 +253,39 @@ fn tft_fused<'a>(
 ) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
     let f = model.cuda_forecaster(batch, precision)?;
     Ok(Box::new(move || Ok(f.forecast(obs, known)?)))
+}
+
+/// The INT8 TFT on CUDA (`fx_quant::CudaInt8Tft`), quantised with dynamic input scales
+/// from a CPU copy of `model` (the same seed gives the same parameters on every device; the
+/// record's `rel_err_vs_candle` would show otherwise).
+#[cfg(feature = "cuda")]
+fn tft_int8_cuda<'a>(
+    model: &'a Tft,
+    obs: &'a Tensor,
+    known: &'a Tensor,
+    batch: usize,
+    rec: &mut Record,
+) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
+    let cpu = Device::Cpu;
+    let host = Tft::new(model.config().clone(), &cpu, 0)?;
+    let b = obs.dim(0)?.min(2);
+    let window = (obs.narrow(0, 0, b)?.to_device(&cpu)?, known.narrow(0, 0, b)?.to_device(&cpu)?);
+    let q = fx_quant::quantize_tft(&host, &[window], fx_quant::CalibMethod::Dynamic)?;
+    rec.insert("param_bytes".into(), json!(q.bytes()));
+    rec.insert("param_bytes_f32".into(), json!(4 * model.params().param_count()));
+    let f = fx_quant::CudaInt8Tft::new(&q, obs.device(), batch)?;
+    Ok(Box::new(move || Ok(f.forecast(obs, known)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn tft_int8_cuda<'a>(
+    _model: &'a Tft,
+    _obs: &'a Tensor,
+    _known: &'a Tensor,
+    _batch: usize,
+    _rec: &mut Record,
+) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
+    anyhow::bail!("the INT8 TFT on CUDA needs a build with the cuda feature")
 }
 
 #[cfg(not(feature = "cuda"))]

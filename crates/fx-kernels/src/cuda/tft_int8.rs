@@ -1,0 +1,246 @@
+//! [`CudaVsnI8`]: one variable selection network's INT8 weights on the GPU and the launch of
+//! `kernels/tft_int8.cu` over them ([`crate::tft_int8`] is the reference). Queued on candle's
+//! stream, nothing read back: a CUDA graph can capture it.
+
+use candle_core::Device;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{cuda_device, driver, PTX_TFT_INT8};
+use crate::error::{CandleContext, Result};
+use crate::tft_int8::{VsnI8Weights, VsnVarsI8};
+use crate::tft_ops::Addr;
+
+/// Rows one block takes (the kernel's `FX_VI8_ROWS`).
+const TILE_ROWS: usize = 32;
+
+/// The weights of [`VsnI8Weights`] in device memory, with the kernel loaded.
+pub struct CudaVsnI8 {
+    stream: std::sync::Arc<CudaStream>,
+    func: CudaFunction,
+    n: usize,
+    d: usize,
+    eps: f32,
+    /// emb_w, emb_b, u1, c1, ws ×3, b ×3, ln_w, ln_b (`n · d` each), then the input steps.
+    floats: CudaSlice<f32>,
+    /// w2, w4, w5 (`n · d · d` each).
+    weights: CudaSlice<i8>,
+    dynamic: bool,
+}
+
+impl std::fmt::Debug for CudaVsnI8 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaVsnI8(n {}, d {}, {})", self.n, self.d, if self.dynamic { "dynamic" } else { "calibrated" })
+    }
+}
+
+impl CudaVsnI8 {
+    /// Checks `w` and copies it to `device` (CUDA).
+    pub fn new(device: &Device, w: &VsnI8Weights) -> Result<Self> {
+        const CTX: &str = "CudaVsnI8::new";
+        w.check(CTX)?;
+        let dev = cuda_device(device, "device", CTX)?;
+        let stream = dev.cuda_stream();
+        let func = dev.get_or_load_custom_func("fx_tft_vsn_vars_i8", "fx_tft_int8", PTX_TFT_INT8).ctx(CTX)?;
+        let mut f: Vec<f32> = Vec::with_capacity(12 * w.n * w.d + 2 * w.n);
+        for v in [
+            &w.emb_w, &w.emb_b, &w.u1, &w.c1, &w.ws[0], &w.ws[1], &w.ws[2], &w.b[0], &w.b[1], &w.b[2], &w.ln_w, &w.ln_b,
+        ] {
+            f.extend_from_slice(v);
+        }
+        if let Some((a, b)) = &w.input_steps {
+            f.extend_from_slice(a);
+            f.extend_from_slice(b);
+        }
+        let q: Vec<i8> = w.w.iter().flatten().copied().collect();
+        let floats = stream.clone_htod(&f).map_err(driver(CTX))?;
+        let weights = stream.clone_htod(&q).map_err(driver(CTX))?;
+        Ok(Self {
+            stream,
+            func: func.into_cuda_function(),
+            n: w.n,
+            d: w.d,
+            eps: w.eps,
+            floats,
+            weights,
+            dynamic: w.input_steps.is_none(),
+        })
+    }
+
+    /// Variables and width.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.d)
+    }
+
+    /// The arguments for `rows` rows: `raw`, `wsel [rows, n]`, `out [rows, d]` on the device.
+    pub fn args(&self, rows: usize, raw: Addr, wsel: Addr, out: Addr) -> VsnVarsI8 {
+        let (f, _r1) = self.floats.device_ptr(&self.stream);
+        let (q, _r2) = self.weights.device_ptr(&self.stream);
+        args_at(f, q, rows, self.n, self.d, self.eps, raw, wsel, out, self.dynamic)
+    }
+
+    /// Queues the variable selection of `rows` rows on candle's stream.
+    ///
+    /// # Safety
+    /// `raw` and `wsel` hold `rows × n` F32 and `out` `rows × d` F32 on this device, alive
+    /// until the kernel ran.
+    pub unsafe fn run(&self, rows: usize, raw: Addr, wsel: Addr, out: Addr) -> Result<()> {
+        const CTX: &str = "CudaVsnI8::run";
+        let a = self.args(rows, raw, wsel, out);
+        a.check(CTX)?;
+        let (rows32, n32, d32) = (a.rows as u32, a.n as u32, a.d as u32);
+        let blocks = u32::try_from(a.rows.div_ceil(TILE_ROWS)).unwrap_or(u32::MAX);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut l = self.stream.launch_builder(&self.func);
+        l.arg(&rows32).arg(&n32).arg(&d32).arg(&a.raw).arg(&a.emb_w).arg(&a.emb_b).arg(&a.u1).arg(&a.c1);
+        l.arg(&a.w2).arg(&a.w4).arg(&a.w5).arg(&a.ws2).arg(&a.ws4).arg(&a.ws5);
+        l.arg(&a.b2).arg(&a.b4).arg(&a.b5).arg(&a.in2).arg(&a.in45).arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps);
+        l.arg(&a.wsel).arg(&a.out);
+        // SAFETY: the weights are this struct's own device buffers of the checked sizes; the
+        // rows' buffers are the caller's (this function's contract).
+        unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
+        Ok(())
+    }
+}
+
+/// The arguments with the floats at `f` and the weights at `q` laid out as
+/// [`CudaVsnI8::new`] copies them.
+#[allow(clippy::too_many_arguments)]
+fn args_at(
+    f: Addr,
+    q: Addr,
+    rows: usize,
+    n: usize,
+    d: usize,
+    eps: f32,
+    raw: Addr,
+    wsel: Addr,
+    out: Addr,
+    dynamic: bool,
+) -> VsnVarsI8 {
+    let nd = (n * d * 4) as Addr;
+    let at = |k: u64| f + k * nd;
+    let (in2, in45) = if dynamic { (0, 0) } else { (at(12), at(12) + (n * 4) as Addr) };
+    let mat = (n * d * d) as Addr;
+    VsnVarsI8 {
+        rows,
+        n,
+        d,
+        raw,
+        emb_w: at(0),
+        emb_b: at(1),
+        u1: at(2),
+        c1: at(3),
+        ws2: at(4),
+        ws4: at(5),
+        ws5: at(6),
+        b2: at(7),
+        b4: at(8),
+        b5: at(9),
+        ln_w: at(10),
+        ln_b: at(11),
+        in2,
+        in45,
+        w2: q,
+        w4: q + mat,
+        w5: q + 2 * mat,
+        eps,
+        wsel,
+        out,
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::*;
+    use crate::tft_int8::testing::{rel_rms, selection, uniform, VsnF32};
+    use candle_core::Tensor;
+
+    fn gpu() -> Option<Device> {
+        match Device::new_cuda(0) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!("skipping: no CUDA device ({e})");
+                None
+            }
+        }
+    }
+
+    fn seed() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(11)
+    }
+
+    /// The kernel against the reference on fresh random inputs: the encoder's shape (55
+    /// variables of 128, rows not a multiple of the tile) and smaller ones, dynamic and
+    /// calibrated steps.
+    #[test]
+    fn int8_variable_selection_on_the_gpu_matches_the_reference() {
+        let Some(dev) = gpu() else { return };
+        let s = seed();
+        for (n, d, rows, steps) in [(55, 128, 1000, false), (4, 128, 77, true), (7, 64, 200, false), (3, 32, 31, true)]
+        {
+            let p = VsnF32::random(n, d, s);
+            let w = p.int8(steps.then(|| (vec![0.04; n], vec![0.04; n])));
+            let raw = uniform(rows * n, s + 100, 2.0);
+            let wsel = selection(rows, n, s + 200);
+            let want = w.forward_ref(&raw, &wsel).expect("reference");
+            let k = CudaVsnI8::new(&dev, &w).expect("upload");
+            let raw_t = Tensor::from_slice(&raw, (rows * n,), &dev).expect("raw");
+            let wsel_t = Tensor::from_slice(&wsel, (rows * n,), &dev).expect("wsel");
+            let out_t = Tensor::zeros((rows * d,), candle_core::DType::F32, &dev).expect("out");
+            let cdev = cuda_device(&dev, "device", "test").expect("cuda");
+            let st = cdev.cuda_stream();
+            let ptr = |t: &Tensor| super::super::dev_ptr::<f32>(t, &st, "buffer", "test").expect("ptr");
+            // SAFETY: the three tensors hold rows × n, rows × n and rows × d F32 and live
+            // past the read below (which synchronises).
+            unsafe { k.run(rows, ptr(&raw_t), ptr(&wsel_t), ptr(&out_t)) }.expect("launch");
+            let got: Vec<f32> = out_t.to_vec1().expect("read");
+            assert!(got.iter().all(|v| v.is_finite()), "seed {s}: non-finite output");
+            let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
+            let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
+            let e = rel_rms(&got, &want64);
+            eprintln!("n {n} d {d} rows {rows} calibrated {steps}: rel RMS {e:.2e}, max |diff| {worst:.2e}");
+            // An ulp apart in expf can move an activation across a rounding boundary, one
+            // INT8 step in one input of one product: tiny against the output's scale.
+            assert!(e < 1e-3 && worst < 2e-2, "seed {s}, n {n} d {d}: rel RMS {e:.2e}, max {worst:.2e}");
+            let f32_ref = p.forward_f64(&raw, &wsel, 1e-5);
+            let e32 = rel_rms(&got, &f32_ref);
+            assert!(e32 < 0.05, "seed {s}, n {n} d {d}: {e32:.4} from F32");
+        }
+    }
+
+    /// Device time of one launch at the encoder's shape at batch 256 (55 variables × 16,384
+    /// rows of 128): printed for the profile of an INT8 forecast, not asserted (speed is
+    /// the benchmark's job).
+    #[test]
+    fn int8_variable_selection_device_time_at_batch_256() {
+        let Some(dev) = gpu() else { return };
+        let (n, d, rows) = (55, 128, 64 * 256);
+        let p = VsnF32::random(n, d, 5);
+        let k = CudaVsnI8::new(&dev, &p.int8(None)).expect("upload");
+        let raw = Tensor::from_slice(&uniform(rows * n, 6, 2.0), (rows * n,), &dev).expect("raw");
+        let wsel = Tensor::from_slice(&selection(rows, n, 7), (rows * n,), &dev).expect("wsel");
+        let out = Tensor::zeros((rows * d,), candle_core::DType::F32, &dev).expect("out");
+        let cdev = cuda_device(&dev, "device", "test").expect("cuda");
+        let st = cdev.cuda_stream();
+        let ptr = |t: &Tensor| super::super::dev_ptr::<f32>(t, &st, "buffer", "test").expect("ptr");
+        let (r, w, o) = (ptr(&raw), ptr(&wsel), ptr(&out));
+        let reps = 20;
+        for _ in 0..3 {
+            // SAFETY: the tensors above hold rows × n, rows × n, rows × d F32 until the end.
+            unsafe { k.run(rows, r, w, o) }.expect("launch");
+        }
+        dev.synchronize().expect("sync");
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            // SAFETY: as above.
+            unsafe { k.run(rows, r, w, o) }.expect("launch");
+        }
+        dev.synchronize().expect("sync");
+        let us = t0.elapsed().as_secs_f64() * 1e6 / f64::from(reps);
+        let macs = (3 * rows * n * d * d) as f64;
+        eprintln!(
+            "INT8 variable selection, {n} variables x {rows} rows x {d}: {us:.0} us a launch, {:.1} T int8 MAC/s",
+            macs / us / 1e6
+        );
+    }
+}
