@@ -41,35 +41,9 @@ pub(crate) trait VarsRunner {
 
 impl VarsRunner for VsnI8Weights {
     unsafe fn run(&self, rows: usize, raw: Addr, wsel: Addr, out: Addr) -> Result<()> {
-        let a = fx_kernels::tft_int8::VsnVarsI8 {
-            rows,
-            n: self.n,
-            d: self.d,
-            raw,
-            emb_w: self.emb_w.as_ptr() as Addr,
-            emb_b: self.emb_b.as_ptr() as Addr,
-            u1: self.u1.as_ptr() as Addr,
-            c1: self.c1.as_ptr() as Addr,
-            w2: self.w[0].as_ptr() as Addr,
-            w4: self.w[1].as_ptr() as Addr,
-            w5: self.w[2].as_ptr() as Addr,
-            ws2: self.ws[0].as_ptr() as Addr,
-            ws4: self.ws[1].as_ptr() as Addr,
-            ws5: self.ws[2].as_ptr() as Addr,
-            b2: self.b[0].as_ptr() as Addr,
-            b4: self.b[1].as_ptr() as Addr,
-            b5: self.b[2].as_ptr() as Addr,
-            in2: self.input_steps.as_ref().map_or(0, |(a, _)| a.as_ptr() as Addr),
-            in45: self.input_steps.as_ref().map_or(0, |(_, b)| b.as_ptr() as Addr),
-            ln_w: self.ln_w.as_ptr() as Addr,
-            ln_b: self.ln_b.as_ptr() as Addr,
-            eps: self.eps,
-            wsel,
-            out,
-        };
         // SAFETY: the weights are this struct's checked vectors; the rows' buffers are the
         // caller's (the trait's contract).
-        unsafe { vsn_vars_i8_ref(&a) }.map_err(Error::Kernels)
+        unsafe { vsn_vars_i8_ref(&self.host_args(rows, raw, wsel, out)) }.map_err(Error::Kernels)
     }
 }
 

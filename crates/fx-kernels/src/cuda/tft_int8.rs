@@ -1,22 +1,35 @@
 //! [`CudaVsnI8`]: one variable selection network's INT8 weights on the GPU and the launch of
 //! `kernels/tft_int8.cu` over them ([`crate::tft_int8`] is the reference). Queued on candle's
 //! stream, nothing read back: a CUDA graph can capture it.
+//!
+//! Blocks take 64 rows each; when the row tiles alone do not fill the device (small
+//! batches, the decoder's few rows) the variables split into groups, one block per (tile,
+//! group), and a second launch sums the groups' partial mixes in group order. The mix's
+//! float sums then run in another order than the reference's single pass over the
+//! variables (within F32 rounding; the tests' tolerance covers it).
 
 use candle_core::Device;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_device, driver, PTX_TFT_INT8};
+use super::{cuda_device, driver, sm_count, PTX_TFT_INT8};
 use crate::error::{CandleContext, Result};
 use crate::tft_int8::{VsnI8Weights, VsnVarsI8};
 use crate::tft_ops::Addr;
 
 /// Rows one block takes (the kernel's `FX_VI8_ROWS`).
-const TILE_ROWS: usize = 32;
+const TILE_ROWS: usize = 64;
+/// Resident blocks per SM the kernel is built for (`__launch_bounds__(256, 2)`).
+const BLOCKS_PER_SM: usize = 2;
 
 /// The weights of [`VsnI8Weights`] in device memory, with the kernel loaded.
 pub struct CudaVsnI8 {
     stream: std::sync::Arc<CudaStream>,
     func: CudaFunction,
+    reduce: CudaFunction,
+    /// Blocks the device holds at once (SMs × [`BLOCKS_PER_SM`]).
+    slots: usize,
+    /// The variable groups' partial mixes (`groups · rows · d ≤` its length; see `groups`).
+    partials: CudaSlice<f32>,
     n: usize,
     d: usize,
     eps: f32,
@@ -40,7 +53,13 @@ impl CudaVsnI8 {
         w.check(CTX)?;
         let dev = cuda_device(device, "device", CTX)?;
         let stream = dev.cuda_stream();
-        let func = dev.get_or_load_custom_func("fx_tft_vsn_vars_i8", "fx_tft_int8", PTX_TFT_INT8).ctx(CTX)?;
+        let load = |name: &str| -> Result<CudaFunction> {
+            Ok(dev.get_or_load_custom_func(name, "fx_tft_int8", PTX_TFT_INT8).ctx(CTX)?.into_cuda_function())
+        };
+        let (func, reduce) = (load("fx_tft_vsn_vars_i8")?, load("fx_tft_vsn_reduce")?);
+        let slots = sm_count(&stream, CTX)? as usize * BLOCKS_PER_SM;
+        // groups · rows ≤ (slots / tiles) · tiles · TILE_ROWS (see `groups`).
+        let partials = stream.alloc_zeros::<f32>(slots * TILE_ROWS * w.d).map_err(driver(CTX))?;
         let mut f: Vec<f32> = Vec::with_capacity(12 * w.n * w.d + 2 * w.n);
         for v in [
             &w.emb_w, &w.emb_b, &w.u1, &w.c1, &w.ws[0], &w.ws[1], &w.ws[2], &w.b[0], &w.b[1], &w.b[2], &w.ln_w, &w.ln_b,
@@ -56,7 +75,10 @@ impl CudaVsnI8 {
         let weights = stream.clone_htod(&q).map_err(driver(CTX))?;
         Ok(Self {
             stream,
-            func: func.into_cuda_function(),
+            func,
+            reduce,
+            slots,
+            partials,
             n: w.n,
             d: w.d,
             eps: w.eps,
@@ -78,6 +100,14 @@ impl CudaVsnI8 {
         args_at(f, q, rows, self.n, self.d, self.eps, raw, wsel, out, self.dynamic)
     }
 
+    /// How many groups of variables the blocks of `rows` rows split into: enough blocks to
+    /// fill the device (a batch-1 forecast has one row tile: 55 groups of one variable),
+    /// never more groups than variables; 1 when the row tiles alone fill it.
+    fn groups(&self, rows: usize) -> usize {
+        let tiles = rows.div_ceil(TILE_ROWS).max(1);
+        (self.slots / tiles).clamp(1, self.n)
+    }
+
     /// Queues the variable selection of `rows` rows on candle's stream.
     ///
     /// # Safety
@@ -87,17 +117,37 @@ impl CudaVsnI8 {
         const CTX: &str = "CudaVsnI8::run";
         let a = self.args(rows, raw, wsel, out);
         a.check(CTX)?;
-        let (rows32, n32, d32) = (a.rows as u32, a.n as u32, a.d as u32);
+        let groups = self.groups(rows);
+        let (rows32, n32, d32, groups32) = (a.rows as u32, a.n as u32, a.d as u32, groups as u32);
         let blocks = u32::try_from(a.rows.div_ceil(TILE_ROWS)).unwrap_or(u32::MAX);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (blocks, groups32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let len = rows * self.d;
+        let (part, _rec) = self.partials.device_ptr(&self.stream);
+        if groups > 1 && groups * len > self.partials.len() {
+            return Err(crate::error::Error::Unsupported {
+                context: CTX,
+                message: format!("{groups} groups of {rows} rows beyond the partial sums' {}", self.partials.len()),
+            });
+        }
+        let dst = if groups > 1 { part } else { a.out };
         let mut l = self.stream.launch_builder(&self.func);
-        l.arg(&rows32).arg(&n32).arg(&d32).arg(&a.raw).arg(&a.emb_w).arg(&a.emb_b).arg(&a.u1).arg(&a.c1);
+        l.arg(&rows32).arg(&n32).arg(&d32).arg(&groups32);
+        l.arg(&a.raw).arg(&a.emb_w).arg(&a.emb_b).arg(&a.u1).arg(&a.c1);
         l.arg(&a.w2).arg(&a.w4).arg(&a.w5).arg(&a.ws2).arg(&a.ws4).arg(&a.ws5);
         l.arg(&a.b2).arg(&a.b4).arg(&a.b5).arg(&a.in2).arg(&a.in45).arg(&a.ln_w).arg(&a.ln_b).arg(&a.eps);
-        l.arg(&a.wsel).arg(&a.out);
-        // SAFETY: the weights are this struct's own device buffers of the checked sizes; the
-        // rows' buffers are the caller's (this function's contract).
+        l.arg(&a.wsel).arg(&dst);
+        // SAFETY: the weights and partial sums are this struct's own device buffers of the
+        // checked sizes; the rows' buffers are the caller's (this function's contract).
         unsafe { l.launch(cfg) }.map_err(driver(CTX))?;
+        if groups > 1 {
+            let len64 = len as u64;
+            let blocks = len.div_ceil(256).min(4096) as u32;
+            let mut r = self.stream.launch_builder(&self.reduce);
+            r.arg(&part).arg(&groups32).arg(&len64).arg(&a.out);
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: `part` holds groups × len F32 (checked above), `out` len (the contract).
+            unsafe { r.launch(cfg) }.map_err(driver(CTX))?;
+        }
         Ok(())
     }
 }
@@ -170,14 +220,21 @@ mod gpu_tests {
     }
 
     /// The kernel against the reference on fresh random inputs: the encoder's shape (55
-    /// variables of 128, rows not a multiple of the tile) and smaller ones, dynamic and
-    /// calibrated steps.
+    /// variables of 128, rows not a multiple of the tile) and smaller ones, a width whose K
+    /// is zero-padded (36), dynamic and calibrated steps, variables split into groups (all
+    /// but the last case) and not (the last: more row tiles than the device holds).
     #[test]
     fn int8_variable_selection_on_the_gpu_matches_the_reference() {
         let Some(dev) = gpu() else { return };
         let s = seed();
-        for (n, d, rows, steps) in [(55, 128, 1000, false), (4, 128, 77, true), (7, 64, 200, false), (3, 32, 31, true)]
-        {
+        let cases = [
+            (55, 128, 1000, false),
+            (4, 128, 77, true),
+            (7, 64, 200, false),
+            (3, 36, 31, true),
+            (2, 32, 40_000, false),
+        ];
+        for (n, d, rows, steps) in cases {
             let p = VsnF32::random(n, d, s);
             let w = p.int8(steps.then(|| (vec![0.04; n], vec![0.04; n])));
             let raw = uniform(rows * n, s + 100, 2.0);
@@ -198,7 +255,10 @@ mod gpu_tests {
             let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
             let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
             let e = rel_rms(&got, &want64);
-            eprintln!("n {n} d {d} rows {rows} calibrated {steps}: rel RMS {e:.2e}, max |diff| {worst:.2e}");
+            eprintln!(
+                "n {n} d {d} rows {rows} calibrated {steps} ({} groups): rel RMS {e:.2e}, max |diff| {worst:.2e}",
+                k.groups(rows)
+            );
             // An ulp apart in expf can move an activation across a rounding boundary, one
             // INT8 step in one input of one product: tiny against the output's scale.
             assert!(e < 1e-3 && worst < 2e-2, "seed {s}, n {n} d {d}: rel RMS {e:.2e}, max {worst:.2e}");
