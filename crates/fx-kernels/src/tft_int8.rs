@@ -11,8 +11,10 @@
 //!   ([`fold_embedding`], in f64 on the host): no GEMM, and no quantisation error there;
 //! - `fc4` and `fc5` read the same input, quantised once.
 //!
-//! Per row `r` and variable `j` (all F32 unless said otherwise, each product and sum rounded
-//! as written, as the kernel does with its `_rn` intrinsics):
+//! Per row `r` and variable `j` (all F32 unless said otherwise; through step 4 and `z` each
+//! product and sum is rounded as written, as the kernel does with its `_rn` intrinsics; the
+//! LayerNorm's and the mix's sums in steps 5–6 run in another order on the GPU, so those
+//! agree within F32 rounding, not to the bit):
 //! 1. `a1 = ELU(raw[r, j] · u1[j] + c1[j])`;
 //! 2. `q1 = clamp(round_half_even(a1 / s1), ±127)` with `s1` the calibrated step `in2[j]`,
 //!    or under dynamic scales the row's `max |a1| / 127` (1 for an all-zero row); the
@@ -159,7 +161,8 @@ impl VsnI8Weights {
             return Err(Error::shape("INT8 variable selection weights", context, nd * d, w.len()));
         }
         let steps = self.ws.iter().flatten().chain(self.input_steps.iter().flat_map(|(a, b)| a.iter().chain(b)));
-        if let Some(s) = steps.into_iter().find(|s| !(**s > 0.0)) {
+        // Finite (checked above), so `<= 0` is every step that is not > 0.
+        if let Some(s) = steps.into_iter().find(|s| **s <= 0.0) {
             return Err(Error::Config {
                 context,
                 message: format!("INT8 variable selection: the step {s} (must be > 0)"),

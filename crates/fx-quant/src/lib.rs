@@ -35,6 +35,8 @@ mod policy;
 pub mod qnet;
 pub mod reference;
 pub mod tft;
+// The GPU forecaster's variable selection (and, in tests, its CPU reference).
+#[cfg(any(test, feature = "cuda"))]
 mod tft_vsn;
 
 pub use calibrate::CalibMethod;

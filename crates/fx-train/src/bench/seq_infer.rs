@@ -86,8 +86,8 @@ impl SeqInfer {
 
     /// The case's modes on `device`: [`modes`]; for the MAMBA-2 step the fused ones where
     /// its kernel runs (a thread-block cluster: Hopper and later, so older cards report no
-    /// failed case) and on the CPU `cpu_fp32` and `int8`; for the TFT the fused ones on CUDA
-    /// and `int8` on the CPU.
+    /// failed case) and on the CPU `cpu_fp32` and `int8`; for the TFT the fused ones and
+    /// `int8` / `int8_graph` on CUDA, and `int8` on the CPU.
     pub(crate) fn modes(self, device: &Device) -> &'static [&'static str] {
         match self {
             SeqInfer::Mamba2Step if fused_step_runs(device) => {
@@ -256,8 +256,7 @@ fn tft_fused<'a>(
 }
 
 /// The INT8 TFT on CUDA (`fx_quant::CudaInt8Tft`), quantised with dynamic input scales
-/// from a CPU copy of `model` (the same seed gives the same parameters on every device; the
-/// record's `rel_err_vs_candle` would show otherwise).
+/// from a CPU copy of `model`'s parameters (calibration runs on the CPU).
 #[cfg(feature = "cuda")]
 fn tft_int8_cuda<'a>(
     model: &'a Tft,
@@ -268,6 +267,8 @@ fn tft_int8_cuda<'a>(
 ) -> Result<Box<dyn FnMut() -> Result<Tensor> + 'a>> {
     let cpu = Device::Cpu;
     let host = Tft::new(model.config().clone(), &cpu, 0)?;
+    let params: std::collections::HashMap<String, Tensor> = model.params().to_map()?.into_iter().collect();
+    host.params().load_map(&params, "the benchmark's model")?;
     let b = obs.dim(0)?.min(2);
     let window = (obs.narrow(0, 0, b)?.to_device(&cpu)?, known.narrow(0, 0, b)?.to_device(&cpu)?);
     let q = fx_quant::quantize_tft(&host, &[window], fx_quant::CalibMethod::Dynamic)?;
