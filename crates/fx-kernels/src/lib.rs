@@ -59,6 +59,7 @@ pub mod mamba2_cpu;
 pub mod mamba2_ref;
 pub mod mamba2_step_ref;
 pub mod mlp_cpu;
+pub mod mlp_i8;
 pub mod mlp_ref;
 pub mod optim_ref;
 pub mod readback;

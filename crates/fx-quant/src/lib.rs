@@ -20,8 +20,10 @@
 //! them ([`quantize_tft`], [`QuantTft`], [`Int8Tft`]; the file through
 //! [`checkpoint::save_tft`]); [`mamba2`] gives MAMBA-2's one-bar CPU step INT8 projections.
 //! On the GPU (feature `cuda`), `CudaInt8Tft` forecasts with the variable selection
-//! networks' per-variable GRNs in INT8, one kernel per network (`tft_vsn`); the policies'
-//! INT8 runs on the CPU only.
+//! networks' per-variable GRNs in INT8, one kernel per network (`tft_vsn`); a policy's
+//! `QuantNet::cuda_policy` runs it as one fused INT8 kernel (`gpu_policy`), with the scalar
+//! reference's scores to the bit, and `fx_kernels::cuda::mlp::MlpDecider` implements
+//! [`Decide`].
 
 pub mod activation;
 pub mod calibrate;
@@ -30,6 +32,9 @@ mod decide;
 mod error;
 pub mod float_net;
 mod gemv_i8;
+// INT8 policies on the GPU (`QuantNet::cuda_policy`) and `Decide` for the GPU decider.
+#[cfg(feature = "cuda")]
+mod gpu_policy;
 pub mod mamba2;
 mod policy;
 pub mod qnet;

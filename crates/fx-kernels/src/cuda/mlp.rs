@@ -27,9 +27,10 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use cudarc::driver::{result, sys, CudaFunction, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
-use super::{alloc_tensor, cuda_device, dev_ptr, driver, PTX_MLP, PTX_MLP_CLUSTER};
+use super::{alloc_tensor, cuda_device, dev_ptr, driver, sm_count, PTX_MLP, PTX_MLP_CLUSTER, PTX_MLP_INT8};
 use crate::checks::expect_tensor;
 use crate::error::{CandleContext, Error, Result};
+use crate::mlp_i8::{self, I8Mlp, MlpI8Params, I8_BLOCK};
 use crate::mlp_ref::{GreedyMlp, Head, MlpDims, MAX_HIDDEN};
 
 /// Threads per block (the kernel's `__launch_bounds__`): 16 warps share one row's layers.
@@ -80,16 +81,26 @@ unsafe impl DeviceRepr for MlpParams {}
 /// how the weights are held).
 #[derive(Debug, Clone)]
 pub struct MlpPolicy {
-    params: MlpParams,
+    program: Program,
     dims: MlpDims,
+    /// The block kernel: `fx_mlp_greedy` (F32) or `fx_mlp_i8_greedy` (INT8).
     func: CudaFunction,
-    /// `fx_mlp_greedy_cluster`, where the device runs clusters.
-    cluster: Option<CudaFunction>,
     kernel: MlpKernel,
     stream: Arc<CudaStream>,
     device: Device,
-    /// Keeps the memory behind `params`' pointers allocated.
+    /// Keeps the memory behind the parameter block's pointers allocated.
     _weights: Vec<Tensor>,
+}
+
+/// What a policy's kernels read.
+#[derive(Debug, Clone)]
+enum Program {
+    /// F32 weights (the model's own tensors); `cluster` is `fx_mlp_greedy_cluster`, where
+    /// the device runs clusters.
+    F32 { params: MlpParams, cluster: Option<CudaFunction> },
+    /// INT8 weights in the policy's own buffers (`kernels/mlp_int8.cu`); `sms` sizes the
+    /// rows per block.
+    Int8 { params: MlpI8Params, sms: usize },
 }
 
 impl MlpPolicy {
@@ -136,14 +147,40 @@ impl MlpPolicy {
             None
         };
         Ok(Self {
-            params: p,
+            program: Program::F32 { params: p, cluster },
             dims,
             func: func.into_cuda_function(),
-            cluster,
             kernel: MlpKernel::Auto,
             stream,
             device,
             _weights: tensors.into_iter().cloned().collect(),
+        })
+    }
+
+    /// Uploads the INT8 policy `net` to `device` (its own copy of the weights, in the
+    /// kernel's layout, [`crate::mlp_i8::I8Image`]) and binds `fx_mlp_i8_greedy`
+    /// (`kernels/mlp_int8.cu`): the scores of `fx_quant::reference::reference_scores`, bit
+    /// for bit, for any batch. It has no cluster kernel and no resident server. Errors: the
+    /// checks of [`I8Mlp::dims`], a device error off CUDA, or the module failing to load.
+    pub fn new_int8(net: &I8Mlp<'_>, device: &Device) -> Result<Self> {
+        const CTX: &str = "MlpPolicy::new_int8";
+        let img = net.image()?;
+        let cdev = cuda_device(device, "device", CTX)?;
+        let stream = cdev.cuda_stream();
+        let words = Tensor::from_slice(&img.words, img.words.len(), device).ctx(CTX)?;
+        let floats = Tensor::from_slice(&img.floats, img.floats.len(), device).ctx(CTX)?;
+        let params = img
+            .params(dev_ptr::<u32>(&words, &stream, "weights", CTX)?, dev_ptr::<f32>(&floats, &stream, "scales", CTX)?);
+        let func = cdev.get_or_load_custom_func("fx_mlp_i8_greedy", "fx_mlp_int8", PTX_MLP_INT8).ctx(CTX)?;
+        let sms = sm_count(&stream, CTX)? as usize;
+        Ok(Self {
+            program: Program::Int8 { params, sms },
+            dims: img.dims,
+            func: func.into_cuda_function(),
+            kernel: MlpKernel::Auto,
+            stream,
+            device: device.clone(),
+            _weights: vec![words, floats],
         })
     }
 
@@ -154,7 +191,20 @@ impl MlpPolicy {
 
     /// Whether the device runs the cluster kernel (compute capability 9.0 or later).
     pub fn has_cluster_kernel(&self) -> bool {
-        self.cluster.is_some()
+        self.cluster().is_some()
+    }
+
+    /// The cluster kernel of an F32 policy on a device that runs clusters.
+    fn cluster(&self) -> Option<&CudaFunction> {
+        match &self.program {
+            Program::F32 { cluster, .. } => cluster.as_ref(),
+            Program::Int8 { .. } => None,
+        }
+    }
+
+    /// Whether the policy runs INT8 weights ([`MlpPolicy::new_int8`]).
+    pub fn is_int8(&self) -> bool {
+        matches!(self.program, Program::Int8 { .. })
     }
 
     /// The kernel choice (default [`MlpKernel::Auto`]).
@@ -165,7 +215,7 @@ impl MlpPolicy {
     /// The kernel that computes a batch of `rows` rows.
     pub fn kernel_for(&self, rows: usize) -> MlpKernel {
         match self.kernel {
-            MlpKernel::Auto if self.cluster.is_some() && rows <= CLUSTER_MAX_ROWS => MlpKernel::Cluster,
+            MlpKernel::Auto if self.cluster().is_some() && rows <= CLUSTER_MAX_ROWS => MlpKernel::Cluster,
             MlpKernel::Auto => MlpKernel::BlockPerRow,
             k => k,
         }
@@ -174,10 +224,14 @@ impl MlpPolicy {
     /// Chooses the kernel; [`MlpKernel::Cluster`] on a device without clusters is an
     /// [`Error::Unsupported`].
     pub fn set_kernel(&mut self, kernel: MlpKernel) -> Result<()> {
-        if kernel == MlpKernel::Cluster && self.cluster.is_none() {
+        if kernel == MlpKernel::Cluster && self.cluster().is_none() {
             return Err(Error::Unsupported {
                 context: "MlpPolicy::set_kernel",
-                message: "the cluster kernel needs compute capability 9.0 or later".into(),
+                message: if self.is_int8() {
+                    "INT8 policies have no cluster kernel".into()
+                } else {
+                    "the cluster kernel needs compute capability 9.0 or later".into()
+                },
             });
         }
         self.kernel = kernel;
@@ -280,30 +334,48 @@ impl MlpPolicy {
     unsafe fn launch(&self, obs: u64, batch: usize, actions: u64, values: u64, ctx: &'static str) -> Result<()> {
         let rows = u32::try_from(batch)
             .map_err(|_| Error::shape("obs", ctx, "at most 2^32 - 1 rows", format!("{batch} rows")))?;
-        let (mut p, mut obs, mut rows_arg, mut actions, mut values) = (self.params, obs, rows, actions, values);
+        let (mut obs, mut rows_arg, mut actions, mut values) = (obs, rows, actions, values);
+        // Both parameter blocks live on this frame; the argument array points at one of them.
+        let (mut p32, mut p8);
+        let params: *mut c_void;
+        self.stream.context().bind_to_thread().map_err(driver(ctx))?;
+        let (func, grid, block, smem) = match &self.program {
+            Program::Int8 { params: p, sms } => {
+                p8 = *p;
+                p8.rows = mlp_i8::rows_per_block(&p8, batch, *sms);
+                params = &mut p8 as *mut MlpI8Params as *mut c_void;
+                let grid = batch.div_ceil(p8.rows as usize).min(MAX_GRID) as u32;
+                (&self.func, grid, I8_BLOCK, mlp_i8::smem_bytes(&p8, p8.rows) as u32)
+            }
+            Program::F32 { params: p, cluster } => {
+                p32 = *p;
+                params = &mut p32 as *mut MlpParams as *mut c_void;
+                match (self.kernel_for(batch), cluster) {
+                    (MlpKernel::Cluster, Some(f)) => {
+                        (f, (batch.min(MAX_GRID / CLUSTER_BLOCKS) * CLUSTER_BLOCKS) as u32, CLUSTER_BLOCK, 0)
+                    }
+                    _ => (&self.func, batch.min(MAX_GRID) as u32, BLOCK, 0),
+                }
+            }
+        };
         let mut args: [*mut c_void; 5] = [
-            &mut p as *mut MlpParams as *mut c_void,
+            params,
             &mut obs as *mut u64 as *mut c_void,
             &mut rows_arg as *mut u32 as *mut c_void,
             &mut actions as *mut u64 as *mut c_void,
             &mut values as *mut u64 as *mut c_void,
         ];
-        self.stream.context().bind_to_thread().map_err(driver(ctx))?;
-        let (func, grid, block) = match (self.kernel_for(batch), &self.cluster) {
-            (MlpKernel::Cluster, Some(f)) => {
-                (f, (batch.min(MAX_GRID / CLUSTER_BLOCKS) * CLUSTER_BLOCKS) as u32, CLUSTER_BLOCK)
-            }
-            _ => (&self.func, batch.min(MAX_GRID) as u32, BLOCK),
-        };
-        // SAFETY: the arguments match fx_mlp_greedy's and fx_mlp_greedy_cluster's signature
-        // (FxMlpParams by value, three pointers and a count); the cluster kernel's grid is a
-        // multiple of its compiled cluster size; the buffers are the caller's contract.
+        // SAFETY: the arguments match fx_mlp_greedy's, fx_mlp_greedy_cluster's and
+        // fx_mlp_i8_greedy's signature (the parameter block by value, three pointers and a
+        // count); the cluster kernel's grid is a multiple of its compiled cluster size; the
+        // INT8 kernel's shared memory is what its rows per block need (within the static
+        // 48 KB); the buffers are the caller's contract.
         unsafe {
             result::launch_kernel(
                 func.cu_function(),
                 (grid, 1, 1),
                 (block, 1, 1),
-                0,
+                smem,
                 self.stream.cu_stream(),
                 &mut args,
             )
@@ -383,9 +455,14 @@ pub struct MlpDecider {
     host_obs: PinnedHostSlice<f32>,
     /// `[max_batch]`, mapped; read after the stream sync.
     host_actions: PinnedHostSlice<u32>,
-    /// Device addresses of the two mappings.
+    /// `[max_batch, n_actions]`, mapped: the last call's scores.
+    host_values: PinnedHostSlice<f32>,
+    /// Rows of the last call.
+    last_rows: usize,
+    /// Device addresses of the three mappings.
     p_obs: u64,
     p_actions: u64,
+    p_values: u64,
 }
 
 /// The device address of a mapped page-locked allocation.
@@ -416,8 +493,13 @@ impl MlpDecider {
             .map_err(driver(CTX))?;
         let mut host_actions = unsafe { ctx.alloc_pinned_with_flags::<u32>(max_batch, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
             .map_err(driver(CTX))?;
+        let n_values = max_batch * policy.dims.n_actions;
+        // SAFETY: written by the kernel before `scores` reads it (zero rows before a call).
+        let mut host_values = unsafe { ctx.alloc_pinned_with_flags::<f32>(n_values, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .map_err(driver(CTX))?;
         let (p_obs, p_actions) = (mapped(&mut host_obs, CTX)?, mapped(&mut host_actions, CTX)?);
-        Ok(Self { policy, max_batch, host_obs, host_actions, p_obs, p_actions })
+        let p_values = mapped(&mut host_values, CTX)?;
+        Ok(Self { policy, max_batch, host_obs, host_actions, host_values, last_rows: 0, p_obs, p_actions, p_values })
     }
 
     /// The policy it runs.
@@ -456,13 +538,24 @@ impl MlpDecider {
             self.host_obs.as_mut_slice().map_err(driver(CTX))?[..obs.len()].copy_from_slice(obs);
             // SAFETY: the mappings hold max_batch × input f32 and max_batch u32, rows <=
             // max_batch, and nothing touches them until the sync below.
-            unsafe { self.policy.launch(self.p_obs, rows, self.p_actions, 0, CTX) }
+            unsafe { self.policy.launch(self.p_obs, rows, self.p_actions, self.p_values, CTX) }
         })();
+        self.last_rows = 0;
         // Sync even after a failed launch: the kernel may not still be using our buffers.
         let synced = stream.synchronize().map_err(driver(CTX));
         launched.and(synced)?;
         actions.copy_from_slice(&self.host_actions.as_slice().map_err(driver(CTX))?[..rows]);
+        self.last_rows = rows;
         Ok(())
+    }
+
+    /// The last successful call's scores (Q values or logits), `rows × n_actions`; empty
+    /// before the first call or after a failed one.
+    pub fn scores(&self) -> &[f32] {
+        let n = self.last_rows * self.policy.dims.n_actions;
+        // The buffer's own event is never recorded, so this cannot fail; an empty slice if
+        // it ever did.
+        self.host_values.as_slice().map_or(&[], |v| &v[..n])
     }
 }
 
@@ -533,7 +626,9 @@ impl MlpServer {
         let ctx = policy.stream.context().clone();
         ctx.bind_to_thread().map_err(driver(CTX))?;
         let stream = ctx.new_stream().map_err(driver(CTX))?;
-        let p0 = policy.params;
+        let Program::F32 { params: p0, .. } = policy.program else {
+            return Err(Error::Unsupported { context: CTX, message: "no resident server for INT8 policies".into() });
+        };
         let (nh, na) = (p0.n_hidden as usize, p0.n_actions as usize);
         // (rows, cols) of each weight matrix in params order: hidden layers, then the head
         // (dueling: value [1, k] and advantage [na, k]; logits: [na, k]).

@@ -53,6 +53,8 @@ pub(crate) const PTX_MLP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR")
 /// PTX of `kernels/mlp_cluster.cu` (the same policies on a thread-block cluster per row;
 /// compute_90, loaded only on Hopper and later).
 pub(crate) const PTX_MLP_CLUSTER: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_cluster.ptx"));
+/// PTX of `kernels/mlp_int8.cu` (INT8 greedy policies, `MlpPolicy::new_int8`).
+pub(crate) const PTX_MLP_INT8: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_int8.ptx"));
 /// PTX of `kernels/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
 pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_train.ptx"));
 /// PTX of `kernels/dropout.cu` (counter-based dropout masks).

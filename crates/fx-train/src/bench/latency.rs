@@ -20,6 +20,10 @@
 //!   resident kernel polling mapped page-locked memory (no launch, no sync per decision);
 //!   `kernel` and `block_per_row_*` as for `fused_fp32`.
 //!
+//! - `int8` (CUDA): `fx_quant::QuantNet::cuda_policy`, the same quantised network as one
+//!   INT8 kernel launch (`kernels/mlp_int8.cu`), timed like `fused_fp32` (bound launch + sync,
+//!   `kernel_us`), with `e2e_p50_us` / `e2e_p99_us` through an `MlpDecider` (host in, action
+//!   out) and `matches_int8_reference` (the action of fx-quant's scalar reference);
 //! - `int8` (CPU): `fx_quant::Int8Policy::act`, the default network quantised by `fx-quant`
 //!   (per-channel INT8 weights, dynamic input scales as `fx-train quantize` writes by
 //!   default: each decision's own max |x| per layer), host slice in
@@ -30,7 +34,8 @@
 //!
 //! Throughput (`*_infer_b256`, kind `infer`, bench.py's `run_infer_throughput_case`):
 //! greedy actions for 256 states per call, modes `eager_fp32` (candle, one `[256, 56]`
-//! forward), on CUDA `fused_fp32` (the one-launch kernel, a block per row), `cpu_fp32` (`CpuPolicy::act_batch`) and `int8` (`Int8Policy::act_batch`) on
+//! forward), on CUDA `fused_fp32` (the one-launch kernel, a block per row) and `int8` (the
+//! INT8 kernel, several rows per block; `kernel_us` its device time), `cpu_fp32` (`CpuPolicy::act_batch`) and `int8` (`Int8Policy::act_batch`) on
 //! the CPU; p50 of `max(50, lat_n / 10)` timed calls after 20, `samples_per_s` = batch / p50.
 
 use std::time::Instant;
@@ -56,6 +61,9 @@ pub(crate) enum LatencyMode {
     FusedE2e,
     #[cfg(feature = "cuda")]
     ServerE2e,
+    /// The INT8 kernel on the GPU (`fx_quant::QuantNet::cuda_policy`); named `int8` too.
+    #[cfg(feature = "cuda")]
+    FusedInt8,
 }
 
 impl LatencyMode {
@@ -70,6 +78,8 @@ impl LatencyMode {
             LatencyMode::FusedE2e => "fused_fp32_e2e",
             #[cfg(feature = "cuda")]
             LatencyMode::ServerE2e => "server_fp32_e2e",
+            #[cfg(feature = "cuda")]
+            LatencyMode::FusedInt8 => "int8",
         }
     }
 
@@ -78,7 +88,13 @@ impl LatencyMode {
     pub(crate) fn for_device(cuda: bool) -> Vec<LatencyMode> {
         #[cfg(feature = "cuda")]
         if cuda {
-            return vec![LatencyMode::Eager, LatencyMode::Fused, LatencyMode::FusedE2e, LatencyMode::ServerE2e];
+            return vec![
+                LatencyMode::Eager,
+                LatencyMode::Fused,
+                LatencyMode::FusedE2e,
+                LatencyMode::ServerE2e,
+                LatencyMode::FusedInt8,
+            ];
         }
         vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8]
     }
@@ -89,7 +105,7 @@ impl LatencyMode {
             #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
             let mut modes = vec![LatencyMode::Eager];
             #[cfg(feature = "cuda")]
-            modes.push(LatencyMode::Fused);
+            modes.extend([LatencyMode::Fused, LatencyMode::FusedInt8]);
             modes
         } else {
             vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8]
@@ -136,13 +152,17 @@ impl Net {
     /// The network quantised to INT8 as `fx-train quantize` does by default (dynamic input
     /// scales; the 512 random calibration states only fill the report's statistics).
     fn int8(&self) -> Result<fx_quant::Int8Policy> {
+        Ok(fx_quant::Int8Policy::new(&self.quant()?)?)
+    }
+
+    /// The quantised network behind [`Net::int8`] (and the GPU's `int8` mode).
+    fn quant(&self) -> Result<fx_quant::QuantNet> {
         let float = match self {
             Net::Dqn(n) => fx_quant::FloatNet::from_dqn(n)?,
             Net::Ppo(n) => fx_quant::FloatNet::from_ppo(n)?,
         };
         let calib = states(&Device::Cpu, 512, 9, 2)?.flatten_all()?.to_vec1::<f32>()?;
-        let q = fx_quant::quantize(&float, &calib, fx_quant::CalibMethod::Dynamic, &[])?;
-        Ok(fx_quant::Int8Policy::new(&q)?)
+        Ok(fx_quant::quantize(&float, &calib, fx_quant::CalibMethod::Dynamic, &[])?)
     }
 
     #[cfg(feature = "cuda")]
@@ -265,6 +285,28 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             ts
         }
         #[cfg(feature = "cuda")]
+        LatencyMode::FusedInt8 => {
+            let q = net.quant()?;
+            let policy = q.cuda_policy(&dev)?;
+            let out = Tensor::zeros(1, DType::U32, &dev)?;
+            let bound = policy.bind(&x, &out, None)?;
+            bound.launch()?;
+            let host = x.flatten_all()?.to_vec1::<f32>()?;
+            let (_, want) = fx_quant::reference::reference_scores(&q, &host)?;
+            rec.insert("matches_eager".into(), json!(out.to_vec1::<u32>()? == eager));
+            rec.insert("matches_int8_reference".into(), json!(out.to_vec1::<u32>()?[0] as usize == want));
+            rec.insert("kernel".into(), json!("int8_block"));
+            let ts = time_calls(&dev, warm, n, true, || Ok(bound.launch()?))?;
+            let kernel = kernel_device_us(&dev, || Ok(bound.launch()?))?;
+            rec.insert("kernel_us".into(), json!(round(kernel, 2)));
+            // Host slice in, action out (mapped memory, one launch, one sync).
+            let mut decider = fx_kernels::cuda::mlp::MlpDecider::new(policy, 1)?;
+            let te = time_calls(&dev, warm, n, false, || Ok(decider.act(&host)?))?;
+            rec.insert("e2e_p50_us".into(), json!(round(pct(&te, 50.0), 2)));
+            rec.insert("e2e_p99_us".into(), json!(round(pct(&te, 99.0), 2)));
+            ts
+        }
+        #[cfg(feature = "cuda")]
         LatencyMode::FusedE2e => {
             let mut decider = fx_kernels::cuda::mlp::MlpDecider::new(net.fused()?, 1)?;
             let host = x.flatten_all()?.to_vec1::<f32>()?;
@@ -339,6 +381,14 @@ pub(crate) fn throughput_case(
         LatencyMode::Fused => {
             let policy = net.fused()?;
             let out = Tensor::zeros(batch, DType::U32, &dev)?;
+            time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?
+        }
+        #[cfg(feature = "cuda")]
+        LatencyMode::FusedInt8 => {
+            let policy = net.quant()?.cuda_policy(&dev)?;
+            let out = Tensor::zeros(batch, DType::U32, &dev)?;
+            let kernel = kernel_device_us(&dev, || Ok(policy.greedy_into(&x, &out, None)?))?;
+            rec.insert("kernel_us".into(), json!(round(kernel, 2)));
             time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?
         }
         #[cfg(feature = "cuda")]
