@@ -13,9 +13,11 @@
 //   hidden:     ReLU max(y, 0), or fx-quant's rational tanh (activation.rs);
 //   dueling:    Q = (A − (Σ A, left to right) / n) + V; the action is the first maximal score.
 //
-// A block of 512 threads takes R rows (1, 2, 4 or 8, chosen by the host: fewer rows per
-// block when the batch would not fill the GPU) through every layer, their activations in
-// shared memory. Products:
+// A block (512 threads for one or two rows, else 256) takes R rows (1, 2, 4 or 8, chosen by
+// the host: fewer rows per block when the batch would not fill the GPU) through every layer,
+// their activations in shared memory; each layer's epilogue gathers the rows' max |output|
+// for the next layer's dynamic step (shared-memory atomics on float bits), so a layer is
+// two barriers: quantise, then products. Products:
 // four outputs per thread group of L lanes (L = 8 for the default's 256-wide layers, up to 32
 // for the head's few outputs), each lane a strided share of the input's 4-byte words, one
 // 16-byte load for the four outputs, dp4a into 4 × R int32 accumulators, so each weight word
@@ -86,45 +88,70 @@ __device__ __forceinline__ unsigned int fx_i8_q(float x, float inv) {
     return (unsigned int)((int)v) & 0xffu;
 }
 
-// Where a layer's outputs go: row r, output o at y[r * row_stride + col + o].
+// Where a layer's outputs go: row r, output o at y[r * row_stride + col + o]; with `amax`,
+// each row's max |output| (as float bits: non-negative floats order as their bits) is
+// gathered there for the next layer's dynamic step.
 struct FxI8Out {
     float* y;
     unsigned int row_stride;
     unsigned int col;
-    unsigned int act;  // 0: none (head)
+    unsigned int act;      // 0: none (head)
+    unsigned int* amax;    // [R] or null
 };
 
-// One layer for the block's rows: x [R][stride] floats in, outputs to `out`. Every thread of
-// the block calls it; it starts and ends with the block in step (a __syncthreads at the end).
+// max(m, |v|) on float bits, NaN skipped (the reference's max ignores a NaN).
+__device__ __forceinline__ unsigned int fx_i8_absmax(unsigned int m, float v) {
+    const unsigned int b = __float_as_uint(fabsf(v));
+    return isnan(v) ? m : max(m, b);
+}
+
+// Folds each lane's per-row maxima over the warp and into out.amax (one shared-memory atomic
+// per warp and row). Every thread of the block calls it, outside any divergent branch.
 template <int R>
-__device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float* x, unsigned int* xq, float* step,
-                            unsigned int nr, FxI8Out out) {
-    const unsigned int in = p.in_width[l], n_out = p.out_width[l], k4n = (in + 3u) >> 2;
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, n_warps = blockDim.x >> 5;
-    if ((p.int8_mask >> l) & 1u) {
-        // Each row's step: a warp per row.
-        for (unsigned int r = warp; r < nr; r += n_warps) {
-            float s = p.in_scale[l];
-            if (s == 0.f) {
-                float m = 0.f;
-                for (unsigned int k = lane; k < in; k += 32u) m = fmaxf(m, fabsf(x[r * p.stride + k]));
+__device__ __forceinline__ void fx_i8_publish_amax(const FxI8Out& out, unsigned int (&m)[R], unsigned int nr) {
+    if (!out.amax) return;
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                s = m > 0.f ? __fdiv_rn(m, 127.0f) : 1.0f;
-            }
-            if (lane == 0) step[r] = s;
-        }
-        __syncthreads();
-        // Quantise the rows into words of four bytes, zero past `in`.
+    for (int r = 0; r < R; ++r) {
+        unsigned int v = m[r];
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, d));
+        if ((threadIdx.x & 31u) == 0 && (unsigned int)r < nr) atomicMax(out.amax + r, v);
+    }
+}
+
+// One layer for the block's rows: x [R][stride] floats in (amax_in: the rows' max |x| as
+// float bits), outputs to `out`. Every thread of the block calls it; two barriers: after the
+// input is quantised, and at the end (outputs and out.amax complete).
+template <int R>
+__device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float* x, const unsigned int* amax_in,
+                            unsigned int* xq, float* step, unsigned int nr, FxI8Out out) {
+    const unsigned int in = p.in_width[l], n_out = p.out_width[l], k4n = (in + 3u) >> 2;
+    const unsigned int tid = threadIdx.x, lane = tid & 31u;
+    const unsigned int xs = p.stride >> 2;
+    // The next layer's maxima start from zero: nothing reads out.amax before the barrier
+    // below, and its last reader (this block's previous layer but one) is two barriers back.
+    if (out.amax && tid < (unsigned int)R) out.amax[tid] = 0u;
+    unsigned int m[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) m[r] = 0u;
+    if ((p.int8_mask >> l) & 1u) {
+        // Each row's step (the stored one, or max |x| / 127 from the previous layer's
+        // maxima), then the input quantised into words of four bytes, zero past `in`.
         for (unsigned int i = tid; i < nr * k4n; i += blockDim.x) {
             const unsigned int r = i / k4n, k = (i - r * k4n) * 4u;
-            const float inv = __fdiv_rn(1.0f, step[r]);
+            float st = p.in_scale[l];
+            if (st == 0.f) {
+                const float mx = __uint_as_float(amax_in[r]);
+                st = mx > 0.f ? __fdiv_rn(mx, 127.0f) : 1.0f;
+            }
+            if (k == 0) step[r] = st;
+            const float inv = __fdiv_rn(1.0f, st);
             const float* xr = x + r * p.stride;
             unsigned int w = 0;
 #pragma unroll
             for (unsigned int j = 0; j < 4u; ++j)
                 if (k + j < in) w |= fx_i8_q(xr[k + j], inv) << (8u * j);
-            xq[r * (p.stride >> 2) + (k >> 2)] = w;
+            xq[r * xs + (k >> 2)] = w;
         }
         __syncthreads();
         // Outputs in quads (the image pads `out` to a multiple of 4): a lane loads 16 bytes,
@@ -132,17 +159,24 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
         // thread busy, at most a warp; each lane issues up to FX_I8_LOADS loads before it
         // uses any, so a block has a whole 256 × 256 layer (64 KB) in flight from L2 at once
         // (a first version, 256 threads each with one 4-byte load per step, was
-        // latency-bound: 26 us for the DQN at batch 1).
+        // latency-bound: 26 us for the DQN at batch 1). The quad's scales and biases are
+        // loaded with the weights, not after the sums.
         const unsigned int nq = (n_out + 3u) >> 2;
         unsigned int L = 1;
         while (L < 32u && nq * L * 2u <= blockDim.x) L <<= 1;
         const unsigned int part = tid & (L - 1u), group = tid / L, groups = blockDim.x / L;
         const unsigned int gmask = (L == 32u ? 0xffffffffu : ((1u << L) - 1u) << (lane & ~(L - 1u)));
         const uint4* w4 = reinterpret_cast<const uint4*>(p.w[l]);
-        const unsigned int xs = p.stride >> 2;
         // Every lane of a group runs the same trip count (q is the group's), so the group's
         // shuffles below see all its lanes.
         for (unsigned int q = group; q < nq; q += groups) {
+            float ws[4], bias[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const unsigned int o = min(4u * q + c, n_out - 1u);  // past the end: never stored
+                ws[c] = __ldg(p.w_scale[l] + o);
+                bias[c] = __ldg(p.b[l] + o);
+            }
             int acc[4][R];
 #pragma unroll
             for (int c = 0; c < 4; ++c)
@@ -180,23 +214,26 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
                 for (int c = 0; c < 4; ++c) {
                     const unsigned int o = 4u * q + c;
                     if (o < n_out) {
-                        const float ws = p.w_scale[l][o], bias = p.b[l][o];
 #pragma unroll
                         for (int r = 0; r < R; ++r)
                             if ((unsigned int)r < nr) {
-                                const float y =
-                                    __fadd_rn(__fmul_rn(__int2float_rn(acc[c][r]), __fmul_rn(ws, step[r])), bias);
-                                out.y[r * out.row_stride + out.col + o] = fx_i8_act(y, out.act);
+                                const float y = __fadd_rn(
+                                    __fmul_rn(__int2float_rn(acc[c][r]), __fmul_rn(ws[c], step[r])), bias[c]);
+                                const float a = fx_i8_act(y, out.act);
+                                out.y[r * out.row_stride + out.col + o] = a;
+                                m[r] = fx_i8_absmax(m[r], a);
                             }
                     }
                 }
             }
         }
     } else {
+        __syncthreads();  // the same barriers as an INT8 layer (out.amax zeroed before use)
         // An F32 layer: each output summed in input order by one thread (the reference's
         // order), so a few such layers cost more than INT8 ones.
         const float* w = reinterpret_cast<const float*>(p.w[l]);
         for (unsigned int o = tid; o < n_out; o += blockDim.x) {
+            const float bias = __ldg(p.b[l] + o);
             float acc[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.f;
@@ -205,17 +242,22 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] = __fadd_rn(acc[r], __fmul_rn(wv, x[r * p.stride + k]));
             }
-            const float bias = p.b[l][o];
 #pragma unroll
             for (int r = 0; r < R; ++r)
-                if ((unsigned int)r < nr) out.y[r * out.row_stride + out.col + o] = fx_i8_act(__fadd_rn(acc[r], bias), out.act);
+                if ((unsigned int)r < nr) {
+                    const float a = fx_i8_act(__fadd_rn(acc[r], bias), out.act);
+                    out.y[r * out.row_stride + out.col + o] = a;
+                    m[r] = fx_i8_absmax(m[r], a);
+                }
         }
     }
+    fx_i8_publish_amax<R>(out, m, nr);
     __syncthreads();
 }
 
 // Dynamic shared memory: x and y [R][stride] floats, xq [R][stride / 4] words, step [R],
-// scores [R][n_actions + 1].
+// scores [R][n_actions + 1], and two [R] arrays of row maxima (the current input's, the
+// next one's).
 template <int R>
 __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ obs, unsigned int batch,
                              unsigned int* __restrict__ actions, float* __restrict__ values) {
@@ -226,26 +268,44 @@ __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ o
     float* step = reinterpret_cast<float*>(xq + R * (p.stride >> 2));
     float* scores = step + R;
     const unsigned int na = p.n_actions, sc_stride = na + 1u, nh = p.n_hidden, in0 = p.in_width[0];
+    unsigned int* amax_a = reinterpret_cast<unsigned int*>(scores + R * sc_stride);
+    unsigned int* amax_b = amax_a + R;
     for (unsigned int row0 = blockIdx.x * R; row0 < batch; row0 += gridDim.x * R) {
         const unsigned int nr = min((unsigned int)R, batch - row0);
+        if (threadIdx.x < (unsigned int)R) amax_a[threadIdx.x] = 0u;
+        __syncthreads();  // (also: the previous rows' last reads of amax_a are done)
+        unsigned int m[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) m[r] = 0u;
         for (unsigned int i = threadIdx.x; i < nr * in0; i += blockDim.x) {
             const unsigned int r = i / in0, k = i - r * in0;
-            buf0[r * p.stride + k] = obs[(size_t)(row0 + r) * in0 + k];
+            const float v = obs[(size_t)(row0 + r) * in0 + k];
+            buf0[r * p.stride + k] = v;
+            // r is not a compile-time index here: fold into the right slot.
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr)
+                if ((unsigned int)rr == r) m[rr] = fx_i8_absmax(m[rr], v);
         }
+        fx_i8_publish_amax<R>(FxI8Out{nullptr, 0u, 0u, 0u, amax_a}, m, nr);
         __syncthreads();
         float* x = buf0;
         float* y = buf1;
+        unsigned int* amax_in = amax_a;
+        unsigned int* amax_out = amax_b;
         for (unsigned int l = 0; l < nh; ++l) {
-            fx_i8_layer<R>(p, l, x, xq, step, nr, FxI8Out{y, p.stride, 0u, p.act[l]});
+            fx_i8_layer<R>(p, l, x, amax_in, xq, step, nr, FxI8Out{y, p.stride, 0u, p.act[l], amax_out});
             float* t = x;
             x = y;
             y = t;
+            unsigned int* u = amax_in;
+            amax_in = amax_out;
+            amax_out = u;
         }
         if (p.head == FX_I8_HEAD_DUELING) {
-            fx_i8_layer<R>(p, nh, x, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u});
-            fx_i8_layer<R>(p, nh + 1u, x, xq, step, nr, FxI8Out{scores, sc_stride, 1u, 0u});
+            fx_i8_layer<R>(p, nh, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u, nullptr});
+            fx_i8_layer<R>(p, nh + 1u, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 1u, 0u, nullptr});
         } else {
-            fx_i8_layer<R>(p, nh, x, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u});
+            fx_i8_layer<R>(p, nh, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u, nullptr});
         }
         if (threadIdx.x < nr) {
             const unsigned int r = threadIdx.x;
@@ -274,7 +334,7 @@ __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ o
 }
 
 // obs [batch, in_width[0]] f32 row-major; actions [batch] u32; values [batch, n_actions] f32
-// or null. Block: 512 threads (I8_BLOCK); grid: ceil(batch / rows) blocks at most (grid-stride beyond);
+// or null. Block: 512 or 256 threads (mlp_i8.rs: block_threads); grid: ceil(batch / rows) blocks at most (grid-stride beyond);
 // dynamic shared memory as fx_i8_greedy says (mlp_i8.rs computes it).
 extern "C" __global__ void __launch_bounds__(512) fx_mlp_i8_greedy(const FxMlpI8Params p,
                                                                 const float* __restrict__ obs, unsigned int batch,

@@ -12,8 +12,16 @@ use crate::mlp_ref::{Activation, MlpDims, MAX_ACTIONS, MAX_HIDDEN, MAX_WIDTH};
 
 /// Layers of the kernel's parameter block: [`MAX_HIDDEN`] hidden and a two-layer head.
 pub const MAX_LAYERS: usize = MAX_HIDDEN + 2;
-/// Threads per block of `fx_mlp_i8_greedy` (its `__launch_bounds__`).
-pub const I8_BLOCK: u32 = 512;
+/// Threads per block of `fx_mlp_i8_greedy` for `rows` rows per block: 512 (its
+/// `__launch_bounds__`) for one or two rows, where a layer's loads in flight set the time;
+/// 256 for more, where fewer lanes per output mean fewer shuffles and two blocks fit an SM.
+pub fn block_threads(rows: u32) -> u32 {
+    if rows <= 2 {
+        512
+    } else {
+        256
+    }
+}
 /// Shared memory a block may use (the static limit: no opt-in attribute needed).
 const SMEM_LIMIT: usize = 48 * 1024;
 
@@ -270,10 +278,11 @@ impl I8Image {
 }
 
 /// Dynamic shared memory of a block of `rows` rows: two activation buffers and the
-/// quantised input (`rows × stride` floats and bytes), the steps and the scores.
+/// quantised input (`rows × stride` floats and bytes), the steps, the scores and two sets of
+/// row maxima.
 pub fn smem_bytes(p: &MlpI8Params, rows: u32) -> usize {
     let (r, s) = (rows as usize, p.stride as usize);
-    4 * (2 * r * s + r * s / 4 + r + r * (p.n_actions as usize + 1))
+    4 * (2 * r * s + r * s / 4 + r + r * (p.n_actions as usize + 1) + 2 * r)
 }
 
 /// Rows per block for a batch of `batch` on `sms` SMs: the fewest (1, 2, 4 or 8) that keep

@@ -30,7 +30,7 @@ use cudarc::driver::{result, sys, CudaFunction, CudaStream, DeviceRepr, PinnedHo
 use super::{alloc_tensor, cuda_device, dev_ptr, driver, sm_count, PTX_MLP, PTX_MLP_CLUSTER, PTX_MLP_INT8};
 use crate::checks::expect_tensor;
 use crate::error::{CandleContext, Error, Result};
-use crate::mlp_i8::{self, I8Mlp, MlpI8Params, I8_BLOCK};
+use crate::mlp_i8::{self, I8Mlp, MlpI8Params};
 use crate::mlp_ref::{GreedyMlp, Head, MlpDims, MAX_HIDDEN};
 
 /// Threads per block (the kernel's `__launch_bounds__`): 16 warps share one row's layers.
@@ -345,7 +345,7 @@ impl MlpPolicy {
                 p8.rows = mlp_i8::rows_per_block(&p8, batch, *sms);
                 params = &mut p8 as *mut MlpI8Params as *mut c_void;
                 let grid = batch.div_ceil(p8.rows as usize).min(MAX_GRID) as u32;
-                (&self.func, grid, I8_BLOCK, mlp_i8::smem_bytes(&p8, p8.rows) as u32)
+                (&self.func, grid, mlp_i8::block_threads(p8.rows), mlp_i8::smem_bytes(&p8, p8.rows) as u32)
             }
             Program::F32 { params: p, cluster } => {
                 p32 = *p;
