@@ -94,6 +94,14 @@ fn quantize_and_eval_int8_for_dqn_and_ppo() {
         // "Accuracy"): the bound here guards against regressions, the report states the target.
         assert!(agree >= 0.95, "{model}: INT8 agrees with F32 on only {agree} of test observations: {rep}");
         assert!(rep["test_rows"].as_u64().unwrap() >= 400, "{rep}");
+        // The guarded policy (F32 on near-ties, the file's margin) meets the target, asking
+        // F32 on a minority of decisions.
+        let margin = rep["decision_margin"].as_f64().unwrap();
+        assert!(margin > 0.0 && margin.is_finite(), "{rep}");
+        assert!(rep["guarded_action_agreement"].as_f64().unwrap() >= 0.99, "{model}: {rep}");
+        let share = rep["guarded_f32_share"].as_f64().unwrap();
+        assert!((0.0..0.5).contains(&share), "{model}: {rep}");
+        eprintln!("{model}: plain {agree}, guarded {}, F32 share {share}", rep["guarded_action_agreement"]);
         assert!(rep["size_ratio"].as_f64().unwrap() >= 3.5, "{rep}");
         assert!(rep["max_abs_score_diff"].as_f64().unwrap() > 0.0, "{rep}");
         // 2048 asked for; the greedy replay of this short training split yields slightly fewer.
@@ -111,6 +119,7 @@ fn quantize_and_eval_int8_for_dqn_and_ppo() {
         assert_eq!(meta["model"], model);
         assert_eq!(meta["source_sha256"].len(), 64);
         assert_eq!(meta["calibration_method"], "dynamic");
+        assert_eq!(meta["decision_margin"].parse::<f64>().unwrap() as f32, margin as f32);
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let first = if model == "dqn" { "trunk.0" } else { "actor.0" };
         let w = st.tensor(&format!("{first}.weight")).unwrap();
@@ -129,6 +138,14 @@ fn quantize_and_eval_int8_for_dqn_and_ppo() {
         // Issue 13's bar is a Sharpe within 2% of F32's; this short run misses it for the DQN
         // (see docs/QUANT.md), and the command must say so whenever it is missed.
         assert!(ev["position_agreement"].as_f64().unwrap() >= 0.9, "{ev}");
+        // Guarded, issue 13's bars hold: the same positions as F32 on at least 99% of bars and
+        // a Sharpe within 2%.
+        assert!(ev["position_agreement_guarded"].as_f64().unwrap() >= 0.99, "{model}: {ev}");
+        assert!(ev["sharpe_rel_diff_guarded"].as_f64().unwrap() <= 0.02, "{model}: {ev}");
+        eprintln!(
+            "{model}: Sharpe rel diff plain {}, guarded {}",
+            ev["sharpe_rel_diff"], ev["sharpe_rel_diff_guarded"]
+        );
         let rel = ev["sharpe_rel_diff"].as_f64().unwrap();
         let warned = String::from_utf8_lossy(&out.stderr).contains("away from F32's");
         assert_eq!(warned, rel > 0.02, "{model}: Sharpe rel diff {rel}");

@@ -99,6 +99,9 @@ fn common_meta(model: &str, provenance: &Provenance, calibration: &CalibInfo) ->
     if let Some(p) = calibration.percentile {
         meta.insert("calibration_percentile".into(), p.to_string());
     }
+    if let Some(m) = calibration.decision_margin {
+        meta.insert("decision_margin".into(), m.to_string());
+    }
     meta
 }
 
@@ -341,7 +344,13 @@ impl<'a> Reader<'a> {
             })?),
             None => None,
         };
-        Ok(CalibInfo { method: self.key("calibration_method")?.to_string(), percentile, rows })
+        let decision_margin = match self.meta.get("decision_margin") {
+            Some(m) => Some(m.parse::<f32>().ok().filter(|v| v.is_finite() && *v >= 0.0).ok_or_else(|| {
+                Error::file(self.path, format!("metadata decision_margin is {m:?}, not a finite number >= 0"))
+            })?),
+            None => None,
+        };
+        Ok(CalibInfo { method: self.key("calibration_method")?.to_string(), percentile, rows, decision_margin })
     }
 
     fn tensor(&self, name: &str, dtype: Dtype, shape: Option<&[usize]>) -> Result<Vec<u8>> {
@@ -419,7 +428,9 @@ mod tests {
     fn round_trip_keeps_everything() {
         let dir = tempfile::tempdir().unwrap();
         for keep in [&[][..], &["value", "advantage"][..]] {
-            let q = quantised(keep);
+            let mut q = quantised(keep);
+            // A decision margin travels too (metadata `decision_margin`).
+            q.calibration.decision_margin = (!keep.is_empty()).then_some(1.25e-3);
             let path = dir.path().join("q.safetensors");
             save(&q, &prov(), &path).unwrap();
             let (back, p) = load(&path, Some(&"ab".repeat(32))).unwrap();
@@ -489,6 +500,8 @@ mod tests {
             (Box::new(|_, m| drop(m.insert("format".into(), "fx-int4/1".into()))), "metadata format"),
             (Box::new(|_, m| drop(m.remove("source_sha256"))), "source_sha256"),
             (Box::new(|_, m| drop(m.insert("model".into(), "tft".into()))), "metadata model"),
+            (Box::new(|_, m| drop(m.insert("decision_margin".into(), "NaN".into()))), "decision_margin"),
+            (Box::new(|_, m| drop(m.insert("decision_margin".into(), "-1".into()))), "decision_margin"),
             (Box::new(|_, m| drop(m.insert("calibration_rows".into(), "many".into()))), "calibration_rows"),
             (Box::new(|t, _| t.retain(|x| x.0 != "trunk.1.weight_scale")), "trunk.1.weight_scale is missing"),
             (

@@ -16,9 +16,10 @@
 use crate::error::Result;
 use crate::policy::Int8Policy;
 
-/// A greedy policy that decides one observation at a time: [`Int8Policy`] (INT8) and
-/// `fx_kernels::mlp_cpu::CpuPolicy` (F32) implement it, so a service can hold either as
-/// `Box<dyn Decide>`.
+/// A greedy policy that decides one observation at a time: [`Int8Policy`] (INT8),
+/// `fx_kernels::mlp_cpu::CpuPolicy` (F32), [`crate::GuardedPolicy`] (INT8, F32 on near-ties)
+/// and, with the `cuda` feature, the GPU's `MlpDecider` implement it, so a service can hold
+/// any of them as `Box<dyn Decide>`.
 pub trait Decide: Send {
     /// Observation width.
     fn state_dim(&self) -> usize;

@@ -14,7 +14,9 @@
 //! 5. [`Int8Policy`]: decisions, one observation at a time, with INT8 products on the best
 //!    ISA this CPU has ([`Isa`]: AVX-512 VNNI, AVX-VNNI, AVX2, scalar), tested bit for bit
 //!    against the plain [`reference::reference_scores`];
-//! 6. [`Decide`]: the small trait a service holds (INT8 or F32 `CpuPolicy`).
+//! 6. [`Decide`]: the small trait a service holds (INT8 or F32 `CpuPolicy`), and
+//!    [`GuardedPolicy`]: INT8 decisions that ask the F32 policy on near-ties (the file's
+//!    [`decision_margin`]).
 //!
 //! The sequence models: [`tft`] quantises every weight matrix of a TFT and forecasts with
 //! them ([`quantize_tft`], [`QuantTft`], [`Int8Tft`]; the file through
@@ -32,6 +34,7 @@ mod decide;
 mod error;
 pub mod float_net;
 mod gemv_i8;
+pub mod guard;
 // INT8 policies on the GPU (`QuantNet::cuda_policy`) and `Decide` for the GPU decider.
 #[cfg(feature = "cuda")]
 mod gpu_policy;
@@ -49,6 +52,7 @@ pub use decide::{Decide, Forecast};
 pub use error::{Error, Result};
 pub use float_net::{FloatLayer, FloatNet, PolicyKind};
 pub use gemv_i8::Isa;
+pub use guard::{decision_margin, GuardedPolicy};
 pub use mamba2::{mamba2_int8_step, Int8Rows};
 pub use policy::Int8Policy;
 pub use qnet::{CalibInfo, QuantLayer, QuantLinear, QuantNet};
@@ -67,6 +71,7 @@ pub fn quantize(net: &FloatNet, calib_obs: &[f32], method: CalibMethod, keep_f32
             CalibMethod::MinMax | CalibMethod::Dynamic => None,
         },
         rows: calib_obs.len() / net.state_dim().max(1),
+        decision_margin: None,
     };
     QuantNet::quantize(net, &scales, keep_f32, info)
 }

@@ -87,6 +87,11 @@ pub struct CalibInfo {
     pub percentile: Option<f64>,
     /// Observations the scales came from.
     pub rows: usize,
+    /// A policy's decision margin ([`crate::guard::decision_margin`], metadata
+    /// `decision_margin`): INT8 gaps between the two best actions at or below it are decided
+    /// in F32 by a [`crate::GuardedPolicy`]. `None` for files written before margins and for
+    /// forecasters.
+    pub decision_margin: Option<f32>,
 }
 
 /// A quantised greedy policy network: what the checkpoint holds.

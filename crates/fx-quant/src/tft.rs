@@ -480,6 +480,7 @@ pub fn quantize_tft(model: &Tft, windows: &[(Tensor, Tensor)], method: CalibMeth
             _ => None,
         },
         rows,
+        decision_margin: None,
     };
     let q = QuantTft { config: model.config().clone(), matrices, floats, calibration };
     q.check()?;

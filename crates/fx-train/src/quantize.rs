@@ -8,14 +8,16 @@
 //!
 //! Calibration and agreement rows are the observations a greedy F32 replay sees (the
 //! backtest's `replay_policy`): calibration on the training split, agreement on the test
-//! split, so the INT8 policy is judged on the inputs it will get.
+//! split, so the INT8 policy is judged on the inputs it will get. The calibration rows also
+//! give the file's decision margin (`fx_quant::decision_margin`), and both commands report
+//! the guarded policy (`fx_quant::GuardedPolicy`: F32 on near-ties) beside the plain one.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use fx_models::replay_policy;
-use fx_quant::{CalibMethod, Decide, Int8Policy};
+use fx_quant::{CalibMethod, Decide, GuardedPolicy, Int8Policy};
 use serde_json::json;
 
 use crate::agent::Agent;
@@ -136,7 +138,9 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     let calib = fx_quant::calibrate::spread_rows(&train_obs, width, args.calib_rows.unwrap_or(2048));
     let method = calib_method(args);
     let keep: Vec<&str> = args.f32_layers.iter().map(String::as_str).collect();
-    let q = fx_quant::quantize(&float, &calib, method, &keep)?;
+    let mut q = fx_quant::quantize(&float, &calib, method, &keep)?;
+    // The guard's margin, from the same calibration rows (fx_quant::guard).
+    q.calibration.decision_margin = Some(fx_quant::decision_margin(&float, &q, &calib)?);
 
     let trainer = &l.checkpoint.trainer;
     let provenance = fx_quant::checkpoint::Provenance {
@@ -153,10 +157,14 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     // The deployed path decides the same actions as the reference it is tested against.
     let mut policy = Int8Policy::new(&q)?;
     let mut f32_policy = l.agent.cpu_policy()?;
-    let mut same_as_cpu_f32 = 0usize;
+    let mut guarded = GuardedPolicy::new(&q, l.agent.cpu_policy()?)?;
+    let (mut same_as_cpu_f32, mut guarded_same) = (0usize, 0usize);
     for row in test_obs.chunks_exact(width) {
-        same_as_cpu_f32 += usize::from(policy.act(row)? == Decide::act(&mut f32_policy, row)?);
+        let want = Decide::act(&mut f32_policy, row)?;
+        same_as_cpu_f32 += usize::from(policy.act(row)? == want);
+        guarded_same += usize::from(guarded.act(row)? == want);
     }
+    let guarded_agreement = guarded_same as f64 / agree.rows.max(1) as f64;
     let f32_bytes = 4 * float.num_params();
     let file_bytes = std::fs::metadata(&out).with_context(|| format!("reading {}", out.display()))?.len();
     let score = if float.kind.dueling() { "q" } else { "logit" };
@@ -186,6 +194,9 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         "test_rows": agree.rows,
         "action_agreement": agree.fraction(),
         "action_agreement_with_cpu_f32": same_as_cpu_f32 as f64 / agree.rows.max(1) as f64,
+        "decision_margin": guarded.margin(),
+        "guarded_action_agreement": guarded_agreement,
+        "guarded_f32_share": guarded.checked_share(),
         "score": score,
         "max_abs_score_diff": agree.max_abs_score_diff,
         "mean_abs_score_diff": agree.mean_abs_score_diff,
@@ -219,12 +230,28 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         q.bytes() as f64 / 1024.0,
         f32_bytes as f64 / q.bytes() as f64
     );
+    println!(
+        "guarded (INT8, F32 where the two best scores are within {:.3e}): greedy action equal to F32 on {:.2}%, \
+         {:.2}% of decisions checked in F32",
+        guarded.margin(),
+        100.0 * guarded_agreement,
+        100.0 * guarded.checked_share()
+    );
     println!("report: {}", l.dir.path("quant_report.json").display());
     if agree.fraction() < AGREEMENT_TARGET {
         eprintln!(
             "warning: the INT8 policy decides like F32 on {:.2}% of test rows, below the {:.0}% target: \
-             check `fx-train eval --int8` before deploying it (or keep layers in F32 with --f32-layers)",
+             deploy it guarded (fx_quant::GuardedPolicy: {:.2}% here) and check `fx-train eval --int8`",
             100.0 * agree.fraction(),
+            100.0 * AGREEMENT_TARGET,
+            100.0 * guarded_agreement
+        );
+    }
+    if guarded_agreement < AGREEMENT_TARGET {
+        eprintln!(
+            "warning: guarded, the INT8 policy decides like F32 on {:.2}% of test rows, below the {:.0}% target: \
+             keep layers in F32 with --f32-layers",
+            100.0 * guarded_agreement,
             100.0 * AGREEMENT_TARGET
         );
     }
@@ -267,11 +294,30 @@ pub fn eval_int8(run: &Path) -> Result<()> {
     let steps = l.agent.env_steps();
     let f32_rep = crate::report::evaluate_policy(&l.cfg, &l.data, steps, |obs| Ok(f32_policy.act(obs)?))?;
     let int8_rep = crate::report::evaluate_policy(&l.cfg, &l.data, steps, |obs| Ok(policy.act(obs)? as u32))?;
+    // The guarded policy, where the file records a margin (files quantised before margins
+    // do not).
+    let guarded = match q.calibration.decision_margin {
+        Some(_) => {
+            let mut g = GuardedPolicy::new(&q, l.agent.cpu_policy()?)?;
+            let rep = crate::report::evaluate_policy(&l.cfg, &l.data, steps, |obs| Ok(g.act(obs)? as u32))?;
+            Some((rep, g.checked_share()))
+        }
+        None => None,
+    };
     let (a, b) = (&f32_rep.agent, &int8_rep.agent);
-    let same = a.positions.iter().zip(&b.positions).filter(|(x, y)| x == y).count();
+    let sharpe_rel = |s: f64| {
+        if a.stats.sharpe != 0.0 {
+            (s - a.stats.sharpe).abs() / a.stats.sharpe.abs()
+        } else {
+            (s - a.stats.sharpe).abs()
+        }
+    };
+    let same_positions =
+        |p: &[i8]| a.positions.iter().zip(p).filter(|(x, y)| x == y).count() as f64 / a.positions.len().max(1) as f64;
+    let same = same_positions(&b.positions);
     let (s32, s8) = (a.stats.sharpe, b.stats.sharpe);
-    let rel = if s32 != 0.0 { (s8 - s32).abs() / s32.abs() } else { (s8 - s32).abs() };
-    let doc = json!({
+    let rel = sharpe_rel(s8);
+    let mut doc = json!({
         "model": l.cfg.model.as_str(),
         "checkpoint": trainer.display().to_string(),
         "int8_file": path.display().to_string(),
@@ -281,10 +327,22 @@ pub fn eval_int8(run: &Path) -> Result<()> {
         "sharpe_f32": s32,
         "sharpe_int8": s8,
         "sharpe_rel_diff": rel,
-        "position_agreement": same as f64 / a.positions.len().max(1) as f64,
+        "position_agreement": same,
         "buy_and_hold": f32_rep.buy_and_hold.stats,
         "flat": f32_rep.flat.stats,
     });
+    if let Some((g, share)) = &guarded {
+        extend(
+            &mut doc,
+            json!({
+                "int8_guarded": g.agent.stats,
+                "sharpe_int8_guarded": g.agent.stats.sharpe,
+                "sharpe_rel_diff_guarded": sharpe_rel(g.agent.stats.sharpe),
+                "position_agreement_guarded": same_positions(&g.agent.positions),
+                "guarded_f32_share": share,
+            }),
+        );
+    }
     write_atomic(&l.dir.path("eval_int8.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
     println!(
         "backtest of the {} policy on the test split ({} rows), F32 and INT8 ({}):",
@@ -298,13 +356,34 @@ pub fn eval_int8(run: &Path) -> Result<()> {
     );
     println!("{}", crate::report::row("F32 (CPU)", &a.stats));
     println!("{}", crate::report::row("INT8", &b.stats));
+    if let Some((g, _)) = &guarded {
+        println!("{}", crate::report::row("INT8 guarded", &g.agent.stats));
+    }
     println!("{}", crate::report::row("buy & hold", &f32_rep.buy_and_hold.stats));
     println!(
         "Sharpe F32 {s32:.4} vs INT8 {s8:.4} ({:.2}% apart); same position on {:.2}% of bars; {}",
         100.0 * rel,
-        100.0 * same as f64 / a.positions.len().max(1) as f64,
+        100.0 * same,
         l.dir.path("eval_int8.json").display()
     );
+    if let Some((g, share)) = &guarded {
+        println!(
+            "guarded INT8 (F32 on near-ties, {:.2}% of decisions): Sharpe {:.4} ({:.2}% apart); same position on {:.2}% of bars",
+            100.0 * share,
+            g.agent.stats.sharpe,
+            100.0 * sharpe_rel(g.agent.stats.sharpe),
+            100.0 * same_positions(&g.agent.positions)
+        );
+    }
+    if let Some(rel_g) =
+        guarded.as_ref().map(|(g, _)| sharpe_rel(g.agent.stats.sharpe)).filter(|r| *r > SHARPE_REL_TARGET)
+    {
+        eprintln!(
+            "warning: the guarded INT8 policy's Sharpe differs from F32's by {:.1}% (target {:.0}%)",
+            100.0 * rel_g,
+            100.0 * SHARPE_REL_TARGET
+        );
+    }
     if rel > SHARPE_REL_TARGET {
         eprintln!(
             "warning: the INT8 policy's Sharpe is {:.1}% away from F32's (target {:.0}%): it trades differently",
