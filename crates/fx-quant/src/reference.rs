@@ -1,7 +1,7 @@
 //! The plain scalar reference of a quantised network: unpadded weights, i32 multiply-adds
 //! in a loop, the same F32 rounding rules as [`crate::Int8Policy`] (so the two agree to
-//! the bit), and a fresh allocation per call. Also the accuracy reference: the largest
-//! score error a quantised network may show against its F32 original ([`error_bound`]).
+//! the bit), and a fresh allocation per call. Also the accuracy reference: how a quantised
+//! network's greedy actions and scores differ from its F32 original's ([`agreement`]).
 
 use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};

@@ -249,7 +249,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     }
     if guarded_agreement < AGREEMENT_TARGET {
         eprintln!(
-            "warning: guarded, the INT8 policy decides like F32 on {:.2}% of test rows, below the {:.0}% target: \
+            "warning: the guarded INT8 policy decides like F32 on only {:.2}% of test rows (target {:.0}%): \
              keep layers in F32 with --f32-layers",
             100.0 * guarded_agreement,
             100.0 * AGREEMENT_TARGET
