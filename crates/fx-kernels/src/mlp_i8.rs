@@ -8,7 +8,7 @@
 //! sits below the quantiser. The rounding rules are written out in the kernel's header.
 
 use crate::error::{Error, Result};
-use crate::mlp_ref::{Activation, MlpDims, MAX_ACTIONS, MAX_HIDDEN, MAX_WIDTH};
+use crate::mlp_ref::{Activation, Head, MlpDims, MAX_ACTIONS, MAX_HIDDEN, MAX_WIDTH};
 
 /// Layers of the kernel's parameter block: [`MAX_HIDDEN`] hidden and a two-layer head.
 pub const MAX_LAYERS: usize = MAX_HIDDEN + 2;
@@ -57,20 +57,6 @@ pub struct I8Linear<'a> {
     pub bias: &'a [f32],
 }
 
-/// How the last hidden activations become one score per action.
-#[derive(Debug, Clone, Copy)]
-pub enum I8Head<'a> {
-    /// `scores = head(z)` (the PPO actor's logits).
-    Logits(I8Linear<'a>),
-    /// `Q = (A − Σ A / n) + V`, `V = value(z)` (one output), `A = advantage(z)`.
-    Dueling {
-        /// One output.
-        value: I8Linear<'a>,
-        /// `n_actions` outputs.
-        advantage: I8Linear<'a>,
-    },
-}
-
 /// An INT8 greedy policy: `hidden` layers in order (each followed by its activation; for
 /// this kernel [`Activation::Tanh`] is fx-quant's rational tanh, the CPU INT8 path's), then
 /// `head`. The action is the first index of the largest score.
@@ -79,7 +65,7 @@ pub struct I8Mlp<'a> {
     /// The activated layers, input first.
     pub hidden: Vec<(I8Linear<'a>, Activation)>,
     /// The output layer(s).
-    pub head: I8Head<'a>,
+    pub head: Head<I8Linear<'a>>,
 }
 
 /// `struct FxMlpI8Params` of mlp_int8.cu, field for field (both sides assert 256 bytes).
@@ -131,8 +117,8 @@ impl I8Mlp<'_> {
     fn layers(&self) -> Vec<&I8Linear<'_>> {
         let mut v: Vec<&I8Linear<'_>> = self.hidden.iter().map(|(l, _)| l).collect();
         match &self.head {
-            I8Head::Logits(l) => v.push(l),
-            I8Head::Dueling { value, advantage } => v.extend([value, advantage]),
+            Head::Logits(l) => v.push(l),
+            Head::Dueling { value, advantage } => v.extend([value, advantage]),
         }
         v
     }
@@ -256,7 +242,7 @@ impl I8Mlp<'_> {
         }
         p.n_hidden = self.hidden.len() as u32;
         p.n_actions = dims.n_actions as u32;
-        p.head = matches!(self.head, I8Head::Dueling { .. }) as u32;
+        p.head = matches!(self.head, Head::Dueling { .. }) as u32;
         let widest = std::iter::once(dims.input).chain(dims.hidden.iter().copied()).max().unwrap_or(1);
         p.stride = widest.div_ceil(4) as u32 * 4;
         Ok(I8Image { words, floats, dims, params: p, offsets })
@@ -338,7 +324,7 @@ mod tests {
                 (lin(&o, &widths, 0, false), Activation::Relu),
                 (lin(&o, &widths, 1, false), Activation::Tanh),
             ],
-            head: I8Head::Logits(lin(&o, &widths, 2, true)),
+            head: Head::Logits(lin(&o, &widths, 2, true)),
         };
         let img = net.image().unwrap();
         assert_eq!(img.dims, MlpDims { input: 7, hidden: vec![9, 6], n_actions: 3 });
@@ -381,21 +367,21 @@ mod tests {
         value.out = 3;
         let net = I8Mlp {
             hidden: vec![(good(0), Activation::Relu), (good(1), Activation::Relu)],
-            head: I8Head::Dueling { value, advantage: good(2) },
+            head: Head::Dueling { value, advantage: good(2) },
         };
         let e = net.dims().unwrap_err().to_string();
         assert!(e.contains("value") && !e.contains('\n'), "{e}");
-        let net = I8Mlp { hidden: vec![(good(1), Activation::Relu)], head: I8Head::Logits(good(2)) };
+        let net = I8Mlp { hidden: vec![(good(1), Activation::Relu)], head: Head::Logits(good(2)) };
         assert!(net.dims().is_ok());
-        let net = I8Mlp { hidden: vec![(good(0), Activation::Relu)], head: I8Head::Logits(good(2)) };
+        let net = I8Mlp { hidden: vec![(good(0), Activation::Relu)], head: Head::Logits(good(2)) };
         assert!(net.dims().unwrap_err().to_string().contains("layer 1"));
         let bad_scale = vec![0.0f32; 9];
         let mut l0 = good(0);
         l0.weights = I8Weights::Int8 { weight: &o.w[0], weight_scale: &bad_scale, input_scale: None };
         let net =
-            I8Mlp { hidden: vec![(l0, Activation::Relu), (good(1), Activation::Relu)], head: I8Head::Logits(good(2)) };
+            I8Mlp { hidden: vec![(l0, Activation::Relu), (good(1), Activation::Relu)], head: Head::Logits(good(2)) };
         assert!(net.dims().unwrap_err().to_string().contains("weight_scale[0] = 0"));
-        let net = I8Mlp { hidden: vec![], head: I8Head::Logits(good(0)) };
+        let net = I8Mlp { hidden: vec![], head: Head::Logits(good(0)) };
         assert_eq!(net.dims().unwrap().n_actions, 9);
         let wide: Vec<i8> = vec![1; 2 * (MAX_WIDTH + 1)];
         let (s2, b2) = (vec![1.0f32; 2], vec![0.0f32; 2]);
@@ -405,7 +391,7 @@ mod tests {
             weights: I8Weights::Int8 { weight: &wide, weight_scale: &s2, input_scale: None },
             bias: &b2,
         };
-        let e = I8Mlp { hidden: vec![], head: I8Head::Logits(l) }.dims().unwrap_err();
+        let e = I8Mlp { hidden: vec![], head: Head::Logits(l) }.dims().unwrap_err();
         assert!(matches!(e, Error::Unsupported { .. }), "{e}");
     }
 

@@ -36,18 +36,19 @@ pub struct Linear<'a> {
     pub bias: &'a Tensor,
 }
 
-/// How the last hidden activations become one score per action.
+/// How the last hidden activations become one score per action, over layers `L` ([`Linear`]
+/// for the F32 kernels, `mlp_i8::I8Linear` for the INT8 one).
 #[derive(Debug, Clone, Copy)]
-pub enum Head<'a> {
+pub enum Head<L> {
     /// `scores = head(z)` (the PPO actor's logits).
-    Logits(Linear<'a>),
+    Logits(L),
     /// `Q = (A − mean_a A) + V` with `V = value(z)` (`[1, h]`) and `A = advantage(z)`
     /// (the dueling DQN).
     Dueling {
         /// `[1, h]`.
-        value: Linear<'a>,
+        value: L,
         /// `[n_actions, h]`.
-        advantage: Linear<'a>,
+        advantage: L,
     },
 }
 
@@ -58,7 +59,7 @@ pub struct GreedyMlp<'a> {
     /// The activated layers, input first.
     pub hidden: &'a [(Linear<'a>, Activation)],
     /// The output layer(s).
-    pub head: Head<'a>,
+    pub head: Head<Linear<'a>>,
 }
 
 /// The dimensions of a checked [`GreedyMlp`].

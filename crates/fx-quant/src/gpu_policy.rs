@@ -8,8 +8,8 @@
 
 use candle_core::Device;
 use fx_kernels::cuda::mlp::{MlpDecider, MlpPolicy};
-use fx_kernels::mlp_i8::{I8Head, I8Linear, I8Mlp, I8Weights};
-use fx_kernels::mlp_ref::Activation;
+use fx_kernels::mlp_i8::{I8Linear, I8Mlp, I8Weights};
+use fx_kernels::mlp_ref::{Activation, Head};
 
 use crate::decide::Decide;
 use crate::error::{first_non_finite, Error, Result};
@@ -29,9 +29,9 @@ impl QuantNet {
         };
         let hidden = self.layers[..nh].iter().map(|l| (lin(l), act)).collect();
         let head = if self.kind.dueling() {
-            I8Head::Dueling { value: lin(&self.layers[nh]), advantage: lin(&self.layers[nh + 1]) }
+            Head::Dueling { value: lin(&self.layers[nh]), advantage: lin(&self.layers[nh + 1]) }
         } else {
-            I8Head::Logits(lin(&self.layers[nh]))
+            Head::Logits(lin(&self.layers[nh]))
         };
         I8Mlp { hidden, head }
     }
