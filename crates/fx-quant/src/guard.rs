@@ -76,6 +76,8 @@ pub struct GuardedPolicy<F: Decide> {
     checked: u64,
     /// The last call was decided by the fallback.
     last_checked: bool,
+    /// A batch's INT8 scores ([`GuardedPolicy::act_batch`]).
+    batch_scores: Vec<f32>,
 }
 
 impl<F: Decide> GuardedPolicy<F> {
@@ -106,7 +108,7 @@ impl<F: Decide> GuardedPolicy<F> {
                 ),
             ));
         }
-        Ok(Self { int8, fallback, margin, calls: 0, checked: 0, last_checked: false })
+        Ok(Self { int8, fallback, margin, calls: 0, checked: 0, last_checked: false, batch_scores: Vec::new() })
     }
 
     /// The margin in use.
@@ -123,9 +125,30 @@ impl<F: Decide> GuardedPolicy<F> {
         }
     }
 
-    /// The INT8 policy (its ISA, batch decisions).
+    /// The INT8 policy (its ISA).
     pub fn int8(&self) -> &Int8Policy {
         &self.int8
+    }
+
+    /// Guarded decisions for `actions.len()` rows of `obs` (row-major, `rows × state_dim`):
+    /// the INT8 policy's batch ([`Int8Policy::act_batch_scores`], every row's scores exactly
+    /// its single decision's), then the fallback for each row whose two best INT8 scores are
+    /// within the margin, so each action is the one [`Decide::act`] gives for that row. The
+    /// scores' buffer grows to the largest batch seen and is reused.
+    pub fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
+        let (d, na) = (self.int8.state_dim(), self.int8.n_actions());
+        self.batch_scores.resize(actions.len() * na, 0.0);
+        self.last_checked = false;
+        self.int8.act_batch_scores(obs, actions, Some(&mut self.batch_scores))?;
+        let mut checked = 0;
+        for (r, a) in actions.iter_mut().enumerate() {
+            if top_gap(&self.batch_scores[r * na..(r + 1) * na]) <= self.margin {
+                *a = self.fallback.act(&obs[r * d..(r + 1) * d])?;
+                checked += 1;
+            }
+        }
+        (self.calls, self.checked) = (self.calls + actions.len() as u64, self.checked + checked);
+        Ok(())
     }
 }
 
@@ -238,6 +261,16 @@ mod tests {
                 }
             }
             assert!(same >= plain.same_action, "{kind:?}: guarded {same} vs plain {plain:?}");
+            // A batch gives every row the single decision's action, and counts the same.
+            let mut batch = GuardedPolicy::with_margin(Int8Policy::new(&q).unwrap(), exact(), m).unwrap();
+            let mut acts = vec![usize::MAX; obs.len() / 12];
+            batch.act_batch(&obs, &mut acts).unwrap();
+            let mut one = GuardedPolicy::with_margin(Int8Policy::new(&q).unwrap(), exact(), m).unwrap();
+            for (r, row) in obs.chunks_exact(12).enumerate() {
+                assert_eq!(acts[r], one.act(row).unwrap(), "{kind:?} row {r}");
+            }
+            assert_eq!(batch.checked_share(), one.checked_share());
+            assert!(batch.act_batch(&obs[..13], &mut acts[..1]).is_err());
             assert!(g.checked_share() > 0.0 && g.checked_share() < 1.0, "{kind:?}: {}", g.checked_share());
             let mut never = GuardedPolicy::with_margin(Int8Policy::new(&q).unwrap(), exact(), 0.0).unwrap();
             let mut always = GuardedPolicy::with_margin(Int8Policy::new(&q).unwrap(), exact(), f32::MAX).unwrap();
