@@ -24,6 +24,8 @@
 // loaded serves all R rows. Weights are stored input-major ([in/4][out] words, `out` padded
 // to a multiple of 4; F32 layers [in][out]) so that a warp's loads are whole 128-byte lines.
 
+#include "fx_int8.cuh"
+
 #define FX_I8_MAX_LAYERS 6
 #define FX_I8_MAX_HIDDEN 4
 #define FX_I8_MAX_ACTIONS 16
@@ -82,11 +84,6 @@ __device__ __forceinline__ float fx_i8_act(float y, unsigned int act) {
     return y;
 }
 
-// clamp(round_half_even(x * inv), ±127) as a byte.
-__device__ __forceinline__ unsigned int fx_i8_q(float x, float inv) {
-    const float v = fminf(fmaxf(rintf(__fmul_rn(x, inv)), -127.0f), 127.0f);
-    return (unsigned int)((int)v) & 0xffu;
-}
 
 // Where a layer's outputs go: row r, output o at y[r * row_stride + col + o]; with `amax`,
 // each row's max |output| (as float bits: non-negative floats order as their bits) is
@@ -150,7 +147,7 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
             unsigned int w = 0;
 #pragma unroll
             for (unsigned int j = 0; j < 4u; ++j)
-                if (k + j < in) w |= fx_i8_q(xr[k + j], inv) << (8u * j);
+                if (k + j < in) w |= ((unsigned int)fx_q8(xr[k + j], inv) & 0xffu) << (8u * j);
             xq[r * xs + (k >> 2)] = w;
         }
         __syncthreads();
@@ -217,8 +214,7 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
 #pragma unroll
                         for (int r = 0; r < R; ++r)
                             if ((unsigned int)r < nr) {
-                                const float y = __fadd_rn(
-                                    __fmul_rn(__int2float_rn(acc[c][r]), __fmul_rn(ws[c], step[r])), bias[c]);
+                                const float y = fx_dq8(acc[c][r], ws[c], step[r], bias[c]);
                                 const float a = fx_i8_act(y, out.act);
                                 out.y[r * out.row_stride + out.col + o] = a;
                                 m[r] = fx_i8_absmax(m[r], a);

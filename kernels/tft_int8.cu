@@ -13,6 +13,7 @@
 // The first layer needs no GEMM: the variable's input is the scalar embedding
 // raw · w_emb + b_emb, so fc1 folds to raw · u1 + c1 (u1, c1 computed on the host).
 #include "fx_env.cuh"
+#include "fx_int8.cuh"
 
 #define FX_VI8_ROWS 64
 #define FX_VI8_MAXD 128
@@ -24,11 +25,6 @@ __device__ __forceinline__ float fx_vi8_sigmoid(float x) { return 1.0f / (expf(-
 
 __device__ __forceinline__ float fx_vi8_elu(float x) { return signbit(x) ? expf(x) - 1.0f : x; }
 
-// clamp(round_half_even(x * inv), ±127): fx-quant's one rounding rule for activations.
-__device__ __forceinline__ int fx_vi8_q(float x, float inv) {
-    const float v = fminf(fmaxf(rintf(__fmul_rn(x, inv)), -127.0f), 127.0f);
-    return (int)v;
-}
 
 // c += a · b for one m16n8k32 tile: A 16×32 row-major, B 32×8 column-major (a weight's rows).
 __device__ __forceinline__ void fx_vi8_mma(int (&c)[4], const int (&a)[4], int b0, int b1) {
@@ -125,8 +121,8 @@ __device__ __forceinline__ void fx_vi8_store(const float (&a)[2][8][2], const fl
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
             const int c = nb + t * 8 + tig * 2;
-            row[c] = (signed char)fx_vi8_q(a[rr][t][0], inv);
-            row[c + 1] = (signed char)fx_vi8_q(a[rr][t][1], inv);
+            row[c] = (signed char)fx_q8(a[rr][t][0], inv);
+            row[c + 1] = (signed char)fx_q8(a[rr][t][1], inv);
         }
     }
 }
@@ -225,8 +221,7 @@ fx_tft_vsn_vars_i8(fx_u32 rows, fx_u32 n, fx_u32 d, fx_u32 groups, const float* 
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const fx_u32 c = nb + t * 8 + tig * 2 + e;
-                        a[rr][t][e] = c < d ? __fadd_rn(__fmul_rn((float)acc[t][rr * 2 + e], __fmul_rn(ws2[jd + c], s1[rr])),
-                                                        b2[jd + c])
+                        a[rr][t][e] = c < d ? fx_dq8(acc[t][rr * 2 + e], ws2[jd + c], s1[rr], b2[jd + c])
                                             : 0.0f;
                     }
         }
@@ -249,9 +244,7 @@ fx_tft_vsn_vars_i8(fx_u32 rows, fx_u32 n, fx_u32 d, fx_u32 groups, const float* 
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const fx_u32 c = nb + t * 8 + tig * 2 + e;
-                        a[rr][t][e] = c < d ? fx_vi8_sigmoid(__fadd_rn(
-                                                  __fmul_rn((float)acc[t][rr * 2 + e], __fmul_rn(ws4[jd + c], s2[rr])),
-                                                  b4[jd + c]))
+                        a[rr][t][e] = c < d ? fx_vi8_sigmoid(fx_dq8(acc[t][rr * 2 + e], ws4[jd + c], s2[rr], b4[jd + c]))
                                             : 0.0f;
                     }
             fx_vi8_gemm(acc, qa, wb, m0, nb, lane, ksteps);
@@ -265,8 +258,7 @@ fx_tft_vsn_vars_i8(fx_u32 rows, fx_u32 n, fx_u32 d, fx_u32 groups, const float* 
                         const fx_u32 c = nb + t * 8 + tig * 2 + e;
                         float z = 0.0f;
                         if (c < d) {
-                            const float g5 = __fadd_rn(
-                                __fmul_rn((float)acc[t][rr * 2 + e], __fmul_rn(ws5[jd + c], s2[rr])), b5[jd + c]);
+                            const float g5 = fx_dq8(acc[t][rr * 2 + e], ws5[jd + c], s2[rr], b5[jd + c]);
                             const float em = __fadd_rn(__fmul_rn(x[rr], emb_w[jd + c]), emb_b[jd + c]);
                             z = __fadd_rn(em, __fmul_rn(a[rr][t][e], g5));
                         }
