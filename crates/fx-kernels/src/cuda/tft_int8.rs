@@ -33,10 +33,14 @@ pub struct CudaVsnI8 {
     n: usize,
     d: usize,
     eps: f32,
-    /// emb_w, emb_b, u1, c1, ws ×3, b ×3, ln_w, ln_b (`n · d` each), then the input steps.
-    floats: CudaSlice<f32>,
-    /// w2, w4, w5 (`n · d · d` each).
-    weights: CudaSlice<i8>,
+    /// emb_w, emb_b, u1, c1, ws ×3, b ×3, ln_w, ln_b (`n · d` each), then the input steps
+    /// (kept alive: `at` points into it).
+    _floats: CudaSlice<f32>,
+    /// w2, w4, w5 (`n · d · d` each; kept alive for `at`).
+    _weights: CudaSlice<i8>,
+    /// Device addresses of `floats`, `weights` and `partials`, taken once: a forecast's
+    /// launches need no pointer lookups (the slices live as long as `self`).
+    at: [Addr; 3],
     dynamic: bool,
 }
 
@@ -73,6 +77,7 @@ impl CudaVsnI8 {
         let q: Vec<i8> = w.w.iter().flatten().copied().collect();
         let floats = stream.clone_htod(&f).map_err(driver(CTX))?;
         let weights = stream.clone_htod(&q).map_err(driver(CTX))?;
+        let at = [floats.device_ptr(&stream).0, weights.device_ptr(&stream).0, partials.device_ptr(&stream).0];
         Ok(Self {
             stream,
             func,
@@ -82,8 +87,9 @@ impl CudaVsnI8 {
             n: w.n,
             d: w.d,
             eps: w.eps,
-            floats,
-            weights,
+            _floats: floats,
+            _weights: weights,
+            at,
             dynamic: w.input_steps.is_none(),
         })
     }
@@ -95,8 +101,7 @@ impl CudaVsnI8 {
 
     /// The arguments for `rows` rows: `raw`, `wsel [rows, n]`, `out [rows, d]` on the device.
     pub fn args(&self, rows: usize, raw: Addr, wsel: Addr, out: Addr) -> VsnVarsI8 {
-        let (f, _r1) = self.floats.device_ptr(&self.stream);
-        let (q, _r2) = self.weights.device_ptr(&self.stream);
+        let [f, q, _] = self.at;
         args_at(f, q, rows, self.n, self.d, self.eps, raw, wsel, out, self.dynamic)
     }
 
@@ -122,7 +127,7 @@ impl CudaVsnI8 {
         let blocks = u32::try_from(a.rows.div_ceil(TILE_ROWS)).unwrap_or(u32::MAX);
         let cfg = LaunchConfig { grid_dim: (blocks, groups32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let len = rows * self.d;
-        let (part, _rec) = self.partials.device_ptr(&self.stream);
+        let part = self.at[2];
         if groups > 1 && groups * len > self.partials.len() {
             return Err(crate::error::Error::Unsupported {
                 context: CTX,
