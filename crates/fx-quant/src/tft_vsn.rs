@@ -105,26 +105,47 @@ impl<'a> Params<'a> {
     }
 }
 
-/// A network's flat GRN with its embeddings folded in, as host vectors (`[out, in]`).
-struct FlatHost {
-    u1: Vec<f32>,
-    c1: Vec<f32>,
-    w2: Vec<f32>,
-    b2: Vec<f32>,
-    w4: Vec<f32>,
-    b4: Vec<f32>,
-    w5: Vec<f32>,
-    b5: Vec<f32>,
-    us: Vec<f32>,
-    cs: Vec<f32>,
-    ln_w: Vec<f32>,
-    ln_b: Vec<f32>,
+/// A network's flat GRN with its embeddings folded in: host vectors (`[out, in]`), or on
+/// the backend, their addresses.
+struct FlatGrn<T> {
+    u1: T,
+    c1: T,
+    w2: T,
+    b2: T,
+    w4: T,
+    b4: T,
+    w5: T,
+    b5: T,
+    us: T,
+    cs: T,
+    ln_w: T,
+    ln_b: T,
+}
+
+impl FlatGrn<Vec<f32>> {
+    /// Every tensor through `put(values, shape)` (`n` variables of width `d`).
+    fn try_map<U>(&self, d: usize, n: usize, mut put: impl FnMut(&[f32], &[usize]) -> Result<U>) -> Result<FlatGrn<U>> {
+        Ok(FlatGrn {
+            u1: put(&self.u1, &[d, n])?,
+            c1: put(&self.c1, &[d])?,
+            w2: put(&self.w2, &[d, d])?,
+            b2: put(&self.b2, &[d])?,
+            w4: put(&self.w4, &[n, d])?,
+            b4: put(&self.b4, &[n])?,
+            w5: put(&self.w5, &[n, d])?,
+            b5: put(&self.b5, &[n])?,
+            us: put(&self.us, &[n, n])?,
+            cs: put(&self.cs, &[n])?,
+            ln_w: put(&self.ln_w, &[n])?,
+            ln_b: put(&self.ln_b, &[n])?,
+        })
+    }
 }
 
 /// One network of the file, host side: its flat GRN folded and its variables' INT8 form.
 struct VsnHost {
     vsn: &'static str,
-    flat: FlatHost,
+    flat: FlatGrn<Vec<f32>>,
     vars: VsnI8Weights,
 }
 
@@ -155,7 +176,7 @@ fn vsn_host(q: &QuantTft, embed: &str, vsn: &'static str, n: usize) -> Result<Vs
         p.float(&flat("skip.bias"), n)?,
     )
     .map_err(kerr)?;
-    let flat_host = FlatHost {
+    let flat_host = FlatGrn {
         u1,
         c1,
         w2: p.dequantized(&flat("fc2.weight"), d, d)?,
@@ -226,10 +247,9 @@ struct Plan<R> {
     key: Addr,
     rows: usize,
     n: usize,
-    /// u1, c1, w2, b2, w4, b4, w5, b5, us, cs, ln_w, ln_b (kept alive: their addresses are
-    /// in `addr`).
+    /// The folded flat GRN's tensors (kept alive: their addresses are `flat`).
     _tensors: Vec<Tensor>,
-    addr: [Addr; 12],
+    flat: FlatGrn<Addr>,
     /// a1, a2 `[rows, d]`; g4, g5, sf `[rows, n]`; stats `[rows, 2]`.
     scratch: [Addr; 6],
     vars: R,
@@ -276,29 +296,14 @@ impl<R> VsnHook<R> {
                 .find(|v| model.params().part_names(v).is_some_and(|names| names.first() == Some(&key_name)))
                 .ok_or_else(|| Error::invalid("INT8 TFT", format!("the model has no {key_name}")))?;
             let key = inner.addr_of(var.as_tensor(), "weight").map_err(Error::Kernels)?;
-            let f = &h.flat;
-            let shapes: [(&[f32], &[usize]); 12] = [
-                (&f.u1, &[d, n]),
-                (&f.c1, &[d]),
-                (&f.w2, &[d, d]),
-                (&f.b2, &[d]),
-                (&f.w4, &[n, d]),
-                (&f.b4, &[n]),
-                (&f.w5, &[n, d]),
-                (&f.b5, &[n]),
-                (&f.us, &[n, n]),
-                (&f.cs, &[n]),
-                (&f.ln_w, &[n]),
-                (&f.ln_b, &[n]),
-            ];
             let mut tensors = Vec::new();
-            let mut addr = [0; 12];
-            for (k, (v, shape)) in shapes.into_iter().enumerate() {
+            let flat = h.flat.try_map(d, n, |v, shape| {
                 let t = Tensor::from_slice(v, shape, &device)
                     .map_err(|e| Error::Candle { context: "VsnHook".into(), source: e })?;
-                addr[k] = inner.addr_of(&t, "folded flat GRN").map_err(Error::Kernels)?;
+                let at = inner.addr_of(&t, "folded flat GRN").map_err(Error::Kernels)?;
                 tensors.push(t);
-            }
+                Ok(at)
+            })?;
             let mut alloc = |len: usize| inner.alloc(len).map_err(Error::Kernels);
             let scratch = [
                 alloc(rows * d)?,
@@ -308,7 +313,7 @@ impl<R> VsnHook<R> {
                 alloc(rows * n)?,
                 alloc(rows * 2)?,
             ];
-            plans.push(Plan { key, rows, n, _tensors: tensors, addr, scratch, vars: runner(&h.vars)? });
+            plans.push(Plan { key, rows, n, _tensors: tensors, flat, scratch, vars: runner(&h.vars)? });
         }
         Ok(Self { plans, d, eps: c.ln_eps as f32 })
     }
@@ -337,7 +342,7 @@ impl<B: TftBackend, R: VarsRunner> MatrixHook<B> for VsnHook<R> {
                 format!("{m} rows of {} × {} for a plan of {} rows of {n} × {d}", a.n, a.d, p.rows),
             ));
         }
-        let [u1, c1, w2, b2, w4, b4, w5, b5, us, cs, ln_w, ln_b] = p.addr;
+        let FlatGrn { u1, c1, w2, b2, w4, b4, w5, b5, us, cs, ln_w, ln_b } = p.flat;
         let [a1, a2, g4, g5, sf, stats] = p.scratch;
         let kerr = Error::Kernels;
         let bias_act = |y: Addr, bias: Addr, act: Act| BiasAct {
