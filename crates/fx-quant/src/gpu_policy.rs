@@ -12,7 +12,7 @@ use fx_kernels::mlp_i8::{I8Linear, I8Mlp, I8Weights};
 use fx_kernels::mlp_ref::{Activation, Head};
 
 use crate::decide::Decide;
-use crate::error::{first_non_finite, Error, Result};
+use crate::error::Result;
 use crate::float_net::PolicyKind;
 use crate::qnet::{QuantLayer, QuantNet};
 
@@ -71,11 +71,6 @@ impl Decide for MlpDecider {
         self.policy().dims().n_actions
     }
     fn act(&mut self, obs: &[f32]) -> Result<usize> {
-        const CTX: &str = "MlpDecider::act";
-        // The kernel takes any float; a decision on a NaN is refused here, as on the CPU.
-        if let Some((index, value)) = first_non_finite(obs) {
-            return Err(Error::NonFinite { what: "obs".into(), index, value: value as f64, context: CTX });
-        }
         Ok(MlpDecider::act(self, obs)? as usize)
     }
     fn scores(&self) -> &[f32] {

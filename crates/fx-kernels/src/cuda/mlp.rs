@@ -520,7 +520,8 @@ impl MlpDecider {
     }
 
     /// Greedy actions for `actions.len()` rows (1 ..= max_batch) of `obs` (row-major,
-    /// `rows × input` floats), returned when they are on the host.
+    /// `rows × input` finite floats; a NaN or infinity is a one-line error), returned when
+    /// they are on the host.
     pub fn act_batch(&mut self, obs: &[f32], actions: &mut [u32]) -> Result<()> {
         const CTX: &str = "MlpDecider::act_batch";
         let (rows, input) = (actions.len(), self.policy.dims.input);
@@ -529,6 +530,10 @@ impl MlpDecider {
         }
         if obs.len() != rows * input {
             return Err(Error::shape("obs", CTX, format!("{rows} × {input} floats"), obs.len()));
+        }
+        // The kernels take any float; a decision on a NaN is refused here, as by `CpuPolicy`.
+        if let Some(i) = obs.iter().position(|v| !v.is_finite()) {
+            return Err(Error::NonFinite { what: "obs", index: i, value: obs[i] as f64, context: CTX });
         }
         let stream = self.policy.stream.clone();
         // `as_*slice` wait on the buffers' own events, which nothing records, so they return
