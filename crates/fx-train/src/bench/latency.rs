@@ -230,6 +230,30 @@ fn kernel_name(k: MlpKernel) -> &'static str {
     }
 }
 
+/// A batch-1 launch of `policy` bound to the state `x` on the device, timed: `matches_eager`
+/// (its action against candle's), each call's time (launch + stream sync) and `kernel_us`,
+/// the kernel's own device time (the rest of p50 is the host's launch and the sync). Returns
+/// the times and the action buffer.
+#[cfg(feature = "cuda")]
+fn time_bound(
+    dev: &Device,
+    policy: &fx_kernels::cuda::mlp::MlpPolicy,
+    x: &Tensor,
+    eager: &[u32],
+    warm: usize,
+    n: usize,
+    rec: &mut Record,
+) -> Result<(Vec<f64>, Tensor)> {
+    let out = Tensor::zeros(1, DType::U32, dev)?;
+    let bound = policy.bind(x, &out, None)?;
+    bound.launch()?;
+    rec.insert("matches_eager".into(), json!(out.to_vec1::<u32>()? == eager));
+    let ts = time_calls(dev, warm, n, true, || Ok(bound.launch()?))?;
+    let kernel = kernel_device_us(dev, || Ok(bound.launch()?))?;
+    rec.insert("kernel_us".into(), json!(round(kernel, 2)));
+    Ok((ts, out))
+}
+
 /// One latency case in `mode`; fills `rec` (which already holds the case's identity).
 pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: &mut Record) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
@@ -258,16 +282,8 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
         #[cfg(feature = "cuda")]
         LatencyMode::Fused => {
             let policy = net.fused()?;
-            let out = Tensor::zeros(1, DType::U32, &dev)?;
-            let bound = policy.bind(&x, &out, None)?;
-            bound.launch()?;
-            rec.insert("matches_eager".into(), json!(out.to_vec1::<u32>()? == eager));
             rec.insert("kernel".into(), json!(kernel_name(policy.kernel_for(1))));
-            let ts = time_calls(&dev, warm, n, true, || Ok(bound.launch()?))?;
-            // The profile of a call: the kernel's own device time; the rest of p50 is the
-            // host's launch and the stream synchronisation.
-            let kernel = kernel_device_us(&dev, || Ok(bound.launch()?))?;
-            rec.insert("kernel_us".into(), json!(round(kernel, 2)));
+            let (ts, out) = time_bound(&dev, &policy, &x, &eager, warm, n, rec)?;
             // The checked call (shapes, pointers looked up per call) for comparison.
             let tc = time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?;
             rec.insert("checked_call_p50_us".into(), json!(round(pct(&tc, 50.0), 2)));
@@ -288,17 +304,11 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
         LatencyMode::FusedInt8 => {
             let q = net.quant()?;
             let policy = q.cuda_policy(&dev)?;
-            let out = Tensor::zeros(1, DType::U32, &dev)?;
-            let bound = policy.bind(&x, &out, None)?;
-            bound.launch()?;
+            rec.insert("kernel".into(), json!("int8_block"));
+            let (ts, out) = time_bound(&dev, &policy, &x, &eager, warm, n, rec)?;
             let host = x.flatten_all()?.to_vec1::<f32>()?;
             let (_, want) = fx_quant::reference::reference_scores(&q, &host)?;
-            rec.insert("matches_eager".into(), json!(out.to_vec1::<u32>()? == eager));
             rec.insert("matches_int8_reference".into(), json!(out.to_vec1::<u32>()?[0] as usize == want));
-            rec.insert("kernel".into(), json!("int8_block"));
-            let ts = time_calls(&dev, warm, n, true, || Ok(bound.launch()?))?;
-            let kernel = kernel_device_us(&dev, || Ok(bound.launch()?))?;
-            rec.insert("kernel_us".into(), json!(round(kernel, 2)));
             // Host slice in, action out (mapped memory, one launch, one sync).
             let mut decider = fx_kernels::cuda::mlp::MlpDecider::new(policy, 1)?;
             let te = time_calls(&dev, warm, n, false, || Ok(decider.act(&host)?))?;
