@@ -8,7 +8,7 @@
 //! sits below the quantiser. The rounding rules are written out in the kernel's header.
 
 use crate::error::{Error, Result};
-use crate::mlp_ref::{Activation, Head, MlpDims, MAX_ACTIONS, MAX_HIDDEN, MAX_WIDTH};
+use crate::mlp_ref::{Activation, Head, MlpDims, MAX_HIDDEN};
 
 /// Layers of the kernel's parameter block: [`MAX_HIDDEN`] hidden and a two-layer head.
 pub const MAX_LAYERS: usize = MAX_HIDDEN + 2;
@@ -108,10 +108,6 @@ pub struct I8Image {
     offsets: Vec<(usize, Option<usize>, usize)>,
 }
 
-fn unsupported(message: String) -> Error {
-    Error::Unsupported { context: "INT8 greedy MLP", message }
-}
-
 impl I8Mlp<'_> {
     /// Every layer in the kernel's order: hidden, then the head (logits; or value, advantage).
     fn layers(&self) -> Vec<&I8Linear<'_>> {
@@ -183,19 +179,10 @@ impl I8Mlp<'_> {
         if n_head == 2 && layers[layers.len() - 2].out != 1 {
             return Err(Error::shape("value", CTX, "1 output", layers[layers.len() - 2].out));
         }
-        if self.hidden.len() > MAX_HIDDEN {
-            return Err(unsupported(format!("{} hidden layers (at most {MAX_HIDDEN})", self.hidden.len())));
-        }
-        let hidden: Vec<usize> = self.hidden.iter().map(|(l, _)| l.out).collect();
-        for w in std::iter::once(input).chain(hidden.iter().copied()) {
-            if w > MAX_WIDTH {
-                return Err(unsupported(format!("width {w} (at most {MAX_WIDTH})")));
-            }
-        }
-        if n_actions > MAX_ACTIONS {
-            return Err(unsupported(format!("{n_actions} actions (at most {MAX_ACTIONS})")));
-        }
-        Ok(MlpDims { input, hidden, n_actions })
+        let hidden = self.hidden.iter().map(|(l, _)| l.out).collect();
+        let dims = MlpDims { input, hidden, n_actions };
+        dims.check_limits("INT8 greedy MLP")?;
+        Ok(dims)
     }
 
     /// The checked network's device image.
@@ -287,6 +274,7 @@ pub fn rows_per_block(p: &MlpI8Params, batch: usize, sms: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mlp_ref::MAX_WIDTH;
 
     struct Owned {
         w: Vec<Vec<i8>>,

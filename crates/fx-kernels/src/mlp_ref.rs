@@ -111,9 +111,6 @@ impl<'a> GreedyMlp<'a> {
                 });
             }
         }
-        if self.hidden.len() > MAX_HIDDEN {
-            return Err(unsupported(format!("{} hidden layers (at most {MAX_HIDDEN})", self.hidden.len())));
-        }
         let mut width = input;
         let mut hidden = Vec::with_capacity(self.hidden.len());
         for (l, _) in self.hidden {
@@ -129,20 +126,30 @@ impl<'a> GreedyMlp<'a> {
                 chain(&advantage, width, "dueling advantage head")?
             }
         };
-        for (what, w) in std::iter::once(("input", input)).chain(hidden.iter().map(|&w| ("hidden", w))) {
-            if w > MAX_WIDTH {
-                return Err(unsupported(format!("{what} width {w} (at most {MAX_WIDTH})")));
-            }
-        }
-        if n_actions > MAX_ACTIONS {
-            return Err(unsupported(format!("{n_actions} actions (at most {MAX_ACTIONS})")));
-        }
-        Ok(MlpDims { input, hidden, n_actions })
+        let dims = MlpDims { input, hidden, n_actions };
+        dims.check_limits("fused greedy MLP")?;
+        Ok(dims)
     }
 }
 
-fn unsupported(message: String) -> Error {
-    Error::Unsupported { context: "fused greedy MLP", message }
+impl MlpDims {
+    /// Refuses dimensions beyond the policy kernels' limits with [`Error::Unsupported`]
+    /// naming `kernel` (the caller can fall back to the general path).
+    pub(crate) fn check_limits(&self, kernel: &'static str) -> Result<()> {
+        let unsupported = |message: String| Err(Error::Unsupported { context: kernel, message });
+        if self.hidden.len() > MAX_HIDDEN {
+            return unsupported(format!("{} hidden layers (at most {MAX_HIDDEN})", self.hidden.len()));
+        }
+        for (what, w) in std::iter::once(("input", self.input)).chain(self.hidden.iter().map(|&w| ("hidden", w))) {
+            if w > MAX_WIDTH {
+                return unsupported(format!("{what} width {w} (at most {MAX_WIDTH})"));
+            }
+        }
+        if self.n_actions > MAX_ACTIONS {
+            return unsupported(format!("{} actions (at most {MAX_ACTIONS})", self.n_actions));
+        }
+        Ok(())
+    }
 }
 
 /// The output width of `l`, checking `weight [out, width]` (out >= 1) and `bias [out]`.
