@@ -154,9 +154,9 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
         // Outputs in quads (the image pads `out` to a multiple of 4): a lane loads 16 bytes,
         // one input word of four consecutive outputs. Lanes per quad: as many as keep every
         // thread busy, at most a warp; each lane issues up to FX_I8_LOADS loads before it
-        // uses any, so a block has a whole 256 × 256 layer (64 KB) in flight from L2 at once
-        // (a first version, 256 threads each with one 4-byte load per step, was
-        // latency-bound: 26 us for the DQN at batch 1). The quad's scales and biases are
+        // uses any, so 512 threads can issue a whole 256 × 256 layer (64 KB) before waiting
+        // (a first version, 256 threads each with one 4-byte load per step, took 26.4 us for
+        // the DQN at batch 1 on the H200; this layout 17.2 us, docs/PERFORMANCE.md). The quad's scales and biases are
         // loaded with the weights, not after the sums.
         const unsigned int nq = (n_out + 3u) >> 2;
         unsigned int L = 1;
