@@ -22,6 +22,11 @@
 //! horizontal sum is needed (the row-major kernel ends every output row with one). It also
 //! takes several activation vectors per pass over the weights (a batch of decisions reads
 //! each weight vector once for up to [`MAX_ROWS`] observations).
+//!
+//! [`Gemv::run_tiles`] multiplies up to [`TILE_ROWS`] vectors by the same interleaved weights
+//! on Intel AMX tiles where the CPU has them ([`Isa::Amx`]; `amx.rs`).
+
+mod amx;
 
 /// Row padding (bytes): one AVX-512 register, two AVX2 registers.
 pub const PAD: usize = 64;
@@ -42,6 +47,9 @@ pub enum Isa {
     AvxVnni,
     /// 512-bit `vpdpbusd` (Ice Lake server, Sapphire Rapids, Zen 4).
     Avx512Vnni,
+    /// AVX-512 VNNI for single vectors, and AMX-INT8 tiles for batches
+    /// ([`Gemv::run_tiles`]; Sapphire Rapids and later Xeons, on Linux).
+    Amx,
 }
 
 impl Isa {
@@ -52,6 +60,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::AvxVnni => "avx_vnni",
             Isa::Avx512Vnni => "avx512_vnni",
+            Isa::Amx => "amx_int8",
         }
     }
 
@@ -64,6 +73,9 @@ impl Isa {
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
             {
+                if amx::available() {
+                    v.push(Isa::Amx);
+                }
                 v.push(Isa::Avx512Vnni);
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni") {
@@ -129,7 +141,7 @@ impl Gemv {
             #[cfg(target_arch = "x86_64")]
             Isa::AvxVnni => unsafe { x86::gemv_avx_vnni(w, stride, x, row_sum, out) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni => unsafe { x86::gemv_avx512_vnni(w, stride, x, row_sum, out) },
+            Isa::Avx512Vnni | Isa::Amx => unsafe { x86::gemv_avx512_vnni(w, stride, x, row_sum, out) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => gemv_scalar(w, stride, x, out),
         }
@@ -138,6 +150,9 @@ impl Gemv {
 
 /// Most activation vectors one [`Gemv::run_vertical`] pass takes.
 pub const MAX_ROWS: usize = 8;
+
+/// Most activation vectors one [`Gemv::run_tiles`] pass takes: two AMX tiles of 16 rows.
+pub const TILE_ROWS: usize = 32;
 
 /// Widest (padded) input of an interleaved layer: the kernel keeps the inputs' byte groups
 /// on the stack (1024 covers every network here; wider layers stay row-major).
@@ -186,7 +201,40 @@ impl VerticalWeights {
 impl Gemv {
     /// Whether [`Gemv::run_vertical`] runs here (the AVX-512 VNNI product).
     pub fn has_vertical(self) -> bool {
-        self.isa == Isa::Avx512Vnni
+        matches!(self.isa, Isa::Avx512Vnni | Isa::Amx)
+    }
+
+    /// Whether [`Gemv::run_tiles`] runs here (AMX).
+    pub fn has_tiles(self) -> bool {
+        self.isa == Isa::Amx
+    }
+
+    /// [`Gemv::run_vertical`] for 1 ..= [`TILE_ROWS`] activation vectors on AMX tiles:
+    /// `outs[r][o] = Σ_i w[o, i] · xs[r][i]`, the same exact integers as [`gemv_scalar`];
+    /// `false` (nothing written) unless [`Gemv::has_tiles`].
+    #[inline]
+    pub fn run_tiles(self, w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) -> bool {
+        assert!(
+            (1..=TILE_ROWS).contains(&xs.len())
+                && outs.len() == xs.len()
+                && xs.iter().all(|x| x.len() >= w.stride)
+                && outs.iter().all(|o| o.len() >= w.rows),
+            "Gemv::run_tiles: {} activation vectors, {} outputs",
+            xs.len(),
+            outs.len()
+        );
+        if !self.has_tiles() {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: AMX (with the process's tile grant) and AVX-512 F/BW were detected when
+            // `self` was built; lengths checked.
+            unsafe { amx::gemv_tiles(w, xs, outs) };
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
     }
 
     /// `out[r][o] = Σ_i w[o, i] · x[r][i]` for each of the `xs.len()` (1 ..= [`MAX_ROWS`])
@@ -551,6 +599,45 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        /// The AMX kernel gives the scalar sums for 1..=32 activation vectors at once (one or
+        /// two row tiles, partly filled), for every row count (single and paired blocks of 16,
+        /// partial blocks) and width (where the CPU has it; otherwise it must say so and write
+        /// nothing).
+        #[test]
+        fn tile_kernel_equals_the_scalar_reference(
+            rows in 1usize..70,
+            chunks in 1usize..=16,
+            n in 1usize..=TILE_ROWS,
+            w in proptest::collection::vec(-127i8..=127, 1..600),
+            x in proptest::collection::vec(-127i8..=127, 4..400),
+        ) {
+            let stride = chunks * PAD;
+            let wm = matrix(rows, stride, &w);
+            let vw = VerticalWeights::new(&wm, stride, rows).expect("stride within the vertical bound");
+            let xs: Vec<Vec<i8>> = (0..n).map(|r| (0..stride).map(|i| x[(i * (r + 1) + r) % x.len()]).collect()).collect();
+            let mut got: Vec<Vec<i32>> = vec![vec![i32::MIN; rows + 3]; n];
+            let ran = {
+                let xr: Vec<&[i8]> = xs.iter().map(|v| &v[..]).collect();
+                let mut or: Vec<&mut [i32]> = got.iter_mut().map(|v| &mut v[..]).collect();
+                Gemv::new(Isa::detect()).unwrap().run_tiles(&vw, &xr, &mut or)
+            };
+            if !ran {
+                prop_assert!(!Isa::available().contains(&Isa::Amx));
+                prop_assert!(got.iter().all(|g| g.iter().all(|&v| v == i32::MIN)));
+            } else {
+                for (r, xv) in xs.iter().enumerate() {
+                    let mut want = vec![0i32; rows];
+                    gemv_scalar(&wm, stride, xv, &mut want);
+                    prop_assert_eq!(&got[r][..rows], &want[..], "vector {}", r);
+                    // Nothing past the matrix's rows is written.
+                    prop_assert!(got[r][rows..].iter().all(|&v| v == i32::MIN), "vector {} wrote past its rows", r);
+                }
+            }
+        }
+    }
+
     /// The extremes: every product ±127², the sums the AVX2 path must not saturate.
     #[test]
     fn extreme_values_do_not_saturate() {
@@ -564,6 +651,15 @@ mod tests {
                 let mut got = vec![0; 5];
                 Gemv::new(isa).unwrap().run(&w, stride, &x, &rs, &mut got);
                 assert!(got.iter().all(|&g| g == want), "{isa:?}: {got:?} vs {want}");
+                if isa == Isa::Amx {
+                    // The tiles too, with every row of both row tiles at the extreme.
+                    let vw = VerticalWeights::new(&w, stride, 5).unwrap();
+                    let xs = vec![&x[..]; TILE_ROWS];
+                    let mut outs = vec![vec![0i32; 5]; TILE_ROWS];
+                    let mut or: Vec<&mut [i32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
+                    assert!(Gemv::new(isa).unwrap().run_tiles(&vw, &xs, &mut or));
+                    assert!(outs.iter().flatten().all(|&g| g == want), "AMX tiles: {outs:?} vs {want}");
+                }
             }
         }
         assert_eq!(padded(56), 64);

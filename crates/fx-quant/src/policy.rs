@@ -13,7 +13,7 @@
 use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::{FloatLayer, PolicyKind};
-use crate::gemv_i8::{Gemv, Isa, VerticalWeights, MAX_ROWS};
+use crate::gemv_i8::{Gemv, Isa, VerticalWeights, MAX_ROWS, TILE_ROWS};
 use crate::qnet::{dynamic_input_scale, quantize_input, PackedLinear, QuantLayer, QuantNet};
 
 #[derive(Debug, Clone)]
@@ -184,10 +184,23 @@ pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32],
     dequantize_row(l, acc, step, y);
 }
 
-/// One layer for `n <= MAX_ROWS` rows at once: row `r`'s input is `xs[r·wx ..][..inp]`,
+/// Batches of at least this many rows take the AMX tiles where the CPU has them (fewer take
+/// the AVX-512 VNNI interleaved kernel, which computes only the rows it is given).
+const TILES_FROM_ROWS: usize = 5;
+
+/// Rows one batch pass takes: [`TILE_ROWS`] on AMX, else [`MAX_ROWS`].
+pub(crate) fn pass_rows(gemv: Gemv) -> usize {
+    if gemv.has_tiles() {
+        TILE_ROWS
+    } else {
+        MAX_ROWS
+    }
+}
+
+/// One layer for `n <= pass_rows(gemv)` rows at once: row `r`'s input is `xs[r·wx ..][..inp]`,
 /// its output goes to `ys[r·wy ..][..out]`. Each row is quantised, dequantised and
 /// computed exactly as [`dense`] does it; only the INT8 product reads each weight vector
-/// once for all the rows (where the interleaved kernel runs).
+/// once for all the rows (where the interleaved or the AMX kernel runs).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn dense_rows(
@@ -205,16 +218,20 @@ pub(crate) fn dense_rows(
 ) {
     match layer {
         Packed::Int8(l, Some(v)) if gemv.has_vertical() && n > 1 => {
-            let mut steps = [None; MAX_ROWS];
+            let mut steps = [None; TILE_ROWS];
             for (r, step) in steps.iter_mut().enumerate().take(n) {
                 *step = quantize_row(l, &xs[r * wx..], &mut xq[r * wq..]);
             }
             {
-                let xr: [&[i8]; MAX_ROWS] =
+                let xr: [&[i8]; TILE_ROWS] =
                     std::array::from_fn(|r| if r < n { &xq[r * wq..r * wq + l.stride] } else { &[] });
                 let mut it = acc.chunks_mut(wa);
-                let mut or: [&mut [i32]; MAX_ROWS] = std::array::from_fn(|_| it.next().unwrap_or_default());
-                gemv.run_vertical(v, &xr[..n], &mut or[..n]);
+                let mut or: [&mut [i32]; TILE_ROWS] = std::array::from_fn(|_| it.next().unwrap_or_default());
+                if !(n >= TILES_FROM_ROWS && gemv.run_tiles(v, &xr[..n], &mut or[..n])) {
+                    for (x8, o8) in xr[..n].chunks(MAX_ROWS).zip(or[..n].chunks_mut(MAX_ROWS)) {
+                        gemv.run_vertical(v, x8, o8);
+                    }
+                }
             }
             for (r, &step) in steps.iter().enumerate().take(n) {
                 dequantize_row(l, &acc[r * wa..r * wa + l.out], step, &mut ys[r * wy..r * wy + l.out]);
@@ -261,7 +278,7 @@ fn forward(m: &Model, s: &mut Scratch, obs: &[f32]) -> usize {
     first_argmax(scores)
 }
 
-/// Buffers of a batch pass: [`MAX_ROWS`] rows of each of [`Scratch`]'s.
+/// Buffers of a batch pass: [`pass_rows`] rows of each of [`Scratch`]'s.
 #[derive(Debug, Clone)]
 struct BatchScratch {
     a: Vec<f32>,
@@ -276,21 +293,21 @@ struct BatchScratch {
 }
 
 impl BatchScratch {
-    fn new(widest: usize, widest_padded: usize, n_actions: usize) -> Self {
+    fn new(rows: usize, widest: usize, widest_padded: usize, n_actions: usize) -> Self {
         Self {
-            a: vec![0.0; MAX_ROWS * widest],
-            b: vec![0.0; MAX_ROWS * widest],
-            xq: vec![0; MAX_ROWS * widest_padded],
-            acc: vec![0; MAX_ROWS * widest],
-            value: vec![0.0; MAX_ROWS],
-            scores: vec![0.0; MAX_ROWS * n_actions],
+            a: vec![0.0; rows * widest],
+            b: vec![0.0; rows * widest],
+            xq: vec![0; rows * widest_padded],
+            acc: vec![0; rows * widest],
+            value: vec![0.0; rows],
+            scores: vec![0.0; rows * n_actions],
             width: widest,
             width_q: widest_padded,
         }
     }
 }
 
-/// [`forward`] for `n <= MAX_ROWS` observations (`obs`: `n × state_dim`) at once, each
+/// [`forward`] for `n <= pass_rows(m.gemv)` observations (`obs`: `n × state_dim`) at once, each
 /// row computed exactly as [`forward`] computes it; their actions into `actions[..n]`, the
 /// scores stay in `s.scores` (`n × n_actions`).
 #[inline(always)]
@@ -401,7 +418,7 @@ impl Int8Policy {
                 value: [0.0],
                 scores: vec![0.0; n_actions],
             },
-            batch: BatchScratch::new(widest, widest_padded, n_actions),
+            batch: BatchScratch::new(pass_rows(gemv), widest, widest_padded, n_actions),
             avx2: isa != Isa::Scalar && has_avx2_fma(),
         })
     }
@@ -452,7 +469,7 @@ impl Int8Policy {
     /// Greedy actions for `obs` rows (`rows × state_dim` values) into `actions` (`rows`),
     /// each as [`Int8Policy::act`] decides it (the same scores to the bit); up to
     /// [`MAX_ROWS`] rows share each pass over the weights where the AVX-512 VNNI kernel
-    /// runs.
+    /// runs, up to [`TILE_ROWS`] where AMX does.
     pub fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
         self.act_batch_scores(obs, actions, None)
     }
@@ -483,7 +500,8 @@ impl Int8Policy {
         if let Some((index, value)) = first_non_finite(obs) {
             return Err(Error::NonFinite { what: "obs".into(), index, value: value as f64, context: CTX });
         }
-        for (i, (rows, acts)) in obs.chunks(MAX_ROWS * d).zip(actions.chunks_mut(MAX_ROWS)).enumerate() {
+        let pass = pass_rows(self.model.gemv);
+        for (i, (rows, acts)) in obs.chunks(pass * d).zip(actions.chunks_mut(pass)).enumerate() {
             let n = acts.len();
             #[cfg(target_arch = "x86_64")]
             if self.avx2 {
@@ -495,7 +513,7 @@ impl Int8Policy {
             #[cfg(not(target_arch = "x86_64"))]
             forward_rows(&self.model, &mut self.batch, rows, n, acts);
             if let Some(sc) = scores.as_deref_mut() {
-                let at = i * MAX_ROWS * na;
+                let at = i * pass * na;
                 sc[at..at + n * na].copy_from_slice(&self.batch.scores[..n * na]);
             }
         }
@@ -504,8 +522,8 @@ impl Int8Policy {
 }
 
 /// Timing printouts (ignored tests, run in release with `--ignored --nocapture timing`):
-/// the interleaved AVX-512 VNNI layout against the row-major one on the same CPU, for the
-/// default DQN and PPO shapes.
+/// the interleaved AVX-512 VNNI layout against the row-major one, and the AMX tiles where the
+/// CPU has them, on the same CPU, for the default DQN and PPO shapes, batch 1 to 256.
 #[cfg(test)]
 mod timing {
     use super::*;
@@ -533,7 +551,11 @@ mod timing {
             let q = crate::quantize(&net, &uniforms(1, 2, 512 * 56), CalibMethod::Dynamic, &[]).unwrap();
             let obs = uniforms(3, 4, 256 * 56);
             let vertical = Int8Policy::with_isa(&q, Isa::Avx512Vnni).unwrap();
-            for (name, mut p) in [("row-major", row_major(vertical.clone())), ("interleaved", vertical)] {
+            let mut layouts = vec![("row-major", row_major(vertical.clone())), ("interleaved", vertical)];
+            if let Ok(p) = Int8Policy::with_isa(&q, Isa::Amx) {
+                layouts.push(("amx", p));
+            }
+            for (name, mut p) in layouts {
                 let mut b1 = Vec::with_capacity(4000);
                 for i in 0..4000 {
                     let row = &obs[(i % 256) * 56..(i % 256 + 1) * 56];
@@ -542,20 +564,21 @@ mod timing {
                     b1.push(t.elapsed().as_secs_f64() * 1e6);
                 }
                 b1.sort_by(f64::total_cmp);
-                let mut acts = vec![0usize; 256];
-                let mut b256 = Vec::with_capacity(200);
-                for _ in 0..200 {
-                    let t = std::time::Instant::now();
-                    p.act_batch(&obs, &mut acts).unwrap();
-                    b256.push(t.elapsed().as_secs_f64() * 1e6);
+                let mut line = format!("{kind:?} {name:<11}: b1 p50 {:.2} us", b1[b1.len() / 2]);
+                for batch in [4usize, 8, 16, 32, 64, 256] {
+                    let mut acts = vec![0usize; batch];
+                    let reps = 200 * 256 / batch;
+                    let mut t_us = Vec::with_capacity(reps);
+                    for _ in 0..reps {
+                        let t = std::time::Instant::now();
+                        p.act_batch(&obs[..batch * 56], &mut acts).unwrap();
+                        t_us.push(t.elapsed().as_secs_f64() * 1e6);
+                    }
+                    t_us.sort_by(f64::total_cmp);
+                    let p50 = t_us[t_us.len() / 2];
+                    line += &format!(", b{batch} {:.0}/s", batch as f64 / (p50 * 1e-6));
                 }
-                b256.sort_by(f64::total_cmp);
-                println!(
-                    "{kind:?} {name:<11}: b1 p50 {:.2} us, b256 p50 {:.1} us ({:.0} samples/s)",
-                    b1[b1.len() / 2],
-                    b256[b256.len() / 2],
-                    256.0 / (b256[b256.len() / 2] * 1e-6)
-                );
+                println!("{line}");
             }
         }
     }
@@ -600,19 +623,20 @@ mod tests {
             let method = [CalibMethod::MinMax, CalibMethod::Percentile(99.0), CalibMethod::Dynamic][method_pick as usize];
             let q = crate::quantize(&net, &calib, method, &keep_f32).unwrap();
             // Fresh observations, wider than the calibration range so inputs also clip.
-            let obs: Vec<f32> = uniforms(net_seed ^ 2, 4, 16 * state_dim).iter().map(|v| v * obs_scale * 1.5).collect();
+            let obs: Vec<f32> = uniforms(net_seed ^ 2, 4, 70 * state_dim).iter().map(|v| v * obs_scale * 1.5).collect();
             for isa in Isa::available() {
                 let mut p = Int8Policy::with_isa(&q, isa).unwrap();
-                for row in obs.chunks_exact(state_dim) {
+                for row in obs.chunks_exact(state_dim).take(16) {
                     let (want, want_a) = reference_scores(&q, row).unwrap();
                     let a = p.act(row).unwrap();
                     prop_assert_eq!(a, want_a, "{:?}", isa);
                     let same = p.scores().iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
                     prop_assert!(same, "{:?}: {:?} vs {:?}", isa, p.scores(), want);
                 }
-                // Batches of every size class (whole groups of MAX_ROWS and remainders) give
-                // each row exactly the reference's scores too.
-                for rows in [1usize, 3, 4, 5, 16] {
+                // Batches of every size class (whole passes of MAX_ROWS or TILE_ROWS rows,
+                // remainders below and above TILES_FROM_ROWS) give each row exactly the
+                // reference's scores too.
+                for rows in [1usize, 3, 4, 5, 16, 37, 70] {
                     let part = &obs[..rows * state_dim];
                     let mut acts = vec![usize::MAX; rows];
                     let mut scores = vec![f32::NAN; rows * n_actions];

@@ -33,8 +33,8 @@ use fx_models::{Tft, TftConfig};
 use crate::calibrate::{CalibMethod, InputStats};
 use crate::error::{Error, Result};
 use crate::float_net::FloatLayer;
-use crate::gemv_i8::{Gemv, Isa, VerticalWeights, MAX_ROWS};
-use crate::policy::{dense_rows, Packed};
+use crate::gemv_i8::{Gemv, Isa, VerticalWeights};
+use crate::policy::{dense_rows, pass_rows, Packed};
 use crate::qnet::{CalibInfo, PackedLinear, QuantLinear};
 
 /// Percentile calibration keeps at most this many `|x|` per part (1 MiB), thinned evenly.
@@ -551,7 +551,8 @@ impl Int8Hook {
             }
             parts.push(v);
         }
-        let scratch = RefCell::new((vec![0i8; MAX_ROWS * wq], vec![0i32; MAX_ROWS * wa], Vec::new()));
+        let pass = pass_rows(gemv);
+        let scratch = RefCell::new((vec![0i8; pass * wq], vec![0i32; pass * wa], Vec::new()));
         let hits = RefCell::new(list.iter().map(|m| vec![0; m.names.len()]).collect());
         Ok(Self { list, by_addr, parts, gemv, scratch, hits, wq, wa })
     }
@@ -570,7 +571,7 @@ impl Int8Hook {
         let (xq, acc, _) = &mut *s;
         let mut r = 0;
         while r < rows {
-            let n = (rows - r).min(MAX_ROWS);
+            let n = (rows - r).min(pass_rows(self.gemv));
             // SAFETY: n rows of x from row r (the last one `inp` long) and of y (`out` long).
             let xs = unsafe { std::slice::from_raw_parts(x.add(r * lda), (n - 1) * lda + inp) };
             let ys = unsafe { std::slice::from_raw_parts_mut(y.add(r * ldc), (n - 1) * ldc + out) };

@@ -646,9 +646,9 @@ mod tests {
         let plan = tiny_plan();
         let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
         let recs = run_cases(&mut ctx, &plan);
-        // 2 models x 1 batch x 2 precisions, 2 models x 3 latency modes, 2 models x 3
+        // 2 models x 1 batch x 2 precisions, 2 models x 4 latency modes, 2 models x 4
         // throughput modes, 2 env
-        assert_eq!(recs.len(), 18, "{recs:#?}");
+        assert_eq!(recs.len(), 22, "{recs:#?}");
         for r in &recs {
             assert_eq!(r.get("status"), Some(&json!("ok")), "{r:?}");
             for k in ["case", "kind", "model", "mode", "device"] {
@@ -690,8 +690,11 @@ mod tests {
         }
         let latency: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "latency").collect();
         let modes: Vec<&str> = latency.iter().map(|r| r["mode"].as_str().unwrap()).collect();
-        assert_eq!(modes, ["eager_fp32", "cpu_fp32", "int8", "eager_fp32", "cpu_fp32", "int8"]);
-        for r in latency.iter().filter(|r| r["mode"] == "int8") {
+        assert_eq!(
+            modes,
+            ["eager_fp32", "cpu_fp32", "int8", "int8_guarded", "eager_fp32", "cpu_fp32", "int8", "int8_guarded"]
+        );
+        for r in latency.iter().filter(|r| r["mode"].as_str().is_some_and(|m| m.starts_with("int8"))) {
             assert!(r["isa"].as_str().is_some_and(|s| !s.is_empty()), "{r:?}");
         }
         let infer: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "infer").collect();
@@ -703,11 +706,17 @@ mod tests {
                 ("dqn_infer_b16", "eager_fp32"),
                 ("dqn_infer_b16", "cpu_fp32"),
                 ("dqn_infer_b16", "int8"),
+                ("dqn_infer_b16", "int8_guarded"),
                 ("ppo_infer_b16", "eager_fp32"),
                 ("ppo_infer_b16", "cpu_fp32"),
-                ("ppo_infer_b16", "int8")
+                ("ppo_infer_b16", "int8"),
+                ("ppo_infer_b16", "int8_guarded")
             ]
         );
+        for r in recs.iter().filter(|r| r["mode"] == "int8_guarded") {
+            let (share, margin) = (num(r, "checked_share"), num(r, "decision_margin"));
+            assert!((0.0..=1.0).contains(&share) && margin.is_finite() && margin >= 0.0, "{r:?}");
+        }
         for r in &infer {
             let (p50, sps) = (num(r, "p50_us"), num(r, "samples_per_s"));
             assert!(p50 > 0.0 && (sps - 16.0 / (p50 / 1e6)).abs() <= 1e-3 * sps + 1.0, "{r:?}");

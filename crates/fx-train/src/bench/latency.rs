@@ -27,7 +27,12 @@
 //! - `int8` (CPU): `fx_quant::Int8Policy::act`, the default network quantised by `fx-quant`
 //!   (per-channel INT8 weights, dynamic input scales as `fx-train quantize` writes by
 //!   default: each decision's own max |x| per layer), host slice in
-//!   → action on the calling thread, INT8 products on the best ISA (`isa` in the record).
+//!   → action on the calling thread, INT8 products on the best ISA (`isa` in the record);
+//! - `int8_guarded` (CPU): `fx_quant::GuardedPolicy` over that `int8` policy and `cpu_fp32`
+//!   (INT8, then F32 where the two best INT8 scores are within the decision margin
+//!   `quantize` would record), its calls cycling through 256 states, since how often F32
+//!   runs depends on them (`checked_share` and `decision_margin` in the record). The
+//!   benchmark's network is random, so its share says little of a trained one's.
 //!
 //! The fused and CPU modes also record `matches_eager`: their action for the timed state
 //! equals the eager one (for `int8` a near-tie may legitimately differ).
@@ -35,7 +40,8 @@
 //! Throughput (`*_infer_b256`, kind `infer`, bench.py's `run_infer_throughput_case`):
 //! greedy actions for 256 states per call, modes `eager_fp32` (candle, one `[256, 56]`
 //! forward), on CUDA `fused_fp32` (the one-launch kernel, a block per row) and `int8` (the
-//! INT8 kernel, several rows per block; `kernel_us` its device time), `cpu_fp32` (`CpuPolicy::act_batch`) and `int8` (`Int8Policy::act_batch`) on
+//! INT8 kernel, several rows per block; `kernel_us` its device time), `cpu_fp32` (`CpuPolicy::act_batch`), `int8` (`Int8Policy::act_batch`: AMX tiles on
+//! 32 rows at a time where the CPU has them) and `int8_guarded` (`GuardedPolicy::act_batch`) on
 //! the CPU; p50 of `max(50, lat_n / 10)` timed calls after 20, `samples_per_s` = batch / p50.
 
 use std::time::Instant;
@@ -55,6 +61,9 @@ pub(crate) enum LatencyMode {
     Eager,
     Cpu,
     Int8,
+    /// `fx_quant::GuardedPolicy`: INT8, F32 (`CpuPolicy`) where the two best INT8 scores are
+    /// within the decision margin.
+    Int8Guarded,
     #[cfg(feature = "cuda")]
     Fused,
     #[cfg(feature = "cuda")]
@@ -72,6 +81,7 @@ impl LatencyMode {
             LatencyMode::Eager => "eager_fp32",
             LatencyMode::Cpu => "cpu_fp32",
             LatencyMode::Int8 => "int8",
+            LatencyMode::Int8Guarded => "int8_guarded",
             #[cfg(feature = "cuda")]
             LatencyMode::Fused => "fused_fp32",
             #[cfg(feature = "cuda")]
@@ -96,7 +106,7 @@ impl LatencyMode {
                 LatencyMode::FusedInt8,
             ];
         }
-        vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8]
+        vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8, LatencyMode::Int8Guarded]
     }
 
     /// The modes of the batch-256 throughput cases (CPU decisions only on the CPU).
@@ -108,7 +118,7 @@ impl LatencyMode {
             modes.extend([LatencyMode::Fused, LatencyMode::FusedInt8]);
             modes
         } else {
-            vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8]
+            vec![LatencyMode::Eager, LatencyMode::Cpu, LatencyMode::Int8, LatencyMode::Int8Guarded]
         }
     }
 }
@@ -157,12 +167,26 @@ impl Net {
 
     /// The quantised network behind [`Net::int8`] (and the GPU's `int8` mode).
     fn quant(&self) -> Result<fx_quant::QuantNet> {
-        let float = match self {
+        Ok(fx_quant::quantize(&self.float()?, &Self::calib()?, fx_quant::CalibMethod::Dynamic, &[])?)
+    }
+
+    fn float(&self) -> Result<fx_quant::FloatNet> {
+        Ok(match self {
             Net::Dqn(n) => fx_quant::FloatNet::from_dqn(n)?,
             Net::Ppo(n) => fx_quant::FloatNet::from_ppo(n)?,
-        };
-        let calib = states(&Device::Cpu, 512, 9, 2)?.flatten_all()?.to_vec1::<f32>()?;
-        Ok(fx_quant::quantize(&float, &calib, fx_quant::CalibMethod::Dynamic, &[])?)
+        })
+    }
+
+    fn calib() -> Result<Vec<f32>> {
+        Ok(states(&Device::Cpu, 512, 9, 2)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// [`Net::int8`] guarded by the F32 CPU policy, at the margin `quantize` would record
+    /// (`fx_quant::decision_margin` on the calibration states).
+    fn guarded(&self) -> Result<fx_quant::GuardedPolicy<fx_kernels::mlp_cpu::CpuPolicy>> {
+        let quant = self.quant()?;
+        let margin = fx_quant::decision_margin(&self.float()?, &quant, &Self::calib()?)?;
+        Ok(fx_quant::GuardedPolicy::with_margin(fx_quant::Int8Policy::new(&quant)?, self.cpu()?, margin)?)
     }
 
     #[cfg(feature = "cuda")]
@@ -279,6 +303,23 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             rec.insert("isa".into(), json!(policy.isa().name()));
             time_calls(&dev, warm, n, false, || Ok(policy.act(&host)?))?
         }
+        LatencyMode::Int8Guarded => {
+            // How often the F32 check runs depends on the states, so the calls cycle through
+            // 256 of them (the other modes repeat one); the share is reported.
+            use fx_quant::Decide;
+            let mut policy = net.guarded()?;
+            let states = super::data::states(&Device::Cpu, 256, 9, 4)?.flatten_all()?.to_vec1::<f32>()?;
+            let d = states.len() / 256;
+            rec.insert("isa".into(), json!(policy.int8().isa().name()));
+            rec.insert("decision_margin".into(), json!(policy.margin()));
+            let mut i = 0;
+            let ts = time_calls(&dev, warm, n, false, || {
+                i += 1;
+                Ok(policy.act(&states[(i % 256) * d..(i % 256 + 1) * d])?)
+            })?;
+            rec.insert("checked_share".into(), json!(round(policy.checked_share(), 4)));
+            ts
+        }
         #[cfg(feature = "cuda")]
         LatencyMode::Fused => {
             let policy = net.fused()?;
@@ -386,6 +427,15 @@ pub(crate) fn throughput_case(
             rec.insert("isa".into(), json!(policy.isa().name()));
             let mut out = vec![0usize; batch];
             time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))?
+        }
+        LatencyMode::Int8Guarded => {
+            let mut policy = net.guarded()?;
+            rec.insert("isa".into(), json!(policy.int8().isa().name()));
+            rec.insert("decision_margin".into(), json!(policy.margin()));
+            let mut out = vec![0usize; batch];
+            let ts = time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))?;
+            rec.insert("checked_share".into(), json!(round(policy.checked_share(), 4)));
+            ts
         }
         #[cfg(feature = "cuda")]
         LatencyMode::Fused => {
