@@ -29,8 +29,6 @@
 #define FX_I8_MAX_LAYERS 6
 #define FX_I8_MAX_HIDDEN 4
 #define FX_I8_MAX_ACTIONS 16
-// 16-byte weight loads a lane has in flight before it uses them.
-#define FX_I8_LOADS 8
 
 #define FX_I8_ACT_RELU 1u
 #define FX_I8_ACT_TANH 2u
@@ -119,7 +117,8 @@ __device__ __forceinline__ void fx_i8_publish_amax(const FxI8Out& out, unsigned 
 // One layer for the block's rows: x [R][stride] floats in (amax_in: the rows' max |x| as
 // float bits), outputs to `out`. Every thread of the block calls it; two barriers: after the
 // input is quantised, and at the end (outputs and out.amax complete).
-template <int R>
+// LOADS: 16-byte weight loads a lane has in flight before it uses them.
+template <int R, int LOADS>
 __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float* x, const unsigned int* amax_in,
                             unsigned int* xq, float* step, unsigned int nr, FxI8Out out) {
     const unsigned int in = p.in_width[l], n_out = p.out_width[l], k4n = (in + 3u) >> 2;
@@ -179,15 +178,15 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
             for (int c = 0; c < 4; ++c)
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[c][r] = 0;
-            for (unsigned int k0 = part; k0 < k4n; k0 += FX_I8_LOADS * L) {
-                uint4 wv[FX_I8_LOADS];
+            for (unsigned int k0 = part; k0 < k4n; k0 += LOADS * L) {
+                uint4 wv[LOADS];
 #pragma unroll
-                for (int j = 0; j < FX_I8_LOADS; ++j) {
+                for (int j = 0; j < LOADS; ++j) {
                     const unsigned int k = k0 + j * L;
                     wv[j] = k < k4n ? __ldg(w4 + (size_t)k * nq + q) : make_uint4(0u, 0u, 0u, 0u);
                 }
 #pragma unroll
-                for (int j = 0; j < FX_I8_LOADS; ++j) {
+                for (int j = 0; j < LOADS; ++j) {
                     const unsigned int k = k0 + j * L;
                     if (k < k4n) {
 #pragma unroll
@@ -254,7 +253,7 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
 // Dynamic shared memory: x and y [R][stride] floats, xq [R][stride / 4] words, step [R],
 // scores [R][n_actions + 1], and two [R] arrays of row maxima (the current input's, the
 // next one's).
-template <int R>
+template <int R, int LOADS>
 __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ obs, unsigned int batch,
                              unsigned int* __restrict__ actions, float* __restrict__ values) {
     extern __shared__ __align__(16) float fx_i8_smem[];
@@ -289,7 +288,7 @@ __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ o
         unsigned int* amax_in = amax_a;
         unsigned int* amax_out = amax_b;
         for (unsigned int l = 0; l < nh; ++l) {
-            fx_i8_layer<R>(p, l, x, amax_in, xq, step, nr, FxI8Out{y, p.stride, 0u, p.act[l], amax_out});
+            fx_i8_layer<R, LOADS>(p, l, x, amax_in, xq, step, nr, FxI8Out{y, p.stride, 0u, p.act[l], amax_out});
             float* t = x;
             x = y;
             y = t;
@@ -298,10 +297,10 @@ __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ o
             amax_out = u;
         }
         if (p.head == FX_I8_HEAD_DUELING) {
-            fx_i8_layer<R>(p, nh, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u, nullptr});
-            fx_i8_layer<R>(p, nh + 1u, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 1u, 0u, nullptr});
+            fx_i8_layer<R, LOADS>(p, nh, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u, nullptr});
+            fx_i8_layer<R, LOADS>(p, nh + 1u, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 1u, 0u, nullptr});
         } else {
-            fx_i8_layer<R>(p, nh, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u, nullptr});
+            fx_i8_layer<R, LOADS>(p, nh, x, amax_in, xq, step, nr, FxI8Out{scores, sc_stride, 0u, 0u, nullptr});
         }
         if (threadIdx.x < nr) {
             const unsigned int r = threadIdx.x;
@@ -330,16 +329,29 @@ __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ o
 }
 
 // obs [batch, in_width[0]] f32 row-major; actions [batch] u32; values [batch, n_actions] f32
-// or null. Block: 512 or 256 threads (mlp_i8.rs: block_threads); grid: ceil(batch / rows) blocks at most (grid-stride beyond);
-// dynamic shared memory as fx_i8_greedy says (mlp_i8.rs computes it).
+// or null; dynamic shared memory as fx_i8_greedy says (mlp_i8.rs computes it); grid:
+// ceil(batch / rows) blocks at most (grid-stride beyond). Two entry points, so that each gets
+// its own register budget: this one for 1 or 2 rows a block (512 threads: a lone block has
+// eight loads a lane in flight), fx_mlp_i8_greedy_wide for 4 or 8 (256 threads, several
+// blocks an SM for large batches; fewer loads in flight and accumulators that fit in the
+// registers of WIDE_BLOCKS blocks). mlp_i8.rs: block_threads, wide.
 extern "C" __global__ void __launch_bounds__(512) fx_mlp_i8_greedy(const FxMlpI8Params p,
                                                                 const float* __restrict__ obs, unsigned int batch,
                                                                 unsigned int* __restrict__ actions,
                                                                 float* __restrict__ values) {
-    switch (p.rows) {
-        case 1: fx_i8_greedy<1>(p, obs, batch, actions, values); break;
-        case 2: fx_i8_greedy<2>(p, obs, batch, actions, values); break;
-        case 4: fx_i8_greedy<4>(p, obs, batch, actions, values); break;
-        default: fx_i8_greedy<8>(p, obs, batch, actions, values); break;
-    }
+    if (p.rows == 1) fx_i8_greedy<1, 8>(p, obs, batch, actions, values);
+    else fx_i8_greedy<2, 8>(p, obs, batch, actions, values);
+}
+
+#ifndef FX_I8_WIDE_BLOCKS
+#define FX_I8_WIDE_BLOCKS 3
+#endif
+#ifndef FX_I8_WIDE_LOADS
+#define FX_I8_WIDE_LOADS 2
+#endif
+extern "C" __global__ void __launch_bounds__(256, FX_I8_WIDE_BLOCKS) fx_mlp_i8_greedy_wide(
+    const FxMlpI8Params p, const float* __restrict__ obs, unsigned int batch, unsigned int* __restrict__ actions,
+    float* __restrict__ values) {
+    if (p.rows == 4) fx_i8_greedy<4, FX_I8_WIDE_LOADS>(p, obs, batch, actions, values);
+    else fx_i8_greedy<8, FX_I8_WIDE_LOADS>(p, obs, batch, actions, values);
 }

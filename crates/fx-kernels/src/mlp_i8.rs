@@ -12,11 +12,11 @@ use crate::mlp_ref::{Activation, Head, MlpDims, MAX_HIDDEN};
 
 /// Layers of the kernel's parameter block: [`MAX_HIDDEN`] hidden and a two-layer head.
 pub const MAX_LAYERS: usize = MAX_HIDDEN + 2;
-/// Threads per block of `fx_mlp_i8_greedy` for `rows` rows per block: 512 (its
-/// `__launch_bounds__`) for one or two rows, for more loads in flight; 256 for more rows,
-/// for fewer lanes per output (fewer shuffles) and two blocks an SM. The split came in with
-/// other changes in the H200's run 3 (batch 8192: 232 → 143 µs for the DQN) and was not
-/// measured apart.
+/// Threads per block for `rows` rows per block: 512 for one or two rows (`fx_mlp_i8_greedy`'s
+/// `__launch_bounds__`), for more loads in flight; 256 for more rows
+/// (`fx_mlp_i8_greedy_wide`), for fewer lanes per output (fewer shuffles) and several blocks
+/// an SM. The split came in with other changes in the H200's run 3 (batch 8192: 232 → 143
+/// µs for the DQN) and was not measured apart.
 pub fn block_threads(rows: u32) -> u32 {
     if rows <= 2 {
         512

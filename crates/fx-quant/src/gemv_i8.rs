@@ -23,8 +23,8 @@
 //! takes several activation vectors per pass over the weights (a batch of decisions reads
 //! each weight vector once for up to [`MAX_ROWS`] observations).
 //!
-//! [`Gemv::run_tiles`] multiplies up to [`TILE_ROWS`] vectors by the same interleaved weights
-//! on Intel AMX tiles where the CPU has them ([`Isa::Amx`]; `amx.rs`).
+//! [`Tiles::run`] multiplies up to [`TILE_ROWS`] vectors by the same interleaved weights on
+//! Intel AMX tiles where the CPU has them ([`Isa::Amx`]; `amx.rs`).
 
 mod amx;
 
@@ -48,7 +48,7 @@ pub enum Isa {
     /// 512-bit `vpdpbusd` (Ice Lake server, Sapphire Rapids, Zen 4).
     Avx512Vnni,
     /// AVX-512 VNNI for single vectors, and AMX-INT8 tiles for batches
-    /// ([`Gemv::run_tiles`]; Sapphire Rapids and later Xeons, on Linux).
+    /// ([`Tiles::run`]; Sapphire Rapids and later Xeons, on Linux).
     Amx,
 }
 
@@ -151,7 +151,7 @@ impl Gemv {
 /// Most activation vectors one [`Gemv::run_vertical`] pass takes.
 pub const MAX_ROWS: usize = 8;
 
-/// Most activation vectors one [`Gemv::run_tiles`] pass takes: two AMX tiles of 16 rows.
+/// Most activation vectors one [`Tiles::run`] pass takes: two AMX tiles of 16 rows.
 pub const TILE_ROWS: usize = 32;
 
 /// Widest (padded) input of an interleaved layer: the kernel keeps the inputs' byte groups
@@ -204,39 +204,6 @@ impl Gemv {
         matches!(self.isa, Isa::Avx512Vnni | Isa::Amx)
     }
 
-    /// Whether [`Gemv::run_tiles`] runs here (AMX).
-    pub fn has_tiles(self) -> bool {
-        self.isa == Isa::Amx
-    }
-
-    /// [`Gemv::run_vertical`] for 1 ..= [`TILE_ROWS`] activation vectors on AMX tiles:
-    /// `outs[r][o] = Σ_i w[o, i] · xs[r][i]`, the same exact integers as [`gemv_scalar`];
-    /// `false` (nothing written) unless [`Gemv::has_tiles`].
-    #[inline]
-    pub fn run_tiles(self, w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) -> bool {
-        assert!(
-            (1..=TILE_ROWS).contains(&xs.len())
-                && outs.len() == xs.len()
-                && xs.iter().all(|x| x.len() >= w.stride)
-                && outs.iter().all(|o| o.len() >= w.rows),
-            "Gemv::run_tiles: {} activation vectors, {} outputs",
-            xs.len(),
-            outs.len()
-        );
-        if !self.has_tiles() {
-            return false;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: AMX (with the process's tile grant) and AVX-512 F/BW were detected when
-            // `self` was built; lengths checked.
-            unsafe { amx::gemv_tiles(w, xs, outs) };
-            true
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        false
-    }
-
     /// `out[r][o] = Σ_i w[o, i] · x[r][i]` for each of the `xs.len()` (1 ..= [`MAX_ROWS`])
     /// activation vectors (each at least `stride` long) into `outs[r]` (each at least
     /// `w.rows()` long), with the interleaved AVX-512 VNNI kernel; `false` (nothing written)
@@ -263,6 +230,69 @@ impl Gemv {
         }
         #[cfg(not(target_arch = "x86_64"))]
         false
+    }
+
+    /// Whether [`Tiles`] run here (AMX).
+    pub fn has_tiles(self) -> bool {
+        self.isa == Isa::Amx
+    }
+
+    /// The AMX tiles configured on this thread for [`Tiles::run`], until the value is
+    /// dropped; `None` unless [`Gemv::has_tiles`].
+    pub fn tiles(self) -> Option<Tiles> {
+        if !self.has_tiles() {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: AMX, with the process's tile grant, was detected when `self` was built.
+            unsafe { amx::configure() };
+            Some(Tiles { _thread: std::marker::PhantomData })
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        None
+    }
+}
+
+/// AMX tiles configured on the current thread (`ldtilecfg`), released (`tilerelease`) when
+/// dropped. A batch configures them once for all its products: the configuration is
+/// thread state, so the value cannot leave the thread.
+#[derive(Debug)]
+pub struct Tiles {
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Tiles {
+    /// `outs[r][o] = Σ_i w[o, i] · xs[r][i]` for 1 ..= [`TILE_ROWS`] activation vectors
+    /// (each at least `w`'s padded width; `outs[r]` at least its rows), the same exact
+    /// integers as [`gemv_scalar`].
+    #[inline]
+    pub fn run(&self, w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) {
+        assert!(
+            (1..=TILE_ROWS).contains(&xs.len())
+                && outs.len() == xs.len()
+                && xs.iter().all(|x| x.len() >= w.stride)
+                && outs.iter().all(|o| o.len() >= w.rows),
+            "Tiles::run: {} activation vectors, {} outputs",
+            xs.len(),
+            outs.len()
+        );
+        // SAFETY: a `Tiles` exists only where AMX and AVX-512 F/BW were detected, and its
+        // configuration is loaded on this thread (it cannot move to another); lengths checked.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            amx::gemv_tiles(w, xs, outs)
+        };
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: releases the configuration `Gemv::tiles` loaded on this thread.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            amx::release()
+        };
     }
 }
 
@@ -618,11 +648,11 @@ mod tests {
             let vw = VerticalWeights::new(&wm, stride, rows).expect("stride within the vertical bound");
             let xs: Vec<Vec<i8>> = (0..n).map(|r| (0..stride).map(|i| x[(i * (r + 1) + r) % x.len()]).collect()).collect();
             let mut got: Vec<Vec<i32>> = vec![vec![i32::MIN; rows + 3]; n];
-            let ran = {
+            let ran = Gemv::new(Isa::detect()).unwrap().tiles().map(|tiles| {
                 let xr: Vec<&[i8]> = xs.iter().map(|v| &v[..]).collect();
                 let mut or: Vec<&mut [i32]> = got.iter_mut().map(|v| &mut v[..]).collect();
-                Gemv::new(Isa::detect()).unwrap().run_tiles(&vw, &xr, &mut or)
-            };
+                tiles.run(&vw, &xr, &mut or);
+            }).is_some();
             if !ran {
                 prop_assert!(!Isa::available().contains(&Isa::Amx));
                 prop_assert!(got.iter().all(|g| g.iter().all(|&v| v == i32::MIN)));
@@ -635,6 +665,52 @@ mod tests {
                     prop_assert!(got[r][rows..].iter().all(|&v| v == i32::MIN), "vector {} wrote past its rows", r);
                 }
             }
+        }
+    }
+
+    /// Timing printout (run with `--ignored --nocapture` in release where the CPU has AMX):
+    /// the products alone for 32 rows of each default DQN layer, on the interleaved AVX-512
+    /// VNNI kernel (4 passes of 8 rows) and on AMX tiles (configured once, or for every
+    /// product): where a batch's time goes besides the per-row quantise / dequantise work.
+    #[test]
+    #[ignore = "timing printout; run with --ignored --nocapture in release"]
+    fn timing_products_of_32_rows() {
+        let gemv = Gemv::new(Isa::detect()).unwrap();
+        if !gemv.has_tiles() {
+            println!("no AMX on this CPU: nothing to compare");
+            return;
+        }
+        let xs_all: Vec<Vec<i8>> =
+            (0..TILE_ROWS).map(|r| (0..1024).map(|i| ((i * 7 + r * 13) % 255) as i8 - 127 + 1).collect()).collect();
+        for (inp, out) in [(56usize, 256usize), (256, 256), (256, 128), (128, 1), (128, 3)] {
+            let stride = padded(inp);
+            let wm: Vec<i8> = (0..out * stride).map(|i| ((i * 31) % 255) as i8 - 127 + 1).collect();
+            let vw = VerticalWeights::new(&wm, stride, out).unwrap();
+            let xr: Vec<&[i8]> = xs_all.iter().map(|v| &v[..stride]).collect();
+            let mut outs = vec![vec![0i32; out]; TILE_ROWS];
+            let reps = 20_000;
+            let mut time = |f: &mut dyn FnMut(&mut [&mut [i32]])| {
+                let mut or: Vec<&mut [i32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
+                for _ in 0..200 {
+                    f(&mut or);
+                }
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    f(&mut or);
+                }
+                t.elapsed().as_secs_f64() * 1e9 / reps as f64
+            };
+            let vertical = time(&mut |or| {
+                for (x8, o8) in xr.chunks(MAX_ROWS).zip(or.chunks_mut(MAX_ROWS)) {
+                    gemv.run_vertical(&vw, x8, o8);
+                }
+            });
+            let each = time(&mut |or| gemv.tiles().unwrap().run(&vw, &xr, or));
+            let tiles = gemv.tiles().unwrap();
+            let once = time(&mut |or| tiles.run(&vw, &xr, or));
+            println!(
+                "{inp:>4} -> {out:>3}, 32 rows: vertical {vertical:.0} ns, AMX configured per product {each:.0} ns, configured once {once:.0} ns"
+            );
         }
     }
 
@@ -657,7 +733,7 @@ mod tests {
                     let xs = vec![&x[..]; TILE_ROWS];
                     let mut outs = vec![vec![0i32; 5]; TILE_ROWS];
                     let mut or: Vec<&mut [i32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
-                    assert!(Gemv::new(isa).unwrap().run_tiles(&vw, &xs, &mut or));
+                    Gemv::new(isa).unwrap().tiles().unwrap().run(&vw, &xs, &mut or);
                     assert!(outs.iter().flatten().all(|&g| g == want), "AMX tiles: {outs:?} vs {want}");
                 }
             }

@@ -13,7 +13,7 @@
 use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::{FloatLayer, PolicyKind};
-use crate::gemv_i8::{Gemv, Isa, VerticalWeights, MAX_ROWS, TILE_ROWS};
+use crate::gemv_i8::{Gemv, Isa, Tiles, VerticalWeights, MAX_ROWS, TILE_ROWS};
 use crate::qnet::{dynamic_input_scale, quantize_input, PackedLinear, QuantLayer, QuantNet};
 
 #[derive(Debug, Clone)]
@@ -200,12 +200,14 @@ pub(crate) fn pass_rows(gemv: Gemv) -> usize {
 /// One layer for `n <= pass_rows(gemv)` rows at once: row `r`'s input is `xs[r·wx ..][..inp]`,
 /// its output goes to `ys[r·wy ..][..out]`. Each row is quantised, dequantised and
 /// computed exactly as [`dense`] does it; only the INT8 product reads each weight vector
-/// once for all the rows (where the interleaved or the AMX kernel runs).
+/// once for all the rows (where the interleaved or the AMX kernel runs: `tiles`, configured
+/// by the caller, for `n >= TILES_FROM_ROWS`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn dense_rows(
     layer: &Packed,
     gemv: Gemv,
+    tiles: Option<&Tiles>,
     n: usize,
     xs: &[f32],
     wx: usize,
@@ -227,9 +229,12 @@ pub(crate) fn dense_rows(
                     std::array::from_fn(|r| if r < n { &xq[r * wq..r * wq + l.stride] } else { &[] });
                 let mut it = acc.chunks_mut(wa);
                 let mut or: [&mut [i32]; TILE_ROWS] = std::array::from_fn(|_| it.next().unwrap_or_default());
-                if !(n >= TILES_FROM_ROWS && gemv.run_tiles(v, &xr[..n], &mut or[..n])) {
-                    for (x8, o8) in xr[..n].chunks(MAX_ROWS).zip(or[..n].chunks_mut(MAX_ROWS)) {
-                        gemv.run_vertical(v, x8, o8);
+                match tiles {
+                    Some(t) if n >= TILES_FROM_ROWS => t.run(v, &xr[..n], &mut or[..n]),
+                    _ => {
+                        for (x8, o8) in xr[..n].chunks(MAX_ROWS).zip(or[..n].chunks_mut(MAX_ROWS)) {
+                            gemv.run_vertical(v, x8, o8);
+                        }
                     }
                 }
             }
@@ -311,7 +316,7 @@ impl BatchScratch {
 /// row computed exactly as [`forward`] computes it; their actions into `actions[..n]`, the
 /// scores stay in `s.scores` (`n × n_actions`).
 #[inline(always)]
-fn forward_rows(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions: &mut [usize]) {
+fn forward_rows(m: &Model, t: Option<&Tiles>, s: &mut BatchScratch, obs: &[f32], n: usize, actions: &mut [usize]) {
     let (nh, d, na) = (m.kind.hidden_layers(), m.state_dim, m.n_actions);
     let BatchScratch { a, b, xq, acc, value, scores, width: w, width_q: wq } = s;
     let (w, wq) = (*w, *wq);
@@ -321,7 +326,7 @@ fn forward_rows(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions:
     }
     for layer in &m.layers[..nh] {
         let out = layer.out();
-        dense_rows(layer, m.gemv, n, cur, w, next, w, xq, wq, acc, w);
+        dense_rows(layer, m.gemv, t, n, cur, w, next, w, xq, wq, acc, w);
         for r in 0..n {
             let y = &mut next[r * w..r * w + out];
             match m.kind {
@@ -332,8 +337,8 @@ fn forward_rows(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions:
         std::mem::swap(&mut cur, &mut next);
     }
     if m.kind.dueling() {
-        dense_rows(&m.layers[nh], m.gemv, n, cur, w, value, 1, xq, wq, acc, w);
-        dense_rows(&m.layers[nh + 1], m.gemv, n, cur, w, scores, na, xq, wq, acc, w);
+        dense_rows(&m.layers[nh], m.gemv, t, n, cur, w, value, 1, xq, wq, acc, w);
+        dense_rows(&m.layers[nh + 1], m.gemv, t, n, cur, w, scores, na, xq, wq, acc, w);
         for r in 0..n {
             let row = &mut scores[r * na..(r + 1) * na];
             let mean = row.iter().sum::<f32>() / na as f32;
@@ -342,7 +347,7 @@ fn forward_rows(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions:
             }
         }
     } else {
-        dense_rows(&m.layers[nh], m.gemv, n, cur, w, scores, na, xq, wq, acc, w);
+        dense_rows(&m.layers[nh], m.gemv, t, n, cur, w, scores, na, xq, wq, acc, w);
     }
     for (r, act) in actions.iter_mut().enumerate().take(n) {
         *act = first_argmax(&scores[r * na..(r + 1) * na]);
@@ -352,8 +357,8 @@ fn forward_rows(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions:
 /// [`forward_rows`] compiled for AVX2 + FMA (as [`forward_avx2`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn forward_rows_avx2(m: &Model, s: &mut BatchScratch, obs: &[f32], n: usize, actions: &mut [usize]) {
-    forward_rows(m, s, obs, n, actions)
+fn forward_rows_avx2(m: &Model, t: Option<&Tiles>, s: &mut BatchScratch, obs: &[f32], n: usize, actions: &mut [usize]) {
+    forward_rows(m, t, s, obs, n, actions)
 }
 
 /// [`forward`] compiled for AVX2 + FMA (FMA only lets the compiler use those registers:
@@ -501,17 +506,20 @@ impl Int8Policy {
             return Err(Error::NonFinite { what: "obs".into(), index, value: value as f64, context: CTX });
         }
         let pass = pass_rows(self.model.gemv);
+        // One tile configuration for the whole batch (where AMX runs and a pass is wide enough).
+        let tiles = if actions.len() >= TILES_FROM_ROWS { self.model.gemv.tiles() } else { None };
+        let t = tiles.as_ref();
         for (i, (rows, acts)) in obs.chunks(pass * d).zip(actions.chunks_mut(pass)).enumerate() {
             let n = acts.len();
             #[cfg(target_arch = "x86_64")]
             if self.avx2 {
                 // SAFETY: `avx2` is set only when AVX2 and FMA were detected on this CPU.
-                unsafe { forward_rows_avx2(&self.model, &mut self.batch, rows, n, acts) };
+                unsafe { forward_rows_avx2(&self.model, t, &mut self.batch, rows, n, acts) };
             } else {
-                forward_rows(&self.model, &mut self.batch, rows, n, acts);
+                forward_rows(&self.model, t, &mut self.batch, rows, n, acts);
             }
             #[cfg(not(target_arch = "x86_64"))]
-            forward_rows(&self.model, &mut self.batch, rows, n, acts);
+            forward_rows(&self.model, t, &mut self.batch, rows, n, acts);
             if let Some(sc) = scores.as_deref_mut() {
                 let at = i * pass * na;
                 sc[at..at + n * na].copy_from_slice(&self.batch.scores[..n * na]);

@@ -569,13 +569,14 @@ impl Int8Hook {
         let (inp, out) = (self.list[idx].inp, self.list[idx].rows_per_part);
         let mut s = self.scratch.borrow_mut();
         let (xq, acc, _) = &mut *s;
+        let tiles = self.gemv.tiles();
         let mut r = 0;
         while r < rows {
             let n = (rows - r).min(pass_rows(self.gemv));
             // SAFETY: n rows of x from row r (the last one `inp` long) and of y (`out` long).
             let xs = unsafe { std::slice::from_raw_parts(x.add(r * lda), (n - 1) * lda + inp) };
             let ys = unsafe { std::slice::from_raw_parts_mut(y.add(r * ldc), (n - 1) * ldc + out) };
-            dense_rows(part, self.gemv, n, xs, lda, ys, ldc, xq, self.wq, acc, self.wa);
+            dense_rows(part, self.gemv, tiles.as_ref(), n, xs, lda, ys, ldc, xq, self.wq, acc, self.wa);
             r += n;
         }
     }

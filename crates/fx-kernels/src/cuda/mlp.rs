@@ -83,7 +83,8 @@ unsafe impl DeviceRepr for MlpParams {}
 pub struct MlpPolicy {
     program: Program,
     dims: MlpDims,
-    /// The block kernel: `fx_mlp_greedy` (F32) or `fx_mlp_i8_greedy` (INT8).
+    /// The block kernel: `fx_mlp_greedy` (F32) or `fx_mlp_i8_greedy` (INT8, one or two rows
+    /// a block).
     func: CudaFunction,
     kernel: MlpKernel,
     stream: Arc<CudaStream>,
@@ -99,8 +100,8 @@ enum Program {
     /// the device runs clusters.
     F32 { params: MlpParams, cluster: Option<CudaFunction> },
     /// INT8 weights in the policy's own buffers (`kernels/mlp_int8.cu`); `sms` sizes the
-    /// rows per block.
-    Int8 { params: MlpI8Params, sms: usize },
+    /// rows per block; `wide` is `fx_mlp_i8_greedy_wide`, for four or eight rows a block.
+    Int8 { params: MlpI8Params, sms: usize, wide: CudaFunction },
 }
 
 impl MlpPolicy {
@@ -172,9 +173,10 @@ impl MlpPolicy {
         let params = img
             .params(dev_ptr::<u32>(&words, &stream, "weights", CTX)?, dev_ptr::<f32>(&floats, &stream, "scales", CTX)?);
         let func = cdev.get_or_load_custom_func("fx_mlp_i8_greedy", "fx_mlp_int8", PTX_MLP_INT8).ctx(CTX)?;
+        let wide = cdev.get_or_load_custom_func("fx_mlp_i8_greedy_wide", "fx_mlp_int8", PTX_MLP_INT8).ctx(CTX)?;
         let sms = sm_count(&stream, CTX)? as usize;
         Ok(Self {
-            program: Program::Int8 { params, sms },
+            program: Program::Int8 { params, sms, wide: wide.into_cuda_function() },
             dims: img.dims,
             func: func.into_cuda_function(),
             kernel: MlpKernel::Auto,
@@ -340,12 +342,13 @@ impl MlpPolicy {
         let params: *mut c_void;
         self.stream.context().bind_to_thread().map_err(driver(ctx))?;
         let (func, grid, block, smem) = match &self.program {
-            Program::Int8 { params: p, sms } => {
+            Program::Int8 { params: p, sms, wide } => {
                 p8 = *p;
                 p8.rows = mlp_i8::rows_per_block(&p8, batch, *sms);
                 params = &mut p8 as *mut MlpI8Params as *mut c_void;
                 let grid = batch.div_ceil(p8.rows as usize).min(MAX_GRID) as u32;
-                (&self.func, grid, mlp_i8::block_threads(p8.rows), mlp_i8::smem_bytes(&p8, p8.rows) as u32)
+                let f = if p8.rows <= 2 { &self.func } else { wide };
+                (f, grid, mlp_i8::block_threads(p8.rows), mlp_i8::smem_bytes(&p8, p8.rows) as u32)
             }
             Program::F32 { params: p, cluster } => {
                 p32 = *p;

@@ -1,4 +1,4 @@
-//! Intel AMX tiles for [`super::Gemv::run_tiles`] (Sapphire Rapids and later Xeons).
+//! Intel AMX tiles for [`super::Tiles::run`] (Sapphire Rapids and later Xeons).
 //!
 //! One `tdpbusd` multiplies a 16 × 64 tile of unsigned activation bytes by a 64 × 16 tile
 //! of signed weight bytes into 16 × 16 i32 sums: 16,384 multiply-adds, against 64 for an
@@ -67,12 +67,31 @@ struct Stage([u8; TILE_ROWS * MAX_VERTICAL_INPUTS]);
 #[repr(C, align(64))]
 struct Sums([i32; 4 * 256]);
 
+/// Loads the tile configuration on this thread.
+///
+/// # Safety
+/// [`available`] returned true.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn configure() {
+    // SAFETY: CONFIG is a valid palette-1 configuration; the process holds the tile grant.
+    unsafe { std::arch::asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly)) };
+}
+
+/// Returns the tiles to their initial state (unconfigured).
+///
+/// # Safety
+/// [`available`] returned true.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn release() {
+    unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+}
+
 /// `outs[r][o] = Σ_i w[o, i] · xs[r][i]` for the `xs.len()` (1 ..= [`TILE_ROWS`]) vectors.
 ///
 /// # Safety
-/// [`available`] returned true, AVX-512 F/BW are present, and the lengths are as
-/// [`super::Gemv::run_tiles`] checks them (`xs[r]` at least `w.stride` bytes, `outs[r]` at
-/// least `w.rows` values).
+/// [`configure`] ran on this thread (and no other configuration since), AVX-512 F/BW are
+/// present, and the lengths are as [`super::Tiles::run`] checks them (`xs[r]` at least
+/// `w.stride` bytes, `outs[r]` at least `w.rows` values).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn gemv_tiles(w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) {
@@ -105,8 +124,6 @@ pub(super) unsafe fn gemv_tiles(w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&
     let cp = sums.0.as_mut_ptr();
     let (wp, groups, ksteps) = (w.data.as_ptr(), stride / 4, stride / 64);
     let blocks = w.row_sum.len() / L;
-    // SAFETY: CONFIG is a valid palette-1 configuration; the process holds the tile grant.
-    unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly)) };
     let mut b = 0;
     while b < blocks {
         let pair = b + 1 < blocks;
@@ -203,6 +220,4 @@ pub(super) unsafe fn gemv_tiles(w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&
         }
         b += 1 + usize::from(pair);
     }
-    // SAFETY: releases the tile state this function configured.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
