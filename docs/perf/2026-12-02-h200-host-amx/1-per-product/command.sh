@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The second device command of 2026-12-02 (session 10), run from the repo root on the H200
+# The second device command of 2026-12-02 (session 10; AMX tiles configured for every product), run from the repo root on the H200
 # machine with .gpu/ packed (tests: the fx-kernels and fx-quant libs; bin: release/fx-train):
 # on the host's CPU, fx-quant's INT8 tests (the AMX tile kernel and the policies against the
 # scalar reference, where the CPU has AMX), the INT8 layouts' timing printout (row-major,
