@@ -14,7 +14,7 @@ use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::{FloatLayer, PolicyKind};
 use crate::gemv_i8::{Gemv, Isa, Tiles, VerticalWeights, MAX_ROWS, TILE_ROWS};
-use crate::qnet::{dynamic_input_scale, quantize_input, PackedLinear, QuantLayer, QuantNet};
+use crate::qnet::{abs_max, dynamic_input_scale, quantize_input, step_of_abs_max, PackedLinear, QuantLayer, QuantNet};
 
 #[derive(Debug, Clone)]
 pub(crate) enum Packed {
@@ -72,12 +72,45 @@ pub(crate) fn first_argmax(s: &[f32]) -> usize {
     best
 }
 
+/// A layer's activation, applied in the pass that dequantises its outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Act {
+    /// The head: none.
+    Id,
+    Relu,
+    Tanh,
+}
+
+impl Act {
+    /// The hidden layers' activation of `kind`.
+    fn hidden(kind: PolicyKind) -> Act {
+        match kind {
+            PolicyKind::Dqn => Act::Relu,
+            PolicyKind::Ppo => Act::Tanh,
+        }
+    }
+
+    #[inline(always)]
+    fn apply(self, v: f32) -> f32 {
+        match self {
+            Act::Id => v,
+            Act::Relu => relu(v),
+            Act::Tanh => tanh_rational(v),
+        }
+    }
+}
+
 /// Quantises a row's input to an INT8 layer into `xq`; the dynamic step, if the layer
-/// takes each call's.
+/// takes each call's. `amax`: the input's `max |x|` where the previous layer's epilogue
+/// already gathered it (the same value `dynamic_input_scale` would find: the maximum does
+/// not depend on the order).
 #[inline(always)]
-fn quantize_row(l: &PackedLinear, x: &[f32], xq: &mut [i8]) -> Option<f32> {
+fn quantize_row(l: &PackedLinear, x: &[f32], amax: Option<f32>, xq: &mut [i8]) -> Option<f32> {
     let (inv, step) = if l.dynamic {
-        let s = dynamic_input_scale(&x[..l.inp]);
+        let s = match amax {
+            Some(a) => step_of_abs_max(a),
+            None => dynamic_input_scale(&x[..l.inp]),
+        };
         (1.0 / s, Some(s))
     } else {
         (l.inv_input_scale, None)
@@ -133,22 +166,37 @@ unsafe fn quantize_slice_avx2(x: &[f32], inv: f32, out: &mut [i8]) {
     }
 }
 
-/// `y = acc · scale + bias` in the reference's order (`acc · (w_scale · step) + bias` for
-/// dynamic steps).
+/// `y = act(acc · scale + bias)` in the reference's order (`acc · (w_scale · step) + bias`
+/// for dynamic steps); returns `max |y|` (the next layer's dynamic step, so that layer does
+/// not read its input twice).
 #[inline(always)]
-fn dequantize_row(l: &PackedLinear, acc: &[i32], step: Option<f32>, y: &mut [f32]) {
-    match step {
-        Some(s) => {
-            for (((o, &a), &w), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
-                *o = a as f32 * (w * s) + b;
-            }
-        }
-        None => {
-            for (((o, &a), &d), &b) in y.iter_mut().zip(acc.iter()).zip(&l.dequant).zip(&l.bias) {
-                *o = a as f32 * d + b;
-            }
-        }
+fn dequantize_row(l: &PackedLinear, acc: &[i32], step: Option<f32>, act: Act, y: &mut [f32]) -> f32 {
+    // One instantiation per activation, so each loop is branch-free and vectorised.
+    match act {
+        Act::Id => dequantize_act(l, acc, step, y, |v| v),
+        Act::Relu => dequantize_act(l, acc, step, y, relu),
+        Act::Tanh => dequantize_act(l, acc, step, y, tanh_rational),
     }
+}
+
+#[inline(always)]
+fn dequantize_act(l: &PackedLinear, acc: &[i32], step: Option<f32>, y: &mut [f32], act: impl Fn(f32) -> f32) -> f32 {
+    match step {
+        Some(s) => epilogue(acc, &l.dequant, &l.bias, y, |a, w, b| act(a as f32 * (w * s) + b)),
+        // Static steps: `dequant` holds w_scale · input_scale.
+        None => epilogue(acc, &l.dequant, &l.bias, y, |a, d, b| act(a as f32 * d + b)),
+    }
+}
+
+/// [`dequantize_row`]'s work with the dequantisation and activation `dq(acc, scale, bias)`:
+/// one loop the compiler vectorises (fusing the maximum into it left the PPO's tanh
+/// scalar), then the maximum over the outputs, still in L1.
+#[inline(always)]
+fn epilogue(acc: &[i32], scale: &[f32], bias: &[f32], y: &mut [f32], dq: impl Fn(i32, f32, f32) -> f32) -> f32 {
+    for (((o, &a), &s), &b) in y.iter_mut().zip(acc).zip(scale).zip(bias) {
+        *o = dq(a, s, b);
+    }
+    abs_max(y)
 }
 
 /// An F32 layer's row: `y = W x + b`.
@@ -159,29 +207,51 @@ fn dense_f32(l: &FloatLayer, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// One layer: `y = W x + b` (before the activation).
+/// One layer: `y = act(W x + b)`; `amax` is `max |x|` where known. Returns `max |y|` where
+/// it was gathered on the way (INT8 layers).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn dense(layer: &Packed, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
+fn dense(
+    layer: &Packed,
+    gemv: Gemv,
+    x: &[f32],
+    amax: Option<f32>,
+    act: Act,
+    y: &mut [f32],
+    xq: &mut [i8],
+    acc: &mut [i32],
+) -> Option<f32> {
     match layer {
         // One row takes the row-major kernel even where the interleaved one runs: on the H200
         // host's Xeon a DQN decision took 5.1 us p50 with the interleaved kernel for single
         // rows (docs/perf/2026-12-01-h200-host-cpu-int8/first-try/compare_cpu.md) against
         // 4.2 us row-major (compare_cpu.md beside it), both with the old quantiser; batches
         // gain from the interleaved one.
-        Packed::Int8(l, _) => dense_int8(l, gemv, x, y, xq, acc),
-        Packed::F32(l) => dense_f32(l, x, y),
+        Packed::Int8(l, _) => {
+            let step = quantize_row(l, x, amax, xq);
+            let acc = &mut acc[..l.out];
+            gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
+            Some(dequantize_row(l, acc, step, act, y))
+        }
+        Packed::F32(l) => {
+            dense_f32(l, x, y);
+            if act != Act::Id {
+                y.iter_mut().for_each(|v| *v = act.apply(*v));
+            }
+            None
+        }
     }
 }
 
-/// An INT8 layer's row: the input quantised (its dynamic step, or the layer's), the exact
-/// integer product, then dequantised with the bias. `xq` holds at least `l.stride` bytes whose
-/// padding past `l.inp` is zero; `acc` at least `l.out`.
+/// An INT8 layer's row without activation: the input quantised (its dynamic step, or the
+/// layer's), the exact integer product, then dequantised with the bias. `xq` holds at least
+/// `l.stride` bytes whose padding past `l.inp` is zero; `acc` at least `l.out`.
 #[inline(always)]
 pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
-    let step = quantize_row(l, x, xq);
+    let step = quantize_row(l, x, None, xq);
     let acc = &mut acc[..l.out];
     gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
-    dequantize_row(l, acc, step, y);
+    dequantize_row(l, acc, step, Act::Id, y);
 }
 
 /// Batches of at least this many rows take the AMX tiles where the CPU has them (fewer take
@@ -201,13 +271,16 @@ pub(crate) fn pass_rows(gemv: Gemv) -> usize {
 /// its output goes to `ys[r·wy ..][..out]`. Each row is quantised, dequantised and
 /// computed exactly as [`dense`] does it; only the INT8 product reads each weight vector
 /// once for all the rows (where the interleaved or the AMX kernel runs: `tiles`, configured
-/// by the caller, for `n >= TILES_FROM_ROWS`).
+/// by the caller, for `n >= TILES_FROM_ROWS`). `amax[r]`: row r's `max |x|` where known, on
+/// return its output's where gathered (as [`dense`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn dense_rows(
     layer: &Packed,
     gemv: Gemv,
     tiles: Option<&Tiles>,
+    act: Act,
+    amax: &mut [Option<f32>],
     n: usize,
     xs: &[f32],
     wx: usize,
@@ -222,7 +295,7 @@ pub(crate) fn dense_rows(
         Packed::Int8(l, Some(v)) if gemv.has_vertical() && n > 1 => {
             let mut steps = [None; TILE_ROWS];
             for (r, step) in steps.iter_mut().enumerate().take(n) {
-                *step = quantize_row(l, &xs[r * wx..], &mut xq[r * wq..]);
+                *step = quantize_row(l, &xs[r * wx..], amax[r], &mut xq[r * wq..]);
             }
             {
                 let xr: [&[i8]; TILE_ROWS] =
@@ -239,14 +312,15 @@ pub(crate) fn dense_rows(
                 }
             }
             for (r, &step) in steps.iter().enumerate().take(n) {
-                dequantize_row(l, &acc[r * wa..r * wa + l.out], step, &mut ys[r * wy..r * wy + l.out]);
+                let y = &mut ys[r * wy..r * wy + l.out];
+                amax[r] = Some(dequantize_row(l, &acc[r * wa..r * wa + l.out], step, act, y));
             }
         }
         _ => {
             let out = layer.out();
             for r in 0..n {
-                let x = &xs[r * wx..];
-                dense(layer, gemv, x, &mut ys[r * wy..r * wy + out], &mut xq[r * wq..], &mut acc[r * wa..]);
+                let (x, y) = (&xs[r * wx..], &mut ys[r * wy..r * wy + out]);
+                amax[r] = dense(layer, gemv, x, amax[r], act, y, &mut xq[r * wq..], &mut acc[r * wa..]);
             }
         }
     }
@@ -259,26 +333,23 @@ fn forward(m: &Model, s: &mut Scratch, obs: &[f32]) -> usize {
     let (mut cur, mut next) = (a, b);
     cur[..obs.len()].copy_from_slice(obs);
     let mut width = obs.len();
+    let (act, mut amax) = (Act::hidden(m.kind), None);
     for layer in &m.layers[..nh] {
         let out = layer.out();
-        dense(layer, m.gemv, &cur[..width], &mut next[..out], xq, acc);
-        match m.kind {
-            PolicyKind::Dqn => next[..out].iter_mut().for_each(|v| *v = relu(*v)),
-            PolicyKind::Ppo => next[..out].iter_mut().for_each(|v| *v = tanh_rational(*v)),
-        }
+        amax = dense(layer, m.gemv, &cur[..width], amax, act, &mut next[..out], xq, acc);
         std::mem::swap(&mut cur, &mut next);
         width = out;
     }
     let z = &cur[..width];
     if m.kind.dueling() {
-        dense(&m.layers[nh], m.gemv, z, value, xq, acc);
-        dense(&m.layers[nh + 1], m.gemv, z, scores, xq, acc);
+        dense(&m.layers[nh], m.gemv, z, amax, Act::Id, value, xq, acc);
+        dense(&m.layers[nh + 1], m.gemv, z, amax, Act::Id, scores, xq, acc);
         let mean = scores.iter().sum::<f32>() / m.n_actions as f32;
         for q in scores.iter_mut() {
             *q = (*q - mean) + value[0];
         }
     } else {
-        dense(&m.layers[nh], m.gemv, z, scores, xq, acc);
+        dense(&m.layers[nh], m.gemv, z, amax, Act::Id, scores, xq, acc);
     }
     first_argmax(scores)
 }
@@ -324,21 +395,16 @@ fn forward_rows(m: &Model, t: Option<&Tiles>, s: &mut BatchScratch, obs: &[f32],
     for r in 0..n {
         cur[r * w..r * w + d].copy_from_slice(&obs[r * d..(r + 1) * d]);
     }
+    let (act, mut amax) = (Act::hidden(m.kind), [None; TILE_ROWS]);
     for layer in &m.layers[..nh] {
-        let out = layer.out();
-        dense_rows(layer, m.gemv, t, n, cur, w, next, w, xq, wq, acc, w);
-        for r in 0..n {
-            let y = &mut next[r * w..r * w + out];
-            match m.kind {
-                PolicyKind::Dqn => y.iter_mut().for_each(|v| *v = relu(*v)),
-                PolicyKind::Ppo => y.iter_mut().for_each(|v| *v = tanh_rational(*v)),
-            }
-        }
+        dense_rows(layer, m.gemv, t, act, &mut amax, n, cur, w, next, w, xq, wq, acc, w);
         std::mem::swap(&mut cur, &mut next);
     }
     if m.kind.dueling() {
-        dense_rows(&m.layers[nh], m.gemv, t, n, cur, w, value, 1, xq, wq, acc, w);
-        dense_rows(&m.layers[nh + 1], m.gemv, t, n, cur, w, scores, na, xq, wq, acc, w);
+        // Both heads read the same input: each takes a copy of its maxima.
+        let mut head_amax = amax;
+        dense_rows(&m.layers[nh], m.gemv, t, Act::Id, &mut head_amax, n, cur, w, value, 1, xq, wq, acc, w);
+        dense_rows(&m.layers[nh + 1], m.gemv, t, Act::Id, &mut amax, n, cur, w, scores, na, xq, wq, acc, w);
         for r in 0..n {
             let row = &mut scores[r * na..(r + 1) * na];
             let mean = row.iter().sum::<f32>() / na as f32;
@@ -347,7 +413,7 @@ fn forward_rows(m: &Model, t: Option<&Tiles>, s: &mut BatchScratch, obs: &[f32],
             }
         }
     } else {
-        dense_rows(&m.layers[nh], m.gemv, t, n, cur, w, scores, na, xq, wq, acc, w);
+        dense_rows(&m.layers[nh], m.gemv, t, Act::Id, &mut amax, n, cur, w, scores, na, xq, wq, acc, w);
     }
     for (r, act) in actions.iter_mut().enumerate().take(n) {
         *act = first_argmax(&scores[r * na..(r + 1) * na]);

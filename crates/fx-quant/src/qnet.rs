@@ -228,6 +228,12 @@ impl QuantNet {
 /// input, whose codes are all 0 anyway). The one rule the policy and the reference share.
 #[inline(always)]
 pub(crate) fn dynamic_input_scale(x: &[f32]) -> f32 {
+    step_of_abs_max(abs_max(x))
+}
+
+/// `max |x|` (0 for an empty or all-NaN `x`: `f32::max` skips NaNs).
+#[inline(always)]
+pub(crate) fn abs_max(x: &[f32]) -> f32 {
     // Eight running maxima instead of one, so the compiler can keep them in one vector
     // register instead of a chain of dependent scalar maxima; the maximum of finite,
     // non-negative values does not depend on the order, so the result is the same.
@@ -239,7 +245,12 @@ pub(crate) fn dynamic_input_scale(x: &[f32]) -> f32 {
             *m = m.max(v.abs());
         }
     }
-    let amax = tail.iter().chain(&lanes).fold(0.0f32, |m, v| m.max(v.abs()));
+    tail.iter().chain(&lanes).fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// The dynamic step of an input whose largest magnitude is `amax` ([`abs_max`]).
+#[inline(always)]
+pub(crate) fn step_of_abs_max(amax: f32) -> f32 {
     if amax > 0.0 {
         amax / 127.0
     } else {

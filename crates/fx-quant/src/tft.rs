@@ -34,7 +34,7 @@ use crate::calibrate::{CalibMethod, InputStats};
 use crate::error::{Error, Result};
 use crate::float_net::FloatLayer;
 use crate::gemv_i8::{Gemv, Isa, VerticalWeights};
-use crate::policy::{dense_rows, pass_rows, Packed};
+use crate::policy::{dense_rows, pass_rows, Act, Packed};
 use crate::qnet::{CalibInfo, PackedLinear, QuantLinear};
 
 /// Percentile calibration keeps at most this many `|x|` per part (1 MiB), thinned evenly.
@@ -576,7 +576,23 @@ impl Int8Hook {
             // SAFETY: n rows of x from row r (the last one `inp` long) and of y (`out` long).
             let xs = unsafe { std::slice::from_raw_parts(x.add(r * lda), (n - 1) * lda + inp) };
             let ys = unsafe { std::slice::from_raw_parts_mut(y.add(r * ldc), (n - 1) * ldc + out) };
-            dense_rows(part, self.gemv, tiles.as_ref(), n, xs, lda, ys, ldc, xq, self.wq, acc, self.wa);
+            let mut amax = [None; crate::gemv_i8::TILE_ROWS];
+            dense_rows(
+                part,
+                self.gemv,
+                tiles.as_ref(),
+                Act::Id,
+                &mut amax,
+                n,
+                xs,
+                lda,
+                ys,
+                ldc,
+                xq,
+                self.wq,
+                acc,
+                self.wa,
+            );
             r += n;
         }
     }
