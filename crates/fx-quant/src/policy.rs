@@ -427,6 +427,23 @@ fn forward_rows_avx2(m: &Model, t: Option<&Tiles>, s: &mut BatchScratch, obs: &[
     forward_rows(m, t, s, obs, n, actions)
 }
 
+/// [`forward_rows`] compiled for AVX-512 (where the products run on AVX-512 VNNI or AMX):
+/// the per-row work (quantising, dequantising, the PPO's tanh) sixteen lanes wide. The same
+/// operations in the same order as the portable build (no fused multiply-adds), so the same
+/// bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn forward_rows_avx512(
+    m: &Model,
+    t: Option<&Tiles>,
+    s: &mut BatchScratch,
+    obs: &[f32],
+    n: usize,
+    actions: &mut [usize],
+) {
+    forward_rows(m, t, s, obs, n, actions)
+}
+
 /// [`forward`] compiled for AVX2 + FMA (FMA only lets the compiler use those registers:
 /// Rust never fuses a multiply and an add on its own, so results equal the portable
 /// build's).
@@ -450,6 +467,8 @@ pub struct Int8Policy {
     scratch: Scratch,
     batch: BatchScratch,
     avx2: bool,
+    /// The batch pass runs its AVX-512 build (AVX-512 F/BW detected with the ISA).
+    avx512: bool,
 }
 
 impl Int8Policy {
@@ -491,6 +510,7 @@ impl Int8Policy {
             },
             batch: BatchScratch::new(pass_rows(gemv), widest, widest_padded, n_actions),
             avx2: isa != Isa::Scalar && has_avx2_fma(),
+            avx512: matches!(isa, Isa::Avx512Vnni | Isa::Amx),
         })
     }
 
@@ -578,7 +598,11 @@ impl Int8Policy {
         for (i, (rows, acts)) in obs.chunks(pass * d).zip(actions.chunks_mut(pass)).enumerate() {
             let n = acts.len();
             #[cfg(target_arch = "x86_64")]
-            if self.avx2 {
+            if self.avx512 {
+                // SAFETY: `avx512` is set only for ISAs detected with AVX-512 F/BW (and AVX2,
+                // FMA: every AVX-512 CPU has them).
+                unsafe { forward_rows_avx512(&self.model, t, &mut self.batch, rows, n, acts) };
+            } else if self.avx2 {
                 // SAFETY: `avx2` is set only when AVX2 and FMA were detected on this CPU.
                 unsafe { forward_rows_avx2(&self.model, t, &mut self.batch, rows, n, acts) };
             } else {
