@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fifth device command of 2026-12-02 (session 10), from the repo root on the H200 machine
 # with .gpu/ packed (tests: the fx-kernels and fx-quant libs; bin: release/fx-train): as
-# ../2-per-batch/command.sh without the GPU parts, after the INT8 policy's epilogue fusion
-# (activation in the dequantising pass, each row's max |y| handed to the next layer):
+# ../3-fused-epilogue/command.sh, after compiling the INT8 batch pass's per-row work for
+# AVX-512 where the products run on AVX-512 VNNI or AMX:
 # fx-quant's INT8 tests on the host's CPU (AMX, every ISA against the scalar reference), the
 # timing printouts (products alone; layouts, batch 1 to 256), then three fx / PyTorch pairs of
 # CPU decision benches. Output in $OUT/w.
