@@ -153,6 +153,127 @@ fn column_layer_portable(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activ
     column_layer::<COL_BLOCK>(l, x, out, act)
 }
 
+/// Observations per pass of a batch ([`CpuPolicy::act_batch`]): each weight vector loaded
+/// serves this many rows.
+const ROWS: usize = 4;
+
+/// [`column_block`] for [`ROWS`] rows at once (`x` rows `wx` apart): each output of each row
+/// sums its inputs in the same order with the same operations, so the results are the single
+/// row's bits.
+#[inline(always)]
+fn column_block_rows<const W: usize>(
+    wt: &[f32],
+    padded: usize,
+    o0: usize,
+    x: &[f32],
+    wx: usize,
+    inputs: usize,
+) -> [[f32; W]; ROWS] {
+    let mut acc = [[0.0f32; W]; ROWS];
+    for i in 0..inputs {
+        let row = &wt[i * padded + o0..i * padded + o0 + W];
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xi = x[r * wx + i];
+            for k in 0..W {
+                a[k] += row[k] * xi;
+            }
+        }
+    }
+    acc
+}
+
+/// [`column_layer`] for [`ROWS`] rows (`x` rows `wx` apart, `out` rows `wy` apart): blocks of
+/// `B` outputs (`ROWS · B / 8` vector accumulators, as many as the registers hold), then
+/// [`COL_TAIL`].
+#[inline(always)]
+fn column_layer_rows<const B: usize>(
+    l: &ColumnDense,
+    x: &[f32],
+    wx: usize,
+    out: &mut [f32],
+    wy: usize,
+    act: Activation,
+) {
+    let inputs = l.wt.len() / l.padded.max(1);
+    let mut put = |o0: usize, acc: &[[f32; B]]| {
+        for (r, a) in acc.iter().enumerate() {
+            let end = (o0 + B).min(l.outputs);
+            if end <= o0 {
+                return;
+            }
+            let ys = &mut out[r * wy + o0..r * wy + end];
+            for ((y, &v), &b) in ys.iter_mut().zip(a.iter()).zip(&l.b[o0..end]) {
+                *y = v + b;
+            }
+            match act {
+                Activation::Identity => {}
+                Activation::Relu => ys.iter_mut().for_each(|v| *v = v.max(0.0)),
+                Activation::Tanh => ys.iter_mut().for_each(|v| *v = fast_tanh(*v)),
+            }
+        }
+    };
+    let mut o0 = 0;
+    while o0 + B <= l.padded {
+        put(o0, &column_block_rows::<B>(&l.wt, l.padded, o0, x, wx, inputs));
+        o0 += B;
+    }
+    while o0 < l.padded {
+        let acc = column_block_rows::<COL_TAIL>(&l.wt, l.padded, o0, x, wx, inputs);
+        for (r, a) in acc.iter().enumerate() {
+            let end = (o0 + COL_TAIL).min(l.outputs);
+            if end > o0 {
+                let ys = &mut out[r * wy + o0..r * wy + end];
+                for ((y, &v), &b) in ys.iter_mut().zip(a.iter()).zip(&l.b[o0..end]) {
+                    *y = v + b;
+                }
+                match act {
+                    Activation::Identity => {}
+                    Activation::Relu => ys.iter_mut().for_each(|v| *v = v.max(0.0)),
+                    Activation::Tanh => ys.iter_mut().for_each(|v| *v = fast_tanh(*v)),
+                }
+            }
+        }
+        o0 += COL_TAIL;
+    }
+}
+
+/// [`column_layer_rows`] compiled for AVX2 + FMA: 16 outputs × 4 rows, eight accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn column_layer_rows_avx2(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
+    column_layer_rows::<16>(l, x, wx, out, wy, act)
+}
+
+/// [`column_layer_rows`] compiled for AVX-512 F: 32 outputs × 4 rows, eight accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn column_layer_rows_avx512(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
+    column_layer_rows::<32>(l, x, wx, out, wy, act)
+}
+
+fn column_layer_rows_portable(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
+    column_layer_rows::<COL_TAIL>(l, x, wx, out, wy, act)
+}
+
+/// A hidden layer's evaluation for [`ROWS`] rows (rows `wx` / `wy` apart).
+type RowsFn = fn(&ColumnDense, &[f32], usize, &mut [f32], usize, Activation);
+
+/// The batch layer kernel of the same ISA as [`pick_layer`]'s.
+fn pick_rows() -> RowsFn {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2_fma() && is_x86_feature_detected!("avx512f") {
+            // SAFETY: the features `column_layer_rows_avx512` is compiled for were detected here.
+            return |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx512(l, x, wx, o, wy, a) };
+        }
+        if avx2_fma() {
+            // SAFETY: the features `column_layer_rows_avx2` is compiled for were detected here.
+            return |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx2(l, x, wx, o, wy, a) };
+        }
+    }
+    column_layer_rows_portable
+}
+
 /// A hidden layer's evaluation: the fastest this CPU runs (decided once per policy).
 type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
 
@@ -229,6 +350,11 @@ pub struct CpuPolicy {
     scores: Vec<f32>,
     dot: fn(&[f32], &[f32]) -> f32,
     layer: LayerFn,
+    rows: RowsFn,
+    /// Two activation buffers of [`ROWS`] rows of the widest layer (`widest` apart), for
+    /// batches.
+    batch_buf: [Vec<f32>; 2],
+    widest: usize,
 }
 
 impl CpuPolicy {
@@ -256,6 +382,9 @@ impl CpuPolicy {
             scores: vec![0.0; dims.n_actions],
             dot: pick_dot(),
             layer: pick_layer(),
+            rows: pick_rows(),
+            batch_buf: [vec![0.0; ROWS * widest], vec![0.0; ROWS * widest]],
+            widest,
             dims,
         })
     }
@@ -285,27 +414,7 @@ impl CpuPolicy {
             std::mem::swap(&mut cur, &mut next);
             width = out;
         }
-        let z = &cur[..width];
-        let na = self.dims.n_actions;
-        if self.dueling {
-            let mut v = [0.0f32];
-            self.head[0].apply(self.dot, z, &mut v);
-            self.head[1].apply(self.dot, z, &mut self.scores);
-            let mean = self.scores.iter().sum::<f32>() / na as f32;
-            for s in &mut self.scores {
-                *s = (*s - mean) + v[0];
-            }
-        } else {
-            self.head[0].apply(self.dot, z, &mut self.scores);
-        }
-        // The first maximum wins, as `mlp_ref::first_argmax` (candle's and torch's argmax).
-        let mut best = 0;
-        for (j, &s) in self.scores.iter().enumerate().skip(1) {
-            if s > self.scores[best] {
-                best = j;
-            }
-        }
-        Ok(best as u32)
+        Ok(head_action(&self.head, self.dueling, self.dot, &cur[..width], &mut self.scores))
     }
 
     /// The last call's scores (`n_actions`).
@@ -313,22 +422,153 @@ impl CpuPolicy {
         &self.scores
     }
 
-    /// Greedy actions for `obs` rows (`rows × state_dim` values) into `actions` (`rows`).
+    /// Greedy actions for `obs` rows (`rows × state_dim` values) into `actions` (`rows`),
+    /// each row's the same (and its scores the same bits) as [`CpuPolicy::act`] gives; the
+    /// hidden layers take four rows per pass over their weights.
     pub fn act_batch(&mut self, obs: &[f32], actions: &mut [u32]) -> Result<()> {
-        let d = self.dims.input.max(1);
+        self.act_batch_scores(obs, actions, None)
+    }
+
+    /// [`CpuPolicy::act_batch`], also writing each row's scores into `scores`
+    /// (`rows × n_actions`) when given.
+    pub fn act_batch_scores(&mut self, obs: &[f32], actions: &mut [u32], mut scores: Option<&mut [f32]>) -> Result<()> {
+        const CTX: &str = "CpuPolicy::act_batch";
+        let (d, na) = (self.dims.input.max(1), self.dims.n_actions);
         if obs.len() != actions.len() * d {
-            return Err(Error::shape("obs", "CpuPolicy::act_batch", actions.len() * d, obs.len()));
+            return Err(Error::shape("obs", CTX, actions.len() * d, obs.len()));
         }
-        for (row, a) in obs.chunks_exact(d).zip(actions.iter_mut()) {
+        if let Some(sc) = scores.as_deref() {
+            if sc.len() != actions.len() * na {
+                return Err(Error::shape("scores", CTX, actions.len() * na, sc.len()));
+            }
+        }
+        if let Some(i) = obs.iter().position(|v| !v.is_finite()) {
+            return Err(Error::NonFinite { what: "obs", index: i, value: obs[i] as f64, context: CTX });
+        }
+        let (full, w) = (actions.len() / ROWS * ROWS, self.widest);
+        for (g, (rows, acts)) in obs[..full * d].chunks_exact(ROWS * d).zip(actions.chunks_exact_mut(ROWS)).enumerate()
+        {
+            let [a, b] = &mut self.batch_buf;
+            let (mut cur, mut next) = (a, b);
+            for (r, x) in rows.chunks_exact(d).enumerate() {
+                cur[r * w..r * w + d].copy_from_slice(x);
+            }
+            for (layer, act) in &self.hidden {
+                (self.rows)(layer, cur, w, next, w, *act);
+                std::mem::swap(&mut cur, &mut next);
+            }
+            let width = self.hidden.last().map_or(d, |(l, _)| l.outputs);
+            for (r, a) in acts.iter_mut().enumerate() {
+                *a = head_action(&self.head, self.dueling, self.dot, &cur[r * w..r * w + width], &mut self.scores);
+                if let Some(sc) = scores.as_deref_mut() {
+                    let at = (g * ROWS + r) * na;
+                    sc[at..at + na].copy_from_slice(&self.scores);
+                }
+            }
+        }
+        // The last rows (fewer than ROWS) one at a time.
+        for (i, (row, a)) in obs[full * d..].chunks_exact(d).zip(actions[full..].iter_mut()).enumerate() {
             *a = self.act(row)?;
+            if let Some(sc) = scores.as_deref_mut() {
+                let at = (full + i) * na;
+                sc[at..at + na].copy_from_slice(&self.scores);
+            }
         }
         Ok(())
     }
 }
 
+/// The head on the last hidden layer's output `z` into `scores`, and the greedy action (the
+/// first maximum wins, as `mlp_ref::first_argmax`: candle's and torch's argmax).
+fn head_action(head: &[Dense], dueling: bool, dot: fn(&[f32], &[f32]) -> f32, z: &[f32], scores: &mut [f32]) -> u32 {
+    if dueling {
+        let mut v = [0.0f32];
+        head[0].apply(dot, z, &mut v);
+        head[1].apply(dot, z, scores);
+        let mean = scores.iter().sum::<f32>() / scores.len() as f32;
+        for s in scores.iter_mut() {
+            *s = (*s - mean) + v[0];
+        }
+    } else {
+        head[0].apply(dot, z, scores);
+    }
+    let mut best = 0;
+    for (j, &s) in scores.iter().enumerate().skip(1) {
+        if s > scores[best] {
+            best = j;
+        }
+    }
+    best as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Batches (whole groups of four rows and remainders, every layer kernel this CPU runs)
+    /// give each row exactly its single decision's action and scores, on fresh random networks
+    /// of both heads and odd widths.
+    #[test]
+    fn batches_give_the_single_decisions_bits() {
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(5, |d| d.as_nanos() as u64);
+        for (case, (widths, dueling, act)) in [
+            (vec![56usize, 256, 256, 128], true, Activation::Relu),
+            (vec![56, 256, 256], false, Activation::Tanh),
+            (vec![13, 7, 33], true, Activation::Relu),
+            (vec![9, 45], false, Activation::Tanh),
+            (vec![5], false, Activation::Identity),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = seed.wrapping_add(100 * case as u64);
+            let na = if dueling { 3 } else { 4 };
+            let layers: Vec<(Tensor, Tensor)> = widths
+                .windows(2)
+                .enumerate()
+                .map(|(i, w)| (t(&[w[1], w[0]], s + 2 * i as u64, 0.2), t(&[w[1]], s + 2 * i as u64 + 1, 0.1)))
+                .collect();
+            let last = *widths.last().unwrap();
+            let (hv, ha) = (
+                (t(&[1, last], s + 50, 0.2), t(&[1], s + 51, 0.1)),
+                (t(&[na, last], s + 52, 0.2), t(&[na], s + 53, 0.1)),
+            );
+            let hidden: Vec<(Linear<'_>, Activation)> =
+                layers.iter().map(|(w, b)| (Linear { weight: w, bias: b }, act)).collect();
+            let head = if dueling {
+                Head::Dueling {
+                    value: Linear { weight: &hv.0, bias: &hv.1 },
+                    advantage: Linear { weight: &ha.0, bias: &ha.1 },
+                }
+            } else {
+                Head::Logits(Linear { weight: &ha.0, bias: &ha.1 })
+            };
+            let net = GreedyMlp { hidden: &hidden, head };
+            let (rows, d) = (23, widths[0]);
+            let obs: Vec<f32> = t(&[rows, d], s + 99, 2.0).flatten_all().unwrap().to_vec1().unwrap();
+            let mut p = CpuPolicy::new(&net).unwrap();
+            // The portable batch kernel and this CPU's.
+            for k in [column_layer_rows_portable as RowsFn, pick_rows()] {
+                p.rows = k;
+                let (mut acts, mut scores) = (vec![u32::MAX; rows], vec![f32::NAN; rows * na]);
+                p.act_batch_scores(&obs, &mut acts, Some(&mut scores)).unwrap();
+                for (r, x) in obs.chunks_exact(d).enumerate() {
+                    let a = p.act(x).unwrap();
+                    assert_eq!(acts[r], a, "case {case} row {r} (seed {s})");
+                    let got = &scores[r * na..(r + 1) * na];
+                    let same = p.scores().iter().zip(got).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "case {case} row {r}: {:?} vs {got:?} (seed {s})", p.scores());
+                }
+            }
+            let mut acts = vec![0u32; 2];
+            assert!(p.act_batch_scores(&obs[..2 * d], &mut acts, Some(&mut [0.0; 5])).is_err());
+            let mut bad = obs[..2 * d].to_vec();
+            bad[d - 1] = f32::NAN;
+            assert!(p.act_batch(&bad, &mut acts).unwrap_err().to_string().contains("non-finite"));
+        }
+    }
+
     use crate::cpu_dot::dot_portable;
     use crate::mlp_ref::{reference_greedy, Linear};
 
