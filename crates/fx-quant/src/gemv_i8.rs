@@ -176,10 +176,11 @@ pub struct VerticalWeights {
 
 impl VerticalWeights {
     /// Interleaves row-major `w` (`rows × stride`, `stride` a multiple of [`PAD`]); None for
-    /// rows wider than [`MAX_VERTICAL_INPUTS`] (those keep the row-major kernel).
+    /// rows wider than [`MAX_VERTICAL_INPUTS`] or of no inputs (those keep the row-major
+    /// kernel; the batch kernels' loops assume at least one step of inputs).
     pub fn new(w: &[i8], stride: usize, rows: usize) -> Option<Self> {
         assert!(stride.is_multiple_of(PAD) && w.len() >= rows * stride, "VerticalWeights::new: shapes");
-        if stride > MAX_VERTICAL_INPUTS {
+        if stride == 0 || stride > MAX_VERTICAL_INPUTS {
             return None;
         }
         let blocks = rows.div_ceil(LANES);
@@ -196,6 +197,21 @@ impl VerticalWeights {
         row_sum.resize(blocks * LANES, 0);
         Some(Self { data, rows, stride, row_sum })
     }
+
+    /// The batch kernels' requirements (a violation is a bug in the caller, so it panics
+    /// rather than read out of bounds): 1 ..= `max` activation vectors, each at least `stride`
+    /// bytes, and as many outputs, each at least `rows` long.
+    fn check_batch(&self, xs: &[&[i8]], outs: &[&mut [i32]], max: usize, what: &str) {
+        assert!(
+            (1..=max).contains(&xs.len())
+                && outs.len() == xs.len()
+                && xs.iter().all(|x| x.len() >= self.stride)
+                && outs.iter().all(|o| o.len() >= self.rows),
+            "{what}: {} activation vectors, {} outputs",
+            xs.len(),
+            outs.len()
+        );
+    }
 }
 
 impl Gemv {
@@ -210,15 +226,7 @@ impl Gemv {
     /// unless [`Gemv::has_vertical`]. The same exact integers as [`gemv_scalar`].
     #[inline]
     pub fn run_vertical(self, w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) -> bool {
-        assert!(
-            (1..=MAX_ROWS).contains(&xs.len())
-                && outs.len() == xs.len()
-                && xs.iter().all(|x| x.len() >= w.stride)
-                && outs.iter().all(|o| o.len() >= w.rows),
-            "Gemv::run_vertical: {} activation vectors, {} outputs",
-            xs.len(),
-            outs.len()
-        );
+        w.check_batch(xs, outs, MAX_ROWS, "Gemv::run_vertical");
         if !self.has_vertical() {
             return false;
         }
@@ -238,15 +246,20 @@ impl Gemv {
     }
 
     /// The AMX tiles configured on this thread for [`Tiles::run`], until the value is
-    /// dropped; `None` unless [`Gemv::has_tiles`].
+    /// dropped; `None` unless [`Gemv::has_tiles`]. Several may be alive on one thread (a
+    /// batch inside a batch): the first configures, the last dropped releases.
     pub fn tiles(self) -> Option<Tiles> {
         if !self.has_tiles() {
             return None;
         }
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: AMX, with the process's tile grant, was detected when `self` was built.
-            unsafe { amx::configure() };
+            if TILES_ALIVE.get() == 0 {
+                // SAFETY: AMX, with the process's tile grant, was detected when `self` was
+                // built.
+                unsafe { amx::configure() };
+            }
+            TILES_ALIVE.set(TILES_ALIVE.get() + 1);
             Some(Tiles { _thread: std::marker::PhantomData })
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -254,9 +267,15 @@ impl Gemv {
     }
 }
 
+thread_local! {
+    /// Live [`Tiles`] on this thread: the tile configuration is loaded while it is above 0.
+    static TILES_ALIVE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 /// AMX tiles configured on the current thread (`ldtilecfg`), released (`tilerelease`) when
-/// dropped. A batch configures them once for all its products: the configuration is
-/// thread state, so the value cannot leave the thread.
+/// the thread's last one is dropped. A batch configures them once for all its products: the
+/// configuration is thread state, so the value cannot leave the thread. (Code outside fx
+/// that loads another tile configuration on this thread while one is alive is not seen.)
 #[derive(Debug)]
 pub struct Tiles {
     _thread: std::marker::PhantomData<*const ()>,
@@ -268,15 +287,7 @@ impl Tiles {
     /// integers as [`gemv_scalar`].
     #[inline]
     pub fn run(&self, w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&mut [i32]]) {
-        assert!(
-            (1..=TILE_ROWS).contains(&xs.len())
-                && outs.len() == xs.len()
-                && xs.iter().all(|x| x.len() >= w.stride)
-                && outs.iter().all(|o| o.len() >= w.rows),
-            "Tiles::run: {} activation vectors, {} outputs",
-            xs.len(),
-            outs.len()
-        );
+        w.check_batch(xs, outs, TILE_ROWS, "Tiles::run");
         // SAFETY: a `Tiles` exists only where AMX and AVX-512 F/BW were detected, and its
         // configuration is loaded on this thread (it cannot move to another); lengths checked.
         #[cfg(target_arch = "x86_64")]
@@ -288,11 +299,14 @@ impl Tiles {
 
 impl Drop for Tiles {
     fn drop(&mut self) {
-        // SAFETY: releases the configuration `Gemv::tiles` loaded on this thread.
+        let left = TILES_ALIVE.get() - 1;
+        TILES_ALIVE.set(left);
+        // SAFETY: releases the configuration `Gemv::tiles` loaded on this thread, once no
+        // `Tiles` of the thread is left.
         #[cfg(target_arch = "x86_64")]
-        unsafe {
-            amx::release()
-        };
+        if left == 0 {
+            unsafe { amx::release() };
+        }
     }
 }
 

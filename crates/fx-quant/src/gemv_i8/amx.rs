@@ -12,6 +12,9 @@
 //! `ARCH_REQ_XCOMP_PERM`); [`available`] asks once. The instructions are written as inline
 //! assembly: Rust's AMX intrinsics are not stable.
 
+// The tile types and the kernel exist for x86_64 only.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
+
 use super::{VerticalWeights, MAX_VERTICAL_INPUTS, TILE_ROWS};
 
 /// Whether this CPU has AMX-TILE and AMX-INT8 and the kernel granted this process the
@@ -108,7 +111,7 @@ pub(super) unsafe fn gemv_tiles(w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&
         let mut c = 0;
         while c < stride {
             // SAFETY: row r of the stage holds `stride` <= MAX_VERTICAL_INPUTS bytes; `xs[r]`
-            // at least `stride` (checked by run_tiles). Rows past `n` are zeroed: their sums
+            // at least `stride` (checked by Tiles::run). Rows past `n` are zeroed: their sums
             // are dropped, but the tile loads read them.
             unsafe {
                 let v = match x {
