@@ -6,7 +6,9 @@
 //! matrix–vector product of the best ISA this CPU has ([`crate::Isa`]), and dequantises
 //! with `w_scale · input_scale` plus the F32 bias; layers kept in F32 use a plain F32 dot
 //! product. The whole forward is compiled a second time with AVX2 enabled (chosen at run
-//! time), so the quantise / dequantise / activation loops are vectorised too.
+//! time), so the quantise / dequantise / activation loops are vectorised too; batches
+//! (`act_batch`) also have an AVX-512 build, and take the interleaved AVX-512 VNNI kernel or
+//! AMX tiles for the products where the CPU has them ([`crate::Isa`]).
 //! [`crate::reference::reference_scores`] computes the same thing plainly and the tests
 //! require bit-identical scores.
 
@@ -90,13 +92,21 @@ impl Act {
         }
     }
 
+    /// `v = act(v)` over `y`, one loop per activation (branch-free, so vectorised).
     #[inline(always)]
-    fn apply(self, v: f32) -> f32 {
+    fn apply_all(self, y: &mut [f32]) {
         match self {
-            Act::Id => v,
-            Act::Relu => relu(v),
-            Act::Tanh => tanh_rational(v),
+            Act::Id => {}
+            Act::Relu => y.iter_mut().for_each(|v| *v = relu(*v)),
+            Act::Tanh => y.iter_mut().for_each(|v| *v = tanh_rational(*v)),
         }
+    }
+
+    /// Whether a layer's `max |y|` is gathered for the next layer's dynamic step: the hidden
+    /// layers' (a head's, `Id`, feeds no layer).
+    #[inline(always)]
+    fn gathers(self) -> bool {
+        self != Act::Id
     }
 }
 
@@ -167,11 +177,10 @@ unsafe fn quantize_slice_avx2(x: &[f32], inv: f32, out: &mut [i8]) {
 }
 
 /// `y = act(acc · scale + bias)` in the reference's order (`acc · (w_scale · step) + bias`
-/// for dynamic steps); returns `max |y|` (the next layer's dynamic step, so that layer does
-/// not read its input twice).
+/// for dynamic steps), the activation in the same loop (one instantiation per activation, so
+/// each loop is branch-free and vectorised).
 #[inline(always)]
-fn dequantize_row(l: &PackedLinear, acc: &[i32], step: Option<f32>, act: Act, y: &mut [f32]) -> f32 {
-    // One instantiation per activation, so each loop is branch-free and vectorised.
+fn dequantize_row(l: &PackedLinear, acc: &[i32], step: Option<f32>, act: Act, y: &mut [f32]) {
     match act {
         Act::Id => dequantize_act(l, acc, step, y, |v| v),
         Act::Relu => dequantize_act(l, acc, step, y, relu),
@@ -180,23 +189,13 @@ fn dequantize_row(l: &PackedLinear, acc: &[i32], step: Option<f32>, act: Act, y:
 }
 
 #[inline(always)]
-fn dequantize_act(l: &PackedLinear, acc: &[i32], step: Option<f32>, y: &mut [f32], act: impl Fn(f32) -> f32) -> f32 {
+fn dequantize_act(l: &PackedLinear, acc: &[i32], step: Option<f32>, y: &mut [f32], act: impl Fn(f32) -> f32) {
+    let rows = y.iter_mut().zip(acc).zip(&l.dequant).zip(&l.bias);
     match step {
-        Some(s) => epilogue(acc, &l.dequant, &l.bias, y, |a, w, b| act(a as f32 * (w * s) + b)),
+        Some(s) => rows.for_each(|(((o, &a), &w), &b)| *o = act(a as f32 * (w * s) + b)),
         // Static steps: `dequant` holds w_scale · input_scale.
-        None => epilogue(acc, &l.dequant, &l.bias, y, |a, d, b| act(a as f32 * d + b)),
+        None => rows.for_each(|(((o, &a), &d), &b)| *o = act(a as f32 * d + b)),
     }
-}
-
-/// [`dequantize_row`]'s work with the dequantisation and activation `dq(acc, scale, bias)`:
-/// one loop the compiler vectorises (fusing the maximum into it left the PPO's tanh
-/// scalar), then the maximum over the outputs, still in L1.
-#[inline(always)]
-fn epilogue(acc: &[i32], scale: &[f32], bias: &[f32], y: &mut [f32], dq: impl Fn(i32, f32, f32) -> f32) -> f32 {
-    for (((o, &a), &s), &b) in y.iter_mut().zip(acc).zip(scale).zip(bias) {
-        *o = dq(a, s, b);
-    }
-    abs_max(y)
 }
 
 /// An F32 layer's row: `y = W x + b`.
@@ -207,8 +206,10 @@ fn dense_f32(l: &FloatLayer, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// One layer: `y = act(W x + b)`; `amax` is `max |x|` where known. Returns `max |y|` where
-/// it was gathered on the way (INT8 layers).
+/// One layer: `y = act(W x + b)`; `amax` is `max |x|` where known. Returns `max |y|` for a
+/// hidden layer (its maximum taken once, in L1, and handed to the next layer's dynamic step
+/// instead of that layer reading its input twice; fused into the dequantising loop it left
+/// the PPO's tanh scalar on the dev machine).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn dense(
@@ -227,36 +228,45 @@ fn dense(
         // rows (docs/perf/2026-12-01-h200-host-cpu-int8/first-try/compare_cpu.md) against
         // 4.2 us row-major (compare_cpu.md beside it), both with the old quantiser; batches
         // gain from the interleaved one.
-        Packed::Int8(l, _) => {
-            let step = quantize_row(l, x, amax, xq);
-            let acc = &mut acc[..l.out];
-            gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
-            Some(dequantize_row(l, acc, step, act, y))
-        }
+        Packed::Int8(l, _) => int8_row(l, gemv, x, amax, act, y, xq, acc),
         Packed::F32(l) => {
             dense_f32(l, x, y);
-            if act != Act::Id {
-                y.iter_mut().for_each(|v| *v = act.apply(*v));
-            }
-            None
+            act.apply_all(y);
         }
     }
+    act.gathers().then(|| abs_max(y))
 }
 
-/// An INT8 layer's row without activation: the input quantised (its dynamic step, or the
-/// layer's), the exact integer product, then dequantised with the bias. `xq` holds at least
-/// `l.stride` bytes whose padding past `l.inp` is zero; `acc` at least `l.out`.
+/// An INT8 layer's row: the input quantised (its dynamic step from `amax` where known, or
+/// the layer's), the exact integer product, then dequantised with the bias and `act`. `xq`
+/// holds at least `l.stride` bytes whose padding past `l.inp` is zero; `acc` at least `l.out`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
-    let step = quantize_row(l, x, None, xq);
+fn int8_row(
+    l: &PackedLinear,
+    gemv: Gemv,
+    x: &[f32],
+    amax: Option<f32>,
+    act: Act,
+    y: &mut [f32],
+    xq: &mut [i8],
+    acc: &mut [i32],
+) {
+    let step = quantize_row(l, x, amax, xq);
     let acc = &mut acc[..l.out];
     gemv.run(&l.weight, l.stride, &xq[..l.stride], &l.row_sum, acc);
-    dequantize_row(l, acc, step, Act::Id, y);
+    dequantize_row(l, acc, step, act, y);
+}
+
+/// [`int8_row`] without activation, for layers outside a policy (MAMBA-2's projections).
+#[inline(always)]
+pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32], xq: &mut [i8], acc: &mut [i32]) {
+    int8_row(l, gemv, x, None, Act::Id, y, xq, acc);
 }
 
 /// Batches of at least this many rows take the AMX tiles where the CPU has them (fewer take
 /// the AVX-512 VNNI interleaved kernel, which computes only the rows it is given).
-const TILES_FROM_ROWS: usize = 5;
+pub(crate) const TILES_FROM_ROWS: usize = 5;
 
 /// Rows one batch pass takes: [`TILE_ROWS`] on AMX, else [`MAX_ROWS`].
 pub(crate) fn pass_rows(gemv: Gemv) -> usize {
@@ -272,7 +282,7 @@ pub(crate) fn pass_rows(gemv: Gemv) -> usize {
 /// computed exactly as [`dense`] does it; only the INT8 product reads each weight vector
 /// once for all the rows (where the interleaved or the AMX kernel runs: `tiles`, configured
 /// by the caller, for `n >= TILES_FROM_ROWS`). `amax[r]`: row r's `max |x|` where known, on
-/// return its output's where gathered (as [`dense`]).
+/// return its output's for a hidden layer (as [`dense`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn dense_rows(
@@ -313,7 +323,8 @@ pub(crate) fn dense_rows(
             }
             for (r, &step) in steps.iter().enumerate().take(n) {
                 let y = &mut ys[r * wy..r * wy + l.out];
-                amax[r] = Some(dequantize_row(l, &acc[r * wa..r * wa + l.out], step, act, y));
+                dequantize_row(l, &acc[r * wa..r * wa + l.out], step, act, y);
+                amax[r] = act.gathers().then(|| abs_max(y));
             }
         }
         _ => {
@@ -510,7 +521,7 @@ impl Int8Policy {
             },
             batch: BatchScratch::new(pass_rows(gemv), widest, widest_padded, n_actions),
             avx2: isa != Isa::Scalar && has_avx2_fma(),
-            avx512: matches!(isa, Isa::Avx512Vnni | Isa::Amx),
+            avx512: matches!(isa, Isa::Avx512Vnni | Isa::Amx) && has_avx2_fma(),
         })
     }
 

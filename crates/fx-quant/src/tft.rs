@@ -11,7 +11,7 @@
 //!   inputs ([`crate::calibrate`]'s statistics, per part);
 //! - INT8 ([`Int8Tft`], CPU): quantises each GEMM row's input (the part's static scale, or
 //!   each row's own `max |x| / 127` under `dynamic`) and runs the exact integer products of
-//!   [`crate::Int8Policy`]'s layers, eight rows at a time on AVX-512 VNNI;
+//!   [`crate::Int8Policy`]'s layers, eight rows at a time on AVX-512 VNNI, 32 on AMX;
 //! - the variable selection networks whole (`crate::tft_vsn::VsnHook`, for `CudaInt8Tft`
 //!   on the GPU and its CPU reference).
 //!
@@ -34,7 +34,7 @@ use crate::calibrate::{CalibMethod, InputStats};
 use crate::error::{Error, Result};
 use crate::float_net::FloatLayer;
 use crate::gemv_i8::{Gemv, Isa, VerticalWeights};
-use crate::policy::{dense_rows, pass_rows, Act, Packed};
+use crate::policy::{dense_rows, pass_rows, Act, Packed, TILES_FROM_ROWS};
 use crate::qnet::{CalibInfo, PackedLinear, QuantLinear};
 
 /// Percentile calibration keeps at most this many `|x|` per part (1 MiB), thinned evenly.
@@ -507,7 +507,7 @@ struct PackedPart {
     layer: Packed,
 }
 
-/// The INT8 hook: every matrix part packed, and scratch for eight rows.
+/// The INT8 hook: every matrix part packed, and scratch for one batch pass (`pass_rows`: 8 rows, 32 on AMX).
 #[derive(Debug)]
 pub(crate) struct Int8Hook {
     list: Vec<Matrix>,
@@ -569,7 +569,8 @@ impl Int8Hook {
         let (inp, out) = (self.list[idx].inp, self.list[idx].rows_per_part);
         let mut s = self.scratch.borrow_mut();
         let (xq, acc, _) = &mut *s;
-        let tiles = self.gemv.tiles();
+        // The tiles configured only where a pass takes them (as Int8Policy::act_batch).
+        let tiles = if rows >= TILES_FROM_ROWS { self.gemv.tiles() } else { None };
         let mut r = 0;
         while r < rows {
             let n = (rows - r).min(pass_rows(self.gemv));
