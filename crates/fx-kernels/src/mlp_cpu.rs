@@ -103,23 +103,7 @@ fn column_block<const W: usize>(wt: &[f32], padded: usize, o0: usize, x: &[f32])
 /// not depend on `B`.
 #[inline(always)]
 fn column_layer<const B: usize>(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
-    // Bias first, then the activation over the block's outputs in a loop of its own (no
-    // branch inside, so the compiler vectorises it, `fast_tanh` included).
-    let mut put = |o0: usize, acc: &[f32]| {
-        let end = (o0 + acc.len()).min(l.outputs);
-        if end <= o0 {
-            return;
-        }
-        let ys = &mut out[o0..end];
-        for ((y, &a), &b) in ys.iter_mut().zip(acc).zip(&l.b[o0..end]) {
-            *y = a + b;
-        }
-        match act {
-            Activation::Identity => {}
-            Activation::Relu => ys.iter_mut().for_each(|v| *v = v.max(0.0)),
-            Activation::Tanh => ys.iter_mut().for_each(|v| *v = fast_tanh(*v)),
-        }
-    };
+    let mut put = |o0: usize, acc: &[f32]| finish_block(l, o0, acc, out, act);
     let mut o0 = 0;
     while o0 + B <= l.padded {
         put(o0, &column_block::<B>(&l.wt, l.padded, o0, x));
@@ -151,6 +135,26 @@ unsafe fn column_layer_avx512(l: &ColumnDense, x: &[f32], out: &mut [f32], act: 
 
 fn column_layer_portable(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
     column_layer::<COL_BLOCK>(l, x, out, act)
+}
+
+/// `out[o0 + k] = act(acc[k] + b[o0 + k])` for the block's real outputs (none past
+/// `l.outputs`): bias first, then the activation in a loop of its own (no branch inside, so
+/// the compiler vectorises it, `fast_tanh` included).
+#[inline(always)]
+fn finish_block(l: &ColumnDense, o0: usize, acc: &[f32], out: &mut [f32], act: Activation) {
+    let end = (o0 + acc.len()).min(l.outputs);
+    if end <= o0 {
+        return;
+    }
+    let ys = &mut out[o0..end];
+    for ((y, &a), &b) in ys.iter_mut().zip(acc).zip(&l.b[o0..end]) {
+        *y = a + b;
+    }
+    match act {
+        Activation::Identity => {}
+        Activation::Relu => ys.iter_mut().for_each(|v| *v = v.max(0.0)),
+        Activation::Tanh => ys.iter_mut().for_each(|v| *v = fast_tanh(*v)),
+    }
 }
 
 /// Observations per pass of a batch ([`CpuPolicy::act_batch`]): each weight vector loaded
@@ -195,43 +199,17 @@ fn column_layer_rows<const B: usize>(
     act: Activation,
 ) {
     let inputs = l.wt.len() / l.padded.max(1);
-    let mut put = |o0: usize, acc: &[[f32; B]]| {
-        for (r, a) in acc.iter().enumerate() {
-            let end = (o0 + B).min(l.outputs);
-            if end <= o0 {
-                return;
-            }
-            let ys = &mut out[r * wy + o0..r * wy + end];
-            for ((y, &v), &b) in ys.iter_mut().zip(a.iter()).zip(&l.b[o0..end]) {
-                *y = v + b;
-            }
-            match act {
-                Activation::Identity => {}
-                Activation::Relu => ys.iter_mut().for_each(|v| *v = v.max(0.0)),
-                Activation::Tanh => ys.iter_mut().for_each(|v| *v = fast_tanh(*v)),
-            }
-        }
-    };
+    let mut put = |o0: usize, r: usize, acc: &[f32]| finish_block(l, o0, acc, &mut out[r * wy..], act);
     let mut o0 = 0;
     while o0 + B <= l.padded {
-        put(o0, &column_block_rows::<B>(&l.wt, l.padded, o0, x, wx, inputs));
+        for (r, a) in column_block_rows::<B>(&l.wt, l.padded, o0, x, wx, inputs).iter().enumerate() {
+            put(o0, r, a);
+        }
         o0 += B;
     }
     while o0 < l.padded {
-        let acc = column_block_rows::<COL_TAIL>(&l.wt, l.padded, o0, x, wx, inputs);
-        for (r, a) in acc.iter().enumerate() {
-            let end = (o0 + COL_TAIL).min(l.outputs);
-            if end > o0 {
-                let ys = &mut out[r * wy + o0..r * wy + end];
-                for ((y, &v), &b) in ys.iter_mut().zip(a.iter()).zip(&l.b[o0..end]) {
-                    *y = v + b;
-                }
-                match act {
-                    Activation::Identity => {}
-                    Activation::Relu => ys.iter_mut().for_each(|v| *v = v.max(0.0)),
-                    Activation::Tanh => ys.iter_mut().for_each(|v| *v = fast_tanh(*v)),
-                }
-            }
+        for (r, a) in column_block_rows::<COL_TAIL>(&l.wt, l.padded, o0, x, wx, inputs).iter().enumerate() {
+            put(o0, r, a);
         }
         o0 += COL_TAIL;
     }
@@ -258,45 +236,40 @@ fn column_layer_rows_portable(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [
 /// A hidden layer's evaluation for [`ROWS`] rows (rows `wx` / `wy` apart).
 type RowsFn = fn(&ColumnDense, &[f32], usize, &mut [f32], usize, Activation);
 
-/// The batch layer kernel of the same ISA as [`pick_layer`]'s.
-fn pick_rows() -> RowsFn {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if avx2_fma() && is_x86_feature_detected!("avx512f") {
-            // SAFETY: the features `column_layer_rows_avx512` is compiled for were detected here.
-            return |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx512(l, x, wx, o, wy, a) };
-        }
-        if avx2_fma() {
-            // SAFETY: the features `column_layer_rows_avx2` is compiled for were detected here.
-            return |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx2(l, x, wx, o, wy, a) };
-        }
-    }
-    column_layer_rows_portable
-}
-
-/// A hidden layer's evaluation: the fastest this CPU runs (decided once per policy).
+/// A hidden layer's evaluation for one decision.
 type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
 
-/// The layer kernels this CPU runs, fastest first (the portable one last).
-fn layer_kernels() -> Vec<(&'static str, LayerFn)> {
-    let mut v: Vec<(&'static str, LayerFn)> = Vec::new();
+/// The layer kernels this CPU runs, fastest first (the portable one last): one decision's
+/// and a batch's ([`ROWS`] rows) of the same ISA.
+fn layer_kernels() -> Vec<(&'static str, LayerFn, RowsFn)> {
+    let mut v: Vec<(&'static str, LayerFn, RowsFn)> = Vec::new();
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_fma() && is_x86_feature_detected!("avx512f") {
-            // SAFETY: the features `column_layer_avx512` is compiled for were detected here.
-            v.push(("avx512", |l, x, o, a| unsafe { column_layer_avx512(l, x, o, a) }));
+            // SAFETY (both): the features the `_avx512` kernels are compiled for were detected here.
+            v.push((
+                "avx512",
+                |l, x, o, a| unsafe { column_layer_avx512(l, x, o, a) },
+                |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx512(l, x, wx, o, wy, a) },
+            ));
         }
         if avx2_fma() {
-            // SAFETY: the features `column_layer_avx2` is compiled for were detected here.
-            v.push(("avx2", |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) }));
+            // SAFETY (both): the features the `_avx2` kernels are compiled for were detected here.
+            v.push((
+                "avx2",
+                |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) },
+                |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx2(l, x, wx, o, wy, a) },
+            ));
         }
     }
-    v.push(("portable", column_layer_portable));
+    v.push(("portable", column_layer_portable, column_layer_rows_portable));
     v
 }
 
-fn pick_layer() -> LayerFn {
-    layer_kernels()[0].1
+/// The fastest kernels of this CPU: one decision's and a batch's.
+fn pick_layer() -> (LayerFn, RowsFn) {
+    let (_, one, rows) = layer_kernels()[0];
+    (one, rows)
 }
 
 /// `tanh` through one `exp` (libm's `tanhf` is a call per element, which does not vectorise; within 2e-7 absolute of
@@ -381,8 +354,8 @@ impl CpuPolicy {
             buf: [vec![0.0; widest], vec![0.0; widest]],
             scores: vec![0.0; dims.n_actions],
             dot: pick_dot(),
-            layer: pick_layer(),
-            rows: pick_rows(),
+            layer: pick_layer().0,
+            rows: pick_layer().1,
             batch_buf: [vec![0.0; ROWS * widest], vec![0.0; ROWS * widest]],
             widest,
             dims,
@@ -505,6 +478,58 @@ fn head_action(head: &[Dense], dueling: bool, dot: fn(&[f32], &[f32]) -> f32, z:
 mod tests {
     use super::*;
 
+    use crate::cpu_dot::dot_portable;
+    use crate::mlp_ref::{reference_greedy, Linear};
+
+    fn t(shape: &[usize], seed: u64, scale: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> =
+            (0..n as u64).map(|i| ((crate::rng::draw(seed, 9, 0, i) * 2.0 - 1.0) * scale) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// A random policy network's tensors (`t`'s draws from seed `s`): hidden layers of
+    /// `widths` with `act`, then a dueling head of 3 actions or a logits head of 4.
+    struct Case {
+        layers: Vec<(Tensor, Tensor)>,
+        value: (Tensor, Tensor),
+        advantage: (Tensor, Tensor),
+        act: Activation,
+        dueling: bool,
+        na: usize,
+    }
+
+    impl Case {
+        fn new(widths: &[usize], dueling: bool, act: Activation, s: u64) -> Self {
+            let na = if dueling { 3 } else { 4 };
+            let layers = widths
+                .windows(2)
+                .enumerate()
+                .map(|(i, w)| (t(&[w[1], w[0]], s + 2 * i as u64, 0.2), t(&[w[1]], s + 2 * i as u64 + 1, 0.1)))
+                .collect();
+            let last = *widths.last().unwrap();
+            let value = (t(&[1, last], s + 50, 0.2), t(&[1], s + 51, 0.1));
+            let advantage = (t(&[na, last], s + 52, 0.2), t(&[na], s + 53, 0.1));
+            Self { layers, value, advantage, act, dueling, na }
+        }
+
+        fn hidden(&self) -> Vec<(Linear<'_>, Activation)> {
+            self.layers.iter().map(|(w, b)| (Linear { weight: w, bias: b }, self.act)).collect()
+        }
+
+        fn head(&self) -> Head<Linear<'_>> {
+            let (v, a) = (&self.value, &self.advantage);
+            if self.dueling {
+                Head::Dueling {
+                    value: Linear { weight: &v.0, bias: &v.1 },
+                    advantage: Linear { weight: &a.0, bias: &a.1 },
+                }
+            } else {
+                Head::Logits(Linear { weight: &a.0, bias: &a.1 })
+            }
+        }
+    }
+
     /// Batches (whole groups of four rows and remainders, every layer kernel this CPU runs)
     /// give each row exactly its single decision's action and scores, on fresh random networks
     /// of both heads and odd widths.
@@ -523,33 +548,14 @@ mod tests {
         .enumerate()
         {
             let s = seed.wrapping_add(100 * case as u64);
-            let na = if dueling { 3 } else { 4 };
-            let layers: Vec<(Tensor, Tensor)> = widths
-                .windows(2)
-                .enumerate()
-                .map(|(i, w)| (t(&[w[1], w[0]], s + 2 * i as u64, 0.2), t(&[w[1]], s + 2 * i as u64 + 1, 0.1)))
-                .collect();
-            let last = *widths.last().unwrap();
-            let (hv, ha) = (
-                (t(&[1, last], s + 50, 0.2), t(&[1], s + 51, 0.1)),
-                (t(&[na, last], s + 52, 0.2), t(&[na], s + 53, 0.1)),
-            );
-            let hidden: Vec<(Linear<'_>, Activation)> =
-                layers.iter().map(|(w, b)| (Linear { weight: w, bias: b }, act)).collect();
-            let head = if dueling {
-                Head::Dueling {
-                    value: Linear { weight: &hv.0, bias: &hv.1 },
-                    advantage: Linear { weight: &ha.0, bias: &ha.1 },
-                }
-            } else {
-                Head::Logits(Linear { weight: &ha.0, bias: &ha.1 })
-            };
-            let net = GreedyMlp { hidden: &hidden, head };
-            let (rows, d) = (23, widths[0]);
+            let c = Case::new(&widths, dueling, act, s);
+            let hidden = c.hidden();
+            let net = GreedyMlp { hidden: &hidden, head: c.head() };
+            let (rows, d, na) = (23, widths[0], c.na);
             let obs: Vec<f32> = t(&[rows, d], s + 99, 2.0).flatten_all().unwrap().to_vec1().unwrap();
             let mut p = CpuPolicy::new(&net).unwrap();
             // The portable batch kernel and this CPU's.
-            for k in [column_layer_rows_portable as RowsFn, pick_rows()] {
+            for k in [column_layer_rows_portable as RowsFn, pick_layer().1] {
                 p.rows = k;
                 let (mut acts, mut scores) = (vec![u32::MAX; rows], vec![f32::NAN; rows * na]);
                 p.act_batch_scores(&obs, &mut acts, Some(&mut scores)).unwrap();
@@ -569,16 +575,6 @@ mod tests {
         }
     }
 
-    use crate::cpu_dot::dot_portable;
-    use crate::mlp_ref::{reference_greedy, Linear};
-
-    fn t(shape: &[usize], seed: u64, scale: f64) -> Tensor {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> =
-            (0..n as u64).map(|i| ((crate::rng::draw(seed, 9, 0, i) * 2.0 - 1.0) * scale) as f32).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
     /// Fresh random networks (both heads, default and odd widths) and observations: the
     /// scores equal the f64 reference within 1e-5 relative, and the actions equal its
     /// actions except where the two best scores are closer than that.
@@ -596,28 +592,9 @@ mod tests {
         .enumerate()
         {
             let s = seed.wrapping_add(100 * case as u64);
-            let na = if dueling { 3 } else { 4 };
-            let layers: Vec<(Tensor, Tensor)> = widths
-                .windows(2)
-                .enumerate()
-                .map(|(i, w)| (t(&[w[1], w[0]], s + 2 * i as u64, 0.2), t(&[w[1]], s + 2 * i as u64 + 1, 0.1)))
-                .collect();
-            let last = *widths.last().unwrap();
-            let (hv, ha) = (
-                (t(&[1, last], s + 50, 0.2), t(&[1], s + 51, 0.1)),
-                (t(&[na, last], s + 52, 0.2), t(&[na], s + 53, 0.1)),
-            );
-            let hidden: Vec<(Linear<'_>, Activation)> =
-                layers.iter().map(|(w, b)| (Linear { weight: w, bias: b }, act)).collect();
-            let head = if dueling {
-                Head::Dueling {
-                    value: Linear { weight: &hv.0, bias: &hv.1 },
-                    advantage: Linear { weight: &ha.0, bias: &ha.1 },
-                }
-            } else {
-                Head::Logits(Linear { weight: &ha.0, bias: &ha.1 })
-            };
-            let net = GreedyMlp { hidden: &hidden, head };
+            let c = Case::new(&widths, dueling, act, s);
+            let (hidden, na) = (c.hidden(), c.na);
+            let net = GreedyMlp { hidden: &hidden, head: c.head() };
             let rows = 64;
             let obs = t(&[rows, widths[0]], s + 99, 2.0);
             let (want_scores, want_actions) = reference_greedy(&net, &obs).unwrap();
@@ -658,7 +635,7 @@ mod tests {
                 let mut want = vec![f32::NAN; outputs];
                 column_layer_portable(&l, &x, &mut want, act);
                 assert!(want.iter().all(|v| v.is_finite()));
-                for (name, k) in layer_kernels() {
+                for (name, k, _) in layer_kernels() {
                     let mut got = vec![f32::NAN; outputs];
                     k(&l, &x, &mut got, act);
                     let (g, w): (Vec<u32>, Vec<u32>) =
