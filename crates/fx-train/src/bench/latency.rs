@@ -35,7 +35,9 @@
 //!   benchmark's network is random, so its share says little of a trained one's.
 //!
 //! The fused and CPU modes also record `matches_eager`: their action for the timed state
-//! equals the eager one (for `int8` a near-tie may legitimately differ).
+//! equals the eager one (for `int8` a near-tie may legitimately differ; `int8_guarded`, whose
+//! calls cycle through states, records its `checked_share` over warm-up and timed calls
+//! instead).
 //!
 //! Throughput (`*_infer_b256`, kind `infer`, bench.py's `run_infer_throughput_case`):
 //! greedy actions for 256 states per call, modes `eager_fp32` (candle, one `[256, 56]`
@@ -167,7 +169,11 @@ impl Net {
 
     /// The quantised network behind [`Net::int8`] (and the GPU's `int8` mode).
     fn quant(&self) -> Result<fx_quant::QuantNet> {
-        Ok(fx_quant::quantize(&self.float()?, &Self::calib()?, fx_quant::CalibMethod::Dynamic, &[])?)
+        Self::quant_of(&self.float()?, &Self::calib()?)
+    }
+
+    fn quant_of(float: &fx_quant::FloatNet, calib: &[f32]) -> Result<fx_quant::QuantNet> {
+        Ok(fx_quant::quantize(float, calib, fx_quant::CalibMethod::Dynamic, &[])?)
     }
 
     fn float(&self) -> Result<fx_quant::FloatNet> {
@@ -184,8 +190,9 @@ impl Net {
     /// [`Net::int8`] guarded by the F32 CPU policy, at the margin `quantize` would record
     /// (`fx_quant::decision_margin` on the calibration states).
     fn guarded(&self) -> Result<fx_quant::GuardedPolicy<fx_kernels::mlp_cpu::CpuPolicy>> {
-        let quant = self.quant()?;
-        let margin = fx_quant::decision_margin(&self.float()?, &quant, &Self::calib()?)?;
+        let (float, calib) = (self.float()?, Self::calib()?);
+        let quant = Self::quant_of(&float, &calib)?;
+        let margin = fx_quant::decision_margin(&float, &quant, &calib)?;
         Ok(fx_quant::GuardedPolicy::with_margin(fx_quant::Int8Policy::new(&quant)?, self.cpu()?, margin)?)
     }
 
@@ -278,6 +285,21 @@ fn time_bound(
     Ok((ts, out))
 }
 
+/// The `int8_guarded` cases: [`Net::guarded`] timed by `time`, its ISA, margin and checked
+/// share (over the warm-up and the timed calls) into `rec`.
+fn timed_guarded(
+    net: &Net,
+    rec: &mut Record,
+    time: impl FnOnce(&mut fx_quant::GuardedPolicy<fx_kernels::mlp_cpu::CpuPolicy>) -> Result<Vec<f64>>,
+) -> Result<Vec<f64>> {
+    let mut policy = net.guarded()?;
+    rec.insert("isa".into(), json!(policy.int8().isa().name()));
+    rec.insert("decision_margin".into(), json!(policy.margin()));
+    let ts = time(&mut policy)?;
+    rec.insert("checked_share".into(), json!(round(policy.checked_share(), 4)));
+    Ok(ts)
+}
+
 /// One latency case in `mode`; fills `rec` (which already holds the case's identity).
 pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: &mut Record) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
@@ -307,18 +329,15 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             // How often the F32 check runs depends on the states, so the calls cycle through
             // 256 of them (the other modes repeat one); the share is reported.
             use fx_quant::Decide;
-            let mut policy = net.guarded()?;
             let states = super::data::states(&Device::Cpu, 256, 9, 4)?.flatten_all()?.to_vec1::<f32>()?;
             let d = states.len() / 256;
-            rec.insert("isa".into(), json!(policy.int8().isa().name()));
-            rec.insert("decision_margin".into(), json!(policy.margin()));
             let mut i = 0;
-            let ts = time_calls(&dev, warm, n, false, || {
-                i += 1;
-                Ok(policy.act(&states[(i % 256) * d..(i % 256 + 1) * d])?)
-            })?;
-            rec.insert("checked_share".into(), json!(round(policy.checked_share(), 4)));
-            ts
+            timed_guarded(&net, rec, |policy| {
+                time_calls(&dev, warm, n, false, || {
+                    i += 1;
+                    Ok(policy.act(&states[(i % 256) * d..(i % 256 + 1) * d])?)
+                })
+            })?
         }
         #[cfg(feature = "cuda")]
         LatencyMode::Fused => {
@@ -429,13 +448,10 @@ pub(crate) fn throughput_case(
             time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))?
         }
         LatencyMode::Int8Guarded => {
-            let mut policy = net.guarded()?;
-            rec.insert("isa".into(), json!(policy.int8().isa().name()));
-            rec.insert("decision_margin".into(), json!(policy.margin()));
             let mut out = vec![0usize; batch];
-            let ts = time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))?;
-            rec.insert("checked_share".into(), json!(round(policy.checked_share(), 4)));
-            ts
+            timed_guarded(&net, rec, |policy| {
+                time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))
+            })?
         }
         #[cfg(feature = "cuda")]
         LatencyMode::Fused => {
