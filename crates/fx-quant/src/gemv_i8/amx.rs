@@ -131,77 +131,50 @@ pub(super) unsafe fn gemv_tiles(w: &VerticalWeights, xs: &[&[i8]], outs: &mut [&
     while b < blocks {
         let pair = b + 1 < blocks;
         // Block b's weights start at b · groups · 64 bytes; each step of 64 inputs is the
-        // next 1 KB (16 groups × 64 bytes, a row stride of 64).
-        let (b0, a0) = (unsafe { wp.add(b * groups * 64) }, sp as *const u8);
+        // next 1 KB (16 groups × 64 bytes, a row stride of 64). A last, unpaired block is
+        // multiplied twice (its second sums are not read): one instruction sequence for both.
+        let b0 = unsafe { wp.add(b * groups * 64) };
+        let (b1, a0) = (if pair { unsafe { b0.add(groups * 64) } } else { b0 }, sp as *const u8);
         // SAFETY: every tile load stays inside the stage (32 rows × stride) or block b's (and
-        // b + 1's) weights (ksteps KB each); the stores fill `sums` (4 KB).
+        // b + 1's where paired) weights (ksteps KB each); the stores fill `sums` (4 KB).
         unsafe {
-            if pair {
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    "2:",
-                    "tileloadd tmm4, [{a0} + {sa}]",
-                    "tileloadd tmm5, [{a1} + {sa}]",
-                    "tileloadd tmm6, [{b0} + {sb}]",
-                    "tileloadd tmm7, [{b1} + {sb}]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbusd tmm1, tmm4, tmm7",
-                    "tdpbusd tmm2, tmm5, tmm6",
-                    "tdpbusd tmm3, tmm5, tmm7",
-                    "add {a0}, 64",
-                    "add {a1}, 64",
-                    "add {b0}, 1024",
-                    "add {b1}, 1024",
-                    "dec {k}",
-                    "jnz 2b",
-                    "tilestored [{c} + {sb}], tmm0",
-                    "add {c}, 1024",
-                    "tilestored [{c} + {sb}], tmm1",
-                    "add {c}, 1024",
-                    "tilestored [{c} + {sb}], tmm2",
-                    "add {c}, 1024",
-                    "tilestored [{c} + {sb}], tmm3",
-                    a0 = inout(reg) a0 => _,
-                    a1 = inout(reg) a0.add(L * stride) => _,
-                    b0 = inout(reg) b0 => _,
-                    b1 = inout(reg) b0.add(groups * 64) => _,
-                    k = inout(reg) ksteps => _,
-                    c = inout(reg) cp => _,
-                    sa = in(reg) stride,
-                    sb = in(reg) 64usize,
-                    options(nostack),
-                );
-            } else {
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm2",
-                    "2:",
-                    "tileloadd tmm4, [{a0} + {sa}]",
-                    "tileloadd tmm5, [{a1} + {sa}]",
-                    "tileloadd tmm6, [{b0} + {sb}]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbusd tmm2, tmm5, tmm6",
-                    "add {a0}, 64",
-                    "add {a1}, 64",
-                    "add {b0}, 1024",
-                    "dec {k}",
-                    "jnz 2b",
-                    "tilestored [{c} + {sb}], tmm0",
-                    "add {c}, 2048",
-                    "tilestored [{c} + {sb}], tmm2",
-                    a0 = inout(reg) a0 => _,
-                    a1 = inout(reg) a0.add(L * stride) => _,
-                    b0 = inout(reg) b0 => _,
-                    k = inout(reg) ksteps => _,
-                    c = inout(reg) cp => _,
-                    sa = in(reg) stride,
-                    sb = in(reg) 64usize,
-                    options(nostack),
-                );
-            }
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tileloadd tmm4, [{a0} + {sa}]",
+                "tileloadd tmm5, [{a1} + {sa}]",
+                "tileloadd tmm6, [{b0} + {sb}]",
+                "tileloadd tmm7, [{b1} + {sb}]",
+                "tdpbusd tmm0, tmm4, tmm6",
+                "tdpbusd tmm1, tmm4, tmm7",
+                "tdpbusd tmm2, tmm5, tmm6",
+                "tdpbusd tmm3, tmm5, tmm7",
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {k}",
+                "jnz 2b",
+                "tilestored [{c} + {sb}], tmm0",
+                "add {c}, 1024",
+                "tilestored [{c} + {sb}], tmm1",
+                "add {c}, 1024",
+                "tilestored [{c} + {sb}], tmm2",
+                "add {c}, 1024",
+                "tilestored [{c} + {sb}], tmm3",
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a0.add(L * stride) => _,
+                b0 = inout(reg) b0 => _,
+                b1 = inout(reg) b1 => _,
+                k = inout(reg) ksteps => _,
+                c = inout(reg) cp => _,
+                sa = in(reg) stride,
+                sb = in(reg) 64usize,
+                options(nostack),
+            );
         }
         // Sums − 128 · row_sum into the valid outputs of each row.
         for half in 0..(1 + usize::from(pair)) {
