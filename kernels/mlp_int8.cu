@@ -334,7 +334,8 @@ __device__ void fx_i8_greedy(const FxMlpI8Params& p, const float* __restrict__ o
 // its own register budget: this one for 1 or 2 rows a block (512 threads: a lone block has
 // eight loads a lane in flight), fx_mlp_i8_greedy_wide for 4 or 8 (256 threads, several
 // blocks an SM for large batches; fewer loads in flight and accumulators that fit in the
-// registers of WIDE_BLOCKS blocks). mlp_i8.rs: block_threads, wide.
+// registers of FX_I8_WIDE_BLOCKS blocks). Threads: mlp_i8.rs, block_threads; the entry for a
+// launch: cuda/mlp.rs.
 extern "C" __global__ void __launch_bounds__(512) fx_mlp_i8_greedy(const FxMlpI8Params p,
                                                                 const float* __restrict__ obs, unsigned int batch,
                                                                 unsigned int* __restrict__ actions,

@@ -159,8 +159,8 @@ impl MlpPolicy {
     }
 
     /// Uploads the INT8 policy `net` to `device` (its own copy of the weights, in the
-    /// kernel's layout, [`crate::mlp_i8::I8Image`]) and binds `fx_mlp_i8_greedy`
-    /// (`kernels/mlp_int8.cu`): the scores of `fx_quant::reference::reference_scores`, bit
+    /// kernel's layout, [`crate::mlp_i8::I8Image`]) and binds `fx_mlp_i8_greedy` and
+    /// `fx_mlp_i8_greedy_wide` (`kernels/mlp_int8.cu`; a launch picks one by its rows per block): the scores of `fx_quant::reference::reference_scores`, bit
     /// for bit, for any batch. It has no cluster kernel and no resident server. Errors: the
     /// checks of [`I8Mlp::dims`], a device error off CUDA, or the module failing to load.
     pub fn new_int8(net: &I8Mlp<'_>, device: &Device) -> Result<Self> {
@@ -368,8 +368,8 @@ impl MlpPolicy {
             &mut actions as *mut u64 as *mut c_void,
             &mut values as *mut u64 as *mut c_void,
         ];
-        // SAFETY: the arguments match fx_mlp_greedy's, fx_mlp_greedy_cluster's and
-        // fx_mlp_i8_greedy's signature (the parameter block by value, three pointers and a
+        // SAFETY: the arguments match fx_mlp_greedy's, fx_mlp_greedy_cluster's,
+        // fx_mlp_i8_greedy's and fx_mlp_i8_greedy_wide's signature (the parameter block by value, three pointers and a
         // count); the cluster kernel's grid is a multiple of its compiled cluster size; the
         // INT8 kernel's shared memory is what its rows per block need (within the static
         // 48 KB); the buffers are the caller's contract.
