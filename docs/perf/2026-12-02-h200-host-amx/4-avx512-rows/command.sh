@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The fifth device command of 2026-12-02 (session 10), from the repo root on the H200 machine
+# The fifth device command (run after the session's review pass) of 2026-12-02 (session 10), from the repo root on the H200 machine
 # with .gpu/ packed (tests: the fx-kernels and fx-quant libs; bin: release/fx-train): as
 # ../3-fused-epilogue/command.sh, after compiling the INT8 batch pass's per-row work for
 # AVX-512 where the products run on AVX-512 VNNI or AMX, and giving the F32 CpuPolicy's
-# batches four rows per pass (its tests, mlp_cpu, run here too, for the AVX-512 kernel):
+# batches four rows per pass (its tests, mlp_cpu, run here too, for the AVX-512 kernel), and
+# after the review pass's AMX changes (one tile sequence for paired and unpaired blocks,
+# nested Tiles):
 # fx-quant's INT8 tests on the host's CPU (AMX, every ISA against the scalar reference), the
 # timing printouts (products alone; layouts, batch 1 to 256), then three fx / PyTorch pairs of
 # CPU decision benches. Output in $OUT/w.
