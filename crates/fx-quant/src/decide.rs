@@ -13,7 +13,7 @@
 //! # let _ = action; Ok(()) }
 //! ```
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::Int8Policy;
 
 /// A greedy policy that decides one observation at a time: [`Int8Policy`] (INT8),
@@ -30,6 +30,26 @@ pub trait Decide: Send {
     fn act(&mut self, obs: &[f32]) -> Result<usize>;
     /// The last call's scores (Q values or logits).
     fn scores(&self) -> &[f32];
+    /// Greedy actions for `actions.len()` rows of `obs` (row-major, `rows × state_dim`),
+    /// each row's the one [`Decide::act`] gives it; afterwards [`Decide::scores`] is
+    /// unspecified. This default decides row by row; policies with a batch path (INT8,
+    /// F32 on the CPU) override it.
+    fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
+        let d = self.state_dim();
+        check_batch(obs, actions.len(), d, "Decide::act_batch")?;
+        for (row, a) in obs.chunks_exact(d.max(1)).zip(actions) {
+            *a = self.act(row)?;
+        }
+        Ok(())
+    }
+}
+
+/// `obs` holds `rows` observations of width `d`.
+fn check_batch(obs: &[f32], rows: usize, d: usize, context: &'static str) -> Result<()> {
+    if obs.len() != rows * d {
+        return Err(Error::Length { what: "obs", expected: rows * d, got: obs.len(), context });
+    }
+    Ok(())
 }
 
 impl Decide for Int8Policy {
@@ -45,6 +65,9 @@ impl Decide for Int8Policy {
     fn scores(&self) -> &[f32] {
         Int8Policy::scores(self)
     }
+    fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
+        Int8Policy::act_batch(self, obs, actions)
+    }
 }
 
 impl Decide for fx_kernels::mlp_cpu::CpuPolicy {
@@ -59,6 +82,22 @@ impl Decide for fx_kernels::mlp_cpu::CpuPolicy {
     }
     fn scores(&self) -> &[f32] {
         fx_kernels::mlp_cpu::CpuPolicy::scores(self)
+    }
+    /// [`fx_kernels::mlp_cpu::CpuPolicy::act_batch`] (four rows a pass), through a stack
+    /// buffer of `u32` actions: no allocation.
+    fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
+        const CHUNK: usize = 64;
+        let d = self.dims().input;
+        check_batch(obs, actions.len(), d, "CpuPolicy (Decide::act_batch)")?;
+        let mut buf = [0u32; CHUNK];
+        for (rows, out) in obs.chunks(CHUNK * d.max(1)).zip(actions.chunks_mut(CHUNK)) {
+            let buf = &mut buf[..out.len()];
+            fx_kernels::mlp_cpu::CpuPolicy::act_batch(self, rows, buf)?;
+            for (a, &b) in out.iter_mut().zip(buf.iter()) {
+                *a = b as usize;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -111,6 +150,48 @@ impl Int8Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::float_net::PolicyKind;
+    use crate::testing::{random_net, uniforms};
+    use candle_core::{Device, Tensor};
+    use fx_kernels::mlp_cpu::CpuPolicy;
+    use fx_kernels::mlp_ref::{GreedyMlp, Head, Linear};
+
+    /// Each batch path through the trait gives every row its single decision's action, across
+    /// the 64-row chunks of `CpuPolicy`'s, and a wrong length is an error.
+    #[test]
+    fn batches_through_the_trait_decide_like_single_rows() {
+        for kind in [PolicyKind::Dqn, PolicyKind::Ppo] {
+            let hidden: &[usize] = if kind.dueling() { &[24, 20, 12] } else { &[24, 20] };
+            let net = random_net(kind, 9, hidden, 3, 5);
+            let t = |v: &[f32], shape: (usize, usize)| Tensor::from_slice(v, shape, &Device::Cpu).unwrap();
+            let tensors: Vec<(Tensor, Tensor)> = net
+                .layers
+                .iter()
+                .map(|l| (t(&l.weight, (l.out, l.inp)), t(&l.bias, (l.out, 1)).flatten_all().unwrap()))
+                .collect();
+            let lin = |i: usize| Linear { weight: &tensors[i].0, bias: &tensors[i].1 };
+            let nh = kind.hidden_layers();
+            let hidden: Vec<_> = (0..nh).map(|i| (lin(i), kind.activation())).collect();
+            let head = if kind.dueling() {
+                Head::Dueling { value: lin(nh), advantage: lin(nh + 1) }
+            } else {
+                Head::Logits(lin(nh))
+            };
+            let f32_policy = CpuPolicy::new(&GreedyMlp { hidden: &hidden, head }).unwrap();
+            let q = crate::quantize(&net, &uniforms(1, 2, 64 * 9), crate::CalibMethod::Dynamic, &[]).unwrap();
+            let obs: Vec<f32> = uniforms(7, 8, 150 * 9).iter().map(|v| 3.0 * v).collect();
+            let policies: Vec<Box<dyn Decide>> = vec![Box::new(f32_policy), Box::new(Int8Policy::new(&q).unwrap())];
+            for mut p in policies {
+                let mut acts = vec![usize::MAX; 150];
+                p.act_batch(&obs, &mut acts).unwrap();
+                for (r, row) in obs.chunks_exact(9).enumerate() {
+                    assert_eq!(acts[r], p.act(row).unwrap(), "{kind:?} row {r}");
+                }
+                let e = p.act_batch(&obs[..10], &mut acts[..1]).unwrap_err().to_string();
+                assert!(e.contains("obs") && !e.contains('\n'), "{e}");
+            }
+        }
+    }
 
     /// A MAMBA-2 as a `Box<dyn Forecast>`: bars in, predictions out; reset replays the same
     /// predictions; a bad bar is an error.

@@ -76,6 +76,29 @@ impl Decide for MlpDecider {
     fn scores(&self) -> &[f32] {
         MlpDecider::scores(self)
     }
+    /// [`MlpDecider::act_batch`] in calls of up to 64 rows (or its `max_batch`), through a
+    /// stack buffer of `u32` actions.
+    fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
+        let d = self.policy().dims().input;
+        if obs.len() != actions.len() * d {
+            return Err(crate::Error::Length {
+                what: "obs",
+                expected: actions.len() * d,
+                got: obs.len(),
+                context: "MlpDecider (Decide::act_batch)",
+            });
+        }
+        let chunk = self.max_batch().clamp(1, 64);
+        let mut buf = [0u32; 64];
+        for (rows, out) in obs.chunks(chunk * d.max(1)).zip(actions.chunks_mut(chunk)) {
+            let buf = &mut buf[..out.len()];
+            MlpDecider::act_batch(self, rows, buf)?;
+            for (a, &b) in out.iter_mut().zip(buf.iter()) {
+                *a = b as usize;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -78,6 +78,10 @@ pub struct GuardedPolicy<F: Decide> {
     last_checked: bool,
     /// A batch's INT8 scores ([`GuardedPolicy::act_batch`]).
     batch_scores: Vec<f32>,
+    /// A batch's checked rows: their indices, observations and the fallback's actions.
+    checked_rows: Vec<usize>,
+    checked_obs: Vec<f32>,
+    checked_actions: Vec<usize>,
 }
 
 impl<F: Decide> GuardedPolicy<F> {
@@ -108,7 +112,18 @@ impl<F: Decide> GuardedPolicy<F> {
                 ),
             ));
         }
-        Ok(Self { int8, fallback, margin, calls: 0, checked: 0, last_checked: false, batch_scores: Vec::new() })
+        Ok(Self {
+            int8,
+            fallback,
+            margin,
+            calls: 0,
+            checked: 0,
+            last_checked: false,
+            batch_scores: Vec::new(),
+            checked_rows: Vec::new(),
+            checked_obs: Vec::new(),
+            checked_actions: Vec::new(),
+        })
     }
 
     /// The margin in use.
@@ -132,22 +147,32 @@ impl<F: Decide> GuardedPolicy<F> {
 
     /// Guarded decisions for `actions.len()` rows of `obs` (row-major, `rows × state_dim`):
     /// the INT8 policy's batch ([`Int8Policy::act_batch_scores`], every row's scores exactly
-    /// its single decision's), then the fallback for each row whose two best INT8 scores are
-    /// within the margin, so each action is the one [`Decide::act`] gives for that row. The
-    /// scores' buffer grows to the largest batch seen and is reused.
+    /// its single decision's), then one fallback batch ([`Decide::act_batch`]) of the rows
+    /// whose two best INT8 scores are within the margin, so each action is the one
+    /// [`Decide::act`] gives for that row. The buffers grow to the largest batch seen and
+    /// are reused.
     pub fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
         let (d, na) = (self.int8.state_dim(), self.int8.n_actions());
         self.batch_scores.resize(actions.len() * na, 0.0);
         self.last_checked = false;
         self.int8.act_batch_scores(obs, actions, Some(&mut self.batch_scores))?;
-        let mut checked = 0;
-        for (r, a) in actions.iter_mut().enumerate() {
+        self.checked_rows.clear();
+        self.checked_obs.clear();
+        for r in 0..actions.len() {
             if top_gap(&self.batch_scores[r * na..(r + 1) * na]) <= self.margin {
-                *a = self.fallback.act(&obs[r * d..(r + 1) * d])?;
-                checked += 1;
+                self.checked_rows.push(r);
+                self.checked_obs.extend_from_slice(&obs[r * d..(r + 1) * d]);
             }
         }
-        (self.calls, self.checked) = (self.calls + actions.len() as u64, self.checked + checked);
+        let checked = self.checked_rows.len();
+        self.checked_actions.resize(checked, 0);
+        if checked > 0 {
+            self.fallback.act_batch(&self.checked_obs, &mut self.checked_actions)?;
+        }
+        for (&r, &a) in self.checked_rows.iter().zip(&self.checked_actions) {
+            actions[r] = a;
+        }
+        (self.calls, self.checked) = (self.calls + actions.len() as u64, self.checked + checked as u64);
         Ok(())
     }
 }
@@ -178,6 +203,9 @@ impl<F: Decide> Decide for GuardedPolicy<F> {
         } else {
             self.int8.scores()
         }
+    }
+    fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
+        GuardedPolicy::act_batch(self, obs, actions)
     }
 }
 
