@@ -3,9 +3,10 @@
 //! decision is a few dot products on the calling thread — no thread pool (candle's CPU
 //! matmul sizes its pool by the machine: 100× slower at batch 1 on a 16-core box), no
 //! allocation, no tensor. Hidden layers are stored input-major and computed eight vectors of
-//! outputs at a time in registers (one broadcast and eight vector multiply-adds per input, no
-//! horizontal sums; AVX-512 where the CPU has it); the small heads are F32 dot products in 32 independent lanes (the compiler
-//! vectorises both; AVX2 + FMA when the CPU has them, chosen at run time);
+//! outputs at a time in registers (one broadcast and eight fused vector multiply-adds per
+//! input, no horizontal sums; AVX-512 where the CPU has it; a batch takes six rows a pass,
+//! twelve vectors); the small heads are F32 dot products in 32 independent lanes (the
+//! compiler vectorises both; AVX2 + FMA when the CPU has them, chosen at run time);
 //! [`crate::mlp_ref::reference_greedy`] (f64) is what it is tested against.
 
 use candle_core::{DType, Device, Tensor};
@@ -79,16 +80,25 @@ impl ColumnDense {
     }
 }
 
+/// `w · x + acc`, rounded once. Every layer kernel sums this way, so they all give the same
+/// bits: the AVX2 and AVX-512 ones are compiled with FMA (one instruction, half the
+/// operations and latency of a multiply then an add); the portable one, on an x86 CPU
+/// without FMA, calls libm's correctly rounded `fmaf`.
+#[inline(always)]
+fn madd(acc: f32, w: f32, x: f32) -> f32 {
+    w.mul_add(x, acc)
+}
+
 /// `acc[k] = Σ_i wt[i · padded + o0 + k] · x[i]`, `k < W`: one broadcast of `x[i]` and `W/8`
 /// vector multiply-adds per input, the accumulators in registers (each output summed over
 /// the inputs in order).
 #[inline(always)]
 fn column_block<const W: usize>(wt: &[f32], padded: usize, o0: usize, x: &[f32]) -> [f32; W] {
     let mut acc = [0.0f32; W];
-    for (i, &xi) in x.iter().enumerate() {
-        let row = &wt[i * padded + o0..i * padded + o0 + W];
+    for (wrow, &xi) in wt.chunks_exact(padded.max(1)).zip(x) {
+        let w: &[f32; W] = wrow[o0..o0 + W].try_into().expect("a block inside the padded row");
         for k in 0..W {
-            acc[k] += row[k] * xi;
+            acc[k] = madd(acc[k], w[k], xi);
         }
     }
     acc
@@ -103,18 +113,20 @@ fn column_block<const W: usize>(wt: &[f32], padded: usize, o0: usize, x: &[f32])
 /// not depend on `B`.
 #[inline(always)]
 fn column_layer<const B: usize>(l: &ColumnDense, x: &[f32], out: &mut [f32], act: Activation) {
-    let mut put = |o0: usize, acc: &[f32]| finish_block(l, o0, acc, out, act);
+    // `finish_block` is called directly, not through a closure: a closure is not inlined
+    // into the `target_feature` callers, and outside them `fast_tanh`'s `floor` is a libm
+    // call per element (profiled: a quarter of a PPO batch's time).
     let mut o0 = 0;
     while o0 + B <= l.padded {
-        put(o0, &column_block::<B>(&l.wt, l.padded, o0, x));
+        finish_block(l, o0, &column_block::<B>(&l.wt, l.padded, o0, x), out, act);
         o0 += B;
     }
     while o0 + COL_BLOCK <= l.padded {
-        put(o0, &column_block::<COL_BLOCK>(&l.wt, l.padded, o0, x));
+        finish_block(l, o0, &column_block::<COL_BLOCK>(&l.wt, l.padded, o0, x), out, act);
         o0 += COL_BLOCK;
     }
     while o0 < l.padded {
-        put(o0, &column_block::<COL_TAIL>(&l.wt, l.padded, o0, x));
+        finish_block(l, o0, &column_block::<COL_TAIL>(&l.wt, l.padded, o0, x), out, act);
         o0 += COL_TAIL;
     }
 }
@@ -158,8 +170,9 @@ fn finish_block(l: &ColumnDense, o0: usize, acc: &[f32], out: &mut [f32], act: A
 }
 
 /// Observations per pass of a batch ([`CpuPolicy::act_batch`]): each weight vector loaded
-/// serves this many rows.
-const ROWS: usize = 4;
+/// serves this many rows. Six rows of two vectors are twelve accumulators: with the two
+/// weight vectors and a broadcast, AVX2's sixteen registers (BLIS's 6 × 16 F32 kernel).
+const ROWS: usize = 6;
 
 /// [`column_block`] for [`ROWS`] rows at once (`x` rows `wx` apart): each output of each row
 /// sums its inputs in the same order with the same operations, so the results are the single
@@ -173,13 +186,14 @@ fn column_block_rows<const W: usize>(
     wx: usize,
     inputs: usize,
 ) -> [[f32; W]; ROWS] {
+    let xs: [&[f32]; ROWS] = std::array::from_fn(|r| &x[r * wx..r * wx + inputs]);
     let mut acc = [[0.0f32; W]; ROWS];
-    for i in 0..inputs {
-        let row = &wt[i * padded + o0..i * padded + o0 + W];
-        for (r, a) in acc.iter_mut().enumerate() {
-            let xi = x[r * wx + i];
+    for (i, wrow) in wt.chunks_exact(padded.max(1)).take(inputs).enumerate() {
+        let w: &[f32; W] = wrow[o0..o0 + W].try_into().expect("a block inside the padded row");
+        for (a, xr) in acc.iter_mut().zip(&xs) {
+            let xi = xr[i];
             for k in 0..W {
-                a[k] += row[k] * xi;
+                a[k] = madd(a[k], w[k], xi);
             }
         }
     }
@@ -199,30 +213,30 @@ fn column_layer_rows<const B: usize>(
     act: Activation,
 ) {
     let inputs = l.wt.len() / l.padded.max(1);
-    let mut put = |o0: usize, r: usize, acc: &[f32]| finish_block(l, o0, acc, &mut out[r * wy..], act);
+    // No closure around `finish_block`: see `column_layer`.
     let mut o0 = 0;
     while o0 + B <= l.padded {
         for (r, a) in column_block_rows::<B>(&l.wt, l.padded, o0, x, wx, inputs).iter().enumerate() {
-            put(o0, r, a);
+            finish_block(l, o0, a, &mut out[r * wy..], act);
         }
         o0 += B;
     }
     while o0 < l.padded {
         for (r, a) in column_block_rows::<COL_TAIL>(&l.wt, l.padded, o0, x, wx, inputs).iter().enumerate() {
-            put(o0, r, a);
+            finish_block(l, o0, a, &mut out[r * wy..], act);
         }
         o0 += COL_TAIL;
     }
 }
 
-/// [`column_layer_rows`] compiled for AVX2 + FMA: 16 outputs × 4 rows, eight accumulators.
+/// [`column_layer_rows`] compiled for AVX2 + FMA: 16 outputs × 6 rows, twelve accumulators.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn column_layer_rows_avx2(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
     column_layer_rows::<16>(l, x, wx, out, wy, act)
 }
 
-/// [`column_layer_rows`] compiled for AVX-512 F: 32 outputs × 4 rows, eight accumulators.
+/// [`column_layer_rows`] compiled for AVX-512 F: 32 outputs × 6 rows, twelve accumulators.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn column_layer_rows_avx512(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
@@ -397,7 +411,7 @@ impl CpuPolicy {
 
     /// Greedy actions for `obs` rows (`rows × state_dim` values) into `actions` (`rows`),
     /// each row's the same (and its scores the same bits) as [`CpuPolicy::act`] gives; the
-    /// hidden layers take four rows per pass over their weights.
+    /// hidden layers take six rows per pass over their weights.
     pub fn act_batch(&mut self, obs: &[f32], actions: &mut [u32]) -> Result<()> {
         self.act_batch_scores(obs, actions, None)
     }
@@ -530,7 +544,7 @@ mod tests {
         }
     }
 
-    /// Batches (whole groups of four rows and remainders, every layer kernel this CPU runs)
+    /// Batches (whole groups of six rows and remainders, every layer kernel this CPU runs)
     /// give each row exactly its single decision's action and scores, on fresh random networks
     /// of both heads and odd widths.
     #[test]
