@@ -169,7 +169,8 @@ mod tests {
     }
 
     /// The host-in, action-out decider over an INT8 policy, through the service trait:
-    /// the reference's action and scores, and a NaN refused in one line.
+    /// the reference's action and scores, one at a time and in a batch, and a NaN refused in
+    /// one line.
     #[test]
     fn the_decider_serves_int8_decisions_through_decide() {
         let dev = cuda();
@@ -183,6 +184,15 @@ mod tests {
             assert_eq!(d.act(row).unwrap(), want_a, "seed {s}");
             assert_eq!(d.scores(), &want[..], "seed {s}");
         }
+        // A batch through the trait (ten rows: calls of four, four and two) decides each
+        // row as the reference.
+        let obs = uniforms(s, 3, 10 * 56);
+        let mut acts = vec![usize::MAX; 10];
+        d.act_batch(&obs, &mut acts).unwrap();
+        for (r, row) in obs.chunks_exact(56).enumerate() {
+            assert_eq!(acts[r], reference_scores(&q, row).unwrap().1, "seed {s} row {r}");
+        }
+        assert!(d.act_batch(&obs[..55], &mut acts[..1]).is_err());
         let mut bad = vec![0.1f32; 56];
         bad[9] = f32::NAN;
         let e = d.act(&bad).unwrap_err().to_string();
