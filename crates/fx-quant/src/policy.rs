@@ -16,7 +16,9 @@ use crate::activation::{relu, tanh_rational};
 use crate::error::{first_non_finite, Error, Result};
 use crate::float_net::{FloatLayer, PolicyKind};
 use crate::gemv_i8::{Gemv, Isa, Tiles, VerticalWeights, MAX_ROWS, TILE_ROWS};
-use crate::qnet::{abs_max, dynamic_input_scale, quantize_input, step_of_abs_max, PackedLinear, QuantLayer, QuantNet};
+use crate::qnet::{
+    abs_max, dynamic_input_scale, quantize_input, step_of_abs_max, PackedLinear, QuantLayer, QuantLinear, QuantNet,
+};
 use crate::skew::Skewed;
 
 #[derive(Debug, Clone)]
@@ -40,6 +42,12 @@ impl Packed {
 struct Model {
     kind: PolicyKind,
     layers: Vec<Packed>,
+    /// The dueling head's `value` and `advantage` as one INT8 layer (`1 + n_actions`
+    /// outputs, value first) where both are INT8 with one input step: the input is
+    /// quantised once and the products take one pass. Each output is computed exactly as in
+    /// its own layer (the same bytes in, the same row, sum and scale), so the scores keep
+    /// their bits.
+    head: Option<Packed>,
     gemv: Gemv,
     state_dim: usize,
     n_actions: usize,
@@ -61,6 +69,8 @@ struct Scratch {
     acc: Skewed<i32>,
     value: [f32; 1],
     scores: Vec<f32>,
+    /// The merged head's outputs ([`Model::head`]).
+    head: Vec<f32>,
 }
 
 /// `Σ w_i x_i` in F32, in order (the F32 layers; shared with the reference).
@@ -381,7 +391,7 @@ pub(crate) fn dense_rows(
 #[inline(always)]
 fn forward(m: &Model, s: &mut Scratch, obs: &[f32]) -> usize {
     let nh = m.kind.hidden_layers();
-    let Scratch { a, b, xq, acc, value, scores } = s;
+    let Scratch { a, b, xq, acc, value, scores, head } = s;
     let (mut cur, mut next) = (a, b);
     cur[..obs.len()].copy_from_slice(obs);
     let mut width = obs.len();
@@ -394,8 +404,14 @@ fn forward(m: &Model, s: &mut Scratch, obs: &[f32]) -> usize {
     }
     let z = &cur[..width];
     if m.kind.dueling() {
-        dense(&m.layers[nh], m.gemv, z, amax, Act::Id, value, xq, acc);
-        dense(&m.layers[nh + 1], m.gemv, z, amax, Act::Id, scores, xq, acc);
+        if let Some(h) = &m.head {
+            dense(h, m.gemv, z, amax, Act::Id, head, xq, acc);
+            value[0] = head[0];
+            scores.copy_from_slice(&head[1..]);
+        } else {
+            dense(&m.layers[nh], m.gemv, z, amax, Act::Id, value, xq, acc);
+            dense(&m.layers[nh + 1], m.gemv, z, amax, Act::Id, scores, xq, acc);
+        }
         let mean = scores.iter().sum::<f32>() / m.n_actions as f32;
         for q in scores.iter_mut() {
             *q = (*q - mean) + value[0];
@@ -415,6 +431,8 @@ struct BatchScratch {
     acc: Skewed<i32>,
     value: Vec<f32>,
     scores: Vec<f32>,
+    /// The merged head's outputs, `1 + n_actions` a row.
+    head: Vec<f32>,
     /// Row pitch of `a`, `b` and `acc` (the widest layer) and of `xq` (padded).
     width: usize,
     width_q: usize,
@@ -429,6 +447,7 @@ impl BatchScratch {
             acc: Skewed::new(rows * widest, SKEW_ACC),
             value: vec![0.0; rows],
             scores: vec![0.0; rows * n_actions],
+            head: vec![0.0; rows * (1 + n_actions)],
             width: widest,
             width_q: widest_padded,
         }
@@ -441,7 +460,7 @@ impl BatchScratch {
 #[inline(always)]
 fn forward_rows(m: &Model, t: Option<&Tiles>, s: &mut BatchScratch, obs: &[f32], n: usize, actions: &mut [usize]) {
     let (nh, d, na) = (m.kind.hidden_layers(), m.state_dim, m.n_actions);
-    let BatchScratch { a, b, xq, acc, value, scores, width: w, width_q: wq } = s;
+    let BatchScratch { a, b, xq, acc, value, scores, head, width: w, width_q: wq } = s;
     let (w, wq) = (*w, *wq);
     let (mut cur, mut next) = (a, b);
     for r in 0..n {
@@ -453,10 +472,19 @@ fn forward_rows(m: &Model, t: Option<&Tiles>, s: &mut BatchScratch, obs: &[f32],
         std::mem::swap(&mut cur, &mut next);
     }
     if m.kind.dueling() {
-        // Both heads read the same input: each takes a copy of its maxima.
-        let mut head_amax = amax;
-        dense_rows(&m.layers[nh], m.gemv, t, Act::Id, &mut head_amax, n, cur, w, value, 1, xq, wq, acc, w);
-        dense_rows(&m.layers[nh + 1], m.gemv, t, Act::Id, &mut amax, n, cur, w, scores, na, xq, wq, acc, w);
+        if let Some(h) = &m.head {
+            let wh = 1 + na;
+            dense_rows(h, m.gemv, t, Act::Id, &mut amax, n, cur, w, head, wh, xq, wq, acc, w);
+            for r in 0..n {
+                value[r] = head[r * wh];
+                scores[r * na..(r + 1) * na].copy_from_slice(&head[r * wh + 1..(r + 1) * wh]);
+            }
+        } else {
+            // Both heads read the same input: each takes a copy of its maxima.
+            let mut head_amax = amax;
+            dense_rows(&m.layers[nh], m.gemv, t, Act::Id, &mut head_amax, n, cur, w, value, 1, xq, wq, acc, w);
+            dense_rows(&m.layers[nh + 1], m.gemv, t, Act::Id, &mut amax, n, cur, w, scores, na, xq, wq, acc, w);
+        }
         for r in 0..n {
             let row = &mut scores[r * na..(r + 1) * na];
             let mean = row.iter().sum::<f32>() / na as f32;
@@ -512,6 +540,30 @@ fn has_avx2_fma() -> bool {
     false
 }
 
+/// The dueling head's `value` and `advantage` rows as one layer (value first), where both
+/// are INT8 and quantise their (shared) input alike: dynamic steps, or the same stored step.
+fn merged_head(net: &QuantNet) -> Option<QuantLinear> {
+    if !net.kind.dueling() {
+        return None;
+    }
+    let nh = net.kind.hidden_layers();
+    let (QuantLayer::Int8(v), QuantLayer::Int8(a)) = (net.layers.get(nh)?, net.layers.get(nh + 1)?) else {
+        return None;
+    };
+    if v.inp != a.inp || (!net.dynamic_inputs() && v.input_scale.to_bits() != a.input_scale.to_bits()) {
+        return None;
+    }
+    Some(QuantLinear {
+        name: format!("{}+{}", v.name, a.name),
+        out: v.out + a.out,
+        inp: v.inp,
+        weight: [&v.weight[..], &a.weight[..]].concat(),
+        weight_scale: [&v.weight_scale[..], &a.weight_scale[..]].concat(),
+        input_scale: v.input_scale,
+        bias: [&v.bias[..], &a.bias[..]].concat(),
+    })
+}
+
 /// A quantised greedy policy on the CPU; see the module docs.
 #[derive(Debug, Clone)]
 pub struct Int8Policy {
@@ -535,23 +587,26 @@ impl Int8Policy {
         net.check()?;
         let gemv = Gemv::new(isa)
             .ok_or_else(|| Error::invalid("ISA", format!("{} is not available on this CPU", isa.name())))?;
+        let pack = |q: &QuantLinear| {
+            let p = PackedLinear::new(q, net.dynamic_inputs());
+            let v = gemv.has_vertical().then(|| VerticalWeights::new(&p.weight, p.stride, p.out)).flatten();
+            Packed::Int8(p, v)
+        };
         let layers: Vec<Packed> = net
             .layers
             .iter()
             .map(|l| match l {
-                QuantLayer::Int8(q) => {
-                    let p = PackedLinear::new(q, net.dynamic_inputs());
-                    let v = gemv.has_vertical().then(|| VerticalWeights::new(&p.weight, p.stride, p.out)).flatten();
-                    Packed::Int8(p, v)
-                }
+                QuantLayer::Int8(q) => pack(q),
                 QuantLayer::F32(f) => Packed::F32(f.clone()),
             })
             .collect();
-        let widest = net.layers.iter().map(|l| l.dims().0.max(l.dims().1)).max().unwrap_or(1);
-        let widest_padded = crate::gemv_i8::padded(widest);
+        let head = merged_head(net).map(|q| pack(&q));
         let (state_dim, n_actions) = (net.state_dim(), net.n_actions());
+        // The merged head's sums share the pitch of the widest layer's.
+        let widest = net.layers.iter().map(|l| l.dims().0.max(l.dims().1)).max().unwrap_or(1).max(1 + n_actions);
+        let widest_padded = crate::gemv_i8::padded(widest);
         Ok(Self {
-            model: Model { kind: net.kind, layers, gemv, state_dim, n_actions },
+            model: Model { kind: net.kind, layers, head, gemv, state_dim, n_actions },
             scratch: Scratch {
                 a: Skewed::new(widest, SKEW_A),
                 b: Skewed::new(widest, SKEW_B),
@@ -559,6 +614,7 @@ impl Int8Policy {
                 acc: Skewed::new(widest, SKEW_ACC),
                 value: [0.0],
                 scores: vec![0.0; n_actions],
+                head: vec![0.0; 1 + n_actions],
             },
             batch: BatchScratch::new(pass_rows(gemv), widest, widest_padded, n_actions),
             avx2: isa != Isa::Scalar && has_avx2_fma(),
@@ -681,7 +737,7 @@ mod timing {
     use crate::CalibMethod;
 
     fn row_major(mut p: Int8Policy) -> Int8Policy {
-        for l in &mut p.model.layers {
+        for l in p.model.layers.iter_mut().chain(p.model.head.iter_mut()) {
             if let Packed::Int8(_, v) = l {
                 *v = None;
             }
@@ -824,7 +880,7 @@ mod phases {
                 let n = pass_rows(p.model.gemv);
                 let tiles = p.model.gemv.tiles();
                 let nh = kind.hidden_layers();
-                for (i, layer) in p.model.layers.iter().enumerate() {
+                for (i, layer) in p.model.layers.iter().chain(p.model.head.iter()).enumerate() {
                     if let Packed::Int8(l, Some(v)) = layer {
                         let act = if i < nh { Act::hidden(kind) } else { Act::Id };
                         for (name, skews) in [("aliased", [0; 4]), ("skewed", [SKEW_A, SKEW_XQ, SKEW_ACC, SKEW_B])] {
