@@ -3,7 +3,8 @@
 # with .gpu/ packed (tests: the fx-kernels and fx-quant libs with CUDA; bin: release/fx-train):
 # as ../2026-12-03-h200-host-skew/command.sh, after replacing `abs_max`'s f32::max chain
 # (a NaN compare and blend per step, one dependent chain) by 32 running maxima of one
-# `maxps` each, and giving the INT8 quantiser an AVX-512 build. Output in $OUT/w.
+# `maxps` each, giving the INT8 quantiser an AVX-512 build, and merging the DQN's value and
+# advantage heads into one INT8 layer (one quantised input, one products pass). Output in $OUT/w.
 set -u
 O=${OUT:-results}; W=$O/w; mkdir -p $W/cpu
 lscpu > $W/cpu/cpu.txt 2>&1
