@@ -316,8 +316,11 @@ pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32],
 }
 
 /// Batches of at least this many rows take the AMX tiles where the CPU has them (fewer take
-/// the AVX-512 VNNI interleaved kernel, which computes only the rows it is given).
-pub(crate) const TILES_FROM_ROWS: usize = 5;
+/// the AVX-512 VNNI interleaved kernel, which computes only the rows it is given: a pass of
+/// tiles costs the same for 1 row as for 16). On the H200 host's Xeon the DQN took 390–413k
+/// rows/s at batch 8 on AMX against 524–617k interleaved, and 554–608k against 525–597k at
+/// batch 16 (the layouts printout, two commands of 2026-12-03).
+pub(crate) const TILES_FROM_ROWS: usize = 16;
 
 /// Rows one batch pass takes: [`TILE_ROWS`] on AMX, else [`MAX_ROWS`].
 pub(crate) fn pass_rows(gemv: Gemv) -> usize {
@@ -958,7 +961,7 @@ mod tests {
                 // Batches of every size class (whole passes of MAX_ROWS or TILE_ROWS rows,
                 // remainders below and above TILES_FROM_ROWS) give each row exactly the
                 // reference's scores too.
-                for rows in [1usize, 3, 4, 5, 16, 37, 70] {
+                for rows in [1usize, 3, 4, 5, 16, 37, 50, 70] {
                     let part = &obs[..rows * state_dim];
                     let mut acts = vec![usize::MAX; rows];
                     let mut scores = vec![f32::NAN; rows * n_actions];
