@@ -174,24 +174,27 @@ fn finish_block(l: &ColumnDense, o0: usize, acc: &[f32], out: &mut [f32], act: A
 /// weight vectors and a broadcast, AVX2's sixteen registers (BLIS's 6 × 16 F32 kernel).
 const ROWS: usize = 6;
 
-/// [`column_block`] for [`ROWS`] rows at once (`x` rows `wx` apart): each output of each row
-/// sums its inputs in the same order with the same operations, so the results are the single
-/// row's bits.
+/// Copies [`ROWS`] rows of `x` (`wx` apart, `inputs` wide) input-major into `xp`:
+/// `xp[i · ROWS + r] = x[r · wx + i]`, so that a pass reads one input's [`ROWS`] values from
+/// one address (one pointer instead of six, no bounds check per row).
 #[inline(always)]
-fn column_block_rows<const W: usize>(
-    wt: &[f32],
-    padded: usize,
-    o0: usize,
-    x: &[f32],
-    wx: usize,
-    inputs: usize,
-) -> [[f32; W]; ROWS] {
-    let xs: [&[f32]; ROWS] = std::array::from_fn(|r| &x[r * wx..r * wx + inputs]);
+fn pack_rows(x: &[f32], wx: usize, inputs: usize, xp: &mut [f32]) {
+    for (i, p) in xp[..inputs * ROWS].chunks_exact_mut(ROWS).enumerate() {
+        for (r, v) in p.iter_mut().enumerate() {
+            *v = x[r * wx + i];
+        }
+    }
+}
+
+/// [`column_block`] for [`ROWS`] rows at once, their inputs packed by [`pack_rows`]: each
+/// output of each row sums its inputs in the same order with the same operations, so the
+/// results are the single row's bits.
+#[inline(always)]
+fn column_block_rows<const W: usize>(wt: &[f32], padded: usize, o0: usize, xp: &[f32]) -> [[f32; W]; ROWS] {
     let mut acc = [[0.0f32; W]; ROWS];
-    for (i, wrow) in wt.chunks_exact(padded.max(1)).take(inputs).enumerate() {
+    for (wrow, xr) in wt.chunks_exact(padded.max(1)).zip(xp.chunks_exact(ROWS)) {
         let w: &[f32; W] = wrow[o0..o0 + W].try_into().expect("a block inside the padded row");
-        for (a, xr) in acc.iter_mut().zip(&xs) {
-            let xi = xr[i];
+        for (a, &xi) in acc.iter_mut().zip(xr) {
             for k in 0..W {
                 a[k] = madd(a[k], w[k], xi);
             }
@@ -200,9 +203,9 @@ fn column_block_rows<const W: usize>(
     acc
 }
 
-/// [`column_layer`] for [`ROWS`] rows (`x` rows `wx` apart, `out` rows `wy` apart): blocks of
-/// `B` outputs (`ROWS · B / 8` vector accumulators, as many as the registers hold), then
-/// [`COL_TAIL`].
+/// [`column_layer`] for [`ROWS`] rows (`x` rows `wx` apart, `out` rows `wy` apart; `xp` at
+/// least `ROWS × inputs` floats of scratch): blocks of `B` outputs (`ROWS · B / 8` vector
+/// accumulators, as many as the registers hold), then [`COL_TAIL`].
 #[inline(always)]
 fn column_layer_rows<const B: usize>(
     l: &ColumnDense,
@@ -211,18 +214,21 @@ fn column_layer_rows<const B: usize>(
     out: &mut [f32],
     wy: usize,
     act: Activation,
+    xp: &mut [f32],
 ) {
     let inputs = l.wt.len() / l.padded.max(1);
+    pack_rows(x, wx, inputs, xp);
+    let xp = &xp[..inputs * ROWS];
     // No closure around `finish_block`: see `column_layer`.
     let mut o0 = 0;
     while o0 + B <= l.padded {
-        for (r, a) in column_block_rows::<B>(&l.wt, l.padded, o0, x, wx, inputs).iter().enumerate() {
+        for (r, a) in column_block_rows::<B>(&l.wt, l.padded, o0, xp).iter().enumerate() {
             finish_block(l, o0, a, &mut out[r * wy..], act);
         }
         o0 += B;
     }
     while o0 < l.padded {
-        for (r, a) in column_block_rows::<COL_TAIL>(&l.wt, l.padded, o0, x, wx, inputs).iter().enumerate() {
+        for (r, a) in column_block_rows::<COL_TAIL>(&l.wt, l.padded, o0, xp).iter().enumerate() {
             finish_block(l, o0, a, &mut out[r * wy..], act);
         }
         o0 += COL_TAIL;
@@ -232,23 +238,48 @@ fn column_layer_rows<const B: usize>(
 /// [`column_layer_rows`] compiled for AVX2 + FMA: 16 outputs × 6 rows, twelve accumulators.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn column_layer_rows_avx2(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
-    column_layer_rows::<16>(l, x, wx, out, wy, act)
+unsafe fn column_layer_rows_avx2(
+    l: &ColumnDense,
+    x: &[f32],
+    wx: usize,
+    out: &mut [f32],
+    wy: usize,
+    act: Activation,
+    xp: &mut [f32],
+) {
+    column_layer_rows::<16>(l, x, wx, out, wy, act, xp)
 }
 
-/// [`column_layer_rows`] compiled for AVX-512 F: 32 outputs × 6 rows, twelve accumulators.
+/// [`column_layer_rows`] compiled for AVX-512 F: 64 outputs × 6 rows, 24 accumulators of
+/// AVX-512's 32 registers (with four weight vectors and a broadcast).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn column_layer_rows_avx512(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
-    column_layer_rows::<32>(l, x, wx, out, wy, act)
+unsafe fn column_layer_rows_avx512(
+    l: &ColumnDense,
+    x: &[f32],
+    wx: usize,
+    out: &mut [f32],
+    wy: usize,
+    act: Activation,
+    xp: &mut [f32],
+) {
+    column_layer_rows::<64>(l, x, wx, out, wy, act, xp)
 }
 
-fn column_layer_rows_portable(l: &ColumnDense, x: &[f32], wx: usize, out: &mut [f32], wy: usize, act: Activation) {
-    column_layer_rows::<COL_TAIL>(l, x, wx, out, wy, act)
+fn column_layer_rows_portable(
+    l: &ColumnDense,
+    x: &[f32],
+    wx: usize,
+    out: &mut [f32],
+    wy: usize,
+    act: Activation,
+    xp: &mut [f32],
+) {
+    column_layer_rows::<COL_TAIL>(l, x, wx, out, wy, act, xp)
 }
 
 /// A hidden layer's evaluation for [`ROWS`] rows (rows `wx` / `wy` apart).
-type RowsFn = fn(&ColumnDense, &[f32], usize, &mut [f32], usize, Activation);
+type RowsFn = fn(&ColumnDense, &[f32], usize, &mut [f32], usize, Activation, &mut [f32]);
 
 /// A hidden layer's evaluation for one decision.
 type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
@@ -264,7 +295,7 @@ fn layer_kernels() -> Vec<(&'static str, LayerFn, RowsFn)> {
             v.push((
                 "avx512",
                 |l, x, o, a| unsafe { column_layer_avx512(l, x, o, a) },
-                |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx512(l, x, wx, o, wy, a) },
+                |l, x, wx, o, wy, a, p| unsafe { column_layer_rows_avx512(l, x, wx, o, wy, a, p) },
             ));
         }
         if avx2_fma() {
@@ -272,7 +303,7 @@ fn layer_kernels() -> Vec<(&'static str, LayerFn, RowsFn)> {
             v.push((
                 "avx2",
                 |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) },
-                |l, x, wx, o, wy, a| unsafe { column_layer_rows_avx2(l, x, wx, o, wy, a) },
+                |l, x, wx, o, wy, a, p| unsafe { column_layer_rows_avx2(l, x, wx, o, wy, a, p) },
             ));
         }
     }
@@ -341,6 +372,8 @@ pub struct CpuPolicy {
     /// Two activation buffers of [`ROWS`] rows of the widest layer (`widest` apart), for
     /// batches.
     batch_buf: [Vec<f32>; 2],
+    /// A batch pass's inputs packed input-major ([`pack_rows`]), [`ROWS`] × the widest layer.
+    pack: Vec<f32>,
     widest: usize,
 }
 
@@ -371,6 +404,7 @@ impl CpuPolicy {
             layer: pick_layer().0,
             rows: pick_layer().1,
             batch_buf: [vec![0.0; ROWS * widest], vec![0.0; ROWS * widest]],
+            pack: vec![0.0; ROWS * widest],
             widest,
             dims,
         })
@@ -441,7 +475,7 @@ impl CpuPolicy {
                 cur[r * w..r * w + d].copy_from_slice(x);
             }
             for (layer, act) in &self.hidden {
-                (self.rows)(layer, cur, w, next, w, *act);
+                (self.rows)(layer, cur, w, next, w, *act, &mut self.pack);
                 std::mem::swap(&mut cur, &mut next);
             }
             let width = self.hidden.last().map_or(d, |(l, _)| l.outputs);
