@@ -172,7 +172,8 @@ fn finish_block(l: &ColumnDense, o0: usize, acc: &[f32], out: &mut [f32], act: A
 /// Observations per pass of a batch ([`CpuPolicy::act_batch`]): each weight vector loaded
 /// serves this many rows. Six rows of two vectors are twelve accumulators: with the two
 /// weight vectors and a broadcast, AVX2's sixteen registers (BLIS's 6 × 16 F32 kernel).
-const ROWS: usize = 6;
+/// Batches of a multiple of it leave no row to decide alone.
+pub const ROWS: usize = 6;
 
 /// Copies [`ROWS`] rows of `x` (`wx` apart, `inputs` wide) input-major into `xp`:
 /// `xp[i · ROWS + r] = x[r · wx + i]`, so that a pass reads one input's [`ROWS`] values from
@@ -204,8 +205,9 @@ fn column_block_rows<const W: usize>(wt: &[f32], padded: usize, o0: usize, xp: &
 }
 
 /// [`column_layer`] for [`ROWS`] rows (`x` rows `wx` apart, `out` rows `wy` apart; `xp` at
-/// least `ROWS × inputs` floats of scratch): blocks of `B` outputs (`ROWS · B / 8` vector
-/// accumulators, as many as the registers hold), then [`COL_TAIL`].
+/// least `ROWS × inputs` floats of scratch): blocks of `B` outputs (`ROWS · B` lanes of
+/// accumulators, as many vectors as the registers hold: 12 on AVX2, 24 on AVX-512), then
+/// [`COL_TAIL`].
 #[inline(always)]
 fn column_layer_rows<const B: usize>(
     l: &ColumnDense,

@@ -13,10 +13,11 @@
 //! # let _ = action; Ok(()) }
 //! ```
 
-use crate::error::{Error, Result};
+use crate::error::{first_non_finite, Error, Result};
 use crate::policy::Int8Policy;
 
-/// A greedy policy that decides one observation at a time: [`Int8Policy`] (INT8),
+/// A greedy policy that decides one observation at a time, or a batch of them:
+/// [`Int8Policy`] (INT8),
 /// `fx_kernels::mlp_cpu::CpuPolicy` (F32), [`crate::GuardedPolicy`] (INT8, F32 on near-ties)
 /// and, with the `cuda` feature, the GPU's `MlpDecider` implement it, so a service can hold
 /// any of them as `Box<dyn Decide>`.
@@ -32,22 +33,52 @@ pub trait Decide: Send {
     fn scores(&self) -> &[f32];
     /// Greedy actions for `actions.len()` rows of `obs` (row-major, `rows × state_dim`),
     /// each row's the one [`Decide::act`] gives it; afterwards [`Decide::scores`] is
-    /// unspecified. This default decides row by row; policies with a batch path (INT8,
-    /// F32 on the CPU) override it.
+    /// unspecified. A wrong length or a non-finite value anywhere in `obs` is a one-line
+    /// error (its index counted over the whole batch) and no action is written. This
+    /// default decides row by row; policies with a batch path (INT8, F32 on the CPU and the
+    /// GPU) override it.
     fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
         let d = self.state_dim();
         check_batch(obs, actions.len(), d, "Decide::act_batch")?;
-        for (row, a) in obs.chunks_exact(d.max(1)).zip(actions) {
-            *a = self.act(row)?;
+        for (r, a) in actions.iter_mut().enumerate() {
+            *a = self.act(&obs[r * d..(r + 1) * d])?;
         }
         Ok(())
     }
 }
 
-/// `obs` holds `rows` observations of width `d`.
-fn check_batch(obs: &[f32], rows: usize, d: usize, context: &'static str) -> Result<()> {
+/// `obs` holds `rows` finite observations of width `d`.
+pub(crate) fn check_batch(obs: &[f32], rows: usize, d: usize, context: &'static str) -> Result<()> {
     if obs.len() != rows * d {
         return Err(Error::Length { what: "obs", expected: rows * d, got: obs.len(), context });
+    }
+    if let Some((index, value)) = first_non_finite(obs) {
+        return Err(Error::NonFinite { what: "obs".into(), index, value: value as f64, context });
+    }
+    Ok(())
+}
+
+/// `act_batch` for a policy whose batch call takes `u32` actions and at most `chunk` rows
+/// (`chunk` ≤ 256): calls of `chunk` rows through a stack buffer, no allocation. `obs` is
+/// checked whole first, so a bad value is reported at its index in the batch and no action
+/// is written.
+pub(crate) fn act_batch_u32(
+    obs: &[f32],
+    actions: &mut [usize],
+    d: usize,
+    chunk: usize,
+    context: &'static str,
+    mut batch: impl FnMut(&[f32], &mut [u32]) -> Result<()>,
+) -> Result<()> {
+    check_batch(obs, actions.len(), d, context)?;
+    let chunk = chunk.clamp(1, 256);
+    let mut buf = [0u32; 256];
+    for (rows, out) in obs.chunks(chunk * d.max(1)).zip(actions.chunks_mut(chunk)) {
+        let buf = &mut buf[..out.len()];
+        batch(rows, buf)?;
+        for (a, &b) in out.iter_mut().zip(buf.iter()) {
+            *a = b as usize;
+        }
     }
     Ok(())
 }
@@ -83,21 +114,13 @@ impl Decide for fx_kernels::mlp_cpu::CpuPolicy {
     fn scores(&self) -> &[f32] {
         fx_kernels::mlp_cpu::CpuPolicy::scores(self)
     }
-    /// [`fx_kernels::mlp_cpu::CpuPolicy::act_batch`] (four rows a pass), through a stack
-    /// buffer of `u32` actions: no allocation.
+    /// [`fx_kernels::mlp_cpu::CpuPolicy::act_batch`] ([`fx_kernels::mlp_cpu::ROWS`] rows a
+    /// pass) in calls of 40 passes.
     fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
-        const CHUNK: usize = 64;
-        let d = self.dims().input;
-        check_batch(obs, actions.len(), d, "CpuPolicy (Decide::act_batch)")?;
-        let mut buf = [0u32; CHUNK];
-        for (rows, out) in obs.chunks(CHUNK * d.max(1)).zip(actions.chunks_mut(CHUNK)) {
-            let buf = &mut buf[..out.len()];
-            fx_kernels::mlp_cpu::CpuPolicy::act_batch(self, rows, buf)?;
-            for (a, &b) in out.iter_mut().zip(buf.iter()) {
-                *a = b as usize;
-            }
-        }
-        Ok(())
+        let (d, chunk) = (self.dims().input, 40 * fx_kernels::mlp_cpu::ROWS);
+        act_batch_u32(obs, actions, d, chunk, "CpuPolicy (Decide::act_batch)", |rows, out| {
+            Ok(fx_kernels::mlp_cpu::CpuPolicy::act_batch(self, rows, out)?)
+        })
     }
 }
 
@@ -157,7 +180,7 @@ mod tests {
     use fx_kernels::mlp_ref::{GreedyMlp, Head, Linear};
 
     /// Each batch path through the trait gives every row its single decision's action, across
-    /// the 64-row chunks of `CpuPolicy`'s, and a wrong length is an error.
+    /// `CpuPolicy`'s chunks, and a wrong length or a NaN is an error that writes nothing.
     #[test]
     fn batches_through_the_trait_decide_like_single_rows() {
         for kind in [PolicyKind::Dqn, PolicyKind::Ppo] {
@@ -179,16 +202,23 @@ mod tests {
             };
             let f32_policy = CpuPolicy::new(&GreedyMlp { hidden: &hidden, head }).unwrap();
             let q = crate::quantize(&net, &uniforms(1, 2, 64 * 9), crate::CalibMethod::Dynamic, &[]).unwrap();
-            let obs: Vec<f32> = uniforms(7, 8, 150 * 9).iter().map(|v| 3.0 * v).collect();
+            let obs: Vec<f32> = uniforms(7, 8, 300 * 9).iter().map(|v| 3.0 * v).collect();
             let policies: Vec<Box<dyn Decide>> = vec![Box::new(f32_policy), Box::new(Int8Policy::new(&q).unwrap())];
             for mut p in policies {
-                let mut acts = vec![usize::MAX; 150];
+                let mut acts = vec![usize::MAX; 300];
                 p.act_batch(&obs, &mut acts).unwrap();
                 for (r, row) in obs.chunks_exact(9).enumerate() {
                     assert_eq!(acts[r], p.act(row).unwrap(), "{kind:?} row {r}");
                 }
                 let e = p.act_batch(&obs[..10], &mut acts[..1]).unwrap_err().to_string();
                 assert!(e.contains("obs") && !e.contains('\n'), "{e}");
+                // A NaN in the second chunk: its index in the whole batch, no action written.
+                let mut bad = obs.clone();
+                bad[270 * 9 + 3] = f32::NAN;
+                let mut untouched = vec![usize::MAX; 300];
+                let e = p.act_batch(&bad, &mut untouched).unwrap_err().to_string();
+                assert!(e.contains(&format!("index {}", 270 * 9 + 3)) && !e.contains('\n'), "{e}");
+                assert!(untouched.iter().all(|&a| a == usize::MAX));
             }
         }
     }

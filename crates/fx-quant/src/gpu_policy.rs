@@ -11,7 +11,7 @@ use fx_kernels::cuda::mlp::{MlpDecider, MlpPolicy};
 use fx_kernels::mlp_i8::{I8Linear, I8Mlp, I8Weights};
 use fx_kernels::mlp_ref::{Activation, Head};
 
-use crate::decide::Decide;
+use crate::decide::{act_batch_u32, Decide};
 use crate::error::Result;
 use crate::float_net::PolicyKind;
 use crate::qnet::{QuantLayer, QuantNet};
@@ -76,28 +76,12 @@ impl Decide for MlpDecider {
     fn scores(&self) -> &[f32] {
         MlpDecider::scores(self)
     }
-    /// [`MlpDecider::act_batch`] in calls of up to 64 rows (or its `max_batch`), through a
-    /// stack buffer of `u32` actions.
+    /// [`MlpDecider::act_batch`] in calls of up to 256 rows (or its `max_batch`).
     fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
-        let d = self.policy().dims().input;
-        if obs.len() != actions.len() * d {
-            return Err(crate::Error::Length {
-                what: "obs",
-                expected: actions.len() * d,
-                got: obs.len(),
-                context: "MlpDecider (Decide::act_batch)",
-            });
-        }
-        let chunk = self.max_batch().clamp(1, 64);
-        let mut buf = [0u32; 64];
-        for (rows, out) in obs.chunks(chunk * d.max(1)).zip(actions.chunks_mut(chunk)) {
-            let buf = &mut buf[..out.len()];
-            MlpDecider::act_batch(self, rows, buf)?;
-            for (a, &b) in out.iter_mut().zip(buf.iter()) {
-                *a = b as usize;
-            }
-        }
-        Ok(())
+        let (d, chunk) = (self.policy().dims().input, self.max_batch());
+        act_batch_u32(obs, actions, d, chunk, "MlpDecider (Decide::act_batch)", |rows, out| {
+            Ok(MlpDecider::act_batch(self, rows, out)?)
+        })
     }
 }
 

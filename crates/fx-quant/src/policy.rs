@@ -153,6 +153,9 @@ fn quantize_row(l: &PackedLinear, x: &[f32], amax: Option<f32>, xq: &mut [i8]) -
 /// the dev machine).
 #[inline(always)]
 fn quantize_slice(x: &[f32], inv: f32, out: &mut [i8]) {
+    // The vector builds write `out` through pointers: hold them to `x`'s length here (a
+    // shorter `out` panics instead).
+    let out = &mut out[..x.len()];
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512 F detected just above; `x` and `out` have the same length.
@@ -869,8 +872,8 @@ mod phases {
     #[test]
     #[ignore = "timing printout; run with --ignored --nocapture in release"]
     fn int8_batch_phases() {
-        if !Isa::available().contains(&Isa::Avx512Vnni) {
-            println!("no AVX-512 VNNI on this CPU: nothing to time");
+        if !(Isa::available().contains(&Isa::Avx512Vnni) && has_avx2_fma()) {
+            println!("no AVX-512 VNNI (with AVX2 + FMA) on this CPU: nothing to time");
             return;
         }
         for (kind, hidden) in [(PolicyKind::Dqn, vec![256, 256, 128]), (PolicyKind::Ppo, vec![256, 256])] {
@@ -887,7 +890,7 @@ mod phases {
                     if let Packed::Int8(l, Some(v)) = layer {
                         let act = if i < nh { Act::hidden(kind) } else { Act::Id };
                         for (name, skews) in [("aliased", [0; 4]), ("skewed", [SKEW_A, SKEW_XQ, SKEW_ACC, SKEW_B])] {
-                            // SAFETY: AVX-512 VNNI (so F, BW) was detected above; AVX2 + FMA with it.
+                            // SAFETY: AVX-512 VNNI (so F, BW) and AVX2 + FMA were detected above.
                             let line = unsafe { layer_phases(l, v, tiles.as_ref(), p.model.gemv, act, n, skews) };
                             println!("{kind:?} {isa:?} {n} rows, layer {i} {name}: {line}");
                         }

@@ -15,7 +15,6 @@ use std::ops::{Deref, DerefMut};
 const PAGE: usize = 4096;
 
 /// `len` values of `T`, the first at `skew` bytes past a 4 KiB boundary.
-#[derive(Debug)]
 pub(crate) struct Skewed<T> {
     buf: Vec<T>,
     start: usize,
@@ -25,9 +24,11 @@ pub(crate) struct Skewed<T> {
 
 impl<T: Copy + Default> Skewed<T> {
     /// `len` default values at `skew` (< 4096, a multiple of `T`'s size) bytes past a 4 KiB
-    /// boundary; 4 KiB more are allocated to find that place.
+    /// boundary; 4 KiB more are allocated to find that place. For types aligned to their
+    /// size (the numbers it holds here).
     pub(crate) fn new(len: usize, skew: usize) -> Self {
         let size = std::mem::size_of::<T>().max(1);
+        assert!(std::mem::align_of::<T>() == size, "Skewed::new: a type aligned to its size");
         assert!(skew < PAGE && skew.is_multiple_of(size), "Skewed::new: skew {skew}");
         let buf = vec![T::default(); len + PAGE / size];
         // The allocation is aligned to `size`, and so is `skew`: a whole number of values.
@@ -42,6 +43,13 @@ impl<T: Copy + Default> Clone for Skewed<T> {
         let mut c = Self::new(self.len, self.skew);
         c.copy_from_slice(self);
         c
+    }
+}
+
+/// The values, not the padding around them.
+impl<T: std::fmt::Debug> std::fmt::Debug for Skewed<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Skewed").field("skew", &self.skew).field("values", &&self[..]).finish()
     }
 }
 
