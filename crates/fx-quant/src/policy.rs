@@ -168,9 +168,7 @@ fn quantize_slice(x: &[f32], inv: f32, out: &mut [i8]) {
         unsafe { quantize_slice_avx2(x, inv, out) };
         return;
     }
-    for (q, &v) in out.iter_mut().zip(x) {
-        *q = quantize_input(v, inv);
-    }
+    quantize_tail(x, inv, out);
 }
 
 /// [`quantize_slice`] on AVX2: multiply, round half to even, clamp to ±127 with the scalar
@@ -198,9 +196,7 @@ unsafe fn quantize_slice_avx2(x: &[f32], inv: f32, out: &mut [i8]) {
         unsafe { _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, b) };
         i += 8;
     }
-    for (q, &v) in out[i..n].iter_mut().zip(&x[i..]) {
-        *q = quantize_input(v, inv);
-    }
+    quantize_tail(&x[i..], inv, &mut out[i..n]);
 }
 
 /// [`quantize_slice_avx2`] sixteen lanes wide: the same operations (the clamp's NaN rule
@@ -225,7 +221,14 @@ unsafe fn quantize_slice_avx512(x: &[f32], inv: f32, out: &mut [i8]) {
         unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut __m128i, b) };
         i += 16;
     }
-    for (q, &v) in out[i..n].iter_mut().zip(&x[i..]) {
+    quantize_tail(&x[i..], inv, &mut out[i..n]);
+}
+
+/// The scalar rule over a slice (the portable build, and the values after a vector build's
+/// last whole vector).
+#[inline(always)]
+fn quantize_tail(x: &[f32], inv: f32, out: &mut [i8]) {
+    for (q, &v) in out.iter_mut().zip(x) {
         *q = quantize_input(v, inv);
     }
 }
@@ -322,7 +325,9 @@ pub(crate) fn dense_int8(l: &PackedLinear, gemv: Gemv, x: &[f32], y: &mut [f32],
 /// the AVX-512 VNNI interleaved kernel, which computes only the rows it is given: a pass of
 /// tiles costs the same for 1 row as for 16). On the H200 host's Xeon the DQN took 390–413k
 /// rows/s at batch 8 on AMX against 524–617k interleaved, and 554–608k against 525–597k at
-/// batch 16 (the layouts printout, two commands of 2026-12-03).
+/// batch 16 (the layouts printout, two commands of 2026-12-03); the PPO's was mixed (AMX
+/// faster at 8 rows in one command, slower in the other). The TFT takes the same threshold
+/// unmeasured.
 pub(crate) const TILES_FROM_ROWS: usize = 16;
 
 /// Rows one batch pass takes: [`TILE_ROWS`] on AMX, else [`MAX_ROWS`].
@@ -598,7 +603,7 @@ impl Int8Policy {
             let v = gemv.has_vertical().then(|| VerticalWeights::new(&p.weight, p.stride, p.out)).flatten();
             Packed::Int8(p, v)
         };
-        let layers: Vec<Packed> = net
+        let mut layers: Vec<Packed> = net
             .layers
             .iter()
             .map(|l| match l {
@@ -607,6 +612,15 @@ impl Int8Policy {
             })
             .collect();
         let head = merged_head(net).map(|q| pack(&q));
+        if head.is_some() {
+            // The separate heads' interleaved copies would never be read.
+            let nh = net.kind.hidden_layers();
+            for l in &mut layers[nh..] {
+                if let Packed::Int8(_, v) = l {
+                    *v = None;
+                }
+            }
+        }
         let (state_dim, n_actions) = (net.state_dim(), net.n_actions());
         // The merged head's sums share the pitch of the widest layer's.
         let widest = net.layers.iter().map(|l| l.dims().0.max(l.dims().1)).max().unwrap_or(1).max(1 + n_actions);
