@@ -42,7 +42,6 @@ pub mod mamba2;
 mod policy;
 pub mod qnet;
 pub mod reference;
-mod skew;
 pub mod tft;
 // The GPU forecaster's variable selection (and, in tests, its CPU reference).
 #[cfg(any(test, feature = "cuda"))]

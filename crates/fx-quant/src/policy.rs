@@ -19,7 +19,6 @@ use crate::gemv_i8::{Gemv, Isa, Tiles, VerticalWeights, MAX_ROWS, TILE_ROWS};
 use crate::qnet::{
     abs_max, dynamic_input_scale, quantize_input, step_of_abs_max, PackedLinear, QuantLayer, QuantLinear, QuantNet,
 };
-use crate::skew::Skewed;
 
 #[derive(Debug, Clone)]
 pub(crate) enum Packed {
@@ -53,20 +52,13 @@ struct Model {
     n_actions: usize,
 }
 
-/// Where the activation, byte and sum buffers start modulo 4 KiB: a quarter apart, so no
-/// pass that reads one and writes another loses its loads to 4K aliasing ([`Skewed`]).
-const SKEW_A: usize = 0;
-const SKEW_B: usize = 1024;
-const SKEW_XQ: usize = 2048;
-const SKEW_ACC: usize = 3072;
-
 /// Buffers reused by every call.
 #[derive(Debug, Clone)]
 struct Scratch {
-    a: Skewed<f32>,
-    b: Skewed<f32>,
-    xq: Skewed<i8>,
-    acc: Skewed<i32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    xq: Vec<i8>,
+    acc: Vec<i32>,
     value: [f32; 1],
     scores: Vec<f32>,
     /// The merged head's outputs ([`Model::head`]).
@@ -436,10 +428,10 @@ fn forward(m: &Model, s: &mut Scratch, obs: &[f32]) -> usize {
 /// Buffers of a batch pass: [`pass_rows`] rows of each of [`Scratch`]'s.
 #[derive(Debug, Clone)]
 struct BatchScratch {
-    a: Skewed<f32>,
-    b: Skewed<f32>,
-    xq: Skewed<i8>,
-    acc: Skewed<i32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    xq: Vec<i8>,
+    acc: Vec<i32>,
     value: Vec<f32>,
     scores: Vec<f32>,
     /// The merged head's outputs, `1 + n_actions` a row.
@@ -452,10 +444,10 @@ struct BatchScratch {
 impl BatchScratch {
     fn new(rows: usize, widest: usize, widest_padded: usize, n_actions: usize) -> Self {
         Self {
-            a: Skewed::new(rows * widest, SKEW_A),
-            b: Skewed::new(rows * widest, SKEW_B),
-            xq: Skewed::new(rows * widest_padded, SKEW_XQ),
-            acc: Skewed::new(rows * widest, SKEW_ACC),
+            a: vec![0.0; rows * widest],
+            b: vec![0.0; rows * widest],
+            xq: vec![0; rows * widest_padded],
+            acc: vec![0; rows * widest],
             value: vec![0.0; rows],
             scores: vec![0.0; rows * n_actions],
             head: vec![0.0; rows * (1 + n_actions)],
@@ -628,10 +620,10 @@ impl Int8Policy {
         Ok(Self {
             model: Model { kind: net.kind, layers, head, gemv, state_dim, n_actions },
             scratch: Scratch {
-                a: Skewed::new(widest, SKEW_A),
-                b: Skewed::new(widest, SKEW_B),
-                xq: Skewed::new(widest_padded, SKEW_XQ),
-                acc: Skewed::new(widest, SKEW_ACC),
+                a: vec![0.0; widest],
+                b: vec![0.0; widest],
+                xq: vec![0; widest_padded],
+                acc: vec![0; widest],
                 value: [0.0],
                 scores: vec![0.0; n_actions],
                 head: vec![0.0; 1 + n_actions],
@@ -813,9 +805,8 @@ mod timing {
 /// Where a batch pass's time goes (ignored; `--ignored --nocapture int8_batch_phases`, in
 /// release, on a CPU with AVX-512): one pass of [`TILE_ROWS`] rows (AMX) or [`MAX_ROWS`]
 /// rows (VNNI) through each layer of the default DQN and PPO, its three phases timed apart
-/// (quantising the inputs, the products, dequantising with bias, activation and `max |y|`),
-/// with the buffers at one offset modulo 4 KiB and at the policy's four, and the whole pass
-/// (`act_batch`), in ns per row. The device machine has no profiler.
+/// (quantising the inputs, the products, dequantising with bias, activation and `max |y|`)
+/// and the whole pass (`act_batch`), in ns per row. The device machine has no profiler.
 #[cfg(all(test, target_arch = "x86_64"))]
 mod phases {
     use super::*;
@@ -836,8 +827,7 @@ mod phases {
         t[reps / 2] * 1e9 / n as f64
     }
 
-    /// One layer's phases; `skews`: where the input, byte, sum and output buffers start
-    /// modulo 4 KiB (all at 0: every pass's loads alias its stores).
+    /// One layer's phases.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
     fn layer_phases(
         l: &PackedLinear,
@@ -846,14 +836,12 @@ mod phases {
         gemv: Gemv,
         act: Act,
         n: usize,
-        skews: [usize; 4],
     ) -> String {
         let (wx, wq, wa) = (l.inp, l.stride, l.out);
-        let mut xs = Skewed::<f32>::new(n * wx, skews[0]);
-        xs.iter_mut().zip(uniforms(5, 6, n * wx)).for_each(|(x, u)| *x = u.abs());
-        let mut xq = Skewed::<i8>::new(n * wq, skews[1]);
-        let mut acc = Skewed::<i32>::new(n * wa, skews[2]);
-        let mut ys = Skewed::<f32>::new(n * l.out, skews[3]);
+        let xs: Vec<f32> = uniforms(5, 6, n * wx).iter().map(|u| u.abs()).collect();
+        let mut xq = vec![0i8; n * wq];
+        let mut acc = vec![0i32; n * wa];
+        let mut ys = vec![0.0f32; n * l.out];
         let mut steps = [None; TILE_ROWS];
         let amax: Vec<f32> = xs.chunks_exact(wx).map(abs_max).collect();
         let q = ns_per_row(n, 2000, || {
@@ -903,11 +891,9 @@ mod phases {
                 for (i, layer) in p.model.layers.iter().chain(p.model.head.iter()).enumerate() {
                     if let Packed::Int8(l, Some(v)) = layer {
                         let act = if i < nh { Act::hidden(kind) } else { Act::Id };
-                        for (name, skews) in [("aliased", [0; 4]), ("skewed", [SKEW_A, SKEW_XQ, SKEW_ACC, SKEW_B])] {
-                            // SAFETY: AVX-512 VNNI (so F, BW) and AVX2 + FMA were detected above.
-                            let line = unsafe { layer_phases(l, v, tiles.as_ref(), p.model.gemv, act, n, skews) };
-                            println!("{kind:?} {isa:?} {n} rows, layer {i} {name}: {line}");
-                        }
+                        // SAFETY: AVX-512 VNNI (so F, BW) and AVX2 + FMA were detected above.
+                        let line = unsafe { layer_phases(l, v, tiles.as_ref(), p.model.gemv, act, n) };
+                        println!("{kind:?} {isa:?} {n} rows, layer {i}: {line}");
                     }
                 }
                 let obs = uniforms(3, 4, 256 * 56);
