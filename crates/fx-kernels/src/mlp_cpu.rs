@@ -89,21 +89,6 @@ fn madd(acc: f32, w: f32, x: f32) -> f32 {
     w.mul_add(x, acc)
 }
 
-/// `acc[k] = Σ_i wt[i · padded + o0 + k] · x[i]`, `k < W`: one broadcast of `x[i]` and `W/8`
-/// vector multiply-adds per input, the accumulators in registers (each output summed over
-/// the inputs in order).
-#[inline(always)]
-fn column_block<const W: usize>(wt: &[f32], padded: usize, o0: usize, x: &[f32]) -> [f32; W] {
-    let mut acc = [0.0f32; W];
-    for (wrow, &xi) in wt.chunks_exact(padded.max(1)).zip(x) {
-        let w: &[f32; W] = wrow[o0..o0 + W].try_into().expect("a block inside the padded row");
-        for k in 0..W {
-            acc[k] = madd(acc[k], w[k], xi);
-        }
-    }
-    acc
-}
-
 /// `out = act(W x + b)` for a [`ColumnDense`] layer: blocks of `B` outputs, then
 /// [`COL_TAIL`]. Each weight is read once per decision, as in the row-major form, but
 /// without a horizontal sum per output. `B` is chosen per instruction set so that a block
@@ -118,15 +103,15 @@ fn column_layer<const B: usize>(l: &ColumnDense, x: &[f32], out: &mut [f32], act
     // call per element (profiled: a quarter of a PPO batch's time).
     let mut o0 = 0;
     while o0 + B <= l.padded {
-        finish_block(l, o0, &column_block::<B>(&l.wt, l.padded, o0, x), out, act);
+        finish_block(l, o0, &column_block_rows::<B, 1>(&l.wt, l.padded, o0, x)[0], out, act);
         o0 += B;
     }
     while o0 + COL_BLOCK <= l.padded {
-        finish_block(l, o0, &column_block::<COL_BLOCK>(&l.wt, l.padded, o0, x), out, act);
+        finish_block(l, o0, &column_block_rows::<COL_BLOCK, 1>(&l.wt, l.padded, o0, x)[0], out, act);
         o0 += COL_BLOCK;
     }
     while o0 < l.padded {
-        finish_block(l, o0, &column_block::<COL_TAIL>(&l.wt, l.padded, o0, x), out, act);
+        finish_block(l, o0, &column_block_rows::<COL_TAIL, 1>(&l.wt, l.padded, o0, x)[0], out, act);
         o0 += COL_TAIL;
     }
 }
@@ -175,25 +160,33 @@ fn finish_block(l: &ColumnDense, o0: usize, acc: &[f32], out: &mut [f32], act: A
 /// Batches of a multiple of it leave no row to decide alone.
 pub const ROWS: usize = 6;
 
-/// Copies [`ROWS`] rows of `x` (`wx` apart, `inputs` wide) input-major into `xp`:
-/// `xp[i · ROWS + r] = x[r · wx + i]`, so that a pass reads one input's [`ROWS`] values from
-/// one address (one pointer instead of six, no bounds check per row).
+/// Copies [`ROWS`] rows of `x` (`pitch` apart, `inputs` wide) input-major into `xp`:
+/// `xp[i · ROWS + r] = x[r · pitch + i]`, so that a pass reads one input's [`ROWS`] values
+/// from one address (one pointer instead of six, no bounds check per row).
 #[inline(always)]
-fn pack_rows(x: &[f32], wx: usize, inputs: usize, xp: &mut [f32]) {
+fn pack_rows(x: &[f32], pitch: usize, inputs: usize, xp: &mut [f32]) {
     for (i, p) in xp[..inputs * ROWS].chunks_exact_mut(ROWS).enumerate() {
         for (r, v) in p.iter_mut().enumerate() {
-            *v = x[r * wx + i];
+            *v = x[r * pitch + i];
         }
     }
 }
 
-/// [`column_block`] for [`ROWS`] rows at once, their inputs packed by [`pack_rows`]: each
-/// output of each row sums its inputs in the same order with the same operations, so the
-/// results are the single row's bits.
+/// `acc[r][k] = Σ_i wt[i · padded + o0 + k] · xp[i · R + r]`, `k < W`, for `R` rows whose
+/// inputs are packed input-major ([`pack_rows`]; one row's input is its own packing): per
+/// input, `W/8` weight vectors loaded once, one broadcast per row, `R · W/8` multiply-adds
+/// into accumulators held in registers. Each output of each row sums its inputs in order
+/// with the same operations whatever `R` and `W`, so a batch row gets its single decision's
+/// bits.
 #[inline(always)]
-fn column_block_rows<const W: usize>(wt: &[f32], padded: usize, o0: usize, xp: &[f32]) -> [[f32; W]; ROWS] {
-    let mut acc = [[0.0f32; W]; ROWS];
-    for (wrow, xr) in wt.chunks_exact(padded.max(1)).zip(xp.chunks_exact(ROWS)) {
+fn column_block_rows<const W: usize, const R: usize>(
+    wt: &[f32],
+    padded: usize,
+    o0: usize,
+    xp: &[f32],
+) -> [[f32; W]; R] {
+    let mut acc = [[0.0f32; W]; R];
+    for (wrow, xr) in wt.chunks_exact(padded.max(1)).zip(xp.chunks_exact(R)) {
         let w: &[f32; W] = wrow[o0..o0 + W].try_into().expect("a block inside the padded row");
         for (a, &xi) in acc.iter_mut().zip(xr) {
             for k in 0..W {
@@ -204,7 +197,7 @@ fn column_block_rows<const W: usize>(wt: &[f32], padded: usize, o0: usize, xp: &
     acc
 }
 
-/// [`column_layer`] for [`ROWS`] rows (`x` rows `wx` apart, `out` rows `wy` apart; `xp` at
+/// [`column_layer`] for [`ROWS`] rows (the rows of `x` and of `out` `pitch` apart; `xp` at
 /// least `ROWS × inputs` floats of scratch): blocks of `B` outputs (`ROWS · B` lanes of
 /// accumulators, as many vectors as the registers hold: 12 on AVX2, 24 on AVX-512), then
 /// [`COL_TAIL`].
@@ -212,26 +205,25 @@ fn column_block_rows<const W: usize>(wt: &[f32], padded: usize, o0: usize, xp: &
 fn column_layer_rows<const B: usize>(
     l: &ColumnDense,
     x: &[f32],
-    wx: usize,
     out: &mut [f32],
-    wy: usize,
+    pitch: usize,
     act: Activation,
     xp: &mut [f32],
 ) {
     let inputs = l.wt.len() / l.padded.max(1);
-    pack_rows(x, wx, inputs, xp);
+    pack_rows(x, pitch, inputs, xp);
     let xp = &xp[..inputs * ROWS];
     // No closure around `finish_block`: see `column_layer`.
     let mut o0 = 0;
     while o0 + B <= l.padded {
-        for (r, a) in column_block_rows::<B>(&l.wt, l.padded, o0, xp).iter().enumerate() {
-            finish_block(l, o0, a, &mut out[r * wy..], act);
+        for (r, a) in column_block_rows::<B, ROWS>(&l.wt, l.padded, o0, xp).iter().enumerate() {
+            finish_block(l, o0, a, &mut out[r * pitch..], act);
         }
         o0 += B;
     }
     while o0 < l.padded {
-        for (r, a) in column_block_rows::<COL_TAIL>(&l.wt, l.padded, o0, xp).iter().enumerate() {
-            finish_block(l, o0, a, &mut out[r * wy..], act);
+        for (r, a) in column_block_rows::<COL_TAIL, ROWS>(&l.wt, l.padded, o0, xp).iter().enumerate() {
+            finish_block(l, o0, a, &mut out[r * pitch..], act);
         }
         o0 += COL_TAIL;
     }
@@ -243,13 +235,12 @@ fn column_layer_rows<const B: usize>(
 unsafe fn column_layer_rows_avx2(
     l: &ColumnDense,
     x: &[f32],
-    wx: usize,
     out: &mut [f32],
-    wy: usize,
+    pitch: usize,
     act: Activation,
     xp: &mut [f32],
 ) {
-    column_layer_rows::<16>(l, x, wx, out, wy, act, xp)
+    column_layer_rows::<16>(l, x, out, pitch, act, xp)
 }
 
 /// [`column_layer_rows`] compiled for AVX-512 F: 64 outputs × 6 rows, 24 accumulators of
@@ -259,29 +250,28 @@ unsafe fn column_layer_rows_avx2(
 unsafe fn column_layer_rows_avx512(
     l: &ColumnDense,
     x: &[f32],
-    wx: usize,
     out: &mut [f32],
-    wy: usize,
+    pitch: usize,
     act: Activation,
     xp: &mut [f32],
 ) {
-    column_layer_rows::<64>(l, x, wx, out, wy, act, xp)
+    column_layer_rows::<64>(l, x, out, pitch, act, xp)
 }
 
 fn column_layer_rows_portable(
     l: &ColumnDense,
     x: &[f32],
-    wx: usize,
     out: &mut [f32],
-    wy: usize,
+    pitch: usize,
     act: Activation,
     xp: &mut [f32],
 ) {
-    column_layer_rows::<COL_TAIL>(l, x, wx, out, wy, act, xp)
+    column_layer_rows::<COL_TAIL>(l, x, out, pitch, act, xp)
 }
 
-/// A hidden layer's evaluation for [`ROWS`] rows (rows `wx` / `wy` apart).
-type RowsFn = fn(&ColumnDense, &[f32], usize, &mut [f32], usize, Activation, &mut [f32]);
+/// A hidden layer's evaluation for [`ROWS`] rows (rows `pitch` apart in and out), with
+/// packing scratch.
+type RowsFn = fn(&ColumnDense, &[f32], &mut [f32], usize, Activation, &mut [f32]);
 
 /// A hidden layer's evaluation for one decision.
 type LayerFn = fn(&ColumnDense, &[f32], &mut [f32], Activation);
@@ -297,7 +287,7 @@ fn layer_kernels() -> Vec<(&'static str, LayerFn, RowsFn)> {
             v.push((
                 "avx512",
                 |l, x, o, a| unsafe { column_layer_avx512(l, x, o, a) },
-                |l, x, wx, o, wy, a, p| unsafe { column_layer_rows_avx512(l, x, wx, o, wy, a, p) },
+                |l, x, o, w, a, p| unsafe { column_layer_rows_avx512(l, x, o, w, a, p) },
             ));
         }
         if avx2_fma() {
@@ -305,7 +295,7 @@ fn layer_kernels() -> Vec<(&'static str, LayerFn, RowsFn)> {
             v.push((
                 "avx2",
                 |l, x, o, a| unsafe { column_layer_avx2(l, x, o, a) },
-                |l, x, wx, o, wy, a, p| unsafe { column_layer_rows_avx2(l, x, wx, o, wy, a, p) },
+                |l, x, o, w, a, p| unsafe { column_layer_rows_avx2(l, x, o, w, a, p) },
             ));
         }
     }
@@ -477,7 +467,7 @@ impl CpuPolicy {
                 cur[r * w..r * w + d].copy_from_slice(x);
             }
             for (layer, act) in &self.hidden {
-                (self.rows)(layer, cur, w, next, w, *act, &mut self.pack);
+                (self.rows)(layer, cur, next, w, *act, &mut self.pack);
                 std::mem::swap(&mut cur, &mut next);
             }
             let width = self.hidden.last().map_or(d, |(l, _)| l.outputs);
