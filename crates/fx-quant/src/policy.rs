@@ -748,6 +748,18 @@ mod timing {
     use crate::testing::{random_net, uniforms};
     use crate::CalibMethod;
 
+    /// Median ns per row of `reps` runs of `f` over `n` rows (also the phase printout's).
+    pub(super) fn ns_per_row(n: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+        let mut t = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let s = std::time::Instant::now();
+            f();
+            t.push(s.elapsed().as_secs_f64());
+        }
+        t.sort_by(f64::total_cmp);
+        t[reps / 2] * 1e9 / n as f64
+    }
+
     fn row_major(mut p: Int8Policy) -> Int8Policy {
         for l in p.model.layers.iter_mut().chain(p.model.head.iter_mut()) {
             if let Packed::Int8(_, v) = l {
@@ -774,27 +786,18 @@ mod timing {
                 layouts.push(("amx", p));
             }
             for (name, mut p) in layouts {
-                let mut b1 = Vec::with_capacity(4000);
-                for i in 0..4000 {
+                let mut i = 0;
+                let b1 = ns_per_row(1, 4000, || {
                     let row = &obs[(i % 256) * 56..(i % 256 + 1) * 56];
-                    let t = std::time::Instant::now();
                     std::hint::black_box(p.act(row).unwrap());
-                    b1.push(t.elapsed().as_secs_f64() * 1e6);
-                }
-                b1.sort_by(f64::total_cmp);
-                let mut line = format!("{kind:?} {name:<11}: b1 p50 {:.2} us", b1[b1.len() / 2]);
+                    i += 1;
+                });
+                let mut line = format!("{kind:?} {name:<11}: b1 p50 {:.2} us", b1 * 1e-3);
                 for batch in [4usize, 8, 16, 32, 64, 256] {
                     let mut acts = vec![0usize; batch];
-                    let reps = 200 * 256 / batch;
-                    let mut t_us = Vec::with_capacity(reps);
-                    for _ in 0..reps {
-                        let t = std::time::Instant::now();
-                        p.act_batch(&obs[..batch * 56], &mut acts).unwrap();
-                        t_us.push(t.elapsed().as_secs_f64() * 1e6);
-                    }
-                    t_us.sort_by(f64::total_cmp);
-                    let p50 = t_us[t_us.len() / 2];
-                    line += &format!(", b{batch} {:.0}/s", batch as f64 / (p50 * 1e-6));
+                    let ns =
+                        ns_per_row(batch, 200 * 256 / batch, || p.act_batch(&obs[..batch * 56], &mut acts).unwrap());
+                    line += &format!(", b{batch} {:.0}/s", 1e9 / ns);
                 }
                 println!("{line}");
             }
@@ -809,23 +812,11 @@ mod timing {
 /// and the whole pass (`act_batch`), in ns per row. The device machine has no profiler.
 #[cfg(all(test, target_arch = "x86_64"))]
 mod phases {
+    use super::timing::ns_per_row;
     use super::*;
     use crate::testing::{random_net, uniforms};
     use crate::CalibMethod;
     use std::hint::black_box;
-    use std::time::Instant;
-
-    /// Median ns per row of `reps` runs of `f` over `n` rows.
-    fn ns_per_row(n: usize, reps: usize, mut f: impl FnMut()) -> f64 {
-        let mut t = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let s = Instant::now();
-            f();
-            t.push(s.elapsed().as_secs_f64());
-        }
-        t.sort_by(f64::total_cmp);
-        t[reps / 2] * 1e9 / n as f64
-    }
 
     /// One layer's phases.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
