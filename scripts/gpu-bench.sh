@@ -15,6 +15,7 @@
 # Expected device time: ~16 s PTX JIT on a fresh machine + ~30-60 s fx + ~80-100 s torch
 # (its compile cases ~45 s); each part has a timeout so the whole stays under ~7 minutes.
 set -uo pipefail
+export FX_REQUIRE_GPU=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 FX_TIMEOUT=${FX_TIMEOUT:-180}

@@ -2,12 +2,16 @@
 # Device tests and profiled training runs on the GPU, in one device call (after
 # `../shared/gpu/pack tests ...` and `pack bin release/fx-train` here):
 #   OUT=/path/to/out bash scripts/gpu-runs.sh [tests] [runs]     # default: both
-# tests: every packed test binary (`.gpu/run.sh tests`), log in $OUT/tests.log;
+# tests: every packed test binary (`.gpu/run.sh tests`, the default harness: tests run on
+#        parallel threads), then the resident-kernel MlpServer tests alone (`server
+#        --ignored --test-threads=1` in fx-kernels, as MlpServer's docs require); logs in
+#        $OUT/tests.log and $OUT/server.log. FX_REQUIRE_GPU=1: a GPU test without a GPU fails.
 # runs:  DQN, PPO (default configs, --device cuda) and TFT (one epoch) with their report's
 #        profile (GPU busy fraction) and report.json appended to $OUT/runs.log.
 #        RUN_SPECS replaces the list: `name:model:flags` entries separated by `;`, e.g.
 #        RUN_SPECS="dqn:dqn:--steps 3000;dqn-b256:dqn:--steps 3000 --batch-size 256".
 set -uo pipefail
+export FX_REQUIRE_GPU=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 G=${FX_GPU_DIR:-.gpu}
@@ -18,6 +22,17 @@ if [[ " $what " == *" tests "* ]]; then
   timeout "${TESTS_TIMEOUT:-300}" bash "$G/run.sh" tests >"$OUT/tests.log" 2>&1 || rc=1
   echo "tests: $(tail -n 1 "$OUT/tests.log") in $(($(date +%s) - t0)) s"
   grep -E "^test .* FAILED|^FAILED|panicked" "$OUT/tests.log" | head -20
+  # run.sh unpacked the binaries to /tmp/fxgpu/tests and recreated the build root's path.
+  G_ABS=$(cd "$G" && pwd)
+  BR=$(cat "$G_ABS/BUILD_ROOT" 2>/dev/null || pwd)
+  kern=$(awk '$2 == "crates/fx-kernels" && $1 ~ /^fx_kernels-/ {print $1; exit}' "$G_ABS/tests.txt")
+  if [ -n "$kern" ]; then
+    (cd "$BR/crates/fx-kernels" && timeout 120 /tmp/fxgpu/tests/"$kern" server --ignored --test-threads=1) \
+      >"$OUT/server.log" 2>&1 || rc=1
+    echo "server tests: $(grep -E '^test result' "$OUT/server.log" | tail -n 1)"
+  else
+    echo "server tests: no fx-kernels test binary packed"; rc=1
+  fi
 fi
 if [[ " $what " == *" runs "* ]]; then
   R=$(mktemp -d)

@@ -1,4 +1,4 @@
-// Profiling probe of kernels/mamba2_step.cu at the default MAMBA-2 size, batch 1, without the
+// Profiling probe of kernels/mamba2/mamba2_step.cu at the default MAMBA-2 size, batch 1, without the
 // Rust wrapper (run.sh beside it builds and runs it with the device's nvcc): random weights, the
 // kernel back to back between events, one launch + sync as a one-node graph (p50 / p99 of 2000),
 // and with -DFX_S_TRACE the cycles of each phase per layer (clock64 at the kernel's FX_S_STAMP
@@ -10,7 +10,7 @@
 #include <vector>
 #include <algorithm>
 #include <chrono>
-#include "../../kernels/mamba2_step.cu"
+#include "../../kernels/mamba2/mamba2_step.cu"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 static unsigned long long rs = 12345;

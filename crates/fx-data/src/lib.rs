@@ -13,6 +13,7 @@ pub mod double_buffer;
 pub mod error;
 pub mod feature_file;
 pub mod features;
+pub mod files;
 #[cfg(test)]
 mod fuzz_support;
 pub mod normalize;

@@ -269,6 +269,9 @@ mod tests {
                 assert!(g.sm_count > 0 && g.total_memory_bytes > 0 && !g.name.is_empty());
                 assert!(g.free_memory_bytes <= g.total_memory_bytes);
             }
+            None if std::env::var("FX_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+                panic!("FX_REQUIRE_GPU=1 but no GPU: {:?}", b.cpu_fallback_reason)
+            }
             None => eprintln!("no GPU here: {:?}", b.cpu_fallback_reason),
         }
     }

@@ -9,7 +9,8 @@
 //! whether it was detected, estimated, measured by a probe, or overridden through the
 //! config or the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`). [`cpu_threads`]
 //! sizes candle's CPU thread pool by the work and by the CPUs the process may use; under
-//! `cuda`, [`busy::BusyMeter`] reads the GPU's busy fraction for run profiles.
+//! `cuda`, [`busy::BusyMeter`] reads the GPU's busy fraction for run profiles, and
+//! `open_cuda` opens a device the way fx runs on it (a stream of its own; see its module).
 //!
 //! ```
 //! let budget = fx_hw::HardwareBudget::detect_with(&fx_hw::Overrides::default().with_device("cpu"));
@@ -21,6 +22,8 @@ pub mod align;
 mod budget;
 #[cfg(feature = "cuda")]
 pub mod busy;
+#[cfg(feature = "cuda")]
+mod cuda_device;
 mod device;
 mod error;
 mod overrides;
@@ -30,6 +33,8 @@ mod probe;
 mod threads;
 
 pub use budget::{batch_size, CostModel, ModelKind, BATCH_MAX, BATCH_MIN};
+#[cfg(feature = "cuda")]
+pub use cuda_device::{device_wide_lock, open_cuda, test_gpu};
 pub use device::{DeviceKind, GpuInfo, HardwareBudget, HostInfo};
 pub use error::Error;
 pub use overrides::{DeviceRequest, Overrides, Source, Sourced};

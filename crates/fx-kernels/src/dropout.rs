@@ -4,7 +4,7 @@
 //!
 //! Why not a stateful generator: a CUDA graph captures a generator's offset by value, so
 //! every replay would drop the same units. Here the step comes from device memory (the
-//! kernels of `kernels/dropout.cu` read it there), so a replayed training step draws fresh
+//! kernels of `kernels/train/dropout.cu` read it there), so a replayed training step draws fresh
 //! masks, the same ones on every backend and on resume. [`mask_reference`] is what the
 //! kernels are tested against.
 
@@ -43,7 +43,13 @@ mod tests {
     #[test]
     fn calls_and_steps_draw_different_masks_and_repeat_exactly() {
         let a = mask_reference(7, 3, 11, 512, 0.5);
-        assert_eq!(a, mask_reference(7, 3, 11, 512, 0.5));
+        // The module's definition spelled out on its own: stream 4, counter step·2³² + i,
+        // kept iff the draw is at least p, a kept element scaled by 1/(1 − 0.5) = 2.
+        let want: Vec<f32> =
+            (0..512u64).map(|i| if draw(7, 4, 3, 11 * 4_294_967_296 + i) >= 0.5 { 2.0 } else { 0.0 }).collect();
+        assert_eq!(a, want);
+        // An element depends on its index only: a longer call starts with the same mask.
+        assert_eq!(a[..], mask_reference(7, 3, 11, 1024, 0.5)[..512]);
         assert_ne!(a, mask_reference(7, 4, 11, 512, 0.5));
         assert_ne!(a, mask_reference(7, 3, 12, 512, 0.5));
         assert_ne!(a, mask_reference(8, 3, 11, 512, 0.5));

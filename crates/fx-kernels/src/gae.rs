@@ -1,4 +1,4 @@
-//! Generalised advantage estimation on the host (the CPU reference of `kernels/gae.cu`).
+//! Generalised advantage estimation on the host (the CPU reference of `kernels/env/gae.cu`).
 
 use serde::{Deserialize, Serialize};
 

@@ -11,12 +11,12 @@
 //! [`ReplayBuffer`] (DQN) and [`Rollout`] (PPO, with [`gae()`]), so they never know which
 //! backend they run on.
 //!
-//! CUDA (feature `cuda`): the kernels live in `kernels/*.cu` at the workspace root
-//! (`fx_env.cuh` holds the device twins of [`rng`], the env step and the selection rules);
-//! their PTX is committed under `crates/fx-kernels/ptx/` and embedded with `include_str!`.
-//! Rebuild it after editing a kernel with `cargo xtask build-kernels`, or by hand:
-//! `nvcc -ptx -arch=compute_80 -o crates/fx-kernels/ptx/NAME.ptx kernels/NAME.cu` (CUDA
-//! ≤ 13.0, see `../shared/gpu`). The kernels use explicit round-to-nearest intrinsics where
+//! CUDA (feature `cuda`): the kernels live in `kernels/<domain>/*.cu` at the workspace root
+//! (`common/fx_rng.cuh` holds the device twin of [`rng`], `env/fx_env.cuh` those of the env
+//! step and the selection rules); their PTX is committed under `crates/fx-kernels/ptx/` and
+//! embedded with `include_str!`. Rebuild it after editing a kernel with `cargo xtask
+//! build-kernels`, or by hand: `nvcc -ptx -arch=compute_80 -I kernels/common -o
+//! crates/fx-kernels/ptx/NAME.ptx kernels/DOMAIN/NAME.cu` (CUDA ≤ 13.0, see `../shared/gpu`). The kernels use explicit round-to-nearest intrinsics where
 //! the CPU reference rounds, so trajectories agree with [`CpuTradingEnv`] (integers and
 //! positions exactly, floats within 1e-6; device tests in `cuda/tests.rs`). Beyond
 //! [`VecEnv`], `cuda::GpuTradingEnv::collect_dqn` fuses ε-greedy selection, the step and the

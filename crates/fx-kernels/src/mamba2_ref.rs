@@ -1,4 +1,4 @@
-//! f64 CPU references of the MAMBA-2 training-step kernels of `kernels/mamba2.cu` (launched
+//! f64 CPU references of the MAMBA-2 training-step kernels of `kernels/mamba2/mamba2.cu` (launched
 //! through `cuda::mamba2`) and of the cuBLAS calls around them: RMSNorm forward/backward, the
 //! causal depthwise conv + SiLU with `dt = softplus(dt_raw + dt_bias)` and its backward, the
 //! gated RMSNorm forward/backward, the `norm_f` + head + MSE forward and the loss reduction,

@@ -1,4 +1,4 @@
-//! f64 CPU reference of `kernels/mamba2_step.cu` (launched by `cuda::mamba2_step`): one MAMBA-2
+//! f64 CPU reference of `kernels/mamba2/mamba2_step.cu` (launched by `cuda::mamba2_step`): one MAMBA-2
 //! recurrent decode step, a new bar `x [B, n_in]` through every layer's conv and SSM state to the
 //! prediction `[B]`, with `Mamba2::step`'s math (fx-models tests it against that on the CPU):
 //! `h = embed(x)`; per layer `u = rmsnorm(h)`, `z | xBC | dt = in_proj · u`, the causal conv over

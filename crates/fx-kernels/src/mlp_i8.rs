@@ -1,4 +1,4 @@
-//! The INT8 greedy policies that `cuda::mlp` runs as one kernel (`kernels/mlp_int8.cu`):
+//! The INT8 greedy policies that `cuda::mlp` runs as one kernel (`kernels/mlp/mlp_int8.cu`):
 //! their description ([`I8Mlp`]: fx-quant's quantised layers, borrowed), the shape and
 //! limit checks, and the device layout the kernel reads (weights input-major, in 4-byte
 //! words of four INT8 values). Everything here runs on the CPU.

@@ -1,4 +1,4 @@
-//! The greedy policy MLPs that `cuda::mlp` runs as one kernel (`kernels/mlp_forward.cu`):
+//! The greedy policy MLPs that `cuda::mlp` runs as one kernel (`kernels/mlp/mlp_forward.cu`):
 //! their description ([`GreedyMlp`]: dense layers in PyTorch `Linear` layout, an activation
 //! per hidden layer, a logits or dueling head), the kernel's limits, the shape checks, and
 //! the f64 reference [`reference_greedy`] the device tests compare against. Everything here

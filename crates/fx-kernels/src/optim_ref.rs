@@ -1,6 +1,6 @@
 //! The fused training-step tail (gradient norm, NaN/Inf guard, clipping, loss-scale
 //! update, Adam/AdamW, soft target update) on host slices: the reference the CUDA kernels
-//! of `kernels/optim.cu` are tested against, and the definition of what they compute.
+//! of `kernels/train/optim.cu` are tested against, and the definition of what they compute.
 //!
 //! It follows `fx_precision::TrainStep` + `AdamW`/`Adam` (PyTorch semantics) rounding for
 //! rounding: `fx-precision`'s tests check this reference against that eager step, the

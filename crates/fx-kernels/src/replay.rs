@@ -157,7 +157,7 @@ impl ReplayBuffer {
     /// `batch` transitions drawn uniformly with replacement from the `len` held ones by the
     /// counter-based draws: row `i` is `floor(u · len)` (at most `len - 1`) with
     /// `u = rng::draw(seed, STREAM_REPLAY, key, i)`. The same rows on every device (on CUDA
-    /// one kernel, `kernels/replay.cu`, with nothing copied to the host), so a run keyed by
+    /// one kernel, `kernels/env/replay.cu`, with nothing copied to the host), so a run keyed by
     /// its minibatch count samples the same after a resume.
     pub fn sample_keyed(&self, batch: usize, seed: u64, key: u64) -> Result<ReplayBatch> {
         let ctx = "ReplayBuffer::sample_keyed";

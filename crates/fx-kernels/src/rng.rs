@@ -2,7 +2,7 @@
 //!
 //! Every random number the environment and the action selection use is a pure function
 //! of `(seed, stream, env, step)`, so the CPU reference and the CUDA kernels (which
-//! compute the same function per thread, see `kernels/fx_rng.cuh`) produce identical
+//! compute the same function per thread, see `kernels/common/fx_rng.cuh`) produce identical
 //! trajectories without sharing any generator state.
 
 /// The SplitMix64 finaliser and its constants live in `fx-data` (the lowest crate that

@@ -170,7 +170,7 @@ impl Rollout {
 
     /// Advantages and returns (`[T, E]` f32 each) of a full rollout by GAE, with
     /// `last_value` (`[E]` f32) the critic's value of the state after the last step. On a
-    /// CUDA device this runs `kernels/gae.cu`; on the CPU [`gae`].
+    /// CUDA device this runs `kernels/env/gae.cu`; on the CPU [`gae`].
     pub fn advantages(&self, last_value: &Tensor, cfg: GaeConfig) -> Result<(Tensor, Tensor)> {
         let ctx = "Rollout::advantages";
         if !self.is_full() {

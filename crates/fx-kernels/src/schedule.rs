@@ -1,6 +1,6 @@
 //! Scalar schedules for training hyper-parameters: the DQN exploration rate, which the
 //! collection kernel of a captured DQN iteration also computes on the device
-//! (`fx_linear_ramp` in `kernels/fx_env.cuh`, the same operations in the same order).
+//! (`fx_linear_ramp` in `kernels/env/fx_env.cuh`, the same operations in the same order).
 
 use serde::{Deserialize, Serialize};
 

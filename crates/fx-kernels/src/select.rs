@@ -106,7 +106,7 @@ pub fn sample_from_probs(
 }
 
 /// Softmax of one row of logits in f64 (max-shifted), and the sampled action's log-prob.
-/// Shared by the CPU rollout path and mirrored by `kernels/ppo_experience.cu`.
+/// Shared by the CPU rollout path and mirrored by `kernels/env/ppo_experience.cu`.
 pub(crate) fn sample_from_logits(logits: &[f32], u: f64) -> (usize, f64) {
     let m = logits.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l as f64));
     let z: f64 = logits.iter().map(|&l| (l as f64 - m).exp()).sum();

@@ -1,4 +1,4 @@
-//! The SSD scan of MAMBA-2 (MODELS.md "MAMBA-2") as `kernels/ssd.cu` computes it, in f64 on
+//! The SSD scan of MAMBA-2 (MODELS.md "MAMBA-2") as `kernels/mamba2/ssd.cu` computes it, in f64 on
 //! the CPU: the chunked forward and backward in the kernels' order of operations
 //! ([`ssd_fwd_chunked`], [`ssd_bwd_chunked`]) and the plain recurrence with its step-by-step
 //! reverse mode ([`ssd_fwd_recurrent`], [`ssd_bwd_recurrent`]) that they must equal. The

@@ -1,6 +1,6 @@
 //! The INT8 variable selection of a TFT forecast: a variable selection network's `n`
 //! per-variable GRNs and their selection mix in one pass, INT8 between the layers
-//! (`kernels/tft_int8.cu`, `cuda::tft_int8` on the GPU; [`vsn_vars_i8_ref`] here is its
+//! (`kernels/tft/tft_int8.cu`, `cuda::tft_int8` on the GPU; [`vsn_vars_i8_ref`] here is its
 //! reference).
 //!
 //! Op by op, a forecast's encoder writes and re-reads `[n, rows, d]` F32 activations between

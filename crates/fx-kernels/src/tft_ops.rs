@@ -8,7 +8,7 @@
 //! variable-selection mix, a whole-sequence LSTM step, interpretable attention and the
 //! pinball loss, each with its backward. [`CpuTft`] implements them with plain loops over
 //! host memory: it is the reference the CUDA kernels (`cuda::tft::CudaTft`,
-//! `kernels/tft.cu`, `kernels/lstm.cu`) are tested against, and because fx-models writes the
+//! `kernels/tft/tft.cu`, `kernels/tft/lstm.cu`) are tested against, and because fx-models writes the
 //! step once over any `TftKernels`, running it on `CpuTft` tests the whole orchestration
 //! against candle's autograd without a GPU.
 //!

@@ -257,18 +257,9 @@ impl DqnFused {
 /// Device-test helpers shared by the fused updates' tests.
 #[cfg(test)]
 pub(crate) mod test_support {
-    use candle_core::{DType, Device, Tensor};
+    use candle_core::{DType, Tensor};
 
-    /// The first CUDA device, or None (with a note) when there is none.
-    pub(crate) fn gpu(test: &str) -> Option<Device> {
-        match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-            Ok(Ok(d)) => Some(d),
-            _ => {
-                eprintln!("{test}: skipped, no CUDA device");
-                None
-            }
-        }
-    }
+    pub(crate) use fx_hw::test_gpu as gpu;
 
     /// A fresh seed per run (printed by the tests), so each run checks new inputs.
     pub(crate) fn fresh_seed() -> u64 {

@@ -324,10 +324,7 @@ pub(crate) mod tests {
     #[test]
     fn fused_policy_matches_greedy_actions() {
         assert!(ActorCritic::new(PpoNetConfig::default(), &Device::Cpu, 0).unwrap().fused_policy().is_err());
-        let Ok(Ok(dev)) = std::panic::catch_unwind(|| Device::new_cuda(0)) else {
-            eprintln!("fused_policy_matches_greedy_actions: skipped, no CUDA device");
-            return;
-        };
+        let Some(dev) = fx_hw::test_gpu("ppo::fused_policy_matches_greedy_actions") else { return };
         let net = ActorCritic::new(PpoNetConfig { hidden: 64, n_actions: 5, ..Default::default() }, &dev, 5).unwrap();
         let s = Tensor::randn(0f32, 1.0, (512, 56), &dev).unwrap();
         let got: Vec<u32> = net.fused_policy().unwrap().greedy(&s).unwrap().to_vec1().unwrap();

@@ -12,13 +12,7 @@ use fx_models::{DqnBatch, DqnConfig, DqnTrainer, PpoBatch, PpoConfig, PpoTrainer
 use fx_precision::GraphMode;
 
 fn gpu() -> Option<Device> {
-    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => Some(d),
-        _ => {
-            eprintln!("skipped: no CUDA device");
-            None
-        }
-    }
+    fx_hw::test_gpu("graph_gpu")
 }
 
 /// Deterministic pseudo-random values in [-1, 1) (`salt`, `k` pick the stream).

@@ -17,15 +17,7 @@ use fx_models::mamba2::{Mamba2, Mamba2Config};
 use fx_models::Ctx;
 use fx_precision::{CapturedGraph, Precision};
 
-fn gpu(test: &str) -> Option<Device> {
-    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => Some(d),
-        _ => {
-            eprintln!("{test}: skipped, no CUDA device");
-            None
-        }
-    }
-}
+use fx_hw::test_gpu as gpu;
 
 fn fresh_seed(test: &str) -> u64 {
     let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);

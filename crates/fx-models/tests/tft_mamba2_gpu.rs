@@ -43,7 +43,7 @@ fn rel(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn gpu_fixture_parity() {
-    let dev = Device::new_cuda(0).unwrap();
+    let dev = fx_hw::open_cuda(0).unwrap();
     let (t, meta) = fixture("tft.safetensors");
     let cfg: TftConfig = serde_json::from_str(&meta["config"]).unwrap();
     let m = Tft::new(cfg, &dev, 0).unwrap();
@@ -141,7 +141,7 @@ fn time_steps(
 #[test]
 #[ignore]
 fn gpu_training_throughput() {
-    let dev = Device::new_cuda(0).unwrap();
+    let dev = fx_hw::open_cuda(0).unwrap();
     let cfg = TftConfig::default();
     let (l, h) = (cfg.l_enc, cfg.h);
     let tft = Tft::new(cfg, &dev, 0).unwrap();
@@ -231,7 +231,7 @@ fn graph_ms(dev: &Device, n: usize, mut body: impl FnMut(bool)) -> (f64, usize) 
 #[ignore]
 fn gpu_graph_profile() {
     use fx_models::seq_train::{SeqTrainConfig, SeqTrainer};
-    let dev = Device::new_cuda(0).unwrap();
+    let dev = fx_hw::open_cuda(0).unwrap();
     let cfg = TftConfig::default();
     let (l, h) = (cfg.l_enc, cfg.h);
     let tft = Tft::new(cfg, &dev, 0).unwrap();

@@ -165,7 +165,10 @@ fn main() -> Res<()> {
     let args = parse_args()?;
     let dev = match args.device.as_str() {
         "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
+        #[cfg(feature = "cuda")]
+        "cuda" => fx_hw::open_cuda(0)?,
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => return Err("built without the `cuda` feature".into()),
         other => return Err(format!("unknown device {other}").into()),
     };
     // Warm the device (context, cuBLAS handle) before the memory baseline.

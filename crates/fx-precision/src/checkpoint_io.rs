@@ -8,8 +8,7 @@
 //! tensors are errors that name the file and the tensor.
 
 use std::collections::HashMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
@@ -146,34 +145,11 @@ pub fn save_tensors_atomic(
     host.sort_by(|a, b| a.0.cmp(&b.0));
     let bytes = safetensors::tensor::serialize(host, Some(metadata.clone()))
         .map_err(|e| Error::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
-    let file_name = path.file_name().ok_or_else(|| Error::Io {
-        op: "saving to",
+    fx_data::files::write_atomic(path, &bytes).map_err(|source| Error::Io {
+        op: "writing",
         path: path.to_path_buf(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "path has no file name"),
-    })?;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp: PathBuf = dir.join(format!(".{}.tmp.{}", file_name.to_string_lossy(), std::process::id()));
-    let io = |op: &'static str, p: &Path| {
-        let p = p.to_path_buf();
-        move |source| Error::Io { op, path: p, source }
-    };
-    let write = || -> Result<()> {
-        // Errors name the checkpoint, not its temporary file.
-        let mut f = std::fs::File::create(&tmp).map_err(io("creating", path))?;
-        f.write_all(&bytes).map_err(io("writing", path))?;
-        f.sync_all().map_err(io("syncing", path))?;
-        std::fs::rename(&tmp, path).map_err(io("renaming onto", path))?;
-        Ok(())
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    // Make the rename itself durable; not all platforms let a directory be synced.
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
+        source,
+    })
 }
 
 /// Reads a safetensors file onto `device`; take its tensors with [`NamedTensors::take`].

@@ -16,6 +16,14 @@
 //! - cudarc's per-tensor event tracking is switched off on the device's context (fx uses
 //!   candle's single stream, where it only adds work), since a capture may not wait on
 //!   events recorded outside it.
+//! - Warm-up and capture hold [`fx_hw::device_wide_lock`]: another thread's device-wide
+//!   synchronisation (making or dropping a device, loading modules, another warm-up)
+//!   invalidates a capture in progress, so captures on concurrent threads take turns; replays
+//!   do not. Open devices with [`fx_hw::open_cuda`] (which takes the same lock), not candle's
+//!   `Device::new_cuda`: its per-thread stream dies with the thread, before candle's
+//!   thread-local capture buffers are freed on it.
+//! - candle's upload cache is thread-local and the graph reads its buffers: a graph must not
+//!   outlive the thread that captured it.
 
 use std::sync::Arc;
 
@@ -55,6 +63,7 @@ impl CapturedGraph {
         // SAFETY: fx runs all device work on candle's one stream (see the module docs).
         unsafe { dev.disable_event_tracking() };
         let stream = dev.cuda_stream();
+        let _turn = fx_hw::device_wide_lock();
         // Held through warm-up and capture on this thread: candle's small host uploads
         // (layouts, parameters) are then served from device copies made during warm-up.
         let _cache = dev.enable_cuda_graph_htod_cache();

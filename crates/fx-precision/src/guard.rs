@@ -413,10 +413,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn cuda_guard_matches_cpu() {
-        let Ok(gpu) = Device::new_cuda(0) else {
-            eprintln!("no CUDA device: skipped");
-            return;
-        };
+        let Some(gpu) = fx_hw::test_gpu("cuda_guard_matches_cpu") else { return };
         let mut rng = Rng::new(77);
         let w_cpu = var(&mut rng, 6);
         let c_cpu =

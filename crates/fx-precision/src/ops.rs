@@ -315,10 +315,7 @@ pub(crate) mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn cuda_half_ops_match_cpu() {
-        let Ok(gpu) = Device::new_cuda(0) else {
-            eprintln!("no CUDA device: skipped");
-            return;
-        };
+        let Some(gpu) = fx_hw::test_gpu("cuda_half_ops_match_cpu") else { return };
         let mut rng = Rng::new(3);
         let x = Tensor::from_vec(
             rng.vec(40, -2.0, 2.0).iter().map(|&v| v as f32).collect::<Vec<_>>(),

@@ -15,7 +15,6 @@
 //! naming the file and the tensor or key.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{Read, Write};
 use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
@@ -38,20 +37,10 @@ pub struct Provenance {
     pub source: String,
 }
 
-/// SHA-256 (lower-case hex) of a file, streamed.
+/// SHA-256 (lower-case hex) of a file, streamed (`fx_data::files::sha256_file`, with the
+/// path in the error).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    use sha2::{Digest, Sha256};
-    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    fx_data::files::sha256_file(path).map_err(|e| Error::io(path, e))
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -114,34 +103,12 @@ fn write_tensors(path: &Path, tensors: &[Owned], meta: HashMap<String, String>) 
         views.push((name.clone(), v));
     }
     let bytes = safetensors::tensor::serialize(views, Some(meta)).map_err(|e| Error::file(path, e.to_string()))?;
-    write_atomic(path, &bytes)
+    fx_data::files::write_atomic(path, &bytes).map_err(|e| Error::io(path, e))
 }
 
 /// An INT8 weight tensor's bytes.
 fn i8_bytes(v: &[i8]) -> Vec<u8> {
     v.iter().map(|&x| x as u8).collect()
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(format!(".tmp{}", std::process::id()));
-    let tmp = path.with_file_name(name);
-    let result = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if let Ok(d) = std::fs::File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(|e| Error::io(path, e))
 }
 
 /// Reads a quantised checkpoint. With `source_sha256`, the file must say it was quantised

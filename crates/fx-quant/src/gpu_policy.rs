@@ -1,5 +1,5 @@
 //! INT8 policies on a CUDA device: a [`QuantNet`] as fx-kernels' fused INT8 greedy kernel
-//! (`kernels/mlp_int8.cu`, one launch per batch), giving the scalar reference's scores
+//! (`kernels/mlp/mlp_int8.cu`, one launch per batch), giving the scalar reference's scores
 //! ([`crate::reference::reference_scores`]) bit for bit; and [`Decide`] for
 //! `fx_kernels::cuda::mlp::MlpDecider`, so a service holds a GPU policy (F32 or INT8)
 //! behind the same trait as the CPU ones.
@@ -101,7 +101,7 @@ mod tests {
     }
 
     fn cuda() -> Device {
-        Device::new_cuda(0).expect("a CUDA device")
+        fx_hw::open_cuda(0).expect("a CUDA device")
     }
 
     /// Fresh random networks of both kinds (odd widths, layers kept F32, every calibration)

@@ -468,13 +468,7 @@ mod gpu_tests {
     use fx_precision::Precision;
 
     fn gpu() -> Option<Device> {
-        match Device::new_cuda(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                eprintln!("skipping: no CUDA device ({e})");
-                None
-            }
-        }
+        fx_hw::test_gpu("tft_vsn")
     }
 
     fn rel(got: &[f64], want: &[f64]) -> f64 {

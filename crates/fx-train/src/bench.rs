@@ -382,7 +382,7 @@ fn pick_device(req: Option<BenchDevice>) -> Result<(Device, Option<String>)> {
     match budget.device.value {
         fx_hw::DeviceKind::Cuda(n) => {
             let name = budget.gpu.as_ref().map(|g| g.name.clone());
-            Ok((Device::new_cuda(n)?, name))
+            Ok((crate::run_start::open_cuda(n)?, name))
         }
         fx_hw::DeviceKind::Cpu => {
             if req == Some(BenchDevice::Cuda) {

@@ -109,11 +109,11 @@ mod probe {
     //! The memory probe's workload: one training step of a DQN-shaped MLP
     //! (56→256→256→128→3) on the GPU, forward, MSE loss and backward.
 
-    use candle_core::{DType, Device, Tensor};
+    use candle_core::{DType, Tensor};
     use fx_hw::{CostModel, Precision};
 
     pub fn mlp_cost(ordinal: usize, precision: Precision) -> anyhow::Result<CostModel> {
-        let device = Device::new_cuda(ordinal)?;
+        let device = fx_hw::open_cuda(ordinal)?;
         let dtype = match precision {
             Precision::F32 => DType::F32,
             Precision::Bf16 => DType::BF16,

@@ -19,20 +19,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::ModelChoice;
 
-/// SHA-256 (hex) of a file, streamed.
+/// SHA-256 (hex) of a file, streamed, with the path in the error.
 fn sha256_file(path: &Path) -> Result<String> {
-    use sha2::{Digest, Sha256};
-    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    fx_data::files::sha256_file(path).with_context(|| format!("hashing {}", path.display()))
 }
 
 /// Takes the exclusive lock of `root/run.lock` and records this process's id in it, or
@@ -188,33 +177,10 @@ impl Checkpoint {
     }
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
+/// Writes `bytes` to `path` atomically (`fx_data::files::write_atomic`: temporary file,
+/// sync, rename, folder sync), with the path in the error.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = tmp_path(path);
-    let result = (|| -> std::io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        // The rename itself is durable only once the folder is synced (where the platform
-        // lets a folder be opened; elsewhere the rename is still atomic).
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.with_context(|| format!("writing {}", path.display()))
-}
-
-fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(format!(".tmp{}", std::process::id()));
-    path.with_file_name(name)
+    fx_data::files::write_atomic(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 /// The lock file of a run folder.

@@ -30,8 +30,21 @@ pub fn device_for(cfg: &RunConfig) -> Result<Device> {
     }
     match budget.device.value {
         fx_hw::DeviceKind::Cpu => Ok(Device::Cpu),
-        fx_hw::DeviceKind::Cuda(n) => Ok(Device::new_cuda(n)?),
+        fx_hw::DeviceKind::Cuda(n) => open_cuda(n),
     }
+}
+
+/// CUDA device `n` through `fx_hw::open_cuda` (its own stream, pooled); in a build without
+/// the `cuda` feature, the error saying so.
+#[cfg(feature = "cuda")]
+pub(crate) fn open_cuda(n: usize) -> Result<Device> {
+    Ok(fx_hw::open_cuda(n)?)
+}
+
+/// See the `cuda` build's version.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn open_cuda(n: usize) -> Result<Device> {
+    bail!("CUDA device {n}: this fx-train was built without the `cuda` feature")
 }
 
 /// A run, opened (see the module docs).

@@ -1,5 +1,5 @@
 //! [`DqnLoop`]: a DQN collection loop's counters in device memory, and the replay sampling
-//! kernel (`kernels/replay.cu`), so that a whole DQN iteration — ε-greedy collection into
+//! kernel (`kernels/env/replay.cu`), so that a whole DQN iteration — ε-greedy collection into
 //! the replay ring, minibatch sampling, the update — can be one replayed CUDA graph.
 //!
 //! A graph freezes its kernels' arguments, so everything that changes from one iteration
@@ -19,7 +19,7 @@ use crate::env::OBS_DIM;
 use crate::error::{CandleContext, Error, Result};
 use crate::replay::{ReplayBatch, ReplayBuffer};
 
-/// The loop block's six u64 (`FX_LOOP_*` in `kernels/replay.cu`).
+/// The loop block's six u64 (`FX_LOOP_*` in `kernels/env/replay.cu`).
 const LOOP_WORDS: usize = 6;
 /// Threads per block of the sampling kernel (one per copied state element).
 const SAMPLE_BLOCK: u32 = 256;

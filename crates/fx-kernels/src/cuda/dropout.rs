@@ -1,4 +1,4 @@
-//! Launch wrappers of `kernels/dropout.cu`: counter-based dropout masks whose step counter
+//! Launch wrappers of `kernels/train/dropout.cu`: counter-based dropout masks whose step counter
 //! lives in device memory ([`crate::dropout`] is the reference and explains why).
 
 use candle_core::{DType, Device, Tensor};

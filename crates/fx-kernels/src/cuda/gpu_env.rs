@@ -61,7 +61,7 @@ impl Kernel {
 }
 
 /// The kernels' common leading arguments (series, parameters, state pointers), matching
-/// `FX_ENV_ARGS` in `kernels/env_step.cu` and the head of `fx_ppo_experience`. The
+/// `FX_ENV_ARGS` in `kernels/env/env_step.cu` and the head of `fx_ppo_experience`. The
 /// addresses are taken once at construction: asking cudarc for them on every step would
 /// add a stream-wait and an event record per buffer, pointless on candle's single stream
 /// and the bulk of the per-step host overhead at small E.

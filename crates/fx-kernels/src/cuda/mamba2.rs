@@ -1,4 +1,4 @@
-//! Launch wrappers of `kernels/mamba2.cu`, the element-wise, norm and loss kernels of the fused
+//! Launch wrappers of `kernels/mamba2/mamba2.cu`, the element-wise, norm and loss kernels of the fused
 //! MAMBA-2 training step ([`Mamba2Kernels`]): RMSNorm forward/backward, the causal conv + SiLU
 //! with the `dt` softplus and its backward, the gated RMSNorm forward/backward, `norm_f` with
 //! the head and the per-row MSE terms, and the loss reduction. The GEMMs around them are
@@ -16,7 +16,7 @@ use super::{cuda_device, driver};
 use crate::error::{CandleContext, Error, Result};
 use crate::mamba2_ref::{conv_tiles, row_blocks, MixerDims, MAX_NORM_COLS};
 
-/// PTX of `kernels/mamba2.cu`.
+/// PTX of `kernels/mamba2/mamba2.cu`.
 const PTX_MAMBA2: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mamba2.ptx"));
 
 const THREADS: u32 = 256;
@@ -161,7 +161,7 @@ pub struct HeadFwdArgs {
     pub eps: f32,
 }
 
-/// The kernels of `kernels/mamba2.cu`.
+/// The kernels of `kernels/mamba2/mamba2.cu`.
 #[derive(Debug, Clone)]
 pub struct Mamba2Kernels {
     rmsnorm_fwd: CudaFunction,

@@ -1,4 +1,4 @@
-//! Launch wrapper of `kernels/mamba2_step.cu`: one MAMBA-2 recurrent decode step — a new bar
+//! Launch wrapper of `kernels/mamba2/mamba2_step.cu`: one MAMBA-2 recurrent decode step — a new bar
 //! `x [B, n_in]` through every layer's conv and SSM state to the prediction `[B]` — as one kernel
 //! launch on one thread-block cluster of 16 blocks, or 8 where 16 do not fit (see
 //! [`CLUSTER_SIZES`]; compute capability 9.0+;
@@ -34,7 +34,7 @@ use crate::checks::expect_tensor;
 use crate::error::{CandleContext, Error, Result};
 pub use crate::mamba2_step_ref::{StepDims, CLUSTER_SIZES, MAX_BATCH, MAX_LAYERS};
 
-/// PTX of `kernels/mamba2_step.cu` (compute_90).
+/// PTX of `kernels/mamba2/mamba2_step.cu` (compute_90).
 const PTX_MAMBA2_STEP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mamba2_step.ptx"));
 
 /// Threads per block (`FX_S_THREADS`): 16 warps, one block per SM (`__launch_bounds__(512, 1)`).

@@ -1,4 +1,4 @@
-//! Fused greedy policies (`kernels/mlp_forward.cu`): a dueling DQN's or a PPO actor's greedy
+//! Fused greedy policies (`kernels/mlp/mlp_forward.cu`): a dueling DQN's or a PPO actor's greedy
 //! action in one kernel launch instead of ~20 candle launches, for microsecond batch-1
 //! decisions. [`MlpPolicy`] runs on device tensors; [`MlpDecider`] takes host slices through
 //! mapped page-locked buffers (host in, action out: one launch, one sync, no allocation);
@@ -6,8 +6,8 @@
 //! with no launch and no sync at all.
 //!
 //! Two kernels compute the same thing ([`MlpKernel`]): a block per row
-//! (`kernels/mlp_forward.cu`, any arch), and on Hopper and later a cluster of
-//! [`CLUSTER_BLOCKS`] blocks per row (`kernels/mlp_cluster.cu`), which spreads each layer
+//! (`kernels/mlp/mlp_forward.cu`, any arch), and on Hopper and later a cluster of
+//! [`CLUSTER_BLOCKS`] blocks per row (`kernels/mlp/mlp_cluster.cu`), which spreads each layer
 //! over as many SMs (on the H200 the DQN kernel takes 6.25 µs that way against 9.91 µs on
 //! one block, `docs/PERFORMANCE.md`). Every neuron is summed in the same order by both, so they agree bit for bit.
 //! What both compute, in f64, is [`crate::mlp_ref::reference_greedy`]; the limits are
@@ -17,9 +17,10 @@
 //! keeps clones of the tensors, so their memory stays allocated, and it sees every in-place
 //! update (`Var::set`, the optimisers), which run before it on the same stream. A parameter
 //! whose storage is replaced (a new `Var`, a reloaded model built anew) is not seen: build a
-//! new policy then. The stream is candle's, which for `Device::new_cuda` is CUDA's per-thread
-//! default stream: a call from another thread is not ordered after the training thread's
-//! updates.
+//! new policy then. The stream is the device's: with `fx_hw::open_cuda` one stream of its
+//! own, so calls from any thread are ordered after the updates; with candle's
+//! `Device::new_cuda` CUDA's per-thread default stream, where a call from another thread is
+//! not ordered after the training thread's updates.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -99,7 +100,7 @@ enum Program {
     /// F32 weights (the model's own tensors); `cluster` is `fx_mlp_greedy_cluster`, where
     /// the device runs clusters.
     F32 { params: MlpParams, cluster: Option<CudaFunction> },
-    /// INT8 weights in the policy's own buffers (`kernels/mlp_int8.cu`); `sms` sizes the
+    /// INT8 weights in the policy's own buffers (`kernels/mlp/mlp_int8.cu`); `sms` sizes the
     /// rows per block; `wide` is `fx_mlp_i8_greedy_wide`, for four or eight rows a block.
     Int8 { params: MlpI8Params, sms: usize, wide: CudaFunction },
 }
@@ -160,7 +161,7 @@ impl MlpPolicy {
 
     /// Uploads the INT8 policy `net` to `device` (its own copy of the weights, in the
     /// kernel's layout, [`crate::mlp_i8::I8Image`]) and binds `fx_mlp_i8_greedy` and
-    /// `fx_mlp_i8_greedy_wide` (`kernels/mlp_int8.cu`; a launch picks one by its rows per block): the scores of `fx_quant::reference::reference_scores`, bit
+    /// `fx_mlp_i8_greedy_wide` (`kernels/mlp/mlp_int8.cu`; a launch picks one by its rows per block): the scores of `fx_quant::reference::reference_scores`, bit
     /// for bit, for any batch. It has no cluster kernel and no resident server. Errors: the
     /// checks of [`I8Mlp::dims`], a device error off CUDA, or the module failing to load.
     pub fn new_int8(net: &I8Mlp<'_>, device: &Device) -> Result<Self> {
@@ -587,9 +588,11 @@ impl MlpDecider {
 /// second server allocates page-locked memory, so one server runs at a time: stop it
 /// before starting the next. Seen on the H200: GPU tests in other threads of the same
 /// process stalled behind a running server, and so did a second server's start. Candle's
-/// allocations and frees are stream-ordered and its stream is the per-thread default
-/// stream, so training on another thread keeps running; stop the server before anything
-/// else allocates page-locked memory or synchronises the device.
+/// allocations and frees are stream-ordered on the device's own stream, so training on
+/// another thread keeps running; stop the server before anything else allocates page-locked
+/// memory or synchronises the device — `fx_hw::open_cuda` making a new device does (cudarc
+/// synchronises a fresh context when it creates the device's stream), reusing a pooled one
+/// does not.
 pub struct MlpServer {
     stream: Arc<CudaStream>,
     dims: MlpDims,

@@ -1,5 +1,5 @@
 //! Building blocks of a fused MLP training step on raw device buffers (row-major F32):
-//! the element-wise and loss kernels of `kernels/mlp_train.cu` ([`MlpTrainKernels`]), used
+//! the element-wise and loss kernels of `kernels/mlp/mlp_train.cu` ([`MlpTrainKernels`]), used
 //! with the cuBLAS GEMMs of [`super::blas::Blas`] (re-exported here). They never read to the
 //! host, so a CUDA graph can capture them. fx-models composes them into the DQN update
 //! (`fx_models::dqn_fused`), tested there against the candle update it replaces.
@@ -21,7 +21,7 @@ pub enum Act {
     Tanh = 2,
 }
 
-/// The kernels of `kernels/mlp_train.cu`.
+/// The kernels of `kernels/mlp/mlp_train.cu`.
 #[derive(Debug, Clone)]
 pub struct MlpTrainKernels {
     bias_act: CudaFunction,
@@ -99,7 +99,7 @@ struct CastTable {
     n: u32,
 }
 
-// SAFETY: plain old data with the C layout of `CastTable` in kernels/mlp_train.cu.
+// SAFETY: plain old data with the C layout of `CastTable` in kernels/mlp/mlp_train.cu.
 unsafe impl cudarc::driver::DeviceRepr for CastTable {}
 
 /// Most actions the DQN head kernel handles.

@@ -42,34 +42,34 @@ use crate::checks::expect_tensor;
 use crate::error::{CandleContext, Error, Result};
 use crate::gae::GaeConfig;
 
-/// PTX of `kernels/env_step.cu` (observe, step, selection, DQN experience).
+/// PTX of `kernels/env/env_step.cu` (observe, step, selection, DQN experience).
 pub(crate) const PTX_ENV_STEP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/env_step.ptx"));
-/// PTX of `kernels/ppo_experience.cu`.
+/// PTX of `kernels/env/ppo_experience.cu`.
 pub(crate) const PTX_PPO: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/ppo_experience.ptx"));
-/// PTX of `kernels/gae.cu`.
+/// PTX of `kernels/env/gae.cu`.
 pub(crate) const PTX_GAE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/gae.ptx"));
-/// PTX of `kernels/mlp_forward.cu` (fused greedy policy MLPs).
+/// PTX of `kernels/mlp/mlp_forward.cu` (fused greedy policy MLPs).
 pub(crate) const PTX_MLP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_forward.ptx"));
-/// PTX of `kernels/mlp_cluster.cu` (the same policies on a thread-block cluster per row;
+/// PTX of `kernels/mlp/mlp_cluster.cu` (the same policies on a thread-block cluster per row;
 /// compute_90, loaded only on Hopper and later).
 pub(crate) const PTX_MLP_CLUSTER: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_cluster.ptx"));
-/// PTX of `kernels/mlp_int8.cu` (INT8 greedy policies, `MlpPolicy::new_int8`).
+/// PTX of `kernels/mlp/mlp_int8.cu` (INT8 greedy policies, `MlpPolicy::new_int8`).
 pub(crate) const PTX_MLP_INT8: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_int8.ptx"));
-/// PTX of `kernels/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
+/// PTX of `kernels/mlp/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
 pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_train.ptx"));
-/// PTX of `kernels/dropout.cu` (counter-based dropout masks).
+/// PTX of `kernels/train/dropout.cu` (counter-based dropout masks).
 pub(crate) const PTX_DROPOUT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/dropout.ptx"));
-/// PTX of `kernels/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
+/// PTX of `kernels/train/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
 pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/optim.ptx"));
 
-/// PTX of `kernels/tft.cu` (the TFT's fused training-step kernels).
+/// PTX of `kernels/tft/tft.cu` (the TFT's fused training-step kernels).
 pub(crate) const PTX_TFT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/tft.ptx"));
-/// PTX of `kernels/tft_int8.cu` (the INT8 variable selection of a TFT forecast).
+/// PTX of `kernels/tft/tft_int8.cu` (the INT8 variable selection of a TFT forecast).
 pub(crate) const PTX_TFT_INT8: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/tft_int8.ptx"));
-/// PTX of `kernels/lstm.cu` (one LSTM step, forward and backward).
+/// PTX of `kernels/tft/lstm.cu` (one LSTM step, forward and backward).
 pub(crate) const PTX_LSTM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/lstm.ptx"));
 
-/// PTX of `kernels/replay.cu` (keyed replay sampling, the DQN loop's device counters).
+/// PTX of `kernels/env/replay.cu` (keyed replay sampling, the DQN loop's device counters).
 pub(crate) const PTX_REPLAY: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/replay.ptx"));
 
 /// Maps a cudarc driver error into this crate's error.
@@ -131,7 +131,7 @@ pub(crate) fn alloc_tensor<T: candle_core::cuda::CudaDType + DeviceRepr>(
     Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
 }
 
-/// GAE on the device (`kernels/gae.cu`): `rewards`, `values`, `dones` `[T, E]` f32,
+/// GAE on the device (`kernels/env/gae.cu`): `rewards`, `values`, `dones` `[T, E]` f32,
 /// `last_value` `[E]` f32 → `(advantages, returns)` `[T, E]` f32.
 pub fn gae_device(
     rewards: &Tensor,

@@ -1,4 +1,4 @@
-//! Launch wrappers of `kernels/optim.cu`: the fused training-step tail (gradient norm,
+//! Launch wrappers of `kernels/train/optim.cu`: the fused training-step tail (gradient norm,
 //! NaN/Inf guard, clipping, loss-scale update, Adam/AdamW, soft target update) in three
 //! launches per table of up to [`MT_MAX`] tensors, reading and writing only device memory so
 //! that a CUDA graph can capture it. [`crate::optim_ref::fused_step_reference`] defines
@@ -31,7 +31,7 @@ struct MtTable {
     n: u32,
 }
 
-// SAFETY: plain old data with the C layout of `MtTable` in kernels/optim.cu.
+// SAFETY: plain old data with the C layout of `MtTable` in kernels/train/optim.cu.
 unsafe impl DeviceRepr for MtTable {}
 
 /// `struct StepConsts` of optim.cu.
@@ -50,7 +50,7 @@ struct StepConsts {
     extra: [u64; MAX_EXTRA],
 }
 
-// SAFETY: plain old data with the C layout of `StepConsts` in kernels/optim.cu.
+// SAFETY: plain old data with the C layout of `StepConsts` in kernels/train/optim.cu.
 unsafe impl DeviceRepr for StepConsts {}
 
 /// Device addresses of one tensor of the fused step (F32, contiguous, `len` elements each;

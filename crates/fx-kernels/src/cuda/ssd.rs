@@ -1,4 +1,4 @@
-//! Launch wrappers of `kernels/ssd.cu`, the chunked MAMBA-2 SSD scan: [`SsdKernels::forward`]
+//! Launch wrappers of `kernels/mamba2/ssd.cu`, the chunked MAMBA-2 SSD scan: [`SsdKernels::forward`]
 //! (outputs with and without the `D` skip, and the state entering each chunk) and
 //! [`SsdKernels::backward`] (gradients of the conv output, of `dt_raw` and per-batch-row partial
 //! sums of the `dt_bias`, `A_log` and `D` gradients). One block of 256 threads per (head, batch
@@ -16,7 +16,7 @@ use super::{cuda_device, driver};
 use crate::error::{CandleContext, Error, Result};
 use crate::ssd_ref::SsdDims;
 
-/// PTX of `kernels/ssd.cu`.
+/// PTX of `kernels/mamba2/ssd.cu`.
 const PTX_SSD: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/ssd.ptx"));
 
 const TILE: usize = 64 * 65;
@@ -65,7 +65,7 @@ pub struct SsdBwdArgs {
     pub partials: u64,
 }
 
-/// The kernels of `kernels/ssd.cu`.
+/// The kernels of `kernels/mamba2/ssd.cu`.
 #[derive(Debug, Clone)]
 pub struct SsdKernels {
     fwd: CudaFunction,

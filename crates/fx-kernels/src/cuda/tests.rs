@@ -14,21 +14,7 @@ use crate::rng;
 use crate::rollout::Rollout;
 use crate::vec_env::VecEnv;
 
-/// The first CUDA device, or None (with a note) when there is none or the driver cannot be
-/// loaded (cudarc's dynamic loading panics in that case, hence catch_unwind).
-pub(crate) fn gpu(test: &str) -> Option<Device> {
-    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => Some(d),
-        Ok(Err(e)) => {
-            eprintln!("{test}: skipped, no CUDA device ({e})");
-            None
-        }
-        Err(_) => {
-            eprintln!("{test}: skipped, the CUDA driver could not be loaded");
-            None
-        }
-    }
-}
+pub(crate) use fx_hw::test_gpu as gpu;
 
 fn host_f32(t: &Tensor) -> Vec<f32> {
     t.flatten_all().and_then(|x| x.to_dtype(DType::F32)).and_then(|x| x.to_vec1::<f32>()).expect("to host")

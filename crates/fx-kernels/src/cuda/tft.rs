@@ -1,5 +1,5 @@
 //! [`CudaTft`]: the TFT fused step's operations ([`crate::tft_ops`]) on the GPU — cuBLAS for
-//! the GEMMs, `kernels/tft.cu` and `kernels/lstm.cu` for the rest — all queued on candle's
+//! the GEMMs, `kernels/tft/tft.cu` and `kernels/tft/lstm.cu` for the rest — all queued on candle's
 //! stream, nothing read back, so a CUDA graph can capture a whole step.
 
 use candle_core::{DType, Device, Tensor};

@@ -1,5 +1,5 @@
 //! [`CudaVsnI8`]: one variable selection network's INT8 weights on the GPU and the launch of
-//! `kernels/tft_int8.cu` over them ([`crate::tft_int8`] is the reference). Queued on candle's
+//! `kernels/tft/tft_int8.cu` over them ([`crate::tft_int8`] is the reference). Queued on candle's
 //! stream, nothing read back: a CUDA graph can capture it.
 //!
 //! Blocks take 64 rows each; when the row tiles alone do not fill the device (small
@@ -211,13 +211,7 @@ mod gpu_tests {
     use candle_core::Tensor;
 
     fn gpu() -> Option<Device> {
-        match Device::new_cuda(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                eprintln!("skipping: no CUDA device ({e})");
-                None
-            }
-        }
+        fx_hw::test_gpu("cuda::tft_int8")
     }
 
     fn seed() -> u64 {

@@ -357,15 +357,7 @@ mod tests {
         use crate::error::Error;
         use crate::mamba2::decode::Mamba2Decoder;
 
-        fn gpu(test: &str) -> Option<Device> {
-            match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-                Ok(Ok(d)) => Some(d),
-                _ => {
-                    eprintln!("{test}: skipped, no CUDA device");
-                    None
-                }
-            }
-        }
+        use fx_hw::test_gpu as gpu;
 
         /// The decoder, or None when the device cannot run the kernel (below compute capability 9.0).
         fn decoder(test: &str, m: &Mamba2, batch: usize) -> Option<Mamba2Decoder> {

@@ -244,7 +244,7 @@ fn state_buffers_assign_in_place() {
 fn gpu_layer_timings() {
     use candle_core::Var;
     use std::time::Instant;
-    let dev = Device::new_cuda(0).unwrap();
+    let dev = fx_hw::open_cuda(0).unwrap();
     let cfg = Mamba2Config::default();
     let (b, l) = (32, 256);
     let m = Mamba2::new(cfg.clone(), &dev, 0).unwrap();

@@ -184,8 +184,6 @@ mod tests {
 
 #[cfg(all(test, feature = "cuda"))]
 mod gpu_tests {
-    use candle_core::Device;
-
     use super::*;
     use crate::seq_ops::Ctx;
     use crate::seq_testing::rel_err;
@@ -195,10 +193,7 @@ mod gpu_tests {
     /// (fresh random model and inputs), full and padded batches; skipped without a GPU.
     #[test]
     fn cuda_forecasts_match_candle_inference() {
-        let Ok(dev) = Device::new_cuda(0) else {
-            eprintln!("no CUDA device: skipped");
-            return;
-        };
+        let Some(dev) = fx_hw::test_gpu("cuda_forecasts_match_candle_inference") else { return };
         let cfg = TftConfig::default();
         let seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(3, |d| d.as_nanos() as u64);

@@ -1437,13 +1437,7 @@ mod gpu_tests {
     use crate::tft::TftConfig;
 
     fn gpu() -> Option<Device> {
-        match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-            Ok(Ok(d)) => Some(d),
-            _ => {
-                eprintln!("skipped: no CUDA device");
-                None
-            }
-        }
+        fx_hw::test_gpu("tft::fused")
     }
 
     fn rand(shape: &[usize], seed: u64, scale: f64, dev: &Device) -> Tensor {

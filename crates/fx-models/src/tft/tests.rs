@@ -259,7 +259,7 @@ fn initialisation_is_seeded() {
 fn gpu_stage_timings() {
     use candle_core::Var;
     use std::time::Instant;
-    let dev = Device::new_cuda(0).unwrap();
+    let dev = fx_hw::open_cuda(0).unwrap();
     let cfg = TftConfig::default();
     let (b, l, h, d) = (256, cfg.l_enc, cfg.h, cfg.d);
     let m = Tft::new(cfg, &dev, 0).unwrap();

@@ -21,7 +21,7 @@
 //!   `kernel` and `block_per_row_*` as for `fused_fp32`.
 //!
 //! - `int8` (CUDA): `fx_quant::QuantNet::cuda_policy`, the same quantised network as one
-//!   INT8 kernel launch (`kernels/mlp_int8.cu`), timed like `fused_fp32` (bound launch + sync,
+//!   INT8 kernel launch (`kernels/mlp/mlp_int8.cu`), timed like `fused_fp32` (bound launch + sync,
 //!   `kernel_us`), with `e2e_p50_us` / `e2e_p99_us` through an `MlpDecider` (host in, action
 //!   out) and `matches_int8_reference` (the action of fx-quant's scalar reference);
 //! - `int8` (CPU): `fx_quant::Int8Policy::act`, the default network quantised by `fx-quant`

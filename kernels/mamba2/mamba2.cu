@@ -1,6 +1,6 @@
 // The element-wise, norm and loss kernels of the fused MAMBA-2 training step
 // (crates/fx-kernels/src/cuda/mamba2.rs); the GEMMs around them are cuBLAS calls and the scan is
-// kernels/ssd.cu. Buffers are row-major F32 with rows r = b*len + t. Each kernel mirrors a
+// kernels/mamba2/ssd.cu. Buffers are row-major F32 with rows r = b*len + t. Each kernel mirrors a
 // function of crates/fx-kernels/src/mamba2_ref.rs (f64), which documents the math.
 //
 // Determinism: no float atomics. Row reductions are warp shuffles in a fixed order; column

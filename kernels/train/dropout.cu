@@ -1,6 +1,6 @@
 // Counter-based dropout masks (crates/fx-kernels/src/dropout.rs is the reference): the
 // training step is read from device memory, so a replayed CUDA graph draws fresh masks.
-#include "fx_env.cuh"
+#include "fx_rng.cuh"
 
 #define FX_STREAM_DROPOUT 4ULL
 

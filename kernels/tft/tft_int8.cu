@@ -12,7 +12,7 @@
 // T MAC/s on the H200 (docs/perf/2026-12-02-h200-tft-int8/1-dp4a): too slow to matter.
 // The first layer needs no GEMM: the variable's input is the scalar embedding
 // raw · w_emb + b_emb, so fc1 folds to raw · u1 + c1 (u1, c1 computed on the host).
-#include "fx_env.cuh"
+#include "fx_rng.cuh"
 #include "fx_int8.cuh"
 
 #define FX_VI8_ROWS 64

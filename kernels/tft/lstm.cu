@@ -4,7 +4,7 @@
 // product, so a step is one launch: a tile of 8 rows x 32 hidden units per block, the
 // recurrent GEMM over shared-memory chunks of 32, then the cell in registers. Steps
 // t < L use the encoder's parameters (index 0), later ones the decoder's (index 1).
-#include "fx_env.cuh"
+#include "fx_rng.cuh"
 
 #define FX_TILE_U 32
 #define FX_TILE_R 8

@@ -78,7 +78,7 @@ extern "C" __global__ void fx_select_from_probs(const float* __restrict__ probs,
 // action from q[e]), and (s, a, r, s', done) goes to replay slot (ring_pos + e) % capacity
 // (the host guarantees E <= capacity, so slots are distinct). actions_out, next_obs,
 // reward_out and done_out may be null; obs (the post-reset states) is always written.
-// With `loop` (kernels/replay.cu's counters) not null, ring_pos is loop[1] and eps the ramp
+// With `loop` (kernels/env/replay.cu's counters) not null, ring_pos is loop[1] and eps the ramp
 // (eps_start, eps_end, eps_steps) at step loop[0]: a captured step reads both from the device.
 extern "C" __global__ void fx_dqn_experience(FX_ENV_ARGS, const fx_u32* __restrict__ actions,
                                              const float* __restrict__ q, double eps,

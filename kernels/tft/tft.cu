@@ -4,7 +4,7 @@
 // interpretable attention and the pinball loss, each with its backward. F32 throughout.
 // Weight-gradient reductions go through per-block partial sums and a second pass in a fixed
 // order (fx_tft_reduce_partials): no float atomics, so a step is bit-reproducible.
-#include "fx_env.cuh"
+#include "fx_rng.cuh"
 
 #define FX_STREAM_DROPOUT 4ULL
 #define FX_PARTIAL_ROWS 64

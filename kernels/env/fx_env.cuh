@@ -1,12 +1,12 @@
 // Shared device code of the trading-environment kernels (MODELS.md "Trading environment").
-// Every function mirrors the CPU reference in crates/fx-kernels/src (env.rs, rng.rs,
-// select.rs) operation for operation. Floating-point arithmetic that must agree with the
-// CPU uses the explicit round-to-nearest intrinsics (__dmul_rn, __dadd_rn, ...): the
-// compiler never contracts those into FMAs, whatever -fmad setting the PTX build uses.
+// Every function mirrors the CPU reference in crates/fx-kernels/src (env.rs, select.rs;
+// the draws are common/fx_rng.cuh's) operation for operation. Floating-point arithmetic
+// that must agree with the CPU uses the explicit round-to-nearest intrinsics (__dmul_rn,
+// __dadd_rn, ...): the compiler never contracts those into FMAs, whatever -fmad setting the
+// PTX build uses.
 #pragma once
 
-typedef unsigned long long fx_u64;
-typedef unsigned int fx_u32;
+#include "fx_rng.cuh"
 
 #define FX_N_MARKET 51
 #define FX_OBS_DIM 56
@@ -19,20 +19,6 @@ typedef unsigned int fx_u32;
 
 // Error flag bits (GpuTradingEnv reads them on demand).
 #define FX_ERR_ACTION 1
-
-// SplitMix64 finaliser (wrapping u64 arithmetic).
-__device__ __forceinline__ fx_u64 fx_mix(fx_u64 z) {
-    z += 0x9E3779B97F4A7C15ULL;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
-// u = (mix(mix(mix(seed ^ stream) ^ env) ^ step) >> 11) * 2^-53, exact in double.
-__device__ __forceinline__ double fx_draw(fx_u64 seed, fx_u64 stream, fx_u64 env, fx_u64 step) {
-    fx_u64 b = fx_mix(fx_mix(fx_mix(seed ^ stream) ^ env) ^ step);
-    return __dmul_rn((double)(b >> 11), 1.1102230246251565e-16);
-}
 
 // fx_kernels::LinearSchedule::value: start + (end - start) * (step / steps) before `steps`,
 // `end` from then on (the DQN ε ramp of a captured collection step).
