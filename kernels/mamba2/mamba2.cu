@@ -1,7 +1,7 @@
 // The element-wise, norm and loss kernels of the fused MAMBA-2 training step
-// (crates/fx-kernels/src/cuda/mamba2.rs); the GEMMs around them are cuBLAS calls and the scan is
+// (crates/fx-models/src/mamba2/ops_cuda.rs); the GEMMs around them are cuBLAS calls and the scan is
 // kernels/mamba2/ssd.cu. Buffers are row-major F32 with rows r = b*len + t. Each kernel mirrors a
-// function of crates/fx-kernels/src/mamba2_ref.rs (f64), which documents the math.
+// function of crates/fx-models/src/mamba2/ops_ref.rs (f64), which documents the math.
 //
 // Determinism: no float atomics. Row reductions are warp shuffles in a fixed order; column
 // (weight-gradient) reductions write one row of partial sums per block, which a second pass

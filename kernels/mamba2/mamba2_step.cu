@@ -2,7 +2,7 @@
 // One MAMBA-2 recurrent decode step — a new bar x [B, n_in] through every layer's conv and SSM
 // state to the prediction [B] — in one launch on one thread-block cluster of C blocks, C = 16
 // where the device allows that non-portable size, else 8 (Hopper+; wrapper
-// crates/fx-kernels/src/cuda/mamba2_step.rs, f64 reference mamba2_step_ref.rs, which also holds
+// crates/fx-models/src/mamba2/decode_cuda.rs, f64 reference decode_ref.rs, which also holds
 // the shared-memory layout below as StepDims::smem_floats).
 //
 // Why one cluster: at batch 1 the step is a chain of ~13 dependent phases (embedding; per layer

@@ -1,5 +1,5 @@
-// The MAMBA-2 SSD scan, forward and backward, chunked (crates/fx-kernels/src/cuda/ssd.rs; the f64
-// reference with the same order of operations is crates/fx-kernels/src/ssd_ref.rs, whose module
+// The MAMBA-2 SSD scan, forward and backward, chunked (crates/fx-models/src/mamba2/ssd_cuda.rs; the f64
+// reference with the same order of operations is crates/fx-models/src/mamba2/ssd_ref.rs, whose module
 // docs give the math and the buffer layouts).
 //
 // One block of 256 threads per (head, batch row) walks the sequence chunk by chunk (forward in

@@ -1,7 +1,7 @@
 // The fused greedy policy MLP shared by mlp_forward.cu (a block per row, any arch) and
 // mlp_cluster.cu (a thread-block cluster per row, Hopper+): the parameter block, the dense
 // layer over a range of output neurons, and the head with its argmax. The f64 reference is
-// crates/fx-kernels/src/mlp_ref.rs; the launch wrappers are crates/fx-kernels/src/cuda/mlp.rs.
+// crates/fx-models/src/mlp/reference.rs; the launch wrappers are crates/fx-models/src/mlp/cuda.rs.
 //
 // Within a layer each warp owns G output neurons at a time: its lanes stride along the G
 // weight rows (PyTorch layout [out, in], so a warp's reads of one row are coalesced), all

@@ -1,5 +1,5 @@
-// Greedy action of a small policy MLP in one launch (crates/fx-kernels/src/cuda/mlp.rs; the
-// f64 reference is crates/fx-kernels/src/mlp_ref.rs). One thread block per input row
+// Greedy action of a small policy MLP in one launch (crates/fx-models/src/mlp/cuda.rs; the
+// f64 reference is crates/fx-models/src/mlp/reference.rs). One thread block per input row
 // (grid-stride when the batch exceeds the grid); the row's activations live in shared memory
 // from layer to layer. The layer and head code is fx_mlp.cuh's, shared with the cluster
 // kernels of mlp_cluster.cu (Hopper+), which spread one row over several SMs.

@@ -1,6 +1,6 @@
 // The greedy action of an INT8 policy MLP (fx-quant's QuantNet: a DQN or a PPO actor) in one
-// launch. The launch wrapper is crates/fx-kernels/src/cuda/mlp.rs (an `MlpPolicy` built with
-// `new_int8`), the host-side layout and packing crates/fx-kernels/src/mlp_i8.rs. What it
+// launch. The launch wrapper is crates/fx-models/src/mlp/cuda.rs (an `MlpPolicy` built with
+// `new_int8`), the host-side layout and packing crates/fx-models/src/mlp/int8.rs. What it
 // computes is fx_quant::reference::reference_scores, bit for bit: the device tests in
 // crates/fx-quant/src/gpu_policy.rs compare every score's bits on fresh random networks.
 //
@@ -35,7 +35,7 @@
 #define FX_I8_HEAD_LOGITS 0u
 #define FX_I8_HEAD_DUELING 1u
 
-// Mirrors `MlpI8Params` in crates/fx-kernels/src/mlp_i8.rs field for field (256 bytes).
+// Mirrors `MlpI8Params` in crates/fx-models/src/mlp/int8.rs field for field (256 bytes).
 struct FxMlpI8Params {
     // Layers 0..n_hidden-1, then the head: logits at [n_hidden]; dueling value at [n_hidden]
     // and advantage at [n_hidden + 1]. INT8 layers: int8 words [ceil(in/4)][ceil(out/4)*4],

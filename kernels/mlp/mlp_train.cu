@@ -1,5 +1,5 @@
-// Element-wise and loss kernels of the fused MLP training step (crates/fx-kernels/src/cuda/
-// mlp_train.rs); the GEMMs around them are cuBLAS calls. Row-major [rows, cols] F32 buffers.
+// Element-wise and loss kernels of the fused MLP training step (crates/fx-models/src/mlp/
+// train_cuda.rs); the GEMMs around them are cuBLAS calls. Row-major [rows, cols] F32 buffers.
 // The reference these are tested against is the candle DQN update (fx-models device tests).
 
 #include <cuda_bf16.h>

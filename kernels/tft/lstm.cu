@@ -1,5 +1,5 @@
 // One step of a whole-sequence LSTM (PyTorch layout, gates i, f, g, o), forward and
-// backward (crates/fx-kernels/src/tft_ops.rs, `Lstm`, is the reference). The input
+// backward (crates/fx-models/src/tft/ops.rs, `Lstm`, is the reference). The input
 // projection of every step is one GEMM outside; a step adds both biases and the recurrent
 // product, so a step is one launch: a tile of 8 rows x 32 hidden units per block, the
 // recurrent GEMM over shared-memory chunks of 32, then the cell in registers. Steps

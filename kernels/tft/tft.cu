@@ -1,4 +1,4 @@
-// The TFT's fused training-step kernels (crates/fx-kernels/src/tft_ops.rs is the reference
+// The TFT's fused training-step kernels (crates/fx-models/src/tft/ops.rs is the reference
 // and documents every layout): input packing, per-variable embeddings, bias + ELU/dropout
 // epilogues, GLU + residual + LayerNorm (+ softmax), the variable-selection mix,
 // interpretable attention and the pinball loss, each with its backward. F32 throughout.

@@ -1,5 +1,5 @@
 // The INT8 variable selection of a TFT forecast: every variable's GRN and the selection mix
-// in one launch (crates/fx-kernels/src/tft_int8.rs is the reference and documents the
+// in one launch (crates/fx-models/src/tft/int8.rs is the reference and documents the
 // layout and every rounding step).
 //
 // Why one kernel: op by op, the encoder's 55 per-variable GRNs write and re-read

@@ -1,4 +1,4 @@
-// Counter-based dropout masks (crates/fx-kernels/src/dropout.rs is the reference): the
+// Counter-based dropout masks (crates/fx-precision/src/dropout.rs is the reference): the
 // training step is read from device memory, so a replayed CUDA graph draws fresh masks.
 #include "fx_rng.cuh"
 

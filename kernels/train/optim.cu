@@ -1,6 +1,6 @@
 // The training step after backward, entirely on the device, so it can be captured in a
-// CUDA graph and never reads to the host (crates/fx-kernels/src/cuda/optim.rs launches
-// these; crates/fx-kernels/src/optim_ref.rs is the CPU reference they are tested against):
+// CUDA graph and never reads to the host (crates/fx-precision/src/fused/kernels.rs launches
+// these; crates/fx-precision/src/fused_ref.rs is the CPU reference they are tested against):
 //   1. fx_mt_sumsq     per-block partial sums of g^2 over many gradient tensors (one launch
 //                      per table of up to FX_MT_MAX tensors);
 //   2. fx_step_finalize one block: total squared norm (double, fixed order), the NaN/Inf
@@ -18,7 +18,7 @@
 #define FX_MT_CHUNK (FX_MT_BLOCK * FX_MT_ITEMS)
 #define FX_MAX_EXTRA 8
 
-// Control block layout (doubles); mirrored by `Ctrl` in crates/fx-kernels/src/cuda/optim.rs.
+// Control block layout (doubles); mirrored by `Ctrl` in crates/fx-precision/src/fused/kernels.rs.
 #define C_LR 0
 #define C_STEP 1
 #define C_SCALE 2

@@ -6,12 +6,12 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{Error, Result};
 
 /// Human-readable device name for messages.
-pub(crate) fn device_name(d: &Device) -> String {
+pub fn device_name(d: &Device) -> String {
     format!("{:?}", d.location())
 }
 
 /// Checks dims, dtype and device of `t`.
-pub(crate) fn expect_tensor(
+pub fn expect_tensor(
     t: &Tensor,
     what: &'static str,
     ctx: &'static str,

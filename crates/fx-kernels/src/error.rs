@@ -123,7 +123,7 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Attach a context to candle results: `tensor_op().ctx("ReplayBuffer::push_batch")?`.
-pub(crate) trait CandleContext<T> {
+pub trait CandleContext<T> {
     fn ctx(self, context: &'static str) -> Result<T>;
 }
 
@@ -135,7 +135,7 @@ impl<T> CandleContext<T> for std::result::Result<T, candle_core::Error> {
 
 impl Error {
     /// Shorthand for a [`Error::Shape`].
-    pub(crate) fn shape(
+    pub fn shape(
         what: &'static str,
         context: &'static str,
         expected: impl std::fmt::Display,

@@ -1,4 +1,5 @@
-//! The vectorised trading environment of MODELS.md and the storage RL agents fill from it.
+//! The experience kernels: the vectorised trading environment of MODELS.md and the storage
+//! RL agents fill from it, plus the GPU plumbing every crate above launches its kernels with.
 //!
 //! `fx-kernels` steps `E` independent trading accounts over one normalised feature series
 //! (position change, 1 bp cost per unit of change, unrealised PnL, time in position,
@@ -27,50 +28,31 @@
 //! ([`ReplayBuffer::sample_keyed`], the CPU's counter-based indices) and the update can be
 //! one CUDA graph.
 //!
-//! Training kernels beside the environment, each with its CPU reference: the fused
-//! optimiser tail ([`optim_ref`], `cuda::optim`), the MLP training and decision kernels
-//! ([`mlp_ref`], `cuda::mlp_train`, `cuda::mlp`) and counter-based dropout masks
-//! ([`dropout`], `cuda::dropout`) that a captured CUDA graph can replay with fresh draws.
-//!
-//! The sequence models' fused training steps: [`gemm::Gemm`] (a row-major GEMM on raw
-//! addresses, run by cuBLAS in `cuda::blas` and by [`gemm::gemm_ref`] on the CPU), the TFT's
-//! operations ([`tft_ops`]: the trait, the CPU reference backend, `cuda::tft` on the GPU) and
-//! MAMBA-2's SSD scan and element-wise kernels ([`ssd_ref`], [`mamba2_ref`], `cuda::ssd`,
-//! `cuda::mamba2`).
-//!
-//! Decisions and forecasts one bar at a time on the CPU, with no thread pool and no
-//! allocation: [`mlp_cpu`] (greedy MLP policies) and [`mamba2_cpu`] (MAMBA-2's recurrent step;
-//! on Hopper+ GPUs `cuda::mamba2_step`, against the f64 reference [`mamba2_step_ref`]).
+//! GPU plumbing for the crates above, which launch their own kernels with it (each model's
+//! kernels live in its folder of `fx-models`, the optimiser tail and dropout masks in
+//! `fx-precision`): [`gemm::Gemm`] (a row-major GEMM on raw addresses, run by cuBLAS in
+//! `cuda::blas` and by [`gemm::gemm_ref`] on the CPU), the address, allocation and launch
+//! helpers of `cuda`, [`readback`] (pinned device-to-host reads), the tensor checks of
+//! [`checks`] and this crate's [`Error`] with [`CandleContext`], which those kernels'
+//! wrappers return.
 
 // Index loops over accounts mirror the one-thread-per-account CUDA kernels line by line;
 // iterator chains over several parallel arrays would hide that correspondence.
 #![allow(clippy::needless_range_loop)]
 
-mod checks;
-mod cpu_dot;
+pub mod checks;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod dropout;
 pub mod env;
 mod error;
 pub mod gae;
 pub mod gemm;
-pub mod mamba2_cpu;
-pub mod mamba2_ref;
-pub mod mamba2_step_ref;
-pub mod mlp_cpu;
-pub mod mlp_i8;
-pub mod mlp_ref;
-pub mod optim_ref;
 pub mod readback;
 pub mod replay;
 pub mod rng;
 pub mod rollout;
 pub mod schedule;
 pub mod select;
-pub mod ssd_ref;
-pub mod tft_int8;
-pub mod tft_ops;
 pub mod vec_env;
 
 #[cfg(test)]
@@ -79,7 +61,7 @@ mod fixtures;
 #[cfg(feature = "cuda")]
 pub use cuda::{GpuEnvOptions, GpuTradingEnv};
 pub use env::{write_observation, CpuTradingEnv, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
-pub use error::{Error, Result};
+pub use error::{CandleContext, Error, Result};
 pub use gae::{gae, GaeConfig};
 pub use replay::{ReplayBatch, ReplayBuffer};
 pub use rollout::Rollout;

@@ -3,14 +3,14 @@
 //! accumulation and F32 activations, gradients and master weights): cuBLAS GEMMs for the trunk layers and their
 //! gradients, one kernel per bias + ReLU and per ReLU backward, one warp-per-row kernel for
 //! the dueling heads, the TD target, the Huber loss and the head gradients
-//! (`fx_kernels::cuda::mlp_train`). Gradients land in one flat buffer, read by
+//! (`crate::mlp::train_cuda`). Gradients land in one flat buffer, read by
 //! [`FusedStep`] in parameter order. Everything is device-only, so the trainer captures it
 //! as one CUDA graph. The reference is the candle update ([`crate::dqn_loss`] + backward),
 //! which the device tests compare it with.
 
+use crate::mlp::train_cuda::{Act, Blas, DqnHeadArgs, MlpTrainKernels, DQN_MAX_ACTIONS};
 use candle_core::{DType, Tensor};
-use fx_kernels::cuda::mlp_train::{Act, Blas, DqnHeadArgs, MlpTrainKernels, DQN_MAX_ACTIONS};
-use fx_kernels::cuda::optim::{f32_address, u32_address};
+use fx_kernels::cuda::{f32_address, u32_address};
 use fx_precision::{FusedStep, Precision};
 
 use crate::dqn::DuelingDqn;
@@ -57,7 +57,7 @@ fn a(t: &Tensor) -> Result<u64> {
 }
 
 fn a16(t: &Tensor) -> Result<u64> {
-    fx_kernels::cuda::optim::bf16_address(t, "buffer").ctx(CTX)
+    fx_kernels::cuda::bf16_address(t, "buffer").ctx(CTX)
 }
 
 impl DqnFused {

@@ -19,8 +19,8 @@ use fx_precision::{CapturedGraph, FusedStep};
 
 use crate::dqn::DuelingDqn;
 use crate::error::{Context, Result};
-use crate::fused_forward::DqnQForward;
 use crate::graph_update::Body;
+use crate::mlp::DqnQForward;
 
 /// What one iteration is captured over (borrowed from the trainer for the capture only;
 /// the graph keeps their device addresses, so the trainer keeps them alive and in place).

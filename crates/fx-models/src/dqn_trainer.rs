@@ -213,7 +213,7 @@ pub struct DqnTrainer {
     /// The fused collection forward (CUDA, supported networks), built at the first step for
     /// the env's number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
-    q_forward: Option<crate::fused_forward::DqnQForward>,
+    q_forward: Option<crate::mlp::DqnQForward>,
     /// Whole iterations as one graph (see `dqn_iteration`): built on the GPU env once the
     /// update is captured; None before, off, or after a failed `auto` capture.
     #[cfg(feature = "cuda")]
@@ -342,7 +342,7 @@ impl DqnTrainer {
         if !fits && self.online.params().device().is_cuda() && crate::dqn_fused::DqnFused::supports(&self.online) {
             // A captured iteration reads the old forward's buffers: it goes first.
             self.iteration = None;
-            self.q_forward = Some(crate::fused_forward::DqnQForward::new(&self.online, rows)?);
+            self.q_forward = Some(crate::mlp::DqnQForward::new(&self.online, rows)?);
         }
         Ok(())
     }

@@ -1,6 +1,9 @@
-//! The RL agents of MODELS.md (dueling double DQN and the PPO actor-critic) on candle,
-//! with the spec's parameter names so weights move both ways between fx and the
-//! PyTorch reference.
+//! The models of MODELS.md — the RL agents (dueling double DQN, the PPO actor-critic) and
+//! the forecasters (TFT, MAMBA-2) — on candle, with the spec's parameter names so weights
+//! move both ways between fx and the PyTorch reference, and each model's kernels beside it:
+//! a model's folder holds its network, loss, fused step over one backend trait, CPU/f64
+//! references, CUDA launch wrappers (PTX in `ptx/`, sources in `kernels/<model>/`) and its
+//! F32 decision path (`mlp/` for the two agents' shared MLP, `tft/`, `mamba2/`).
 //!
 //! `fx-models` holds the networks, their losses (double-DQN Huber against a soft-updated
 //! target network; PPO clipped surrogate + value + entropy), tape-free inference and
@@ -14,6 +17,11 @@
 //! staying the CPU path and the reference those steps are tested against.
 //!
 //! Map:
+//! - [`mlp`]: the agents' fused MLP — [`mlp::reference`] (CPU/f64), [`mlp::cpu`]
+//!   (`CpuPolicy`, µs greedy decisions), [`mlp::int8`] (the INT8 weight image), under `cuda`
+//!   `mlp::cuda` (`MlpPolicy`, `MlpServer`) and the fused training step's kernels;
+//! - [`tft`] and [`mamba2`]: model, fused step (`ops`/`ops_cuda`; MAMBA-2 also `ssd_*`),
+//!   one-bar decode (`mamba2::decode_*`) and the TFT's INT8 variable selection (`tft::int8*`);
 //! - [`dqn`]: [`DuelingDqn`] (`forward`, `forward_inference`, `greedy_actions`,
 //!   `save`/`load`), [`dqn_loss`], [`soft_update`];
 //! - [`ppo`]: [`ActorCritic`] (`forward`, `forward_inference`, `probs_inference`,
@@ -27,7 +35,13 @@
 //!   collection kernel computes it on the device);
 //! - [`backtest`]: a policy replayed over held-out rows, with trading statistics.
 
+// The CPU references and decision paths index loops over rows, heads and channels to mirror
+// their CUDA kernels line by line (one thread per index); iterator chains over several
+// parallel arrays would hide that correspondence.
+#![allow(clippy::needless_range_loop)]
+
 pub mod backtest;
+mod cpu_dot;
 pub mod dqn;
 #[cfg(feature = "cuda")]
 mod dqn_fused;
@@ -36,11 +50,10 @@ mod dqn_iteration;
 pub mod dqn_trainer;
 mod error;
 #[cfg(feature = "cuda")]
-mod fused_forward;
-#[cfg(feature = "cuda")]
 mod graph_update;
 mod linear;
 pub mod mamba2;
+pub mod mlp;
 pub mod param_io;
 pub mod ppo;
 #[cfg(feature = "cuda")]
@@ -70,9 +83,9 @@ pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};
 pub use dqn_trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use error::{Error, Result};
-#[cfg(feature = "cuda")]
-pub use fused_forward::{DqnQForward, PpoForward};
 pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
+#[cfg(feature = "cuda")]
+pub use mlp::{DqnQForward, PpoForward};
 pub use param_io::{ParamSet, ParamSpec};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
 

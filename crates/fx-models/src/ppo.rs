@@ -155,24 +155,24 @@ impl ActorCritic {
 
     /// The actor's greedy policy as one fused CUDA kernel over this network's own weights,
     /// in F32 whatever the precision policy, seeing their in-place updates (see
-    /// `fx_kernels::cuda::mlp`). Dimensions beyond the kernel's limits are
+    /// `crate::mlp::cuda`). Dimensions beyond the kernel's limits are
     /// `fx_kernels::Error::Unsupported` inside [`Error::Kernels`]: use
     /// [`Self::greedy_actions`] then.
     #[cfg(feature = "cuda")]
-    pub fn fused_policy(&self) -> Result<fx_kernels::cuda::mlp::MlpPolicy> {
-        self.with_greedy_mlp(|net| fx_kernels::cuda::mlp::MlpPolicy::new(net).ctx("ActorCritic::fused_policy"))
+    pub fn fused_policy(&self) -> Result<crate::mlp::cuda::MlpPolicy> {
+        self.with_greedy_mlp(|net| crate::mlp::cuda::MlpPolicy::new(net).ctx("ActorCritic::fused_policy"))
     }
 
     /// The actor's greedy policy for decisions on the CPU, one observation at a time, with
-    /// no thread pool and no allocation per call (`fx_kernels::mlp_cpu::CpuPolicy`; F32, a
+    /// no thread pool and no allocation per call (`crate::mlp::cpu::CpuPolicy`; F32, a
     /// snapshot of the current weights).
-    pub fn cpu_policy(&self) -> Result<fx_kernels::mlp_cpu::CpuPolicy> {
-        self.with_greedy_mlp(|net| fx_kernels::mlp_cpu::CpuPolicy::new(net).ctx("ActorCritic::cpu_policy"))
+    pub fn cpu_policy(&self) -> Result<crate::mlp::cpu::CpuPolicy> {
+        self.with_greedy_mlp(|net| crate::mlp::cpu::CpuPolicy::new(net).ctx("ActorCritic::cpu_policy"))
     }
 
     /// The actor as a `GreedyMlp` description (tanh layers, logits head).
-    fn with_greedy_mlp<R>(&self, f: impl FnOnce(&fx_kernels::mlp_ref::GreedyMlp<'_>) -> R) -> R {
-        use fx_kernels::mlp_ref::{Activation, GreedyMlp, Head, Linear};
+    fn with_greedy_mlp<R>(&self, f: impl FnOnce(&crate::mlp::reference::GreedyMlp<'_>) -> R) -> R {
+        use crate::mlp::reference::{Activation, GreedyMlp, Head, Linear};
         let lin = |l: usize| Linear { weight: self.params.t(2 * l), bias: self.params.t(2 * l + 1) };
         let hidden = [(lin(0), Activation::Tanh), (lin(1), Activation::Tanh)];
         f(&GreedyMlp { hidden: &hidden, head: Head::Logits(lin(2)) })

@@ -2,13 +2,13 @@
 //! per-minibatch advantage normalisation) in ~40 launches instead of candle's hundreds
 //! (feature `cuda`, F32): cuBLAS GEMMs for both tanh MLPs and their gradients, one kernel
 //! for the advantages' statistics and one per-row kernel for the loss terms and the
-//! logit/value gradients (`fx_kernels::cuda::mlp_train`); the six minibatch means come from
+//! logit/value gradients (`crate::mlp::train_cuda`); the six minibatch means come from
 //! one GEMV. Gradients land in one flat buffer for [`FusedStep`]. The reference is
 //! [`crate::ppo_loss`] + candle's backward, compared on the device.
 
+use crate::mlp::train_cuda::{Act, Blas, MlpTrainKernels, PpoLossArgs, DQN_MAX_ACTIONS};
 use candle_core::{DType, Tensor};
-use fx_kernels::cuda::mlp_train::{Act, Blas, MlpTrainKernels, PpoLossArgs, DQN_MAX_ACTIONS};
-use fx_kernels::cuda::optim::{f32_address, u32_address};
+use fx_kernels::cuda::{f32_address, u32_address};
 use fx_precision::FusedStep;
 
 use crate::error::{Context, Error, Result};

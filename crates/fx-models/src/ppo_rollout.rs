@@ -13,7 +13,7 @@ use fx_kernels::{GpuTradingEnv, Rollout, VecEnv};
 use fx_precision::CapturedGraph;
 
 use crate::error::{Context, Result};
-use crate::fused_forward::PpoForward;
+use crate::mlp::PpoForward;
 use crate::ppo::ActorCritic;
 
 /// See the module docs.

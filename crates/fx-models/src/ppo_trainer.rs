@@ -195,7 +195,7 @@ pub struct PpoTrainer {
     /// The fused rollout forward (CUDA), built at the first collection step for the env's
     /// number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
-    rollout_forward: Option<crate::fused_forward::PpoForward>,
+    rollout_forward: Option<crate::mlp::PpoForward>,
     /// The whole rollout as one graph (GPU env, fused forward, `graph` not off), built at
     /// the first rollout; None before, or off.
     #[cfg(feature = "cuda")]
@@ -419,7 +419,7 @@ impl PpoTrainer {
         if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
             // A captured rollout reads the old forward's buffers: it goes first.
             self.rollout_graph = None;
-            self.rollout_forward = Some(crate::fused_forward::PpoForward::new(&self.model, rows)?);
+            self.rollout_forward = Some(crate::mlp::PpoForward::new(&self.model, rows)?);
         }
         Ok(())
     }

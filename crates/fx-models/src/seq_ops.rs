@@ -156,7 +156,7 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// Counter-based dropout ([`fx_kernels::dropout`]): masks are a function of a seed, the
+/// Counter-based dropout ([`fx_precision::dropout`]): masks are a function of a seed, the
 /// call's number within the training step and the step counter, which lives in a device
 /// tensor. A CUDA graph that captures a step therefore draws fresh masks on every replay
 /// (a stateful generator's offset would be frozen into the graph), and a resumed run
@@ -169,7 +169,7 @@ pub struct DropoutRng {
     /// Dropout calls so far in this step (their masks' `call` number).
     calls: std::cell::Cell<u64>,
     #[cfg(feature = "cuda")]
-    kernels: Option<fx_kernels::cuda::dropout::DropoutKernels>,
+    kernels: Option<fx_precision::dropout::cuda::DropoutKernels>,
 }
 
 impl DropoutRng {
@@ -177,7 +177,7 @@ impl DropoutRng {
     pub fn new(seed: u64, device: &candle_core::Device) -> Result<Self> {
         #[cfg(feature = "cuda")]
         let kernels = if device.is_cuda() {
-            Some(fx_kernels::cuda::dropout::DropoutKernels::load(device).map_err(candle_core::Error::wrap)?)
+            Some(fx_precision::dropout::cuda::DropoutKernels::load(device).map_err(candle_core::Error::wrap)?)
         } else {
             None
         };
@@ -241,7 +241,7 @@ impl DropoutRng {
         }
         let step = self.step.to_vec1::<u32>()?[0];
         let n = shape.iter().product();
-        Tensor::from_vec(fx_kernels::dropout::mask_reference(self.seed, call, step, n, p), shape, self.step.device())
+        Tensor::from_vec(fx_precision::dropout::mask_reference(self.seed, call, step, n, p), shape, self.step.device())
     }
 }
 
@@ -370,13 +370,13 @@ mod tests {
         let x = Tensor::ones((4, 50), DType::F32, &dev).unwrap();
         let c = Ctx::train(Precision::F32).with_rng(&rng);
         let y0: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        assert_eq!(y0, fx_kernels::dropout::mask_reference(17, 0, 0, 200, 0.3));
+        assert_eq!(y0, fx_precision::dropout::mask_reference(17, 0, 0, 200, 0.3));
         // The second call of the step draws another mask; a new step another again.
         let y1: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        assert_eq!(y1, fx_kernels::dropout::mask_reference(17, 1, 0, 200, 0.3));
+        assert_eq!(y1, fx_precision::dropout::mask_reference(17, 1, 0, 200, 0.3));
         rng.advance().unwrap();
         let y2: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        assert_eq!(y2, fx_kernels::dropout::mask_reference(17, 0, 1, 200, 0.3));
+        assert_eq!(y2, fx_precision::dropout::mask_reference(17, 0, 1, 200, 0.3));
         // Checkpointed segments: a re-run of segment 2 draws its masks again, by key.
         let masks = DropoutMasks::new();
         let cm = c.with_masks(&masks);
@@ -385,9 +385,9 @@ mod tests {
         masks.begin_segment(2);
         let b = cm.dropout(&x, 0.5).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(a, b);
-        assert_eq!(a, fx_kernels::dropout::mask_reference(17, 2 << 32, 1, 200, 0.5));
+        assert_eq!(a, fx_precision::dropout::mask_reference(17, 2 << 32, 1, 200, 0.5));
         rng.set_step(9).unwrap();
         let y9: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        assert_eq!(y9, fx_kernels::dropout::mask_reference(17, 0, 9, 200, 0.3));
+        assert_eq!(y9, fx_precision::dropout::mask_reference(17, 0, 9, 200, 0.3));
     }
 }

@@ -211,7 +211,7 @@ impl SeqTask for Tft {
 
     #[cfg(feature = "cuda")]
     fn fused_step(&self, batch: usize, precision: Precision) -> Result<Box<dyn FusedSeqStep>> {
-        let k = fx_kernels::cuda::tft::CudaTft::new(self.params().device()).ctx("Tft fused step")?;
+        let k = crate::tft::ops_cuda::CudaTft::new(self.params().device()).ctx("Tft fused step")?;
         Ok(Box::new(crate::tft::fused::TftFused::new(k, self, batch, precision)?))
     }
 }

@@ -1,6 +1,6 @@
 //! [`FusedStep`]: the tail of [`crate::TrainStep`] (NaN/Inf guard, unscale + clip, Adam or
 //! AdamW with F32 moments, GradScaler update) plus an optional soft target update, as
-//! three kernel launches that read and write only device memory (`fx_kernels::cuda::optim`).
+//! three kernel launches that read and write only device memory (`crate::fused::kernels`).
 //! Nothing goes to the host per step, so a CUDA graph can capture it ([`crate::CapturedGraph`]):
 //! the learning rate, step count, bias corrections, loss scale and the guard's counters
 //! live in a device control block, read back only when asked ([`FusedStep::stats`]).
@@ -8,12 +8,17 @@
 //! The state it saves and loads is [`crate::TrainStep`]'s, name for name, so a checkpoint
 //! written by either resumes with either.
 
+#[cfg(test)]
+mod kernel_tests;
+mod kernels;
+
 use std::collections::HashMap;
 
+use crate::fused_ref::{ctrl, AdamConsts, GuardConsts, ScalerConsts, MAX_EXTRA};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use fx_kernels::cuda::optim::{f32_address, f64_address, FusedStepKernels, MtEntry, StepBuffers};
-use fx_kernels::optim_ref::{ctrl, AdamConsts, GuardConsts, ScalerConsts, MAX_EXTRA};
+use fx_kernels::cuda::{f32_address, f64_address};
+use kernels::{FusedStepKernels, MtEntry, StepBuffers};
 
 use crate::checkpoint_io::NamedTensors;
 use crate::error::{Context, Error, Result};
@@ -143,7 +148,7 @@ impl FusedStep {
             growth_interval: sc.growth_interval,
         });
         let lens: Vec<usize> = params.iter().map(|(_, v)| v.elem_count()).collect();
-        let block = fx_kernels::optim_ref::new_ctrl(config.lr(), scaler.scale_factor());
+        let block = crate::fused_ref::new_ctrl(config.lr(), scaler.scale_factor());
         let me = Self {
             names: params.iter().map(|(n, _)| n.clone()).collect(),
             vars: params.into_iter().map(|(_, v)| v).collect(),

@@ -477,13 +477,13 @@ mod tests {
         }
     }
 
-    /// The fused kernels' CPU reference (`fx_kernels::optim_ref`) takes the same steps as
+    /// The fused kernels' CPU reference (`crate::fused_ref`) takes the same steps as
     /// the eager `TrainStep` + AdamW/Adam on fresh random tensors: clean steps with and
     /// without clipping, skipped steps (NaN loss, infinite gradient), F16 loss scaling and
     /// a learning-rate change, within f32 rounding.
     #[test]
     fn fused_reference_matches_train_step() {
-        use fx_kernels::optim_ref::{ctrl, new_ctrl, AdamConsts, GuardConsts, ScalerConsts};
+        use crate::fused_ref::{ctrl, new_ctrl, AdamConsts, GuardConsts, ScalerConsts};
         for (seed, decoupled, f16) in [(11u64, true, false), (12, false, true), (13, true, true)] {
             let mut rng = Rng::new(seed);
             let dims = [7usize, 3];
@@ -560,12 +560,12 @@ mod tests {
         host: &mut [Vec<f32>],
         ms: &mut [Vec<f32>],
         vs: &mut [Vec<f32>],
-        block: &mut [f64; fx_kernels::optim_ref::ctrl::LEN],
-        adam: &fx_kernels::optim_ref::AdamConsts,
-        guard: &fx_kernels::optim_ref::GuardConsts,
+        block: &mut [f64; crate::fused_ref::ctrl::LEN],
+        adam: &crate::fused_ref::AdamConsts,
+        guard: &crate::fused_ref::GuardConsts,
         seed: u64,
     ) -> GuardStats {
-        use fx_kernels::optim_ref::{ctrl, fused_step_reference, RefTensor};
+        use crate::fused_ref::{ctrl, fused_step_reference, RefTensor};
         for (k, poison) in [0u8, 0, 2, 0, 3, 0, 0, 0, 0].into_iter().enumerate() {
             if k == 5 {
                 ts.optimizer_mut().set_learning_rate(0.02);

@@ -22,7 +22,7 @@
 //!   tail as three device-only launches, state in device memory, optional soft target
 //!   update) and `CapturedGraph` (a candle step captured once as a CUDA graph and
 //!   replayed with one launch); the kernels' CPU reference is
-//!   `fx_kernels::optim_ref::fused_step_reference`, checked against [`TrainStep`] here;
+//!   `crate::fused_ref::fused_step_reference`, checked against [`TrainStep`] here;
 //! - [`GradAccumulator`] (N micro-batches, loss / N, F32 sums) and [`Checkpointed`]
 //!   (activation checkpointing by segment recompute);
 //! - [`save_tensors_atomic`] / [`load_tensors`] for crash-safe training checkpoints with
@@ -56,9 +56,11 @@ mod accumulate;
 mod checkpoint;
 mod checkpoint_io;
 mod clip;
+pub mod dropout;
 mod error;
 #[cfg(feature = "cuda")]
 mod fused;
+pub mod fused_ref;
 mod grad_scaler;
 #[cfg(feature = "cuda")]
 mod graph;

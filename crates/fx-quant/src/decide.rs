@@ -18,7 +18,7 @@ use crate::policy::Int8Policy;
 
 /// A greedy policy that decides one observation at a time, or a batch of them:
 /// [`Int8Policy`] (INT8),
-/// `fx_kernels::mlp_cpu::CpuPolicy` (F32), [`crate::GuardedPolicy`] (INT8, F32 on near-ties)
+/// `fx_models::mlp::cpu::CpuPolicy` (F32), [`crate::GuardedPolicy`] (INT8, F32 on near-ties)
 /// and, with the `cuda` feature, the GPU's `MlpDecider` implement it, so a service can hold
 /// any of them as `Box<dyn Decide>`.
 pub trait Decide: Send {
@@ -101,7 +101,7 @@ impl Decide for Int8Policy {
     }
 }
 
-impl Decide for fx_kernels::mlp_cpu::CpuPolicy {
+impl Decide for fx_models::mlp::cpu::CpuPolicy {
     fn state_dim(&self) -> usize {
         self.dims().input
     }
@@ -109,23 +109,23 @@ impl Decide for fx_kernels::mlp_cpu::CpuPolicy {
         self.dims().n_actions
     }
     fn act(&mut self, obs: &[f32]) -> Result<usize> {
-        Ok(fx_kernels::mlp_cpu::CpuPolicy::act(self, obs)? as usize)
+        Ok(fx_models::mlp::cpu::CpuPolicy::act(self, obs)? as usize)
     }
     fn scores(&self) -> &[f32] {
-        fx_kernels::mlp_cpu::CpuPolicy::scores(self)
+        fx_models::mlp::cpu::CpuPolicy::scores(self)
     }
-    /// [`fx_kernels::mlp_cpu::CpuPolicy::act_batch`] ([`fx_kernels::mlp_cpu::ROWS`] rows a
+    /// [`fx_models::mlp::cpu::CpuPolicy::act_batch`] ([`fx_models::mlp::cpu::ROWS`] rows a
     /// pass) in calls of 40 passes.
     fn act_batch(&mut self, obs: &[f32], actions: &mut [usize]) -> Result<()> {
-        let (d, chunk) = (self.dims().input, 40 * fx_kernels::mlp_cpu::ROWS);
+        let (d, chunk) = (self.dims().input, 40 * fx_models::mlp::cpu::ROWS);
         act_batch_u32(obs, actions, d, chunk, "CpuPolicy (Decide::act_batch)", |rows, out| {
-            Ok(fx_kernels::mlp_cpu::CpuPolicy::act_batch(self, rows, out)?)
+            Ok(fx_models::mlp::cpu::CpuPolicy::act_batch(self, rows, out)?)
         })
     }
 }
 
 /// A forecaster fed one bar at a time through its recurrent state: MAMBA-2's CPU step
-/// (`fx_kernels::mamba2_cpu::Mamba2CpuStep`, from `fx_models::Mamba2::cpu_step`, F32)
+/// (`fx_models::mamba2::decode_cpu::Mamba2CpuStep`, from `fx_models::Mamba2::cpu_step`, F32)
 /// implements it, so a service can hold a forecaster as `Box<dyn Forecast>`.
 ///
 /// ```no_run
@@ -148,7 +148,7 @@ pub trait Forecast: Send {
     fn reset(&mut self);
 }
 
-impl Forecast for fx_kernels::mamba2_cpu::Mamba2CpuStep {
+impl Forecast for fx_models::mamba2::decode_cpu::Mamba2CpuStep {
     fn n_in(&self) -> usize {
         self.dims().n_in
     }
@@ -156,7 +156,7 @@ impl Forecast for fx_kernels::mamba2_cpu::Mamba2CpuStep {
         Ok(self.step(bar)?)
     }
     fn reset(&mut self) {
-        fx_kernels::mamba2_cpu::Mamba2CpuStep::reset(self)
+        fx_models::mamba2::decode_cpu::Mamba2CpuStep::reset(self)
     }
 }
 
@@ -176,8 +176,8 @@ mod tests {
     use crate::float_net::PolicyKind;
     use crate::testing::{random_net, uniforms};
     use candle_core::{Device, Tensor};
-    use fx_kernels::mlp_cpu::CpuPolicy;
-    use fx_kernels::mlp_ref::{GreedyMlp, Head, Linear};
+    use fx_models::mlp::cpu::CpuPolicy;
+    use fx_models::mlp::reference::{GreedyMlp, Head, Linear};
 
     /// Each batch path through the trait gives every row its single decision's action, across
     /// `CpuPolicy`'s chunks, and a wrong length or a NaN is an error that writes nothing.

@@ -52,10 +52,10 @@ impl PolicyKind {
     }
 
     /// The hidden layers' activation.
-    pub fn activation(self) -> fx_kernels::mlp_ref::Activation {
+    pub fn activation(self) -> fx_models::mlp::reference::Activation {
         match self {
-            PolicyKind::Dqn => fx_kernels::mlp_ref::Activation::Relu,
-            PolicyKind::Ppo => fx_kernels::mlp_ref::Activation::Tanh,
+            PolicyKind::Dqn => fx_models::mlp::reference::Activation::Relu,
+            PolicyKind::Ppo => fx_models::mlp::reference::Activation::Tanh,
         }
     }
 
@@ -170,9 +170,9 @@ impl FloatNet {
             z = dense(l, &z);
             for v in &mut z {
                 *v = match self.kind.activation() {
-                    fx_kernels::mlp_ref::Activation::Relu => v.max(0.0),
-                    fx_kernels::mlp_ref::Activation::Tanh => v.tanh(),
-                    fx_kernels::mlp_ref::Activation::Identity => *v,
+                    fx_models::mlp::reference::Activation::Relu => v.max(0.0),
+                    fx_models::mlp::reference::Activation::Tanh => v.tanh(),
+                    fx_models::mlp::reference::Activation::Identity => *v,
                 };
             }
         }

@@ -1,15 +1,15 @@
 //! INT8 policies on a CUDA device: a [`QuantNet`] as fx-kernels' fused INT8 greedy kernel
 //! (`kernels/mlp/mlp_int8.cu`, one launch per batch), giving the scalar reference's scores
 //! ([`crate::reference::reference_scores`]) bit for bit; and [`Decide`] for
-//! `fx_kernels::cuda::mlp::MlpDecider`, so a service holds a GPU policy (F32 or INT8)
+//! `fx_models::mlp::cuda::MlpDecider`, so a service holds a GPU policy (F32 or INT8)
 //! behind the same trait as the CPU ones.
 //!
 //! The kernel's device tests live here, beside the reference they compare with.
 
 use candle_core::Device;
-use fx_kernels::cuda::mlp::{MlpDecider, MlpPolicy};
-use fx_kernels::mlp_i8::{I8Linear, I8Mlp, I8Weights};
-use fx_kernels::mlp_ref::{Activation, Head};
+use fx_models::mlp::cuda::{MlpDecider, MlpPolicy};
+use fx_models::mlp::int8::{I8Linear, I8Mlp, I8Weights};
+use fx_models::mlp::reference::{Activation, Head};
 
 use crate::decide::{act_batch_u32, Decide};
 use crate::error::Result;
@@ -184,8 +184,8 @@ mod tests {
         // An INT8 policy has neither a cluster kernel nor a resident server.
         let mut p = q.cuda_policy(&dev).unwrap();
         assert!(p.is_int8() && !p.has_cluster_kernel());
-        assert!(p.set_kernel(fx_kernels::cuda::mlp::MlpKernel::Cluster).is_err());
-        assert!(fx_kernels::cuda::mlp::MlpServer::new(&p).is_err());
+        assert!(p.set_kernel(fx_models::mlp::cuda::MlpKernel::Cluster).is_err());
+        assert!(fx_models::mlp::cuda::MlpServer::new(&p).is_err());
     }
 
     /// Timing printout (ignored; `--ignored --nocapture timing`): back-to-back launches of

@@ -24,7 +24,7 @@
 //! On the GPU (feature `cuda`), `CudaInt8Tft` forecasts with the variable selection
 //! networks' per-variable GRNs in INT8, one kernel per network (`tft_vsn`); a policy's
 //! `QuantNet::cuda_policy` runs it as one fused INT8 kernel (`gpu_policy`), with the scalar
-//! reference's scores to the bit, and `fx_kernels::cuda::mlp::MlpDecider` implements
+//! reference's scores to the bit, and `fx_models::mlp::cuda::MlpDecider` implements
 //! [`Decide`].
 
 pub mod activation;

@@ -7,7 +7,7 @@
 //! `max |x| / 127` per call) run through the same path as an [`crate::Int8Policy`]'s layer,
 //! with a zero bias. Everything else in the step (conv, SSM recurrence, norms) stays F32.
 
-use fx_kernels::mamba2_cpu::{Mamba2CpuStep, Projection, ProjectionKind};
+use fx_models::mamba2::decode_cpu::{Mamba2CpuStep, Projection, ProjectionKind};
 
 use crate::error::{Error, Result};
 use crate::float_net::FloatLayer;

@@ -23,11 +23,11 @@ use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{Device, Tensor};
 use fx_kernels::gemm::{Gemm, GemmInputs};
-use fx_kernels::tft_ops::{
+use fx_models::tft::forecast::TftForecaster;
+use fx_models::tft::ops::{
     lstm_cell_step, Addr, Attn, AttnGrads, BiasAct, CpuTft, Embed, EmbedGrads, GluLn, GluLnGrads, Lstm, LstmGrads,
     Pack, Pinball, TftBackend, TftKernels, VsnForecast, VsnMix, VsnMixGrads,
 };
-use fx_models::tft::forecast::TftForecaster;
 use fx_models::{Tft, TftConfig};
 
 use crate::calibrate::{CalibMethod, InputStats};
@@ -699,7 +699,7 @@ impl Int8Tft {
 #[cfg(feature = "cuda")]
 pub struct CudaInt8Tft {
     forecaster: TftForecaster<
-        MatrixHooked<fx_kernels::cuda::tft::CudaTft, crate::tft_vsn::VsnHook<fx_kernels::cuda::tft_int8::CudaVsnI8>>,
+        MatrixHooked<fx_models::tft::ops_cuda::CudaTft, crate::tft_vsn::VsnHook<fx_models::tft::int8_cuda::CudaVsnI8>>,
     >,
 }
 
@@ -719,9 +719,9 @@ impl CudaInt8Tft {
         q.check()?;
         let batch = batch.max(1);
         let model = q.dequantized_on(device)?;
-        let mut inner = fx_kernels::cuda::tft::CudaTft::new(device).map_err(Error::Kernels)?;
+        let mut inner = fx_models::tft::ops_cuda::CudaTft::new(device).map_err(Error::Kernels)?;
         let hook = crate::tft_vsn::VsnHook::new(&mut inner, &model, q, batch, |w| {
-            fx_kernels::cuda::tft_int8::CudaVsnI8::new(device, w).map_err(Error::Kernels)
+            fx_models::tft::int8_cuda::CudaVsnI8::new(device, w).map_err(Error::Kernels)
         })?;
         let forecaster = TftForecaster::new(MatrixHooked { inner, hook }, &model, batch)
             .map_err(|source| Error::Model { context: CTX, source })?;

@@ -5,7 +5,7 @@
 //! Why: op by op, the encoder's 55 per-variable GRNs move `[55, B·L_enc, d]` F32 activations
 //! through device memory between every GEMM and element-wise kernel; that was most of an
 //! F32 forecast on the H200. Here
-//! - the per-variable GRNs and the selection mix are one kernel (`fx_kernels::tft_int8`):
+//! - the per-variable GRNs and the selection mix are one kernel (`fx_models::tft::int8`):
 //!   fc2, fc4 and fc5 in INT8 from the file (per-row weight steps; the file's calibrated
 //!   input steps, or each row's own under `dynamic`), activations INT8 between them;
 //! - every embedding is folded into the Linear after it (`fold_embedding`, f64): the
@@ -21,8 +21,8 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 use fx_kernels::gemm::Gemm;
-use fx_kernels::tft_int8::{fold_embedding, vsn_vars_i8_ref, VsnI8Weights};
-use fx_kernels::tft_ops::{Act, Addr, BiasAct, GluLn, Lstm, TftBackend, VsnForecast};
+use fx_models::tft::int8::{fold_embedding, vsn_vars_i8_ref, VsnI8Weights};
+use fx_models::tft::ops::{Act, Addr, BiasAct, GluLn, Lstm, TftBackend, VsnForecast};
 use fx_models::Tft;
 
 use crate::error::{Error, Result};
@@ -48,10 +48,10 @@ impl VarsRunner for VsnI8Weights {
 }
 
 #[cfg(feature = "cuda")]
-impl VarsRunner for fx_kernels::cuda::tft_int8::CudaVsnI8 {
+impl VarsRunner for fx_models::tft::int8_cuda::CudaVsnI8 {
     unsafe fn run(&self, rows: usize, raw: Addr, wsel: Addr, out: Addr) -> Result<()> {
         // SAFETY: forwarded (the trait's contract).
-        unsafe { fx_kernels::cuda::tft_int8::CudaVsnI8::run(self, rows, raw, wsel, out) }.map_err(Error::Kernels)
+        unsafe { fx_models::tft::int8_cuda::CudaVsnI8::run(self, rows, raw, wsel, out) }.map_err(Error::Kernels)
     }
 }
 
@@ -400,11 +400,11 @@ pub(crate) fn cpu_reference(
     batch: usize,
 ) -> Result<
     fx_models::tft::forecast::TftForecaster<
-        crate::tft::MatrixHooked<fx_kernels::tft_ops::CpuTft, VsnHook<VsnI8Weights>>,
+        crate::tft::MatrixHooked<fx_models::tft::ops::CpuTft, VsnHook<VsnI8Weights>>,
     >,
 > {
     let model = q.dequantized()?;
-    let mut inner = fx_kernels::tft_ops::CpuTft::new();
+    let mut inner = fx_models::tft::ops::CpuTft::new();
     let hook = VsnHook::new(&mut inner, &model, q, batch, |w| Ok(w.clone()))?;
     fx_models::tft::forecast::TftForecaster::new(crate::tft::MatrixHooked { inner, hook }, &model, batch)
         .map_err(|source| Error::Model { context: "cpu_reference", source })

@@ -179,7 +179,7 @@ impl Agent {
     }
 
     /// The F32 greedy policy for decisions on the CPU (no pool, no allocation per call).
-    pub fn cpu_policy(&self) -> Result<fx_kernels::mlp_cpu::CpuPolicy> {
+    pub fn cpu_policy(&self) -> Result<fx_models::mlp::cpu::CpuPolicy> {
         Ok(match self {
             Agent::Dqn(t) => t.online().cpu_policy()?,
             Agent::Ppo(t) => t.model().cpu_policy()?,

@@ -1,6 +1,8 @@
-//! CUDA backend (feature `cuda`): the environment kernels of `kernels/*.cu`, loaded from the
-//! PTX in `ptx/` through cudarc on candle's CUDA device and stream, so every launch is
-//! ordered with candle's own work on the same tensors.
+//! CUDA backend (feature `cuda`): the experience kernels of `kernels/env/*.cu`, loaded from
+//! the PTX in `ptx/` through cudarc on candle's CUDA device and stream, so every launch is
+//! ordered with candle's own work on the same tensors; and the plumbing every crate above
+//! launches its own kernels with: [`cuda_device`], [`dev_ptr`] and the `*_address` helpers,
+//! [`alloc_tensor`], [`sm_count`], [`driver`] (error mapping), [`LaunchPlan`] and [`blas`].
 //!
 //! Interop: kernels read and write candle tensors in place through raw device pointers
 //! taken from `Tensor::storage_and_layout()`. This is sound because all of them run on the
@@ -9,24 +11,11 @@
 
 pub mod blas;
 pub(crate) mod dqn_loop;
-pub mod dropout;
 mod gpu_env;
 mod launch;
-pub mod mamba2;
-pub mod mamba2_step;
-pub mod mlp;
-pub mod mlp_train;
-pub mod optim;
-pub mod ssd;
-pub mod tft;
-pub mod tft_int8;
 
 #[cfg(test)]
-mod optim_tests;
-#[cfg(test)]
 pub(crate) mod tests;
-#[cfg(test)]
-mod tft_tests;
 
 pub use dqn_loop::{DqnLoop, DqnLoopCounters};
 pub use gpu_env::{
@@ -48,37 +37,16 @@ pub(crate) const PTX_ENV_STEP: &str = include_str!(concat!(env!("CARGO_MANIFEST_
 pub(crate) const PTX_PPO: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/ppo_experience.ptx"));
 /// PTX of `kernels/env/gae.cu`.
 pub(crate) const PTX_GAE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/gae.ptx"));
-/// PTX of `kernels/mlp/mlp_forward.cu` (fused greedy policy MLPs).
-pub(crate) const PTX_MLP: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_forward.ptx"));
-/// PTX of `kernels/mlp/mlp_cluster.cu` (the same policies on a thread-block cluster per row;
-/// compute_90, loaded only on Hopper and later).
-pub(crate) const PTX_MLP_CLUSTER: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_cluster.ptx"));
-/// PTX of `kernels/mlp/mlp_int8.cu` (INT8 greedy policies, `MlpPolicy::new_int8`).
-pub(crate) const PTX_MLP_INT8: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_int8.ptx"));
-/// PTX of `kernels/mlp/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
-pub(crate) const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_train.ptx"));
-/// PTX of `kernels/train/dropout.cu` (counter-based dropout masks).
-pub(crate) const PTX_DROPOUT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/dropout.ptx"));
-/// PTX of `kernels/train/optim.cu` (multi-tensor gradient norm, step finalisation, fused Adam/AdamW).
-pub(crate) const PTX_OPTIM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/optim.ptx"));
-
-/// PTX of `kernels/tft/tft.cu` (the TFT's fused training-step kernels).
-pub(crate) const PTX_TFT: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/tft.ptx"));
-/// PTX of `kernels/tft/tft_int8.cu` (the INT8 variable selection of a TFT forecast).
-pub(crate) const PTX_TFT_INT8: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/tft_int8.ptx"));
-/// PTX of `kernels/tft/lstm.cu` (one LSTM step, forward and backward).
-pub(crate) const PTX_LSTM: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/lstm.ptx"));
-
 /// PTX of `kernels/env/replay.cu` (keyed replay sampling, the DQN loop's device counters).
 pub(crate) const PTX_REPLAY: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/replay.ptx"));
 
 /// Maps a cudarc driver error into this crate's error.
-pub(crate) fn driver(context: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+pub fn driver(context: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda { context, message: format!("{e:?}") }
 }
 
 /// The device's number of streaming multiprocessors (grid bounds), through `stream`'s context.
-pub(crate) fn sm_count(stream: &cudarc::driver::CudaStream, ctx: &'static str) -> Result<u32> {
+pub fn sm_count(stream: &cudarc::driver::CudaStream, ctx: &'static str) -> Result<u32> {
     let n = stream
         .context()
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -87,7 +55,7 @@ pub(crate) fn sm_count(stream: &cudarc::driver::CudaStream, ctx: &'static str) -
 }
 
 /// The candle CUDA device behind `device`, or an error naming `what`.
-pub(crate) fn cuda_device<'a>(device: &'a Device, what: &'static str, ctx: &'static str) -> Result<&'a CudaDevice> {
+pub fn cuda_device<'a>(device: &'a Device, what: &'static str, ctx: &'static str) -> Result<&'a CudaDevice> {
     match device {
         Device::Cuda(d) => Ok(d),
         _ => Err(Error::Device { what, expected: "a CUDA device".into(), context: ctx }),
@@ -96,7 +64,7 @@ pub(crate) fn cuda_device<'a>(device: &'a Device, what: &'static str, ctx: &'sta
 
 /// Raw device pointer (byte address of the first element) of a contiguous CUDA tensor of
 /// element type `T`. The caller keeps `t` alive across the launch.
-pub(crate) fn dev_ptr<T: candle_core::cuda::CudaDType + DeviceRepr>(
+pub fn dev_ptr<T: candle_core::cuda::CudaDType + DeviceRepr>(
     t: &Tensor,
     stream: &cudarc::driver::CudaStream,
     what: &'static str,
@@ -114,9 +82,50 @@ pub(crate) fn dev_ptr<T: candle_core::cuda::CudaDType + DeviceRepr>(
     Ok(ptr + (layout.start_offset() * std::mem::size_of::<T>()) as u64)
 }
 
+/// Address of a contiguous F32 CUDA tensor, for kernels that take raw addresses (the fused optimiser tail, the fused training steps); the caller
+/// keeps `t` alive (and its storage in place) while launches use the address.
+pub fn f32_address(t: &Tensor, what: &'static str) -> Result<u64> {
+    const CTX: &str = "cuda::f32_address";
+    let dev = cuda_device(t.device(), what, CTX)?;
+    if t.dtype() != DType::F32 {
+        return Err(Error::DType { what, expected: DType::F32, got: t.dtype(), context: CTX });
+    }
+    dev_ptr::<f32>(t, &dev.cuda_stream(), what, CTX)
+}
+
+/// Address of a contiguous U32 CUDA tensor (actions).
+pub fn u32_address(t: &Tensor, what: &'static str) -> Result<u64> {
+    const CTX: &str = "cuda::u32_address";
+    let dev = cuda_device(t.device(), what, CTX)?;
+    if t.dtype() != DType::U32 {
+        return Err(Error::DType { what, expected: DType::U32, got: t.dtype(), context: CTX });
+    }
+    dev_ptr::<u32>(t, &dev.cuda_stream(), what, CTX)
+}
+
+/// Address of a contiguous BF16 CUDA tensor.
+pub fn bf16_address(t: &Tensor, what: &'static str) -> Result<u64> {
+    const CTX: &str = "cuda::bf16_address";
+    let dev = cuda_device(t.device(), what, CTX)?;
+    if t.dtype() != DType::BF16 {
+        return Err(Error::DType { what, expected: DType::BF16, got: t.dtype(), context: CTX });
+    }
+    dev_ptr::<half::bf16>(t, &dev.cuda_stream(), what, CTX)
+}
+
+/// Address of a contiguous F64 CUDA tensor (the control block).
+pub fn f64_address(t: &Tensor, what: &'static str) -> Result<u64> {
+    const CTX: &str = "cuda::f64_address";
+    let dev = cuda_device(t.device(), what, CTX)?;
+    if t.dtype() != DType::F64 {
+        return Err(Error::DType { what, expected: DType::F64, got: t.dtype(), context: CTX });
+    }
+    dev_ptr::<f64>(t, &dev.cuda_stream(), what, CTX)
+}
+
 /// A new uninitialised `[shape]` tensor of `T` on `dev`; every element must be written by
 /// the kernel it is allocated for. `shape` must hold at least one element.
-pub(crate) fn alloc_tensor<T: candle_core::cuda::CudaDType + DeviceRepr>(
+pub fn alloc_tensor<T: candle_core::cuda::CudaDType + DeviceRepr>(
     dev: &CudaDevice,
     shape: &[usize],
     ctx: &'static str,

@@ -1,14 +1,14 @@
 //! Recurrent decoding of a [`Mamba2`], one new bar at a time, for a trading loop.
 //!
-//! On the CPU, [`Mamba2::cpu_step`] gives an `fx_kernels::mamba2_cpu::Mamba2CpuStep`: the
+//! On the CPU, [`Mamba2::cpu_step`] gives an `crate::mamba2::decode_cpu::Mamba2CpuStep`: the
 //! model's weights copied once, the step on the calling thread with no thread pool and no
 //! allocation; [`Mamba2State::layer_states`] hands it the state after a history.
 //!
-//! On CUDA, the fused decode-step kernel (`fx_kernels::cuda::mamba2_step`, feature `cuda`):
+//! On CUDA, the fused decode-step kernel (`crate::mamba2::decode_cuda`, feature `cuda`):
 //! [`Mamba2Decoder::step`] is one kernel
 //! launch on a thread-block cluster of 16 SMs, or 8 (Hopper+) where [`Mamba2::step`] is ~60 candle
 //! launches, with the same math to F32 rounding (the kernel's f64 reference is
-//! `fx_kernels::mamba2_step_ref`, tested here against [`Mamba2::step`] on the CPU).
+//! `crate::mamba2::decode_ref`, tested here against [`Mamba2::step`] on the CPU).
 //!
 //! The decoder owns the recurrent state (a [`Mamba2State`] of its own buffers, which the kernel
 //! updates in place) and the prediction buffer; it reads the model's parameters where they are, so
@@ -18,9 +18,9 @@
 //! A step reads nothing to the host and uses fixed addresses, so a CUDA graph can capture it
 //! (`fx_precision::CapturedGraph`) on an input buffer refilled in place.
 
+use crate::mamba2::decode_cpu::Mamba2CpuStep;
+use crate::mamba2::decode_ref::{HostStepParams, LayerState, StepDims};
 use candle_core::{DType, Tensor};
-use fx_kernels::mamba2_cpu::Mamba2CpuStep;
-use fx_kernels::mamba2_step_ref::{HostStepParams, LayerState, StepDims};
 
 use super::{Mamba2, Mamba2Config, Mamba2State};
 use crate::error::{Context, Error, Result};
@@ -49,7 +49,7 @@ pub(crate) fn host_params(m: &Mamba2) -> Result<HostStepParams> {
 
 impl Mamba2 {
     /// The model's recurrent step on the CPU, one bar at a time (batch 1), from a zero state:
-    /// its weights copied into an `fx_kernels::mamba2_cpu::Mamba2CpuStep`, which then computes
+    /// its weights copied into an `crate::mamba2::decode_cpu::Mamba2CpuStep`, which then computes
     /// on the calling thread with no allocation. A model trained further needs a new one.
     pub fn cpu_step(&self) -> Result<Mamba2CpuStep> {
         const CTX: &str = "Mamba2::cpu_step";
@@ -59,7 +59,7 @@ impl Mamba2 {
 
     /// [`Mamba2::cpu_step`] with the layers' projections built by `make` (INT8 rows:
     /// `fx_quant::mamba2_int8_step`).
-    pub fn cpu_step_with(&self, make: &mut fx_kernels::mamba2_cpu::MakeProjection<'_>) -> Result<Mamba2CpuStep> {
+    pub fn cpu_step_with(&self, make: &mut crate::mamba2::decode_cpu::MakeProjection<'_>) -> Result<Mamba2CpuStep> {
         const CTX: &str = "Mamba2::cpu_step_with";
         let params = host_params(self)?;
         Mamba2CpuStep::with_projections(&step_dims(self.config(), 1), &params.view(), make).ctx(CTX)
@@ -102,8 +102,8 @@ fn step_dims(cfg: &Mamba2Config, batch: usize) -> StepDims {
 
 #[cfg(feature = "cuda")]
 mod gpu {
+    use crate::mamba2::decode_cuda::{Mamba2StepKernel, StepLayerTensors, StepTensors};
     use candle_core::{DType, Device, Tensor};
-    use fx_kernels::cuda::mamba2_step::{Mamba2StepKernel, StepLayerTensors, StepTensors};
 
     use super::step_dims;
     use crate::error::{Context, Error, Result};
@@ -245,8 +245,8 @@ mod tests {
     //! a GPU, or, where the kernel needs one, without compute capability 9.0): the decoder against
     //! [`Mamba2::step`] on the GPU over 10 bars from a prefill, state included; a captured graph's
     //! replays against eager steps, bit for bit; refusals.
+    use crate::mamba2::decode_ref::step;
     use candle_core::{DType, Device, Tensor};
-    use fx_kernels::mamba2_step_ref::step;
     use fx_precision::Precision;
 
     use super::*;

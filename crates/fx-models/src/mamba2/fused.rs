@@ -12,14 +12,14 @@
 //! compare it with `Mamba2::loss_and_grads`; the device tests in
 //! `tests/mamba2_fused_gpu.rs` compare this with the candle step on the GPU.
 
-use candle_core::{DType, Device, Tensor};
-use fx_kernels::cuda::blas::{Blas, Gemm};
-use fx_kernels::cuda::mamba2::{
+use crate::mamba2::ops_cuda::{
     ConvBwdArgs, ConvFwdArgs, GatedBwdArgs, GatedFwdArgs, HeadFwdArgs, Mamba2Kernels, RmsBwdArgs, RmsFwdArgs,
 };
-use fx_kernels::cuda::mlp_train::MlpTrainKernels;
-use fx_kernels::cuda::optim::{bf16_address, f32_address};
-use fx_kernels::cuda::ssd::{SsdBwdArgs, SsdFwdArgs, SsdKernels};
+use crate::mamba2::ssd_cuda::{SsdBwdArgs, SsdFwdArgs, SsdKernels};
+use crate::mlp::train_cuda::MlpTrainKernels;
+use candle_core::{DType, Device, Tensor};
+use fx_kernels::cuda::blas::{Blas, Gemm};
+use fx_kernels::cuda::{bf16_address, f32_address};
 use fx_precision::Precision;
 
 use super::step::{

@@ -6,9 +6,21 @@
 //! ([`Mamba2::step`]) for one new bar at a time with constant memory.
 
 pub mod decode;
+pub mod decode_cpu;
+#[cfg(feature = "cuda")]
+pub mod decode_cuda;
+pub mod decode_ref;
 #[cfg(feature = "cuda")]
 pub mod fused;
+#[cfg(feature = "cuda")]
+pub mod ops_cuda;
+#[cfg(all(test, feature = "cuda"))]
+mod ops_cuda_tests;
+pub mod ops_ref;
 pub mod ssd;
+#[cfg(feature = "cuda")]
+pub mod ssd_cuda;
+pub mod ssd_ref;
 #[cfg(any(test, feature = "cuda"))]
 mod step;
 #[cfg(test)]

@@ -15,8 +15,8 @@
 //! on each call. Weight-gradient reductions are per-block partial sums followed by column
 //! sums, so a step is deterministic.
 
-use fx_kernels::mamba2_ref::{conv_tiles, row_blocks, MixerDims, MAX_CONV, MAX_NORM_COLS};
-use fx_kernels::ssd_ref::{SsdDims, SSD_MAX_DIM};
+use crate::mamba2::ops_ref::{conv_tiles, row_blocks, MixerDims, MAX_CONV, MAX_NORM_COLS};
+use crate::mamba2::ssd_ref::{SsdDims, SSD_MAX_DIM};
 
 use super::{Mamba2, Mamba2Config};
 use crate::error::{Error, Result};

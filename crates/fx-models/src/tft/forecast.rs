@@ -7,8 +7,8 @@
 //! Dropout is off; a forecast is the candle forward's in inference mode, to F32 rounding
 //! (tested against it).
 
+use crate::tft::ops::{CpuTft, TftBackend};
 use candle_core::Tensor;
-use fx_kernels::tft_ops::{CpuTft, TftBackend};
 use fx_precision::Precision;
 
 use super::fused::TftFused;
@@ -97,8 +97,8 @@ impl Tft {
         &self,
         batch: usize,
         precision: Precision,
-    ) -> Result<TftForecaster<fx_kernels::cuda::tft::CudaTft>> {
-        let k = fx_kernels::cuda::tft::CudaTft::new(self.params().device()).ctx(CTX)?;
+    ) -> Result<TftForecaster<crate::tft::ops_cuda::CudaTft>> {
+        let k = crate::tft::ops_cuda::CudaTft::new(self.params().device()).ctx(CTX)?;
         TftForecaster::with_precision(k, self, batch, precision)
     }
 }

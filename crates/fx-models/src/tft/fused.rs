@@ -1,5 +1,5 @@
 //! The TFT training step without candle's autograd: forward, pinball loss and backward
-//! written out once over [`TftBackend`] (`fx_kernels::tft_ops`), on buffers allocated up front.
+//! written out once over [`TftBackend`] (`crate::tft::ops`), on buffers allocated up front.
 //!
 //! candle's tape made a TFT step ~24,000 small kernels (every backward op allocates a zero
 //! gradient and adds into it), so even captured as one CUDA graph it was launch-bound
@@ -10,7 +10,7 @@
 //!
 //! The same code runs on the CPU reference backend (`CpuTft`), which is how it is tested:
 //! loss and every gradient against [`Tft::loss_and_grads`] (candle's autograd), dropout
-//! included — the kernels draw the counter-based masks of `fx_kernels::dropout` at the same
+//! included — the kernels draw the counter-based masks of `fx_precision::dropout` at the same
 //! indices as the candle step. Rows are time-major (`step · B + b`), so LSTM step `t` is one
 //! contiguous block of rows and the decoder's rows follow the encoder's.
 //!
@@ -27,13 +27,13 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use candle_core::{DType, Tensor, TensorId, Var};
-use fx_kernels::gemm::Gemm;
-use fx_kernels::tft_ops::{
+use crate::tft::ops::{
     partials_len, Act, Addr, Attn, AttnGrads, BiasAct, DropoutSite, Embed, EmbedGrads, GluLn, GluLnGrads, Lstm,
     LstmGrads, Pack, Pinball, TftBackend, VsnForecast, VsnMix, VsnMixGrads, MAX_ATTN_SCORES, MAX_ATTN_STEPS,
     MAX_HEAD_DIM, MAX_NORM_WIDTH,
 };
+use candle_core::{DType, Tensor, TensorId, Var};
+use fx_kernels::gemm::Gemm;
 use fx_precision::Precision;
 
 use super::blocks::{EmbedVsn, Glu, Grn, Lin, Ln};
@@ -253,7 +253,7 @@ impl Drop {
             call,
             step: d.step,
             p: d.p,
-            scale: fx_kernels::dropout::keep_scale(d.p),
+            scale: fx_precision::dropout::keep_scale(d.p),
             batch: d.batch,
             steps,
         })
@@ -291,7 +291,7 @@ impl<K: TftBackend> TftFused<K> {
         // A dropout draw's counter holds the step in its high 32 bits and the element in the
         // low ones, so no site may have 2^32 elements (the largest: the encoder's variable GRNs).
         let largest_site = (ne * l).max(steps) * batch * d;
-        if c.dropout > 0.0 && largest_site > fx_kernels::dropout::MAX_ELEMENTS {
+        if c.dropout > 0.0 && largest_site > fx_precision::dropout::MAX_ELEMENTS {
             return Err(Error::config(
                 CTX,
                 format!("batch {batch}: a dropout site of {largest_site} elements (at most 2^32 draw counters)"),
@@ -846,7 +846,7 @@ impl<K: TftBackend> TftFused<K> {
     /// Embeddings, the flat GRN's selection weights and the stacked per-variable GRNs,
     /// mixed into `out [m, d]`.
     /// Under `forecast`, a backend with its own whole-network forward
-    /// ([`TftKernels::vsn_forecast`](fx_kernels::tft_ops::TftKernels::vsn_forecast)) runs
+    /// ([`TftKernels::vsn_forecast`](crate::tft::ops::TftKernels::vsn_forecast)) runs
     /// it instead, and only `out` (and the selection weights) are written.
     #[allow(clippy::too_many_arguments)]
     unsafe fn vsn_fwd(
@@ -1279,7 +1279,7 @@ impl<K: TftBackend> TftFused<K> {
 }
 
 #[cfg(feature = "cuda")]
-impl crate::seq_train::FusedSeqStep for TftFused<fx_kernels::cuda::tft::CudaTft> {
+impl crate::seq_train::FusedSeqStep for TftFused<crate::tft::ops_cuda::CudaTft> {
     fn batch_size(&self) -> usize {
         self.batch
     }
@@ -1294,8 +1294,8 @@ impl crate::seq_train::FusedSeqStep for TftFused<fx_kernels::cuda::tft::CudaTft>
 
 #[cfg(test)]
 mod tests {
+    use crate::tft::ops::CpuTft;
     use candle_core::Device;
-    use fx_kernels::tft_ops::CpuTft;
     use fx_precision::Precision;
 
     use super::*;
@@ -1427,8 +1427,8 @@ mod gpu_tests {
     use std::cell::RefCell;
     use std::rc::Rc;
 
+    use crate::tft::ops_cuda::CudaTft;
     use candle_core::Device;
-    use fx_kernels::cuda::tft::CudaTft;
     use fx_precision::Precision;
 
     use super::*;

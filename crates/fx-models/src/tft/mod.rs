@@ -12,6 +12,14 @@ mod blocks;
 // forecasts on any backend (`forecast`).
 pub mod forecast;
 pub(crate) mod fused;
+pub mod int8;
+#[cfg(feature = "cuda")]
+pub mod int8_cuda;
+pub mod ops;
+#[cfg(feature = "cuda")]
+pub mod ops_cuda;
+#[cfg(all(test, feature = "cuda"))]
+mod ops_cuda_tests;
 #[cfg(test)]
 mod tests;
 

@@ -2,7 +2,7 @@
 //! (p50/p99/mean over `lat_n` calls after `lat_warm` untimed ones). Modes:
 //! - `eager_fp32`: the model's `greedy_actions` (forward without a tape + argmax, ~20 candle
 //!   launches) on a state already on the device, up to a device synchronisation;
-//! - `fused_fp32` (CUDA): the one-launch kernel of `fx_kernels::cuda::mlp` on the same
+//! - `fused_fp32` (CUDA): the one-launch kernel of `fx_models::mlp::cuda` on the same
 //!   device-resident state, into a preallocated action, up to a stream synchronisation,
 //!   launched through `MlpPolicy::bind` (buffers checked once; `checked_call_p50_us` is
 //!   `greedy_into`, which checks and looks the pointers up on every call);
@@ -10,7 +10,7 @@
 //!   CUDA graph, event-timed), so p50 − `kernel_us` is what launching and synchronising cost;
 //!   `kernel` says which kernel ran (`cluster` on Hopper+, else `block_per_row`), and with
 //!   the cluster one the `block_per_row_*` keys time the other the same way;
-//! - `cpu_fp32` (CPU): `fx_kernels::mlp_cpu::CpuPolicy::act`, host slice in → action, on
+//! - `cpu_fp32` (CPU): `fx_models::mlp::cpu::CpuPolicy::act`, host slice in → action, on
 //!   the calling thread (no pool, no allocation, no tensor);
 //! - `fused_fp32_e2e` (CUDA): `MlpDecider::act`, host slice in → action on the host (the
 //!   state written into mapped page-locked memory, the kernel reading it and writing the
@@ -154,7 +154,7 @@ impl Net {
         })
     }
 
-    fn cpu(&self) -> Result<fx_kernels::mlp_cpu::CpuPolicy> {
+    fn cpu(&self) -> Result<fx_models::mlp::cpu::CpuPolicy> {
         Ok(match self {
             Net::Dqn(n) => n.cpu_policy()?,
             Net::Ppo(n) => n.cpu_policy()?,
@@ -189,7 +189,7 @@ impl Net {
 
     /// [`Net::int8`] guarded by the F32 CPU policy, at the margin `quantize` would record
     /// (`fx_quant::decision_margin` on the calibration states).
-    fn guarded(&self) -> Result<fx_quant::GuardedPolicy<fx_kernels::mlp_cpu::CpuPolicy>> {
+    fn guarded(&self) -> Result<fx_quant::GuardedPolicy<fx_models::mlp::cpu::CpuPolicy>> {
         let (float, calib) = (self.float()?, Self::calib()?);
         let quant = Self::quant_of(&float, &calib)?;
         let margin = fx_quant::decision_margin(&float, &quant, &calib)?;
@@ -197,7 +197,7 @@ impl Net {
     }
 
     #[cfg(feature = "cuda")]
-    fn fused(&self) -> Result<fx_kernels::cuda::mlp::MlpPolicy> {
+    fn fused(&self) -> Result<fx_models::mlp::cuda::MlpPolicy> {
         Ok(match self {
             Net::Dqn(n) => n.fused_policy()?,
             Net::Ppo(n) => n.fused_policy()?,
@@ -250,7 +250,7 @@ fn kernel_device_us(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Resul
 }
 
 #[cfg(feature = "cuda")]
-use fx_kernels::cuda::mlp::MlpKernel;
+use fx_models::mlp::cuda::MlpKernel;
 
 /// The record's name of a fused kernel.
 #[cfg(feature = "cuda")]
@@ -268,7 +268,7 @@ fn kernel_name(k: MlpKernel) -> &'static str {
 #[cfg(feature = "cuda")]
 fn time_bound(
     dev: &Device,
-    policy: &fx_kernels::cuda::mlp::MlpPolicy,
+    policy: &fx_models::mlp::cuda::MlpPolicy,
     x: &Tensor,
     eager: &[u32],
     warm: usize,
@@ -290,7 +290,7 @@ fn time_bound(
 fn timed_guarded(
     net: &Net,
     rec: &mut Record,
-    time: impl FnOnce(&mut fx_quant::GuardedPolicy<fx_kernels::mlp_cpu::CpuPolicy>) -> Result<Vec<f64>>,
+    time: impl FnOnce(&mut fx_quant::GuardedPolicy<fx_models::mlp::cpu::CpuPolicy>) -> Result<Vec<f64>>,
 ) -> Result<Vec<f64>> {
     let mut policy = net.guarded()?;
     rec.insert("isa".into(), json!(policy.int8().isa().name()));
@@ -370,7 +370,7 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             let (_, want) = fx_quant::reference::reference_scores(&q, &host)?;
             rec.insert("matches_int8_reference".into(), json!(out.to_vec1::<u32>()?[0] as usize == want));
             // Host slice in, action out (mapped memory, one launch, one sync).
-            let mut decider = fx_kernels::cuda::mlp::MlpDecider::new(policy, 1)?;
+            let mut decider = fx_models::mlp::cuda::MlpDecider::new(policy, 1)?;
             let te = time_calls(&dev, warm, n, false, || Ok(decider.act(&host)?))?;
             rec.insert("e2e_p50_us".into(), json!(round(pct(&te, 50.0), 2)));
             rec.insert("e2e_p99_us".into(), json!(round(pct(&te, 99.0), 2)));
@@ -378,7 +378,7 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
         }
         #[cfg(feature = "cuda")]
         LatencyMode::FusedE2e => {
-            let mut decider = fx_kernels::cuda::mlp::MlpDecider::new(net.fused()?, 1)?;
+            let mut decider = fx_models::mlp::cuda::MlpDecider::new(net.fused()?, 1)?;
             let host = x.flatten_all()?.to_vec1::<f32>()?;
             rec.insert("matches_eager".into(), json!(decider.act(&host)? == eager[0]));
             time_calls(&dev, warm, n, false, || Ok(decider.act(&host)?))?
@@ -387,7 +387,7 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
         LatencyMode::ServerE2e => {
             let policy = net.fused()?;
             let host = x.flatten_all()?.to_vec1::<f32>()?;
-            let mut server = fx_kernels::cuda::mlp::MlpServer::new(&policy)?;
+            let mut server = fx_models::mlp::cuda::MlpServer::new(&policy)?;
             rec.insert("matches_eager".into(), json!(server.act(&host)? == eager[0]));
             rec.insert("kernel".into(), json!(kernel_name(server.kernel())));
             let ts = time_calls(&dev, warm, n, false, || Ok(server.act(&host)?));
@@ -397,7 +397,7 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             if server.kernel() == MlpKernel::Cluster {
                 let mut block = policy.clone();
                 block.set_kernel(MlpKernel::BlockPerRow)?;
-                let mut server = fx_kernels::cuda::mlp::MlpServer::new(&block)?;
+                let mut server = fx_models::mlp::cuda::MlpServer::new(&block)?;
                 let tb = time_calls(&dev, warm, n, false, || Ok(server.act(&host)?));
                 server.stop()?;
                 let tb = tb?;

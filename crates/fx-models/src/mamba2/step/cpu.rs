@@ -5,9 +5,9 @@
 //! the plan run here with candle's autograd (`Mamba2::loss_and_grads`) and the PyTorch fixture,
 //! and the scan's reference backward with candle's autograd of `ssd::ssd_recurrent`.
 
+use crate::mamba2::ops_ref::{self as r, GemmShape, RowGrad};
+use crate::mamba2::ssd_ref::{self, SsdGrads, SsdInputs};
 use candle_core::{DType, Tensor};
-use fx_kernels::mamba2_ref::{self as r, GemmShape, RowGrad};
-use fx_kernels::ssd_ref::{self, SsdGrads, SsdInputs};
 
 use super::*;
 use crate::error::Context;

@@ -1,0 +1,287 @@
+//! Building blocks of a fused MLP training step on raw device buffers (row-major F32):
+//! the element-wise and loss kernels of `kernels/mlp/mlp_train.cu` ([`MlpTrainKernels`]), used
+//! with the cuBLAS GEMMs of [`fx_kernels::cuda::blas::Blas`] (re-exported here). They never read to the
+//! host, so a CUDA graph can capture them. fx-models composes them into the DQN update
+//! (`fx_models::dqn_fused`), tested there against the candle update it replaces.
+
+use std::sync::Arc;
+
+use candle_core::Device;
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+pub use fx_kernels::cuda::blas::Blas;
+use fx_kernels::cuda::{cuda_device, driver};
+use fx_kernels::{CandleContext, Error, Result};
+
+/// PTX of `kernels/mlp/mlp_train.cu` (bias + activation, its backward, DQN heads + loss).
+const PTX_MLP_TRAIN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/mlp_train.ptx"));
+
+/// Activation of a layer (the kernels' `ACT_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    None = 0,
+    Relu = 1,
+    Tanh = 2,
+}
+
+/// The kernels of `kernels/mlp/mlp_train.cu`.
+#[derive(Debug, Clone)]
+pub struct MlpTrainKernels {
+    bias_act: CudaFunction,
+    act_bwd: CudaFunction,
+    dqn_head_loss: CudaFunction,
+    dqn_q: CudaFunction,
+    cast_bf16: CudaFunction,
+    ppo_adv_stats: CudaFunction,
+    ppo_loss: CudaFunction,
+    stream: Arc<CudaStream>,
+    sm_count: u32,
+}
+
+/// Addresses and sizes for [`MlpTrainKernels::dqn_head_loss`].
+#[derive(Debug, Clone, Copy)]
+pub struct DqnHeadArgs {
+    /// Online trunk outputs `[2B, k]`: rows `0..B` on s, `B..2B` on s'.
+    pub z_online: u64,
+    /// Target trunk outputs on s' `[B, k]`.
+    pub z_target: u64,
+    /// Online heads: value weight `[1, k]`, bias `[1]`, advantage weight `[na, k]`, bias `[na]`.
+    pub online_heads: [u64; 4],
+    /// The target network's heads, same layout.
+    pub target_heads: [u64; 4],
+    /// Actions `[B]` u32, rewards `[B]`, dones `[B]`.
+    pub actions: u64,
+    pub rewards: u64,
+    pub dones: u64,
+    pub batch: usize,
+    pub k: usize,
+    pub n_actions: usize,
+    pub gamma: f32,
+    pub huber_delta: f32,
+    /// Outputs: Huber loss per row `[B]`, head gradients `[B, 1 + na]`, masked trunk gradient `[B, k]`.
+    pub loss_rows: u64,
+    pub d_out: u64,
+    pub dz: u64,
+    /// BF16 copy of `dz` (0: none).
+    pub dz16: u64,
+}
+
+/// Addresses and sizes for [`MlpTrainKernels::ppo_loss`].
+#[derive(Debug, Clone, Copy)]
+pub struct PpoLossArgs {
+    /// Actor logits `[B, A]` and critic values `[B]`.
+    pub logits: u64,
+    pub value: u64,
+    /// Minibatch: actions `[B]` u32, old log-probabilities, advantages, returns `[B]`.
+    pub actions: u64,
+    pub logp_old: u64,
+    pub advantages: u64,
+    pub returns: u64,
+    /// `[2]` F32 scratch for the advantages' mean and std.
+    pub adv_stats: u64,
+    pub batch: usize,
+    pub n_actions: usize,
+    pub clip: f32,
+    pub vf_coef: f32,
+    pub ent_coef: f32,
+    pub adv_eps: f32,
+    /// Outputs: per-row terms `[B, 6]` (loss, l_clip, l_v, entropy, approx_kl, clip_frac),
+    /// gradients of the mean loss w.r.t. logits `[B, A]` and values `[B]`.
+    pub rows: u64,
+    pub d_logits: u64,
+    pub d_value: u64,
+}
+
+/// `struct CastTable` of mlp_train.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CastTable {
+    src: [u64; 8],
+    dst: [u64; 8],
+    len: [u32; 8],
+    n: u32,
+}
+
+// SAFETY: plain old data with the C layout of `CastTable` in kernels/mlp/mlp_train.cu.
+unsafe impl cudarc::driver::DeviceRepr for CastTable {}
+
+/// Most actions the DQN head kernel handles.
+pub const DQN_MAX_ACTIONS: usize = 8;
+
+impl MlpTrainKernels {
+    /// Loads the kernels on `device` (CUDA).
+    pub fn load(device: &Device) -> Result<Self> {
+        const CTX: &str = "MlpTrainKernels::load";
+        let dev = cuda_device(device, "device", CTX)?;
+        let get = |name: &str| -> Result<CudaFunction> {
+            Ok(dev.get_or_load_custom_func(name, "fx_mlp_train", PTX_MLP_TRAIN).ctx(CTX)?.into_cuda_function())
+        };
+        let stream = dev.cuda_stream();
+        let sm_count = fx_kernels::cuda::sm_count(&stream, CTX)?;
+        Ok(Self {
+            bias_act: get("fx_bias_act")?,
+            act_bwd: get("fx_act_bwd")?,
+            dqn_head_loss: get("fx_dqn_head_loss")?,
+            dqn_q: get("fx_dqn_q")?,
+            cast_bf16: get("fx_cast_bf16")?,
+            ppo_adv_stats: get("fx_ppo_adv_stats")?,
+            ppo_loss: get("fx_ppo_loss")?,
+            stream,
+            sm_count,
+        })
+    }
+
+    fn elementwise_cfg(&self, n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(256).min(self.sm_count as usize * 8).max(1) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// `h = act(h + b)` in place on row-major `h[rows, cols]`; `h16` (0: none) receives a
+    /// BF16 copy.
+    ///
+    /// # Safety
+    /// `h` holds `rows·cols` and `b` `cols` F32 values (`h16` `rows·cols` BF16) on this
+    /// device until the launch ran.
+    pub unsafe fn bias_act(&self, h: u64, b: u64, rows: usize, cols: usize, act: Act, h16: u64) -> Result<()> {
+        let (r, c, a) = (rows as u32, cols as u32, act as u32);
+        let mut l = self.stream.launch_builder(&self.bias_act);
+        l.arg(&h).arg(&b).arg(&r).arg(&c).arg(&a).arg(&h16);
+        l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::bias_act"))?;
+        Ok(())
+    }
+
+    /// `dh *= act'(h)` in place, `h` the activation's output; `dh16` (0: none) receives a
+    /// BF16 copy.
+    ///
+    /// # Safety
+    /// As [`MlpTrainKernels::bias_act`].
+    pub unsafe fn act_bwd(&self, dh: u64, h: u64, rows: usize, cols: usize, act: Act, dh16: u64) -> Result<()> {
+        let (r, c, a) = (rows as u32, cols as u32, act as u32);
+        let mut l = self.stream.launch_builder(&self.act_bwd);
+        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a).arg(&dh16);
+        l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::act_bwd"))?;
+        Ok(())
+    }
+
+    /// The double-DQN dueling heads, Huber loss and their gradients, one warp per row.
+    ///
+    /// # Safety
+    /// Every address holds what [`DqnHeadArgs`] describes until the launch ran.
+    pub unsafe fn dqn_head_loss(&self, a: &DqnHeadArgs) -> Result<()> {
+        if a.n_actions == 0 || a.n_actions > DQN_MAX_ACTIONS || a.batch == 0 || a.k == 0 {
+            return Err(Error::Config {
+                context: "MlpTrainKernels::dqn_head_loss",
+                message: format!("batch {}, width {}, {} actions (1..={DQN_MAX_ACTIONS})", a.batch, a.k, a.n_actions),
+            });
+        }
+        let (b, k, na) = (a.batch as u32, a.k as u32, a.n_actions as u32);
+        let mut l = self.stream.launch_builder(&self.dqn_head_loss);
+        l.arg(&a.z_online).arg(&a.z_target);
+        for p in &a.online_heads {
+            l.arg(p);
+        }
+        for p in &a.target_heads {
+            l.arg(p);
+        }
+        l.arg(&a.actions).arg(&a.rewards).arg(&a.dones).arg(&b).arg(&k).arg(&na).arg(&a.gamma).arg(&a.huber_delta);
+        l.arg(&a.loss_rows).arg(&a.d_out).arg(&a.dz).arg(&a.dz16);
+        let warps_per_block = 8usize;
+        let blocks = a.batch.div_ceil(warps_per_block).max(1) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * warps_per_block as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        l.launch(cfg).map_err(driver("MlpTrainKernels::dqn_head_loss"))?;
+        Ok(())
+    }
+
+    /// The dueling heads' Q values `q[batch, n_actions]` of trunk outputs `z[batch, k]`
+    /// (`heads` = value weight, value bias, advantage weight, advantage bias), one warp per
+    /// row: the forward half of [`MlpTrainKernels::dqn_head_loss`].
+    ///
+    /// # Safety
+    /// `z` holds `batch·k`, the heads `k`, 1, `n_actions·k` and `n_actions`, and `q`
+    /// `batch·n_actions` F32 values on this device until the launch ran.
+    pub unsafe fn dqn_q(
+        &self,
+        z: u64,
+        heads: [u64; 4],
+        batch: usize,
+        k: usize,
+        n_actions: usize,
+        q: u64,
+    ) -> Result<()> {
+        const CTX: &str = "MlpTrainKernels::dqn_q";
+        if n_actions == 0 || n_actions > DQN_MAX_ACTIONS || batch == 0 || k == 0 || batch > u32::MAX as usize {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!("batch {batch}, width {k}, {n_actions} actions (1..={DQN_MAX_ACTIONS})"),
+            });
+        }
+        let (b, k, na) = (batch as u32, k as u32, n_actions as u32);
+        let mut l = self.stream.launch_builder(&self.dqn_q);
+        l.arg(&z);
+        for p in &heads {
+            l.arg(p);
+        }
+        l.arg(&b).arg(&k).arg(&na).arg(&q);
+        let warps_per_block = 8u32;
+        let cfg = LaunchConfig {
+            grid_dim: (b.div_ceil(warps_per_block), 1, 1),
+            block_dim: (32 * warps_per_block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        l.launch(cfg).map_err(driver(CTX))?;
+        Ok(())
+    }
+
+    /// Converts up to 8 F32 buffers `(src, dst, len)` to BF16 in one launch.
+    ///
+    /// # Safety
+    /// Each `src` holds `len` F32 and each `dst` `len` BF16 values until the launch ran.
+    pub unsafe fn cast_bf16(&self, items: &[(u64, u64, usize)]) -> Result<()> {
+        const CTX: &str = "MlpTrainKernels::cast_bf16";
+        if items.is_empty() || items.len() > 8 || items.iter().any(|i| i.2 > u32::MAX as usize) {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!("{} buffers (1..=8, < 2^32 elements)", items.len()),
+            });
+        }
+        let mut t = CastTable { src: [0; 8], dst: [0; 8], len: [0; 8], n: items.len() as u32 };
+        for (k, &(s, d, n)) in items.iter().enumerate() {
+            (t.src[k], t.dst[k], t.len[k]) = (s, d, n as u32);
+        }
+        let most = items.iter().map(|i| i.2).max().unwrap_or(1);
+        let mut l = self.stream.launch_builder(&self.cast_bf16);
+        l.arg(&t);
+        l.launch(self.elementwise_cfg(most)).map_err(driver(CTX))?;
+        Ok(())
+    }
+
+    /// PPO: the advantages' statistics, then the per-row loss terms and gradients.
+    ///
+    /// # Safety
+    /// Every address holds what [`PpoLossArgs`] describes until the launches ran.
+    pub unsafe fn ppo_loss(&self, a: &PpoLossArgs) -> Result<()> {
+        const CTX: &str = "MlpTrainKernels::ppo_loss";
+        if a.n_actions == 0 || a.n_actions > DQN_MAX_ACTIONS || a.batch < 2 {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!("batch {} (>= 2), {} actions (1..={DQN_MAX_ACTIONS})", a.batch, a.n_actions),
+            });
+        }
+        let (b, na) = (a.batch as u32, a.n_actions as u32);
+        let mut l = self.stream.launch_builder(&self.ppo_adv_stats);
+        l.arg(&a.advantages).arg(&b).arg(&a.adv_stats);
+        l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+            .map_err(driver(CTX))?;
+        let mut l = self.stream.launch_builder(&self.ppo_loss);
+        l.arg(&a.logits).arg(&a.value).arg(&a.actions).arg(&a.logp_old).arg(&a.advantages).arg(&a.returns);
+        l.arg(&a.adv_stats).arg(&b).arg(&na).arg(&a.clip).arg(&a.vf_coef).arg(&a.ent_coef).arg(&a.adv_eps);
+        l.arg(&a.rows).arg(&a.d_logits).arg(&a.d_value);
+        let cfg = LaunchConfig { grid_dim: (b.div_ceil(128), 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        l.launch(cfg).map_err(driver(CTX))?;
+        Ok(())
+    }
+}
