@@ -4,7 +4,7 @@
 #   OUT=/path/to/out bash scripts/gpu-runs.sh [tests] [runs]     # default: both
 # tests: every packed test binary (`.gpu/run.sh tests`, the default harness: tests run on
 #        parallel threads), then the resident-kernel MlpServer tests alone (`server
-#        --ignored --test-threads=1` in fx-kernels, as MlpServer's docs require); logs in
+#        --ignored --test-threads=1` in fx-models, as MlpServer's docs require); logs in
 #        $OUT/tests.log and $OUT/server.log. FX_REQUIRE_GPU=1: a GPU test without a GPU fails.
 # runs:  DQN, PPO (default configs, --device cuda) and TFT (one epoch) with their report's
 #        profile (GPU busy fraction) and report.json appended to $OUT/runs.log.
@@ -25,13 +25,13 @@ if [[ " $what " == *" tests "* ]]; then
   # run.sh unpacked the binaries to /tmp/fxgpu/tests and recreated the build root's path.
   G_ABS=$(cd "$G" && pwd)
   BR=$(cat "$G_ABS/BUILD_ROOT" 2>/dev/null || pwd)
-  kern=$(awk '$2 == "crates/fx-kernels" && $1 ~ /^fx_kernels-/ {print $1; exit}' "$G_ABS/tests.txt")
+  kern=$(awk '$2 == "crates/fx-models" && $1 ~ /^fx_models-/ {print $1; exit}' "$G_ABS/tests.txt")
   if [ -n "$kern" ]; then
-    (cd "$BR/crates/fx-kernels" && timeout 120 /tmp/fxgpu/tests/"$kern" server --ignored --test-threads=1) \
+    (cd "$BR/crates/fx-models" && timeout 120 /tmp/fxgpu/tests/"$kern" mlp::cuda::tests::server --ignored --test-threads=1) \
       >"$OUT/server.log" 2>&1 || rc=1
     echo "server tests: $(grep -E '^test result' "$OUT/server.log" | tail -n 1)"
   else
-    echo "server tests: no fx-kernels test binary packed"; rc=1
+    echo "server tests: no fx-models test binary packed"; rc=1
   fi
 fi
 if [[ " $what " == *" runs "* ]]; then
