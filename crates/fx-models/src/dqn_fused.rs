@@ -10,7 +10,7 @@
 
 use crate::mlp::train_cuda::{Act, Blas, DqnHeadArgs, MlpTrainKernels, DQN_MAX_ACTIONS};
 use candle_core::{DType, Tensor};
-use fx_kernels::cuda::{f32_address, u32_address};
+use fx_kernels::cuda::address;
 use fx_precision::{FusedStep, Precision};
 
 use crate::dqn::DuelingDqn;
@@ -53,11 +53,11 @@ struct Bf16Shadows {
 }
 
 fn a(t: &Tensor) -> Result<u64> {
-    f32_address(t, "buffer").ctx(CTX)
+    address::<f32>(t, "buffer").ctx(CTX)
 }
 
 fn a16(t: &Tensor) -> Result<u64> {
-    fx_kernels::cuda::bf16_address(t, "buffer").ctx(CTX)
+    fx_kernels::cuda::address::<half::bf16>(t, "buffer").ctx(CTX)
 }
 
 impl DqnFused {
@@ -206,7 +206,7 @@ impl DqnFused {
                 z_target: ts[2],
                 online_heads: [a(&o[6])?, a(&o[7])?, a(&o[8])?, a(&o[9])?],
                 target_heads: [a(&t[6])?, a(&t[7])?, a(&t[8])?, a(&t[9])?],
-                actions: u32_address(&inputs[1], "actions").ctx(CTX)?,
+                actions: address::<u32>(&inputs[1], "actions").ctx(CTX)?,
                 rewards: a(&inputs[2])?,
                 dones: a(&inputs[4])?,
                 batch: b,

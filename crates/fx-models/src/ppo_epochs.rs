@@ -36,8 +36,8 @@ pub(crate) struct EpochsGraph {
 fn address(t: &Tensor) -> Result<u64> {
     const CTX: &str = "EpochsGraph";
     match t.dtype() {
-        DType::U32 => fx_kernels::cuda::u32_address(t, "rollout").ctx(CTX),
-        _ => fx_kernels::cuda::f32_address(t, "rollout").ctx(CTX),
+        DType::U32 => fx_kernels::cuda::address::<u32>(t, "rollout").ctx(CTX),
+        _ => fx_kernels::cuda::address::<f32>(t, "rollout").ctx(CTX),
     }
 }
 

@@ -8,7 +8,7 @@
 
 use crate::mlp::train_cuda::{Act, Blas, MlpTrainKernels, PpoLossArgs, DQN_MAX_ACTIONS};
 use candle_core::{DType, Tensor};
-use fx_kernels::cuda::{f32_address, u32_address};
+use fx_kernels::cuda::address;
 use fx_precision::FusedStep;
 
 use crate::error::{Context, Error, Result};
@@ -17,7 +17,7 @@ use crate::ppo::{ActorCritic, PpoLossConfig};
 const CTX: &str = "PpoFused";
 
 fn a(t: &Tensor) -> Result<u64> {
-    f32_address(t, "buffer").ctx(CTX)
+    address::<f32>(t, "buffer").ctx(CTX)
 }
 
 /// Buffers and kernels of the fused update at one minibatch size; see the module docs.
@@ -128,7 +128,7 @@ impl PpoFused {
             k.ppo_loss(&PpoLossArgs {
                 logits: x[0][2],
                 value: x[1][2],
-                actions: u32_address(&inputs[1], "actions").ctx(CTX)?,
+                actions: address::<u32>(&inputs[1], "actions").ctx(CTX)?,
                 logp_old: a(&inputs[2])?,
                 advantages: a(&inputs[3])?,
                 returns: a(&inputs[4])?,

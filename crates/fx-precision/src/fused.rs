@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use crate::fused_ref::{ctrl, AdamConsts, GuardConsts, ScalerConsts, MAX_EXTRA};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use fx_kernels::cuda::{f32_address, f64_address};
+use fx_kernels::cuda::address;
 use kernels::{FusedStepKernels, MtEntry, StepBuffers};
 
 use crate::checkpoint_io::NamedTensors;
@@ -217,7 +217,7 @@ impl FusedStep {
     /// them without candle's autograd, e.g. into one flat buffer).
     pub fn step_with(&self, loss: &Tensor, grads: &[&Tensor], extras: &[&Tensor], dry: bool) -> Result<()> {
         const CTX: &str = "FusedStep::step";
-        let addr = |t: &Tensor, what: &'static str| f32_address(t, what).map_err(|e| kernel_err(CTX, e));
+        let addr = |t: &Tensor, what: &'static str| address::<f32>(t, what).map_err(|e| kernel_err(CTX, e));
         if grads.len() != self.vars.len() {
             return Err(Error::Config {
                 what: "FusedStep",
@@ -277,7 +277,7 @@ impl FusedStep {
         }
         let bufs = StepBuffers {
             loss: addr(&loss32, "loss")?,
-            ctrl: f64_address(&self.ctrl, "ctrl").map_err(|e| kernel_err(CTX, e))?,
+            ctrl: address::<f64>(&self.ctrl, "ctrl").map_err(|e| kernel_err(CTX, e))?,
             scale32: addr(&self.scale32, "scale32")?,
             partials: addr(&self.partials, "partials")?,
         };

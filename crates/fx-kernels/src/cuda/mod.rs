@@ -1,7 +1,7 @@
 //! CUDA backend (feature `cuda`): the experience kernels of `kernels/env/*.cu`, loaded from
 //! the PTX in `ptx/` through cudarc on candle's CUDA device and stream, so every launch is
 //! ordered with candle's own work on the same tensors; and the plumbing every crate above
-//! launches its own kernels with: [`cuda_device`], [`dev_ptr`] and the `*_address` helpers,
+//! launches its own kernels with: [`cuda_device`], [`dev_ptr`] and [`address`],
 //! [`alloc_tensor`], [`sm_count`], [`driver`] (error mapping), [`LaunchPlan`] and [`blas`].
 //!
 //! Interop: kernels read and write candle tensors in place through raw device pointers
@@ -82,45 +82,20 @@ pub fn dev_ptr<T: candle_core::cuda::CudaDType + DeviceRepr>(
     Ok(ptr + (layout.start_offset() * std::mem::size_of::<T>()) as u64)
 }
 
-/// Address of a contiguous F32 CUDA tensor, for kernels that take raw addresses (the fused optimiser tail, the fused training steps); the caller
-/// keeps `t` alive (and its storage in place) while launches use the address.
-pub fn f32_address(t: &Tensor, what: &'static str) -> Result<u64> {
-    const CTX: &str = "cuda::f32_address";
+/// Address of a contiguous CUDA tensor of element type `T` (`address::<f32>(t, "weights")`),
+/// for kernels that take raw addresses (the fused optimiser tail, the fused training steps);
+/// an error names `what` when `t` is not a CUDA tensor of `T`. The caller keeps `t` alive
+/// (and its storage in place) while launches use the address.
+pub fn address<T: candle_core::WithDType + candle_core::cuda::CudaDType + DeviceRepr>(
+    t: &Tensor,
+    what: &'static str,
+) -> Result<u64> {
+    const CTX: &str = "cuda::address";
     let dev = cuda_device(t.device(), what, CTX)?;
-    if t.dtype() != DType::F32 {
-        return Err(Error::DType { what, expected: DType::F32, got: t.dtype(), context: CTX });
+    if t.dtype() != T::DTYPE {
+        return Err(Error::DType { what, expected: T::DTYPE, got: t.dtype(), context: CTX });
     }
-    dev_ptr::<f32>(t, &dev.cuda_stream(), what, CTX)
-}
-
-/// Address of a contiguous U32 CUDA tensor (actions).
-pub fn u32_address(t: &Tensor, what: &'static str) -> Result<u64> {
-    const CTX: &str = "cuda::u32_address";
-    let dev = cuda_device(t.device(), what, CTX)?;
-    if t.dtype() != DType::U32 {
-        return Err(Error::DType { what, expected: DType::U32, got: t.dtype(), context: CTX });
-    }
-    dev_ptr::<u32>(t, &dev.cuda_stream(), what, CTX)
-}
-
-/// Address of a contiguous BF16 CUDA tensor.
-pub fn bf16_address(t: &Tensor, what: &'static str) -> Result<u64> {
-    const CTX: &str = "cuda::bf16_address";
-    let dev = cuda_device(t.device(), what, CTX)?;
-    if t.dtype() != DType::BF16 {
-        return Err(Error::DType { what, expected: DType::BF16, got: t.dtype(), context: CTX });
-    }
-    dev_ptr::<half::bf16>(t, &dev.cuda_stream(), what, CTX)
-}
-
-/// Address of a contiguous F64 CUDA tensor (the control block).
-pub fn f64_address(t: &Tensor, what: &'static str) -> Result<u64> {
-    const CTX: &str = "cuda::f64_address";
-    let dev = cuda_device(t.device(), what, CTX)?;
-    if t.dtype() != DType::F64 {
-        return Err(Error::DType { what, expected: DType::F64, got: t.dtype(), context: CTX });
-    }
-    dev_ptr::<f64>(t, &dev.cuda_stream(), what, CTX)
+    dev_ptr::<T>(t, &dev.cuda_stream(), what, CTX)
 }
 
 /// A new uninitialised `[shape]` tensor of `T` on `dev`; every element must be written by

@@ -18,8 +18,8 @@ use crate::mamba2::ops_cuda::{
 use crate::mamba2::ssd_cuda::{SsdBwdArgs, SsdFwdArgs, SsdKernels};
 use crate::mlp::train_cuda::MlpTrainKernels;
 use candle_core::{DType, Device, Tensor};
+use fx_kernels::cuda::address;
 use fx_kernels::cuda::blas::{Blas, Gemm};
-use fx_kernels::cuda::{bf16_address, f32_address};
 use fx_precision::Precision;
 
 use super::step::{
@@ -57,7 +57,7 @@ pub struct Mamba2Fused {
 }
 
 fn addr(t: &Tensor) -> Result<u64> {
-    f32_address(t, "buffer").ctx(CTX)
+    address::<f32>(t, "buffer").ctx(CTX)
 }
 
 impl Mamba2Fused {
@@ -158,7 +158,7 @@ impl Mamba2Fused {
                 }
             };
             if let Some(s) = &self.shadows[i] {
-                a16[i] = bf16_address(s, "shadow").ctx(CTX)?;
+                a16[i] = address::<half::bf16>(s, "shadow").ctx(CTX)?;
             }
         }
         let mut be = GpuBackend { f: self, a, a16, ones: addr(&self.ones)? };

@@ -10,7 +10,7 @@ use crate::mamba2::ops_ref as r;
 use crate::mamba2::ssd_cuda::{SsdBwdArgs, SsdFwdArgs, SsdKernels};
 use crate::mamba2::ssd_ref::{self, SsdDims, SsdGrads, SsdInputs};
 use fx_hw::test_gpu as gpu;
-use fx_kernels::cuda::f32_address;
+use fx_kernels::cuda::address;
 use fx_kernels::rng;
 
 fn fresh_seed(test: &str) -> u64 {
@@ -38,11 +38,11 @@ fn poison16(dev: &Device, n: usize) -> Tensor {
 }
 
 fn ad(t: &Tensor) -> u64 {
-    f32_address(t, "test buffer").unwrap()
+    address::<f32>(t, "test buffer").unwrap()
 }
 
 fn ad16(t: &Tensor) -> u64 {
-    fx_kernels::cuda::bf16_address(t, "test buffer").unwrap()
+    fx_kernels::cuda::address::<half::bf16>(t, "test buffer").unwrap()
 }
 
 fn down(t: &Tensor) -> Vec<f64> {

@@ -7,7 +7,7 @@
 
 use crate::mlp::train_cuda::{Act, Blas, MlpTrainKernels};
 use candle_core::{DType, Device, Tensor};
-use fx_kernels::cuda::f32_address;
+use fx_kernels::cuda::address;
 
 use crate::dqn::DuelingDqn;
 use crate::dqn_fused::DqnFused;
@@ -50,7 +50,7 @@ impl DenseChain {
     /// Runs `layers` from `x` (`[rows, in]`), each into its own buffer, after checking every
     /// shape against the one before.
     fn run(&self, x: &Tensor, layers: &[Layer<'_>], ctx: &'static str) -> Result<()> {
-        let a = |t: &Tensor| f32_address(t, "buffer").ctx(ctx);
+        let a = |t: &Tensor| address::<f32>(t, "buffer").ctx(ctx);
         let (rows, mut width, mut xa) = (self.rows, x.dim(1).ctx(ctx)?, a(x)?);
         for &(w, b, act, y) in layers {
             let o = w.dim(0).ctx(ctx)?;
@@ -126,7 +126,7 @@ impl DqnQForward {
         let t = |i: usize| v[i].as_tensor();
         let layers: Vec<Layer<'_>> = (0..3).map(|l| (t(2 * l), t(2 * l + 1), Act::Relu, &self.h[l])).collect();
         self.chain.run(&x, &layers, CTX)?;
-        let a = |t: &Tensor| f32_address(t, "buffer").ctx(CTX);
+        let a = |t: &Tensor| address::<f32>(t, "buffer").ctx(CTX);
         let [_, _, h2, na] = self.dims;
         let heads = [a(t(6))?, a(t(7))?, a(t(8))?, a(t(9))?];
         // SAFETY: the heads are the network's (value [1, h2], advantage [na, h2] and their

@@ -7,7 +7,7 @@ use candle_core::{DType, Tensor};
 use super::kernels::{FusedStepKernels, MtEntry, StepBuffers, MT_MAX};
 use crate::fused_ref::{ctrl, fused_step_reference, new_ctrl, AdamConsts, GuardConsts, RefTensor, ScalerConsts};
 use fx_hw::test_gpu as gpu;
-use fx_kernels::cuda::{f32_address, f64_address};
+use fx_kernels::cuda::address;
 use fx_kernels::rng;
 
 fn host(t: &Tensor) -> Vec<f32> {
@@ -66,21 +66,21 @@ fn fused_step_matches_reference() {
         for dry in [true, false] {
             let entries: Vec<MtEntry> = (0..n_tensors)
                 .map(|i| MtEntry {
-                    param: f32_address(&dp[i], "p").unwrap(),
-                    grad: f32_address(&dg[i], "g").unwrap(),
-                    exp_avg: f32_address(&dm[i], "m").unwrap(),
-                    exp_avg_sq: f32_address(&dv[i], "v").unwrap(),
-                    target: f32_address(&dt[i], "t").unwrap(),
+                    param: address::<f32>(&dp[i], "p").unwrap(),
+                    grad: address::<f32>(&dg[i], "g").unwrap(),
+                    exp_avg: address::<f32>(&dm[i], "m").unwrap(),
+                    exp_avg_sq: address::<f32>(&dv[i], "v").unwrap(),
+                    target: address::<f32>(&dt[i], "t").unwrap(),
                     len: lens[i],
                 })
                 .collect();
             let bufs = StepBuffers {
-                loss: f32_address(&dloss, "loss").unwrap(),
-                ctrl: f64_address(&dctrl, "ctrl").unwrap(),
-                scale32: f32_address(&scale32, "scale32").unwrap(),
-                partials: f32_address(&partials, "partials").unwrap(),
+                loss: address::<f32>(&dloss, "loss").unwrap(),
+                ctrl: address::<f64>(&dctrl, "ctrl").unwrap(),
+                scale32: address::<f32>(&scale32, "scale32").unwrap(),
+                partials: address::<f32>(&partials, "partials").unwrap(),
             };
-            let ex = [f32_address(&dextra, "extra").unwrap()];
+            let ex = [address::<f32>(&dextra, "extra").unwrap()];
             // SAFETY: all tensors above outlive the launches (synchronised below).
             unsafe { kernels.launch(&entries, &bufs, &ex, &adam, &guard, dry) }.unwrap();
         }
