@@ -13,7 +13,7 @@
 //! `cudaDeviceSynchronize`), module loads — and a device-wide synchronisation during a
 //! capture invalidates it (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, or cuBLAS failing
 //! inside the capture). So captures, device creation and device teardown take one
-//! process-wide lock, and devices are never torn down: [`open_cuda`] keeps each device it
+//! process-wide lock, cuBLAS handles are made once per device (fx's GEMMs share candle's), and devices are never torn down: [`open_cuda`] keeps each device it
 //! made in a pool and hands a pooled one out again once nothing else holds it (no device
 //! clone, tensor, graph or cached buffer refers to its stream any more).
 

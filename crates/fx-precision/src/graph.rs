@@ -17,9 +17,13 @@
 //!   candle's single stream, where it only adds work), since a capture may not wait on
 //!   events recorded outside it.
 //! - Warm-up and capture hold [`fx_hw::device_wide_lock`]: another thread's device-wide
-//!   synchronisation (making or dropping a device, loading modules, another warm-up)
-//!   invalidates a capture in progress, so captures on concurrent threads take turns; replays
-//!   do not. Open devices with [`fx_hw::open_cuda`] (which takes the same lock), not candle's
+//!   synchronisation (making a device, another warm-up) invalidates a capture in progress,
+//!   even in thread-local capture mode, so captures on concurrent threads take turns; replays
+//!   do not. Code that runs beside captures must not synchronise the device either: that is
+//!   why every fused step shares its device's one cuBLAS handle
+//!   (`fx_kernels::cuda::blas::Blas`) instead of creating and destroying its own
+//!   (`cublasDestroy` synchronises the device), which made captures on parallel test threads
+//!   fail with `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Open devices with [`fx_hw::open_cuda`] (which takes the same lock), not candle's
 //!   `Device::new_cuda`: its per-thread stream dies with the thread, before candle's
 //!   thread-local capture buffers are freed on it.
 //! - candle's upload cache is thread-local and the graph reads its buffers: a graph must not

@@ -3,6 +3,8 @@
 //! and column sums. The fused training steps (DQN, PPO, TFT, MAMBA-2) build on it; nothing
 //! here reads to the host, so a CUDA graph can capture every call.
 
+use std::sync::Arc;
+
 use candle_core::Device;
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 
@@ -14,9 +16,15 @@ fn blas_err(context: &'static str) -> impl Fn(cudarc::cublas::result::CublasErro
     move |e| Error::Cuda { context, message: format!("{e:?}") }
 }
 
-/// A cuBLAS handle on candle's stream, with row-major helpers on raw addresses.
+/// The device's cuBLAS handle (candle's, on candle's stream), with row-major helpers on raw
+/// addresses.
+///
+/// Shared, not made per caller: `cublasDestroy` synchronises the whole device, and a fused
+/// step dropped on one thread while another thread captures a CUDA graph on the same GPU
+/// invalidated that capture. The handle lives as long as the device (fx pools devices and
+/// never tears them down); a device is used by one thread at a time, like the handle.
 pub struct Blas {
-    blas: CudaBlas,
+    blas: Arc<CudaBlas>,
 }
 
 impl std::fmt::Debug for Blas {
@@ -26,12 +34,10 @@ impl std::fmt::Debug for Blas {
 }
 
 impl Blas {
-    /// A handle on `device`'s (candle's) stream.
+    /// `device`'s handle (candle's stream); makes nothing, so it cannot fail on the driver.
     pub fn new(device: &Device) -> Result<Self> {
-        const CTX: &str = "Blas::new";
-        let dev = cuda_device(device, "device", CTX)?;
-        let blas = CudaBlas::new(dev.cuda_stream()).map_err(blas_err(CTX))?;
-        Ok(Self { blas })
+        let dev = cuda_device(device, "device", "Blas::new")?;
+        Ok(Self { blas: dev.cublas_handle() })
     }
 
     /// Row-major `C[m, n] = alpha · op(A) · op(B) + beta · C`, `op(A)` `[m, k]`, `op(B)` `[k, n]`;
