@@ -81,7 +81,7 @@ fn max_param_err(a: &DqnTrainer, b: &DqnTrainer) -> f64 {
 
 /// BF16: the fused update with BF16 GEMMs against candle's eager BF16 update. They round
 /// at different places (candle also rounds each layer's output to BF16), so this bounds the
-/// drift; the gradients are checked against the F32 reference in `dqn_fused`'s unit test.
+/// drift; the gradients are checked against the F32 reference in `dqn::fused`'s unit test.
 #[test]
 fn dqn_bf16_graph_tracks_eager() {
     let Some(dev) = gpu() else { return };
@@ -160,7 +160,7 @@ fn dqn_graph_replay_equals_uncaptured_and_resumes() {
 /// The fused F32 update (graph) against candle's eager update from one seed. They run their
 /// GEMMs in other orders, and double DQN's argmax and the ReLU gates turn last-bit
 /// differences into discrete ones after enough steps, so this bounds the first 100 updates;
-/// the gradients agree to ~1e-7 (dqn_fused's unit test).
+/// the gradients agree to ~1e-7 (`dqn::fused`'s unit test).
 #[test]
 fn dqn_fused_graph_tracks_candle_eager() {
     let Some(dev) = gpu() else { return };
@@ -230,7 +230,7 @@ fn ppo_graph_equals_eager() {
 /// Small TFT (dropout 0.1) and MAMBA-2 configs and a series to train them on.
 mod seq {
     use super::*;
-    use fx_models::seq_train::{Mamba2Task, SeqSeries, SeqTask, SeqTrainConfig, SeqTrainer};
+    use fx_models::seq::{Mamba2Task, SeqSeries, SeqTask, SeqTrainConfig, SeqTrainer};
     use fx_models::{Mamba2, Mamba2Config, Tft, TftConfig};
 
     pub fn series(rows: usize, n_obs: usize) -> SeqSeries {
@@ -414,7 +414,7 @@ fn dqn_quiet_steps_equal_reading_steps() {
     assert_eq!(w_loud, w_quiet, "quiet steps changed the training");
 }
 
-/// Whole DQN iterations as one graph each (`dqn_iteration`) train exactly as the same
+/// Whole DQN iterations as one graph each (`dqn::iteration`) train exactly as the same
 /// steps launched kernel by kernel: 120 GPU-env steps with update rounds of two minibatches
 /// every second step (so both the collection-only and the training iteration run), the
 /// replay ring wrapping and ε ramping, reading every 40th step: same weights, counters,
@@ -488,7 +488,7 @@ fn dqn_iteration_graph_equals_stepwise() {
     assert_eq!(weights(&tr), graph.0, "resumed run differs from the uninterrupted one");
 }
 
-/// Whole PPO rollouts as one graph each (`ppo_rollout`) collect exactly what the stepwise
+/// Whole PPO rollouts as one graph each (`ppo::rollout`) collect exactly what the stepwise
 /// rollout collects, and the queued minibatch updates (statistics summed on the device,
 /// read once per iteration) train identically in both: three iterations, same weights,
 /// env state and iteration statistics. Against candle's eager updates (graph off, the

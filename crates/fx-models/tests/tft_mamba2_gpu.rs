@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use fx_models::mamba2::{Mamba2, Mamba2Config};
-use fx_models::seq_train::{Mamba2Task, SeqBatch, SeqTask};
+use fx_models::seq::{Mamba2Task, SeqBatch, SeqTask};
 use fx_models::tft::{Tft, TftConfig};
 use fx_models::Ctx;
 use fx_precision::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Precision};
@@ -230,7 +230,7 @@ fn graph_ms(dev: &Device, n: usize, mut body: impl FnMut(bool)) -> (f64, usize) 
 #[test]
 #[ignore]
 fn gpu_graph_profile() {
-    use fx_models::seq_train::{SeqTrainConfig, SeqTrainer};
+    use fx_models::seq::{SeqTrainConfig, SeqTrainer};
     let dev = fx_hw::open_cuda(0).unwrap();
     let cfg = TftConfig::default();
     let (l, h) = (cfg.l_enc, cfg.h);

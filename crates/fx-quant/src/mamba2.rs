@@ -121,13 +121,13 @@ mod tests {
     }
 
     /// A small MAMBA-2 trained on a synthetic series (an AR(1) feature, noise features and a
-    /// daily cycle; `fx_models::seq_train::train`), then fed every bar one at a time from a
+    /// daily cycle; `fx_models::seq::train`), then fed every bar one at a time from a
     /// zero state by the F32 and the INT8 step: on the held-out bars, the INT8 step's forecast
     /// MSE against the targets is within 1 % of the F32 step's (issue 13's MAMBA-2 target),
     /// and the model has learned something (its MSE is under 70 % of the target's variance).
     #[test]
     fn trained_int8_step_keeps_the_forecast_mse() {
-        use fx_models::seq_train::{train, Mamba2Task, SeqSeries, SeqTrainConfig};
+        use fx_models::seq::{train, Mamba2Task, SeqSeries, SeqTrainConfig};
         let (rows, n_obs) = (700usize, 3usize);
         let noise = |stream: u64, t: usize| (fx_kernels::rng::draw(77, stream, 0, t as u64) * 2.0 - 1.0) as f32;
         let (mut obs, mut target, mut ar) = (Vec::new(), Vec::new(), 0.0f32);

@@ -746,7 +746,7 @@ impl CudaInt8Tft {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use fx_models::seq_train::{
+    use fx_models::seq::{
         evaluate_forecasts, evaluate_forecasts_with, train, Forecasts, SeqSeries, SeqTask, SeqTrainConfig,
     };
     use fx_models::Ctx;

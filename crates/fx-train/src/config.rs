@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use fx_data::{Regime, SplitConfig, SyntheticConfig};
 use fx_hw::Precision;
 use fx_kernels::EnvConfig;
-use fx_models::seq_train::SeqTrainConfig;
+use fx_models::seq::SeqTrainConfig;
 use fx_models::{DqnConfig, LinearSchedule, Mamba2Config, PpoConfig, TftConfig};
 use serde::{Deserialize, Serialize};
 

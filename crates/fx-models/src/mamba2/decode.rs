@@ -250,7 +250,7 @@ mod tests {
     use fx_precision::Precision;
 
     use super::*;
-    use crate::seq_ops::Ctx;
+    use crate::seq::ops::Ctx;
 
     fn host(t: &Tensor) -> Vec<f64> {
         t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()

@@ -277,7 +277,7 @@ fn silu_grad(x: f64) -> f64 {
     s * (1.0 + x * (1.0 - s))
 }
 
-/// `softplus(x) = max(x, 0) + ln(1 + e^{−|x|})` (as `seq_ops::softplus`).
+/// `softplus(x) = max(x, 0) + ln(1 + e^{−|x|})` (as `seq::ops::softplus`).
 pub fn softplus(x: f64) -> f64 {
     x.max(0.0) + (-x.abs()).exp().ln_1p()
 }

@@ -3,7 +3,7 @@
 
 use candle_core::{Tensor, D};
 
-use crate::seq_ops::Ctx;
+use crate::seq::ops::Ctx;
 use candle_core::Result;
 
 /// `exp(segsum(x))` for `x [..., T]`: `L[..., i, j] = exp(Σ_{k=j+1..i} x_k)` for

@@ -9,11 +9,11 @@ use crate::mlp::train_cuda::{Act, Blas, MlpTrainKernels};
 use candle_core::{DType, Device, Tensor};
 use fx_kernels::cuda::address;
 
+use crate::dqn::fused::DqnFused;
 use crate::dqn::DuelingDqn;
-use crate::dqn_fused::DqnFused;
 use crate::error::{Context, Error, Result};
+use crate::ppo::fused::PpoFused;
 use crate::ppo::ActorCritic;
-use crate::ppo_fused::PpoFused;
 
 /// A chain of dense layers `y = act(x Wᵀ + b)` at `rows` rows: the shared part of the two
 /// forwards.
@@ -199,8 +199,8 @@ impl PpoForward {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dqn::fused::test_support::{fresh_seed, gpu, rel, vals};
     use crate::dqn::DqnNetConfig;
-    use crate::dqn_fused::test_support::{fresh_seed, gpu, rel, vals};
     use crate::ppo::PpoNetConfig;
 
     /// The collection forward equals candle's tape-free forward (the reference) on fresh

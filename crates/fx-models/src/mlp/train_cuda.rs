@@ -2,7 +2,7 @@
 //! the element-wise and loss kernels of `kernels/mlp/mlp_train.cu` ([`MlpTrainKernels`]), used
 //! with the cuBLAS GEMMs of [`fx_kernels::cuda::blas::Blas`] (re-exported here). They never read to the
 //! host, so a CUDA graph can capture them. fx-models composes them into the DQN update
-//! (`fx_models::dqn_fused`), tested there against the candle update it replaces.
+//! (`fx_models::dqn::fused`), tested there against the candle update it replaces.
 
 use std::sync::Arc;
 

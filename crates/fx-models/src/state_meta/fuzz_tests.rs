@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use fz::Format;
 
+use crate::dqn::trainer::{DqnConfig, DqnTrainer};
 use crate::dqn::DqnNetConfig;
-use crate::dqn_trainer::{DqnConfig, DqnTrainer};
+use crate::ppo::trainer::{PpoConfig, PpoTrainer};
 use crate::ppo::PpoNetConfig;
-use crate::ppo_trainer::{PpoConfig, PpoTrainer};
 use crate::synthetic::ar1_env;
 use crate::LinearSchedule;
 

@@ -108,7 +108,7 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
-    use crate::seq_ops::Ctx;
+    use crate::seq::ops::Ctx;
     use crate::seq_testing::rel_err;
     use crate::tft::TftConfig;
 
@@ -185,7 +185,7 @@ mod tests {
 #[cfg(all(test, feature = "cuda"))]
 mod gpu_tests {
     use super::*;
-    use crate::seq_ops::Ctx;
+    use crate::seq::ops::Ctx;
     use crate::seq_testing::rel_err;
     use crate::tft::TftConfig;
 

@@ -39,7 +39,7 @@ use fx_precision::Precision;
 use super::blocks::{EmbedVsn, Glu, Grn, Lin, Ln};
 use super::Tft;
 use crate::error::{Context, Error, Result};
-use crate::seq_ops::DropoutRng;
+use crate::seq::ops::DropoutRng;
 
 const CTX: &str = "TftFused";
 
@@ -1279,7 +1279,7 @@ impl<K: TftBackend> TftFused<K> {
 }
 
 #[cfg(feature = "cuda")]
-impl crate::seq_train::FusedSeqStep for TftFused<crate::tft::ops_cuda::CudaTft> {
+impl crate::seq::FusedSeqStep for TftFused<crate::tft::ops_cuda::CudaTft> {
     fn batch_size(&self) -> usize {
         self.batch
     }
@@ -1299,7 +1299,7 @@ mod tests {
     use fx_precision::Precision;
 
     use super::*;
-    use crate::seq_ops::Ctx;
+    use crate::seq::ops::Ctx;
     use crate::seq_testing::{rel_err, Fixture};
     use crate::tft::TftConfig;
 
@@ -1432,7 +1432,7 @@ mod gpu_tests {
     use fx_precision::Precision;
 
     use super::*;
-    use crate::seq_ops::Ctx;
+    use crate::seq::ops::Ctx;
     use crate::seq_testing::rel_err;
     use crate::tft::TftConfig;
 

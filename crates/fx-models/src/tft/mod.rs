@@ -5,7 +5,7 @@
 //! Parameters carry the spec's names (`enc_embed.{j}`, `enc_vsn.vars.{j}.fc1`,
 //! `lstm_enc.weight_ih_l0`, `attn.q.{k}`, ...); per-variable embeddings, variable GRNs
 //! and attention heads are stacked internally so that each is one batched matmul
-//! (see [`crate::seq_params`]).
+//! (see [`crate::seq::params`]).
 
 mod blocks;
 // The fused step: training on CUDA (its CPU reference backend is what the tests run) and
@@ -31,8 +31,8 @@ use fx_precision::Checkpointed;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
-use crate::seq_ops::{Ctx, DropoutMasks};
-use crate::seq_params::ParamStore;
+use crate::seq::ops::{Ctx, DropoutMasks};
+use crate::seq::params::ParamStore;
 use blocks::{EmbedVsn, Glu, Grn, InterpretableMha, Lin, Ln, Lstm};
 
 /// TFT dimensions and hyper-parameters; defaults are the spec's.

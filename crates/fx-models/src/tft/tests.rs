@@ -219,7 +219,7 @@ fn checkpointed_dropout_replays_masks() {
     let obs = Tensor::randn(0f32, 1.0, (4, 5, 3), &dev).unwrap();
     let known = Tensor::randn(0f32, 1.0, (4, 7, 4), &dev).unwrap();
     let y = Tensor::randn(0f32, 1.0, (4, 2), &dev).unwrap();
-    let masks = crate::seq_ops::DropoutMasks::new();
+    let masks = crate::seq::ops::DropoutMasks::new();
     let c = Ctx::train(Precision::F32).with_masks(&masks);
     let (l1, g1) = m.loss_and_grads(&c, &obs, &known, &y, true).unwrap();
     let (l2, g2) = m.loss_and_grads(&c, &obs, &known, &y, false).unwrap();

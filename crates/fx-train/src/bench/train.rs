@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{Device, Tensor};
-use fx_models::seq_train::{Mamba2Task, SeqBatch, SeqTask, SeqTrainConfig, SeqTrainer};
+use fx_models::seq::{Mamba2Task, SeqBatch, SeqTask, SeqTrainConfig, SeqTrainer};
 use fx_models::{
     DqnBatch, DqnConfig, DqnTrainer, Mamba2, Mamba2Config, PpoBatch, PpoConfig, PpoTrainer, Tft, TftConfig,
 };
@@ -246,7 +246,7 @@ impl SeqStepper {
         Ok(Self { net, trainer, batch, graph })
     }
 
-    fn params(&self) -> &fx_models::seq_params::ParamStore {
+    fn params(&self) -> &fx_models::seq::params::ParamStore {
         match &self.net {
             SeqNet::Tft(m) => m.params(),
             SeqNet::Mamba2(m, _) => m.params(),

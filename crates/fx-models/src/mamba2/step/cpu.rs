@@ -308,7 +308,7 @@ mod tests {
 
     use super::*;
     use crate::mamba2::ssd::ssd_recurrent;
-    use crate::seq_ops::{softplus, Ctx};
+    use crate::seq::ops::{softplus, Ctx};
     use crate::seq_testing::Fixture;
     use fx_precision::Precision;
 

@@ -191,7 +191,7 @@ pub struct PpoTrainer {
     graph: crate::graph_update::GraphSlot,
     /// The fused F32 update the graph captures (None: the candle update is captured).
     #[cfg(feature = "cuda")]
-    engine: Option<crate::ppo_fused::PpoFused>,
+    engine: Option<crate::ppo::fused::PpoFused>,
     /// The fused rollout forward (CUDA), built at the first collection step for the env's
     /// number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
@@ -199,7 +199,7 @@ pub struct PpoTrainer {
     /// The whole rollout as one graph (GPU env, fused forward, `graph` not off), built at
     /// the first rollout; None before, or off.
     #[cfg(feature = "cuda")]
-    rollout_graph: Option<crate::ppo_rollout::RolloutGraph>,
+    rollout_graph: Option<crate::ppo::rollout::RolloutGraph>,
     /// Whether whole-rollout graphs may be used (on by default; a failed `auto` capture
     /// turns them off for the trainer's life).
     #[cfg(feature = "cuda")]
@@ -207,7 +207,7 @@ pub struct PpoTrainer {
     /// An iteration's epochs × minibatch updates as one graph (built at the first update
     /// with a captured minibatch update); None before, or off.
     #[cfg(feature = "cuda")]
-    epochs_graph: Option<crate::ppo_epochs::EpochsGraph>,
+    epochs_graph: Option<crate::ppo::epochs::EpochsGraph>,
     /// Whether epochs graphs may be used (as `rollout_graphs`).
     #[cfg(feature = "cuda")]
     epochs_graphs: bool,
@@ -321,7 +321,7 @@ impl PpoTrainer {
     }
 
     /// Fills the rollout: as one replayed graph on the GPU env when it can (see
-    /// `ppo_rollout`), else [`PpoTrainer::collect_step`] until full.
+    /// `ppo::rollout`), else [`PpoTrainer::collect_step`] until full.
     pub fn collect_rollout(&mut self, env: &mut dyn VecEnv) -> Result<()> {
         #[cfg(feature = "cuda")]
         if self.rollout.is_empty() && self.rollout_by_graph(env)? {
@@ -331,7 +331,7 @@ impl PpoTrainer {
         Ok(())
     }
 
-    /// Allows or forbids whole-rollout graphs (on by default; see `ppo_rollout`). Off, a
+    /// Allows or forbids whole-rollout graphs (on by default; see `ppo::rollout`). Off, a
     /// CUDA rollout launches its steps one by one: the same kernels, for comparisons.
     #[cfg(feature = "cuda")]
     pub fn set_rollout_graphs(&mut self, on: bool) {
@@ -358,7 +358,7 @@ impl PpoTrainer {
         if !self.rollout_graphs || self.cfg.graph == GraphMode::Off || !on_cuda {
             return Ok(false);
         }
-        if !crate::ppo_fused::PpoFused::supports(&self.model) || genv.num_envs() != self.num_envs {
+        if !crate::ppo::fused::PpoFused::supports(&self.model) || genv.num_envs() != self.num_envs {
             return Ok(false);
         }
         if self.rollout_graph.as_ref().is_some_and(|g| !g.fits(genv)) {
@@ -367,7 +367,7 @@ impl PpoTrainer {
         if self.rollout_graph.is_none() {
             self.ensure_rollout_forward(self.num_envs)?;
             let forward = self.rollout_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
-            let captured = crate::ppo_rollout::RolloutGraph::capture(genv, forward, &self.model, &self.rollout);
+            let captured = crate::ppo::rollout::RolloutGraph::capture(genv, forward, &self.model, &self.rollout);
             match crate::graph_update::settle_capture(
                 self.cfg.graph,
                 "PPO rollout",
@@ -430,7 +430,7 @@ impl PpoTrainer {
     /// once (stream-ordered), the env step copying them into the rollout.
     fn rollout_forward(&mut self, obs: &Tensor) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
-        if obs.device().is_cuda() && crate::ppo_fused::PpoFused::supports(&self.model) {
+        if obs.device().is_cuda() && crate::ppo::fused::PpoFused::supports(&self.model) {
             self.ensure_rollout_forward(obs.dim(0).ctx("PpoTrainer::rollout_forward")?)?;
             if let Some(f) = &self.rollout_forward {
                 return f.forward(&self.model, obs);
@@ -652,7 +652,7 @@ impl PpoTrainer {
         let captured = {
             let g = self.graph.get(CTX)?;
             let mut body = self.graph_body();
-            crate::ppo_epochs::EpochsGraph::capture(g.fused(), &mut body, obs, actions, logp, self.cfg.epochs, mb)
+            crate::ppo::epochs::EpochsGraph::capture(g.fused(), &mut body, obs, actions, logp, self.cfg.epochs, mb)
         };
         let what = "PPO epochs";
         match crate::graph_update::settle_capture(self.cfg.graph, what, "replaying the update per minibatch", captured)?
@@ -723,10 +723,10 @@ impl PpoTrainer {
         self.engine = None;
         if self.cfg.precision == Precision::F32
             && ex.actions.dtype() == DType::U32
-            && crate::ppo_fused::PpoFused::supports(&self.model)
+            && crate::ppo::fused::PpoFused::supports(&self.model)
         {
             let b = ex.obs.dim(0).ctx(CTX)?;
-            self.engine = Some(crate::ppo_fused::PpoFused::new(&self.model, b, self.cfg.loss)?);
+            self.engine = Some(crate::ppo::fused::PpoFused::new(&self.model, b, self.cfg.loss)?);
         }
         let mut body = self.graph_body();
         crate::graph_update::GraphUpdate::capture(

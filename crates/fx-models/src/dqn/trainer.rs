@@ -8,7 +8,7 @@
 //! [`DqnTrainer::save_state`] — samples the same rows on either device.
 //!
 //! On CUDA with the GPU environment and a captured update, each step is one replayed graph
-//! (collection, sampling and the update round: `dqn_iteration`); the host only counts.
+//! (collection, sampling and the update round: `dqn::iteration`); the host only counts.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -209,15 +209,15 @@ pub struct DqnTrainer {
     graph: crate::graph_update::GraphSlot,
     /// The fused F32 update the graph captures (None: the candle update is captured).
     #[cfg(feature = "cuda")]
-    engine: Option<crate::dqn_fused::DqnFused>,
+    engine: Option<crate::dqn::fused::DqnFused>,
     /// The fused collection forward (CUDA, supported networks), built at the first step for
     /// the env's number of accounts; None: candle's forward.
     #[cfg(feature = "cuda")]
     q_forward: Option<crate::mlp::DqnQForward>,
-    /// Whole iterations as one graph (see `dqn_iteration`): built on the GPU env once the
+    /// Whole iterations as one graph (see `dqn::iteration`): built on the GPU env once the
     /// update is captured; None before, off, or after a failed `auto` capture.
     #[cfg(feature = "cuda")]
-    iteration: Option<crate::dqn_iteration::DqnIteration>,
+    iteration: Option<crate::dqn::iteration::DqnIteration>,
     /// Whether whole-iteration graphs may be used (on by default; a failed `auto` capture
     /// turns them off for the trainer's life).
     #[cfg(feature = "cuda")]
@@ -339,7 +339,7 @@ impl DqnTrainer {
     #[cfg(feature = "cuda")]
     fn ensure_q_forward(&mut self, rows: usize) -> Result<()> {
         let fits = self.q_forward.as_ref().is_some_and(|f| f.rows() == rows);
-        if !fits && self.online.params().device().is_cuda() && crate::dqn_fused::DqnFused::supports(&self.online) {
+        if !fits && self.online.params().device().is_cuda() && crate::dqn::fused::DqnFused::supports(&self.online) {
             // A captured iteration reads the old forward's buffers: it goes first.
             self.iteration = None;
             self.q_forward = Some(crate::mlp::DqnQForward::new(&self.online, rows)?);
@@ -465,13 +465,13 @@ impl DqnTrainer {
         const CTX: &str = "DqnTrainer::capture_iteration";
         let mut it = match self.iteration.take() {
             Some(it) => it,
-            None => crate::dqn_iteration::DqnIteration::new(env, self.cfg.batch_size)?,
+            None => crate::dqn::iteration::DqnIteration::new(env, self.cfg.batch_size)?,
         };
         let captured = {
             let q_forward = self.q_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
             let g = self.graph.get(CTX)?;
             let mut body = self.graph_body();
-            let parts = crate::dqn_iteration::IterationParts {
+            let parts = crate::dqn::iteration::IterationParts {
                 env,
                 q_forward,
                 online: &self.online,
@@ -660,10 +660,10 @@ impl DqnTrainer {
         fused.load_from(&self.step).ctx(CTX)?;
         // F32 / BF16: the fused update (~30 launches); F16: candle's update, captured.
         self.engine = None;
-        if self.cfg.precision != Precision::F16 && crate::dqn_fused::DqnFused::supports(&self.online) {
+        if self.cfg.precision != Precision::F16 && crate::dqn::fused::DqnFused::supports(&self.online) {
             let b = ex.obs.dim(0).ctx(CTX)?;
             let (g, d, p) = (self.cfg.gamma, self.cfg.huber_delta, self.cfg.precision);
-            self.engine = Some(crate::dqn_fused::DqnFused::new(&self.online, &self.target, b, g, d, p)?);
+            self.engine = Some(crate::dqn::fused::DqnFused::new(&self.online, &self.target, b, g, d, p)?);
         }
         let mut body = self.graph_body();
         crate::graph_update::GraphUpdate::capture(

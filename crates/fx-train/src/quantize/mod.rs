@@ -2,15 +2,17 @@
 //! (`fx-quant`), written beside the run's latest checkpoint as
 //! `checkpoint-<step>.int8.safetensors`, with `quant_report.json` (agreement with F32 on
 //! the test split, score errors, sizes); and its backtest beside F32's (`eval_int8.json`).
-//! A TFT run's INT8 model goes the same way through `seq_run::quantize_tft` /
+//! A TFT run's INT8 model goes the same way through `seq::quantize_tft` /
 //! `eval_int8_tft` (forecast metrics instead of actions); a MAMBA-2 run's INT8 one-bar step
-//! needs no file (it quantises when built) and both commands score it (`seq_run::int8_mamba2`).
+//! needs no file (it quantises when built) and both commands score it (`seq::int8_mamba2`).
 //!
 //! Calibration and agreement rows are the observations a greedy F32 replay sees (the
 //! backtest's `replay_policy`): calibration on the training split, agreement on the test
 //! split, so the INT8 policy is judged on the inputs it will get. The calibration rows also
 //! give the file's decision margin (`fx_quant::decision_margin`), and both commands report
 //! the guarded policy (`fx_quant::GuardedPolicy`: F32 on near-ties) beside the plain one.
+
+mod seq;
 
 use std::path::{Path, PathBuf};
 
@@ -123,13 +125,13 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         bail!("--f32-layers applies to dqn and ppo runs (not to a {} run)", cfg.model.as_str());
     }
     if cfg.model == ModelChoice::Tft {
-        return crate::seq_run::quantize_tft(&dir, cfg, args.calib_rows.unwrap_or(256), calib_method(args));
+        return seq::quantize_tft(&dir, cfg, args.calib_rows.unwrap_or(256), calib_method(args));
     }
     if cfg.model == ModelChoice::Mamba2 {
         if args.method != QuantMethod::Dynamic || args.calib_rows.is_some() {
             bail!("a mamba2 run's INT8 step takes dynamic input scales: no --method or --calib-rows");
         }
-        return crate::seq_run::int8_mamba2(&dir, cfg, "quant_report.json");
+        return seq::int8_mamba2(&dir, cfg, "quant_report.json");
     }
     let l = load_run(&args.checkpoint)?;
     let float = l.agent.float_net()?;
@@ -268,10 +270,10 @@ const SHARPE_REL_TARGET: f64 = 0.02;
 pub fn eval_int8(run: &Path) -> Result<()> {
     let (dir, cfg) = run_config(run)?;
     if cfg.model == ModelChoice::Tft {
-        return crate::seq_run::eval_int8_tft(&dir, cfg);
+        return seq::eval_int8_tft(&dir, cfg);
     }
     if cfg.model == ModelChoice::Mamba2 {
-        return crate::seq_run::int8_mamba2(&dir, cfg, "eval_int8.json");
+        return seq::int8_mamba2(&dir, cfg, "eval_int8.json");
     }
     let l = load_run(run)?;
     let trainer = &l.checkpoint.trainer;

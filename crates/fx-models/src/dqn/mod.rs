@@ -5,6 +5,17 @@
 //! (h/2→3); `Q = value + advantage − mean_a advantage`. The loss is the double-DQN
 //! Huber loss against a target network: the online net picks `a* = argmax Q(s')`, the
 //! target net evaluates it, and no gradient flows through the target `y`.
+//!
+//! The folder: this file (network, loss, soft update), [`trainer`] (`DqnTrainer`: ε-greedy
+//! collection, replay, updates, resume), and under `cuda` `fused` (the fused F32/BF16
+//! update over the shared `mlp` training kernels) and `iteration` (a whole collection +
+//! update iteration as one captured graph).
+
+#[cfg(feature = "cuda")]
+pub(crate) mod fused;
+#[cfg(feature = "cuda")]
+mod iteration;
+pub mod trainer;
 
 use std::path::Path;
 

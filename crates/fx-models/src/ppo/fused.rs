@@ -172,7 +172,7 @@ impl PpoFused {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dqn_fused::test_support::{fresh_seed, gpu, rel, vals};
+    use crate::dqn::fused::test_support::{fresh_seed, gpu, rel, vals};
     use crate::ppo::{ppo_loss, PpoBatch, PpoNetConfig};
     use fx_precision::{AdamConfig, GradScaler, Precision};
 

@@ -5,6 +5,19 @@
 //! reference (CleanRL-style): advantages normalised per minibatch with the unbiased
 //! standard deviation plus 1e-8, `L = L_clip + 0.5·L_v − 0.01·H` with
 //! `L_v = 0.5·mean((V − R)²)`, log-probabilities from a differentiable log-softmax.
+//!
+//! The folder: this file (network, loss), [`trainer`] (`PpoTrainer`: rollouts, GAE,
+//! minibatch epochs, resume), and under `cuda` `fused` (the fused update over the shared
+//! `mlp` training kernels), `rollout` (a whole rollout as one captured graph) and `epochs`
+//! (all of an update's minibatch epochs as one graph).
+
+#[cfg(feature = "cuda")]
+mod epochs;
+#[cfg(feature = "cuda")]
+pub(crate) mod fused;
+#[cfg(feature = "cuda")]
+mod rollout;
+pub mod trainer;
 
 use std::path::Path;
 
