@@ -27,7 +27,8 @@
 //! - `int8` (CPU): `fx_quant::Int8Policy::act`, the default network quantised by `fx-quant`
 //!   (per-channel INT8 weights, dynamic input scales as `fx-train quantize` writes by
 //!   default: each decision's own max |x| per layer), host slice in
-//!   → action on the calling thread, INT8 products on the best ISA (`isa` in the record);
+//!   → action on the calling thread, INT8 products on the best ISA (`isa` in the record;
+//!   `p50_us_by_isa` times every ISA the CPU has the same way, batch cases too);
 //! - `int8_guarded` (CPU): `fx_quant::GuardedPolicy` over that `int8` policy and `cpu_fp32`
 //!   (INT8, then F32 where the two best INT8 scores are within the decision margin
 //!   `quantize` would record), its calls cycling through 256 states, since how often F32
@@ -300,6 +301,22 @@ fn timed_guarded(
     Ok(ts)
 }
 
+/// The `int8` case's median call (µs) on every INT8 ISA this CPU has (`Isa::available`,
+/// the scalar reference included), timed like the case itself: what the chosen ISA gains is
+/// recorded beside it rather than assumed.
+fn int8_by_isa(
+    net: &Net,
+    mut time: impl FnMut(&mut fx_quant::Int8Policy) -> Result<Vec<f64>>,
+) -> Result<serde_json::Value> {
+    let quant = net.quant()?;
+    let mut by_isa = serde_json::Map::new();
+    for isa in fx_quant::Isa::available() {
+        let mut policy = fx_quant::Int8Policy::with_isa(&quant, isa)?;
+        by_isa.insert(isa.name().into(), json!(round(pct(&time(&mut policy)?, 50.0), 3)));
+    }
+    Ok(serde_json::Value::Object(by_isa))
+}
+
 /// One latency case in `mode`; fills `rec` (which already holds the case's identity).
 pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: &mut Record) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
@@ -323,6 +340,8 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
             let host = x.flatten_all()?.to_vec1::<f32>()?;
             rec.insert("matches_eager".into(), json!(policy.act(&host)? == eager[0] as usize));
             rec.insert("isa".into(), json!(policy.isa().name()));
+            let by_isa = int8_by_isa(&net, |p| time_calls(&dev, warm, n, false, || Ok(p.act(&host)?)))?;
+            rec.insert("p50_us_by_isa".into(), by_isa);
             time_calls(&dev, warm, n, false, || Ok(policy.act(&host)?))?
         }
         LatencyMode::Int8Guarded => {
@@ -445,6 +464,8 @@ pub(crate) fn throughput_case(
             let mut policy = net.int8()?;
             rec.insert("isa".into(), json!(policy.isa().name()));
             let mut out = vec![0usize; batch];
+            let by_isa = int8_by_isa(&net, |p| time_calls(&dev, warm, n, false, || Ok(p.act_batch(&host, &mut out)?)))?;
+            rec.insert("p50_us_by_isa".into(), by_isa);
             time_calls(&dev, warm, n, false, || Ok(policy.act_batch(&host, &mut out)?))?
         }
         LatencyMode::Int8Guarded => {
