@@ -303,7 +303,7 @@ fn main() -> Res<()> {
 /// 1024-wide Linear+tanh layers), plain vs checkpointed: device memory in use after the
 /// forward (what the backward needs kept) and the step time (recompute costs a forward).
 fn checkpoint_memory(dev: &Device, args: &Args) -> Res<()> {
-    use fx_precision::Checkpointed;
+    use fx_precision::Recomputed;
     let (segments, width, n) = (16usize, 1024usize, args.batch);
     let p = args.precisions.first().copied().unwrap_or(Precision::F32);
     let mut rng = Rng(7);
@@ -314,7 +314,7 @@ fn checkpoint_memory(dev: &Device, args: &Args) -> Res<()> {
         let b = Var::from_tensor(&rng.tensor(&[width], |_| 0.0, dev)?)?;
         layers.push(Linear::from_parts(w.as_tensor().clone(), Some(b.as_tensor().clone()), p)?);
     }
-    let mut stack = Checkpointed::new();
+    let mut stack = Recomputed::new();
     for pair in layers.chunks(2) {
         let pair = pair.to_vec();
         stack = stack.push(move |h: &Tensor| {

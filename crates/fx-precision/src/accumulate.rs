@@ -81,7 +81,7 @@ impl GradAccumulator {
                 continue;
             };
             // Detached: a gradient from candle's backward may still pin the forward graph
-            // (see `checkpoint::detach_all`), and sums outlive many micro-batches.
+            // (see `recompute::detach_all`), and sums outlive many micro-batches.
             let g = g.detach().to_dtype(DType::F32).ctx(ctx)?;
             *sum = Some(match sum.take() {
                 None => g,

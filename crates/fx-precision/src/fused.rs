@@ -20,11 +20,11 @@ use candle_core::{DType, Device, Tensor, Var};
 use fx_kernels::cuda::address;
 use kernels::{FusedStepKernels, MtEntry, StepBuffers};
 
-use crate::checkpoint_io::NamedTensors;
 use crate::error::{Context, Error, Result};
 use crate::grad_scaler::{GradScaler, GradScalerState};
 use crate::guard::{GuardStats, GUARD_METADATA_KEY};
 use crate::optim::{AdamConfig, AdamWConfig};
+use crate::tensor_file::NamedTensors;
 
 /// Adam-family hyper-parameters the fused kernels take.
 pub trait FusedAdamConfig {

@@ -15,11 +15,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint_io::NamedTensors;
 use crate::clip::{accum_dtype, flat_grads, scale_grads};
 use crate::error::{Context, Error, Result};
 use crate::grad_scaler::GradScaler;
 use crate::optim::Optimizer;
+use crate::tensor_file::NamedTensors;
 
 /// Why a step was skipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

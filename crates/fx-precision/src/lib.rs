@@ -23,9 +23,9 @@
 //!   update) and `CapturedGraph` (a candle step captured once as a CUDA graph and
 //!   replayed with one launch); the kernels' CPU reference is
 //!   `crate::fused_ref::fused_step_reference`, checked against [`TrainStep`] here;
-//! - [`GradAccumulator`] (N micro-batches, loss / N, F32 sums) and [`Checkpointed`]
-//!   (activation checkpointing by segment recompute);
-//! - [`save_tensors_atomic`] / [`load_tensors`] for crash-safe training checkpoints with
+//! - [`GradAccumulator`] (N micro-batches, loss / N, F32 sums) and [`Recomputed`]
+//!   (activation recomputation by segment);
+//! - [`save_tensors_atomic`] / [`load_tensors`]: crash-safe tensor files with
 //!   strict, named errors.
 //!
 //! Tensor-level functions (`ops`, `Linear`) return `candle_core::Result` so they compose
@@ -53,8 +53,6 @@
 //! ```
 
 mod accumulate;
-mod checkpoint;
-mod checkpoint_io;
 mod clip;
 pub mod dropout;
 mod error;
@@ -69,10 +67,10 @@ mod guard;
 pub mod ops;
 mod optim;
 mod precision;
+mod recompute;
+mod tensor_file;
 
 pub use accumulate::{Accumulated, GradAccumulator};
-pub use checkpoint::{CheckpointTape, Checkpointed, Segment};
-pub use checkpoint_io::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
@@ -84,3 +82,5 @@ pub use graph_mode::GraphMode;
 pub use guard::{missing_gradients, GuardStats, SkipReason, StepReport, StepTimes, TrainStep, GUARD_METADATA_KEY};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};
+pub use recompute::{RecomputeTape, Recomputed, Segment};
+pub use tensor_file::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};

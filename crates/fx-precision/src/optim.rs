@@ -24,8 +24,8 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint_io::NamedTensors;
 use crate::error::{Context, Error, Result};
+use crate::tensor_file::NamedTensors;
 
 /// What every fx optimiser offers to the training-step helpers.
 pub trait Optimizer {

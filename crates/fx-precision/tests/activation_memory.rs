@@ -14,7 +14,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Module, Tensor, Var};
-use fx_precision::{Checkpointed, Linear, Precision};
+use fx_precision::{Linear, Precision, Recomputed};
 
 struct Counting;
 
@@ -58,7 +58,7 @@ struct Measure {
 
 /// Forward + loss, reading the live bytes, then backward; everything is dropped before
 /// returning so the next run starts from the same baseline.
-fn run(stack: &Checkpointed<'_>, x: &Tensor, checkpointed: bool) -> Measure {
+fn run(stack: &Recomputed<'_>, x: &Tensor, checkpointed: bool) -> Measure {
     let base = LIVE.load(Ordering::SeqCst);
     PEAK.store(base, Ordering::SeqCst);
     let held_after_forward;
@@ -87,7 +87,7 @@ fn checkpointing_halves_activation_memory_of_a_deep_mlp() {
         let b = Var::zeros(width, DType::F32, &dev).unwrap();
         layers.push((w, b, i));
     }
-    let mut stack = Checkpointed::new();
+    let mut stack = Recomputed::new();
     for seg in layers.chunks(layers_per_segment) {
         let ls: Vec<Linear> = seg
             .iter()

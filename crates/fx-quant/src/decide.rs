@@ -161,11 +161,11 @@ impl Forecast for fx_models::mamba2::decode_cpu::Mamba2CpuStep {
 }
 
 impl Int8Policy {
-    /// Loads a quantised checkpoint (see [`crate::checkpoint`]) for decisions on this
+    /// Loads a quantised checkpoint (see [`crate::int8_file`]) for decisions on this
     /// CPU's best ISA. The source checkpoint's hash is not checked here (a service may
-    /// deploy the INT8 file alone); [`crate::checkpoint::load`] checks it when asked.
+    /// deploy the INT8 file alone); [`crate::int8_file::load`] checks it when asked.
     pub fn load(path: &std::path::Path) -> Result<Self> {
-        let (net, _) = crate::checkpoint::load(path, None)?;
+        let (net, _) = crate::int8_file::load(path, None)?;
         Int8Policy::new(&net)
     }
 }

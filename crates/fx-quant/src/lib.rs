@@ -9,7 +9,7 @@
 //!    (`minmax` or `percentile`);
 //! 3. [`QuantNet::quantize`]: per-output-channel symmetric INT8 weights; chosen layers may
 //!    stay F32;
-//! 4. [`checkpoint::save`] / [`checkpoint::load`]: the `fx-int8/1` safetensors file beside
+//! 4. [`int8_file::save`] / [`int8_file::load`]: the `fx-int8/1` safetensors file beside
 //!    the F32 checkpoint, checked on load;
 //! 5. [`Int8Policy`]: decisions, one observation at a time, with INT8 products on the best
 //!    ISA this CPU has ([`Isa`]: AVX-512 VNNI, AVX-VNNI, AVX2, scalar), tested bit for bit
@@ -20,7 +20,7 @@
 //!
 //! The sequence models: [`tft`] quantises every weight matrix of a TFT and forecasts with
 //! them ([`quantize_tft`], [`QuantTft`], [`Int8Tft`]; the file through
-//! [`checkpoint::save_tft`]); [`mamba2`] gives MAMBA-2's one-bar CPU step INT8 projections.
+//! [`int8_file::save_tft`]); [`mamba2`] gives MAMBA-2's one-bar CPU step INT8 projections.
 //! On the GPU (feature `cuda`), `CudaInt8Tft` forecasts with the variable selection
 //! networks' per-variable GRNs in INT8, one kernel per network (`tft_vsn`); a policy's
 //! `QuantNet::cuda_policy` runs it as one fused INT8 kernel (`gpu_policy`), with the scalar
@@ -29,12 +29,12 @@
 
 pub mod activation;
 pub mod calibrate;
-pub mod checkpoint;
 mod decide;
 mod error;
 pub mod float_net;
 mod gemv_i8;
 pub mod guard;
+pub mod int8_file;
 // INT8 policies on the GPU (`QuantNet::cuda_policy`) and `Decide` for the GPU decider.
 #[cfg(feature = "cuda")]
 mod gpu_policy;

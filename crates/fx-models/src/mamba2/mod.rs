@@ -30,7 +30,7 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use fx_precision::Checkpointed;
+use fx_precision::Recomputed;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
@@ -342,18 +342,12 @@ impl Mamba2 {
     }
 
     /// MSE loss of `x [B, L, n_in]` against `target [B, L]` and the gradients of every
-    /// parameter. With `checkpoint`, each layer is a recompute segment
-    /// (`fx_precision::Checkpointed`): only the layer inputs are kept between the
+    /// parameter. With `recompute`, each layer is a recompute segment
+    /// (`fx_precision::Recomputed`): only the layer inputs are kept between the
     /// forward and the backward, and every layer runs twice.
-    pub fn loss_and_grads(
-        &self,
-        c: &Ctx,
-        x: &Tensor,
-        target: &Tensor,
-        checkpoint: bool,
-    ) -> Result<(Tensor, GradStore)> {
+    pub fn loss_and_grads(&self, c: &Ctx, x: &Tensor, target: &Tensor, recompute: bool) -> Result<(Tensor, GradStore)> {
         const CTX: &str = "Mamba2::loss_and_grads";
-        if !checkpoint {
+        if !recompute {
             let pred = self.forward(c, x)?;
             let loss = self.loss(&pred, target)?;
             let grads = loss.backward().ctx(CTX)?;
@@ -364,7 +358,7 @@ impl Mamba2 {
             return Err(self.input_err(x, CTX, "[B, L, n_in] with B, L > 0"));
         }
         let h0 = self.embed(c, x).ctx(CTX)?;
-        let mut stack = Checkpointed::new();
+        let mut stack = Recomputed::new();
         for layer in &self.layers {
             stack = stack.push(move |h: &Tensor| self.layer_fwd(c, layer, h).map(|(o, _)| o));
         }

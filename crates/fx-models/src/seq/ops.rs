@@ -377,7 +377,7 @@ mod tests {
         rng.advance().unwrap();
         let y2: Vec<f32> = c.dropout(&x, 0.3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(y2, fx_precision::dropout::mask_reference(17, 0, 1, 200, 0.3));
-        // Checkpointed segments: a re-run of segment 2 draws its masks again, by key.
+        // Recomputed segments: a re-run of segment 2 draws its masks again, by key.
         let masks = DropoutMasks::new();
         let cm = c.with_masks(&masks);
         masks.begin_segment(2);

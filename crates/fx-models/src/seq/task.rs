@@ -27,8 +27,8 @@ pub trait SeqTask {
     fn batch(&self, series: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch>;
     /// The training loss of a batch (F32 scalar).
     fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
-    /// The loss and the parameter gradients, optionally with activation checkpointing.
-    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)>;
+    /// The loss and the parameter gradients, optionally recomputing activations (`fx_precision::Recomputed`).
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, recompute: bool) -> Result<(Tensor, GradStore)>;
     /// The point forecast (TFT: the median quantile), shaped as the target.
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
     /// Quantile levels and the quantile forecast `[.., n_levels]` shaped as the target
@@ -107,8 +107,8 @@ impl SeqTask for Tft {
         Tft::loss(self, &q, &batch.target)
     }
 
-    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)> {
-        Tft::loss_and_grads(self, c, &batch.inputs[0], &batch.inputs[1], &batch.target, checkpoint)
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, recompute: bool) -> Result<(Tensor, GradStore)> {
+        Tft::loss_and_grads(self, c, &batch.inputs[0], &batch.inputs[1], &batch.target, recompute)
     }
 
     fn quantiles(&self, c: &Ctx, batch: &SeqBatch) -> Result<Option<(Vec<f64>, Tensor)>> {
@@ -180,8 +180,8 @@ impl SeqTask for Mamba2Task<'_> {
         self.model.loss(&p, &batch.target)
     }
 
-    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, checkpoint: bool) -> Result<(Tensor, GradStore)> {
-        self.model.loss_and_grads(c, &batch.inputs[0], &batch.target, checkpoint)
+    fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, recompute: bool) -> Result<(Tensor, GradStore)> {
+        self.model.loss_and_grads(c, &batch.inputs[0], &batch.target, recompute)
     }
 
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {

@@ -42,8 +42,10 @@ pub struct SeqTrainConfig {
     pub seed: u64,
     /// Matmul precision.
     pub precision: Precision,
-    /// Activation checkpointing (per TFT stage / MAMBA-2 layer).
-    pub checkpoint: bool,
+    /// Activation recomputation (per TFT stage / MAMBA-2 layer: only segment inputs are kept
+    /// and the backward recomputes the rest). `checkpoint`, its former name, still reads.
+    #[serde(alias = "checkpoint")]
+    pub recompute: bool,
     /// CUDA graph capture of the training step: auto (capture, warn and run eagerly if it
     /// fails), on (fail instead), off. Ignored on the CPU.
     pub graph: GraphMode,
@@ -63,7 +65,7 @@ impl Default for SeqTrainConfig {
             patience: 5,
             seed: 0,
             precision: Precision::F32,
-            checkpoint: false,
+            recompute: false,
             graph: GraphMode::Auto,
         }
     }
@@ -234,7 +236,7 @@ impl SeqTrainer {
         self.opt.set_learning_rate(lr);
         self.rng.restart_calls();
         let c = Ctx::train(self.cfg.precision).with_rng(&self.rng);
-        let (loss, mut grads) = task.loss_and_grads(&c, batch, self.cfg.checkpoint)?;
+        let (loss, mut grads) = task.loss_and_grads(&c, batch, self.cfg.recompute)?;
         let l = scalar(&loss, CTX)?;
         let norm = clip_grad_norm(&self.vars, &mut grads, self.cfg.clip_norm).ctx(CTX)?;
         // The eager step refuses a non-finite loss (above) or gradient norm before AdamW
@@ -257,8 +259,8 @@ impl SeqTrainer {
         }
         if self.fused_seq.is_none() {
             let name = task.params().model_name();
-            let made = if self.cfg.checkpoint {
-                Err(Error::config("SeqTrainer", "activation checkpointing is on (it needs candle's segments)"))
+            let made = if self.cfg.recompute {
+                Err(Error::config("SeqTrainer", "activation recomputation is on (it needs candle's segments)"))
             } else {
                 example
                     .target
@@ -562,7 +564,7 @@ fn graph_body<'a>(
             _ => {
                 let batch = SeqBatch { inputs: inputs.to_vec(), target: target.clone(), last_value: target.clone() };
                 let c = Ctx::train(cfg.precision).with_rng(rng);
-                let (loss, grads) = task.loss_and_grads(&c, &batch, cfg.checkpoint)?;
+                let (loss, grads) = task.loss_and_grads(&c, &batch, cfg.recompute)?;
                 fused.step(&loss, &grads, &[], dry).ctx(CTX)?;
             }
         }
@@ -601,6 +603,16 @@ mod tests {
     use crate::seq::params::ParamStore;
     use crate::seq::*;
     use crate::tft::{Tft, TftConfig};
+
+    #[test]
+    fn config_reads_the_former_name_of_recompute() {
+        // Run folders written before the rename hold `checkpoint`; a resume must still read them.
+        let old: SeqTrainConfig = serde_json::from_str(r#"{"checkpoint": true, "epochs": 3}"#).unwrap();
+        assert!(old.recompute && old.epochs == 3);
+        let new: SeqTrainConfig = serde_json::from_str(r#"{"recompute": true}"#).unwrap();
+        assert!(new.recompute);
+        assert!(serde_json::from_str::<SeqTrainConfig>(r#"{"recompte": true}"#).is_err());
+    }
 
     #[test]
     fn lr_schedule_warms_up_then_decays() {

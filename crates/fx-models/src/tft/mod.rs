@@ -27,7 +27,7 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use fx_precision::Checkpointed;
+use fx_precision::Recomputed;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
@@ -107,7 +107,7 @@ pub fn point_forecast(levels: &[f64], q: &Tensor) -> Result<Tensor> {
     q.narrow(2, mid, 1).and_then(|t| t.squeeze(2)).ctx("Tft point forecast")
 }
 
-/// Encoder-step segments of the variable selection under activation checkpointing.
+/// Encoder-step segments of the variable selection under activation recomputation.
 const VSN_ENC_SEGMENTS: usize = 4;
 
 /// The temporal fusion transformer.
@@ -382,9 +382,9 @@ impl Tft {
     }
 
     /// Pinball loss of the forecast for `observed`, `known` against `target [B, H]`
-    /// and the gradients of every parameter. With `checkpoint`, the stages (variable
+    /// and the gradients of every parameter. With `recompute`, the stages (variable
     /// selection, split into up to 4 encoder-step chunks and the decoder steps; LSTMs +
-    /// gated skip + enrichment; attention to head) are recompute segments (`fx_precision::Checkpointed`): only the stage inputs are
+    /// gated skip + enrichment; attention to head) are recompute segments (`fx_precision::Recomputed`): only the stage inputs are
     /// kept for the backward, each stage runs twice, and dropout masks are recorded
     /// (as U8) so that the re-run drops the same units.
     pub fn loss_and_grads(
@@ -393,10 +393,10 @@ impl Tft {
         observed: &Tensor,
         known: &Tensor,
         target: &Tensor,
-        checkpoint: bool,
+        recompute: bool,
     ) -> Result<(Tensor, GradStore)> {
         const CTX: &str = "Tft::loss_and_grads";
-        if !checkpoint {
+        if !recompute {
             let q = self.forward(c, observed, known)?;
             let loss = self.loss(&q, target)?;
             let grads = loss.backward().ctx(CTX)?;
@@ -414,7 +414,7 @@ impl Tft {
         let n_in = self.cfg.n_observed + self.cfg.n_known;
         let d = self.cfg.d;
         let chunks = self.vsn_chunks();
-        let mut stack = Checkpointed::new();
+        let mut stack = Recomputed::new();
         for (k, &(t0, t1)) in chunks.iter().enumerate() {
             stack = stack.push(move |s: &Tensor| {
                 masks.begin_segment(k);

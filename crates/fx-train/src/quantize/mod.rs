@@ -81,7 +81,7 @@ pub(crate) fn report_head(
     model: &str,
     checkpoint: &Path,
     int8_file: &Path,
-    provenance: &fx_quant::checkpoint::Provenance,
+    provenance: &fx_quant::int8_file::Provenance,
     calibration: &fx_quant::CalibInfo,
     from: &str,
 ) -> serde_json::Value {
@@ -90,7 +90,7 @@ pub(crate) fn report_head(
         "checkpoint": checkpoint.display().to_string(),
         "int8_file": int8_file.display().to_string(),
         "source_sha256": provenance.source_sha256,
-        "format": fx_quant::checkpoint::FORMAT,
+        "format": fx_quant::int8_file::FORMAT,
         "calibration": {
             "method": calibration.method,
             "percentile": calibration.percentile,
@@ -145,14 +145,14 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     q.calibration.decision_margin = Some(fx_quant::decision_margin(&float, &q, &calib)?);
 
     let trainer = &l.checkpoint.trainer;
-    let provenance = fx_quant::checkpoint::Provenance {
-        source_sha256: fx_quant::checkpoint::sha256_file(trainer)?,
+    let provenance = fx_quant::int8_file::Provenance {
+        source_sha256: fx_quant::int8_file::sha256_file(trainer)?,
         source: trainer.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
     };
     let out = int8_path(trainer);
-    fx_quant::checkpoint::save(&q, &provenance, &out)?;
+    fx_quant::int8_file::save(&q, &provenance, &out)?;
     // Read back through the checked loader, as `eval --int8` and services will.
-    let (q, _) = fx_quant::checkpoint::load(&out, Some(&provenance.source_sha256))?;
+    let (q, _) = fx_quant::int8_file::load(&out, Some(&provenance.source_sha256))?;
 
     let test_obs = replay_observations(&l, l.data.splits.test.clone())?;
     let agree = fx_quant::reference::agreement(&float, &q, &test_obs)?;
@@ -288,9 +288,9 @@ pub fn eval_int8(run: &Path) -> Result<()> {
     }
     let sha = match &l.checkpoint.run.trainer_sha256 {
         Some(s) => s.clone(),
-        None => fx_quant::checkpoint::sha256_file(trainer)?,
+        None => fx_quant::int8_file::sha256_file(trainer)?,
     };
-    let (q, _) = fx_quant::checkpoint::load(&path, Some(&sha))?;
+    let (q, _) = fx_quant::int8_file::load(&path, Some(&sha))?;
     let mut policy = Int8Policy::new(&q)?;
     let mut f32_policy = l.agent.cpu_policy()?;
     let steps = l.agent.env_steps();

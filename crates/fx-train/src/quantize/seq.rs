@@ -97,7 +97,7 @@ fn tft_int8_comparison(f32m: &ForecastMetrics, i8m: &ForecastMetrics, target_sca
 
 /// `fx-train quantize` of a TFT run: the best weights of its latest checkpoint quantised
 /// with input scales from `windows` forecast windows spread evenly over the training
-/// split, written beside the checkpoint (`fx_quant::checkpoint::save_tft`), read back
+/// split, written beside the checkpoint (`fx_quant::int8_file::save_tft`), read back
 /// through the checked loader and scored against F32 on the test split
 /// (`quant_report.json`).
 pub(super) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method: fx_quant::CalibMethod) -> Result<()> {
@@ -123,13 +123,13 @@ pub(super) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method:
         calib.push((b.inputs[0].clone(), b.inputs[1].clone()));
     }
     let q = fx_quant::quantize_tft(&model, &calib, method)?;
-    let provenance = fx_quant::checkpoint::Provenance {
-        source_sha256: fx_quant::checkpoint::sha256_file(&c.trainer)?,
+    let provenance = fx_quant::int8_file::Provenance {
+        source_sha256: fx_quant::int8_file::sha256_file(&c.trainer)?,
         source: c.trainer.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
     };
     let out = super::int8_path(&c.trainer);
-    fx_quant::checkpoint::save_tft(&q, &provenance, &out)?;
-    let (q, _) = fx_quant::checkpoint::load_tft(&out, Some(&provenance.source_sha256))?;
+    fx_quant::int8_file::save_tft(&q, &provenance, &out)?;
+    let (q, _) = fx_quant::int8_file::load_tft(&out, Some(&provenance.source_sha256))?;
     let f32_bytes = 4 * model.params().param_count();
     println!(
         "wrote {} ({} TFT matrices INT8, calibrated on {} training-split windows, {method}); weights {:.0} KiB F32 -> \
@@ -176,9 +176,9 @@ pub(super) fn eval_int8_tft(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     }
     let sha = match &c.run.trainer_sha256 {
         Some(s) => s.clone(),
-        None => fx_quant::checkpoint::sha256_file(&c.trainer)?,
+        None => fx_quant::int8_file::sha256_file(&c.trainer)?,
     };
-    let (q, provenance) = fx_quant::checkpoint::load_tft(&path, Some(&sha))?;
+    let (q, provenance) = fx_quant::int8_file::load_tft(&path, Some(&sha))?;
     let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
     let mut doc = tft_int8_comparison(&f32m, &i8m, d.target_scale);
     let head = super::report_head("tft", &c.trainer, &path, &provenance, &q.calibration, TFT_CALIB_FROM);

@@ -1,9 +1,10 @@
-//! Atomic saving and strict loading of named tensors (training checkpoints).
+//! Tensor files: atomic saving and strict loading of named tensors (run checkpoints, trainer
+//! states and model weights are made of them).
 //!
-//! A checkpoint is one safetensors file: named tensors plus string metadata (JSON for
+//! A tensor file is one safetensors file: named tensors plus string metadata (JSON for
 //! structured state such as the GradScaler's). Saving writes a temporary file in the same
 //! directory, syncs it and renames it over the target, so a crash leaves either the old
-//! or the new checkpoint, never a torn one. Loading hands back a [`NamedTensors`], from
+//! or the new file, never a torn one. Loading hands back a [`NamedTensors`], from
 //! which the caller *takes* what it expects; missing, mis-shaped and left-over (unknown)
 //! tensors are errors that name the file and the tensor.
 

@@ -5,9 +5,9 @@
 //!
 //! - **forward**: each segment runs on a *detached* copy of its input and its output is
 //!   detached in turn, so no segment's inner activations outlive it; only each segment's
-//!   input is kept (the [`CheckpointTape`]). The stack's output is handed out as a fresh
+//!   input is kept (the [`RecomputeTape`]). The stack's output is handed out as a fresh
 //!   leaf (a `Var`) for the rest of the model (head, loss).
-//! - **backward** ([`Checkpointed::backward`]): `loss.backward()` yields the head's
+//! - **backward** ([`Recomputed::backward`]): `loss.backward()` yields the head's
 //!   parameter gradients and `dL/d(output)`. Then, for each segment in reverse, its saved
 //!   input becomes a leaf, the segment is re-run (with its graph this time), and the
 //!   surrogate `sum(out * grad_out)` — whose gradient with respect to `out` is exactly
@@ -32,29 +32,29 @@ pub type Segment<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
 
 /// A stack of segments run with checkpointing; see the module docs.
 #[derive(Default)]
-pub struct Checkpointed<'a> {
+pub struct Recomputed<'a> {
     segments: Vec<Segment<'a>>,
 }
 
 /// What the checkpointed forward keeps for the backward: the inputs of the segments and
 /// the output leaf.
-pub struct CheckpointTape {
+pub struct RecomputeTape {
     input: Tensor,
     saved: Vec<Tensor>,
     output: Var,
 }
 
-impl CheckpointTape {
+impl RecomputeTape {
     /// The stack's output: continue the model from here.
     pub fn output(&self) -> &Tensor {
         self.output.as_tensor()
     }
 }
 
-impl<'a> Checkpointed<'a> {
+impl<'a> Recomputed<'a> {
     /// An empty stack.
     pub fn new() -> Self {
-        Checkpointed { segments: Vec::new() }
+        Recomputed { segments: Vec::new() }
     }
 
     /// Appends a segment.
@@ -83,7 +83,7 @@ impl<'a> Checkpointed<'a> {
     }
 
     /// The checkpointed forward: keeps only the segment inputs.
-    pub fn forward(&self, x: &Tensor) -> Result<CheckpointTape> {
+    pub fn forward(&self, x: &Tensor) -> Result<RecomputeTape> {
         let mut saved = Vec::with_capacity(self.segments.len());
         let mut h = x.detach();
         for (i, s) in self.segments.iter().enumerate() {
@@ -95,16 +95,16 @@ impl<'a> Checkpointed<'a> {
             h = s(&h).map(|t| t.detach()).ctx(&format!("checkpointed forward, segment {i}"))?;
         }
         let output = Var::from_tensor(&h).ctx("checkpointed forward, output leaf")?;
-        Ok(CheckpointTape { input: x.clone(), saved, output })
+        Ok(RecomputeTape { input: x.clone(), saved, output })
     }
 
     /// Gradients of `loss` (computed from `tape.output()`) for every variable involved:
     /// those after the stack, those inside it, and those before it.
-    pub fn backward(&self, tape: CheckpointTape, loss: &Tensor) -> Result<GradStore> {
-        let CheckpointTape { input, mut saved, output } = tape;
+    pub fn backward(&self, tape: RecomputeTape, loss: &Tensor) -> Result<GradStore> {
+        let RecomputeTape { input, mut saved, output } = tape;
         if saved.len() + 1 != self.segments.len().max(1) {
             return Err(Error::Config {
-                what: "CheckpointTape",
+                what: "RecomputeTape",
                 message: format!(
                     "tape holds {} segment inputs, stack has {} segments",
                     saved.len() + 1,
@@ -215,7 +215,7 @@ mod tests {
                 own.push((var(&mut rng, &[d, d]), var(&mut rng, &[d])));
             }
             let shared = lin(&ws, &bs);
-            let mut stack = Checkpointed::new();
+            let mut stack = Recomputed::new();
             for (k, (w, bb)) in own.iter().enumerate() {
                 let l = lin(w, bb);
                 let shared = shared.clone();
@@ -259,14 +259,14 @@ mod tests {
         let mut rng = Rng::new(1);
         let w = var(&mut rng, &[2]);
         let wc = w.as_tensor().clone();
-        let stack = Checkpointed::new().push(move |h: &Tensor| h.broadcast_mul(&wc));
+        let stack = Recomputed::new().push(move |h: &Tensor| h.broadcast_mul(&wc));
         let x = Tensor::ones((3, 2), DType::F32, &Device::Cpu).unwrap();
         let tape = stack.forward(&x).unwrap();
         let other = var(&mut rng, &[1]);
         let loss = other.as_tensor().sum_all().unwrap();
         let g = stack.backward(tape, &loss).unwrap();
         assert!(g.get(w.as_tensor()).is_none() && g.get(other.as_tensor()).is_some());
-        let empty = Checkpointed::new();
+        let empty = Recomputed::new();
         assert!(empty.is_empty());
         let xv = Var::from_tensor(&x).unwrap();
         let tape = empty.forward(xv.as_tensor()).unwrap();

@@ -1,4 +1,4 @@
-//! The quantised checkpoint: one safetensors file (format `fx-int8/1`) beside the F32
+//! The INT8 file: one safetensors file (format `fx-int8/1`) beside the F32
 //! checkpoint it came from; a TFT's ([`save_tft`], [`load_tft`]) holds every weight matrix
 //! part in I8 under its spec name with its [`scale_names`], and every other parameter in F32.
 //! A policy's layout (`docs/QUANT.md` has the full description of both):
@@ -28,7 +28,7 @@ use fx_models::{Tft, TftConfig};
 /// The `format` metadata value this crate writes and reads.
 pub const FORMAT: &str = "fx-int8/1";
 
-/// What a quantised checkpoint holds besides the network.
+/// What an INT8 file holds besides the network.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Provenance {
     /// SHA-256 (lower-case hex) of the F32 checkpoint file the network was quantised from.
@@ -111,7 +111,7 @@ fn i8_bytes(v: &[i8]) -> Vec<u8> {
     v.iter().map(|&x| x as u8).collect()
 }
 
-/// Reads a quantised checkpoint. With `source_sha256`, the file must say it was quantised
+/// Reads an INT8 file. With `source_sha256`, the file must say it was quantised
 /// from the F32 checkpoint with that hash (a quantised file left over from an earlier
 /// checkpoint is refused rather than silently used).
 pub fn load(path: &Path, source_sha256: Option<&str>) -> Result<(QuantNet, Provenance)> {
