@@ -153,10 +153,10 @@ __device__ void fx_i8_layer(const FxMlpI8Params& p, unsigned int l, const float*
         // Outputs in quads (the image pads `out` to a multiple of 4): a lane loads 16 bytes,
         // one input word of four consecutive outputs. Lanes per quad: as many as keep every
         // thread busy, at most a warp; each lane issues up to FX_I8_LOADS loads before it
-        // uses any, so 512 threads can issue a whole 256 × 256 layer (64 KB) before waiting
-        // (a first version, 256 threads each with one 4-byte load per step, took 26.4 us for
-        // the DQN at batch 1 on the H200; this layout 17.2 us, docs/PERFORMANCE.md). The quad's scales and biases are
-        // loaded with the weights, not after the sums.
+        // uses any, so 512 threads can issue a whole 256 × 256 layer (64 KB) before waiting:
+        // a batch-1 decision is bound by load latency, not bandwidth (the measured gain over
+        // one 4-byte load per thread and step is in docs/perf/). The quad's scales and biases
+        // are loaded with the weights, not after the sums.
         const unsigned int nq = (n_out + 3u) >> 2;
         unsigned int L = 1;
         while (L < 32u && nq * L * 2u <= blockDim.x) L <<= 1;

@@ -263,8 +263,8 @@ pub fn smem_bytes(p: &MlpI8Params, rows: u32) -> usize {
 /// Rows per block for a batch of `batch` on `sms` SMs: the fewest (1, 2, 4 or 8) that keep
 /// the grid within about one block per SM, so small batches spread over the GPU and large
 /// ones load each weight word once for several rows; fewer where shared memory is short.
-/// (On the H200 eight rows a block ran slower than a simpler one-output-per-thread layout
-/// did, docs/PERFORMANCE.md, session 9: the choice is kept, not tuned.)
+/// The rule is a choice, not a tuned optimum (measured rows-per-block trade-offs are in
+/// docs/perf/).
 pub fn rows_per_block(p: &MlpI8Params, batch: usize, sms: usize) -> u32 {
     let mut r = 1u32;
     while r < 8 && batch.div_ceil(r as usize) > sms.max(1) && smem_bytes(p, 2 * r) <= SMEM_LIMIT {
