@@ -204,24 +204,37 @@ pub struct DqnTrainer {
     sampled: u64,
     /// Host seconds building the loss (online and target forwards), for profiles.
     forward_seconds: f64,
-    /// The captured update (CUDA, `graph` not off), built at the first update.
+    /// Everything the trainer does differently on CUDA (fused update and forward, captured
+    /// update and iteration); empty until the first step on a CUDA device.
     #[cfg(feature = "cuda")]
+    accel: DqnAccel,
+}
+
+/// The DQN trainer's CUDA acceleration, in one place: each part is built lazily at the first
+/// step or update that can use it and dropped (or refused for the trainer's life) as the
+/// module docs say.
+#[cfg(feature = "cuda")]
+struct DqnAccel {
+    /// The captured update (CUDA, `graph` not off), built at the first update.
     graph: crate::graph_update::GraphSlot,
     /// The fused F32 update the graph captures (None: the candle update is captured).
-    #[cfg(feature = "cuda")]
     engine: Option<crate::dqn::fused::DqnFused>,
     /// The fused collection forward (CUDA, supported networks), built at the first step for
     /// the env's number of accounts; None: candle's forward.
-    #[cfg(feature = "cuda")]
     q_forward: Option<crate::mlp::DqnQForward>,
     /// Whole iterations as one graph (see `dqn::iteration`): built on the GPU env once the
     /// update is captured; None before, off, or after a failed `auto` capture.
-    #[cfg(feature = "cuda")]
     iteration: Option<crate::dqn::iteration::DqnIteration>,
     /// Whether whole-iteration graphs may be used (on by default; a failed `auto` capture
     /// turns them off for the trainer's life).
-    #[cfg(feature = "cuda")]
     iterations: bool,
+}
+
+#[cfg(feature = "cuda")]
+impl Default for DqnAccel {
+    fn default() -> Self {
+        Self { graph: Default::default(), engine: None, q_forward: None, iteration: None, iterations: true }
+    }
 }
 
 impl std::fmt::Debug for DqnTrainer {
@@ -261,15 +274,7 @@ impl DqnTrainer {
             sampled: 0,
             forward_seconds: 0.0,
             #[cfg(feature = "cuda")]
-            graph: Default::default(),
-            #[cfg(feature = "cuda")]
-            engine: None,
-            #[cfg(feature = "cuda")]
-            q_forward: None,
-            #[cfg(feature = "cuda")]
-            iteration: None,
-            #[cfg(feature = "cuda")]
-            iterations: true,
+            accel: DqnAccel::default(),
         })
     }
 
@@ -327,7 +332,7 @@ impl DqnTrainer {
     pub fn act(&self, env: &dyn VecEnv, eps: f64) -> Result<Tensor> {
         let obs = env.observe().ctx("DqnTrainer::act")?;
         #[cfg(feature = "cuda")]
-        if let Some(f) = self.q_forward.as_ref().filter(|f| f.rows() == env.num_envs()) {
+        if let Some(f) = self.accel.q_forward.as_ref().filter(|f| f.rows() == env.num_envs()) {
             return env.epsilon_greedy(&f.forward(&self.online, &obs)?, eps).ctx("DqnTrainer::act");
         }
         let q = self.online.forward_inference(&obs)?;
@@ -338,11 +343,11 @@ impl DqnTrainer {
     /// one the fused kernels cover (otherwise collection keeps candle's forward).
     #[cfg(feature = "cuda")]
     fn ensure_q_forward(&mut self, rows: usize) -> Result<()> {
-        let fits = self.q_forward.as_ref().is_some_and(|f| f.rows() == rows);
+        let fits = self.accel.q_forward.as_ref().is_some_and(|f| f.rows() == rows);
         if !fits && self.online.params().device().is_cuda() && crate::dqn::fused::DqnFused::supports(&self.online) {
             // A captured iteration reads the old forward's buffers: it goes first.
-            self.iteration = None;
-            self.q_forward = Some(crate::mlp::DqnQForward::new(&self.online, rows)?);
+            self.accel.iteration = None;
+            self.accel.q_forward = Some(crate::mlp::DqnQForward::new(&self.online, rows)?);
         }
         Ok(())
     }
@@ -358,16 +363,16 @@ impl DqnTrainer {
     /// same kernels, for comparisons and debugging.
     #[cfg(feature = "cuda")]
     pub fn set_iteration_graphs(&mut self, on: bool) {
-        self.iterations = on;
+        self.accel.iterations = on;
         if !on {
-            self.iteration = None;
+            self.accel.iteration = None;
         }
     }
 
     /// Whether a whole-iteration graph is captured (GPU-env steps then run as one).
     #[cfg(feature = "cuda")]
     pub fn iteration_graph_active(&self) -> bool {
-        self.iteration.is_some()
+        self.accel.iteration.is_some()
     }
 
     /// The counters a whole-iteration graph keeps on the device, as the host has them.
@@ -390,21 +395,21 @@ impl DqnTrainer {
         const CTX: &str = "DqnTrainer::step (iteration graph)";
         let Some(genv) = env.as_gpu() else { return Ok(None) };
         let on_cuda = self.online.params().device().is_cuda();
-        if !self.iterations || self.graph.decided(self.cfg.graph, on_cuda) != Some(true) {
+        if !self.accel.iterations || self.accel.graph.decided(self.cfg.graph, on_cuda) != Some(true) {
             return Ok(None);
         }
         let e = genv.num_envs();
-        if self.iteration.as_ref().is_some_and(|it| !it.fits(genv)) {
-            self.iteration = None;
+        if self.accel.iteration.as_ref().is_some_and(|it| !it.fits(genv)) {
+            self.accel.iteration = None;
         }
         self.ensure_q_forward(e)?;
-        if self.q_forward.as_ref().is_none_or(|f| f.rows() != e) {
+        if self.accel.q_forward.as_ref().is_none_or(|f| f.rows() != e) {
             return Ok(None);
         }
         let len_after = (self.replay.len() + e).min(self.replay.capacity());
         let train = self.update_round_due(len_after, self.env_steps + 1);
         let started = std::time::Instant::now();
-        if !self.iteration.as_ref().is_some_and(|it| it.has(train)) {
+        if !self.accel.iteration.as_ref().is_some_and(|it| it.has(train)) {
             let captured = self.capture_iteration(genv, train);
             let mode = self.cfg.graph;
             if crate::graph_update::settle_capture(mode, "DQN iteration", "stepping kernel by kernel", captured)?
@@ -417,7 +422,7 @@ impl DqnTrainer {
         let eps = self.epsilon();
         let g = self.cfg.gradient_steps;
         let before = self.loop_counters();
-        self.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.sync(before, &self.replay)?;
+        self.accel.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.sync(before, &self.replay)?;
         // The host's counters move as the replay will move the device's.
         self.env_steps += 1;
         self.replay.advance(e);
@@ -425,11 +430,12 @@ impl DqnTrainer {
             self.sampled += u64::from(g);
         }
         let after = self.loop_counters();
-        self.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.replay(train, after)?;
+        self.accel.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.replay(train, after)?;
         let (mut mean_reward, mut episodes_done) = (None, None);
         let (mut updates, mut updates_queued) = (Vec::new(), if train { g } else { 0 });
         if read {
             let (r, d) = self
+                .accel
                 .iteration
                 .as_ref()
                 .map(|it| it.rewards_and_dones())
@@ -463,13 +469,13 @@ impl DqnTrainer {
     #[cfg(feature = "cuda")]
     fn capture_iteration(&mut self, env: &fx_kernels::GpuTradingEnv, train: bool) -> Result<()> {
         const CTX: &str = "DqnTrainer::capture_iteration";
-        let mut it = match self.iteration.take() {
+        let mut it = match self.accel.iteration.take() {
             Some(it) => it,
             None => crate::dqn::iteration::DqnIteration::new(env, self.cfg.batch_size)?,
         };
         let captured = {
-            let q_forward = self.q_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
-            let g = self.graph.get(CTX)?;
+            let q_forward = self.accel.q_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
+            let g = self.accel.graph.get(CTX)?;
             let mut body = self.graph_body();
             let parts = crate::dqn::iteration::IterationParts {
                 env,
@@ -483,7 +489,7 @@ impl DqnTrainer {
             it.capture(parts)
         };
         captured?;
-        self.iteration = Some(it);
+        self.accel.iteration = Some(it);
         Ok(())
     }
 
@@ -551,7 +557,7 @@ impl DqnTrainer {
     /// control block; nothing to do for eager updates, whose counters are always current).
     pub fn sync_counters(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(st) = self.graph.stats()? {
+        if let Some(st) = self.accel.graph.stats()? {
             self.take_counters(&st);
         }
         Ok(())
@@ -628,13 +634,13 @@ impl DqnTrainer {
     /// over the optimiser, scaler and guard state from the eager `TrainStep`.
     #[cfg(feature = "cuda")]
     pub fn graph_ready(&mut self, example: DqnBatch<'_>) -> Result<bool> {
-        if let Some(ready) = self.graph.decided(self.cfg.graph, self.online.params().device().is_cuda()) {
+        if let Some(ready) = self.accel.graph.decided(self.cfg.graph, self.online.params().device().is_cuda()) {
             return Ok(ready);
         }
         let captured = self.capture_graph(example);
-        let ready = self.graph.settle(self.cfg.graph, "DQN", captured)?;
+        let ready = self.accel.graph.settle(self.cfg.graph, "DQN", captured)?;
         if !ready {
-            self.engine = None;
+            self.accel.engine = None;
         }
         Ok(ready)
     }
@@ -659,11 +665,11 @@ impl DqnTrainer {
         .ctx(CTX)?;
         fused.load_from(&self.step).ctx(CTX)?;
         // F32 / BF16: the fused update (~30 launches); F16: candle's update, captured.
-        self.engine = None;
+        self.accel.engine = None;
         if self.cfg.precision != Precision::F16 && crate::dqn::fused::DqnFused::supports(&self.online) {
             let b = ex.obs.dim(0).ctx(CTX)?;
             let (g, d, p) = (self.cfg.gamma, self.cfg.huber_delta, self.cfg.precision);
-            self.engine = Some(crate::dqn::fused::DqnFused::new(&self.online, &self.target, b, g, d, p)?);
+            self.accel.engine = Some(crate::dqn::fused::DqnFused::new(&self.online, &self.target, b, g, d, p)?);
         }
         let mut body = self.graph_body();
         crate::graph_update::GraphUpdate::capture(
@@ -675,7 +681,7 @@ impl DqnTrainer {
 
     #[cfg(feature = "cuda")]
     fn graph_body(&self) -> Box<crate::graph_update::Body<'_>> {
-        if let Some(engine) = &self.engine {
+        if let Some(engine) = &self.accel.engine {
             return Box::new(move |fused, t, dry| {
                 if t[0].dim(0).ctx("DqnTrainer graph body")? != engine.batch() {
                     return Err(Error::config(
@@ -699,7 +705,7 @@ impl DqnTrainer {
     /// [`DqnTrainer::update`] reads the step's statistics). Needs [`DqnTrainer::graph_ready`].
     #[cfg(feature = "cuda")]
     pub fn update_queued(&self, batch: DqnBatch<'_>) -> Result<()> {
-        let g = self.graph.get("DqnTrainer::update_queued")?;
+        let g = self.accel.graph.get("DqnTrainer::update_queued")?;
         let mut body = self.graph_body();
         g.run(&[batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.dones], &mut body)
     }
@@ -707,7 +713,7 @@ impl DqnTrainer {
     /// Nodes (launches) of the captured update, if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_nodes(&self) -> Result<Option<usize>> {
-        self.graph.node_count()
+        self.accel.graph.node_count()
     }
 
     /// The last graph update's statistics (one read of the device control block); the
@@ -715,7 +721,7 @@ impl DqnTrainer {
     #[cfg(feature = "cuda")]
     fn graph_update_stats(&mut self) -> Result<DqnUpdateStats> {
         const CTX: &str = "DqnTrainer::graph_update_stats";
-        let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
+        let st = self.accel.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
         self.take_counters(&st);
         Ok(DqnUpdateStats {
             loss: st.last_loss,
@@ -730,7 +736,7 @@ impl DqnTrainer {
     /// For tests and debugging; needs [`DqnTrainer::graph_ready`].
     #[cfg(feature = "cuda")]
     pub fn update_uncaptured(&mut self, batch: DqnBatch<'_>) -> Result<DqnUpdateStats> {
-        let g = self.graph.get("DqnTrainer::update_uncaptured")?;
+        let g = self.accel.graph.get("DqnTrainer::update_uncaptured")?;
         {
             let mut body = self.graph_body();
             g.run_uncaptured(&[batch.obs, batch.actions, batch.rewards, batch.next_obs, batch.dones], &mut body)?;
@@ -741,7 +747,7 @@ impl DqnTrainer {
     /// The captured update's device-side statistics (one read), if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_stats(&self) -> Result<Option<fx_precision::FusedStats>> {
-        self.graph.stats()
+        self.accel.graph.stats()
     }
 
     /// Writes everything a bit-identical resume needs (CPU): online and target weights,
@@ -760,7 +766,7 @@ impl DqnTrainer {
         t.extend(self.target.params().to_tensors("target.")?);
         let mut meta = HashMap::new();
         #[cfg(feature = "cuda")]
-        let saved = self.graph.save_state(&mut t, &mut meta, "opt.")?;
+        let saved = self.accel.graph.save_state(&mut t, &mut meta, "opt.")?;
         #[cfg(not(feature = "cuda"))]
         let saved = false;
         if !saved {
@@ -782,7 +788,7 @@ impl DqnTrainer {
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let (mut updates, mut skipped_updates) = (self.updates, self.skipped_updates);
         #[cfg(feature = "cuda")]
-        if let Some(st) = self.graph.stats()? {
+        if let Some(st) = self.accel.graph.stats()? {
             (updates, skipped_updates) = (st.guard.applied, st.guard.skipped());
         }
         let counters = DqnCounters {

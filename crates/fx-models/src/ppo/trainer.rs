@@ -186,31 +186,50 @@ pub struct PpoTrainer {
     forward_seconds: f64,
     /// Host seconds of the update's phases, for profiles.
     phases: UpdatePhases,
-    /// The captured minibatch update (CUDA, `graph` not off), built at the first update.
+    /// Everything the trainer does differently on CUDA (fused update and forward, captured
+    /// update, rollout and epochs); empty until the first step on a CUDA device.
     #[cfg(feature = "cuda")]
+    accel: PpoAccel,
+}
+
+/// The PPO trainer's CUDA acceleration, in one place: each part is built lazily at the first
+/// step or update that can use it and dropped (or refused for the trainer's life) as the
+/// module docs say.
+#[cfg(feature = "cuda")]
+struct PpoAccel {
+    /// The captured minibatch update (CUDA, `graph` not off), built at the first update.
     graph: crate::graph_update::GraphSlot,
     /// The fused F32 update the graph captures (None: the candle update is captured).
-    #[cfg(feature = "cuda")]
     engine: Option<crate::ppo::fused::PpoFused>,
     /// The fused rollout forward (CUDA), built at the first collection step for the env's
     /// number of accounts; None: candle's forward.
-    #[cfg(feature = "cuda")]
     rollout_forward: Option<crate::mlp::PpoForward>,
     /// The whole rollout as one graph (GPU env, fused forward, `graph` not off), built at
     /// the first rollout; None before, or off.
-    #[cfg(feature = "cuda")]
     rollout_graph: Option<crate::ppo::rollout::RolloutGraph>,
     /// Whether whole-rollout graphs may be used (on by default; a failed `auto` capture
     /// turns them off for the trainer's life).
-    #[cfg(feature = "cuda")]
     rollout_graphs: bool,
     /// An iteration's epochs × minibatch updates as one graph (built at the first update
     /// with a captured minibatch update); None before, or off.
-    #[cfg(feature = "cuda")]
     epochs_graph: Option<crate::ppo::epochs::EpochsGraph>,
     /// Whether epochs graphs may be used (as `rollout_graphs`).
-    #[cfg(feature = "cuda")]
     epochs_graphs: bool,
+}
+
+#[cfg(feature = "cuda")]
+impl Default for PpoAccel {
+    fn default() -> Self {
+        Self {
+            graph: Default::default(),
+            engine: None,
+            rollout_forward: None,
+            rollout_graph: None,
+            rollout_graphs: true,
+            epochs_graph: None,
+            epochs_graphs: true,
+        }
+    }
 }
 
 impl std::fmt::Debug for PpoTrainer {
@@ -249,19 +268,7 @@ impl PpoTrainer {
             forward_seconds: 0.0,
             phases: UpdatePhases::default(),
             #[cfg(feature = "cuda")]
-            graph: Default::default(),
-            #[cfg(feature = "cuda")]
-            engine: None,
-            #[cfg(feature = "cuda")]
-            rollout_forward: None,
-            #[cfg(feature = "cuda")]
-            rollout_graph: None,
-            #[cfg(feature = "cuda")]
-            rollout_graphs: true,
-            #[cfg(feature = "cuda")]
-            epochs_graph: None,
-            #[cfg(feature = "cuda")]
-            epochs_graphs: true,
+            accel: PpoAccel::default(),
         })
     }
 
@@ -335,16 +342,16 @@ impl PpoTrainer {
     /// CUDA rollout launches its steps one by one: the same kernels, for comparisons.
     #[cfg(feature = "cuda")]
     pub fn set_rollout_graphs(&mut self, on: bool) {
-        self.rollout_graphs = on;
+        self.accel.rollout_graphs = on;
         if !on {
-            self.rollout_graph = None;
+            self.accel.rollout_graph = None;
         }
     }
 
     /// Whether a whole-rollout graph is captured (GPU-env rollouts then run as one).
     #[cfg(feature = "cuda")]
     pub fn rollout_graph_active(&self) -> bool {
-        self.rollout_graph.is_some()
+        self.accel.rollout_graph.is_some()
     }
 
     /// Collects a whole rollout as one replayed graph when it can (CUDA, the GPU env, the
@@ -355,18 +362,18 @@ impl PpoTrainer {
         const CTX: &str = "PpoTrainer::iterate (rollout graph)";
         let Some(genv) = env.as_gpu() else { return Ok(false) };
         let on_cuda = self.model.params().device().is_cuda();
-        if !self.rollout_graphs || self.cfg.graph == GraphMode::Off || !on_cuda {
+        if !self.accel.rollout_graphs || self.cfg.graph == GraphMode::Off || !on_cuda {
             return Ok(false);
         }
         if !crate::ppo::fused::PpoFused::supports(&self.model) || genv.num_envs() != self.num_envs {
             return Ok(false);
         }
-        if self.rollout_graph.as_ref().is_some_and(|g| !g.fits(genv)) {
-            self.rollout_graph = None;
+        if self.accel.rollout_graph.as_ref().is_some_and(|g| !g.fits(genv)) {
+            self.accel.rollout_graph = None;
         }
-        if self.rollout_graph.is_none() {
+        if self.accel.rollout_graph.is_none() {
             self.ensure_rollout_forward(self.num_envs)?;
-            let forward = self.rollout_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
+            let forward = self.accel.rollout_forward.as_ref().ok_or_else(|| Error::config(CTX, "no fused forward"))?;
             let captured = crate::ppo::rollout::RolloutGraph::capture(genv, forward, &self.model, &self.rollout);
             match crate::graph_update::settle_capture(
                 self.cfg.graph,
@@ -374,14 +381,14 @@ impl PpoTrainer {
                 "collecting step by step",
                 captured,
             )? {
-                Some(g) => self.rollout_graph = Some(g),
+                Some(g) => self.accel.rollout_graph = Some(g),
                 None => {
-                    self.rollout_graphs = false;
+                    self.accel.rollout_graphs = false;
                     return Ok(false);
                 }
             }
         }
-        let g = self.rollout_graph.as_ref().ok_or_else(|| Error::config(CTX, "no rollout graph"))?;
+        let g = self.accel.rollout_graph.as_ref().ok_or_else(|| Error::config(CTX, "no rollout graph"))?;
         g.replay()?;
         let t = self.rollout.horizon();
         self.rollout.record_rows(t);
@@ -416,10 +423,10 @@ impl PpoTrainer {
     /// Builds the fused rollout forward for `rows` accounts unless it has them (CUDA).
     #[cfg(feature = "cuda")]
     fn ensure_rollout_forward(&mut self, rows: usize) -> Result<()> {
-        if self.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
+        if self.accel.rollout_forward.as_ref().is_none_or(|f| f.rows() != rows) {
             // A captured rollout reads the old forward's buffers: it goes first.
-            self.rollout_graph = None;
-            self.rollout_forward = Some(crate::mlp::PpoForward::new(&self.model, rows)?);
+            self.accel.rollout_graph = None;
+            self.accel.rollout_forward = Some(crate::mlp::PpoForward::new(&self.model, rows)?);
         }
         Ok(())
     }
@@ -432,7 +439,7 @@ impl PpoTrainer {
         #[cfg(feature = "cuda")]
         if obs.device().is_cuda() && crate::ppo::fused::PpoFused::supports(&self.model) {
             self.ensure_rollout_forward(obs.dim(0).ctx("PpoTrainer::rollout_forward")?)?;
-            if let Some(f) = &self.rollout_forward {
+            if let Some(f) = &self.accel.rollout_forward {
                 return f.forward(&self.model, obs);
             }
         }
@@ -483,8 +490,8 @@ impl PpoTrainer {
                 perms.extend(permutation(n, self.cfg.seed, self.epochs_done + e));
             }
             launched = std::time::Instant::now();
-            self.graph.reset_sums()?;
-            let eg = self.epochs_graph.as_ref().ok_or_else(|| Error::config(CTX, "no epochs graph"))?;
+            self.accel.graph.reset_sums()?;
+            let eg = self.accel.epochs_graph.as_ref().ok_or_else(|| Error::config(CTX, "no epochs graph"))?;
             eg.run(&perms, &adv, &ret, [&obs, &actions, &logp])?;
             // Counted once the epochs are queued, so a failed replay leaves the counter as it was.
             self.epochs_done += self.cfg.epochs as u64;
@@ -507,7 +514,7 @@ impl PpoTrainer {
                 {
                     if !queued && self.graph_ready(batch)? {
                         queued = true;
-                        self.graph.reset_sums()?;
+                        self.accel.graph.reset_sums()?;
                     }
                     if queued {
                         self.update_queued(batch)?;
@@ -537,7 +544,7 @@ impl PpoTrainer {
         let mut mean = sum.scaled(1.0 / count.max(1) as f64);
         #[cfg(feature = "cuda")]
         if queued {
-            let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
+            let st = self.accel.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
             (self.updates, self.skipped_updates) = (st.guard.applied, st.guard.skipped());
             skipped = (self.skipped_updates - skipped_before) as u32;
             // The device's sums cover the applied steps, `loss_count` of them.
@@ -587,7 +594,7 @@ impl PpoTrainer {
         #[cfg(feature = "cuda")]
         if self.graph_ready(batch)? {
             self.update_queued(batch)?;
-            let st = self.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
+            let st = self.accel.graph.stats()?.ok_or_else(|| Error::config(CTX, "no captured graph"))?;
             self.updates = st.guard.applied;
             self.skipped_updates = st.guard.skipped();
             let d = st.extra_last;
@@ -634,11 +641,11 @@ impl PpoTrainer {
     #[cfg(feature = "cuda")]
     fn epochs_graph_ready(&mut self, obs: &Tensor, actions: &Tensor, logp: &Tensor) -> Result<bool> {
         const CTX: &str = "PpoTrainer::epochs_graph_ready";
-        if self.epochs_graph.is_some() {
+        if self.accel.epochs_graph.is_some() {
             return Ok(true);
         }
         let (n, mb) = (obs.dim(0).ctx(CTX)?, self.cfg.minibatch_size);
-        if !self.epochs_graphs || mb.min(n) < 2 {
+        if !self.accel.epochs_graphs || mb.min(n) < 2 {
             return Ok(false);
         }
         // The minibatch update graph first (any minibatch's shapes do as its example).
@@ -646,11 +653,11 @@ impl PpoTrainer {
         let (o, a, lp) = (rows(obs)?, rows(actions)?, rows(logp)?);
         let ex = PpoBatch { obs: &o, actions: &a, logp_old: &lp, advantages: &lp, returns: &lp };
         if !self.graph_ready(ex)? {
-            self.epochs_graphs = false;
+            self.accel.epochs_graphs = false;
             return Ok(false);
         }
         let captured = {
-            let g = self.graph.get(CTX)?;
+            let g = self.accel.graph.get(CTX)?;
             let mut body = self.graph_body();
             crate::ppo::epochs::EpochsGraph::capture(g.fused(), &mut body, obs, actions, logp, self.cfg.epochs, mb)
         };
@@ -658,11 +665,11 @@ impl PpoTrainer {
         match crate::graph_update::settle_capture(self.cfg.graph, what, "replaying the update per minibatch", captured)?
         {
             Some(g) => {
-                self.epochs_graph = Some(g);
+                self.accel.epochs_graph = Some(g);
                 Ok(true)
             }
             None => {
-                self.epochs_graphs = false;
+                self.accel.epochs_graphs = false;
                 Ok(false)
             }
         }
@@ -672,16 +679,16 @@ impl PpoTrainer {
     /// (tests compare it with the per-minibatch replays); forbidding drops a captured one.
     #[cfg(feature = "cuda")]
     pub fn set_epoch_graphs(&mut self, on: bool) {
-        self.epochs_graphs = on;
+        self.accel.epochs_graphs = on;
         if !on {
-            self.epochs_graph = None;
+            self.accel.epochs_graph = None;
         }
     }
 
     /// Whether the last update ran as one epochs graph.
     #[cfg(feature = "cuda")]
     pub fn epochs_graph_active(&self) -> bool {
-        self.epochs_graph.is_some()
+        self.accel.epochs_graph.is_some()
     }
 
     /// Sets `graph` (e.g. after [`Self::load_state`], whose config is the saved one).
@@ -695,13 +702,13 @@ impl PpoTrainer {
     /// takes over the optimiser, scaler and guard state from the eager `TrainStep`.
     #[cfg(feature = "cuda")]
     pub fn graph_ready(&mut self, example: PpoBatch<'_>) -> Result<bool> {
-        if let Some(ready) = self.graph.decided(self.cfg.graph, self.model.params().device().is_cuda()) {
+        if let Some(ready) = self.accel.graph.decided(self.cfg.graph, self.model.params().device().is_cuda()) {
             return Ok(ready);
         }
         let captured = self.capture_graph(example);
-        let ready = self.graph.settle(self.cfg.graph, "PPO", captured)?;
+        let ready = self.accel.graph.settle(self.cfg.graph, "PPO", captured)?;
         if !ready {
-            self.engine = None;
+            self.accel.engine = None;
         }
         Ok(ready)
     }
@@ -720,13 +727,13 @@ impl PpoTrainer {
         .ctx(CTX)?;
         fused.load_from(&self.step).ctx(CTX)?;
         // F32 with U32 actions: the fused update (~40 launches); otherwise candle's update, captured.
-        self.engine = None;
+        self.accel.engine = None;
         if self.cfg.precision == Precision::F32
             && ex.actions.dtype() == DType::U32
             && crate::ppo::fused::PpoFused::supports(&self.model)
         {
             let b = ex.obs.dim(0).ctx(CTX)?;
-            self.engine = Some(crate::ppo::fused::PpoFused::new(&self.model, b, self.cfg.loss)?);
+            self.accel.engine = Some(crate::ppo::fused::PpoFused::new(&self.model, b, self.cfg.loss)?);
         }
         let mut body = self.graph_body();
         crate::graph_update::GraphUpdate::capture(
@@ -738,7 +745,7 @@ impl PpoTrainer {
 
     #[cfg(feature = "cuda")]
     fn graph_body(&self) -> Box<crate::graph_update::Body<'_>> {
-        let engine = self.engine.as_ref();
+        let engine = self.accel.engine.as_ref();
         Box::new(move |fused, t, dry| {
             const CTX: &str = "PpoTrainer graph body";
             // Minibatches of another size (an epoch's last chunk) take candle's update,
@@ -757,7 +764,7 @@ impl PpoTrainer {
     /// [`PpoTrainer::update_minibatch`] reads the statistics). Needs [`PpoTrainer::graph_ready`].
     #[cfg(feature = "cuda")]
     pub fn update_queued(&self, batch: PpoBatch<'_>) -> Result<()> {
-        let g = self.graph.get("PpoTrainer::update_queued")?;
+        let g = self.accel.graph.get("PpoTrainer::update_queued")?;
         let mut body = self.graph_body();
         g.run(&[batch.obs, batch.actions, batch.logp_old, batch.advantages, batch.returns], &mut body)
     }
@@ -765,13 +772,13 @@ impl PpoTrainer {
     /// Nodes (launches) of the captured update, if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_nodes(&self) -> Result<Option<usize>> {
-        self.graph.node_count()
+        self.accel.graph.node_count()
     }
 
     /// The captured update's device-side statistics (one read), if a graph is in use.
     #[cfg(feature = "cuda")]
     pub fn graph_stats(&self) -> Result<Option<fx_precision::FusedStats>> {
-        self.graph.stats()
+        self.accel.graph.stats()
     }
 
     /// Writes weights, Adam state, loss-scaler and guard state, counters and config
@@ -791,7 +798,7 @@ impl PpoTrainer {
         let mut t: HashMap<String, Tensor> = self.model.params().to_tensors("model.")?;
         let mut meta = HashMap::new();
         #[cfg(feature = "cuda")]
-        let saved = self.graph.save_state(&mut t, &mut meta, "opt.")?;
+        let saved = self.accel.graph.save_state(&mut t, &mut meta, "opt.")?;
         #[cfg(not(feature = "cuda"))]
         let saved = false;
         if !saved {
