@@ -81,7 +81,9 @@ fn bf16_parity() {
     assert!(e <= 2e-2, "bf16 whole-gradient rel err {e}");
 }
 
-fn small_cfg() -> Mamba2Config {
+/// A small model with two groups, a chunk that does not divide the test sequences and a
+/// conv shorter than the default (shared by the step's tests).
+pub(crate) fn small_cfg() -> Mamba2Config {
     Mamba2Config {
         n_in: 5,
         d_model: 8,

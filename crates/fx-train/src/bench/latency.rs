@@ -233,23 +233,6 @@ pub(crate) fn time_calls<T>(
     Ok(ts)
 }
 
-/// Device time of one `call` (a kernel launch, nothing synchronous): 64 calls captured in
-/// one CUDA graph, whose replays run them back to back with no host in between, timed by an
-/// event pair per replay; the median of 20 replays over 64, in microseconds.
-#[cfg(feature = "cuda")]
-fn kernel_device_us(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
-    const CALLS: usize = 64;
-    let graph = fx_precision::CapturedGraph::capture(dev, 1, |_dry| {
-        for _ in 0..CALLS {
-            call().map_err(|e| fx_precision::Error::Cuda { context: "kernel_device_us", message: format!("{e:#}") })?;
-        }
-        Ok(())
-    })?;
-    let timer = super::timing::StepTimer::for_device(dev)?;
-    let (ts, _) = timer.time_steps(dev, 20, || Ok(graph.replay()?))?;
-    Ok(pct(&ts, 50.0) * 1e3 / CALLS as f64)
-}
-
 #[cfg(feature = "cuda")]
 use fx_models::mlp::cuda::MlpKernel;
 
@@ -281,7 +264,7 @@ fn time_bound(
     bound.launch()?;
     rec.insert("matches_eager".into(), json!(out.to_vec1::<u32>()? == eager));
     let ts = time_calls(dev, warm, n, true, || Ok(bound.launch()?))?;
-    let kernel = kernel_device_us(dev, || Ok(bound.launch()?))?;
+    let kernel = super::timing::kernel_device_us(dev, || Ok(bound.launch()?))?;
     rec.insert("kernel_us".into(), json!(round(kernel, 2)));
     Ok((ts, out))
 }
@@ -372,7 +355,7 @@ pub(crate) fn latency_case(ctx: &mut Ctx, model: Model, mode: LatencyMode, rec: 
                 block.set_kernel(MlpKernel::BlockPerRow)?;
                 let block = block.bind(&x, &out, None)?;
                 let tb = time_calls(&dev, warm, n, true, || Ok(block.launch()?))?;
-                let kb = kernel_device_us(&dev, || Ok(block.launch()?))?;
+                let kb = super::timing::kernel_device_us(&dev, || Ok(block.launch()?))?;
                 rec.insert("block_per_row_p50_us".into(), json!(round(pct(&tb, 50.0), 2)));
                 rec.insert("block_per_row_p99_us".into(), json!(round(pct(&tb, 99.0), 2)));
                 rec.insert("block_per_row_kernel_us".into(), json!(round(kb, 2)));
@@ -484,7 +467,7 @@ pub(crate) fn throughput_case(
         LatencyMode::FusedInt8 => {
             let policy = net.quant()?.cuda_policy(&dev)?;
             let out = Tensor::zeros(batch, DType::U32, &dev)?;
-            let kernel = kernel_device_us(&dev, || Ok(policy.greedy_into(&x, &out, None)?))?;
+            let kernel = super::timing::kernel_device_us(&dev, || Ok(policy.greedy_into(&x, &out, None)?))?;
             rec.insert("kernel_us".into(), json!(round(kernel, 2)));
             time_calls(&dev, warm, n, true, || Ok(policy.greedy_into(&x, &out, None)?))?
         }

@@ -363,7 +363,7 @@ fn mamba2_fused(dev: &Device, graph: bool, n_warm: usize, n: usize, rec: &mut Re
     );
     rec.insert("launches_per_call".into(), json!(1));
     // The kernel's own device time; the rest of p50 is the launch (or replay) and the sync.
-    let us = kernel_device_us(dev, || Ok(dec.step(&x).map(|_| ())?))?;
+    let us = super::timing::kernel_device_us(dev, || Ok(dec.step(&x).map(|_| ())?))?;
     rec.insert("kernel_us".into(), json!(round(us, 2)));
     dec.load_state(&prefill)?;
     let mut body = |_dry: bool| -> Result<()> {
@@ -376,23 +376,6 @@ fn mamba2_fused(dev: &Device, graph: bool, n_warm: usize, n: usize, rec: &mut Re
 #[cfg(not(feature = "cuda"))]
 fn mamba2_fused(_dev: &Device, _graph: bool, _warm: usize, _n: usize, _rec: &mut Record) -> Result<Vec<f64>> {
     anyhow::bail!("fused modes need a build with the cuda feature")
-}
-
-/// Device time of one `call` (a launch, nothing synchronous), as `latency.rs` measures its
-/// kernels: 64 calls captured in one CUDA graph, replayed back to back with an event pair per
-/// replay; the median of 20 replays over 64, in microseconds.
-#[cfg(feature = "cuda")]
-fn kernel_device_us(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
-    const CALLS: usize = 64;
-    let graph = fx_precision::CapturedGraph::capture(dev, 1, |_dry| {
-        for _ in 0..CALLS {
-            call().map_err(|e| fx_precision::Error::Cuda { context: "kernel_device_us", message: format!("{e:#}") })?;
-        }
-        Ok(())
-    })?;
-    let timer = super::timing::StepTimer::for_device(dev)?;
-    let (ts, _) = timer.time_steps(dev, 20, || Ok(graph.replay()?))?;
-    Ok(pct(&ts, 50.0) * 1e3 / CALLS as f64)
 }
 
 /// Times `n` calls of `body` (after `warm`), each up to a device synchronisation, in µs;

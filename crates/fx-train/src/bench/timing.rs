@@ -84,6 +84,23 @@ impl StepTimer {
     }
 }
 
+/// Device time of one `call` (a kernel launch, nothing synchronous): 64 calls captured in
+/// one CUDA graph, whose replays run them back to back with no host in between, timed by an
+/// event pair per replay; the median of 20 replays over 64, in microseconds.
+#[cfg(feature = "cuda")]
+pub(crate) fn kernel_device_us(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
+    const CALLS: usize = 64;
+    let graph = fx_precision::CapturedGraph::capture(dev, 1, |_dry| {
+        for _ in 0..CALLS {
+            call().map_err(|e| fx_precision::Error::Cuda { context: "kernel_device_us", message: format!("{e:#}") })?;
+        }
+        Ok(())
+    })?;
+    let timer = StepTimer::for_device(dev)?;
+    let (ts, _) = timer.time_steps(dev, 20, || Ok(graph.replay()?))?;
+    Ok(pct(&ts, 50.0) * 1e3 / CALLS as f64)
+}
+
 /// The `p`-th percentile with linear interpolation between order statistics (bench.py's
 /// `pct`, NumPy's default). `xs` must not be empty.
 pub(crate) fn pct(xs: &[f64], p: f64) -> f64 {

@@ -304,6 +304,7 @@ impl Backend for CpuBackend {
 
 #[cfg(test)]
 mod tests {
+    use crate::mamba2::tests::small_cfg;
     use candle_core::{Device, Var};
 
     use super::*;
@@ -367,21 +368,6 @@ mod tests {
         let x = Tensor::from_vec(v(b * l * n, 1), (b, l, n), &Device::Cpu).unwrap();
         let t = (Tensor::from_vec(v(b * l, 2), (b, l), &Device::Cpu).unwrap() * 0.01).unwrap();
         (x, t)
-    }
-
-    fn small_cfg() -> Mamba2Config {
-        Mamba2Config {
-            n_in: 5,
-            d_model: 8,
-            n_layer: 2,
-            expand: 2,
-            d_state: 4,
-            headdim: 4,
-            ngroups: 2,
-            d_conv: 3,
-            chunk_size: 5,
-            norm_eps: 1e-5,
-        }
     }
 
     /// The plan (f64 references) equals candle's autograd on a small model with two groups, a
