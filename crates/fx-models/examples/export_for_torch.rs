@@ -19,7 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fixtures = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures"));
     let dev = Device::Cpu;
 
-    let fx = fx_models::param_io::read_safetensors(&fixtures.join("dqn.safetensors"), &dev)?;
+    let fx = fx_models::params::read_safetensors(&fixtures.join("dqn.safetensors"), &dev)?;
     let cfg = DqnNetConfig { hidden: 64, ..Default::default() };
     let net = DuelingDqn::new(cfg, &dev, 1)?;
     net.params().assign_from(&fx, "dqn.safetensors", "", false)?;
@@ -27,12 +27,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fresh = DuelingDqn::new(cfg, &dev, 42)?;
     fresh.save(&out.join("dqn_fx_init.safetensors"))?;
     let q = fresh.forward_inference(&fx["in.obs"])?;
-    fx_models::param_io::write_safetensors(
+    fx_models::params::write_safetensors(
         &HashMap::from([("q".to_string(), q)]),
         &out.join("dqn_fx_init_out.safetensors"),
     )?;
 
-    let fx = fx_models::param_io::read_safetensors(&fixtures.join("ppo.safetensors"), &dev)?;
+    let fx = fx_models::params::read_safetensors(&fixtures.join("ppo.safetensors"), &dev)?;
     let cfg = PpoNetConfig { hidden: 64, ..Default::default() };
     let m = ActorCritic::new(cfg, &dev, 1)?;
     m.params().assign_from(&fx, "ppo.safetensors", "", false)?;
@@ -40,7 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fresh = ActorCritic::new(cfg, &dev, 43)?;
     fresh.save(&out.join("ppo_fx_init.safetensors"))?;
     let (logits, value) = fresh.forward_inference(&fx["in.obs"])?;
-    fx_models::param_io::write_safetensors(
+    fx_models::params::write_safetensors(
         &HashMap::from([("logits".to_string(), logits), ("value".to_string(), value)]),
         &out.join("ppo_fx_init_out.safetensors"),
     )?;

@@ -30,9 +30,9 @@
 //!   `update(batch)`, `save_state`/`load_state` (bit-identical resume on the CPU);
 //! - [`ppo::trainer`]: [`PpoTrainer`] — `collect_step(env)` / `update(env)` or
 //!   `iterate(env)`, `update_minibatch(batch)`, `save_state`/`load_state`;
-//! - [`param_io`]: [`ParamSet`], the named F32 variables (a candle `VarMap`) with strict
-//!   safetensors load/save; [`LinearSchedule`] (ε, from fx-kernels, whose captured
-//!   collection kernel computes it on the device);
+//! - [`params`]: [`ParamStore`], every model's named F32 parameters (spec names outside,
+//!   stacked tensors inside) with strict safetensors load/save; [`LinearSchedule`] (ε, from
+//!   fx-kernels, whose captured collection kernel computes it on the device);
 //! - [`backtest`]: a policy replayed over held-out rows, with trading statistics.
 
 // The CPU references and decision paths index loops over rows, heads and channels to mirror
@@ -49,7 +49,7 @@ mod graph_update;
 mod linear;
 pub mod mamba2;
 pub mod mlp;
-pub mod param_io;
+pub mod params;
 pub mod ppo;
 pub mod seq;
 mod state_meta;
@@ -72,7 +72,7 @@ pub use error::{Error, Result};
 pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
 #[cfg(feature = "cuda")]
 pub use mlp::{DqnQForward, PpoForward};
-pub use param_io::{ParamSet, ParamSpec};
+pub use params::{ParamSpec, ParamStore};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
 
 pub use fx_kernels::LinearSchedule;

@@ -7,11 +7,11 @@ use proptest::prelude::*;
 
 use crate::dqn::{dqn_loss, DqnBatch, DqnNetConfig, DuelingDqn};
 use crate::fixtures::rel_err;
-use crate::param_io::ParamSet;
+use crate::params::ParamStore;
 use crate::ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoNetConfig};
 
 /// Parameters of `set` as f64 vectors, in spec order.
-fn params(set: &ParamSet) -> Vec<Vec<f64>> {
+fn params(set: &ParamStore) -> Vec<Vec<f64>> {
     set.vars()
         .iter()
         .map(|v| v.as_tensor().flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1().unwrap())

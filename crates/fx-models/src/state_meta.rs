@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::param_io::ParamSpec;
+use crate::params::ParamSpec;
 
 /// Counters with a layout version.
 pub(crate) trait Versioned {

@@ -74,8 +74,8 @@ fn dqn_cfg_p(graph: GraphMode, precision: fx_precision::Precision) -> DqnConfig 
 }
 
 fn max_param_err(a: &DqnTrainer, b: &DqnTrainer) -> f64 {
-    let pa = a.online().params().vars().iter().chain(a.target().params().vars());
-    let pb = b.online().params().vars().iter().chain(b.target().params().vars());
+    let pa = a.online().params().vars().into_iter().chain(a.target().params().vars());
+    let pb = b.online().params().vars().into_iter().chain(b.target().params().vars());
     pa.zip(pb).map(|(x, y)| rel(x.as_tensor(), y.as_tensor())).fold(0.0, f64::max)
 }
 

@@ -108,14 +108,14 @@ impl FloatNet {
         Self::from_params(PolicyKind::Ppo, net.params())
     }
 
-    fn from_params(kind: PolicyKind, params: &fx_models::ParamSet) -> Result<Self> {
+    fn from_params(kind: PolicyKind, params: &fx_models::ParamStore) -> Result<Self> {
         let mut layers = Vec::new();
         for name in kind.layer_names() {
             let get = |suffix: &str| {
                 let full = format!("{name}.{suffix}");
-                let var = params
-                    .get(&full)
-                    .ok_or_else(|| Error::invalid("network", format!("{} parameters lack {full}", params.model())))?;
+                let var = params.get(&full).ok_or_else(|| {
+                    Error::invalid("network", format!("{} parameters lack {full}", params.model_name()))
+                })?;
                 Ok::<_, Error>((host(var.as_tensor(), &full)?, var.as_tensor().dims().to_vec()))
             };
             let (weight, wdims) = get("weight")?;

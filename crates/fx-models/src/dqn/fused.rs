@@ -330,10 +330,9 @@ mod tests {
             // reached 1.24e-1 at batch 37, width 64 on the H200 (a fresh seed each run).
             for (precision, tol) in [(Precision::F32, 1e-5), (Precision::Bf16, 2e-1)] {
                 let engine = DqnFused::new(&online, &target, b, 0.99, 1.0, precision).unwrap();
-                let named =
-                    online.params().specs().iter().map(|p| p.name.clone()).zip(online.params().vars().iter().cloned());
+                let named = online.params().named_vars();
                 let scaler = GradScaler::for_precision(precision);
-                let fused = FusedStep::new(named.collect(), &AdamWConfig::default(), &scaler, Some(10.0)).unwrap();
+                let fused = FusedStep::new(named, &AdamWConfig::default(), &scaler, Some(10.0)).unwrap();
                 let before: Vec<Vec<f32>> = online
                     .params()
                     .vars()

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
 use crate::linear::linear;
-use crate::param_io::{linear_specs, ParamSet, ParamSpec};
+use crate::params::{linear_specs, ParamSpec, ParamStore};
 
 /// Network dimensions of the dueling DQN (defaults: MODELS.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,7 +73,7 @@ impl DqnNetConfig {
 #[derive(Debug)]
 pub struct DuelingDqn {
     cfg: DqnNetConfig,
-    params: ParamSet,
+    params: ParamStore,
     precision: Precision,
 }
 
@@ -82,7 +82,7 @@ impl DuelingDqn {
     /// counter-based generator with `seed`).
     pub fn new(cfg: DqnNetConfig, device: &Device, seed: u64) -> Result<Self> {
         cfg.validate()?;
-        let params = ParamSet::new_linear_init("dqn", cfg.param_specs(), device, seed)?;
+        let params = ParamStore::linear_init("dqn", cfg.param_specs(), device, seed)?;
         Ok(Self { cfg, params, precision: Precision::F32 })
     }
 
@@ -92,7 +92,7 @@ impl DuelingDqn {
     }
 
     /// The trainable parameters.
-    pub fn params(&self) -> &ParamSet {
+    pub fn params(&self) -> &ParamStore {
         &self.params
     }
 
@@ -384,7 +384,7 @@ pub(crate) mod tests {
     #[test]
     fn param_count_matches_spec() {
         let net = DuelingDqn::new(DqnNetConfig::default(), &Device::Cpu, 0).unwrap();
-        assert_eq!(net.params().num_elements(), 113_796);
+        assert_eq!(net.params().param_count(), 113_796);
     }
 
     #[test]
@@ -486,7 +486,7 @@ pub(crate) mod tests {
         // unknown
         t.insert("trunk.3.weight".into(), Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap());
         let p = dir.path().join("extra.safetensors");
-        crate::param_io::write_safetensors(&t, &p).unwrap();
+        crate::params::write_safetensors(&t, &p).unwrap();
         let msg = online.load(&p).unwrap_err().to_string();
         assert!(msg.contains("unknown tensor `trunk.3.weight`") && msg.contains("extra.safetensors"), "{msg}");
         t.remove("trunk.3.weight");
@@ -495,7 +495,7 @@ pub(crate) mod tests {
         let good = t["value.weight"].clone();
         t.insert("value.weight".into(), Tensor::zeros((1, 31), DType::F32, &Device::Cpu).unwrap());
         let p = dir.path().join("shape.safetensors");
-        crate::param_io::write_safetensors(&t, &p).unwrap();
+        crate::params::write_safetensors(&t, &p).unwrap();
         let msg = online.load(&p).unwrap_err().to_string();
         assert!(
             msg.contains("`value.weight`") && msg.contains("[1, 31]") && msg.contains("shape.safetensors"),
@@ -506,7 +506,7 @@ pub(crate) mod tests {
         // missing
         t.remove("advantage.bias");
         let p = dir.path().join("missing.safetensors");
-        crate::param_io::write_safetensors(&t, &p).unwrap();
+        crate::params::write_safetensors(&t, &p).unwrap();
         let before = online.params().to_tensors("").unwrap();
         let msg = online.load(&p).unwrap_err().to_string();
         assert!(msg.contains("missing tensor `advantage.bias`") && msg.contains("missing.safetensors"), "{msg}");

@@ -257,7 +257,7 @@ impl DqnTrainer {
         target.params().copy_from(online.params())?;
         online.set_precision(cfg.precision);
         target.set_precision(cfg.precision);
-        let named = online.params().specs().iter().map(|s| s.name.clone()).zip(online.params().vars().iter().cloned());
+        let named = online.params().named_vars();
         let opt = AdamW::new(named, cfg.optimizer).ctx(CTX)?;
         // Loss scaling (F16 only), clipping, the NaN/Inf guard and AdamW in one place.
         let step = TrainStep::new(opt, GradScaler::for_precision(cfg.precision), Some(cfg.max_grad_norm)).ctx(CTX)?;
@@ -648,15 +648,8 @@ impl DqnTrainer {
     #[cfg(feature = "cuda")]
     fn capture_graph(&mut self, ex: DqnBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
         const CTX: &str = "DqnTrainer::capture_graph";
-        let named = self
-            .online
-            .params()
-            .specs()
-            .iter()
-            .map(|s| s.name.clone())
-            .zip(self.online.params().vars().iter().cloned());
         let mut fused = fx_precision::FusedStep::new(
-            named.collect(),
+            self.online.params().named_vars(),
             &self.cfg.optimizer,
             self.step.scaler(),
             Some(self.cfg.max_grad_norm),
@@ -821,8 +814,8 @@ impl DqnTrainer {
         crate::state_meta::check_buffer(path, &format!("replay buffer (replay_capacity {cap})"), &[cap], per, CTX)?;
         let mut me = Self::new(c.config, device)
             .map_err(|e| Error::config(CTX, format!("{}: saved state: {e}", path.display())))?;
-        nt.restore_varmap(me.online.params().varmap(), "online.").ctx(CTX)?;
-        nt.restore_varmap(me.target.params().varmap(), "target.").ctx(CTX)?;
+        nt.restore_varmap(&me.online.params().varmap()?, "online.").ctx(CTX)?;
+        nt.restore_varmap(&me.target.params().varmap()?, "target.").ctx(CTX)?;
         me.step.load_state(&mut nt, "opt.").ctx(CTX)?;
         let n = c.replay_len;
         if n > me.replay.capacity() || c.replay_position >= me.replay.capacity() {

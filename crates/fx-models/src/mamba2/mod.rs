@@ -34,8 +34,8 @@ use fx_precision::Recomputed;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
+use crate::params::{init_uniform, Init, ParamStore};
 use crate::seq::ops::{rms_norm, rms_normalize, softplus, Ctx};
-use crate::seq::params::{init_uniform, Init, ParamStore};
 
 /// MAMBA-2 dimensions; defaults are the spec's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -59,7 +59,7 @@ impl PpoFused {
         let flat = z(&[vars.iter().map(|v| v.elem_count()).sum()])?;
         let mut grads = Vec::with_capacity(vars.len());
         let mut off = 0;
-        for v in vars {
+        for v in &vars {
             grads.push(flat.narrow(0, off, v.elem_count()).and_then(|g| g.reshape(v.dims())).ctx(CTX)?);
             off += v.elem_count();
         }
@@ -208,10 +208,8 @@ mod tests {
             let p = ppo_loss(&model, batch, &lc).unwrap();
             let grads = p.loss.backward().unwrap();
             let engine = PpoFused::new(&model, b, lc).unwrap();
-            let named =
-                model.params().specs().iter().map(|q| q.name.clone()).zip(model.params().vars().iter().cloned());
             let fused = FusedStep::new(
-                named.collect(),
+                model.params().named_vars(),
                 &AdamConfig::default(),
                 &GradScaler::for_precision(Precision::F32),
                 Some(0.5),

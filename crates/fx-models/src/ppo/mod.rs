@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::dqn::check_states;
 use crate::error::{Context, Error, Result};
 use crate::linear::linear;
-use crate::param_io::{linear_specs, ParamSet, ParamSpec};
+use crate::params::{linear_specs, ParamSpec, ParamStore};
 
 /// Network dimensions of the actor-critic (defaults: MODELS.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,7 +97,7 @@ impl Default for PpoLossConfig {
 #[derive(Debug)]
 pub struct ActorCritic {
     cfg: PpoNetConfig,
-    params: ParamSet,
+    params: ParamStore,
     precision: Precision,
 }
 
@@ -106,7 +106,7 @@ impl ActorCritic {
     /// generator with `seed`).
     pub fn new(cfg: PpoNetConfig, device: &Device, seed: u64) -> Result<Self> {
         cfg.validate()?;
-        let params = ParamSet::new_linear_init("ppo", cfg.param_specs(), device, seed)?;
+        let params = ParamStore::linear_init("ppo", cfg.param_specs(), device, seed)?;
         Ok(Self { cfg, params, precision: Precision::F32 })
     }
 
@@ -116,7 +116,7 @@ impl ActorCritic {
     }
 
     /// The trainable parameters (actor then critic).
-    pub fn params(&self) -> &ParamSet {
+    pub fn params(&self) -> &ParamStore {
         &self.params
     }
 
@@ -430,7 +430,7 @@ pub(crate) mod tests {
     #[test]
     fn param_count_matches_reference() {
         let m = ActorCritic::new(PpoNetConfig::default(), &Device::Cpu, 0).unwrap();
-        assert_eq!(m.params().num_elements(), 161_796);
+        assert_eq!(m.params().param_count(), 161_796);
     }
 
     #[test]

@@ -249,7 +249,7 @@ impl PpoTrainer {
         cfg.validate(num_envs)?;
         let mut model = ActorCritic::new(cfg.net, device, cfg.seed)?;
         model.set_precision(cfg.precision);
-        let named = model.params().specs().iter().map(|s| s.name.clone()).zip(model.params().vars().iter().cloned());
+        let named = model.params().named_vars();
         let opt = Adam::new(named, cfg.optimizer).ctx(CTX)?;
         // Loss scaling (F16 only), clipping, the NaN/Inf guard and Adam in one place.
         let step = TrainStep::new(opt, GradScaler::for_precision(cfg.precision), Some(cfg.max_grad_norm)).ctx(CTX)?;
@@ -717,9 +717,8 @@ impl PpoTrainer {
     fn capture_graph(&mut self, ex: PpoBatch<'_>) -> Result<crate::graph_update::GraphUpdate> {
         const CTX: &str = "PpoTrainer::capture_graph";
         let p = self.model.params();
-        let named = p.specs().iter().map(|s| s.name.clone()).zip(p.vars().iter().cloned());
         let mut fused = fx_precision::FusedStep::new(
-            named.collect(),
+            p.named_vars(),
             &self.cfg.optimizer,
             self.step.scaler(),
             Some(self.cfg.max_grad_norm),
@@ -831,7 +830,7 @@ impl PpoTrainer {
         crate::state_meta::check_buffer(path, &format!("rollout (num_steps {t} x num_envs {e})"), &[t, e], per, CTX)?;
         let mut me = Self::new(c.config, c.num_envs, device)
             .map_err(|e| Error::config(CTX, format!("{}: saved state: {e}", path.display())))?;
-        nt.restore_varmap(me.model.params().varmap(), "model.").ctx(CTX)?;
+        nt.restore_varmap(&me.model.params().varmap()?, "model.").ctx(CTX)?;
         me.step.load_state(&mut nt, "opt.").ctx(CTX)?;
         nt.finish().ctx(CTX)?;
         me.iterations = c.iterations;

@@ -7,13 +7,12 @@
 //! The folder: [`series`] (a feature series and its seeded window batches), [`task`] (what
 //! the loop needs from a model: [`SeqTask`] for the TFT and MAMBA-2, and under `cuda` the
 //! fused step it captures), [`metrics`] (held-out loss and forecast metrics), [`trainer`]
-//! ([`SeqTrainer`], [`train`]: the loop, schedule, early stopping, resume), [`ops`] (the
-//! differentiable blocks both models share and the forward context) and [`params`]
-//! ([`params::ParamStore`], the models' named, possibly stacked parameters).
+//! ([`SeqTrainer`], [`train`]: the loop, schedule, early stopping, resume), and [`ops`] (the
+//! differentiable blocks both models share and the forward context); their parameters live
+//! in [`crate::params::ParamStore`], as every model's do.
 
 pub mod metrics;
 pub mod ops;
-pub mod params;
 pub mod series;
 pub mod task;
 pub mod trainer;

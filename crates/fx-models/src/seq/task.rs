@@ -8,10 +8,10 @@ use candle_core::{Device, Tensor};
 use super::ops::Ctx;
 #[cfg(feature = "cuda")]
 use super::ops::DropoutRng;
-use super::params::ParamStore;
 use super::series::{NextBar, SeqBatch, SeqSeries};
 use crate::error::{Context, Error, Result};
 use crate::mamba2::Mamba2;
+use crate::params::ParamStore;
 use crate::tft::Tft;
 #[cfg(feature = "cuda")]
 use fx_precision::Precision;

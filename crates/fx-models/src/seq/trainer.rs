@@ -600,7 +600,7 @@ mod tests {
 
     use super::*;
     use crate::mamba2::{Mamba2, Mamba2Config};
-    use crate::seq::params::ParamStore;
+    use crate::params::ParamStore;
     use crate::seq::*;
     use crate::tft::{Tft, TftConfig};
 

@@ -3,8 +3,8 @@
 
 use candle_core::{Tensor, Var};
 
+use crate::params::{Init, ParamStore};
 use crate::seq::ops::{layer_norm, sigmoid, softmax_last_dim, Ctx};
-use crate::seq::params::{Init, ParamStore};
 use candle_core::Result;
 
 /// `Linear(i→o)` with bias, PyTorch layout.

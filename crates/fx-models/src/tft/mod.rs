@@ -31,8 +31,8 @@ use fx_precision::Recomputed;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Context, Error, Result};
+use crate::params::ParamStore;
 use crate::seq::ops::{Ctx, DropoutMasks};
-use crate::seq::params::ParamStore;
 use blocks::{EmbedVsn, Glu, Grn, InterpretableMha, Lin, Ln, Lstm};
 
 /// TFT dimensions and hyper-parameters; defaults are the spec's.

@@ -143,8 +143,8 @@ impl Net {
 
     fn params(&self) -> usize {
         match self {
-            Net::Dqn(n) => n.params().num_elements(),
-            Net::Ppo(n) => n.params().num_elements(),
+            Net::Dqn(n) => n.params().param_count(),
+            Net::Ppo(n) => n.params().param_count(),
         }
     }
 

@@ -97,7 +97,7 @@ impl Stepper for DqnStepper {
     }
 
     fn params(&self) -> usize {
-        self.trainer.online().params().num_elements()
+        self.trainer.online().params().param_count()
     }
 
     fn step(&mut self) -> Result<Option<StepOut>> {
@@ -158,7 +158,7 @@ impl Stepper for PpoStepper {
     }
 
     fn params(&self) -> usize {
-        self.trainer.model().params().num_elements()
+        self.trainer.model().params().param_count()
     }
 
     fn step(&mut self) -> Result<Option<StepOut>> {
@@ -246,7 +246,7 @@ impl SeqStepper {
         Ok(Self { net, trainer, batch, graph })
     }
 
-    fn params(&self) -> &fx_models::seq::params::ParamStore {
+    fn params(&self) -> &fx_models::params::ParamStore {
         match &self.net {
             SeqNet::Tft(m) => m.params(),
             SeqNet::Mamba2(m, _) => m.params(),

@@ -1,5 +1,13 @@
-//! Named parameters of the sequence models: the spec's dot-separated names and
-//! shapes on the outside, possibly stacked tensors on the inside.
+//! [`ParamStore`]: the named F32 parameters of every model (DQN, PPO, TFT, MAMBA-2), the
+//! spec's dot-separated names and shapes on the outside, possibly stacked tensors on the
+//! inside, with strict loading and atomic saving.
+//!
+//! Loading is strict in both directions: a tensor the model needs and the file lacks, a
+//! tensor the file has and the model does not know, and a tensor whose shape differs are
+//! all errors that name the tensor and the file, so a file from the PyTorch reference
+//! either loads exactly or not at all; nothing is written unless every check passes.
+//! Registration order is the canonical order the optimiser, gradient clipping and soft
+//! updates walk the parameters in.
 //!
 //! Per-variable blocks (the TFT's 55 embeddings and variable GRNs, its attention
 //! heads) are held as one tensor stacked on a leading axis so that the forward pass is
@@ -12,8 +20,26 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
 
 use crate::error::{Context, Error, Result};
+
+/// One parameter: its MODELS.md name and shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamSpec {
+    /// Dot-separated name, e.g. `trunk.0.weight`.
+    pub name: String,
+    /// Shape in PyTorch layout (`[out, in]` for a Linear weight).
+    pub shape: Vec<usize>,
+}
+
+/// The `weight [o, i]` and `bias [o]` specs of a PyTorch `Linear(i→o)` named `prefix`.
+pub(crate) fn linear_specs(prefix: &str, i: usize, o: usize) -> [ParamSpec; 2] {
+    [
+        ParamSpec { name: format!("{prefix}.weight"), shape: vec![o, i] },
+        ParamSpec { name: format!("{prefix}.bias"), shape: vec![o] },
+    ]
+}
 
 /// How a parameter is initialised when a model is built from scratch.
 #[derive(Debug, Clone, Copy)]
@@ -44,25 +70,39 @@ struct Entry {
 pub struct ParamStore {
     model: &'static str,
     seed: u64,
+    /// The counter-based generator's stream of this store's initial values.
+    init_stream: u64,
     device: Device,
     entries: Vec<Entry>,
 }
 
-/// Stream of the counter-based generator for weight initialisation (the environment
-/// uses streams 0–3, the RL nets 0x1417).
+/// Streams of the counter-based generator for weight initialisation, apart from the
+/// environment's (0–3): the sequence models' and the RL agents' (kept distinct so each
+/// model's initial weights stay what they have always been).
 const INIT_STREAM: u64 = 0x5E0;
+const AGENT_INIT_STREAM: u64 = 0x1417;
 
-/// `n` uniform draws in `[0, 1)` for parameter `index` of a store seeded with `seed`:
-/// the same on every device and run.
+/// `n` uniform draws in `[0, 1)` for parameter `index` of a sequence-model store seeded
+/// with `seed`: the same on every device and run.
 pub(crate) fn init_uniform(seed: u64, index: u64, n: usize) -> Vec<f64> {
-    (0..n as u64).map(|j| fx_kernels::rng::draw(seed, INIT_STREAM, index, j)).collect()
+    uniform_draws(seed, INIT_STREAM, index, n)
 }
 
-fn init_tensor(shape: &[usize], init: Init, seed: u64, index: u64, device: &Device) -> candle_core::Result<Tensor> {
+fn uniform_draws(seed: u64, stream: u64, index: u64, n: usize) -> Vec<f64> {
+    (0..n as u64).map(|j| fx_kernels::rng::draw(seed, stream, index, j)).collect()
+}
+
+fn init_tensor(
+    shape: &[usize],
+    init: Init,
+    (seed, stream, index): (u64, u64, u64),
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     match init {
         Init::Uniform(b) => {
             let n = shape.iter().product();
-            let v: Vec<f32> = init_uniform(seed, index, n).iter().map(|u| ((2.0 * u - 1.0) * b) as f32).collect();
+            let v: Vec<f32> =
+                uniform_draws(seed, stream, index, n).iter().map(|u| ((2.0 * u - 1.0) * b) as f32).collect();
             Tensor::from_vec(v, shape, device)
         }
         Init::Const(v) => Tensor::ones(shape, DType::F32, device)? * v,
@@ -74,7 +114,26 @@ impl ParamStore {
     /// on `device` (always F32: master weights; lower precision is a compute-time cast),
     /// initialised from the counter-based generator with `seed`.
     pub fn new(model: &'static str, device: &Device, seed: u64) -> Self {
-        Self { model, seed, device: device.clone(), entries: Vec::new() }
+        Self { model, seed, init_stream: INIT_STREAM, device: device.clone(), entries: Vec::new() }
+    }
+
+    /// The parameters of `specs` (PyTorch `Linear` weights and biases, in order), initialised
+    /// as PyTorch's `Linear` does (uniform in ±1/√fan_in for weight and bias, `fan_in` = the
+    /// weight's second dimension), drawn from the counter-based generator so the same `seed`
+    /// gives the same weights on every device: the RL agents' networks.
+    pub(crate) fn linear_init(model: &'static str, specs: Vec<ParamSpec>, device: &Device, seed: u64) -> Result<Self> {
+        let mut store =
+            Self { model, seed, init_stream: AGENT_INIT_STREAM, device: device.clone(), entries: Vec::new() };
+        // fan_in of a bias is that of the weight of the same layer, which precedes it.
+        let mut fan_in = 1usize;
+        for spec in specs {
+            if spec.shape.len() == 2 {
+                fan_in = spec.shape[1];
+            }
+            let bound = 1.0 / (fan_in as f64).sqrt();
+            store.add(spec.name, &spec.shape, Init::Uniform(bound)).ctx("ParamStore::linear_init")?;
+        }
+        Ok(store)
     }
 
     /// The model's name (`"tft"`, `"mamba2"`), as error messages give it.
@@ -104,7 +163,8 @@ impl ParamStore {
 
     /// Registers one parameter under `name`.
     pub fn add(&mut self, name: impl Into<String>, shape: &[usize], init: Init) -> candle_core::Result<Var> {
-        let var = Var::from_tensor(&init_tensor(shape, init, self.seed, self.entries.len() as u64, &self.device)?)?;
+        let at = (self.seed, self.init_stream, self.entries.len() as u64);
+        let var = Var::from_tensor(&init_tensor(shape, init, at, &self.device)?)?;
         self.entries.push(Entry { var: var.clone(), names: Names::One(name.into()) });
         Ok(var)
     }
@@ -114,7 +174,8 @@ impl ParamStore {
     pub fn add_stacked(&mut self, names: Vec<String>, part_shape: &[usize], init: Init) -> candle_core::Result<Var> {
         let mut shape = vec![names.len()];
         shape.extend_from_slice(part_shape);
-        let var = Var::from_tensor(&init_tensor(&shape, init, self.seed, self.entries.len() as u64, &self.device)?)?;
+        let at = (self.seed, self.init_stream, self.entries.len() as u64);
+        let var = Var::from_tensor(&init_tensor(&shape, init, at, &self.device)?)?;
         self.entries.push(Entry { var: var.clone(), names: Names::Stacked { names, part_shape: part_shape.to_vec() } });
         Ok(var)
     }
@@ -168,30 +229,46 @@ impl ParamStore {
         self.entries.iter().map(|e| e.var.elem_count()).sum()
     }
 
-    /// Sets every parameter from `tensors` (spec names). Every parameter must be
-    /// present with its exact shape and no other name may appear; `source_desc` names
-    /// the origin in error messages. Values are cast to F32.
+    /// Sets every parameter from `tensors` (spec names), strictly: [`ParamStore::assign_from`]
+    /// with no prefix.
     pub fn load_map(&self, tensors: &HashMap<String, Tensor>, source_desc: &str) -> Result<()> {
-        const CTX: &str = "ParamStore::load_map";
+        self.assign_from(tensors, source_desc, "", true)
+    }
+
+    /// Overwrites every parameter from `tensors[prefix + name]` (spec names; a stacked
+    /// parameter from its parts). A missing name, a wrong shape or an integer dtype is an
+    /// error naming the tensor and `source`; when `strict`, so is a name under `prefix`
+    /// that is not a parameter (otherwise such names are ignored: a fixture file holds
+    /// inputs and gradients beside the weights). Values are cast to F32. Nothing is
+    /// written unless every check passes, so a failed load leaves the model as it was.
+    pub fn assign_from(
+        &self,
+        tensors: &HashMap<String, Tensor>,
+        source: &str,
+        prefix: &str,
+        strict: bool,
+    ) -> Result<()> {
+        const CTX: &str = "ParamStore::assign_from";
         let model = self.model;
         let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            let t = tensors.get(name).ok_or_else(|| Error::MissingTensor {
-                name: name.to_string(),
-                file: source_desc.to_string(),
+            let key = format!("{prefix}{name}");
+            let t = tensors.get(&key).ok_or_else(|| Error::MissingTensor {
+                name: key.clone(),
+                file: source.to_string(),
                 model,
             })?;
             if t.dims() != shape {
                 return Err(Error::TensorShape {
-                    name: name.to_string(),
-                    file: source_desc.to_string(),
+                    name: key,
+                    file: source.to_string(),
                     expected: shape.to_vec(),
                     got: t.dims().to_vec(),
                 });
             }
             if !t.dtype().is_float() {
                 return Err(Error::TensorDType {
-                    name: name.to_string(),
-                    file: source_desc.to_string(),
+                    name: key,
+                    file: source.to_string(),
                     expected: "a floating-point dtype",
                     got: format!("{:?}", t.dtype()),
                 });
@@ -199,14 +276,15 @@ impl ParamStore {
             // A fresh copy: a Var cannot be set from a tensor sharing its storage.
             t.to_dtype(DType::F32).and_then(|t| t.to_device(&self.device)).and_then(|t| t.copy()).ctx(CTX)
         };
-        let known: HashSet<String> = self.names_and_shapes().into_iter().map(|(n, _)| n).collect();
-        let mut unknown: Vec<&String> = tensors.keys().filter(|k| !known.contains(*k)).collect();
-        unknown.sort();
-        if let Some(name) = unknown.first() {
-            return Err(Error::UnknownTensor { name: (*name).clone(), file: source_desc.to_string(), model });
+        if strict {
+            let known: HashSet<String> = self.names_and_shapes().into_iter().map(|(n, _)| n).collect();
+            let mut unknown: Vec<&String> =
+                tensors.keys().filter(|k| k.strip_prefix(prefix).is_some_and(|n| !known.contains(n))).collect();
+            unknown.sort();
+            if let Some(name) = unknown.first() {
+                return Err(Error::UnknownTensor { name: (*name).clone(), file: source.to_string(), model });
+            }
         }
-        // Check everything before touching any parameter, so a failed load leaves the
-        // model as it was.
         let mut values = Vec::with_capacity(self.entries.len());
         for e in &self.entries {
             let v = match &e.names {
@@ -224,11 +302,52 @@ impl ParamStore {
         Ok(())
     }
 
-    /// Loads a safetensors file written by this crate or by the reference.
+    /// Copies every value of `other` (same model, same names and shapes) into `self`.
+    pub fn copy_from(&self, other: &ParamStore) -> Result<()> {
+        self.assign_from(&other.to_tensors("")?, other.model, "", true)
+    }
+
+    /// Loads a safetensors file written by this crate or by the PyTorch reference
+    /// (`torch`'s `state_dict()` saved with `safetensors`); strict (see
+    /// [`ParamStore::assign_from`]).
     pub fn load(&self, path: &Path) -> Result<()> {
-        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-            .map_err(|e| Error::SafeTensors { file: path.display().to_string(), message: e.to_string() })?;
+        let tensors = read_safetensors(path, &self.device)?;
         self.load_map(&tensors, &path.display().to_string())
+    }
+
+    /// The parameters as name → tensor under their spec names (stacked tensors split;
+    /// copies of the current values, so later updates do not show through), each name
+    /// prefixed with `prefix` (e.g. `"target."`, or `""`).
+    pub fn to_tensors(&self, prefix: &str) -> Result<HashMap<String, Tensor>> {
+        Ok(self.to_map()?.into_iter().map(|(n, t)| (format!("{prefix}{n}"), t)).collect())
+    }
+
+    /// Spec names and shapes of the parameters' parts, in registration order.
+    pub fn specs(&self) -> Vec<ParamSpec> {
+        self.names_and_shapes().into_iter().map(|(name, shape)| ParamSpec { name, shape }).collect()
+    }
+
+    /// The plain (unstacked) parameter called `name`.
+    pub fn get(&self, name: &str) -> Option<&Var> {
+        self.entries.iter().find(|e| matches!(&e.names, Names::One(n) if n == name)).map(|e| &e.var)
+    }
+
+    /// The internal tensor at registration index `i` (with gradient tracking).
+    pub(crate) fn t(&self, i: usize) -> &Tensor {
+        self.entries[i].var.as_tensor()
+    }
+
+    /// A candle `VarMap` over the same variables (shared storage) under the
+    /// [`ParamStore::named_vars`] names, for candle's and fx-precision's VarMap-based APIs.
+    pub fn varmap(&self) -> Result<VarMap> {
+        let vm = VarMap::new();
+        {
+            let mut data = vm.data().lock().map_err(|_| Error::config("ParamStore::varmap", "VarMap lock poisoned"))?;
+            for (name, var) in self.named_vars() {
+                data.insert(name, var);
+            }
+        }
+        Ok(vm)
     }
 
     /// The parameters under their spec names (stacked tensors split).
@@ -243,8 +362,7 @@ impl ParamStore {
 
     /// Writes the parameters to a safetensors file under their spec names.
     pub fn save(&self, path: &Path) -> Result<()> {
-        let map: HashMap<String, Tensor> = self.to_map()?.into_iter().collect();
-        fx_precision::save_tensors_atomic(path, &map, &HashMap::new()).ctx("ParamStore::save")
+        write_safetensors(&self.to_tensors("")?, path)
     }
 
     /// Gradients under the spec names; a parameter the loss does not reach is absent.
@@ -299,6 +417,24 @@ fn split_into(out: &mut BTreeMap<String, Tensor>, names: &Names, t: &Tensor) -> 
     Ok(())
 }
 
+/// Reads every tensor of a safetensors file onto `device`.
+pub fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    if !path.exists() {
+        return Err(Error::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "file not found"),
+        });
+    }
+    candle_core::safetensors::load(path, device)
+        .map_err(|e| Error::SafeTensors { file: path.display().to_string(), message: e.to_string() })
+}
+
+/// Writes tensors to a safetensors file atomically (fx-precision's temporary file,
+/// fsync and rename), names sorted, no metadata.
+pub fn write_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    fx_precision::save_tensors_atomic(path, tensors, &HashMap::new()).ctx("write_safetensors")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,6 +471,33 @@ mod tests {
         let err = ps.load_map(&bad, "t").unwrap_err();
         assert!(matches!(err, Error::TensorShape { .. }));
         assert!(err.to_string().contains("a.weight"));
+    }
+
+    #[test]
+    fn prefixed_assignment_strictness_and_shared_views() {
+        let ps = store();
+        let mut m = ps.to_tensors("online.").unwrap();
+        assert!(m.contains_key("online.a.weight") && m.contains_key("online.e.1.w"));
+        let w = Tensor::new(&[[1f32, 2., 3.], [4., 5., 6.]], &Device::Cpu).unwrap();
+        m.insert("online.a.weight".into(), w.clone());
+        // Names outside the prefix are never this store's business, strict or not.
+        m.insert("target.a.weight".into(), Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap());
+        ps.assign_from(&m, "t", "online.", true).unwrap();
+        let got: Vec<Vec<f32>> = ps.get("a.weight").unwrap().as_tensor().to_vec2().unwrap();
+        assert_eq!(got, vec![vec![1., 2., 3.], vec![4., 5., 6.]]);
+        m.insert("online.extra".into(), Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap());
+        assert!(matches!(ps.assign_from(&m, "t", "online.", true), Err(Error::UnknownTensor { .. })));
+        ps.assign_from(&m, "t", "online.", false).unwrap();
+        // A stacked part is not a plain parameter; the VarMap view shares the storage.
+        assert!(ps.get("e.0.w").is_none());
+        let vm = ps.varmap().unwrap();
+        let var = vm.data().lock().unwrap()["a.weight"].clone();
+        var.set(&Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let sum = ps.get("a.weight").unwrap().as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(sum, 0.0);
+        let other = store();
+        other.copy_from(&ps).unwrap();
+        assert_eq!(other.to_tensors("").unwrap()["e.1.w"].to_vec2::<f32>().unwrap(), vec![vec![0.0f32]; 3]);
     }
 
     #[test]
