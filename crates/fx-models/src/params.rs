@@ -136,6 +136,94 @@ impl ParamStore {
         Ok(store)
     }
 
+    /// A population's parameters: every spec stacked over `seeds.len()` members as one tensor
+    /// `[N, shape...]` whose slice `k` holds exactly what [`ParamStore::linear_init`] draws for
+    /// seed `seeds[k]` (so member `k` starts where a solo run with that seed starts), its parts
+    /// named `members.{k}.{spec name}`. [`ParamStore::member`] takes one member out.
+    pub(crate) fn linear_init_population(
+        model: &'static str,
+        specs: Vec<ParamSpec>,
+        device: &Device,
+        seeds: &[u64],
+    ) -> Result<Self> {
+        const CTX: &str = "ParamStore::linear_init_population";
+        if seeds.is_empty() {
+            return Err(Error::config(CTX, "a population needs at least one member"));
+        }
+        let seed = seeds[0];
+        let mut store = Self { model, seed, init_stream: AGENT_INIT_STREAM, device: device.clone(), entries: Vec::new() };
+        let mut fan_in = 1usize;
+        for (index, spec) in specs.into_iter().enumerate() {
+            if spec.shape.len() == 2 {
+                fan_in = spec.shape[1];
+            }
+            let bound = 1.0 / (fan_in as f64).sqrt();
+            let n: usize = spec.shape.iter().product();
+            let mut values = Vec::with_capacity(n * seeds.len());
+            for &s in seeds {
+                values.extend(
+                    uniform_draws(s, AGENT_INIT_STREAM, index as u64, n).iter().map(|u| ((2.0 * u - 1.0) * bound) as f32),
+                );
+            }
+            let mut shape = vec![seeds.len()];
+            shape.extend_from_slice(&spec.shape);
+            let var = Tensor::from_vec(values, shape, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
+            let names = (0..seeds.len()).map(|k| format!("{}{}", member_prefix(k), spec.name)).collect();
+            store.entries.push(Entry { var, names: Names::Stacked { names, part_shape: spec.shape } });
+        }
+        Ok(store)
+    }
+
+    /// Member `k` of a population store ([`ParamStore::linear_init_population`]) as a solo
+    /// store under the plain spec names: a copy of its current values with that member's seed,
+    /// what a solo run of that member would hold (for its run folder, `eval`, resuming).
+    pub fn member(&self, k: usize) -> Result<ParamStore> {
+        const CTX: &str = "ParamStore::member";
+        let prefix = member_prefix(k);
+        let mut out = Self { model: self.model, seed: self.seed, init_stream: self.init_stream, device: self.device.clone(), entries: Vec::new() };
+        for e in &self.entries {
+            let Names::Stacked { names, .. } = &e.names else {
+                return Err(Error::config(CTX, format!("{} holds a parameter that is not a population's", self.model)));
+            };
+            let Some(name) = names.get(k).and_then(|n| n.strip_prefix(&prefix)) else {
+                return Err(Error::config(CTX, format!("{} has no member {k} ({} members)", self.model, names.len())));
+            };
+            let var = e.var.as_tensor().get(k).and_then(|t| t.copy()).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
+            out.entries.push(Entry { var, names: Names::One(name.to_string()) });
+        }
+        Ok(out)
+    }
+
+    /// Overwrites member `k` of a population store with the values of the solo store `from`
+    /// (same spec names and shapes): a member's start from a file, or a PBT exploit.
+    pub fn set_member(&self, k: usize, from: &ParamStore) -> Result<()> {
+        const CTX: &str = "ParamStore::set_member";
+        let prefix = member_prefix(k);
+        let values = from.to_tensors(&prefix)?;
+        for e in &self.entries {
+            let Names::Stacked { names, part_shape } = &e.names else {
+                return Err(Error::config(CTX, format!("{} holds a parameter that is not a population's", self.model)));
+            };
+            let name = names.get(k).ok_or_else(|| Error::config(CTX, format!("no member {k} in {}", self.model)))?;
+            let v = values.get(name).ok_or_else(|| Error::config(CTX, format!("{} lacks {name}", from.model)))?;
+            if v.dims() != part_shape.as_slice() {
+                return Err(Error::config(CTX, format!("{name}: shape {:?}, the population holds {part_shape:?}", v.dims())));
+            }
+            let all = e.var.as_tensor().detach();
+            let slot = v.to_dtype(DType::F32).and_then(|v| v.unsqueeze(0)).ctx(CTX)?;
+            let mut parts = Vec::with_capacity(3);
+            if k > 0 {
+                parts.push(all.narrow(0, 0, k).ctx(CTX)?);
+            }
+            parts.push(slot);
+            if k + 1 < names.len() {
+                parts.push(all.narrow(0, k + 1, names.len() - k - 1).ctx(CTX)?);
+            }
+            e.var.set(&Tensor::cat(&parts, 0).ctx(CTX)?).ctx(CTX)?;
+        }
+        Ok(())
+    }
+
     /// The model's name (`"tft"`, `"mamba2"`), as error messages give it.
     pub fn model_name(&self) -> &'static str {
         self.model
@@ -388,6 +476,11 @@ impl ParamStore {
         }
         Ok(out)
     }
+}
+
+/// The name prefix of member `k`'s parameters in a population store.
+fn member_prefix(k: usize) -> String {
+    format!("members.{k}.")
 }
 
 fn stacked_pattern(names: &[String]) -> String {

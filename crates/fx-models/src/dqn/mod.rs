@@ -15,6 +15,7 @@
 pub(crate) mod fused;
 #[cfg(feature = "cuda")]
 mod iteration;
+pub mod population;
 pub mod trainer;
 
 use std::path::Path;
@@ -255,11 +256,16 @@ pub fn dqn_loss(
 /// `δ (|d| − 0.5 δ)` (PyTorch `huber_loss`, reduction mean). The branch mask is taken
 /// from the values, so the gradient is `d` or `δ sign(d)` exactly as in PyTorch.
 pub(crate) fn huber_mean(d: &Tensor, delta: f64) -> candle_core::Result<Tensor> {
+    huber(d, delta)?.mean_all()
+}
+
+/// The Huber loss of each residual in `d` (see [`huber_mean`]).
+pub(crate) fn huber(d: &Tensor, delta: f64) -> candle_core::Result<Tensor> {
     let abs = d.abs()?;
     let quad = d.sqr()?.affine(0.5, 0.0)?;
     let lin = abs.affine(delta, -0.5 * delta * delta)?;
     let in_quad = abs.detach().le(delta)?;
-    in_quad.where_cond(&quad, &lin)?.mean_all()
+    in_quad.where_cond(&quad, &lin)
 }
 
 /// Soft target update `target ← target + τ (online − target)` on every parameter.

@@ -88,7 +88,7 @@ impl Default for DqnConfig {
 }
 
 impl DqnConfig {
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::config("DqnConfig", m));
         if self.batch_size == 0 || self.replay_capacity == 0 || self.train_every == 0 {
             return bad(format!(
@@ -320,6 +320,15 @@ impl DqnTrainer {
     /// checkpoints.
     pub fn update_times(&self) -> (f64, fx_precision::StepTimes) {
         (self.forward_seconds, self.step.times())
+    }
+
+    /// The AdamW state under `{name}.exp_avg` / `.exp_avg_sq` / `.step` (population tests).
+    #[cfg(test)]
+    pub(crate) fn optimizer_state(&self) -> HashMap<String, Tensor> {
+        use fx_precision::Optimizer;
+        let mut out = HashMap::new();
+        self.step.optimizer().save_state(&mut out, "").unwrap();
+        out
     }
 
     /// ε for the next environment step.

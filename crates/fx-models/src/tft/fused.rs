@@ -1463,33 +1463,45 @@ mod gpu_tests {
         let cfg = TftConfig::default();
         let b = 24;
         let m = Tft::new(cfg.clone(), &dev, seed % 1000).unwrap();
-        for (precision, tol) in [(Precision::F32, 1e-4), (Precision::Bf16, 2e-2)] {
-            let (obs, known, target) = inputs(&cfg, b, seed, &dev);
-            let rng = DropoutRng::new(seed ^ 4, &dev).unwrap();
-            rng.set_step(5).unwrap();
-            let c = Ctx::train(precision).with_rng(&rng);
-            let (loss, grads) = m.loss_and_grads(&c, &obs, &known, &target, false).unwrap();
+        let (obs, known, target) = inputs(&cfg, b, seed, &dev);
+        let rng = DropoutRng::new(seed ^ 4, &dev).unwrap();
+        rng.set_step(5).unwrap();
+        let candle = |precision| m.loss_and_grads(&Ctx::train(precision).with_rng(&rng), &obs, &known, &target, false);
+        // The reference is candle's F32 autograd. F32 must match it to 1e-4. BF16 error against
+        // F32 is a random quantity of the seed (which roundings happen where), so a fixed bound
+        // fails now and then on a correct kernel (4.12e-2 on enc_embed, seed 1796365463632006670,
+        // against a former fixed 2e-2): the fused BF16 step must be within twice candle's own
+        // BF16 error of the F32 result (and never worse than 2e-2 where candle's is tiny).
+        let (loss32, grads32) = candle(Precision::F32).unwrap();
+        let (loss16, grads16) = candle(Precision::Bf16).unwrap();
+        for precision in [Precision::F32, Precision::Bf16] {
+            let bound = |candle_err: f64| match precision {
+                Precision::F32 => 1e-4,
+                _ => (2.0 * candle_err).max(2e-2),
+            };
             let fused = TftFused::new(CudaTft::new(&dev).unwrap(), &m, b, precision).unwrap();
             for round in 0..2 {
                 let (fl, fg) = fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
-                let e = rel_err(&fl, &loss);
-                assert!(e <= tol, "{precision:?} round {round}: loss rel err {e} (seed {seed})");
-                let mut worst = (0.0, String::new());
+                let (e, ec) = (rel_err(&fl, &loss32), rel_err(&loss16, &loss32));
+                assert!(e <= bound(ec), "{precision:?} round {round}: loss rel err {e} (candle BF16 {ec}, seed {seed})");
+                let mut worst = (0.0, 0.0, String::new());
                 for ((name, var), g) in m.params().named_vars().iter().zip(&fg) {
-                    let want = grads.get(var.as_tensor()).unwrap();
+                    let want = grads32.get(var.as_tensor()).unwrap();
                     let e = rel_err(g, want);
+                    let ec = rel_err(grads16.get(var.as_tensor()).unwrap(), want);
                     assert!(e.is_finite(), "grad {name}: not finite (seed {seed})");
-                    if !(name.starts_with("attn.k.") && name.ends_with(".bias")) && e > worst.0 {
-                        worst = (e, name.clone());
+                    if !(name.starts_with("attn.k.") && name.ends_with(".bias")) && e / bound(ec) > worst.0 {
+                        worst = (e / bound(ec), e, name.clone());
                     }
                 }
                 eprintln!(
-                    "{precision:?} round {round}: loss rel err {e:.2e}, worst gradient {} rel err {:.2e}",
-                    worst.1, worst.0
+                    "{precision:?} round {round}: loss rel err {e:.2e}, worst gradient {} rel err {:.2e} ({:.2} of its bound)",
+                    worst.2, worst.1, worst.0
                 );
                 assert!(
-                    worst.0 <= tol,
-                    "{precision:?} round {round}: grad {} rel err {} (seed {seed})",
+                    worst.0 <= 1.0,
+                    "{precision:?} round {round}: grad {} rel err {} is {:.2} of its bound (seed {seed})",
+                    worst.2,
                     worst.1,
                     worst.0
                 );

@@ -1,0 +1,818 @@
+//! DQN populations: N members of one network shape trained together, each a whole DQN run
+//! of its own (its seed, environments, replay buffer, hyperparameters, optimiser state,
+//! guard and counters), every step of all members as one batched computation.
+//!
+//! Layout: the online and target networks are one [`ParamStore`] each whose tensors are
+//! stacked `[N, ...]` (member `k`'s slice starts as a solo run with its seed starts); AdamW's
+//! moments and step counts are stacked the same way. The forward and backward passes are
+//! batched matmuls over the member axis (cuBLAS strided-batched GEMMs on CUDA). Everything a
+//! member may set differently lives in device tensors of length N (`[N]` γ, τ, learning rate,
+//! weight decay, clip norm), and every decision of the step is taken on the device: which
+//! members' loss or gradients are non-finite (those skip their own step, weights, moments,
+//! step count and target untouched), the clip factor, the bias corrections (looked up by each
+//! member's own step count in tables computed once with the solo optimiser's arithmetic). So
+//! the update reads nothing back and runs unchanged inside a CUDA graph
+//! ([`DqnPopulation::capture_update`]).
+//!
+//! Member `k` of a population is the solo [`DqnTrainer`](crate::DqnTrainer) run with member
+//! `k`'s config: every operation is the solo one, batched over a leading axis, in the same
+//! order, so on the CPU the weights, moments, replay contents and statistics are the same
+//! values (the tests compare them over 200 updates). What members may differ in is
+//! [`DqnPopulation::new`]'s list; shape keys (network, batch, replay, schedule of updates,
+//! precision, Adam's betas and eps, Huber δ) must agree.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var, D};
+use fx_kernels::{ReplayBuffer, VecEnv};
+use fx_precision::{Precision, PrecisionExt};
+use serde::{Deserialize, Serialize};
+
+use crate::dqn::trainer::DqnConfig;
+use crate::error::{Context, Error, Result};
+use crate::params::ParamStore;
+
+const CTX: &str = "DqnPopulation";
+
+/// Bias-correction tables stop where `1 − βᵗ` is exactly 1.0 in f64 for both betas (the
+/// solo optimiser's value from then on); a beta so close to 1 that this takes more steps is
+/// refused.
+const MAX_TABLE: usize = 1 << 20;
+
+/// What one population update did, per member (read back on request).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PopUpdateStats {
+    /// Each member's loss before the step.
+    pub loss: Vec<f64>,
+    /// Each member's global gradient norm before clipping.
+    pub grad_norm: Vec<f64>,
+    /// Members whose non-finite loss or gradient made them skip this step.
+    pub skipped: Vec<bool>,
+}
+
+/// What one population environment step (and any updates it ran) did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PopStepStats {
+    /// Environment steps taken so far (every member takes them together).
+    pub env_steps: u64,
+    /// Each member's ε for this step.
+    pub epsilon: Vec<f64>,
+    /// Each member's mean reward over its accounts (None: not read back).
+    pub mean_reward: Option<Vec<f64>>,
+    /// Each member's finished episodes in this step (None: not read back).
+    pub episodes_done: Option<Vec<u32>>,
+    /// Transitions in each member's replay buffer (the same for all).
+    pub replay_len: usize,
+    /// The updates of this step whose statistics were read (all of them when reading).
+    pub updates: Vec<PopUpdateStats>,
+    /// Updates of this step run without a read.
+    pub updates_queued: u32,
+}
+
+/// One population minibatch, every tensor stacked over members: `obs [N, B, S]`,
+/// `actions [N, B]` (U32), `rewards [N, B]`, `next_obs [N, B, S]`, `dones [N, B]`.
+#[derive(Debug, Clone)]
+pub struct PopBatch {
+    /// States the actions were taken in.
+    pub obs: Tensor,
+    /// Actions taken.
+    pub actions: Tensor,
+    /// Rewards received.
+    pub rewards: Tensor,
+    /// States after the step (pre-reset).
+    pub next_obs: Tensor,
+    /// 1 where the transition ended its episode.
+    pub dones: Tensor,
+}
+
+impl PopBatch {
+    #[cfg(feature = "cuda")]
+    fn tensors(&self) -> [&Tensor; 5] {
+        [&self.obs, &self.actions, &self.rewards, &self.next_obs, &self.dones]
+    }
+}
+
+/// The per-member values the update reads, in device memory.
+struct Hyper {
+    /// γ and −γ as F32 `[N, 1]` (the solo loss's `affine(−γ, γ)`, batched).
+    gamma: Tensor,
+    neg_gamma: Tensor,
+    /// τ as F32 `[N, 1, 1]` (broadcast over weights; biases use a reshape).
+    tau: Tensor,
+    /// Learning rate (F64 `[N]`).
+    lr: Tensor,
+    /// Decoupled weight decay factor `1 − lr·wd` as F32 `[N]`.
+    decay: Tensor,
+    /// Clip norm (F64 `[N]`).
+    max_norm: Tensor,
+    /// `1 − β₁ᵗ` and `1 − β₂ᵗ` for t = 0..len (F64), as the solo optimiser computes them.
+    bc1: Tensor,
+    bc2: Tensor,
+}
+
+/// AdamW state of the stacked parameters and the members' counters, updated in place.
+struct State {
+    exp_avg: Vec<Var>,
+    exp_avg_sq: Vec<Var>,
+    /// Optimiser steps applied per member (U32 `[N]`).
+    steps: Var,
+    /// Skips per member for a non-finite loss / gradient (U32 `[N]` each).
+    skipped_loss: Var,
+    skipped_grad: Var,
+    /// The last update's loss, gradient norm and skip flag per member (F64 `[3, N]`).
+    last: Var,
+}
+
+/// N DQN runs trained as one; see the module docs.
+pub struct DqnPopulation {
+    members: Vec<DqnConfig>,
+    online: ParamStore,
+    target: ParamStore,
+    hyper: Hyper,
+    state: State,
+    replays: Vec<ReplayBuffer>,
+    env_steps: u64,
+    /// Minibatches drawn (the sampling key; members draw at the same keys with their seeds).
+    sampled: u64,
+    #[cfg(feature = "cuda")]
+    graph: Option<CapturedUpdate>,
+}
+
+/// The update captured as one CUDA graph over fixed input tensors.
+#[cfg(feature = "cuda")]
+struct CapturedUpdate {
+    graph: fx_precision::CapturedGraph,
+    inputs: PopBatch,
+}
+
+impl std::fmt::Debug for DqnPopulation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DqnPopulation")
+            .field("members", &self.members.len())
+            .field("env_steps", &self.env_steps)
+            .field("sampled", &self.sampled)
+            .finish()
+    }
+}
+
+/// The keys every member must share: they fix shapes, the update schedule or constants the
+/// batched kernels take once.
+fn shared_keys(c: &DqnConfig) -> String {
+    let o = &c.optimizer;
+    format!(
+        "net {:?}, precision {}, huber_delta {}, batch_size {}, replay_capacity {}, learning_starts {}, \
+         train_every {}, gradient_steps {}, betas ({}, {}), eps {}",
+        c.net,
+        c.precision,
+        c.huber_delta,
+        c.batch_size,
+        c.replay_capacity,
+        c.learning_starts,
+        c.train_every,
+        c.gradient_steps,
+        o.beta1,
+        o.beta2,
+        o.eps
+    )
+}
+
+/// `1 − βᵗ` for t = 0.. until it is exactly 1.0 (f64, `powf` as the solo optimiser).
+fn bias_table(beta: f64) -> Result<Vec<f64>> {
+    let mut v = Vec::new();
+    for t in 0..MAX_TABLE {
+        let x = 1.0 - beta.powf(t as f64);
+        v.push(x);
+        if x == 1.0 {
+            return Ok(v);
+        }
+    }
+    Err(Error::config(CTX, format!("beta {beta} is too close to 1 for a population (1 - beta^t < 1 after {MAX_TABLE} steps)")))
+}
+
+/// Where `x` is finite (U8): `x − x` is 0 exactly for finite values and NaN otherwise.
+fn finite(x: &Tensor) -> candle_core::Result<Tensor> {
+    (x - x)?.eq(0.0)
+}
+
+/// `t` `[N]` reshaped to broadcast over a stacked `[N, ...]` tensor of rank `rank`.
+fn per_member(t: &Tensor, rank: usize) -> candle_core::Result<Tensor> {
+    let mut shape = vec![t.dim(0)?];
+    shape.resize(rank, 1);
+    t.reshape(shape)
+}
+
+/// `where(mask[N], a, b)` over stacked tensors.
+fn select(mask: &Tensor, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    per_member(mask, a.rank())?.broadcast_as(a.shape())?.where_cond(a, b)
+}
+
+/// `y = x · wᵀ + b` per member: `x [N, R, i]`, `w [N, o, i]`, `b [N, o]` (the solo
+/// `Linear` batched: the same casts, GEMM and bias add).
+fn linear(x: &Tensor, w: &Tensor, b: &Tensor, p: Precision) -> candle_core::Result<Tensor> {
+    let x = p.to_compute(x)?;
+    let w = p.to_compute(w)?;
+    x.matmul(&w.transpose(1, 2)?)?.broadcast_add(&p.to_compute(b)?.unsqueeze(1)?)
+}
+
+/// Q values `[N, R, A]` (F32) of states `[N, R, S]` under stacked weights `w`.
+fn forward(w: &[Tensor], s: &Tensor, p: Precision) -> candle_core::Result<Tensor> {
+    let mut z = s.clone();
+    for l in 0..3 {
+        z = linear(&z, &w[2 * l], &w[2 * l + 1], p)?.relu()?;
+    }
+    let v = linear(&z, &w[6], &w[7], p)?;
+    let a = linear(&z, &w[8], &w[9], p)?;
+    let a_mean = a.mean_keepdim(D::Minus1)?;
+    a.broadcast_sub(&a_mean)?.broadcast_add(&v)?.to_dtype(DType::F32)
+}
+
+impl DqnPopulation {
+    /// A population of `members.len()` DQN runs, member `k` configured by `members[k]`.
+    /// Members may differ in `seed`, `gamma`, `tau`, `optimizer.lr`,
+    /// `optimizer.weight_decay`, `max_grad_norm` and `epsilon`; every other key must be equal
+    /// (an error names the first member that differs). F16 compute is refused (its loss scaling
+    /// is a per-run host state; use F32 or BF16).
+    pub fn new(members: Vec<DqnConfig>, device: &Device) -> Result<Self> {
+        let Some(first) = members.first() else {
+            return Err(Error::config(CTX, "a population needs at least one member"));
+        };
+        let shared = shared_keys(first);
+        for (k, m) in members.iter().enumerate() {
+            m.validate().map_err(|e| Error::config(CTX, format!("member {k}: {e}")))?;
+            if shared_keys(m) != shared {
+                return Err(Error::config(
+                    CTX,
+                    format!("member {k} differs from member 0 in a shared key: {} vs {shared}", shared_keys(m)),
+                ));
+            }
+        }
+        if first.precision == Precision::F16 {
+            return Err(Error::config(CTX, "populations train in F32 or BF16, not F16"));
+        }
+        let n = members.len();
+        let specs = first.net.param_specs();
+        let seeds: Vec<u64> = members.iter().map(|m| m.seed).collect();
+        let online = ParamStore::linear_init_population("dqn", specs.clone(), device, &seeds)?;
+        let target = ParamStore::linear_init_population("dqn", specs, device, &seeds)?;
+        let f32s = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, device).ctx(CTX);
+        let f64s = |v: Vec<f64>| Tensor::from_vec(v, n, device).ctx(CTX);
+        let o = &first.optimizer;
+        let (bc1, bc2) = (bias_table(o.beta1)?, bias_table(o.beta2)?);
+        let hyper = Hyper {
+            gamma: f32s(members.iter().map(|m| m.gamma as f32).collect(), &[n, 1])?,
+            neg_gamma: f32s(members.iter().map(|m| -m.gamma as f32).collect(), &[n, 1])?,
+            tau: f32s(members.iter().map(|m| m.tau as f32).collect(), &[n])?,
+            lr: f64s(members.iter().map(|m| m.optimizer.lr).collect())?,
+            decay: f32s(
+                members.iter().map(|m| (1.0 - m.optimizer.lr * m.optimizer.weight_decay) as f32).collect(),
+                &[n],
+            )?,
+            max_norm: f64s(members.iter().map(|m| m.max_grad_norm).collect())?,
+            bc1: Tensor::new(bc1, device).ctx(CTX)?,
+            bc2: Tensor::new(bc2, device).ctx(CTX)?,
+        };
+        let zeros_like = |v: &Var| Tensor::zeros(v.shape(), DType::F32, device).and_then(|t| Var::from_tensor(&t));
+        let u32_zeros = || Tensor::zeros(n, DType::U32, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX);
+        let vars = online.vars();
+        let state = State {
+            exp_avg: vars.iter().map(zeros_like).collect::<candle_core::Result<_>>().ctx(CTX)?,
+            exp_avg_sq: vars.iter().map(zeros_like).collect::<candle_core::Result<_>>().ctx(CTX)?,
+            steps: u32_zeros()?,
+            skipped_loss: u32_zeros()?,
+            skipped_grad: u32_zeros()?,
+            last: Tensor::zeros((3, n), DType::F64, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?,
+        };
+        let replays = (0..n)
+            .map(|_| ReplayBuffer::new(first.replay_capacity, device).ctx(CTX))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            members,
+            online,
+            target,
+            hyper,
+            state,
+            replays,
+            env_steps: 0,
+            sampled: 0,
+            #[cfg(feature = "cuda")]
+            graph: None,
+        })
+    }
+
+    /// The members' configs.
+    pub fn members(&self) -> &[DqnConfig] {
+        &self.members
+    }
+
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the population has no member (never: [`Self::new`] refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The stacked online networks (`[N, ...]` per parameter).
+    pub fn online(&self) -> &ParamStore {
+        &self.online
+    }
+
+    /// The stacked target networks.
+    pub fn target(&self) -> &ParamStore {
+        &self.target
+    }
+
+    /// Member `k`'s replay buffer.
+    pub fn replay(&self, k: usize) -> Option<&ReplayBuffer> {
+        self.replays.get(k)
+    }
+
+    /// Environment steps taken (by every member).
+    pub fn env_steps(&self) -> u64 {
+        self.env_steps
+    }
+
+    /// Member `k`'s AdamW moments `(exp_avg, exp_avg_sq)` in parameter order (copies).
+    pub fn moments(&self, k: usize) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let take = |vs: &[Var]| -> Result<Vec<Tensor>> { vs.iter().map(|v| v.as_tensor().get(k).and_then(|t| t.copy()).ctx(CTX)).collect() };
+        Ok((take(&self.state.exp_avg)?, take(&self.state.exp_avg_sq)?))
+    }
+
+    /// Per member: optimiser steps applied and updates skipped (one read).
+    pub fn counters(&self) -> Result<(Vec<u64>, Vec<u64>)> {
+        let t = Tensor::stack(
+            &[self.state.steps.as_tensor(), self.state.skipped_loss.as_tensor(), self.state.skipped_grad.as_tensor()],
+            0,
+        )
+        .and_then(|t| t.to_vec2::<u32>())
+        .ctx(CTX)?;
+        let applied = t[0].iter().map(|&x| u64::from(x)).collect();
+        let skipped = t[1].iter().zip(&t[2]).map(|(&a, &b)| u64::from(a) + u64::from(b)).collect();
+        Ok((applied, skipped))
+    }
+
+    /// The last update's statistics (one read).
+    pub fn last_update(&self) -> Result<PopUpdateStats> {
+        let t: Vec<Vec<f64>> = self.state.last.as_tensor().to_vec2().ctx(CTX)?;
+        Ok(PopUpdateStats { loss: t[0].clone(), grad_norm: t[1].clone(), skipped: t[2].iter().map(|&s| s != 0.0).collect() })
+    }
+
+    /// Each member's ε for the next environment step.
+    pub fn epsilon(&self) -> Vec<f64> {
+        self.members.iter().map(|m| m.epsilon.value(self.env_steps)).collect()
+    }
+
+    /// One environment step of every member (`envs[k]` is member `k`'s), ε-greedy on its own
+    /// Q values with its own ε, stored in its replay, then the update round when due (the
+    /// solo trainer's schedule). Statistics are read back when `read`.
+    pub fn step(&mut self, envs: &mut [&mut dyn VecEnv], read: bool) -> Result<PopStepStats> {
+        if envs.len() != self.len() {
+            return Err(Error::config(CTX, format!("{} environments for {} members", envs.len(), self.len())));
+        }
+        let eps = self.epsilon();
+        let obs: Vec<Tensor> = envs.iter().map(|e| e.observe().ctx(CTX)).collect::<Result<_>>()?;
+        let q = self.q_values(&Tensor::stack(&obs, 0).ctx(CTX)?)?;
+        let (mut rewards, mut dones) = (Vec::new(), Vec::new());
+        for (k, env) in envs.iter_mut().enumerate() {
+            let actions = env.epsilon_greedy(&q.get(k).ctx(CTX)?, eps[k]).ctx(CTX)?;
+            let st = env.step_into_replay(&actions, &mut self.replays[k]).ctx(CTX)?;
+            if read {
+                rewards.push(st.reward);
+                dones.push(st.done);
+            }
+        }
+        self.env_steps += 1;
+        let (mut mean_reward, mut episodes_done) = (None, None);
+        if read {
+            let r = Tensor::stack(&rewards, 0).ctx(CTX)?;
+            let d = Tensor::stack(&dones, 0).ctx(CTX)?;
+            let sums: Vec<Vec<f64>> = Tensor::stack(&[r, d], 0)
+                .and_then(|t| t.to_dtype(DType::F64))
+                .and_then(|t| t.sum(2))
+                .and_then(|t| t.to_vec2())
+                .ctx(CTX)?;
+            let e = rewards[0].elem_count().max(1) as f64;
+            mean_reward = Some(sums[0].iter().map(|s| s / e).collect());
+            episodes_done = Some(sums[1].iter().map(|&d| d as u32).collect());
+        }
+        let first = &self.members[0];
+        let len = self.replays[0].len();
+        let (mut updates, mut updates_queued) = (Vec::new(), 0);
+        if len >= first.learning_starts.max(1) && self.env_steps.is_multiple_of(first.train_every) {
+            for _ in 0..first.gradient_steps {
+                let batch = self.sample()?;
+                self.update(&batch)?;
+                if read {
+                    updates.push(self.last_update()?);
+                } else {
+                    updates_queued += 1;
+                }
+            }
+        }
+        Ok(PopStepStats {
+            env_steps: self.env_steps,
+            epsilon: eps,
+            mean_reward,
+            episodes_done,
+            replay_len: len,
+            updates,
+            updates_queued,
+        })
+    }
+
+    /// Q values `[N, R, A]` of stacked states `[N, R, S]` (no graph).
+    pub fn q_values(&self, s: &Tensor) -> Result<Tensor> {
+        let w: Vec<Tensor> = self.online.vars().iter().map(|v| v.as_tensor().detach()).collect();
+        forward(&w, &s.detach(), self.members[0].precision).ctx(CTX)
+    }
+
+    /// One minibatch per member from its replay (keyed by its seed and the draw count, as the
+    /// solo trainer draws), stacked.
+    pub fn sample(&mut self) -> Result<PopBatch> {
+        let b = self.members[0].batch_size;
+        let mut parts: [Vec<Tensor>; 5] = Default::default();
+        for (m, replay) in self.members.iter().zip(&self.replays) {
+            let s = replay.sample_keyed(b, m.seed, self.sampled).ctx(CTX)?;
+            for (p, t) in parts.iter_mut().zip([s.states, s.actions, s.rewards, s.next_states, s.dones]) {
+                p.push(t);
+            }
+        }
+        self.sampled += 1;
+        let [obs, actions, rewards, next_obs, dones] = parts.map(|p| Tensor::stack(&p, 0).ctx(CTX));
+        Ok(PopBatch { obs: obs?, actions: actions?.to_dtype(DType::U32).ctx(CTX)?, rewards: rewards?, next_obs: next_obs?, dones: dones? })
+    }
+
+    /// One optimiser step of every member on `batch` (see the module docs). Reads nothing
+    /// back; [`Self::last_update`] and [`Self::counters`] read the outcome. On CUDA, once
+    /// [`Self::capture_update`] has run, the captured graph replays instead.
+    pub fn update(&mut self, batch: &PopBatch) -> Result<()> {
+        self.check_batch(batch)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.graph {
+            for (dst, src) in g.inputs.tensors().into_iter().zip(batch.tensors()) {
+                dst.slice_set(&src.to_dtype(dst.dtype()).ctx(CTX)?, 0, 0).ctx(CTX)?;
+            }
+            return g.graph.replay().ctx(CTX);
+        }
+        self.update_body(batch, false)
+    }
+
+    fn check_batch(&self, batch: &PopBatch) -> Result<()> {
+        let (n, b, s) = (self.len(), self.members[0].batch_size, self.members[0].net.state_dim);
+        for (what, t, want) in [
+            ("obs", &batch.obs, vec![n, b, s]),
+            ("actions", &batch.actions, vec![n, b]),
+            ("rewards", &batch.rewards, vec![n, b]),
+            ("next_obs", &batch.next_obs, vec![n, b, s]),
+            ("dones", &batch.dones, vec![n, b]),
+        ] {
+            if t.dims() != want.as_slice() {
+                return Err(Error::shape(what, CTX, format!("{want:?}"), format!("{:?}", t.dims())));
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures [`Self::update`] as one CUDA graph at the configured batch size (CUDA only);
+    /// later updates copy their batch into the graph's inputs and replay it.
+    #[cfg(feature = "cuda")]
+    pub fn capture_update(&mut self, example: &PopBatch) -> Result<()> {
+        self.check_batch(example)?;
+        self.graph = None;
+        let inputs = PopBatch {
+            obs: example.obs.copy().ctx(CTX)?,
+            actions: example.actions.to_dtype(DType::U32).and_then(|t| t.copy()).ctx(CTX)?,
+            rewards: example.rewards.copy().ctx(CTX)?,
+            next_obs: example.next_obs.copy().ctx(CTX)?,
+            dones: example.dones.copy().ctx(CTX)?,
+        };
+        let dev = self.online.device().clone();
+        let graph = fx_precision::CapturedGraph::capture(&dev, 2, |dry| {
+            self.update_body(&inputs, dry).map_err(|e| fx_precision::Error::Config {
+                what: "DqnPopulation update",
+                message: e.to_string(),
+            })
+        })
+        .ctx(CTX)?;
+        self.graph = Some(CapturedUpdate { graph, inputs });
+        Ok(())
+    }
+
+    /// Whether updates replay a captured graph.
+    #[cfg(feature = "cuda")]
+    pub fn update_captured(&self) -> bool {
+        self.graph.is_some()
+    }
+
+    /// The update; a `dry` run computes everything and writes nothing (graph warm-up).
+    fn update_body(&self, batch: &PopBatch, dry: bool) -> Result<()> {
+        let cfg = &self.members[0];
+        let p = cfg.precision;
+        let vars = self.online.vars();
+        let w: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let wd: Vec<Tensor> = w.iter().map(|t| t.detach()).collect();
+        let tw: Vec<Tensor> = self.target.vars().iter().map(|v| v.as_tensor().detach()).collect();
+        let h = &self.hyper;
+        let loss = (|| {
+            let q = forward(&w, &batch.obs, p)?;
+            let q_sa = q.gather(&batch.actions.unsqueeze(2)?, 2)?.squeeze(2)?;
+            let next = batch.next_obs.detach();
+            let a_star = forward(&wd, &next, p)?.argmax(D::Minus1)?;
+            let q_t = forward(&tw, &next, p)?.gather(&a_star.unsqueeze(2)?, 2)?.squeeze(2)?;
+            let r = batch.rewards.to_dtype(DType::F32)?;
+            let not_done = batch.dones.to_dtype(DType::F32)?.broadcast_mul(&h.neg_gamma)?.broadcast_add(&h.gamma)?;
+            let y = r.add(&not_done.mul(&q_t)?)?;
+            crate::dqn::huber(&q_sa.broadcast_sub(&y)?, cfg.huber_delta)?.mean(1)
+        })()
+        .ctx(CTX)?;
+        let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
+        self.apply(&vars, &loss, grads, dry)
+    }
+
+    /// Guard, clip, AdamW and the soft target update per member, on the device.
+    fn apply(&self, vars: &[Var], loss: &Tensor, grads: GradStore, dry: bool) -> Result<()> {
+        let h = &self.hyper;
+        let o = &self.members[0].optimizer;
+        let dev = self.online.device();
+        let acc = if dev.is_cpu() { DType::F64 } else { DType::F32 };
+        let g: Vec<Tensor> = vars
+            .iter()
+            .map(|v| grads.get(v.as_tensor()).cloned().ok_or_else(|| Error::config(CTX, "a parameter has no gradient")))
+            .collect::<Result<_>>()?;
+        let st = &self.state;
+        (|| -> candle_core::Result<()> {
+            // The solo guard's one reduction, per member: sum(g·0 + g²) is NaN iff some g is
+            // non-finite.
+            let flat = Tensor::cat(&g.iter().map(|g| g.flatten_from(1)?.to_dtype(DType::F32)).collect::<candle_core::Result<Vec<_>>>()?, 1)?
+                .to_dtype(acc)?;
+            let sumsq = (flat.affine(0.0, 0.0)? + flat.affine(1.0, 0.0)?.sqr()?)?.sum(1)?;
+            let loss_v = loss.detach().to_dtype(acc)?;
+            let ok_loss = finite(&loss_v)?;
+            let ok_grad = finite(&sumsq)?;
+            let ok = ok_loss.mul(&ok_grad)?;
+            let norm = sumsq.sqrt()?.to_dtype(DType::F64)?;
+            let coef = h.max_norm.div(&norm.affine(1.0, 1e-6)?)?;
+            let factor = coef.lt(1.0)?.where_cond(&coef, &coef.ones_like()?)?.to_dtype(DType::F32)?;
+            let t = st.steps.as_tensor().add(&ok.to_dtype(DType::U32)?)?;
+            let last_t = (h.bc1.dim(0)? - 1) as f64;
+            let i1 = t.to_dtype(DType::F64)?.minimum(last_t)?.to_dtype(DType::U32)?;
+            let last_t2 = (h.bc2.dim(0)? - 1) as f64;
+            let i2 = t.to_dtype(DType::F64)?.minimum(last_t2)?.to_dtype(DType::U32)?;
+            let step_size = h.lr.div(&h.bc1.index_select(&i1, 0)?)?.to_dtype(DType::F32)?;
+            let inv_bc2_sqrt = h.bc2.index_select(&i2, 0)?.sqrt()?.recip()?.to_dtype(DType::F32)?;
+            let (b1, b2, eps) = (o.beta1, o.beta2, o.eps);
+            let mut new_w = Vec::with_capacity(vars.len());
+            let mut new_m = Vec::with_capacity(vars.len());
+            let mut new_v = Vec::with_capacity(vars.len());
+            for (i, var) in vars.iter().enumerate() {
+                let r = var.rank();
+                let gi = g[i].detach().to_dtype(DType::F32)?.broadcast_mul(&per_member(&factor, r)?)?;
+                let w0 = var.as_tensor().detach();
+                let w = w0.broadcast_mul(&per_member(&h.decay, r)?)?;
+                let m0 = st.exp_avg[i].as_tensor();
+                let v0 = st.exp_avg_sq[i].as_tensor();
+                let m = (m0.affine(b1, 0.0)? + gi.affine(1.0 - b1, 0.0)?)?;
+                let v = (v0.affine(b2, 0.0)? + gi.sqr()?.affine(1.0 - b2, 0.0)?)?;
+                let denom = v.sqrt()?.broadcast_mul(&per_member(&inv_bc2_sqrt, r)?)?.affine(1.0, eps)?;
+                let upd = (&m / &denom)?.broadcast_mul(&per_member(&step_size, r)?)?;
+                new_w.push(select(&ok, &(w - upd)?, &w0)?);
+                new_m.push(select(&ok, &m, m0)?);
+                new_v.push(select(&ok, &v, v0)?);
+            }
+            let last = Tensor::stack(&[loss_v.to_dtype(DType::F64)?, norm.clone(), ok.ones_like()?.sub(&ok)?.to_dtype(DType::F64)?], 0)?;
+            if dry {
+                return Ok(());
+            }
+            let tvars = self.target.vars();
+            for (i, var) in vars.iter().enumerate() {
+                var.set(&new_w[i])?;
+                st.exp_avg[i].set(&new_m[i])?;
+                st.exp_avg_sq[i].set(&new_v[i])?;
+                let tt = tvars[i].as_tensor().detach();
+                let moved = (&tt + new_w[i].sub(&tt)?.broadcast_mul(&per_member(&h.tau, tt.rank())?)?)?;
+                tvars[i].set(&select(&ok, &moved, &tt)?)?;
+            }
+            st.steps.set(&t)?;
+            let bad_loss = ok_loss.ones_like()?.sub(&ok_loss)?.to_dtype(DType::U32)?;
+            let bad_grad = ok_loss.mul(&ok_grad.ones_like()?.sub(&ok_grad)?)?.to_dtype(DType::U32)?;
+            st.skipped_loss.set(&st.skipped_loss.as_tensor().add(&bad_loss)?)?;
+            st.skipped_grad.set(&st.skipped_grad.as_tensor().add(&bad_grad)?)?;
+            st.last.set(&last)?;
+            Ok(())
+        })()
+        .ctx(CTX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dqn::trainer::DqnTrainer;
+    use crate::synthetic::ar1_env;
+    use crate::{DqnNetConfig, LinearSchedule};
+
+    fn tiny(k: usize) -> DqnConfig {
+        let k64 = k as u64;
+        DqnConfig {
+            net: DqnNetConfig { hidden: 16, ..Default::default() },
+            batch_size: 16,
+            replay_capacity: 50, // wraps during the test
+            learning_starts: 20,
+            seed: 11 + 7 * k64,
+            gamma: 0.95 + 0.007 * k as f64,
+            tau: 0.005 * (1 + k) as f64,
+            optimizer: fx_precision::AdamWConfig {
+                lr: 1e-3 * (1.0 + 0.5 * k as f64),
+                weight_decay: 0.01 * k as f64,
+                ..DqnConfig::default().optimizer
+            },
+            // Member 3 clips at 0.05 (most of its steps are clipped); member 0 has no weight decay.
+            max_grad_norm: if k == 3 { 0.05 } else { 10.0 },
+            epsilon: LinearSchedule { start: 1.0, end: 0.05 * k as f64, steps: 20 + 5 * k64 },
+            ..Default::default()
+        }
+    }
+
+    /// Exact equality of two tensors' values (IEEE `==`: ±0 are one value, NaN never passes).
+    fn same(a: &Tensor, b: &Tensor, what: &str) {
+        let f = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        let (x, y) = (f(a), f(b));
+        assert_eq!(x.len(), y.len(), "{what}: lengths");
+        if let Some(i) = (0..x.len()).find(|&i| x[i] != y[i]) {
+            panic!("{what}: element {i} differs: {} vs {}", x[i], y[i]);
+        }
+    }
+
+    /// Members 0, 3 and 6 of a population of 7 (seeds, γ, τ, learning rates, weight decay,
+    /// clip norms and ε schedules all different) are their solo runs, over 200 updates: the
+    /// same weights, target weights, AdamW moments and step counts, replay contents, rewards,
+    /// episode counts, losses and gradient norms, on the CPU.
+    #[test]
+    fn members_are_their_solo_runs_on_cpu() {
+        let n = 7;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let mut pop = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let mut envs: Vec<_> = (0..n).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
+        let watched = [0usize, 3, 6];
+        let mut solos: Vec<DqnTrainer> =
+            watched.iter().map(|&k| DqnTrainer::new(cfgs[k].clone(), &Device::Cpu).unwrap()).collect();
+        let mut solo_envs: Vec<_> = watched.iter().map(|&k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
+        let (mut updates, mut clipped) = (0, 0);
+        while updates < 200 {
+            let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let p = pop.step(&mut refs, true).unwrap();
+            updates += p.updates.len();
+            clipped += p.updates.iter().filter(|u| u.grad_norm[3] > 0.05).count();
+            for (j, &k) in watched.iter().enumerate() {
+                let s = solos[j].step(&mut solo_envs[j]).unwrap();
+                assert_eq!(s.epsilon, p.epsilon[k], "member {k} ε");
+                assert_eq!(s.mean_reward.unwrap(), p.mean_reward.as_ref().unwrap()[k], "member {k} reward");
+                assert_eq!(s.episodes_done.unwrap(), p.episodes_done.as_ref().unwrap()[k]);
+                assert_eq!(s.updates.len(), p.updates.len());
+                for (su, pu) in s.updates.iter().zip(&p.updates) {
+                    assert_eq!(su.loss, pu.loss[k], "member {k} loss at update {updates}");
+                    assert_eq!(su.grad_norm, pu.grad_norm[k], "member {k} grad norm at update {updates}");
+                    assert_eq!(su.skipped, pu.skipped[k]);
+                }
+            }
+        }
+        let (applied, skipped) = pop.counters().unwrap();
+        for (j, &k) in watched.iter().enumerate() {
+            let solo = &solos[j];
+            assert_eq!((applied[k], skipped[k]), (solo.updates(), solo.skipped_updates()), "member {k} counters");
+            let (on, tg) = (pop.online().member(k).unwrap(), pop.target().member(k).unwrap());
+            for (spec, (a, b)) in on.specs().iter().zip(on.vars().iter().zip(solo.online().params().vars())) {
+                same(a.as_tensor(), b.as_tensor(), &format!("member {k} online {}", spec.name));
+            }
+            for (spec, (a, b)) in tg.specs().iter().zip(tg.vars().iter().zip(solo.target().params().vars())) {
+                same(a.as_tensor(), b.as_tensor(), &format!("member {k} target {}", spec.name));
+            }
+            let opt = solo.optimizer_state();
+            let (m, v) = pop.moments(k).unwrap();
+            for (i, spec) in on.specs().iter().enumerate() {
+                same(&m[i], &opt[&format!("{}.exp_avg", spec.name)], &format!("member {k} exp_avg {}", spec.name));
+                same(&v[i], &opt[&format!("{}.exp_avg_sq", spec.name)], &format!("member {k} exp_avg_sq {}", spec.name));
+            }
+            let (a, b) = (pop.replay(k).unwrap().stored().unwrap(), solo.replay().stored().unwrap());
+            for (what, x, y) in [
+                ("states", &a.states, &b.states),
+                ("actions", &a.actions, &b.actions),
+                ("rewards", &a.rewards, &b.rewards),
+                ("next_states", &a.next_states, &b.next_states),
+                ("dones", &a.dones, &b.dones),
+            ] {
+                same(x, y, &format!("member {k} replay {what}"));
+            }
+        }
+        assert!(applied.iter().all(|&a| a >= 200), "every member trained: {applied:?}");
+        assert!(clipped > 100, "member 3 must be clipped on most steps, was on {clipped}");
+    }
+
+    fn random_batch(n: usize, b: usize, seed: u64) -> PopBatch {
+        let v = |len: usize, stream: u64| -> Vec<f32> {
+            (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, stream, 0, i) * 2.0 - 1.0) as f32).collect()
+        };
+        let t = |x: Vec<f32>, shape: &[usize]| Tensor::from_vec(x, shape, &Device::Cpu).unwrap();
+        let actions: Vec<u32> = v(n * b, 3).iter().map(|u| ((u + 1.0) * 1.5) as u32 % 3).collect();
+        let dones = v(n * b, 5).iter().map(|&u| if u > 0.8 { 1.0 } else { 0.0 }).collect();
+        PopBatch {
+            obs: t(v(n * b * 56, 1), &[n, b, 56]),
+            actions: Tensor::from_vec(actions, (n, b), &Device::Cpu).unwrap(),
+            rewards: t(v(n * b, 2), &[n, b]),
+            next_obs: t(v(n * b * 56, 4), &[n, b, 56]),
+            dones: t(dones, &[n, b]),
+        }
+    }
+
+    /// A NaN in one member's data at one update (its loss and gradient non-finite): that member
+    /// skips that step (its counter says so, its weights, moments and target stay as they
+    /// were) and every other member is bit-identical to a population without the injection.
+    #[test]
+    fn a_nan_skips_only_its_member() {
+        let n = 3;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let clean = &mut DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let hit = &mut DqnPopulation::new(cfgs, &Device::Cpu).unwrap();
+        for step in 0..12u64 {
+            let batch = random_batch(n, 16, 100 + step);
+            clean.update(&batch).unwrap();
+            if step == 5 {
+                let before = hit.online().member(1).unwrap();
+                let target_before = hit.target().member(1).unwrap();
+                let moments_before = hit.moments(1).unwrap();
+                let mut r: Vec<Vec<f32>> = batch.rewards.to_vec2().unwrap();
+                r[1][7] = f32::NAN;
+                let bad = PopBatch { rewards: Tensor::new(r, &Device::Cpu).unwrap(), ..batch.clone() };
+                hit.update(&bad).unwrap();
+                let st = hit.last_update().unwrap();
+                assert_eq!(st.skipped, vec![false, true, false]);
+                assert!(st.loss[1].is_nan() && st.loss[0].is_finite());
+                let after = hit.online().member(1).unwrap();
+                for (a, b) in after.vars().iter().zip(before.vars()) {
+                    same(a.as_tensor(), b.as_tensor(), "skipped member's weights");
+                }
+                for (a, b) in hit.target().member(1).unwrap().vars().iter().zip(target_before.vars()) {
+                    same(a.as_tensor(), b.as_tensor(), "skipped member's target");
+                }
+                let m = hit.moments(1).unwrap();
+                for (a, b) in m.0.iter().chain(&m.1).zip(moments_before.0.iter().chain(&moments_before.1)) {
+                    same(a, b, "skipped member's moments");
+                }
+            } else {
+                hit.update(&batch).unwrap();
+            }
+        }
+        let (applied, skipped) = hit.counters().unwrap();
+        assert_eq!((applied, skipped), (vec![12, 11, 12], vec![0, 1, 0]));
+        for k in [0, 2] {
+            for (a, b) in hit.online().vars().iter().zip(clean.online().vars()) {
+                same(&a.as_tensor().get(k).unwrap(), &b.as_tensor().get(k).unwrap(), &format!("member {k}"));
+            }
+        }
+        // Member 1 went on training from where it was: one step behind, so not equal.
+        let (a, b) = (hit.online().member(1).unwrap(), clean.online().member(1).unwrap());
+        assert_ne!(
+            a.vars()[0].as_tensor().to_vec2::<f32>().unwrap(),
+            b.vars()[0].as_tensor().to_vec2::<f32>().unwrap()
+        );
+    }
+
+    /// Shape keys must agree across members; the error names the member.
+    #[test]
+    fn members_must_share_shape_keys() {
+        let mut cfgs: Vec<DqnConfig> = (0..3).map(tiny).collect();
+        cfgs[2].batch_size = 32;
+        let e = DqnPopulation::new(cfgs, &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("member 2") && e.contains("batch_size"), "{e}");
+        let f16 = DqnConfig { precision: Precision::F16, ..tiny(0) };
+        assert!(DqnPopulation::new(vec![f16], &Device::Cpu).is_err());
+        assert!(DqnPopulation::new(vec![], &Device::Cpu).is_err());
+        let bad_batch = random_batch(2, 8, 1);
+        let mut pop = DqnPopulation::new(vec![tiny(0), tiny(1)], &Device::Cpu).unwrap();
+        let e = pop.update(&bad_batch).unwrap_err().to_string();
+        assert!(e.contains("obs") && e.contains("[2, 16, 56]"), "{e}");
+    }
+
+    /// A member taken out and put back is unchanged; put into another slot it is that slot's
+    /// values exactly, the others untouched.
+    #[test]
+    fn members_move_in_and_out_of_the_store() {
+        let pop = DqnPopulation::new((0..3).map(tiny).collect(), &Device::Cpu).unwrap();
+        let solo = crate::DuelingDqn::new(tiny(1).net, &Device::Cpu, tiny(1).seed).unwrap();
+        let m1 = pop.online().member(1).unwrap();
+        for (a, b) in m1.vars().iter().zip(solo.params().vars()) {
+            same(a.as_tensor(), b.as_tensor(), "member 1 starts as its solo network");
+        }
+        let m0 = pop.online().member(0).unwrap();
+        pop.online().set_member(2, &m1).unwrap();
+        for (a, b) in pop.online().member(2).unwrap().vars().iter().zip(m1.vars()) {
+            same(a.as_tensor(), b.as_tensor(), "slot 2 now holds member 1");
+        }
+        for (a, b) in pop.online().member(0).unwrap().vars().iter().zip(m0.vars()) {
+            same(a.as_tensor(), b.as_tensor(), "slot 0 untouched");
+        }
+        assert!(pop.online().member(3).is_err());
+        assert!(solo.params().member(0).is_err(), "a solo store has no members");
+    }
+}
