@@ -151,7 +151,8 @@ impl ParamStore {
             return Err(Error::config(CTX, "a population needs at least one member"));
         }
         let seed = seeds[0];
-        let mut store = Self { model, seed, init_stream: AGENT_INIT_STREAM, device: device.clone(), entries: Vec::new() };
+        let mut store =
+            Self { model, seed, init_stream: AGENT_INIT_STREAM, device: device.clone(), entries: Vec::new() };
         let mut fan_in = 1usize;
         for (index, spec) in specs.into_iter().enumerate() {
             if spec.shape.len() == 2 {
@@ -162,7 +163,9 @@ impl ParamStore {
             let mut values = Vec::with_capacity(n * seeds.len());
             for &s in seeds {
                 values.extend(
-                    uniform_draws(s, AGENT_INIT_STREAM, index as u64, n).iter().map(|u| ((2.0 * u - 1.0) * bound) as f32),
+                    uniform_draws(s, AGENT_INIT_STREAM, index as u64, n)
+                        .iter()
+                        .map(|u| ((2.0 * u - 1.0) * bound) as f32),
                 );
             }
             let mut shape = vec![seeds.len()];
@@ -180,7 +183,13 @@ impl ParamStore {
     pub fn member(&self, k: usize) -> Result<ParamStore> {
         const CTX: &str = "ParamStore::member";
         let prefix = member_prefix(k);
-        let mut out = Self { model: self.model, seed: self.seed, init_stream: self.init_stream, device: self.device.clone(), entries: Vec::new() };
+        let mut out = Self {
+            model: self.model,
+            seed: self.seed,
+            init_stream: self.init_stream,
+            device: self.device.clone(),
+            entries: Vec::new(),
+        };
         for e in &self.entries {
             let Names::Stacked { names, .. } = &e.names else {
                 return Err(Error::config(CTX, format!("{} holds a parameter that is not a population's", self.model)));
@@ -207,7 +216,10 @@ impl ParamStore {
             let name = names.get(k).ok_or_else(|| Error::config(CTX, format!("no member {k} in {}", self.model)))?;
             let v = values.get(name).ok_or_else(|| Error::config(CTX, format!("{} lacks {name}", from.model)))?;
             if v.dims() != part_shape.as_slice() {
-                return Err(Error::config(CTX, format!("{name}: shape {:?}, the population holds {part_shape:?}", v.dims())));
+                return Err(Error::config(
+                    CTX,
+                    format!("{name}: shape {:?}, the population holds {part_shape:?}", v.dims()),
+                ));
             }
             let all = e.var.as_tensor().detach();
             let slot = v.to_dtype(DType::F32).and_then(|v| v.unsqueeze(0)).ctx(CTX)?;

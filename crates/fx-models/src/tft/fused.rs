@@ -1483,7 +1483,10 @@ mod gpu_tests {
             for round in 0..2 {
                 let (fl, fg) = fused.loss_and_grads(&obs, &known, &target, Some(&rng)).unwrap();
                 let (e, ec) = (rel_err(&fl, &loss32), rel_err(&loss16, &loss32));
-                assert!(e <= bound(ec), "{precision:?} round {round}: loss rel err {e} (candle BF16 {ec}, seed {seed})");
+                assert!(
+                    e <= bound(ec),
+                    "{precision:?} round {round}: loss rel err {e} (candle BF16 {ec}, seed {seed})"
+                );
                 let mut worst = (0.0, 0.0, String::new());
                 for ((name, var), g) in m.params().named_vars().iter().zip(&fg) {
                     let want = grads32.get(var.as_tensor()).unwrap();
