@@ -9,6 +9,9 @@
 //!   host read; `graph_nodes` in the record): one step is the trainers' whole update (see
 //!   [`train`]); `samples_per_s` = batch / median step time
 //!   over `--steps` timed steps after 10 warm-up steps (2 with `--quick`);
+//! - `dqn_pop{64,256}_train_b256` (CPU: `dqn_pop8_train_b64`), the same modes: N DQN runs
+//!   trained as one [`fx_models::DqnPopulation`] (γ spread over members as bench.py's),
+//!   `samples_per_s` = N × batch / median step time (see [`train`]);
 //! - `dqn_infer_b1`, `ppo_infer_b1`: batch-1 greedy action latency, p50/p99/mean over
 //!   2000 calls (`eager_fp32`; on CUDA also the one-launch `fused_fp32` and the host-to-host
 //!   `fused_fp32_e2e`; on the CPU `cpu_fp32` and `int8`, see [`latency`]);
@@ -60,6 +63,9 @@ pub enum BenchModel {
     Tft,
     /// MAMBA-2 training (batch 32, L 256; CPU 4).
     Mamba2,
+    /// DQN populations: N members trained in one step (`dqn_pop{N}_train_b{B}`; bench.py's
+    /// `--models pop`).
+    Pop,
     /// The environment cases only.
     Env,
     /// Host-to-device bandwidth only (CUDA).
@@ -136,6 +142,8 @@ impl Model {
 #[derive(Debug, Clone)]
 pub(crate) struct Plan {
     pub(crate) train: Vec<(Model, Vec<usize>)>,
+    /// DQN population cases: (members, batch per member).
+    pub(crate) pop: Vec<(usize, usize)>,
     pub(crate) precisions: Vec<Precision>,
     pub(crate) latency: Vec<Model>,
     /// TFT / MAMBA-2 inference cases.
@@ -184,8 +192,15 @@ impl Plan {
             BenchPrecision::Bf16 => vec![Precision::Bf16],
             BenchPrecision::All => vec![Precision::F32, Precision::Bf16],
         };
+        // bench.py's POP_SIZES on the GPU, its CPU size (8 members of batch 64) on the CPU.
+        let pop = match (want(BenchModel::Pop), cuda) {
+            (false, _) => Vec::new(),
+            (true, true) => vec![(64, 256), (256, 256)],
+            (true, false) => vec![(8, 64)],
+        };
         Plan {
             train,
+            pop,
             precisions,
             latency,
             seq_infer: seq_infer::SeqInfer::cases(want(BenchModel::Tft), want(BenchModel::Mamba2), cuda),
@@ -293,6 +308,19 @@ pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
                     let rec = base(ctx, format!("{}_train_b{b}", model.name()), "train", model.name(), mode, b);
                     rec_timing(ctx, &mut out, t0, rec, |ctx, r| train::train_case(ctx, *model, b, p, graph, r));
                 }
+            }
+        }
+    }
+    for &(n, b) in &plan.pop {
+        for &p in &plan.precisions {
+            for graph in [false, true] {
+                if graph && !ctx.device.is_cuda() {
+                    continue;
+                }
+                let mode = train::mode_name(p, graph);
+                let mut rec = base(ctx, format!("dqn_pop{n}_train_b{b}"), "train", "dqn", mode, b);
+                rec.insert("members".into(), json!(n));
+                rec_timing(ctx, &mut out, t0, rec, |ctx, r| train::pop_case(ctx, n, b, p, graph, r));
             }
         }
     }
@@ -563,6 +591,7 @@ mod tests {
     fn tiny_plan() -> Plan {
         Plan {
             train: vec![(Model::Dqn, vec![32]), (Model::Ppo, vec![16])],
+            pop: vec![(3, 8)],
             precisions: vec![Precision::F32, Precision::Bf16],
             latency: vec![Model::Dqn, Model::Ppo],
             seq_infer: Vec::new(),
@@ -646,9 +675,9 @@ mod tests {
         let plan = tiny_plan();
         let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
         let recs = run_cases(&mut ctx, &plan);
-        // 2 models x 1 batch x 2 precisions, 2 models x 4 latency modes, 2 models x 4
-        // throughput modes, 2 env
-        assert_eq!(recs.len(), 22, "{recs:#?}");
+        // 2 models x 1 batch x 2 precisions, 1 population x 2 precisions, 2 models x 4 latency
+        // modes, 2 models x 4 throughput modes, 2 env
+        assert_eq!(recs.len(), 24, "{recs:#?}");
         for r in &recs {
             assert_eq!(r.get("status"), Some(&json!("ok")), "{r:?}");
             for k in ["case", "kind", "model", "mode", "device"] {
@@ -661,7 +690,7 @@ mod tests {
             assert!(r.get("mem_method").is_none(), "{r:?}");
         }
         let train: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "train").collect();
-        assert_eq!(train.len(), 4);
+        assert_eq!(train.len(), 6);
         let cases: Vec<(&str, &str)> =
             train.iter().map(|r| (r["case"].as_str().unwrap(), r["mode"].as_str().unwrap())).collect();
         assert_eq!(
@@ -670,7 +699,9 @@ mod tests {
                 ("dqn_train_b32", "eager_fp32"),
                 ("dqn_train_b32", "eager_bf16"),
                 ("ppo_train_b16", "eager_fp32"),
-                ("ppo_train_b16", "eager_bf16")
+                ("ppo_train_b16", "eager_bf16"),
+                ("dqn_pop3_train_b8", "eager_fp32"),
+                ("dqn_pop3_train_b8", "eager_bf16")
             ]
         );
         for r in &train {
@@ -680,8 +711,9 @@ mod tests {
             assert!(wall.is_finite() && wall > 0.0, "{r:?}");
             let (p10, med, p90) = (num(r, "step_ms_p10"), num(r, "step_ms_median"), num(r, "step_ms_p90"));
             assert!(p10 <= med && med <= p90 && p10 >= 0.0, "{r:?}");
-            // samples/s is batch over the (rounded) median step
-            let want = num(r, "batch") / (med / 1e3);
+            // samples/s is batch (times members, for populations) over the (rounded) median step
+            let members = r.get("members").and_then(Value::as_f64).unwrap_or(1.0);
+            let want = members * num(r, "batch") / (med / 1e3);
             assert!((sps - want).abs() <= 1e-3 * want + 1.0, "{sps} vs {want}");
             assert_eq!(num(r, "steps_timed"), 3.0);
             assert!(num(r, "loss_last").is_finite());

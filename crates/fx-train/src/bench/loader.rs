@@ -468,6 +468,7 @@ mod tests {
     fn cpu_loader_records_have_a_stall_fraction() {
         let plan = Plan {
             train: Vec::new(),
+            pop: Vec::new(),
             precisions: Vec::new(),
             latency: Vec::new(),
             infer_batch: 0,

@@ -14,7 +14,8 @@ use anyhow::{ensure, Context, Result};
 use candle_core::{Device, Tensor};
 use fx_models::seq::{Mamba2Task, SeqBatch, SeqTask, SeqTrainConfig, SeqTrainer};
 use fx_models::{
-    DqnBatch, DqnConfig, DqnTrainer, Mamba2, Mamba2Config, PpoBatch, PpoConfig, PpoTrainer, Tft, TftConfig,
+    DqnBatch, DqnConfig, DqnPopulation, DqnTrainer, Mamba2, Mamba2Config, PopBatch, PpoBatch, PpoConfig, PpoTrainer,
+    Tft, TftConfig,
 };
 use fx_precision::{GraphMode, Precision};
 use serde_json::json;
@@ -118,6 +119,73 @@ impl Stepper for DqnStepper {
             return Ok(Some((st.last_loss, st.guard.skipped() as usize)));
         }
         Ok(None)
+    }
+}
+
+/// N DQN runs as one population on fixed per-member data (bench.py's `build_pop`: γ spread
+/// over [0.981, 0.999], every member its own seed and data).
+struct PopStepper {
+    pop: DqnPopulation,
+    batch: PopBatch,
+}
+
+impl PopStepper {
+    fn new(device: &Device, n: usize, b: usize, precision: Precision, graph: bool) -> Result<Self> {
+        let members: Vec<DqnConfig> = (0..n)
+            .map(|k| {
+                let spread = if n > 1 { -1.0 + 2.0 * k as f64 / (n - 1) as f64 } else { 0.0 };
+                DqnConfig {
+                    precision,
+                    batch_size: b,
+                    replay_capacity: 1,
+                    learning_starts: 1,
+                    seed: k as u64,
+                    gamma: 0.99 + 0.009 * spread,
+                    ..Default::default()
+                }
+            })
+            .collect();
+        let mut pop = DqnPopulation::new(members, device)?;
+        let rows = n * b;
+        let actions: Vec<u32> = uniforms(0, 3, rows).iter().map(|u| ((u * 3.0) as u32).min(2)).collect();
+        let dones: Vec<f32> = uniforms(0, 4, rows).iter().map(|&u| if u < 0.05 { 1.0 } else { 0.0 }).collect();
+        let batch = PopBatch {
+            obs: states(device, rows, 0, 1)?.reshape((n, b, fx_kernels::OBS_DIM))?,
+            next_obs: states(device, rows, 0, 2)?.reshape((n, b, fx_kernels::OBS_DIM))?,
+            actions: Tensor::from_vec(actions, (n, b), device)?,
+            rewards: Tensor::from_vec(normals(0, 5, rows), (n, b), device)?,
+            dones: Tensor::from_vec(dones, (n, b), device)?,
+        };
+        #[cfg(feature = "cuda")]
+        if graph {
+            pop.capture_update(&batch)?;
+        }
+        ensure!(!graph || device.is_cuda(), "graph modes need CUDA");
+        let _ = &mut pop;
+        Ok(Self { pop, batch })
+    }
+}
+
+impl Stepper for PopStepper {
+    #[cfg(feature = "cuda")]
+    fn graph_nodes(&self) -> Result<Option<usize>> {
+        Ok(self.pop.graph_nodes()?)
+    }
+
+    fn params(&self) -> usize {
+        self.pop.online().param_count()
+    }
+
+    fn step(&mut self) -> Result<Option<StepOut>> {
+        self.pop.update(&self.batch)?;
+        Ok(None)
+    }
+
+    fn summary(&mut self) -> Result<Option<(f64, usize)>> {
+        let last = self.pop.last_update()?;
+        let (_, skipped) = self.pop.counters()?;
+        let loss = last.loss.iter().sum::<f64>() / last.loss.len() as f64;
+        Ok(Some((loss, skipped.iter().sum::<u64>() as usize)))
     }
 }
 
@@ -302,7 +370,7 @@ pub(crate) fn train_case(
 ) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
     let dev = ctx.device.clone();
-    let mut stepper: Box<dyn Stepper> = match model {
+    let stepper: Box<dyn Stepper> = match model {
         Model::Dqn => Box::new(DqnStepper::new(&dev, batch, precision, graph).context("building the DQN case")?),
         Model::Ppo => Box::new(PpoStepper::new(&dev, batch, precision, graph).context("building the PPO case")?),
         Model::Tft | Model::Mamba2 => Box::new(
@@ -310,6 +378,40 @@ pub(crate) fn train_case(
                 .with_context(|| format!("building the {} case", model.name()))?,
         ),
     };
+    time_stepper(ctx, stepper, batch, precision, rec)?;
+    if model == Model::Mamba2 {
+        let med = rec.get("step_ms_median").and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+        rec.insert("seq_len".into(), json!(MAMBA2_SEQ_LEN));
+        rec.insert("tokens_per_s".into(), json!(round(batch as f64 / (med / 1e3) * MAMBA2_SEQ_LEN as f64, 1)));
+    }
+    Ok(())
+}
+
+/// A DQN population case: `members` runs at `batch` each (see the module docs).
+pub(crate) fn pop_case(
+    ctx: &mut Ctx,
+    members: usize,
+    batch: usize,
+    precision: Precision,
+    graph: bool,
+    rec: &mut Record,
+) -> Result<()> {
+    ctx.mem.start(&ctx.device)?;
+    let dev = ctx.device.clone();
+    let stepper = PopStepper::new(&dev, members, batch, precision, graph).context("building the population case")?;
+    time_stepper(ctx, Box::new(stepper), members * batch, precision, rec)
+}
+
+/// Times `stepper` (a first step, `warmup` steps, then `steps` timed ones) and fills `rec`;
+/// `samples` is what one step trains on.
+fn time_stepper(
+    ctx: &mut Ctx,
+    mut stepper: Box<dyn Stepper>,
+    samples: usize,
+    precision: Precision,
+    rec: &mut Record,
+) -> Result<()> {
+    let dev = ctx.device.clone();
     rec.insert("params".into(), json!(stepper.params()));
     rec.insert("precision".into(), json!(precision.to_string()));
 
@@ -348,7 +450,7 @@ pub(crate) fn train_case(
     );
     ensure!(skipped < ts.len(), "every timed step was skipped by the NaN/Inf guard");
     let med = pct(&ts, 50.0);
-    let b = batch as f64;
+    let b = samples as f64;
     rec.insert("status".into(), json!("ok"));
     rec.insert("steps_timed".into(), json!(ts.len()));
     rec.insert("step_ms_median".into(), json!(round(med, 4)));
@@ -365,10 +467,6 @@ pub(crate) fn train_case(
     rec.insert("skipped_steps".into(), json!(skipped));
     if let Some(n) = stepper.graph_nodes()? {
         rec.insert("graph_nodes".into(), json!(n));
-    }
-    if model == Model::Mamba2 {
-        rec.insert("seq_len".into(), json!(MAMBA2_SEQ_LEN));
-        rec.insert("tokens_per_s".into(), json!(round(b / (med / 1e3) * MAMBA2_SEQ_LEN as f64, 1)));
     }
     Ok(())
 }
