@@ -825,3 +825,65 @@ fn a_failed_checkpoint_write_stops_the_run_and_keeps_the_earlier_ones() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+// ---------------------------------------------------------------- sweeps
+
+/// `fx-train sweep` on the CPU: 3 trials as one population, their rows and leaderboard, the
+/// best trained again as an ordinary run that ends with exactly its trial's weights (a member
+/// is its solo run), one market for every trial, and a second call that trains nothing again.
+#[test]
+fn sweep_ranks_trials_and_reruns_the_best() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = std::fs::read_to_string(tiny_config(dir.path(), "dqn", 40, "")).unwrap();
+    // The run config under [run]: every table header gains the prefix.
+    let run: String = run
+        .lines()
+        .map(|l| match l.strip_prefix('[') {
+            Some(rest) => format!("[run.{rest}\n"),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    let sweep = dir.path().join("sweep.toml");
+    std::fs::write(
+        &sweep,
+        format!(
+            "trials = 3\nseed = 5\nsampler = \"random\"\nbest = 1\n[space]\n\"dqn.optimizer.lr\" = {{ log_uniform = [1e-4, 1e-2] }}\nseed = {{ int = [0, 99] }}\n[run]\n{run}"
+        ),
+    )
+    .unwrap();
+    let out = dir.path().join("sw");
+    let text = ok(&fx_train().arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&out).output().unwrap());
+    assert!(text.contains("3 trials tried"), "{text}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.join("trials.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    let csv = std::fs::read_to_string(out.join("trials.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 4, "{csv}");
+    assert!(csv.starts_with("trial,dqn.optimizer.lr,seed,val_sharpe"), "{csv}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).unwrap()).unwrap();
+    assert_eq!(doc["trials_tried"], 3);
+    let best = doc["best"][0]["trial"].as_u64().unwrap();
+    assert!(rows.iter().all(|r| r["val_sharpe"].as_f64().unwrap() <= doc["best"][0]["val_sharpe"].as_f64().unwrap()));
+    let run_dir = out.join("best-1");
+    assert!(run_dir.join("report.json").exists());
+    let cfg = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
+    assert!(cfg.contains("data_seed = 7"), "every trial trains on the base market: {cfg}");
+    let ckpt = std::fs::read_dir(&run_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .max()
+        .unwrap();
+    let trained: Vec<(String, Vec<u8>)> =
+        tensors(&ckpt).into_iter().filter_map(|(n, v)| n.strip_prefix("online.").map(|n| (n.to_string(), v))).collect();
+    let member = tensors(&out.join(format!("weights/trial-{best}.safetensors")));
+    assert_eq!(trained.len(), 10);
+    assert_eq!(trained, member, "the best run's final weights are its trial's");
+    // Done already: nothing is trained again.
+    let again = ok(&fx_train().arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&out).output().unwrap());
+    assert!(again.contains("all 3 trials done already"), "{again}");
+}

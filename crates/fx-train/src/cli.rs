@@ -27,6 +27,9 @@ pub enum Command {
     Features(FeaturesArgs),
     /// Measure training throughput, peak memory and batch-1 latency (bench.py's output shape).
     Bench(crate::bench::BenchArgs),
+    /// Train many DQN trials as one population, rank them on the validation split and train the
+    /// best again as ordinary runs (see the README's sweep section).
+    Sweep(crate::sweep::SweepArgs),
     /// Quantise the latest DQN/PPO checkpoint of a run to INT8 (file beside it + quant_report.json).
     Quantize(QuantizeArgs),
 }

@@ -61,6 +61,9 @@ pub struct RunConfig {
     pub steps: u64,
     /// Seed of everything random in the run (weights, env draws, synthetic market).
     pub seed: u64,
+    /// Seed of the synthetic market alone; none: `seed`. A sweep sets it so that its trials,
+    /// whatever their `seed`, train and are scored on one market.
+    pub data_seed: Option<u64>,
     /// Compute precision (weights and optimiser state stay F32).
     pub precision: Precision,
     /// Device: auto, cpu, cuda or cuda:N.
@@ -151,6 +154,7 @@ impl Default for RunConfig {
             out: PathBuf::from("runs/default"),
             steps,
             seed: 7,
+            data_seed: None,
             precision: Precision::F32,
             device: "auto".into(),
             batch: crate::batch::BatchSize::Auto,
@@ -187,9 +191,15 @@ impl RunConfig {
     /// one line: `parsing config FILE: line L, column C: what`.
     pub fn from_toml_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// [`Self::from_toml_file`] on a text; `source` names it in errors.
+    pub fn from_toml_str(text: &str, source: &str) -> Result<Self> {
+        let text = text.to_string();
         let mut cfg: Self = toml::from_str(&text)
             .map_err(|e| toml_error(&text, &e))
-            .with_context(|| format!("parsing config {}", path.display()))?;
+            .with_context(|| format!("parsing config {source}"))?;
         // Which model batch keys the file sets itself (it parsed, so it is a valid table).
         if let Ok(table) = text.parse::<toml::Table>() {
             let has = |section: &str, key: &str| table.get(section).and_then(|s| s.get(key)).is_some();
@@ -288,7 +298,7 @@ impl RunConfig {
             self.set_batch_key(n);
         }
         self.env.seed = self.seed;
-        self.synthetic.seed = self.seed;
+        self.synthetic.seed = self.data_seed.unwrap_or(self.seed);
         self.dqn.seed = self.seed;
         self.ppo.seed = self.seed;
         self.dqn.precision = self.precision;

@@ -26,7 +26,7 @@ fn sha256_file(path: &Path) -> Result<String> {
 
 /// Takes the exclusive lock of `root/run.lock` and records this process's id in it, or
 /// refuses in one line naming the folder and the holder's id.
-fn lock_folder(root: &Path) -> Result<File> {
+pub(crate) fn lock_folder(root: &Path) -> Result<File> {
     let path = root.join(LOCK_FILE);
     let mut file = OpenOptions::new()
         .read(true)
