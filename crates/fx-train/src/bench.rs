@@ -625,6 +625,7 @@ mod tests {
             lat_warm: 1,
             lat_n: 8,
             env_e: None,
+            pop: Vec::new(),
             ..tiny_plan()
         };
         let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
