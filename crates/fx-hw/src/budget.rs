@@ -90,6 +90,24 @@ pub fn batch_size(model: ModelKind, free_bytes: u64, cost: CostModel) -> usize {
     shaped.clamp(lo, hi)
 }
 
+/// How many members of a population fit in `free_bytes`: `(free − overhead) / member_bytes`,
+/// at least 1 (a lone member is an ordinary run) and at most `max` (the trials there are).
+///
+/// `member_bytes` is one member's whole footprint (weights, gradients, optimiser moments,
+/// target network, replay or rollout storage, its batch's activations): the model crate
+/// estimates it from the member's config.
+///
+/// ```
+/// // an H200 with 140 GB free, 1.7 GiB of fixed overhead, 40 MiB a member, 256 trials
+/// assert_eq!(fx_hw::population_size(140 << 30, 1700 << 20, 40 << 20, 256), 256);
+/// // a 4 GB laptop GPU holds 59 such members: a 256-trial sweep runs in 5 waves there
+/// assert_eq!(fx_hw::population_size(4096 * 9 / 10 << 20, 1300 << 20, 40 << 20, 256), 59);
+/// ```
+pub fn population_size(free_bytes: u64, overhead_bytes: u64, member_bytes: u64, max: usize) -> usize {
+    let raw = free_bytes.saturating_sub(overhead_bytes) / member_bytes.max(1);
+    usize::try_from(raw).unwrap_or(usize::MAX).clamp(1, max.max(1))
+}
+
 fn prev_power_of_two(n: usize) -> usize {
     debug_assert!(n > 0);
     1 << (usize::BITS - 1 - n.leading_zeros())
@@ -128,7 +146,26 @@ mod tests {
         assert_eq!(batch_size(ModelKind::Dqn, 0, CostModel::estimate(ModelKind::Dqn)), BATCH_MIN);
     }
 
+    #[test]
+    fn population_fills_the_free_memory_and_never_exceeds_the_trials() {
+        let mib = MIB;
+        // 10 GiB free, 2 GiB overhead, 100 MiB a member: 81 fit
+        assert_eq!(population_size(10 << 30, 2 << 30, 100 * mib, 1000), 81);
+        assert_eq!(population_size(10 << 30, 2 << 30, 100 * mib, 7), 7);
+        // nothing free still trains one member (the run then fails or fits like a solo run)
+        assert_eq!(population_size(0, 2 << 30, 100 * mib, 7), 1);
+        assert_eq!(population_size(10 << 30, 0, 0, 5), 5);
+    }
+
     proptest! {
+        #[test]
+        fn population_is_clamped(free in 0u64..(1 << 44), overhead in 0u64..(1 << 34), per in 0u64..(1 << 30), max in 0usize..5000) {
+            let n = population_size(free, overhead, per, max);
+            prop_assert!(n >= 1 && n <= max.max(1));
+            // n members fit unless only the one forced member is there
+            prop_assert!(n == 1 || overhead + n as u64 * per.max(1) <= free);
+        }
+
         #[test]
         fn batch_is_clamped(free in 0u64..(1 << 44), overhead in 0u64..(1 << 34), per in 1u64..(1 << 30), m in 0usize..4) {
             let model = ModelKind::ALL[m];

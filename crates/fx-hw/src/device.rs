@@ -3,7 +3,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::overrides::DeviceRequest;
-use crate::{batch_size, CostModel, ModelKind, Overrides, Precision, Source, Sourced};
+use crate::{batch_size, population_size, CostModel, ModelKind, Overrides, Precision, Source, Sourced};
 
 /// Where tensors live for a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +71,9 @@ pub struct HardwareBudget {
     pub costs: BTreeMap<ModelKind, Sourced<CostModel>>,
     /// A batch size forced by config or environment, applied to every model.
     pub batch_override: Option<Sourced<usize>>,
+    /// A population size forced by config or environment.
+    #[serde(default)]
+    pub population_override: Option<Sourced<usize>>,
 }
 
 impl HardwareBudget {
@@ -117,6 +120,7 @@ impl HardwareBudget {
             precision,
             costs,
             batch_override: overrides.batch_size.clone(),
+            population_override: overrides.population.clone(),
         }
     }
 
@@ -137,6 +141,18 @@ impl HardwareBudget {
         let cost = &self.costs[&model];
         let source = if cost.source == Source::Probe { Source::Probe } else { Source::Derived };
         Sourced::new(batch_size(model, self.free_memory_bytes(), cost.value), source)
+    }
+
+    /// How many members of a population of `model` to train at once, out of `trials`: the
+    /// override if one is set (never above `trials`), else [`population_size`] from free
+    /// memory, the model's fixed overhead and `member_bytes` (one member's footprint, from
+    /// the model crate; source `derived`).
+    pub fn population_size(&self, model: ModelKind, member_bytes: u64, trials: usize) -> Sourced<usize> {
+        if let Some(p) = &self.population_override {
+            return Sourced::new(p.value.clamp(1, trials.max(1)), p.source.clone());
+        }
+        let overhead = self.costs[&model].value.overhead_bytes;
+        Sourced::new(population_size(self.free_memory_bytes(), overhead, member_bytes, trials), Source::Derived)
     }
 
     /// Replaces a model's estimated cost with a measured one.
@@ -239,6 +255,22 @@ mod tests {
         let b = HardwareBudget::detect_with(&o);
         assert_eq!(b.precision, Sourced::new(Precision::Bf16, Source::Config));
         assert_eq!(b.batch_size(ModelKind::Dqn), Sourced::new(96, Source::Config));
+        // a population override never asks for more members than there are trials
+        let b = HardwareBudget::detect_with(&Overrides::default().with_device("cpu").with_population(16));
+        assert_eq!(b.population_size(ModelKind::Dqn, 1 << 20, 100), Sourced::new(16, Source::Config));
+        assert_eq!(b.population_size(ModelKind::Dqn, 1 << 20, 5), Sourced::new(5, Source::Config));
+    }
+
+    #[test]
+    fn population_is_derived_from_free_memory() {
+        let b = HardwareBudget::detect_with(&Overrides::default().with_device("cpu"));
+        let free = b.free_memory_bytes();
+        let overhead = b.costs[&ModelKind::Dqn].value.overhead_bytes;
+        let per = (free.saturating_sub(overhead) / 10).max(1);
+        let n = b.population_size(ModelKind::Dqn, per, 1000);
+        assert_eq!(n.source, Source::Derived);
+        assert_eq!(n.value, population_size(free, overhead, per, 1000));
+        assert!(free < overhead + (1 << 30) || (10..=11).contains(&n.value), "{n:?}");
     }
 
     #[test]

@@ -4,10 +4,11 @@
 //! it may a training run use?". [`HardwareBudget::detect`] reads the GPU (through
 //! cudarc's driver API when built with the `cuda` feature) and the host, never panics,
 //! and falls back to the CPU with the reason recorded. From that it derives the compute
-//! [`Precision`], batch sizes per model ([`CostModel`], [`batch_size`]) and aligned
+//! [`Precision`], batch sizes per model ([`CostModel`], [`batch_size`]), how many members of
+//! a population fit ([`HardwareBudget::population_size`]) and aligned
 //! dimensions ([`align`]). Every derived value carries its [`Source`], so a user can see
 //! whether it was detected, estimated, measured by a probe, or overridden through the
-//! config or the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`). [`cpu_threads`]
+//! config or the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`, `FX_POPULATION`). [`cpu_threads`]
 //! sizes candle's CPU thread pool by the work and by the CPUs the process may use; under
 //! `cuda`, [`busy::BusyMeter`] reads the GPU's busy fraction for run profiles, and
 //! `open_cuda` opens a device the way fx runs on it (a stream of its own; see its module).
@@ -32,7 +33,7 @@ mod precision;
 mod probe;
 mod threads;
 
-pub use budget::{batch_size, CostModel, ModelKind, BATCH_MAX, BATCH_MIN};
+pub use budget::{batch_size, population_size, CostModel, ModelKind, BATCH_MAX, BATCH_MIN};
 #[cfg(feature = "cuda")]
 pub use cuda_device::{device_wide_lock, open_cuda, test_gpu};
 pub use device::{DeviceKind, GpuInfo, HardwareBudget, HostInfo};

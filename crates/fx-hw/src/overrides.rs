@@ -75,7 +75,8 @@ impl DeviceRequest {
 
 /// User overrides of the detected budget, from a config and from the environment.
 ///
-/// Precedence: the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`) overrides the
+/// Precedence: the environment (`FX_DEVICE`, `FX_PRECISION`, `FX_BATCH_SIZE`,
+/// `FX_POPULATION`) overrides the
 /// config; command-line flags are config values applied last by the caller
 /// (see [`Overrides::layered`]).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -83,6 +84,9 @@ pub struct Overrides {
     pub device: Option<Sourced<DeviceRequest>>,
     pub precision: Option<Sourced<Precision>>,
     pub batch_size: Option<Sourced<usize>>,
+    /// The most members a population may hold (`FX_POPULATION`); a sweep with more trials
+    /// runs in waves of this size.
+    pub population: Option<Sourced<usize>>,
 }
 
 impl Overrides {
@@ -112,6 +116,15 @@ impl Overrides {
                 .ok_or_else(|| invalid("batch size", "FX_BATCH_SIZE", &v, "a positive integer"))?;
             out.batch_size = Some(Sourced::new(n, Source::Env("FX_BATCH_SIZE".into())));
         }
+        if let Some(v) = get("FX_POPULATION") {
+            let n = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| invalid("population size", "FX_POPULATION", &v, "a positive integer"))?;
+            out.population = Some(Sourced::new(n, Source::Env("FX_POPULATION".into())));
+        }
         Ok(out)
     }
 
@@ -120,6 +133,7 @@ impl Overrides {
         self.device = over.device.or(self.device);
         self.precision = over.precision.or(self.precision);
         self.batch_size = over.batch_size.or(self.batch_size);
+        self.population = over.population.or(self.population);
         self
     }
 
@@ -144,6 +158,12 @@ impl Overrides {
     /// A precision override from the config.
     pub fn with_precision(mut self, precision: Precision) -> Self {
         self.precision = Some(Sourced::new(precision, Source::Config));
+        self
+    }
+
+    /// A population-size override from the config (a sweep's `members`).
+    pub fn with_population(mut self, members: usize) -> Self {
+        self.population = Some(Sourced::new(members, Source::Config));
         self
     }
 
@@ -176,6 +196,11 @@ mod tests {
         assert_eq!(p.value, Precision::F16);
         assert_eq!(p.source, Source::Env("FX_PRECISION".into()));
         assert_eq!(o.batch_size.unwrap().value, 512);
+        let o = Overrides::from_vars(vars(&[("FX_POPULATION", " 64 ")])).unwrap();
+        assert_eq!(o.population, Some(Sourced::new(64, Source::Env("FX_POPULATION".into()))));
+        // the environment wins over the config, as for the batch
+        let o = Overrides::default().with_population(8).layered(o);
+        assert_eq!(o.population.unwrap().value, 64);
     }
 
     #[test]
@@ -186,6 +211,8 @@ mod tests {
         assert!(err.contains("positive"), "{err}");
         let err = Overrides::from_vars(vars(&[("FX_DEVICE", "tpu")])).unwrap_err().to_string();
         assert!(err.contains("FX_DEVICE"), "{err}");
+        let err = Overrides::from_vars(vars(&[("FX_POPULATION", "-3")])).unwrap_err().to_string();
+        assert!(err.contains("FX_POPULATION") && err.contains("-3"), "{err}");
     }
 
     #[test]

@@ -43,6 +43,7 @@ pub struct TrainOptions {
 }
 
 /// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Finished,
     Interrupted,
@@ -308,7 +309,12 @@ pub(crate) fn with_oom_hint(e: anyhow::Error, cfg: &RunConfig) -> anyhow::Error 
     )
 }
 
-fn install_signal_handler() {
+/// Whether a signal asked the process to stop (see [`install_signal_handler`]).
+pub(crate) fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+pub(crate) fn install_signal_handler() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // Ctrl-C (SIGINT), and SIGTERM / SIGHUP (what Kubernetes, Slurm and a closed
@@ -509,7 +515,7 @@ mod tests {
         // Still out of memory at 64: retried once only, then the error names a batch.
         let dir = tempfile::tempdir().unwrap();
         let _hooks = Hooks::set(128, 32);
-        let e = run(tiny(crate::config::ModelChoice::Dqn, dir.path()), opts()).err().expect("out of memory twice");
+        let e = run(tiny(crate::config::ModelChoice::Dqn, dir.path()), opts()).expect_err("out of memory twice");
         assert_eq!(test_hooks::oom_raised(), 2);
         let msg = e.to_string();
         assert!(msg.contains("ran out of memory at batch 64;"), "{msg}");
@@ -526,7 +532,7 @@ mod tests {
                 batch_source: source,
                 ..tiny(crate::config::ModelChoice::Dqn, dir.path())
             };
-            let e = run(cfg, opts()).err().expect("no retry");
+            let e = run(cfg, opts()).expect_err("no retry");
             assert_eq!(test_hooks::oom_raised(), 1, "{source:?}");
             let e = e.to_string();
             assert!(e.contains("ran out of memory at batch 128;") && e.contains("--batch-size"), "{source:?}: {e}");
@@ -553,7 +559,7 @@ mod tests {
             batch_source: BatchSource::Flag,
             ..tiny(crate::config::ModelChoice::Dqn, dir.path())
         };
-        let e = run(cfg, opts()).err().expect("no retry at a set batch").to_string();
+        let e = run(cfg, opts()).expect_err("no retry at a set batch").to_string();
         assert!(e.contains("ran out of memory at batch 128;") && e.contains("--batch-size"), "{e}");
     }
 

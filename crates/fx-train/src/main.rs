@@ -73,7 +73,7 @@ fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
         Some(cli::Command::Hw(args)) => done(hw::run(&args)),
         Some(cli::Command::Features(args)) => done(features(&args)),
         Some(cli::Command::Bench(args)) => done(bench::run(&args)),
-        Some(cli::Command::Sweep(args)) => done(sweep::run(&args)),
+        Some(cli::Command::Sweep(args)) => sweep::run(&args),
         Some(cli::Command::Quantize(args)) => done(quantize::run(&args)),
     }
 }

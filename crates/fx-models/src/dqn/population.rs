@@ -307,6 +307,29 @@ impl DqnPopulation {
         })
     }
 
+    /// What members of one population must share, as text: two configs with equal keys can
+    /// train together (a sweep groups its trials by it; shape keys such as `net.hidden` or
+    /// `batch_size` split trials into one population per shape).
+    pub fn shape_key(member: &DqnConfig) -> String {
+        shared_keys(member)
+    }
+
+    /// An estimate of one member's device memory in bytes, for sizing populations
+    /// (`fx_hw::HardwareBudget::population_size`): seven F32 copies of the parameters
+    /// (online, target, gradient, two AdamW moments, the clipped gradient and a compute-dtype
+    /// copy), the replay ring (`ReplayBuffer`'s bytes per transition), and per sample of the
+    /// batch the inputs plus four F32 values a unit for the taped forward on `s` (pre- and
+    /// post-activation and their gradients) and two for the untaped forwards on `s'`, doubled
+    /// for candle's temporaries.
+    pub fn member_bytes(member: &DqnConfig) -> u64 {
+        let net = &member.net;
+        let params: usize = net.param_specs().iter().map(|p| p.shape.iter().product::<usize>()).sum();
+        let units = 2 * net.hidden + net.hidden / 2 + 1 + net.n_actions;
+        let transition = 2 * net.state_dim * 4 + 12;
+        let per_sample = transition + 2 * 6 * units * 4;
+        (7 * params * 4 + member.replay_capacity * transition + member.batch_size * per_sample) as u64
+    }
+
     /// The members' configs.
     pub fn members(&self) -> &[DqnConfig] {
         &self.members
@@ -826,6 +849,23 @@ mod tests {
         let mut pop = DqnPopulation::new(vec![tiny(0), tiny(1)], &Device::Cpu).unwrap();
         let e = pop.update(&bad_batch).unwrap_err().to_string();
         assert!(e.contains("obs") && e.contains("[2, 16, 56]"), "{e}");
+    }
+
+    /// The shape key separates what cannot train together and nothing else; the memory
+    /// estimate grows by the replay ring's bytes exactly and is in the tens of MiB for the
+    /// spec's default member.
+    #[test]
+    fn shape_key_and_member_bytes() {
+        let a = DqnConfig::default();
+        let b = DqnConfig { seed: 9, gamma: 0.9, tau: 0.01, max_grad_norm: 3.0, ..a.clone() };
+        assert_eq!(DqnPopulation::shape_key(&a), DqnPopulation::shape_key(&b));
+        let wide = DqnConfig { net: DqnNetConfig { hidden: 512, ..a.net }, ..a.clone() };
+        assert_ne!(DqnPopulation::shape_key(&a), DqnPopulation::shape_key(&wide));
+        let bytes = DqnPopulation::member_bytes(&a);
+        assert!((10 << 20..200 << 20).contains(&bytes), "{bytes}");
+        let bigger = DqnConfig { replay_capacity: a.replay_capacity + 1000, ..a.clone() };
+        assert_eq!(DqnPopulation::member_bytes(&bigger) - bytes, 1000 * 460);
+        assert!(DqnPopulation::member_bytes(&wide) > bytes);
     }
 
     /// A member taken out and put back is unchanged; put into another slot it is that slot's

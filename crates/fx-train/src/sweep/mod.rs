@@ -9,17 +9,24 @@
 //! `best` (how many trials get run folders), `[run]` (a run config, the `train --config`
 //! format: every trial's base) and `[space]` (dotted run-config keys, each
 //! `{ choice = [...] }`, `{ uniform = [lo, hi] }`, `{ log_uniform = [lo, hi] }` or
-//! `{ int = [lo, hi] }`). Keys that change shapes (network width, batch, replay) must be
-//! equal across one population: the error names the first trial that differs.
+//! `{ int = [lo, hi] }`) and `members` (the most trials in one population). Trials whose
+//! shape keys differ (network width, batch, replay, update schedule:
+//! [`DqnPopulation::shape_key`]) train in separate populations; a group with more trials than
+//! the device holds (`fx_hw::HardwareBudget::population_size` from the member's estimated
+//! memory, or `members`, or `FX_POPULATION`) trains in waves. A member is its solo run, so a
+//! trial's result does not depend on its wave.
 //!
 //! Outputs in DIR: `sweep.toml` (the file as run), `trials.jsonl` and `trials.csv` (one row per
 //! trial: its point, validation metric and backtest, updates, skips, status), `sweep.json`
-//! (how many trials were tried, the sampler, the leaderboard), `population.json` (members,
-//! device, training seconds and throughput), `weights/trial-{k}.safetensors` (every trial's
-//! final online network) and `best-{rank}/` run folders (on the CPU a best run ends with its
-//! trial's weights exactly: a member is its solo run). The folder is locked while the sweep runs. A sweep whose
-//! `trials.jsonl` is complete is not trained again: running it again prints its leaderboard
-//! and finishes any best-trial run that did not end.
+//! (how many trials were tried, the sampler, the populations, the leaderboard),
+//! `population.json` (per wave: its trials, members, where that size came from, device,
+//! training seconds and throughput), `weights/trial-{k}.safetensors` (every trial's final
+//! online network) and `best-{rank}/` run folders (on the CPU a best run ends with its
+//! trial's weights exactly). The folder is locked while the sweep runs. Rows are written
+//! after each wave: a sweep stopped by a signal (or killed) keeps its finished waves and the
+//! same command goes on with the rest (a wave in flight starts again: populations have no
+//! mid-training checkpoint yet); a sweep whose rows are complete is not trained again, and
+//! running it again prints its leaderboard and finishes any best-trial run that did not end.
 
 mod space;
 
@@ -37,6 +44,7 @@ use serde_json::json;
 
 use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
+use crate::lifecycle::Outcome;
 use crate::train_env::TrainEnv;
 pub use space::{Dim, Sampler};
 
@@ -58,6 +66,10 @@ pub struct SweepArgs {
     /// Device: auto, cpu, cuda, cuda:N (overrides `run.device`).
     #[arg(long)]
     pub device: Option<String>,
+    /// The most trials trained at once (overrides the file's `members`; default: as many
+    /// as the device's free memory holds).
+    #[arg(long)]
+    pub members: Option<usize>,
 }
 
 /// The sweep file.
@@ -76,6 +88,11 @@ pub struct SweepConfig {
     /// Trials trained again as ordinary runs (run folders `best-1`, ...).
     #[serde(default = "one")]
     pub best: usize,
+    /// The most trials in one population (default: what the device's free memory holds,
+    /// `fx_hw::HardwareBudget::population_size`; `FX_POPULATION` overrides both); more trials
+    /// run in waves.
+    #[serde(default)]
+    pub members: Option<usize>,
     /// Every trial's base run config.
     #[serde(default)]
     pub run: toml::Table,
@@ -94,14 +111,36 @@ pub struct TrialRow {
     pub trial: usize,
     /// The point: dotted key → value.
     pub params: BTreeMap<String, serde_json::Value>,
-    /// The objective: the greedy policy's Sharpe ratio on the validation split.
+    /// The objective: the greedy policy's Sharpe ratio on the validation split (`null`
+    /// where it is not finite).
+    #[serde(with = "nan_as_null")]
     pub val_sharpe: f64,
+    #[serde(with = "nan_as_null")]
     pub val_total_return: f64,
+    #[serde(with = "nan_as_null")]
     pub val_max_drawdown: f64,
     pub updates: u64,
     pub skipped_updates: u64,
     /// `ok`, or `diverged` (a non-finite objective or no applied update).
     pub status: String,
+}
+
+/// A float as JSON: a number, or `null` for NaN and infinities (read back as NaN), so a
+/// diverged trial's row reads back.
+mod nan_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if x.is_finite() {
+            s.serialize_f64(*x)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
 }
 
 impl SweepConfig {
@@ -155,8 +194,15 @@ fn member_policy(pop: &DqnPopulation, k: usize) -> Result<fx_models::mlp::cpu::C
     Ok(net.cpu_policy()?)
 }
 
-/// `fx-train sweep` (see the module docs).
-pub fn run(args: &SweepArgs) -> Result<()> {
+/// `fx-train sweep` (see the module docs); a signal stops it after the env step in flight,
+/// keeping every finished wave (the same command goes on from there).
+pub fn run(args: &SweepArgs) -> Result<Outcome> {
+    crate::lifecycle::install_signal_handler();
+    run_with(args, &mut crate::lifecycle::interrupted)
+}
+
+/// [`run`] with the stop check as a parameter (called once per env step).
+fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome> {
     let mut spec = SweepConfig::from_file(&args.config)?;
     if let Some(n) = args.trials {
         spec.trials = Some(n);
@@ -166,6 +212,12 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     }
     if let Some(d) = &args.device {
         spec.run.insert("device".into(), toml::Value::String(d.clone()));
+    }
+    if let Some(m) = args.members {
+        spec.members = Some(m);
+    }
+    if spec.members == Some(0) {
+        bail!("sweep file {}: members must be at least 1", args.config.display());
     }
     let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
     let points = space::sample(&space, spec.sampler, spec.trials, spec.seed)?;
@@ -189,27 +241,62 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let _lock = crate::run_dir::lock_folder(&args.out)?;
-    crate::run_dir::write_atomic(&args.out.join("sweep.toml"), toml::to_string(&spec)?.as_bytes())?;
-    let rows_path = args.out.join("trials.jsonl");
-    let rows = match read_rows(&rows_path)? {
-        Some(rows) if rows.len() == cfgs.len() => {
-            println!(
-                "sweep {}: all {} trials done already; leaderboard from trials.jsonl",
-                args.out.display(),
-                rows.len()
-            );
-            rows
-        }
-        _ => {
-            let (rows, summary) = train_population(&base, &cfgs, &points, &args.out)?;
-            write_rows(&args.out, &rows)?;
-            crate::run_dir::write_atomic(
-                &args.out.join("population.json"),
-                serde_json::to_string_pretty(&summary)?.as_bytes(),
-            )?;
-            rows
-        }
+    let params = |k: usize| -> BTreeMap<String, serde_json::Value> {
+        points[k].iter().map(|(key, v)| (key.clone(), toml_to_json(v))).collect()
     };
+    // Finished trials of an earlier start; a row that is not this sweep's is an error, not a
+    // silent mix of two sweeps.
+    let rows_path = args.out.join("trials.jsonl");
+    let mut done: BTreeMap<usize, TrialRow> = BTreeMap::new();
+    for r in read_rows(&rows_path)?.unwrap_or_default() {
+        if r.trial >= cfgs.len() || r.params != params(r.trial) {
+            bail!(
+                "{}: trial {} is not one of this sweep's {} trials (another sweep file or --trials?); use another --out",
+                rows_path.display(),
+                r.trial,
+                cfgs.len()
+            );
+        }
+        done.insert(r.trial, r);
+    }
+    crate::run_dir::write_atomic(&args.out.join("sweep.toml"), toml::to_string(&spec)?.as_bytes())?;
+    let waves = plan_waves(&base, &cfgs, spec.members)?;
+    let todo: Vec<&Wave> = waves.iter().filter(|w| w.trials.iter().any(|t| !done.contains_key(t))).collect();
+    if todo.is_empty() {
+        println!("sweep {}: all {} trials done already; leaderboard from trials.jsonl", args.out.display(), cfgs.len());
+    } else if !done.is_empty() {
+        println!("sweep {}: {} of {} trials done already; going on", args.out.display(), done.len(), cfgs.len());
+    }
+    let pop_path = args.out.join("population.json");
+    let mut pop_doc: Vec<serde_json::Value> = match std::fs::read_to_string(&pop_path) {
+        Ok(text) => serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|d| d["waves"].as_array().cloned())
+            .unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    for wave in todo {
+        let trials: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
+        let Some((rows, mut summary)) = train_population(&base, &cfgs, &trials, &params, &args.out, stop)? else {
+            println!(
+                "sweep interrupted: {} of {} trials done (finished waves are kept); run the same command to go on",
+                done.len(),
+                cfgs.len()
+            );
+            return Ok(Outcome::Interrupted);
+        };
+        for r in rows {
+            done.insert(r.trial, r);
+        }
+        let rows: Vec<TrialRow> = done.values().cloned().collect();
+        write_rows(&args.out, &rows)?;
+        summary["trials"] = json!(trials);
+        summary["members_source"] = json!(wave.source);
+        pop_doc.push(summary);
+        let doc = json!({"waves": pop_doc});
+        crate::run_dir::write_atomic(&pop_path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    }
+    let rows: Vec<TrialRow> = done.into_values().collect();
     let board = leaderboard(&rows);
     print_board(&board, &rows, &args.out);
     let mut best = Vec::new();
@@ -223,8 +310,9 @@ pub fn run(args: &SweepArgs) -> Result<()> {
                 cfg.clone(),
                 crate::lifecycle::TrainOptions { resume, quiet: true, steps: None },
             )?;
-            if matches!(outcome, crate::lifecycle::Outcome::Interrupted) {
-                bail!("interrupted while training the best trials; run the same sweep again to finish them");
+            if matches!(outcome, Outcome::Interrupted) {
+                println!("interrupted while training the best trials; run the same sweep again to finish them");
+                return Ok(Outcome::Interrupted);
             }
         }
         best.push(json!({"rank": rank + 1, "trial": i, "run": cfg.out, "val_sharpe": rows[i].val_sharpe}));
@@ -235,31 +323,80 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         "seed": spec.seed,
         "objective": "val_sharpe (greedy policy, validation split)",
         "test_split": format!("scored only in the best {} run folder(s)", best.len()),
+        "populations": waves.iter().map(|w| w.trials.len()).collect::<Vec<_>>(),
         "leaderboard": board.iter().map(|&i| json!({"trial": i, "val_sharpe": rows[i].val_sharpe, "params": rows[i].params})).collect::<Vec<_>>(),
         "best": best,
     });
     crate::run_dir::write_atomic(&args.out.join("sweep.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
-    Ok(())
+    Ok(Outcome::Finished)
 }
 
-/// Trains every trial as one population on the base config's training split, then scores each
-/// member's greedy policy on the validation split.
+/// Trials trained together as one population.
+#[derive(Debug, Clone, PartialEq)]
+struct Wave {
+    trials: Vec<usize>,
+    /// Where the population size came from (`config`, `env FX_POPULATION`, `derived`).
+    source: String,
+}
+
+/// Trials grouped by shape (one population per [`DqnPopulation::shape_key`], in the order of
+/// their first trial), each group cut into waves as large as the device holds
+/// (`fx_hw::HardwareBudget::population_size`, or `members` / `FX_POPULATION`).
+fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], members: Option<usize>) -> Result<Vec<Wave>> {
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for (i, c) in cfgs.iter().enumerate() {
+        let key = DqnPopulation::shape_key(&c.dqn);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, g)) => g.push(i),
+            None => groups.push((key, vec![i])),
+        }
+    }
+    let mut overrides = fx_hw::Overrides::default().try_with_device(&base.device)?;
+    if let Some(m) = members {
+        overrides = overrides.with_population(m);
+    }
+    let env = fx_hw::Overrides::from_env()?;
+    overrides = overrides.layered(fx_hw::Overrides { population: env.population, ..Default::default() });
+    let budget = fx_hw::HardwareBudget::detect_with(&overrides);
+    let mut waves = Vec::new();
+    for (_, g) in &groups {
+        let size = budget.population_size(fx_hw::ModelKind::Dqn, DqnPopulation::member_bytes(&cfgs[g[0]].dqn), g.len());
+        println!(
+            "sweep: {} trial(s) of one shape in waves of at most {} member(s) ({})",
+            g.len(),
+            size.value,
+            size.source
+        );
+        for chunk in g.chunks(size.value) {
+            waves.push(Wave { trials: chunk.to_vec(), source: size.source.to_string() });
+        }
+    }
+    Ok(waves)
+}
+
+/// Trains `trials` as one population on the base config's training split, then scores each
+/// member's greedy policy on the validation split. `None` when `stop` asked to stop.
 fn train_population(
     base: &RunConfig,
     cfgs: &[RunConfig],
-    points: &[space::Point],
+    trials: &[usize],
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
     out: &Path,
-) -> Result<(Vec<TrialRow>, serde_json::Value)> {
+    stop: &mut dyn FnMut() -> bool,
+) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     let device = crate::run_start::device_for(base)?;
     let data = Dataset::load(base, None)?;
-    let members: Vec<DqnConfig> = cfgs.iter().map(|c| c.dqn.clone()).collect();
+    let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
     let mut pop = DqnPopulation::new(members, &device).context("building the sweep's population")?;
     let train_rows = data.env_data(data.splits.train.clone())?;
-    let mut envs: Vec<TrainEnv> =
-        cfgs.iter().map(|c| TrainEnv::new(train_rows.clone(), c.env.clone(), &device)).collect::<Result<_>>()?;
-    let n = cfgs.len();
+    let mut envs: Vec<TrainEnv> = trials
+        .iter()
+        .map(|&t| TrainEnv::new(train_rows.clone(), cfgs[t].env.clone(), &device))
+        .collect::<Result<_>>()?;
+    let n = trials.len();
     println!(
-        "sweep: {n} DQN trials as one population on {}, {} env steps x {} accounts each",
+        "sweep: trials {:?} as one population of {n} on {}, {} env steps x {} accounts each",
+        trials,
         if device.is_cuda() { "cuda" } else { "cpu" },
         base.steps,
         envs[0].num_envs()
@@ -267,6 +404,9 @@ fn train_population(
     let t0 = Instant::now();
     let mut samples = 0u64;
     for step in 1..=base.steps {
+        if stop() {
+            return Ok(None);
+        }
         let read = step % base.log_every == 0 || step == base.steps;
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.step(&mut refs, read)?;
@@ -286,9 +426,9 @@ fn train_population(
     let mut rows = Vec::with_capacity(n);
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
-    for k in 0..n {
+    for (k, &trial) in trials.iter().enumerate() {
         // Each trial's final online weights (spec names, the `train` layout's `online.*` tensors).
-        pop.online().member(k)?.save(&weights.join(format!("trial-{k}.safetensors")))?;
+        pop.online().member(k)?.save(&weights.join(format!("trial-{trial}.safetensors")))?;
         let mut policy = member_policy(&pop, k)?;
         let positions = fx_models::replay_policy(&valid, base.env.episode_len, |obs| {
             policy.act(obs).map_err(|e| fx_models::Error::Config { context: "sweep backtest", message: e.to_string() })
@@ -297,8 +437,8 @@ fn train_population(
         let s = &bt.stats;
         let ok = s.sharpe.is_finite() && applied[k] > 0;
         rows.push(TrialRow {
-            trial: k,
-            params: points[k].iter().map(|(key, v)| (key.clone(), toml_to_json(v))).collect(),
+            trial,
+            params: params(trial),
             val_sharpe: s.sharpe,
             val_total_return: s.total_return,
             val_max_drawdown: s.max_drawdown,
@@ -318,7 +458,7 @@ fn train_population(
         "sweep: trained {n} trials in {train_s:.1} s ({:.3e} update samples/s)",
         samples as f64 / train_s.max(1e-9)
     );
-    Ok((rows, summary))
+    Ok(Some((rows, summary)))
 }
 
 fn toml_to_json(v: &toml::Value) -> serde_json::Value {
@@ -405,13 +545,133 @@ mod tests {
         set_dotted(&mut t, "dqn.optimizer.lr", toml::Value::Float(3e-4)).unwrap();
         set_dotted(&mut t, "steps", toml::Value::Integer(10)).unwrap();
         assert_eq!(t["dqn"]["optimizer"]["lr"].as_float(), Some(3e-4));
-        let spec =
-            SweepConfig { trials: Some(1), seed: 0, sampler: Sampler::Random, best: 1, run: t, space: BTreeMap::new() };
+        let spec = SweepConfig {
+            trials: Some(1),
+            seed: 0,
+            sampler: Sampler::Random,
+            best: 1,
+            members: None,
+            run: t,
+            space: BTreeMap::new(),
+        };
         let cfgs = trial_configs(&spec, &[vec![("dqn.gama".into(), toml::Value::Float(0.9))]]);
         let e = format!("{:#}", cfgs.unwrap_err());
         assert!(e.contains("sweep trial 0") && e.contains("gama"), "{e}");
         let ok = trial_configs(&spec, &[vec![("dqn.gamma".into(), toml::Value::Float(0.9))]]).unwrap();
         assert_eq!((ok[0].dqn.gamma, ok[0].dqn.optimizer.lr, ok[0].steps), (0.9, 3e-4, 10));
+    }
+
+    /// A tiny CPU sweep file: 4 trials over lr and seed, no best runs.
+    fn tiny_sweep(dir: &Path, members: usize) -> SweepArgs {
+        let text = r#"
+trials = 4
+seed = 3
+sampler = "sobol"
+best = 0
+[space]
+"dqn.optimizer.lr" = { log_uniform = [1e-4, 1e-2] }
+seed = { int = [0, 99] }
+[run]
+model = "dqn"
+steps = 24
+log_every = 12
+device = "cpu"
+[run.synthetic]
+bars = 400
+[run.env]
+num_envs = 2
+episode_len = 16
+[run.dqn]
+batch_size = 16
+replay_capacity = 500
+learning_starts = 32
+[run.dqn.net]
+state_dim = 56
+hidden = 16
+n_actions = 3
+"#;
+        let config = dir.join("sweep.in.toml");
+        std::fs::write(&config, text).unwrap();
+        SweepArgs {
+            config,
+            out: dir.join(format!("out-{members}")),
+            trials: None,
+            steps: None,
+            device: None,
+            members: Some(members),
+        }
+    }
+
+    /// Trials split into waves give the rows of one population (a member is its solo run),
+    /// and a sweep stopped in its second wave goes on to the same rows, training only what
+    /// was not finished.
+    #[test]
+    fn waves_and_a_stopped_sweep_give_the_rows_of_one_population() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = tiny_sweep(dir.path(), 4);
+        assert!(matches!(run_with(&one, &mut || false).unwrap(), Outcome::Finished));
+        let want = std::fs::read_to_string(one.out.join("trials.jsonl")).unwrap();
+        assert_eq!(want.lines().count(), 4);
+        for l in want.lines() {
+            let r: TrialRow = serde_json::from_str(l).unwrap();
+            assert!(r.updates > 0 && r.val_sharpe.is_finite(), "every trial trains: {r:?}");
+        }
+
+        let waves = tiny_sweep(dir.path(), 2);
+        // Stop at the first env step of the second wave (24 steps a wave).
+        let mut calls = 0;
+        let mut stop_in_wave_2 = || {
+            calls += 1;
+            calls == 25
+        };
+        assert!(matches!(run_with(&waves, &mut stop_in_wave_2).unwrap(), Outcome::Interrupted));
+        let half = std::fs::read_to_string(waves.out.join("trials.jsonl")).unwrap();
+        assert_eq!(half.lines().count(), 2, "the first wave's rows are kept");
+        assert!(!waves.out.join("sweep.json").exists());
+        let mut calls = 0;
+        let mut count = || {
+            calls += 1;
+            false
+        };
+        assert!(matches!(run_with(&waves, &mut count).unwrap(), Outcome::Finished));
+        assert_eq!(calls, 24, "only the second wave trains again");
+        assert_eq!(std::fs::read_to_string(waves.out.join("trials.jsonl")).unwrap(), want);
+        let pop: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(waves.out.join("population.json")).unwrap()).unwrap();
+        assert_eq!(pop["waves"].as_array().unwrap().len(), 2);
+        assert_eq!(pop["waves"][1]["trials"], json!([2, 3]));
+        assert_eq!(pop["waves"][1]["members_source"], "config");
+        // A finished sweep is not trained again, and rows of another sweep are refused.
+        let mut never = || -> bool { panic!("trained again") };
+        assert!(matches!(run_with(&waves, &mut never).unwrap(), Outcome::Finished));
+        let other = SweepArgs { trials: Some(3), ..tiny_sweep(dir.path(), 2) };
+        let e = format!("{:#}", run_with(&other, &mut || false).unwrap_err());
+        assert!(e.contains("trials.jsonl") && e.contains("trial"), "{e}");
+    }
+
+    /// Trials of different widths train as separate populations.
+    #[test]
+    fn shape_keys_split_trials_into_populations() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = tiny_sweep(dir.path(), 8);
+        let mut spec = SweepConfig::from_file(&args.config).unwrap();
+        spec.space.insert("dqn.net.hidden".into(), toml::from_str::<Dim>("choice = [16, 32]").unwrap());
+        let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
+        let points = space::sample(&space, spec.sampler, spec.trials, spec.seed).unwrap();
+        let cfgs = trial_configs(&spec, &points).unwrap();
+        let base = cfgs[0].clone();
+        let waves = plan_waves(&base, &cfgs, Some(8)).unwrap();
+        let mut all: Vec<usize> = waves.iter().flat_map(|w| w.trials.clone()).collect();
+        all.sort_unstable();
+        assert_eq!(all, [0, 1, 2, 3]);
+        for w in &waves {
+            let h: Vec<usize> = w.trials.iter().map(|&t| cfgs[t].dqn.net.hidden).collect();
+            assert!(h.iter().all(|&x| x == h[0]), "{waves:?}");
+        }
+        let widths: std::collections::BTreeSet<usize> = cfgs.iter().map(|c| c.dqn.net.hidden).collect();
+        assert_eq!(waves.len(), widths.len(), "{waves:?}");
+        let small = plan_waves(&base, &cfgs, Some(1)).unwrap();
+        assert_eq!(small.len(), 4);
     }
 
     #[test]
