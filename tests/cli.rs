@@ -887,3 +887,97 @@ fn sweep_ranks_trials_and_reruns_the_best() {
     let again = ok(&fx_train().arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&out).output().unwrap());
     assert!(again.contains("all 3 trials done already"), "{again}");
 }
+
+// ---------------------------------------------------------------- walk-forward studies
+
+/// The tiny DQN on 1,500 synthetic bars (1,400 feature rows): three folds leave each a
+/// 140-row test span after the 101-row purges.
+fn study_config(dir: &Path) -> PathBuf {
+    let cfg = tiny_config(dir, "dqn", 60, "");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("bars = 500", "bars = 1500");
+    std::fs::write(&cfg, text).unwrap();
+    cfg
+}
+
+/// A study's statistics without the run folders' paths (which name the study folder).
+fn study_stats(out: &Path) -> serde_json::Value {
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("study.json")).unwrap()).unwrap();
+    for r in doc["runs_table"].as_array_mut().unwrap() {
+        r.as_object_mut().unwrap().remove("run");
+    }
+    doc
+}
+
+#[test]
+fn study_of_folds_and_seeds_reports_its_luck_and_resumes_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = study_config(dir.path());
+    let straight = dir.path().join("straight");
+    let text = ok(&train(&cfg, &straight, &["--quiet", "--folds", "3", "--seeds", "2", "--prior-trials", "10"]));
+    assert!(text.contains("3 fold(s) x 2 seed(s) = 6 dqn runs"), "{text}");
+    let doc = study_stats(&straight);
+    assert_eq!(doc["runs"], 6);
+    assert_eq!(doc["trials_counted"], 12, "2 seeds + 10 prior trials");
+    assert_eq!(doc["purge"], 101, "the features' 100-bar look-back plus the one-bar reward");
+    let folds = doc["per_fold"].as_array().unwrap();
+    assert_eq!(folds.len(), 3);
+    let span = |f: &serde_json::Value, k: &str| (f[k]["start"].as_u64().unwrap(), f[k]["end"].as_u64().unwrap());
+    for (i, f) in folds.iter().enumerate() {
+        let (train, valid, test) = (span(f, "train"), span(f, "valid"), span(f, "test"));
+        assert_eq!(train.1 + 101, valid.0, "fold {i}: no training row within the purge of validation");
+        assert_eq!(valid.1 + 101, test.0, "fold {i}");
+        if i > 0 {
+            assert_eq!(span(&folds[i - 1], "test").1, test.0, "test spans tile the end of the rows");
+        }
+    }
+    assert_eq!(span(&folds[2], "test").1, 1400);
+    let s = &doc["summary"];
+    let (lo, hi, mean) = (
+        s["sharpe_mean_ci95"]["lo"].as_f64().unwrap(),
+        s["sharpe_mean_ci95"]["hi"].as_f64().unwrap(),
+        s["sharpe_mean"].as_f64().unwrap(),
+    );
+    assert!(lo <= mean && mean <= hi, "{s}");
+    let dsr = doc["deflated_sharpe"]["dsr"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&dsr), "{doc}");
+    let pbo = doc["probability_of_backtest_overfitting"]["pbo"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&pbo));
+    // Every run is an ordinary run folder on its fold's rows, seeds 7 and 8 on one market.
+    let sub = std::fs::read_to_string(straight.join("fold2-seed1").join("config.toml")).unwrap();
+    assert!(sub.contains("seed = 8") && sub.contains("data_seed = 7") && sub.contains("[rows.test]"), "{sub}");
+    let bt = std::fs::read_to_string(straight.join("fold2-seed1").join("backtest.csv")).unwrap();
+    assert_eq!(bt.lines().count(), 140, "header + 139 steps over the 140 test rows");
+
+    // Killed in its third run and resumed: the same statistics and the same backtests.
+    let killed = dir.path().join("killed");
+    let mut child = fx_train()
+        .args(["train", "--quiet", "--folds", "3", "--seeds", "2", "--prior-trials", "10", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&killed)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let third = killed.join("fold1-seed0");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !checkpoint(&third, 30).exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!killed.join("study.json").exists(), "the study finished before it was killed");
+    let text = ok(&resume(&killed));
+    assert!(text.contains("(resumed)"), "{text}");
+    assert_eq!(study_stats(&killed), doc);
+    for f in 0..3 {
+        for s in 0..2 {
+            let run = format!("fold{f}-seed{s}");
+            let a = std::fs::read(straight.join(&run).join("backtest.csv")).unwrap();
+            assert!(a == std::fs::read(killed.join(&run).join("backtest.csv")).unwrap(), "{run} differs");
+        }
+    }
+    // A flag that changes the study is refused on resume.
+    let e = err_line(&fx_train().args(["train", "--resume", "--folds", "4", "--out"]).arg(&killed).output().unwrap());
+    assert!(e.contains("--folds 4 differs from the saved run's 3"), "{e}");
+}

@@ -36,5 +36,5 @@ pub use pinned::{HostBuffer, HostBufferPool, PooledBuffer};
 pub use prefetch::{PrefetchConfig, Prefetcher, TryNext};
 pub use rng::Rng;
 pub use sampler::{BatchIndex, EpochStream, Sampler};
-pub use split::{Fold, SplitConfig, Splits, WalkForwardConfig};
+pub use split::{Fold, SplitConfig, Splits, WalkForwardConfig, Window};
 pub use synthetic::{Interval, Regime, SyntheticConfig};

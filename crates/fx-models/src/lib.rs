@@ -33,7 +33,8 @@
 //! - [`params`]: [`ParamStore`], every model's named F32 parameters (spec names outside,
 //!   stacked tensors inside) with strict safetensors load/save; [`LinearSchedule`] (ε, from
 //!   fx-kernels, whose captured collection kernel computes it on the device);
-//! - [`backtest`]: a policy replayed over held-out rows, with trading statistics.
+//! - [`backtest`]: a policy replayed over held-out rows, with trading statistics, and
+//!   [`significance`] (how much luck is in a Sharpe ratio: PSR, DSR, bootstrap, PBO).
 
 // The CPU references and decision paths index loops over rows, heads and channels to mirror
 // their CUDA kernels line by line (one thread per index); iterator chains over several
@@ -65,6 +66,7 @@ mod seq_testing;
 #[cfg(test)]
 mod synthetic;
 
+pub use backtest::significance;
 pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
 pub use dqn::population::{DqnPopulation, PopBatch, PopStepStats, PopUpdateStats};
 pub use dqn::trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};

@@ -114,7 +114,21 @@ pub struct TrainArgs {
     /// Environment steps between metrics lines [default: 50].
     #[arg(long)]
     pub log_every: Option<u64>,
-    /// Continue the run in --out from its latest checkpoint.
+    /// Walk-forward folds: a study of K train -> validation -> test spans in time order, one
+    /// run per fold and seed (dqn, ppo) [default: none, one run on the split].
+    #[arg(long)]
+    pub folds: Option<usize>,
+    /// Walk-forward training span: expanding or rolling [default: expanding; needs --folds].
+    #[arg(long)]
+    pub window: Option<fx_data::Window>,
+    /// Seeds per fold (seed, seed+1, ...; more than 1 makes a study) [default: 1].
+    #[arg(long)]
+    pub seeds: Option<usize>,
+    /// Trials tried before this study (e.g. a sweep's count), counted in the deflated Sharpe
+    /// ratio [default: 0].
+    #[arg(long)]
+    pub prior_trials: Option<usize>,
+    /// Continue the run (or study) in --out from its latest checkpoint.
     #[arg(long)]
     pub resume: bool,
     /// No progress bar (also when stdout is not a terminal).
@@ -160,7 +174,13 @@ impl TrainArgs {
             return Ok((model, self.threads));
         };
         let path_str = |p: &Option<PathBuf>| p.as_ref().map_or("none".to_string(), |p| p.display().to_string());
-        let given: [(&str, Option<String>, String); 11] = [
+        let folds = |c: &RunConfig| c.walk_forward.as_ref().map_or("none".to_string(), |w| w.folds.to_string());
+        let window = |c: &RunConfig| c.walk_forward.as_ref().map_or("none".to_string(), |w| format!("{:?}", w.window));
+        let given: [(&str, Option<String>, String); 15] = [
+            ("--folds", self.folds.map(|n| n.to_string()), folds(&saved)),
+            ("--window", self.window.map(|w| format!("{w:?}")), window(&saved)),
+            ("--seeds", self.seeds.map(|n| n.to_string()), saved.seeds.to_string()),
+            ("--prior-trials", self.prior_trials.map(|n| n.to_string()), saved.prior_trials.to_string()),
             ("--model", self.model.map(|m| m.as_str().to_string()), saved.model.as_str().to_string()),
             ("--data", self.data.as_ref().map(|d| d.display().to_string()), path_str(&saved.data)),
             ("--epochs", self.epochs.map(|n| n.to_string()), saved.seq.epochs.to_string()),
@@ -275,6 +295,21 @@ impl TrainArgs {
         }
         if let Some(n) = self.log_every {
             cfg.log_every = n;
+        }
+        if let Some(k) = self.folds {
+            cfg.walk_forward.get_or_insert_with(Default::default).folds = k;
+        }
+        if let Some(w) = self.window {
+            match cfg.walk_forward.as_mut() {
+                Some(wf) => wf.window = w,
+                None => anyhow::bail!("--window sets the walk-forward training span: give --folds too"),
+            }
+        }
+        if let Some(n) = self.seeds {
+            cfg.seeds = n;
+        }
+        if let Some(n) = self.prior_trials {
+            cfg.prior_trials = n;
         }
         Ok(cfg)
     }

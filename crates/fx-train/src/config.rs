@@ -94,10 +94,21 @@ pub struct RunConfig {
     pub log_every: u64,
     /// Bars per year for annualised statistics; none: inferred from the timestamps.
     pub periods_per_year: Option<f64>,
+    /// Seeds per fold of a study (`--seeds`): runs with `seed`, `seed + 1`, ... on one
+    /// market; more than 1 (or `walk_forward`) makes `train` a study (fx-train's `study`).
+    pub seeds: usize,
+    /// Trials tried before a study (e.g. a sweep's count), counted with its seeds in the
+    /// deflated Sharpe ratio.
+    pub prior_trials: usize,
     /// The synthetic market used when `data` is none.
     pub synthetic: SyntheticConfig,
     /// Chronological train/validation/test split.
     pub split: SplitConfig,
+    /// Walk-forward folds (`--folds`, `--window`): a study of train → validation → test
+    /// spans in time order; none: one run on `split`.
+    pub walk_forward: Option<fx_data::WalkForwardConfig>,
+    /// Row spans of one fold's run (a study sets them for each of its runs); none: `split`.
+    pub rows: Option<fx_data::Splits>,
     /// The training environment (episode length, cost, number of accounts).
     pub env: EnvConfig,
     /// DQN hyper-parameters (`model = "dqn"`).
@@ -168,6 +179,10 @@ impl Default for RunConfig {
             periods_per_year: None,
             synthetic: SyntheticConfig { bars: 6_000, regimes, ..SyntheticConfig::default() },
             split: SplitConfig::default(),
+            seeds: 1,
+            prior_trials: 0,
+            walk_forward: None,
+            rows: None,
             env: EnvConfig { num_envs: 32, ..EnvConfig::default() },
             dqn,
             ppo,

@@ -37,7 +37,10 @@ impl Dataset {
         if store.n_market() != N_MARKET {
             bail!("{source}: {} market features per row, the models need {N_MARKET}", store.n_market());
         }
-        let splits = cfg.split.split(store.rows()).with_context(|| format!("splitting {source}"))?;
+        let splits = match &cfg.rows {
+            Some(r) => check_rows(r, store.rows()).with_context(|| format!("the run's rows of {source}"))?,
+            None => cfg.split.split(store.rows()).with_context(|| format!("splitting {source}"))?,
+        };
         let min_rows = cfg.env.episode_len + 1;
         // Sequence models check their windows against the splits themselves.
         if !cfg.model.is_sequence() && splits.train.len() < min_rows {
@@ -75,6 +78,20 @@ impl Dataset {
         let close = self.store.close()[rows].to_vec();
         Ok(Arc::new(EnvData::new(market, close)?))
     }
+}
+
+/// Explicit spans (a walk-forward fold's): non-empty, in time order, inside the table.
+fn check_rows(r: &Splits, rows: usize) -> Result<Splits> {
+    let spans = [("train", &r.train), ("valid", &r.valid), ("test", &r.test)];
+    for (name, s) in spans {
+        if s.is_empty() || s.end > rows {
+            bail!("{name} rows {}..{} must be non-empty and within the {rows} rows", s.start, s.end);
+        }
+    }
+    if r.train.end > r.valid.start || r.valid.end > r.test.start {
+        bail!("spans {:?}, {:?}, {:?} must be in time order (train, valid, test)", r.train, r.valid, r.test);
+    }
+    Ok(r.clone())
 }
 
 fn open_features(path: &Path) -> Result<FeatureStore> {

@@ -19,6 +19,7 @@ mod rl_run;
 mod run_dir;
 mod run_start;
 mod seq_run;
+mod study;
 mod sweep;
 mod train_env;
 
@@ -66,7 +67,15 @@ fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
             let (model, threads) = args.check_flags()?;
             set_cpu_threads(model, threads)?;
             let cfg = args.to_config()?;
-            lifecycle::run(cfg, lifecycle::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps })
+            let opts = lifecycle::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps };
+            // A resumed study is one by its saved config (the flags need not repeat it).
+            let saved_study = args.resume
+                && config::RunConfig::from_toml_file(&cfg.out.join("config.toml")).is_ok_and(|c| study::is_study(&c));
+            if saved_study || (!args.resume && study::is_study(&cfg)) {
+                study::run(cfg, opts)
+            } else {
+                lifecycle::run(cfg, opts)
+            }
         }
         Some(cli::Command::Eval(args)) if args.int8 => done(quantize::eval_int8(&args.checkpoint)),
         Some(cli::Command::Eval(args)) => done(rl_run::eval(&args.checkpoint)),

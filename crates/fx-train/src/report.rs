@@ -1,7 +1,7 @@
 //! The backtest report of a run: the agent's greedy policy on the test split beside
 //! buy-and-hold, flat and random positions.
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use fx_models::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
 use serde::Serialize;
@@ -81,19 +81,60 @@ pub fn write(
 ) -> Result<()> {
     let mut doc = serde_json::to_value(rep)?;
     doc["learned"] = json!(rep.learned());
+    // The probability that the agent's true Sharpe ratio on these rows is above 0, from the
+    // returns' length, skewness and kurtosis (null when the returns do not vary).
+    doc["agent_psr"] = json!(fx_models::significance::moments(&rep.agent.returns)
+        .and_then(|m| fx_models::significance::probabilistic_sharpe(&m, 0.0))
+        .ok());
     doc["profile"] = serde_json::to_value(profile)?;
     // Equity curves and positions are in the plots; keep report.json readable.
     for k in ["agent", "buy_and_hold", "flat", "random"] {
         if let Some(o) = doc[k].as_object_mut() {
             o.remove("equity");
             o.remove("positions");
+            o.remove("returns");
         }
     }
     write_atomic(&dir.path(name), serde_json::to_string_pretty(&doc)?.as_bytes())?;
     if plots {
+        write_atomic(&dir.path(BACKTEST_CSV), backtest_csv(rep).as_bytes())?;
         crate::plots::write_all(dir, cfg, data, rep)?;
     }
     Ok(())
+}
+
+/// The training report's per-step backtest of the agent, beside `report.json`.
+pub(crate) const BACKTEST_CSV: &str = "backtest.csv";
+
+/// `row,position,log_return,equity`: one line per test step (`row` indexes the feature
+/// table). Returns are written with Rust's shortest round-trip formatting, so a reader gets
+/// the very values the statistics used.
+fn backtest_csv(rep: &Report) -> String {
+    let a = &rep.agent;
+    let mut out = String::from("row,position,log_return,equity\n");
+    for (i, ((p, r), e)) in a.positions.iter().zip(&a.returns).zip(&a.equity).enumerate() {
+        out.push_str(&format!("{},{p},{r:?},{e:?}\n", rep.test_rows.start + i));
+    }
+    out
+}
+
+/// The agent's per-step log returns from a run's `backtest.csv`.
+pub(crate) fn read_agent_returns(path: &std::path::Path) -> Result<Vec<f64>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut lines = text.lines();
+    if lines.next() != Some("row,position,log_return,equity") {
+        bail!("{}: line 1 is not the header row,position,log_return,equity", path.display());
+    }
+    lines
+        .enumerate()
+        .map(|(i, l)| {
+            l.split(',')
+                .nth(2)
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|v| v.is_finite())
+                .with_context(|| format!("{}: line {}: no finite log_return in {l:?}", path.display(), i + 2))
+        })
+        .collect()
 }
 
 pub(crate) fn row(name: &str, s: &BacktestStats) -> String {

@@ -12,6 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+pub mod significance;
+
 /// Trading statistics of one position sequence.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BacktestStats {
@@ -42,6 +44,8 @@ pub struct BacktestStats {
 pub struct Backtest {
     /// Position held over each step (−1, 0, +1).
     pub positions: Vec<i8>,
+    /// Log return of each step, costs included.
+    pub returns: Vec<f64>,
     /// Equity after each step, starting from 1 before the first.
     pub equity: Vec<f64>,
     /// The statistics.
@@ -101,7 +105,7 @@ pub fn evaluate_positions(positions: &[i8], close: &[f64], cost: f64, periods_pe
         turnover: changes / n as f64,
         cost_paid,
     };
-    Ok(Backtest { positions: positions.to_vec(), equity, stats })
+    Ok(Backtest { positions: positions.to_vec(), returns: rets, equity, stats })
 }
 
 /// Replays `policy` over every row of `data` but the last, as one account starting flat:

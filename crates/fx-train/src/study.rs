@@ -1,0 +1,368 @@
+//! Walk-forward folds and seeds (`fx-train train --folds K --seeds N`, dqn and ppo): the
+//! evidence behind a Sharpe ratio rather than one number.
+//!
+//! The study folder holds the study's `config.toml` and one ordinary run folder per (fold,
+//! seed), `fold{f}-seed{s}`, each trained on its fold's training span (its `rows`) with seed
+//! `seed + s` on one market (`data_seed`), and backtested on its fold's test span. Spans
+//! come from [`fx_data::WalkForwardConfig`] with a purge of at least the features' longest
+//! look-back plus the one-bar reward horizon; without `--folds` there is one fold, the
+//! config's split. Validation spans are the folds' model-selection rows (a sweep's
+//! objective); a run here is scored on its test span only.
+//!
+//! `study.json` gives each run's statistics, each fold's mean ± sd, over all runs the mean,
+//! sd and a bootstrap 95 % interval of the Sharpe ratio and the shares that beat
+//! buy-and-hold and random; per seed, the out-of-sample returns of its folds concatenated
+//! (`oos_equity.png`), their probabilistic Sharpe ratio, the deflated Sharpe ratio of the
+//! best seed counting every trial tried (the seeds plus `prior_trials`, e.g. a sweep's),
+//! and the probability of backtest overfitting (CSCV) of choosing the best seed.
+//!
+//! A killed study resumes with `--resume`: finished runs (their `report.json`) are kept,
+//! the interrupted one continues from its checkpoint, the rest start; the statistics are
+//! recomputed from the run folders, so a resumed study writes what an uninterrupted one
+//! does.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use fx_data::{Fold, Splits};
+use fx_models::significance::{self, Interval};
+use plotters::style::RGBColor;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::config::RunConfig;
+use crate::dataset::Dataset;
+use crate::lifecycle::{Outcome, TrainOptions};
+use crate::run_dir::{write_atomic, RunDir};
+
+/// Whether `cfg` asks for a study rather than one run.
+pub fn is_study(cfg: &RunConfig) -> bool {
+    cfg.walk_forward.is_some() || cfg.seeds > 1
+}
+
+/// Rows a feature row's inputs reach back (the longest feature look-back) plus the reward's
+/// one-bar horizon: the smallest purge between spans.
+pub const RL_MIN_PURGE: usize = fx_data::features::WARMUP + 1;
+
+/// One run of the study.
+#[derive(Debug, Clone, Serialize)]
+struct RunRow {
+    fold: usize,
+    seed: u64,
+    run: PathBuf,
+    test_rows: std::ops::Range<usize>,
+    sharpe: f64,
+    total_return: f64,
+    max_drawdown: f64,
+    buy_and_hold_sharpe: f64,
+    buy_and_hold_return: f64,
+    random_return: f64,
+    beat_buy_and_hold: bool,
+    beat_random: bool,
+    /// Probability that the run's true Sharpe ratio on its test span is above 0.
+    psr: Option<f64>,
+}
+
+/// `fx-train train` with folds or seeds.
+pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
+    let mut dir = RunDir::open(&cfg.out, opts.resume)?;
+    let cfg = if opts.resume {
+        let saved = RunConfig::from_toml_file(&dir.path("config.toml"))?;
+        RunConfig { steps: opts.steps.unwrap_or(saved.steps), ..saved }
+    } else {
+        cfg
+    };
+    if cfg.model.is_sequence() {
+        bail!("--folds and --seeds are for dqn and ppo runs so far; a {} run trains on one split", cfg.model.as_str());
+    }
+    if cfg.seeds == 0 {
+        bail!("seeds must be at least 1");
+    }
+    let resolved = cfg.clone().resolve()?;
+    let data = Dataset::load(&resolved, None)?;
+    let rows = data.store.rows();
+    let folds: Vec<Fold> = match &cfg.walk_forward {
+        Some(wf) => wf.folds(rows, RL_MIN_PURGE).with_context(|| format!("folds of {}", data.source))?,
+        None => {
+            let s = &data.splits;
+            vec![Fold { train: s.train.clone(), valid: s.valid.clone(), test: s.test.clone() }]
+        }
+    };
+    write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
+    dir.mark_started();
+    let n_runs = folds.len() * cfg.seeds;
+    println!(
+        "study of {}: {} fold(s) x {} seed(s) = {n_runs} {} runs on {}",
+        dir.root().display(),
+        folds.len(),
+        cfg.seeds,
+        cfg.model.as_str(),
+        data.source
+    );
+    for (f, fold) in folds.iter().enumerate() {
+        for s in 0..cfg.seeds {
+            let sub = member_config(&cfg, fold, f, s as u64);
+            if sub.out.join("report.json").exists() {
+                continue;
+            }
+            let resume = sub.out.join("config.toml").exists();
+            println!(
+                "fold {}/{} seed {}: train rows {:?}, test rows {:?}{}",
+                f + 1,
+                folds.len(),
+                sub.seed,
+                fold.train,
+                fold.test,
+                if resume { " (resumed)" } else { "" }
+            );
+            let outcome = crate::lifecycle::run(sub, TrainOptions { resume, quiet: true, steps: opts.steps })?;
+            if outcome == Outcome::Interrupted {
+                println!("study interrupted; continue with `fx-train train --resume --out {}`", dir.root().display());
+                return Ok(Outcome::Interrupted);
+            }
+        }
+    }
+    let doc = summarise(&cfg, &folds, &data.source, &dir)?;
+    write_atomic(&dir.path("study.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    print_summary(&doc, dir.root());
+    Ok(Outcome::Finished)
+}
+
+/// The config of fold `f`, seed offset `s`: an ordinary run over the fold's spans.
+fn member_config(cfg: &RunConfig, fold: &Fold, f: usize, s: u64) -> RunConfig {
+    let mut sub = cfg.clone();
+    sub.walk_forward = None;
+    sub.seeds = 1;
+    sub.rows = Some(Splits { train: fold.train.clone(), valid: fold.valid.clone(), test: fold.test.clone() });
+    sub.seed = cfg.seed + s;
+    sub.data_seed = Some(cfg.data_seed.unwrap_or(cfg.seed));
+    sub.out = cfg.out.join(format!("fold{f}-seed{s}"));
+    sub
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+fn stat(doc: &Value, path: &Path, who: &str, key: &str) -> Result<f64> {
+    doc[who]["stats"][key].as_f64().with_context(|| format!("{}: no {who}.stats.{key}", path.display()))
+}
+
+fn mean_sd(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let sd = if xs.len() > 1 { (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt() } else { 0.0 };
+    (mean, sd)
+}
+
+/// The study's statistics from its run folders (see the module docs).
+fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Result<Value> {
+    let mut runs = Vec::new();
+    // Per seed: the test spans' log returns, fold after fold.
+    let mut oos: Vec<Vec<f64>> = vec![Vec::new(); cfg.seeds];
+    let mut periods_per_year = 0.0;
+    for (f, fold) in folds.iter().enumerate() {
+        for (s, seed_oos) in oos.iter_mut().enumerate() {
+            let run = member_config(cfg, fold, f, s as u64).out;
+            let path = run.join("report.json");
+            let rep = read_json(&path)?;
+            periods_per_year = rep["periods_per_year"].as_f64().context("report.json: no periods_per_year")?;
+            let returns = crate::report::read_agent_returns(&run.join("backtest.csv"))?;
+            seed_oos.extend_from_slice(&returns);
+            let total = stat(&rep, &path, "agent", "total_return")?;
+            let bh = stat(&rep, &path, "buy_and_hold", "total_return")?;
+            let random = stat(&rep, &path, "random", "total_return")?;
+            runs.push(RunRow {
+                fold: f,
+                seed: cfg.seed + s as u64,
+                run,
+                test_rows: fold.test.clone(),
+                sharpe: stat(&rep, &path, "agent", "sharpe")?,
+                total_return: total,
+                max_drawdown: stat(&rep, &path, "agent", "max_drawdown")?,
+                buy_and_hold_sharpe: stat(&rep, &path, "buy_and_hold", "sharpe")?,
+                buy_and_hold_return: bh,
+                random_return: random,
+                beat_buy_and_hold: total > bh,
+                beat_random: total > random,
+                psr: significance::moments(&returns).and_then(|m| significance::probabilistic_sharpe(&m, 0.0)).ok(),
+            });
+        }
+    }
+    let ann = periods_per_year.sqrt();
+    let sharpes: Vec<f64> = runs.iter().map(|r| r.sharpe).collect();
+    let (mean, sd) = mean_sd(&sharpes);
+    let ci: Interval = significance::bootstrap_mean_interval(&sharpes, 0.95, 10_000, cfg.seed)?;
+    let share = |p: fn(&RunRow) -> bool| runs.iter().filter(|r| p(r)).count() as f64 / runs.len() as f64;
+    let per_fold: Vec<Value> = folds
+        .iter()
+        .enumerate()
+        .map(|(f, fold)| {
+            let xs: Vec<f64> = runs.iter().filter(|r| r.fold == f).map(|r| r.sharpe).collect();
+            let (m, s) = mean_sd(&xs);
+            let bh = runs.iter().find(|r| r.fold == f).map_or(f64::NAN, |r| r.buy_and_hold_sharpe);
+            json!({"fold": f, "train": fold.train, "valid": fold.valid, "test": fold.test,
+                   "sharpe_mean": m, "sharpe_sd": s, "buy_and_hold_sharpe": bh})
+        })
+        .collect();
+    // Per seed, over the concatenated out-of-sample returns.
+    let moments: Vec<Option<significance::ReturnMoments>> = oos.iter().map(|r| significance::moments(r).ok()).collect();
+    let per_seed: Vec<Value> = moments
+        .iter()
+        .zip(&oos)
+        .enumerate()
+        .map(|(s, (m, r))| {
+            json!({
+                "seed": cfg.seed + s as u64,
+                "periods": r.len(),
+                "sharpe": m.map(|m| m.sharpe * ann),
+                "total_return": r.iter().sum::<f64>().exp() - 1.0,
+                "psr": m.and_then(|m| significance::probabilistic_sharpe(&m, 0.0).ok()),
+            })
+        })
+        .collect();
+    oos_equity_plot(dir, &oos)?;
+    let trials = cfg.seeds + cfg.prior_trials;
+    let deflated = deflate(&moments, trials, ann);
+    let pbo = if cfg.seeds >= 2 {
+        let t = oos[0].len();
+        // As many blocks as keep each at least 16 periods, up to 8.
+        let blocks = (t / 16).min(8) & !1;
+        if blocks >= 2 {
+            match significance::probability_of_overfitting(&oos, blocks) {
+                Ok(o) => serde_json::to_value(o)?,
+                Err(e) => json!({"unavailable": e.to_string()}),
+            }
+        } else {
+            json!({"unavailable": format!("{t} out-of-sample periods are too few for 2 blocks of 16")})
+        }
+    } else {
+        json!({"unavailable": "one seed: nothing was chosen among seeds"})
+    };
+    Ok(json!({
+        "model": cfg.model.as_str(),
+        "data_source": source,
+        "folds": folds.len(),
+        "window": cfg.walk_forward.as_ref().map(|w| w.window),
+        "purge": cfg.walk_forward.as_ref().map(|w| w.purge.unwrap_or(RL_MIN_PURGE)),
+        "embargo": cfg.walk_forward.as_ref().map(|w| w.embargo),
+        "seeds": cfg.seeds,
+        "runs": runs.len(),
+        "trials_counted": trials,
+        "periods_per_year": periods_per_year,
+        "split": "each run is scored on its fold's test span; validation spans are for model selection",
+        "summary": {
+            "sharpe_mean": mean,
+            "sharpe_sd": sd,
+            "sharpe_mean_ci95": ci,
+            "share_beat_buy_and_hold": share(|r| r.beat_buy_and_hold),
+            "share_beat_random": share(|r| r.beat_random),
+        },
+        "per_fold": per_fold,
+        "per_seed_out_of_sample": per_seed,
+        "deflated_sharpe": deflated,
+        "probability_of_backtest_overfitting": pbo,
+        "runs_table": runs,
+    }))
+}
+
+/// `oos_equity.png`: each seed's equity over its folds' test spans, one after another.
+fn oos_equity_plot(dir: &RunDir, oos: &[Vec<f64>]) -> Result<()> {
+    const COLOURS: [RGBColor; 6] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+    ];
+    let curves: Vec<Vec<f64>> = oos
+        .iter()
+        .map(|r| {
+            r.iter()
+                .scan(0.0, |log_eq, x| {
+                    *log_eq += x;
+                    Some(f64::exp(*log_eq))
+                })
+                .collect()
+        })
+        .collect();
+    let names: Vec<String> = (0..oos.len()).map(|s| format!("seed +{s}")).collect();
+    let series: Vec<(&str, &[f64], RGBColor)> = names
+        .iter()
+        .zip(&curves)
+        .enumerate()
+        .map(|(i, (n, c))| (n.as_str(), c.as_slice(), COLOURS[i % COLOURS.len()]))
+        .collect();
+    crate::plots::curves(dir, "oos_equity.png", None, "out-of-sample equity, test spans of every fold", &series)
+}
+
+/// The deflated Sharpe ratio of the best seed's out-of-sample returns.
+fn deflate(moments: &[Option<significance::ReturnMoments>], trials: usize, ann: f64) -> Value {
+    let srs: Vec<f64> = moments.iter().flatten().map(|m| m.sharpe).collect();
+    if srs.len() < 2 {
+        return json!({"unavailable": "the Sharpe ratios' variance across trials needs 2 or more seeds"});
+    }
+    let (_, sd) = mean_sd(&srs);
+    let (best, m) = moments
+        .iter()
+        .enumerate()
+        .filter_map(|(i, m)| m.map(|m| (i, m)))
+        .max_by(|a, b| a.1.sharpe.total_cmp(&b.1.sharpe))
+        .expect("two or more");
+    let var = sd * sd;
+    match (significance::expected_max_sharpe(trials, var), significance::deflated_sharpe(&m, trials, var)) {
+        (Ok(sr0), Ok(dsr)) => json!({
+            "best_seed_index": best,
+            "best_sharpe": m.sharpe * ann,
+            "trials": trials,
+            "expected_max_sharpe_of_unskilled_trials": sr0 * ann,
+            "dsr": dsr,
+        }),
+        (Err(e), _) | (_, Err(e)) => json!({"unavailable": e.to_string()}),
+    }
+}
+
+fn print_summary(doc: &Value, out: &Path) {
+    let s = &doc["summary"];
+    let f = |v: &Value| v.as_f64().map_or("n/a".to_string(), |x| format!("{x:.3}"));
+    println!(
+        "study of {} runs ({} fold(s) x {} seed(s)): Sharpe {} ± {} (95% CI of the mean {}..{}), beat buy-and-hold {}, beat random {}",
+        doc["runs"],
+        doc["folds"],
+        doc["seeds"],
+        f(&s["sharpe_mean"]),
+        f(&s["sharpe_sd"]),
+        f(&s["sharpe_mean_ci95"]["lo"]),
+        f(&s["sharpe_mean_ci95"]["hi"]),
+        f(&s["share_beat_buy_and_hold"]),
+        f(&s["share_beat_random"]),
+    );
+    for p in doc["per_fold"].as_array().into_iter().flatten() {
+        println!(
+            "  fold {}: test rows {}..{}: Sharpe {} ± {} (buy-and-hold {})",
+            p["fold"],
+            p["test"]["start"],
+            p["test"]["end"],
+            f(&p["sharpe_mean"]),
+            f(&p["sharpe_sd"]),
+            f(&p["buy_and_hold_sharpe"])
+        );
+    }
+    let d = &doc["deflated_sharpe"];
+    if d["dsr"].is_number() {
+        println!(
+            "  deflated Sharpe of the best seed ({} trials counted): {} (best Sharpe {}, unskilled best expected {})",
+            d["trials"],
+            f(&d["dsr"]),
+            f(&d["best_sharpe"]),
+            f(&d["expected_max_sharpe_of_unskilled_trials"])
+        );
+    }
+    let p = &doc["probability_of_backtest_overfitting"];
+    if p["pbo"].is_number() {
+        println!("  probability of backtest overfitting (choosing the best seed): {}", f(&p["pbo"]));
+    }
+    println!("  study.json and the run folders in {}", out.display());
+}
