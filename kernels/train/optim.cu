@@ -12,6 +12,8 @@
 // Host scalars (learning rate, step count) live in `ctrl`, so a replayed graph follows
 // schedules and counts steps. `dry` launches (graph warm-up) touch no state.
 
+#include "fx_block_sum.cuh"
+
 #define FX_MT_MAX 24
 #define FX_MT_BLOCK 256
 #define FX_MT_ITEMS 8
@@ -71,18 +73,6 @@ __device__ __forceinline__ unsigned int mt_tensor(const MtTable& t, unsigned int
     return i;
 }
 
-__device__ __forceinline__ float block_sum(float v, float* smem) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) smem[warp] = v;
-    __syncthreads();
-    v = 0.0f;
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? smem[lane] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-    }
-    return v;
-}
 
 extern "C" __global__ void __launch_bounds__(FX_MT_BLOCK)
 fx_mt_sumsq(MtTable t, float* __restrict__ partials, unsigned int partial_offset) {

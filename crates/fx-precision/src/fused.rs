@@ -11,6 +11,9 @@
 #[cfg(test)]
 mod kernel_tests;
 mod kernels;
+#[cfg(test)]
+mod pop_kernel_tests;
+pub mod pop_kernels;
 
 use std::collections::HashMap;
 

@@ -210,6 +210,71 @@ pub fn new_ctrl(lr: f64, scale: f64) -> [f64; ctrl::LEN] {
     c
 }
 
+/// One stacked tensor of a population step: `[members, per]` row-major, member k's slice
+/// at `k·per`.
+pub struct PopRefTensor<'a> {
+    pub param: &'a mut [f32],
+    pub grad: &'a [f32],
+    pub exp_avg: &'a mut [f32],
+    pub exp_avg_sq: &'a mut [f32],
+    pub target: Option<&'a mut [f32]>,
+}
+
+/// Per-member factors of a population step (`[members]` each; see `fx_pop_adam`).
+pub struct PopRefFactors<'a> {
+    pub ok: &'a [f32],
+    pub coef: &'a [f32],
+    pub decay: &'a [f32],
+    pub step_size: &'a [f32],
+    pub inv_bc2_sqrt: &'a [f32],
+    pub tau: &'a [f32],
+}
+
+/// Each member's squared gradient norm over `grads` (stacked `[members, per]` each), in
+/// f64: what the rows of `fx_pop_sumsq`'s partials sum to, up to F32 rounding.
+pub fn pop_sumsq_reference(grads: &[&[f32]], members: usize) -> Vec<f64> {
+    let mut out = vec![0.0f64; members];
+    for g in grads {
+        let per = g.len() / members;
+        for (k, o) in out.iter_mut().enumerate() {
+            *o += g[k * per..(k + 1) * per].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+        }
+    }
+    out
+}
+
+/// `fx_pop_adam` on the host, rounding as the kernel does (F32, no contraction): member k
+/// with `ok[k] == 0` is left as it is.
+pub fn pop_adam_reference(
+    tensors: &mut [PopRefTensor<'_>],
+    members: usize,
+    f: &PopRefFactors<'_>,
+    betas_eps: (f64, f64, f64),
+) {
+    let (beta1, beta2, eps) = betas_eps;
+    let (b1, b2, e) = (beta1 as f32, beta2 as f32, eps as f32);
+    let (omb1, omb2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
+    for t in tensors.iter_mut() {
+        let per = t.param.len() / members;
+        for k in (0..members).filter(|&k| f.ok[k] != 0.0) {
+            for j in k * per..(k + 1) * per {
+                let g = t.grad[j] * f.coef[k];
+                let mut p = t.param[j] * f.decay[k];
+                let m = t.exp_avg[j] * b1 + g * omb1;
+                let v = t.exp_avg_sq[j] * b2 + (g * g) * omb2;
+                let denom = v.sqrt() * f.inv_bc2_sqrt[k] + e;
+                p -= (m / denom) * f.step_size[k];
+                t.param[j] = p;
+                t.exp_avg[j] = m;
+                t.exp_avg_sq[j] = v;
+                if let Some(tg) = t.target.as_deref_mut() {
+                    tg[j] += (p - tg[j]) * f.tau[k];
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

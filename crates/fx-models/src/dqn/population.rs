@@ -125,6 +125,24 @@ struct State {
     last: Var,
 }
 
+/// What one step decided per member (`[N]` each; see [`DqnPopulation::decide`]).
+struct Decisions {
+    /// 1 where the member's loss and gradient are finite (U8).
+    ok: Tensor,
+    /// Gradient clip factor (F32).
+    factor: Tensor,
+    /// Step counts after the step (U32).
+    steps: Tensor,
+    /// `lr / (1 − β₁ᵗ)` and `1 / √(1 − β₂ᵗ)` (F32).
+    step_size: Tensor,
+    inv_bc2_sqrt: Tensor,
+    /// Loss, gradient norm and skip flag (F64 `[3, N]`).
+    last: Tensor,
+    /// 1 where the member skips for its loss / for its gradient (U32).
+    bad_loss: Tensor,
+    bad_grad: Tensor,
+}
+
 /// N DQN runs trained as one; see the module docs.
 pub struct DqnPopulation {
     members: Vec<DqnConfig>,
@@ -138,6 +156,10 @@ pub struct DqnPopulation {
     sampled: u64,
     #[cfg(feature = "cuda")]
     graph: Option<CapturedUpdate>,
+    /// On a CUDA device: the member-batched optimiser kernels and their `[N, cols]` F32
+    /// partials (the guard's sums of squares).
+    #[cfg(feature = "cuda")]
+    fused: Option<(fx_precision::PopAdamKernels, Tensor)>,
 }
 
 /// The update captured as one CUDA graph over fixed input tensors.
@@ -293,6 +315,15 @@ impl DqnPopulation {
         };
         let replays =
             (0..n).map(|_| ReplayBuffer::new(first.replay_capacity, device).ctx(CTX)).collect::<Result<Vec<_>>>()?;
+        #[cfg(feature = "cuda")]
+        let fused = if device.is_cuda() {
+            let pers: Vec<usize> = vars.iter().map(|v| v.elem_count() / n).collect();
+            let cols = fx_precision::PopAdamKernels::partial_cols(&pers);
+            let kernels = fx_precision::PopAdamKernels::load(device).map_err(|e| Error::config(CTX, e.to_string()))?;
+            Some((kernels, Tensor::zeros((n, cols), DType::F32, device).ctx(CTX)?))
+        } else {
+            None
+        };
         Ok(Self {
             members,
             online,
@@ -304,6 +335,8 @@ impl DqnPopulation {
             sampled: 0,
             #[cfg(feature = "cuda")]
             graph: None,
+            #[cfg(feature = "cuda")]
+            fused,
         })
     }
 
@@ -578,6 +611,39 @@ impl DqnPopulation {
         self.apply(&vars, &loss, grads, dry)
     }
 
+    /// Each member's decisions from its loss and squared gradient norm (`[N]` each, in the
+    /// accumulation dtype): the guard, the clip factor, the step count and the bias
+    /// corrections, as the solo optimiser takes them.
+    fn decide(&self, loss_v: &Tensor, sumsq: &Tensor) -> candle_core::Result<Decisions> {
+        let h = &self.hyper;
+        let ok_loss = finite(loss_v)?;
+        let ok_grad = finite(sumsq)?;
+        let ok = ok_loss.mul(&ok_grad)?;
+        let norm = sumsq.sqrt()?.to_dtype(DType::F64)?;
+        let coef = h.max_norm.div(&norm.affine(1.0, 1e-6)?)?;
+        let one = coef.ones_like()?;
+        let factor = coef.lt(&one)?.where_cond(&coef, &one)?.to_dtype(DType::F32)?;
+        let steps = self.state.steps.as_tensor().add(&ok.to_dtype(DType::U32)?)?;
+        let i1 = steps.minimum(&h.bc1_last)?;
+        let i2 = steps.minimum(&h.bc2_last)?;
+        let step_size = h.lr.div(&h.bc1.index_select(&i1, 0)?)?.to_dtype(DType::F32)?;
+        let inv_bc2_sqrt = h.bc2.index_select(&i2, 0)?.sqrt()?.recip()?.to_dtype(DType::F32)?;
+        let last =
+            Tensor::stack(&[loss_v.to_dtype(DType::F64)?, norm, ok.ones_like()?.sub(&ok)?.to_dtype(DType::F64)?], 0)?;
+        let bad_loss = ok_loss.ones_like()?.sub(&ok_loss)?.to_dtype(DType::U32)?;
+        let bad_grad = ok_loss.mul(&ok_grad.ones_like()?.sub(&ok_grad)?)?.to_dtype(DType::U32)?;
+        Ok(Decisions { ok, factor, steps, step_size, inv_bc2_sqrt, last, bad_loss, bad_grad })
+    }
+
+    /// The counters after a step that `d` decided.
+    fn record(&self, d: &Decisions) -> candle_core::Result<()> {
+        let st = &self.state;
+        st.steps.set(&d.steps)?;
+        st.skipped_loss.set(&st.skipped_loss.as_tensor().add(&d.bad_loss)?)?;
+        st.skipped_grad.set(&st.skipped_grad.as_tensor().add(&d.bad_grad)?)?;
+        st.last.set(&d.last)
+    }
+
     /// Guard, clip, AdamW and the soft target update per member, on the device.
     fn apply(&self, vars: &[Var], loss: &Tensor, grads: GradStore, dry: bool) -> Result<()> {
         let h = &self.hyper;
@@ -588,6 +654,10 @@ impl DqnPopulation {
             .iter()
             .map(|v| grads.get(v.as_tensor()).cloned().ok_or_else(|| Error::config(CTX, "a parameter has no gradient")))
             .collect::<Result<_>>()?;
+        #[cfg(feature = "cuda")]
+        if let Some((kernels, partials)) = &self.fused {
+            return self.apply_fused(kernels, partials, vars, loss, &g, dry);
+        }
         let st = &self.state;
         (|| -> candle_core::Result<()> {
             // The solo guard's one reduction, per member: sum(g·0 + g²) is NaN iff some g is
@@ -598,42 +668,26 @@ impl DqnPopulation {
             )?
             .to_dtype(acc)?;
             let sumsq = (flat.affine(0.0, 0.0)? + flat.affine(1.0, 0.0)?.sqr()?)?.sum(1)?;
-            let loss_v = loss.detach().to_dtype(acc)?;
-            let ok_loss = finite(&loss_v)?;
-            let ok_grad = finite(&sumsq)?;
-            let ok = ok_loss.mul(&ok_grad)?;
-            let norm = sumsq.sqrt()?.to_dtype(DType::F64)?;
-            let coef = h.max_norm.div(&norm.affine(1.0, 1e-6)?)?;
-            let one = coef.ones_like()?;
-            let factor = coef.lt(&one)?.where_cond(&coef, &one)?.to_dtype(DType::F32)?;
-            let t = st.steps.as_tensor().add(&ok.to_dtype(DType::U32)?)?;
-            let i1 = t.minimum(&h.bc1_last)?;
-            let i2 = t.minimum(&h.bc2_last)?;
-            let step_size = h.lr.div(&h.bc1.index_select(&i1, 0)?)?.to_dtype(DType::F32)?;
-            let inv_bc2_sqrt = h.bc2.index_select(&i2, 0)?.sqrt()?.recip()?.to_dtype(DType::F32)?;
+            let d = self.decide(&loss.detach().to_dtype(acc)?, &sumsq)?;
             let (b1, b2, eps) = (o.beta1, o.beta2, o.eps);
             let mut new_w = Vec::with_capacity(vars.len());
             let mut new_m = Vec::with_capacity(vars.len());
             let mut new_v = Vec::with_capacity(vars.len());
             for (i, var) in vars.iter().enumerate() {
                 let r = var.rank();
-                let gi = g[i].detach().to_dtype(DType::F32)?.broadcast_mul(&per_member(&factor, r)?)?;
+                let gi = g[i].detach().to_dtype(DType::F32)?.broadcast_mul(&per_member(&d.factor, r)?)?;
                 let w0 = var.as_tensor().detach();
                 let w = w0.broadcast_mul(&per_member(&h.decay, r)?)?;
                 let m0 = st.exp_avg[i].as_tensor();
                 let v0 = st.exp_avg_sq[i].as_tensor();
                 let m = (m0.affine(b1, 0.0)? + gi.affine(1.0 - b1, 0.0)?)?;
                 let v = (v0.affine(b2, 0.0)? + gi.sqr()?.affine(1.0 - b2, 0.0)?)?;
-                let denom = v.sqrt()?.broadcast_mul(&per_member(&inv_bc2_sqrt, r)?)?.affine(1.0, eps)?;
-                let upd = (&m / &denom)?.broadcast_mul(&per_member(&step_size, r)?)?;
-                new_w.push(select(&ok, &(w - upd)?, &w0)?);
-                new_m.push(select(&ok, &m, m0)?);
-                new_v.push(select(&ok, &v, v0)?);
+                let denom = v.sqrt()?.broadcast_mul(&per_member(&d.inv_bc2_sqrt, r)?)?.affine(1.0, eps)?;
+                let upd = (&m / &denom)?.broadcast_mul(&per_member(&d.step_size, r)?)?;
+                new_w.push(select(&d.ok, &(w - upd)?, &w0)?);
+                new_m.push(select(&d.ok, &m, m0)?);
+                new_v.push(select(&d.ok, &v, v0)?);
             }
-            let last = Tensor::stack(
-                &[loss_v.to_dtype(DType::F64)?, norm.clone(), ok.ones_like()?.sub(&ok)?.to_dtype(DType::F64)?],
-                0,
-            )?;
             if dry {
                 return Ok(());
             }
@@ -644,17 +698,73 @@ impl DqnPopulation {
                 st.exp_avg_sq[i].set(&new_v[i])?;
                 let tt = tvars[i].as_tensor().detach();
                 let moved = (&tt + new_w[i].sub(&tt)?.broadcast_mul(&per_member(&h.tau, tt.rank())?)?)?;
-                tvars[i].set(&select(&ok, &moved, &tt)?)?;
+                tvars[i].set(&select(&d.ok, &moved, &tt)?)?;
             }
-            st.steps.set(&t)?;
-            let bad_loss = ok_loss.ones_like()?.sub(&ok_loss)?.to_dtype(DType::U32)?;
-            let bad_grad = ok_loss.mul(&ok_grad.ones_like()?.sub(&ok_grad)?)?.to_dtype(DType::U32)?;
-            st.skipped_loss.set(&st.skipped_loss.as_tensor().add(&bad_loss)?)?;
-            st.skipped_grad.set(&st.skipped_grad.as_tensor().add(&bad_grad)?)?;
-            st.last.set(&last)?;
-            Ok(())
+            self.record(&d)
         })()
         .ctx(CTX)
+    }
+
+    /// [`Self::apply`] on a CUDA device: the per-member sums of squares and AdamW with the
+    /// soft target update as member-batched kernels over the stacked tensors (two launches
+    /// instead of a chain of element-wise ops per tensor), the decisions between them as
+    /// in the candle path ([`Self::decide`]). The kernels round as the candle ops do; only
+    /// the sums of squares add in another order.
+    #[cfg(feature = "cuda")]
+    fn apply_fused(
+        &self,
+        kernels: &fx_precision::PopAdamKernels,
+        partials: &Tensor,
+        vars: &[Var],
+        loss: &Tensor,
+        g: &[Tensor],
+        dry: bool,
+    ) -> Result<()> {
+        use fx_kernels::cuda::address;
+        let (h, st, n) = (&self.hyper, &self.state, self.members.len());
+        let o = &self.members[0].optimizer;
+        let tvars = self.target.vars();
+        let launch = |e: fx_kernels::Error| Error::config(CTX, e.to_string());
+        let addr = |t: &Tensor, what: &'static str| address::<f32>(t, what).map_err(launch);
+        let g: Vec<Tensor> =
+            g.iter().map(|g| g.to_dtype(DType::F32)?.contiguous()).collect::<candle_core::Result<_>>().ctx(CTX)?;
+        let entries: Vec<fx_precision::PopEntry> = vars
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                Ok(fx_precision::PopEntry {
+                    param: addr(v.as_tensor(), "parameter")?,
+                    grad: addr(&g[i], "gradient")?,
+                    exp_avg: addr(st.exp_avg[i].as_tensor(), "exp_avg")?,
+                    exp_avg_sq: addr(st.exp_avg_sq[i].as_tensor(), "exp_avg_sq")?,
+                    target: addr(tvars[i].as_tensor(), "target")?,
+                    per: v.elem_count() / n,
+                })
+            })
+            .collect::<Result<_>>()?;
+        // SAFETY: every address is of a live contiguous F32 tensor of `n × per` elements on
+        // this device (the partials `[n, cols]`), all kept alive past the launches.
+        unsafe { kernels.sumsq(&entries, n, addr(partials, "partials")?) }.map_err(launch)?;
+        let (d, okf) = (|| -> candle_core::Result<_> {
+            let d = self.decide(&loss.detach().to_dtype(DType::F32)?, &partials.sum(1)?)?;
+            let okf = d.ok.to_dtype(DType::F32)?;
+            Ok((d, okf))
+        })()
+        .ctx(CTX)?;
+        let f = fx_precision::PopFactors {
+            ok: addr(&okf, "ok")?,
+            coef: addr(&d.factor, "clip factor")?,
+            decay: addr(&h.decay, "decay")?,
+            step_size: addr(&d.step_size, "step size")?,
+            inv_bc2_sqrt: addr(&d.inv_bc2_sqrt, "bias correction")?,
+            tau: addr(&h.tau, "tau")?,
+        };
+        // SAFETY: as above; the factor arrays are `[n]` F32 tensors alive past the launch.
+        unsafe { kernels.adam(&entries, n, &f, (o.beta1, o.beta2, o.eps), dry) }.map_err(launch)?;
+        if dry {
+            return Ok(());
+        }
+        self.record(&d).ctx(CTX)
     }
 }
 

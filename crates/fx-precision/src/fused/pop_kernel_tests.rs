@@ -1,0 +1,126 @@
+//! Device test: the population optimiser kernels against `fused_ref::pop_sumsq_reference` /
+//! `pop_adam_reference` on fresh random tensors (more than one launch table, a member that
+//! skips, a member with an infinite gradient, slices of one to several chunks). Returns
+//! early without a GPU (fails with `FX_REQUIRE_GPU=1`).
+
+use candle_core::{DType, Tensor};
+
+use super::kernels::MT_MAX;
+use super::pop_kernels::{PopAdamKernels, PopEntry, PopFactors};
+use crate::fused_ref::{pop_adam_reference, pop_sumsq_reference, PopRefFactors, PopRefTensor};
+use fx_hw::test_gpu as gpu;
+use fx_kernels::cuda::address;
+use fx_kernels::rng;
+
+#[test]
+fn pop_kernels_match_reference() {
+    let Some(dev) = gpu("pop_kernels_match_reference") else { return };
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
+    eprintln!("pop_kernels_match_reference: seed {seed}");
+    let members = 5;
+    let n_tensors = MT_MAX + 3;
+    let pers: Vec<usize> =
+        (0..n_tensors).map(|i| 1 + (rng::draw(seed, 1, i as u64, 0) * [9000.0, 300.0, 3.0][i % 3]) as usize).collect();
+    let rand = |stream: u64, i: usize, n: usize, scale: f64| -> Vec<f32> {
+        (0..n).map(|j| ((rng::draw(seed, stream, i as u64, j as u64) - 0.5) * 2.0 * scale) as f32).collect()
+    };
+    let len = |i: usize| members * pers[i];
+    let mut p: Vec<Vec<f32>> = (0..n_tensors).map(|i| rand(2, i, len(i), 1.0)).collect();
+    let mut g: Vec<Vec<f32>> = (0..n_tensors).map(|i| rand(3, i, len(i), 1.0)).collect();
+    let mut m: Vec<Vec<f32>> = (0..n_tensors).map(|i| rand(4, i, len(i), 0.1)).collect();
+    let mut v: Vec<Vec<f32>> =
+        (0..n_tensors).map(|i| rand(5, i, len(i), 0.01).iter().map(|x| x.abs()).collect()).collect();
+    // Every other tensor has a target copy.
+    let mut tg: Vec<Option<Vec<f32>>> = (0..n_tensors).map(|i| (i % 2 == 0).then(|| rand(6, i, len(i), 1.0))).collect();
+    // Member 3's gradient is infinite somewhere in the last tensor.
+    let last = n_tensors - 1;
+    g[last][3 * pers[last]] = f32::INFINITY;
+    let up = |x: &[f32]| Tensor::from_slice(x, x.len(), &dev).unwrap();
+    let dp: Vec<Tensor> = p.iter().map(|x| up(x)).collect();
+    let dg: Vec<Tensor> = g.iter().map(|x| up(x)).collect();
+    let dm: Vec<Tensor> = m.iter().map(|x| up(x)).collect();
+    let dv: Vec<Tensor> = v.iter().map(|x| up(x)).collect();
+    let dt: Vec<Option<Tensor>> = tg.iter().map(|x| x.as_ref().map(|x| up(x))).collect();
+    let entries: Vec<PopEntry> = (0..n_tensors)
+        .map(|i| PopEntry {
+            param: address::<f32>(&dp[i], "p").unwrap(),
+            grad: address::<f32>(&dg[i], "g").unwrap(),
+            exp_avg: address::<f32>(&dm[i], "m").unwrap(),
+            exp_avg_sq: address::<f32>(&dv[i], "v").unwrap(),
+            target: dt[i].as_ref().map_or(0, |t| address::<f32>(t, "t").unwrap()),
+            per: pers[i],
+        })
+        .collect();
+    let kernels = PopAdamKernels::load(&dev).unwrap();
+    let cols = PopAdamKernels::partial_cols(&pers);
+    let partials = Tensor::zeros((members, cols), DType::F32, &dev).unwrap();
+    unsafe { kernels.sumsq(&entries, members, address::<f32>(&partials, "partials").unwrap()).unwrap() };
+    let rows: Vec<Vec<f32>> = partials.to_vec2().unwrap();
+    let want = pop_sumsq_reference(&g.iter().map(|x| x.as_slice()).collect::<Vec<_>>(), members);
+    for k in 0..members {
+        let got: f64 = rows[k].iter().map(|&x| f64::from(x)).sum();
+        if k == 3 {
+            assert!(!got.is_finite(), "member 3's infinite gradient must show in its norm, got {got}");
+        } else {
+            let rel = (got - want[k]).abs() / want[k];
+            assert!(rel < 1e-5, "member {k}: sumsq {got} vs {} (rel {rel:.2e}, seed {seed})", want[k]);
+        }
+    }
+    // Member 1 skips (as member 3 would after the guard); the others with their own factors.
+    let ok = [1.0f32, 0.0, 1.0, 0.0, 1.0];
+    let fac = |stream: u64, lo: f64, hi: f64| -> Vec<f32> {
+        (0..members).map(|k| (lo + (hi - lo) * rng::draw(seed, stream, k as u64, 0)) as f32).collect()
+    };
+    let (coef, decay, step, inv, tau) =
+        (fac(20, 0.1, 1.0), fac(21, 0.99, 1.0), fac(22, 1e-4, 1e-2), fac(23, 1.0, 30.0), fac(24, 0.001, 0.05));
+    let df: Vec<Tensor> = [&ok[..], &coef, &decay, &step, &inv, &tau].iter().map(|x| up(x)).collect();
+    let a = |i: usize| address::<f32>(&df[i], "factor").unwrap();
+    let factors = PopFactors { ok: a(0), coef: a(1), decay: a(2), step_size: a(3), inv_bc2_sqrt: a(4), tau: a(5) };
+    let consts = (0.9, 0.999, 1e-8);
+    let before: Vec<Vec<f32>> = dp.iter().map(|t| t.to_vec1().unwrap()).collect();
+    unsafe { kernels.adam(&entries, members, &factors, consts, true).unwrap() };
+    for (i, t) in dp.iter().enumerate() {
+        assert!(t.to_vec1::<f32>().unwrap() == before[i], "a dry launch changed tensor {i}");
+    }
+    unsafe { kernels.adam(&entries, members, &factors, consts, false).unwrap() };
+    let f = PopRefFactors { ok: &ok, coef: &coef, decay: &decay, step_size: &step, inv_bc2_sqrt: &inv, tau: &tau };
+    let mut refs: Vec<PopRefTensor<'_>> = p
+        .iter_mut()
+        .zip(&g)
+        .zip(m.iter_mut().zip(v.iter_mut()))
+        .zip(tg.iter_mut())
+        .map(|(((p, g), (m, v)), t)| PopRefTensor {
+            param: p,
+            grad: g,
+            exp_avg: m,
+            exp_avg_sq: v,
+            target: t.as_deref_mut(),
+        })
+        .collect();
+    pop_adam_reference(&mut refs, members, &f, consts);
+    drop(refs);
+    for i in 0..n_tensors {
+        let same = |d: &Tensor, h: &[f32], what: &str| {
+            let d: Vec<f32> = d.to_vec1().unwrap();
+            assert!(d.iter().all(|x| x.is_finite()), "{what} {i}: non-finite");
+            // The same F32 operations in the same order: bit for bit.
+            let bad = d.iter().zip(h).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(
+                bad.is_none(),
+                "{what} {i} element {bad:?}: {:?} vs {:?} (seed {seed})",
+                bad.map(|j| d[j]),
+                bad.map(|j| h[j])
+            );
+        };
+        same(&dp[i], &p[i], "param");
+        same(&dm[i], &m[i], "exp_avg");
+        same(&dv[i], &v[i], "exp_avg_sq");
+        if let (Some(d), Some(h)) = (&dt[i], &tg[i]) {
+            same(d, h, "target");
+        }
+        // Skipped members are untouched.
+        let per = pers[i];
+        let got: Vec<f32> = dp[i].to_vec1().unwrap();
+        assert!(got[per..2 * per] == before[i][per..2 * per], "member 1 of tensor {i} moved");
+    }
+}
