@@ -210,10 +210,24 @@ impl RunConfig {
     }
 
     /// [`Self::from_toml_file`] on a text; `source` names it in errors.
+    ///
+    /// A key the file leaves out takes the plain run's value (`RunConfig::default()`, what
+    /// a plain run's `config.toml` writes), also inside a section the file opens for one key
+    /// of it: `[dqn] gamma = 0.5` changes γ and nothing else. (Deserialised section by
+    /// section, a one-key `[dqn]` would take `DqnConfig::default()`'s full-size schedule
+    /// for every other key.)
     pub fn from_toml_str(text: &str, source: &str) -> Result<Self> {
         let text = text.to_string();
-        let mut cfg: Self = toml::from_str(&text)
+        // Parsed once as it is, for errors that point at the file's line and column.
+        toml::from_str::<Self>(&text)
             .map_err(|e| toml_error(&text, &e))
+            .with_context(|| format!("parsing config {source}"))?;
+        let given: toml::Table = text.parse().map_err(|e| toml_error(&text, &e))?;
+        let mut merged = toml::Table::try_from(Self::default()).context("serialising the default config")?;
+        overlay(&mut merged, given);
+        let mut cfg: Self = toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e: toml::de::Error| anyhow::anyhow!("{}", e.message().trim()))
             .with_context(|| format!("parsing config {source}"))?;
         // Which model batch keys the file sets itself (it parsed, so it is a valid table).
         if let Ok(table) = text.parse::<toml::Table>() {
@@ -401,6 +415,18 @@ impl RunConfig {
 /// A TOML error as one line, `line L, column C: what`: the toml crate's own message is a
 /// multi-line snippet that quotes the file raw (a stray carriage return in it would garble
 /// the terminal line), so its lines are joined and control characters escaped.
+/// `given`'s keys over `base`, table inside table (arrays and values replace).
+fn overlay(base: &mut toml::Table, given: toml::Table) {
+    for (k, v) in given {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(g)) => overlay(b, g),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
 fn toml_error(text: &str, e: &toml::de::Error) -> anyhow::Error {
     let escaped = |s: &str| -> String {
         s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
@@ -499,5 +525,33 @@ mod tests {
         {
             assert!(toml::from_str::<RunConfig>(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_section_with_one_key_changes_only_that_key() {
+        let plain = RunConfig::default();
+        type Case = (&'static str, fn(&mut RunConfig));
+        let cases: [Case; 4] = [
+            ("[dqn]\ngamma = 0.25\n", |c| c.dqn.gamma = 0.25),
+            ("[dqn.optimizer]\nlr = 3e-4\n", |c| c.dqn.optimizer.lr = 3e-4),
+            ("model = \"tft\"\n[tft]\nd = 8\n", |c| {
+                c.model = ModelChoice::Tft;
+                c.tft.d = 8;
+            }),
+            ("[ppo]\nepochs = 3\n[env]\ncost = 0.001\n", |c| {
+                c.ppo.epochs = 3;
+                c.env.cost = 0.001;
+            }),
+        ];
+        for (text, change) in cases {
+            let got = RunConfig::from_toml_str(text, "test").unwrap();
+            let mut want = plain.clone();
+            change(&mut want);
+            // As a plain run's config.toml would be, but for the key.
+            assert_eq!(got.to_toml().unwrap(), want.to_toml().unwrap(), "{text}");
+        }
+        // Errors still name the file's line.
+        let e = RunConfig::from_toml_str("steps = 3\n[dqn]\ngama = 0.5\n", "f.toml").unwrap_err();
+        assert!(format!("{e:#}").contains("parsing config f.toml: line 3"), "{e:#}");
     }
 }

@@ -106,8 +106,28 @@ impl DqnConfig {
                 fx_kernels::OBS_DIM
             ));
         }
-        if self.max_grad_norm <= 0.0 || self.huber_delta <= 0.0 {
-            return bad("max_grad_norm and huber_delta must be positive".into());
+        if !(self.max_grad_norm > 0.0 && self.huber_delta > 0.0) {
+            return bad(format!(
+                "max_grad_norm ({}) and huber_delta ({}) must be positive",
+                self.max_grad_norm, self.huber_delta
+            ));
+        }
+        let lr = self.optimizer.lr;
+        if !(lr.is_finite() && lr > 0.0) {
+            return bad(format!("optimizer.lr ({lr}) must be finite and positive: nothing would train"));
+        }
+        let e = &self.epsilon;
+        if !((0.0..=1.0).contains(&e.start) && (0.0..=1.0).contains(&e.end)) {
+            return bad(format!("epsilon.start ({}) and epsilon.end ({}) must be in [0, 1]", e.start, e.end));
+        }
+        if self.gradient_steps == 0 {
+            return bad("gradient_steps must be at least 1: nothing would train".into());
+        }
+        if self.learning_starts > self.replay_capacity {
+            return bad(format!(
+                "learning_starts ({}) exceeds replay_capacity ({}): the replay never holds enough, nothing would train",
+                self.learning_starts, self.replay_capacity
+            ));
         }
         Ok(())
     }
@@ -874,6 +894,29 @@ mod tests {
 
     fn small_cfg() -> DqnConfig {
         DqnConfig { net: DqnNetConfig { hidden: 64, ..Default::default() }, ..Default::default() }
+    }
+
+    /// Values that cannot train (or train nothing) are refused with the key and the value.
+    #[test]
+    fn configs_that_cannot_train_are_refused() {
+        assert!(DqnConfig::default().validate().is_ok());
+        type Case = (fn(&mut DqnConfig), &'static str);
+        let cases: [Case; 8] = [
+            (|c| c.optimizer.lr = 0.0, "optimizer.lr (0)"),
+            (|c| c.optimizer.lr = f64::NAN, "optimizer.lr (NaN)"),
+            (|c| c.max_grad_norm = f64::NAN, "max_grad_norm (NaN)"),
+            (|c| c.huber_delta = 0.0, "huber_delta (0)"),
+            (|c| c.epsilon.start = 1.5, "epsilon.start (1.5)"),
+            (|c| c.gradient_steps = 0, "gradient_steps"),
+            (|c| c.learning_starts = c.replay_capacity + 1, "exceeds replay_capacity"),
+            (|c| c.gamma = f64::NAN, "gamma (NaN)"),
+        ];
+        for (change, want) in cases {
+            let mut c = DqnConfig::default();
+            change(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
     }
 
     /// `train.*`: two full updates (loss, backward, clip 10, AdamW, soft update) on the

@@ -88,8 +88,26 @@ impl PpoConfig {
                 fx_kernels::OBS_DIM
             ));
         }
-        if self.max_grad_norm <= 0.0 {
-            return bad("max_grad_norm must be positive".into());
+        if self.max_grad_norm.is_nan() || self.max_grad_norm <= 0.0 {
+            return bad(format!("max_grad_norm ({}) must be positive", self.max_grad_norm));
+        }
+        let lr = self.optimizer.lr;
+        if !(lr.is_finite() && lr > 0.0) {
+            return bad(format!("optimizer.lr ({lr}) must be finite and positive: nothing would train"));
+        }
+        let (g, l) = (self.gae.gamma, self.gae.lambda);
+        if !((0.0..=1.0).contains(&g) && (0.0..=1.0).contains(&l)) {
+            return bad(format!("gae.gamma ({g}) and gae.lambda ({l}) must be in [0, 1]"));
+        }
+        let c = &self.loss;
+        if !(c.clip.is_finite() && c.clip > 0.0 && c.adv_eps.is_finite() && c.adv_eps > 0.0) {
+            return bad(format!("loss.clip ({}) and loss.adv_eps ({}) must be finite and positive", c.clip, c.adv_eps));
+        }
+        if !(c.vf_coef.is_finite() && c.vf_coef >= 0.0 && c.ent_coef.is_finite() && c.ent_coef >= 0.0) {
+            return bad(format!(
+                "loss.vf_coef ({}) and loss.ent_coef ({}) must be finite and >= 0",
+                c.vf_coef, c.ent_coef
+            ));
         }
         Ok(())
     }
@@ -915,6 +933,29 @@ mod tests {
     use super::*;
     use crate::fixtures::{rel_err, Fixture};
     use crate::synthetic::{ar1_env, evaluate, Policy};
+
+    /// Values that cannot train (or train nothing) are refused with the key and the value.
+    #[test]
+    fn configs_that_cannot_train_are_refused() {
+        assert!(PpoConfig::default().validate(8).is_ok());
+        type Case = (fn(&mut PpoConfig), &'static str);
+        let cases: [Case; 8] = [
+            (|c| c.optimizer.lr = 0.0, "optimizer.lr (0)"),
+            (|c| c.gae.gamma = f64::NAN, "gae.gamma (NaN)"),
+            (|c| c.gae.lambda = 2.0, "gae.lambda (2)"),
+            (|c| c.loss.clip = 0.0, "loss.clip (0)"),
+            (|c| c.loss.adv_eps = f64::INFINITY, "loss.adv_eps (inf)"),
+            (|c| c.loss.vf_coef = -1.0, "loss.vf_coef (-1)"),
+            (|c| c.loss.ent_coef = f64::NAN, "loss.ent_coef (NaN)"),
+            (|c| c.max_grad_norm = f64::NAN, "max_grad_norm (NaN)"),
+        ];
+        for (change, want) in cases {
+            let mut c = PpoConfig::default();
+            change(&mut c);
+            let e = c.validate(8).unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
 
     /// `train.*`: two Adam steps (clip 0.5) on the fixture minibatch; deltas agree to
     /// ≤ 4.9e-6 relative, checked against the 1e-3 bound explained in the DQN trainer's

@@ -143,6 +143,11 @@ impl Tft {
             let msg = format!("need L_enc > 0, H > 0, quantiles and dropout in [0, 1); got {cfg:?}");
             return Err(Error::config("Tft::new", msg));
         }
+        let q = &cfg.quantiles;
+        if q.iter().any(|x| !(*x > 0.0 && *x < 1.0)) || q.windows(2).any(|w| w[0] >= w[1]) {
+            let msg = format!("quantiles {q:?} must lie in (0, 1), sorted and distinct");
+            return Err(Error::config("Tft::new", msg));
+        }
         Self::build(cfg, device, seed).ctx("Tft::new")
     }
 

@@ -299,3 +299,15 @@ fn gpu_stage_timings() {
     });
     time("attention..head", &|| m.stage_attention(&c, pe_in.as_tensor()).unwrap().0);
 }
+
+#[test]
+fn quantiles_outside_the_unit_interval_or_unsorted_are_refused() {
+    for q in [vec![0.5, 0.1], vec![0.0, 0.5], vec![0.1, 0.1, 0.9], vec![0.5, 1.0], vec![f64::NAN]] {
+        let cfg = TftConfig { d: 8, n_head: 2, l_enc: 4, h: 2, quantiles: q.clone(), ..TftConfig::default() };
+        let Err(e) = Tft::new(cfg, &Device::Cpu, 1) else { panic!("{q:?} was accepted") };
+        let e = e.to_string();
+        assert!(e.contains("sorted and distinct"), "{q:?}: {e}");
+    }
+    let cfg = TftConfig { d: 8, n_head: 2, l_enc: 4, h: 2, quantiles: vec![0.05, 0.5, 0.95], ..TftConfig::default() };
+    assert!(Tft::new(cfg, &Device::Cpu, 1).is_ok());
+}
