@@ -981,3 +981,55 @@ fn study_of_folds_and_seeds_reports_its_luck_and_resumes_identically() {
     let e = err_line(&fx_train().args(["train", "--resume", "--folds", "4", "--out"]).arg(&killed).output().unwrap());
     assert!(e.contains("--folds 4 differs from the saved run's 3"), "{e}");
 }
+
+// ---------------------------------------------------------------- hostile inputs
+
+/// Paths that are not regular files and flags clap refuses: each ends at once in one line
+/// naming what and where, and leaves no run folder behind.
+#[cfg(unix)]
+#[test]
+fn hostile_paths_and_bad_flags_are_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("bars.csv");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let looped = dir.path().join("loop.safetensors");
+    std::os::unix::fs::symlink(dir.path().join("other"), &looped).unwrap();
+    std::os::unix::fs::symlink(&looped, dir.path().join("other")).unwrap();
+    let out = dir.path().join("run");
+    let data =
+        |p: &Path| fx_train().args(["train", "--quiet", "--out"]).arg(&out).arg("--data").arg(p).output().unwrap();
+    let t = std::time::Instant::now();
+    for (o, want) in [
+        (data(&fifo), "bars.csv: is a FIFO (named pipe), not a regular file"),
+        (data(Path::new("/dev/zero")), "/dev/zero: is a device, not a regular file"),
+        (data(&looped), "loop.safetensors: is a symbolic link loop"),
+        (data(dir.path()), "is a directory, not a file"),
+        (fx_train().args(["train", "--config"]).arg(&fifo).arg("--out").arg(&out).output().unwrap(), "reading config"),
+        (
+            fx_train()
+                .args(["features", "--input"])
+                .arg(dir.path())
+                .arg("--output")
+                .arg(dir.path().join("f"))
+                .output()
+                .unwrap(),
+            "is a directory",
+        ),
+    ] {
+        let e = err_line(&o);
+        assert!(e.contains(want), "{want}: {e}");
+        // Said once, not once by the error and again by its cause.
+        assert!(e.matches("not a regular file").count() + e.matches("not a file").count() <= 1, "{e}");
+    }
+    assert!(t.elapsed() < std::time::Duration::from_secs(60), "an input blocked");
+    assert!(!out.exists(), "a failed start left {} behind", out.display());
+    let o = fx_train().args(["train", "--bogus"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let e = err_line(&o);
+    assert!(e.contains("unexpected argument '--bogus'") && e.contains("--help"), "{e}");
+    // --help still prints its whole text and succeeds.
+    let help = fx_train().args(["train", "--help"]).output().unwrap();
+    assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).lines().count() > 10);
+}

@@ -48,7 +48,7 @@ impl Bars {
     /// Reads and validates a CSV file of bars. Refuses files of at most
     /// [`WARMUP`] bars, after every row has been checked.
     pub fn from_csv_path(path: &Path) -> Result<Bars, Error> {
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::files::open_regular(path).map_err(|e| Error::io(path, e))?;
         Self::from_csv_reader(std::io::BufReader::new(file), path)
     }
 

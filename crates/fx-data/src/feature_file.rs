@@ -225,7 +225,7 @@ impl FeatureStore {
     /// every value is finite and timestamps strictly increase. A truncated or
     /// corrupt file is an [`Error::Format`] naming it.
     pub fn open(path: &Path) -> Result<Self, Error> {
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::files::open_regular(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the map is read-only; as with any mmap, another process
         // truncating the file underneath would fault. Feature files are
         // written by rename, so a finished file is never rewritten in place.

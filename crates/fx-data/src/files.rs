@@ -5,6 +5,12 @@
 //! a temporary sibling, are synced, renamed over the target, and the folder is synced so
 //! the rename survives a power cut (where the platform lets a folder be opened; elsewhere
 //! the rename is still atomic). [`sha256_file`] streams a file through SHA-256.
+//!
+//! Reading goes through [`open_regular`] / [`read_regular`]: every file fx reads (bars,
+//! feature files, configs, checkpoints, sidecars, INT8 files) must be a regular file
+//! (symlinks followed). A directory, FIFO, device or socket is refused with an error saying
+//! which, a symlink loop as a loop, and the open itself never blocks (a FIFO without a
+//! writer would otherwise wait forever, `/dev/zero` read until memory runs out).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -41,10 +47,85 @@ fn temporary_sibling(path: &Path) -> std::io::Result<PathBuf> {
     Ok(path.with_file_name(format!(".{}.tmp.{}", name.to_string_lossy(), std::process::id())))
 }
 
+/// Opens `path` for reading if it is a regular file (see the module docs). The type is
+/// checked on the opened handle, opened without blocking, so a file swapped for a FIFO
+/// between a check and the open is refused too. Errors are the operation's own kind with a
+/// message saying what the path is (the caller names the path).
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    use std::io::{Error, ErrorKind};
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags(libc::O_NONBLOCK);
+    }
+    let f = opts.open(path).map_err(|e| {
+        #[cfg(unix)]
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            return Error::new(ErrorKind::InvalidInput, "is a symbolic link loop");
+        }
+        e
+    })?;
+    let ft = f.metadata()?.file_type();
+    if ft.is_file() {
+        return Ok(f);
+    }
+    let what = if ft.is_dir() {
+        "is a directory, not a file"
+    } else {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileTypeExt;
+            if ft.is_fifo() {
+                "is a FIFO (named pipe), not a regular file"
+            } else if ft.is_char_device() || ft.is_block_device() {
+                "is a device, not a regular file"
+            } else if ft.is_socket() {
+                "is a socket, not a regular file"
+            } else {
+                "is not a regular file"
+            }
+        }
+        #[cfg(not(unix))]
+        "is not a regular file"
+    };
+    Err(Error::new(ErrorKind::InvalidInput, what))
+}
+
+/// The whole of the regular file at `path` ([`open_regular`]), refused unread when it is
+/// larger than `max` bytes (the caller's sane maximum for its kind of file).
+pub fn read_regular(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let f = open_regular(path)?;
+    let len = f.metadata()?.len();
+    if len > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("holds {len} bytes, more than the {max} a file of its kind may"),
+        ));
+    }
+    let mut out = Vec::new();
+    out.try_reserve_exact(len as usize).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::OutOfMemory, format!("{len} bytes do not fit in memory"))
+    })?;
+    // Bounded by the size seen: a file growing meanwhile is read as it was.
+    f.take(len).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// [`read_regular`] as UTF-8 text.
+pub fn read_regular_to_string(path: &Path, max: u64) -> std::io::Result<String> {
+    String::from_utf8(read_regular(path, max)?)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("is not UTF-8 text: {e}")))
+}
+
+/// Largest config or sidecar text fx reads (TOML, JSON manifests): 64 MiB.
+pub const MAX_TEXT_BYTES: u64 = 64 << 20;
+
 /// SHA-256 of the file at `path`, as lower-case hex, read in 1 MiB pieces.
 pub fn sha256_file(path: &Path) -> std::io::Result<String> {
     use sha2::{Digest, Sha256};
-    let mut f = File::open(path)?;
+    let mut f = open_regular(path)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -84,6 +165,40 @@ mod tests {
         assert_eq!(std::fs::read(&p).unwrap(), b"kept");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
         assert!(write_atomic(Path::new("/"), b"x").is_err());
+    }
+
+    /// Each kind of path that is not a regular file is refused at once, saying what it is.
+    #[cfg(unix)]
+    #[test]
+    fn only_regular_files_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let loop_a = dir.path().join("a");
+        std::os::unix::fs::symlink(dir.path().join("b"), &loop_a).unwrap();
+        std::os::unix::fs::symlink(&loop_a, dir.path().join("b")).unwrap();
+        let to_zero = dir.path().join("zero");
+        std::os::unix::fs::symlink("/dev/zero", &to_zero).unwrap();
+        let t = std::time::Instant::now();
+        for (p, want) in [
+            (fifo.as_path(), "is a FIFO"),
+            (Path::new("/dev/zero"), "is a device"),
+            (to_zero.as_path(), "is a device"),
+            (loop_a.as_path(), "symbolic link loop"),
+            (dir.path(), "is a directory"),
+        ] {
+            let e = read_regular(p, 1 << 20).unwrap_err().to_string();
+            assert!(e.contains(want), "{}: {e}", p.display());
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "something blocked");
+        let f = dir.path().join("f");
+        std::fs::write(&f, b"0123456789").unwrap();
+        assert_eq!(read_regular(&f, 10).unwrap(), b"0123456789");
+        let e = read_regular(&f, 9).unwrap_err().to_string();
+        assert!(e.contains("holds 10 bytes, more than the 9"), "{e}");
+        assert!(read_regular(&dir.path().join("missing"), 9).unwrap_err().kind() == std::io::ErrorKind::NotFound);
     }
 
     #[test]

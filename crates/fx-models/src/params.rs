@@ -524,13 +524,9 @@ fn split_into(out: &mut BTreeMap<String, Tensor>, names: &Names, t: &Tensor) -> 
 
 /// Reads every tensor of a safetensors file onto `device`.
 pub fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
-    if !path.exists() {
-        return Err(Error::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "file not found"),
-        });
-    }
-    candle_core::safetensors::load(path, device)
+    let bytes = fx_data::files::read_regular(path, u64::MAX)
+        .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    candle_core::safetensors::load_buffer(&bytes, device)
         .map_err(|e| Error::SafeTensors { file: path.display().to_string(), message: e.to_string() })
 }
 

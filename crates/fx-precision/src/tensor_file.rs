@@ -156,7 +156,11 @@ pub fn save_tensors_atomic(
 /// Reads a safetensors file onto `device`; take its tensors with [`NamedTensors::take`].
 pub fn load_tensors(path: impl AsRef<Path>, device: &Device) -> Result<NamedTensors> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|source| Error::Io { op: "reading", path: path.to_path_buf(), source })?;
+    let bytes = fx_data::files::read_regular(path, u64::MAX).map_err(|source| Error::Io {
+        op: "reading",
+        path: path.to_path_buf(),
+        source,
+    })?;
     // The parsers' messages quote the file's own strings (tensor names, dtypes): escape
     // control characters so a damaged file still gives a one-line error.
     let st_err = |message: String| Error::Safetensors { path: path.to_path_buf(), message: one_line(&message) };

@@ -115,7 +115,7 @@ fn i8_bytes(v: &[i8]) -> Vec<u8> {
 /// from the F32 checkpoint with that hash (a quantised file left over from an earlier
 /// checkpoint is refused rather than silently used).
 pub fn load(path: &Path, source_sha256: Option<&str>) -> Result<(QuantNet, Provenance)> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = fx_data::files::read_regular(path, u64::MAX).map_err(|e| Error::io(path, e))?;
     let r = Reader::new(path, &bytes)?;
     let model = r.key("model")?;
     let kind = PolicyKind::parse(model)
@@ -190,7 +190,7 @@ pub fn save_tft(q: &QuantTft, provenance: &Provenance, path: &Path) -> Result<()
 /// Reads a quantised TFT written by [`save_tft`], checking every tensor the model's
 /// configuration implies (and no other), as [`load`] checks a policy's.
 pub fn load_tft(path: &Path, source_sha256: Option<&str>) -> Result<(QuantTft, Provenance)> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = fx_data::files::read_regular(path, u64::MAX).map_err(|e| Error::io(path, e))?;
     let r = Reader::new(path, &bytes)?;
     let model = r.key("model")?;
     if model != "tft" {

@@ -205,7 +205,8 @@ impl RunConfig {
     /// Reads a TOML config; unknown keys are errors that name the file. A parse error is
     /// one line: `parsing config FILE: line L, column C: what`.
     pub fn from_toml_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let text = fx_data::files::read_regular_to_string(path, fx_data::files::MAX_TEXT_BYTES)
+            .with_context(|| format!("reading config {}", path.display()))?;
         Self::from_toml_str(&text, &path.display().to_string())
     }
 

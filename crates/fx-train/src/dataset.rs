@@ -95,7 +95,9 @@ fn check_rows(r: &Splits, rows: usize) -> Result<Splits> {
 }
 
 fn open_features(path: &Path) -> Result<FeatureStore> {
-    if !path.exists() {
+    // A symlink (loop or dangling) exists as a link though `exists()` is false: the opener
+    // names what it is.
+    if !path.exists() && std::fs::symlink_metadata(path).is_err() {
         bail!("data file {} does not exist", path.display());
     }
     let is_csv = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv"));

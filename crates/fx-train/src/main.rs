@@ -36,14 +36,26 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return flag_error(e),
+    };
     match run(cli) {
         Ok(lifecycle::Outcome::Finished) => ExitCode::SUCCESS,
         Ok(lifecycle::Outcome::Interrupted) => ExitCode::from(lifecycle::EXIT_INTERRUPTED),
         Err(e) => {
             // One line with the whole cause chain: what failed and where (the crates' errors
             // are one line each; anything multi-line from a library is folded here too).
-            let text = format!("{e:#}");
+            // A cause whose text its context already quotes (an error type that prints its
+            // source and also returns it) is said once.
+            let mut parts: Vec<String> = Vec::new();
+            for cause in e.chain() {
+                let s = cause.to_string();
+                if !parts.last().is_some_and(|p| p.contains(&s)) {
+                    parts.push(s);
+                }
+            }
+            let text = parts.join(": ");
             let line: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
             eprintln!("error: {}", line.join(" "));
             ExitCode::FAILURE
@@ -85,6 +97,22 @@ fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
         Some(cli::Command::Sweep(args)) => sweep::run(&args),
         Some(cli::Command::Quantize(args)) => done(quantize::run(&args)),
     }
+}
+
+/// A command line clap refuses, as one line (`--help` and `--version` print as usual): its
+/// first line, then where the usage is.
+fn flag_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit();
+    }
+    let text = e.render().to_string();
+    let first = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("invalid command line");
+    eprintln!("{} (fx-train --help for usage)", first.trim_end_matches('.'));
+    ExitCode::from(2)
 }
 
 /// Sizes candle's CPU pool for the run before any tensor work (see `fx_hw::cpu_threads`).

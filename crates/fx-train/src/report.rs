@@ -120,7 +120,8 @@ fn backtest_csv(rep: &Report) -> String {
 
 /// The agent's per-step log returns from a run's `backtest.csv`.
 pub(crate) fn read_agent_returns(path: &std::path::Path) -> Result<Vec<f64>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = fx_data::files::read_regular_to_string(path, u64::MAX)
+        .with_context(|| format!("reading {}", path.display()))?;
     let mut lines = text.lines();
     if lines.next() != Some("row,position,log_return,equity") {
         bail!("{}: line 1 is not the header row,position,log_return,equity", path.display());

@@ -360,7 +360,8 @@ impl RunDir {
         if !trainer.exists() {
             bail!("{} is missing", trainer.display());
         }
-        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let text = fx_data::files::read_regular_to_string(&path, fx_data::files::MAX_TEXT_BYTES)
+            .with_context(|| format!("reading {}", path.display()))?;
         let run: RunState = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         if run.version != RUN_STATE_VERSION {
             bail!(

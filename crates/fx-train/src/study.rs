@@ -141,7 +141,8 @@ fn member_config(cfg: &RunConfig, fold: &Fold, f: usize, s: u64) -> RunConfig {
 }
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = fx_data::files::read_regular_to_string(path, fx_data::files::MAX_TEXT_BYTES)
+        .with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
 }
 

@@ -145,7 +145,8 @@ mod nan_as_null {
 
 impl SweepConfig {
     fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading sweep file {}", path.display()))?;
+        let text = fx_data::files::read_regular_to_string(path, fx_data::files::MAX_TEXT_BYTES)
+            .with_context(|| format!("reading sweep file {}", path.display()))?;
         toml::from_str(&text).map_err(|e| anyhow::anyhow!("parsing sweep file {}: {}", path.display(), e.message()))
     }
 }
@@ -268,7 +269,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         println!("sweep {}: {} of {} trials done already; going on", args.out.display(), done.len(), cfgs.len());
     }
     let pop_path = args.out.join("population.json");
-    let mut pop_doc: Vec<serde_json::Value> = match std::fs::read_to_string(&pop_path) {
+    let mut pop_doc: Vec<serde_json::Value> = match fx_data::files::read_regular_to_string(&pop_path, u64::MAX) {
         Ok(text) => serde_json::from_str::<serde_json::Value>(&text)
             .ok()
             .and_then(|d| d["waves"].as_array().cloned())
@@ -495,7 +496,8 @@ fn read_rows(path: &Path) -> Result<Option<Vec<TrialRow>>> {
     if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = fx_data::files::read_regular_to_string(path, u64::MAX)
+        .with_context(|| format!("reading {}", path.display()))?;
     let rows = text
         .lines()
         .enumerate()
