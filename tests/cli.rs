@@ -731,12 +731,50 @@ fn damaged_checkpoints_are_skipped_with_a_warning_and_kept() {
         std::fs::write(&state, &good_state).unwrap();
         std::fs::write(&sidecar, &good_sidecar).unwrap();
     }
-    // A resume skips the damaged newest checkpoint too, and finishes from the one before.
+    // A resume skips the damaged newest checkpoint too, and finishes from the one before;
+    // the damaged files are set aside in damaged/, not overwritten when the run passes
+    // step 40 again.
     std::fs::write(&state, &good_state[..100]).unwrap();
     let out = fx_train().args(["train", "--resume", "--steps", "50", "--quiet", "--out"]).arg(&run).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("warning: skipping checkpoint 40"));
     assert!(checkpoint(&run, 50).exists());
+    let aside = run.join("damaged").join("checkpoint-0000000040.safetensors");
+    assert_eq!(std::fs::read(&aside).unwrap(), &good_state[..100], "the damaged state file was not kept");
+    assert!(run.join("damaged").join("checkpoint-0000000040.json").exists());
+}
+
+/// A run folder whose every checkpoint is damaged is not trained again from step 0: the
+/// resume (and eval) fail in one line naming them, and every file stays.
+#[test]
+fn a_resume_with_every_checkpoint_damaged_fails_and_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 30, "");
+    let run = dir.path().join("run");
+    ok(&train(&cfg, &run, &["--quiet"]));
+    let states: Vec<PathBuf> = [10, 20, 30].iter().map(|&s| checkpoint(&run, s)).filter(|p| p.exists()).collect();
+    assert!(!states.is_empty());
+    for p in &states {
+        std::fs::write(p, b"damaged").unwrap();
+    }
+    let before: Vec<_> = std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let e = err_line(
+        &fx_train().args(["train", "--resume", "--quiet", "--steps", "60", "--out"]).arg(&run).output().unwrap(),
+    );
+    assert!(e.contains("checkpoint(s) in") && e.contains("verifies") && e.contains("nothing was changed"), "{e}");
+    assert!(e.contains("steps 10, 20, 30") || states.len() < 3, "{e}");
+    let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
+    assert!(e.contains("verifies"), "{e}");
+    // Nothing pruned, moved or overwritten, and no training happened.
+    for p in &states {
+        assert_eq!(std::fs::read(p).unwrap(), b"damaged", "{}", p.display());
+    }
+    assert!(!checkpoint(&run, 60).exists(), "the run trained anyway");
+    let mut after: Vec<_> = std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let mut before = before;
+    before.sort();
+    after.sort();
+    assert_eq!(before, after);
 }
 
 #[test]

@@ -326,16 +326,74 @@ impl RunDir {
     /// The newest checkpoint that verifies: its sidecar parses and records the SHA-256 its
     /// state file has (a truncated or changed state file, a missing half, or a sidecar
     /// copied from another checkpoint does not). Each newer one that does not is skipped
-    /// with a one-line warning naming the file, and left in place. (A checkpoint of another
-    /// model is not damage: callers refuse it with [`Checkpoint::check_model`].)
+    /// with a one-line warning naming the file, and left in place. When the folder holds
+    /// checkpoints and none verifies, that is an error naming them, never `None` (which
+    /// would start a resumed run over in silence). (A checkpoint of another model is not
+    /// damage: callers refuse it with [`Checkpoint::check_model`].)
     pub fn latest_checkpoint(&self) -> Result<Option<Checkpoint>> {
-        for step in self.checkpoint_candidates()?.into_iter().rev() {
+        self.newest_verified(false)
+    }
+
+    /// [`Self::latest_checkpoint`] for a run about to continue here (under the folder's
+    /// lock): each damaged checkpoint newer than the one it continues from is moved into
+    /// `damaged/`, so the run neither overwrites it when it reaches that step again nor
+    /// prunes it.
+    pub fn resume_checkpoint(&self) -> Result<Option<Checkpoint>> {
+        self.newest_verified(true)
+    }
+
+    fn newest_verified(&self, move_damaged: bool) -> Result<Option<Checkpoint>> {
+        self.newest_verified_once(move_damaged, true)
+    }
+
+    /// `relist`: a checkpoint whose files are all gone by the time it is read was pruned by
+    /// a run writing here (an `eval` beside a `train`), not damaged: look again once.
+    fn newest_verified_once(&self, move_damaged: bool, relist: bool) -> Result<Option<Checkpoint>> {
+        let steps = self.checkpoint_candidates()?;
+        let mut damaged: Vec<(u64, String)> = Vec::new();
+        let mut vanished = false;
+        for &step in steps.iter().rev() {
             match self.verified(step) {
-                Ok(c) => return Ok(Some(c)),
-                Err(e) => eprintln!("warning: skipping checkpoint {step}: {e:#}"),
+                Ok(c) => {
+                    // Only now, with a checkpoint to continue from, are the newer damaged
+                    // ones warned about (and set aside for a resume).
+                    for (s, why) in &damaged {
+                        let moved = if move_damaged { self.set_aside(*s)? } else { String::new() };
+                        eprintln!("warning: skipping checkpoint {s}: {why}{moved}");
+                    }
+                    return Ok(Some(c));
+                }
+                Err(_) if !self.run_state_path(step).exists() && !self.trainer_path(step).exists() => {
+                    vanished = true;
+                }
+                Err(e) => damaged.push((step, format!("{e:#}"))),
             }
         }
-        Ok(None)
+        if vanished && relist {
+            return self.newest_verified_once(move_damaged, false);
+        }
+        let Some((_, why)) = damaged.first() else { return Ok(None) };
+        let listed: Vec<String> = damaged.iter().rev().map(|(s, _)| s.to_string()).collect();
+        bail!(
+            "none of the {} checkpoint(s) in {} verifies (steps {}; the newest: {why}); nothing was changed: \
+             move them away or train into another --out",
+            damaged.len(),
+            self.root.display(),
+            listed.join(", ")
+        )
+    }
+
+    /// Moves checkpoint `step`'s files (whichever exist) into `damaged/`; the warning's tail.
+    fn set_aside(&self, step: u64) -> Result<String> {
+        let to = self.root.join("damaged");
+        std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
+        for p in [self.run_state_path(step), self.trainer_path(step)] {
+            if p.exists() {
+                let dest = to.join(p.file_name().expect("a checkpoint file name"));
+                std::fs::rename(&p, &dest).with_context(|| format!("moving {} to {}", p.display(), dest.display()))?;
+            }
+        }
+        Ok(format!(" (moved to {})", to.display()))
     }
 
     /// Steps with a state file or a sidecar (either may be the damaged half), oldest first.

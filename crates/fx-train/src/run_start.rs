@@ -74,7 +74,7 @@ impl RunStart {
         };
         let cfg = cfg.resolve()?;
         let device = device_for(&cfg)?;
-        let checkpoint = if opts.resume { dir.latest_checkpoint()? } else { None };
+        let checkpoint = if opts.resume { dir.resume_checkpoint()? } else { None };
         if let Some(c) = &checkpoint {
             c.check_model(cfg.model, "the config asks for")?;
         }
