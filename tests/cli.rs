@@ -1071,3 +1071,38 @@ fn hostile_paths_and_bad_flags_are_one_line_errors() {
     let help = fx_train().args(["train", "--help"]).output().unwrap();
     assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).lines().count() > 10);
 }
+
+/// A feature file whose names are renamed or reordered is refused, not used as if it matched.
+#[test]
+fn a_feature_file_with_renamed_or_reordered_features_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("f.safetensors");
+    ok(&fx_train()
+        .args(["features", "--input"])
+        .arg(fixtures().join("features_small.csv"))
+        .arg("--output")
+        .arg(&good)
+        .output()
+        .unwrap());
+    let table = fx_data::FeatureStore::open(&good).unwrap().to_table();
+    let mut renamed = table.clone();
+    renamed.feature_names[3] = "ret_3_typo".into();
+    let mut reordered = table.clone();
+    reordered.feature_names.swap(0, 1);
+    for (name, t, want) in
+        [("renamed", renamed, "market feature 3 is \"ret_3_typo\""), ("reordered", reordered, "market feature 0 is")]
+    {
+        let path = dir.path().join(format!("{name}.safetensors"));
+        t.write(&path).unwrap();
+        let e = err_line(
+            &fx_train()
+                .args(["train", "--quiet", "--data"])
+                .arg(&path)
+                .arg("--out")
+                .arg(dir.path().join(name))
+                .output()
+                .unwrap(),
+        );
+        assert!(e.contains(want) && e.contains("DATA.md"), "{name}: {e}");
+    }
+}

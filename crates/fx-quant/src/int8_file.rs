@@ -7,7 +7,9 @@
 //! - per layer kept in F32: `NAME.weight` F32 `[out, in]`, `NAME.bias` F32 `[out]`;
 //! - metadata: `format` = `fx-int8/1`, `model` (`dqn` / `ppo`), `source_sha256` (of the
 //!   F32 checkpoint file), `source` (its file name), `calibration_method`,
-//!   `calibration_rows`, `calibration_percentile` (percentile only), `f32_layers`.
+//!   `calibration_rows`, `calibration_percentile` (percentile only), `f32_layers`,
+//!   `tensors_sha256` ([`tensors_sha256`] of the file's own tensors, so a changed weight
+//!   byte that stays inside ±127 is caught).
 //!
 //! Writing goes through a temporary file in the same folder and a rename. Loading checks
 //! every tensor's presence, dtype and shape, the weights' range, the scales (finite, > 0),
@@ -94,8 +96,32 @@ fn common_meta(model: &str, provenance: &Provenance, calibration: &CalibInfo) ->
     meta
 }
 
-/// Serialises `tensors` with `meta` to `path` atomically.
-fn write_tensors(path: &Path, tensors: &[Owned], meta: HashMap<String, String>) -> Result<()> {
+/// SHA-256 (lower-case hex) of a file's tensors in name order: for each, its name, a 0
+/// byte, its dtype's name, its shape (u64 little-endian each, after their count) and its
+/// bytes (after their length). The metadata is not covered (it is checked key by key).
+pub fn tensors_sha256<'t>(tensors: impl IntoIterator<Item = (&'t str, Dtype, &'t [usize], &'t [u8])>) -> String {
+    use sha2::{Digest, Sha256};
+    let mut all: Vec<_> = tensors.into_iter().collect();
+    all.sort_by(|a, b| a.0.cmp(b.0));
+    let mut h = Sha256::new();
+    for (name, dtype, shape, bytes) in all {
+        h.update(name.as_bytes());
+        h.update([0u8]);
+        h.update(format!("{dtype:?}").as_bytes());
+        h.update((shape.len() as u64).to_le_bytes());
+        for &d in shape {
+            h.update((d as u64).to_le_bytes());
+        }
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Serialises `tensors` with `meta` (plus their `tensors_sha256`) to `path` atomically.
+fn write_tensors(path: &Path, tensors: &[Owned], mut meta: HashMap<String, String>) -> Result<()> {
+    let digest = tensors_sha256(tensors.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice())));
+    meta.insert("tensors_sha256".into(), digest);
     let mut views = Vec::with_capacity(tensors.len());
     for (name, dtype, shape, bytes) in tensors {
         let v = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
@@ -272,6 +298,17 @@ impl<'a> Reader<'a> {
         if format != FORMAT {
             return Err(Error::file(path, format!("metadata format is {format:?}, expected {FORMAT:?}")));
         }
+        let want = r.meta.get("tensors_sha256").ok_or_else(|| {
+            Error::file(path, "metadata lacks `tensors_sha256` (written by an older fx-train: quantise again)")
+        })?;
+        let tensors = r.st.tensors();
+        let got = tensors_sha256(tensors.iter().map(|(n, v)| (n.as_str(), v.dtype(), v.shape(), v.data())));
+        if &got != want {
+            return Err(Error::file(
+                path,
+                "its tensors do not match the SHA-256 its metadata records (changed after quantisation)",
+            ));
+        }
         Ok(r)
     }
 
@@ -442,6 +479,12 @@ mod tests {
         let mut t: Vec<_> =
             st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
         edit(&mut t, &mut meta);
+        // Consistent but wrong files (what a bug could write): the hash matches the edit,
+        // so each check below is reached. A file changed behind the hash is the next test's.
+        if meta.contains_key("tensors_sha256") {
+            let d = tensors_sha256(t.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice())));
+            meta.insert("tensors_sha256".into(), d);
+        }
         let views: Vec<_> = t
             .iter()
             .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
@@ -457,6 +500,28 @@ mod tests {
         f: impl FnOnce(&mut (String, Dtype, Vec<usize>, Vec<u8>)),
     ) {
         f(t.iter_mut().find(|x| x.0 == name).unwrap());
+    }
+
+    /// One weight byte changed inside ±127 (every range check passes) is caught by the
+    /// file's own hash; so is a file without it.
+    #[test]
+    fn a_changed_weight_byte_fails_the_files_own_hash() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("q.safetensors");
+        save(&quantised(&[]), &prov(), &path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let w = st.tensor("trunk.0.weight").unwrap();
+        // The byte's offset in the file: the tensor's data lies inside `bytes`.
+        let at = w.data().as_ptr() as usize - bytes.as_ptr() as usize + 5;
+        let mut flipped = bytes.clone();
+        flipped[at] = if flipped[at] == 3 { 4 } else { 3 };
+        std::fs::write(&path, &flipped).unwrap();
+        let e = load(&path, None).unwrap_err().to_string();
+        assert!(e.contains("do not match the SHA-256") && e.contains("q.safetensors"), "{e}");
+        let stripped = damaged(dir.path(), |_, m| drop(m.remove("tensors_sha256")));
+        let e = load(&stripped, None).unwrap_err().to_string();
+        assert!(e.contains("tensors_sha256"), "{e}");
     }
 
     #[test]

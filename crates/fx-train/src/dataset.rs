@@ -37,6 +37,13 @@ impl Dataset {
         if store.n_market() != N_MARKET {
             bail!("{source}: {} market features per row, the models need {N_MARKET}", store.n_market());
         }
+        // The count is not the schema: a renamed or reordered column feeds a model the wrong input.
+        let spec = fx_data::features::MARKET_FEATURE_NAMES;
+        if let Some((i, (got, want))) =
+            store.feature_names().iter().zip(spec).enumerate().find(|(_, (g, w))| g.as_str() != *w)
+        {
+            bail!("{source}: market feature {i} is {got:?} where DATA.md has {want:?} (renamed or reordered columns)");
+        }
         let splits = match &cfg.rows {
             Some(r) => check_rows(r, store.rows()).with_context(|| format!("the run's rows of {source}"))?,
             None => cfg.split.split(store.rows()).with_context(|| format!("splitting {source}"))?,
