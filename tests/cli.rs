@@ -666,7 +666,12 @@ fn configs_that_cannot_work_are_refused_and_leave_no_folder() {
             "learning_starts = 5000",
             "dqn.learning_starts 5000 exceeds dqn.replay_capacity",
         ),
-        ("dqn", "replay_capacity = 2000", "replay_capacity = 1000000000000", "dqn.replay_capacity 1000000000000 needs"),
+        (
+            "dqn",
+            "replay_capacity = 2000",
+            "replay_capacity = 1000000000000",
+            "dqn.replay_capacity 1000000000000 (460 bytes a transition) needs",
+        ),
         ("ppo", "minibatch_size = 16", "minibatch_size = 100", "ppo.minibatch_size 100 exceeds"),
         ("dqn", "episode_len = 16", "episode_len = 5000", "an episode of 5000 steps needs at least 5001"),
     ];

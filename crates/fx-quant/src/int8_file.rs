@@ -414,6 +414,9 @@ impl<'a> Reader<'a> {
 }
 
 #[cfg(test)]
+mod fuzz_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::{random_net, uniforms};

@@ -356,6 +356,7 @@ impl RunConfig {
         if self.batch != crate::batch::BatchSize::Auto || self.model_key_given() {
             self.check_agent_sizes()?;
         }
+        self.check_host_memory()?;
         if self.checkpoint_every == 0 || self.log_every == 0 {
             bail!("checkpoint_every and log_every must be at least 1");
         }
@@ -384,19 +385,6 @@ impl RunConfig {
                         self.dqn.learning_starts
                     );
                 }
-                // States and next states (f32 × state_dim each), action, reward, done; a
-                // checkpoint also copies the buffer to host memory.
-                let per = (self.dqn.net.state_dim as u64).saturating_mul(2).saturating_add(3).saturating_mul(4);
-                let need = (cap as u64).saturating_mul(per);
-                if let Some(ram) = fx_hw::HostInfo::detect().ram_total_bytes {
-                    if need > ram / 2 {
-                        bail!(
-                            "dqn.replay_capacity {cap} needs {:.1} GiB ({per} bytes a transition), more than half of this machine's {:.1} GiB of memory",
-                            need as f64 / (1u64 << 30) as f64,
-                            ram as f64 / (1u64 << 30) as f64
-                        );
-                    }
-                }
             }
             ModelChoice::Ppo => {
                 let rollout = self.ppo.num_steps.saturating_mul(self.env.num_envs);
@@ -411,6 +399,94 @@ impl RunConfig {
         }
         Ok(())
     }
+
+    /// What a DQN / PPO run holds in host memory, by the key that sizes it (bytes): the
+    /// network's parameters with their gradient, AdamW moments and target / snapshot copies,
+    /// the replay buffer or rollout, a minibatch's activations and the accounts' state and
+    /// observations. Estimates on the generous side; the forecasters are not covered yet.
+    pub fn host_memory_needs(&self) -> Vec<(String, u64)> {
+        let count = |specs: Vec<fx_models::ParamSpec>| -> u64 {
+            specs
+                .iter()
+                .map(|s| s.shape.iter().map(|&d| d as u64).fold(1u64, u64::saturating_mul))
+                .fold(0, u64::saturating_add)
+        };
+        let f32s = |n: u64, copies: u64| n.saturating_mul(4).saturating_mul(copies);
+        let obs = self.dqn.net.state_dim as u64;
+        // State, position, entry, counters, and two observations per account.
+        let per_account = obs.saturating_mul(8).saturating_add(64);
+        let mut needs = vec![("env.num_envs".to_string(), (self.env.num_envs as u64).saturating_mul(per_account))];
+        match self.model {
+            ModelChoice::Dqn => {
+                let n = &self.dqn.net;
+                let p = count(n.param_specs());
+                needs.push((format!("dqn.net.hidden {} ({p} parameters)", n.hidden), f32s(p, 7)));
+                // States and next states (f32 × state_dim each), action, reward, done; a
+                // checkpoint also copies the buffer to host memory.
+                let per = obs.saturating_mul(2).saturating_add(3).saturating_mul(4);
+                needs.push((
+                    format!("dqn.replay_capacity {} ({per} bytes a transition)", self.dqn.replay_capacity),
+                    (self.dqn.replay_capacity as u64).saturating_mul(per),
+                ));
+                let acts = (self.dqn.batch_size as u64).saturating_mul(n.hidden as u64).saturating_mul(3 * 3 * 2);
+                needs.push((format!("dqn.batch_size {}", self.dqn.batch_size), f32s(acts, 1)));
+            }
+            ModelChoice::Ppo => {
+                let n = &self.ppo.net;
+                let p = count(n.param_specs());
+                needs.push((format!("ppo.net.hidden {} ({p} parameters)", n.hidden), f32s(p, 6)));
+                let rows = (self.ppo.num_steps as u64).saturating_mul(self.env.num_envs as u64);
+                needs.push((
+                    format!("ppo.num_steps {} x env.num_envs {}", self.ppo.num_steps, self.env.num_envs),
+                    f32s(rows, obs.saturating_add(8)),
+                ));
+                let acts = (self.ppo.minibatch_size as u64).saturating_mul(n.hidden as u64).saturating_mul(2 * 2 * 2);
+                needs.push((format!("ppo.minibatch_size {}", self.ppo.minibatch_size), f32s(acts, 1)));
+            }
+            ModelChoice::Tft | ModelChoice::Mamba2 => return Vec::new(),
+        }
+        needs
+    }
+
+    /// Refuses a run whose [`Self::host_memory_needs`] exceed half of what the process may
+    /// use (the machine's memory, or a smaller address-space limit such as a container's
+    /// `ulimit -v`): one line naming the key that needs most, before anything is allocated
+    /// (an allocation that large would abort the process instead).
+    fn check_host_memory(&self) -> Result<()> {
+        let needs = self.host_memory_needs();
+        let total: u64 = needs.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
+        let Some((key, most)) = needs.iter().max_by_key(|(_, b)| *b) else { return Ok(()) };
+        let ram = fx_hw::HostInfo::detect().ram_total_bytes;
+        let (limit, what) = match (ram, address_space_limit()) {
+            (Some(r), Some(l)) if l < r => (l, "this process's address-space limit"),
+            (Some(r), _) => (r, "this machine's memory"),
+            (None, Some(l)) => (l, "this process's address-space limit"),
+            (None, None) => return Ok(()),
+        };
+        if total > limit / 2 {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            bail!(
+                "{key} needs {:.1} GiB ({:.1} GiB for the run in all), more than half of {what} ({:.1} GiB)",
+                gib(*most),
+                gib(total),
+                gib(limit)
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `RLIMIT_AS` when one is set (containers and `ulimit -v` set it), in bytes.
+fn address_space_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes the struct it is given.
+        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0 && r.rlim_cur != libc::RLIM_INFINITY {
+            return Some(r.rlim_cur);
+        }
+    }
+    None
 }
 
 /// A TOML error as one line, `line L, column C: what`: the toml crate's own message is a
@@ -554,5 +630,21 @@ mod tests {
         // Errors still name the file's line.
         let e = RunConfig::from_toml_str("steps = 3\n[dqn]\ngama = 0.5\n", "f.toml").unwrap_err();
         assert!(format!("{e:#}").contains("parsing config f.toml: line 3"), "{e:#}");
+    }
+
+    #[test]
+    fn configs_beyond_the_machines_memory_are_refused_before_allocating() {
+        let mut huge_net = RunConfig::default();
+        huge_net.dqn.net.hidden = 200_000;
+        let e = format!("{:#}", huge_net.resolve().unwrap_err());
+        assert!(e.contains("dqn.net.hidden 200000") && e.contains("more than half of"), "{e}");
+        let mut huge_envs = RunConfig { model: ModelChoice::Ppo, ..RunConfig::default() };
+        huge_envs.env.num_envs = 2_000_000_000;
+        huge_envs.ppo.num_steps = 1;
+        let e = format!("{:#}", huge_envs.resolve().unwrap_err());
+        assert!(e.contains("env.num_envs") || e.contains("ppo.num_steps 1 x env.num_envs"), "{e}");
+        assert!(RunConfig::default().resolve().is_ok());
+        let needs = RunConfig::default().host_memory_needs();
+        assert!(needs.iter().any(|(k, b)| k.starts_with("dqn.replay_capacity") && *b > 0), "{needs:?}");
     }
 }
