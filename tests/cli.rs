@@ -1111,3 +1111,28 @@ fn a_feature_file_with_renamed_or_reordered_features_is_refused() {
         assert!(e.contains(want) && e.contains("DATA.md"), "{name}: {e}");
     }
 }
+
+/// Under a 4 GiB address-space limit (a container's), a config sized beyond it is refused
+/// in one line naming the key, instead of the allocator aborting the process.
+#[cfg(target_os = "linux")]
+#[test]
+fn configs_beyond_a_memory_limit_are_refused_under_it() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut cmd = fx_train();
+    cmd.args(["train", "--quiet", "--num-envs", "20000000", "--out"]).arg(&out);
+    // SAFETY: setrlimit is async-signal-safe; the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            let r = libc::rlimit { rlim_cur: 4 << 30, rlim_max: 4 << 30 };
+            if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let e = err_line(&cmd.output().unwrap());
+    assert!(e.contains("env.num_envs needs") && e.contains("address-space limit (4.0 GiB)"), "{e}");
+    assert!(!out.exists(), "the refused run left {} behind", out.display());
+}
