@@ -113,15 +113,26 @@ impl FeatureTable {
             ("close", Raw::new(Dtype::F64, vec![rows], bytemuck::cast_slice(&self.close))),
             ("timestamp", Raw::new(Dtype::I64, vec![rows], bytemuck::cast_slice(&self.timestamp))),
         ];
-        // safetensors writes to a sibling temp file and renames it; give it an
-        // explicit folder for bare file names (an empty parent is not a folder).
-        let target = match path.parent() {
-            Some(p) if p.as_os_str().is_empty() => Path::new(".").join(path),
-            _ => path.to_path_buf(),
-        };
-        safetensors::serialize_to_file(tensors, Some(metadata), &target).map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
-            other => Error::format(path, format!("cannot serialise: {other}")),
+        // Streamed into the temporary sibling (no second copy in memory), which
+        // write_atomic_with creates with the umask's permissions, like every other file
+        // fx writes, and renames over `path`.
+        let mut format_error = None;
+        crate::files::write_atomic_with(path, |tmp| {
+            safetensors::serialize_to_file(tensors, Some(metadata), tmp).map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(io) => io,
+                other => {
+                    format_error = Some(other.to_string());
+                    std::io::Error::other("cannot serialise")
+                }
+            })?;
+            // safetensors' own temporary file is private (0600); give it what every other
+            // file fx writes has.
+            crate::files::set_default_permissions(tmp)?;
+            std::fs::File::open(tmp)?.sync_all()
+        })
+        .map_err(|io| match format_error.take() {
+            Some(msg) => Error::format(path, format!("cannot serialise: {msg}")),
+            None => Error::io(path, io),
         })
     }
 }
@@ -493,6 +504,19 @@ mod tests {
         assert!(p >= map.as_ptr() as usize && p < map.as_ptr() as usize + map.len());
         // Only the final file is left in the folder.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // The permissions of any file fx writes (File::create's), not the temporary's 0600.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let plain = dir.path().join("plain");
+            std::fs::File::create(&plain).unwrap();
+            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&out), mode(&plain));
+        }
+        // A missing folder is named, not the temporary file.
+        let (nope, target) = (dir.path().join("nope"), dir.path().join("nope").join("f.safetensors"));
+        let e = small_table().write(&target).unwrap_err().to_string();
+        assert_eq!(e, format!("{}: folder {} does not exist", target.display(), nope.display()));
     }
 
     #[test]

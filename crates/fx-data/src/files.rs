@@ -19,13 +19,28 @@ use std::path::{Path, PathBuf};
 /// Writes `bytes` to `path` atomically (see the module docs). On error the temporary file
 /// is removed and the error is the operation's own (the caller names the path).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = temporary_sibling(path)?;
-    let result = (|| {
-        let mut f = File::create(&tmp)?;
+    write_atomic_with(path, |tmp| {
+        let mut f = File::create(tmp)?;
         f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
+        f.sync_all()
+    })
+}
+
+/// [`write_atomic`] for a writer that streams into a file itself: `write` gets the
+/// temporary sibling's path, creates it (with `File::create`, so the umask's usual
+/// permissions) and syncs it; then it is renamed over `path` and the folder synced. A
+/// missing folder is an error naming the folder, never the temporary file.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> std::io::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.is_dir() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("folder {} does not exist", dir.display()),
+            ));
+        }
+    }
+    let tmp = temporary_sibling(path)?;
+    let result = write(&tmp).and_then(|()| std::fs::rename(&tmp, path));
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
         return result;
@@ -35,6 +50,25 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
             let _ = d.sync_all();
         }
     }
+    Ok(())
+}
+
+/// Gives `path` the permissions `File::create` would (0666 less the process's umask, read
+/// from `/proc/self/status` on Linux, else 022), for files a library created privately.
+pub fn set_default_permissions(path: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let umask = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines().find_map(|l| l.strip_prefix("Umask:").and_then(|v| u32::from_str_radix(v.trim(), 8).ok()))
+            })
+            .unwrap_or(0o022);
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666 & !umask))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
     Ok(())
 }
 

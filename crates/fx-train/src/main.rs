@@ -95,7 +95,18 @@ fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
         Some(cli::Command::Features(args)) => done(features(&args)),
         Some(cli::Command::Bench(args)) => done(bench::run(&args)),
         Some(cli::Command::Sweep(args)) => sweep::run(&args),
-        Some(cli::Command::Quantize(args)) => done(quantize::run(&args)),
+        Some(cli::Command::Quantize(args)) => {
+            // SIGTERM / Ctrl-C stop it like a trainer: its file is written atomically, so a
+            // stop leaves the finished file or none (exit 130 either way).
+            lifecycle::install_signal_handler();
+            quantize::run(&args).map(|()| {
+                if lifecycle::interrupted() {
+                    lifecycle::Outcome::Interrupted
+                } else {
+                    lifecycle::Outcome::Finished
+                }
+            })
+        }
     }
 }
 

@@ -144,6 +144,10 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     // The guard's margin, from the same calibration rows (fx_quant::guard).
     q.calibration.decision_margin = Some(fx_quant::decision_margin(&float, &q, &calib)?);
 
+    if crate::lifecycle::interrupted() {
+        println!("interrupted before writing the INT8 file: nothing was written");
+        return Ok(());
+    }
     let trainer = &l.checkpoint.trainer;
     let provenance = fx_quant::int8_file::Provenance {
         source_sha256: fx_quant::int8_file::sha256_file(trainer)?,
