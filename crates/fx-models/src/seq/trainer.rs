@@ -172,12 +172,36 @@ pub struct SeqTrainer {
 /// Stream mixed into the seed of the dropout generator (distinct from the sampler's).
 const DROPOUT_SEED_MIX: u64 = 0xD50_0D50;
 
+impl SeqTrainConfig {
+    /// The keys `SeqTrainer::new` does not check by use: each refused with key, value and
+    /// rule (a NaN or out-of-range value would otherwise train on in silence).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::config("SeqTrainConfig", m));
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("seq.lr ({}) must be finite and positive", self.lr));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!("seq.weight_decay ({}) must be finite and >= 0", self.weight_decay));
+        }
+        for (k, v) in [("seq.warmup_frac", self.warmup_frac), ("seq.min_lr_frac", self.min_lr_frac)] {
+            if !(0.0..=1.0).contains(&v) {
+                return bad(format!("{k} ({v}) must be in [0, 1]"));
+            }
+        }
+        if self.clip_norm.is_nan() || self.clip_norm <= 0.0 {
+            return bad(format!("seq.clip_norm ({}) must be positive", self.clip_norm));
+        }
+        Ok(())
+    }
+}
+
 impl SeqTrainer {
     /// A trainer for `task` on windows inside `train_rows`.
     pub fn new(task: &impl SeqTask, train_rows: Range<usize>, cfg: &SeqTrainConfig) -> Result<Self> {
         if cfg.epochs == 0 || cfg.batch_size == 0 || cfg.lr.is_nan() || cfg.lr <= 0.0 {
             return Err(Error::config("SeqTrainer::new", format!("need epochs, batch_size and lr > 0; got {cfg:?}")));
         }
+        cfg.validate()?;
         let params = task.params();
         let opt = AdamW::new(
             params.named_vars(),
@@ -603,6 +627,27 @@ mod tests {
     use crate::params::ParamStore;
     use crate::seq::*;
     use crate::tft::{Tft, TftConfig};
+
+    /// Values that cannot train are refused with the key and the value.
+    #[test]
+    fn seq_configs_that_cannot_train_are_refused() {
+        assert!(SeqTrainConfig::default().validate().is_ok());
+        type Case = (fn(&mut SeqTrainConfig), &'static str);
+        let cases: [Case; 6] = [
+            (|c| c.lr = f64::INFINITY, "seq.lr (inf)"),
+            (|c| c.weight_decay = -0.1, "seq.weight_decay (-0.1)"),
+            (|c| c.warmup_frac = 1.5, "seq.warmup_frac (1.5)"),
+            (|c| c.min_lr_frac = f64::NAN, "seq.min_lr_frac (NaN)"),
+            (|c| c.clip_norm = 0.0, "seq.clip_norm (0)"),
+            (|c| c.clip_norm = f64::NAN, "seq.clip_norm (NaN)"),
+        ];
+        for (change, want) in cases {
+            let mut c = SeqTrainConfig::default();
+            change(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
 
     #[test]
     fn config_reads_the_former_name_of_recompute() {
