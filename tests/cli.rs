@@ -1048,7 +1048,7 @@ fn hostile_paths_and_bad_flags_are_one_line_errors() {
         (data(&fifo), "bars.csv: is a FIFO (named pipe), not a regular file"),
         (data(Path::new("/dev/zero")), "/dev/zero: is a device, not a regular file"),
         (data(&looped), "loop.safetensors: is a symbolic link loop"),
-        (data(dir.path()), "is a directory, not a file"),
+        (data(dir.path()), "is a folder: a folder of bar files is a panel"),
         (fx_train().args(["train", "--config"]).arg(&fifo).arg("--out").arg(&out).output().unwrap(), "reading config"),
         (
             fx_train()
@@ -1058,13 +1058,14 @@ fn hostile_paths_and_bad_flags_are_one_line_errors() {
                 .arg(dir.path().join("f"))
                 .output()
                 .unwrap(),
-            "is a directory",
+            // A folder is a panel's bars: its FIFO is refused like any input.
+            "bars.csv: is a FIFO",
         ),
     ] {
         let e = err_line(&o);
         assert!(e.contains(want), "{want}: {e}");
         // Said once, not once by the error and again by its cause.
-        assert!(e.matches("not a regular file").count() + e.matches("not a file").count() <= 1, "{e}");
+        assert!(e.matches("not a regular file").count() <= 1, "{e}");
     }
     assert!(t.elapsed() < std::time::Duration::from_secs(60), "an input blocked");
     assert!(!out.exists(), "a failed start left {} behind", out.display());
@@ -1135,4 +1136,22 @@ fn configs_beyond_a_memory_limit_are_refused_under_it() {
     let e = err_line(&cmd.output().unwrap());
     assert!(e.contains("env.num_envs needs") && e.contains("address-space limit (4.0 GiB)"), "{e}");
     assert!(!out.exists(), "the refused run left {} behind", out.display());
+}
+
+/// `features --input FOLDER` writes the panel of the folder's bar files.
+#[test]
+fn features_of_a_folder_is_a_panel() {
+    let dir = tempfile::tempdir().unwrap();
+    let bars = dir.path().join("bars");
+    std::fs::create_dir(&bars).unwrap();
+    for s in ["aapl", "ibm", "msft"] {
+        let name = format!("{s}_daily_2000_2013.csv");
+        std::fs::copy(fixtures().join("../data").join(&name), bars.join(&name)).unwrap();
+    }
+    let out = dir.path().join("panel.safetensors");
+    let text = ok(&fx_train().args(["features", "--input"]).arg(&bars).arg("--output").arg(&out).output().unwrap());
+    assert!(text.contains("panel of 3 instruments x 3170 calendar rows x 51 market features"), "{text}");
+    let p = fx_data::Panel::read(&out).unwrap();
+    assert_eq!(p.instruments.len(), 3);
+    assert!(p.mask.iter().all(|&m| m == 1), "the three stocks share one calendar");
 }

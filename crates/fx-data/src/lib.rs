@@ -17,6 +17,7 @@ pub mod files;
 #[cfg(test)]
 mod fuzz_support;
 pub mod normalize;
+pub mod panel;
 pub mod pinned;
 pub mod prefetch;
 pub mod rng;
@@ -32,6 +33,7 @@ pub use double_buffer::DoubleBufferedLoader;
 pub use error::Error;
 pub use feature_file::{build_feature_file, FeatureFileSummary, FeatureStore, FeatureTable};
 pub use normalize::Normalizer;
+pub use panel::Panel;
 pub use pinned::{HostBuffer, HostBufferPool, PooledBuffer};
 pub use prefetch::{PrefetchConfig, Prefetcher, TryNext};
 pub use rng::Rng;

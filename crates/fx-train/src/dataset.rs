@@ -102,6 +102,14 @@ fn check_rows(r: &Splits, rows: usize) -> Result<Splits> {
 }
 
 fn open_features(path: &Path) -> Result<FeatureStore> {
+    if path.is_dir() {
+        bail!(
+            "{} is a folder: a folder of bar files is a panel, which `fx-train features --input {}` writes; \
+             training on panels is not built yet",
+            path.display(),
+            path.display()
+        );
+    }
     // A symlink (loop or dangling) exists as a link though `exists()` is false: the opener
     // names what it is.
     if !path.exists() && std::fs::symlink_metadata(path).is_err() {

@@ -143,6 +143,22 @@ fn fresh_run_folder(base: &std::path::Path) -> std::path::PathBuf {
 }
 
 fn features(args: &cli::FeaturesArgs) -> anyhow::Result<()> {
+    // A folder of per-instrument bar files is a panel (fx_data::panel).
+    if args.input.is_dir() {
+        let p = fx_data::Panel::from_csv_dir(&args.input)?;
+        p.write(&args.output)?;
+        let masked = p.mask.iter().filter(|&&m| m == 0).count();
+        println!(
+            "wrote {}: panel of {} instruments x {} calendar rows x {} market features ({masked} masked cells), timestamps {}..{}",
+            args.output.display(),
+            p.instruments.len(),
+            p.rows(),
+            p.n_market(),
+            p.timestamp.first().copied().unwrap_or_default(),
+            p.timestamp.last().copied().unwrap_or_default()
+        );
+        return Ok(());
+    }
     let s = fx_data::build_feature_file(&args.input, &args.output)?;
     println!(
         "wrote {}: {} rows x {} market + 4 calendar features from {} bars ({} warm-up bars dropped), timestamps {}..{}",

@@ -1,0 +1,321 @@
+//! Panels: many instruments' features on one calendar, `[instrument × time × feature]`.
+//!
+//! [`Panel::from_csv_dir`] reads a folder of per-instrument bar files (`*.csv`, one
+//! instrument each, named by its file stem, in name order), computes each instrument's
+//! features exactly as for a single instrument ([`crate::features::compute`]: the same
+//! leakage rules, each instrument's look-back inside its own bars), and aligns them on the
+//! union of their feature rows' timestamps. Where an instrument has no row at a timestamp
+//! its `mask` is 0 and its values are 0: a missing bar is masked, never forward-filled.
+//! Nothing of one instrument enters another's values.
+//!
+//! The file (`fx-panel/1`, safetensors, readable by Python's `safetensors`): `market` F32
+//! `[I, T, F]`, `logret_next` F32 `[I, T]`, `close` F64 `[I, T]`, `mask` U8 `[I, T]`,
+//! `known` F32 `[T, 4]` (the calendar's own features), `timestamp` I64 `[T]`; metadata
+//! `schema`, `instruments` and `feature_names` (JSON lists), `rows` (T). Written atomically.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::bars::Bars;
+use crate::error::Error;
+use crate::feature_file::FeatureTable;
+use crate::features::{calendar, N_KNOWN};
+
+/// The `schema` metadata value of a panel file.
+pub const PANEL_SCHEMA: &str = "fx-panel/1";
+
+/// Many instruments' features on one calendar (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Panel {
+    /// Instrument names (file stems), in order.
+    pub instruments: Vec<String>,
+    /// Market feature names, in column order (every instrument's).
+    pub feature_names: Vec<String>,
+    /// The calendar: every instrument's feature-row timestamps, merged, strictly increasing.
+    pub timestamp: Vec<i64>,
+    /// `[I, T, F]` row-major; 0 where masked.
+    pub market: Vec<f32>,
+    /// Calendar features of each timestamp, `[T, 4]`.
+    pub known: Vec<f32>,
+    /// `[I, T]`: the instrument's `ln(c_{t+1}/c_t)` at its own next bar; 0 where masked.
+    pub logret_next: Vec<f32>,
+    /// `[I, T]` close prices; 0 where masked.
+    pub close: Vec<f64>,
+    /// `[I, T]`: 1 where the instrument has a feature row at that timestamp.
+    pub mask: Vec<u8>,
+}
+
+impl Panel {
+    /// Number of calendar rows.
+    pub fn rows(&self) -> usize {
+        self.timestamp.len()
+    }
+
+    /// Market features per row.
+    pub fn n_market(&self) -> usize {
+        self.feature_names.len()
+    }
+
+    /// Aligns per-instrument feature tables (named) on the union of their timestamps.
+    pub fn from_tables(tables: Vec<(String, FeatureTable)>) -> Result<Self, Error> {
+        let what = Path::new("panel");
+        let Some((_, first)) = tables.first() else {
+            return Err(Error::format(what, "a panel needs at least one instrument"));
+        };
+        let feature_names = first.feature_names.clone();
+        let mut seen = BTreeSet::new();
+        for (name, t) in &tables {
+            if t.feature_names != feature_names {
+                return Err(Error::format(
+                    what,
+                    format!("instrument {name}: its feature names differ from the first's"),
+                ));
+            }
+            if !seen.insert(name.clone()) {
+                return Err(Error::format(what, format!("instrument {name} appears twice")));
+            }
+        }
+        let calendar_ts: Vec<i64> =
+            tables.iter().flat_map(|(_, t)| t.timestamp.iter().copied()).collect::<BTreeSet<_>>().into_iter().collect();
+        let at: HashMap<i64, usize> = calendar_ts.iter().enumerate().map(|(i, &ts)| (ts, i)).collect();
+        let (n_i, n_t, f) = (tables.len(), calendar_ts.len(), feature_names.len());
+        let mut market = vec![0f32; n_i * n_t * f];
+        let mut logret_next = vec![0f32; n_i * n_t];
+        let mut close = vec![0f64; n_i * n_t];
+        let mut mask = vec![0u8; n_i * n_t];
+        for (i, (_, t)) in tables.iter().enumerate() {
+            for (r, ts) in t.timestamp.iter().enumerate() {
+                let c = at[ts];
+                let cell = i * n_t + c;
+                market[cell * f..(cell + 1) * f].copy_from_slice(&t.market[r * f..(r + 1) * f]);
+                logret_next[cell] = t.logret_next[r];
+                close[cell] = t.close[r];
+                mask[cell] = 1;
+            }
+        }
+        let known = calendar_ts.iter().flat_map(|&ts| calendar(ts).map(|x| x as f32)).collect();
+        Ok(Panel {
+            instruments: tables.into_iter().map(|(n, _)| n).collect(),
+            feature_names,
+            timestamp: calendar_ts,
+            market,
+            known,
+            logret_next,
+            close,
+            mask,
+        })
+    }
+
+    /// Reads every `*.csv` in `dir` (an instrument each, by file stem, in name order) and
+    /// builds the panel; a bad file's error names it, its line and rule as for one instrument.
+    pub fn from_csv_dir(dir: &Path) -> Result<Self, Error> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| Error::io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(Error::format(dir, "holds no .csv bar files"));
+        }
+        let mut tables = Vec::with_capacity(files.len());
+        for p in &files {
+            let bars = Bars::from_csv_path(p)?;
+            let name = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let source = p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let mut table = FeatureTable::from_bars(&bars, &source)?;
+            table.source = source;
+            tables.push((name, table));
+        }
+        Self::from_tables(tables)
+    }
+
+    /// Writes the panel file (see the module docs) atomically.
+    pub fn write(&self, path: &Path) -> Result<(), Error> {
+        let (n_i, n_t, f) = (self.instruments.len(), self.rows(), self.n_market());
+        let json = |v: &[String]| serde_json::to_string(v).map_err(|e| Error::format(path, e.to_string()));
+        let metadata = HashMap::from([
+            ("schema".to_string(), PANEL_SCHEMA.to_string()),
+            ("instruments".to_string(), json(&self.instruments)?),
+            ("feature_names".to_string(), json(&self.feature_names)?),
+            ("rows".to_string(), n_t.to_string()),
+        ]);
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = [
+            ("market", Dtype::F32, vec![n_i, n_t, f], bytemuck::cast_slice::<f32, u8>(&self.market)),
+            ("logret_next", Dtype::F32, vec![n_i, n_t], bytemuck::cast_slice(&self.logret_next)),
+            ("close", Dtype::F64, vec![n_i, n_t], bytemuck::cast_slice(&self.close)),
+            ("mask", Dtype::U8, vec![n_i, n_t], &self.mask[..]),
+            ("known", Dtype::F32, vec![n_t, N_KNOWN], bytemuck::cast_slice(&self.known)),
+            ("timestamp", Dtype::I64, vec![n_t], bytemuck::cast_slice(&self.timestamp)),
+        ]
+        .into_iter()
+        .map(|(n, d, s, b)| {
+            safetensors::tensor::TensorView::new(d, s, b)
+                .map(|v| (n, v))
+                .map_err(|e| Error::format(path, format!("tensor {n}: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+        let bytes =
+            safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| Error::format(path, e.to_string()))?;
+        crate::files::write_atomic(path, &bytes).map_err(|e| Error::io(path, e))
+    }
+
+    /// Reads a panel file, checking its schema, tensors, shapes and dtypes.
+    pub fn read(path: &Path) -> Result<Self, Error> {
+        let bytes = crate::files::read_regular(path, u64::MAX).map_err(|e| Error::io(path, e))?;
+        let bad = |m: String| Error::format(path, m);
+        let (_, header) =
+            SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let get = |k: &str| meta.get(k).ok_or_else(|| bad(format!("metadata lacks `{k}`")));
+        if get("schema")? != PANEL_SCHEMA {
+            return Err(bad(format!("schema is {:?}, expected {PANEL_SCHEMA:?}", get("schema")?)));
+        }
+        let list = |k: &str| -> Result<Vec<String>, Error> {
+            serde_json::from_str(get(k)?).map_err(|e| bad(format!("metadata `{k}` is not a JSON list: {e}")))
+        };
+        let (instruments, feature_names) = (list("instruments")?, list("feature_names")?);
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let n_t = st.tensor("timestamp").map_err(|e| bad(format!("tensor timestamp: {e}")))?.shape().first().copied();
+        let (n_i, n_t, f) = (instruments.len(), n_t.unwrap_or(0), feature_names.len());
+        let take = |name: &str, dtype: Dtype, shape: &[usize]| -> Result<Vec<u8>, Error> {
+            let t = st.tensor(name).map_err(|e| bad(format!("tensor {name}: {e}")))?;
+            if t.dtype() != dtype || t.shape() != shape {
+                return Err(bad(format!(
+                    "tensor {name} is {:?} {:?}, expected {dtype:?} {shape:?}",
+                    t.dtype(),
+                    t.shape()
+                )));
+            }
+            Ok(t.data().to_vec())
+        };
+        let f32s = |b: Vec<u8>| -> Vec<f32> { pod_vec(&b) };
+        let panel = Panel {
+            market: f32s(take("market", Dtype::F32, &[n_i, n_t, f])?),
+            logret_next: f32s(take("logret_next", Dtype::F32, &[n_i, n_t])?),
+            close: pod_vec(&take("close", Dtype::F64, &[n_i, n_t])?),
+            mask: take("mask", Dtype::U8, &[n_i, n_t])?,
+            known: f32s(take("known", Dtype::F32, &[n_t, N_KNOWN])?),
+            timestamp: pod_vec(&take("timestamp", Dtype::I64, &[n_t])?),
+            instruments,
+            feature_names,
+        };
+        if panel.timestamp.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad("timestamps are not strictly increasing".into()));
+        }
+        if let Some(j) = panel.mask.iter().position(|&m| m > 1) {
+            return Err(bad(format!("mask value {} at cell {j} is not 0 or 1", panel.mask[j])));
+        }
+        Ok(panel)
+    }
+}
+
+/// `bytes` (a tensor's data, its length a multiple of `T`'s size) as `T`s, copied
+/// (safetensors data need not be aligned for `T`).
+fn pod_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(name: &str) -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data")).join(name)
+    }
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures")).join(name)
+    }
+
+    /// The three shipped stocks: each instrument's cells equal its single-instrument
+    /// features bit for bit, and the file reads back to the same panel.
+    #[test]
+    fn panel_cells_are_each_instruments_own_features() {
+        let dir = tempfile::tempdir().unwrap();
+        for s in ["aapl", "ibm", "msft"] {
+            let name = format!("{s}_daily_2000_2013.csv");
+            std::fs::copy(data(&name), dir.path().join(&name)).unwrap();
+        }
+        let p = Panel::from_csv_dir(dir.path()).unwrap();
+        assert_eq!(p.instruments, ["aapl_daily_2000_2013", "ibm_daily_2000_2013", "msft_daily_2000_2013"]);
+        let (n_t, f) = (p.rows(), p.n_market());
+        for (i, inst) in p.instruments.iter().enumerate() {
+            let bars = Bars::from_csv_path(&dir.path().join(format!("{inst}.csv"))).unwrap();
+            let t = FeatureTable::from_bars(&bars, "x").unwrap();
+            let mut r = 0;
+            for c in 0..n_t {
+                let cell = i * n_t + c;
+                if p.mask[cell] == 0 {
+                    assert!(p.market[cell * f..(cell + 1) * f].iter().all(|&x| x == 0.0) && p.close[cell] == 0.0);
+                    continue;
+                }
+                assert_eq!(p.timestamp[c], t.timestamp[r]);
+                let (a, b) = (&p.market[cell * f..(cell + 1) * f], &t.market[r * f..(r + 1) * f]);
+                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{inst} row {r}");
+                assert_eq!(p.close[cell].to_bits(), t.close[r].to_bits());
+                assert_eq!(p.logret_next[cell].to_bits(), t.logret_next[r].to_bits());
+                r += 1;
+            }
+            assert_eq!(r, t.rows(), "{inst}: every row placed once");
+        }
+        let path = dir.path().join("panel.safetensors");
+        p.write(&path).unwrap();
+        assert_eq!(Panel::read(&path).unwrap(), p);
+    }
+
+    /// Calendars that differ: the missing bars are masked, not filled, and the other
+    /// instrument's values are the same as alone (nothing leaks across instruments).
+    #[test]
+    fn missing_bars_are_masked_and_nothing_leaks() {
+        let bars = Bars::from_csv_path(&fixture("features_small.csv")).unwrap();
+        let full = FeatureTable::from_bars(&bars, "a").unwrap();
+        // The second instrument lacks 20 bars in the middle (its features are its own).
+        let keep: Vec<usize> = (0..bars.len()).filter(|&i| !(200..220).contains(&i)).collect();
+        let pick = |v: &[f64]| keep.iter().map(|&i| v[i]).collect::<Vec<_>>();
+        let gappy = Bars {
+            timestamp: keep.iter().map(|&i| bars.timestamp[i]).collect(),
+            open: pick(&bars.open),
+            high: pick(&bars.high),
+            low: pick(&bars.low),
+            close: pick(&bars.close),
+            volume: pick(&bars.volume),
+        };
+        let gap = FeatureTable::from_bars(&gappy, "b").unwrap();
+        let p = Panel::from_tables(vec![("a".into(), full.clone()), ("b".into(), gap.clone())]).unwrap();
+        assert_eq!(p.rows(), full.rows(), "b's timestamps are a subset of a's");
+        let n_t = p.rows();
+        assert_eq!(p.mask[..n_t].iter().filter(|&&m| m == 1).count(), full.rows());
+        assert_eq!(p.mask[n_t..].iter().filter(|&&m| m == 0).count(), 20);
+        // Instrument a is exactly its own table.
+        let f = p.n_market();
+        assert!(p.market[..n_t * f].iter().zip(&full.market).all(|(x, y)| x.to_bits() == y.to_bits()));
+        // Instrument b alone equals its cells.
+        let cells: Vec<usize> = (0..n_t).filter(|&c| p.mask[n_t + c] == 1).collect();
+        assert_eq!(cells.len(), gap.rows());
+        for (r, &c) in cells.iter().enumerate() {
+            let cell = n_t + c;
+            assert_eq!(&p.market[cell * f..(cell + 1) * f], &gap.market[r * f..(r + 1) * f]);
+        }
+        assert!(Panel::from_tables(vec![("a".into(), full.clone()), ("a".into(), full)]).is_err());
+    }
+
+    #[test]
+    fn bad_panel_inputs_are_one_line_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Panel::from_csv_dir(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("holds no .csv bar files"), "{e}");
+        std::fs::copy(fixture("features_small.csv"), dir.path().join("a.csv")).unwrap();
+        std::fs::write(dir.path().join("b.csv"), "timestamp,open,high,low,close,volume\n1,1,1,1,x,1\n").unwrap();
+        let e = Panel::from_csv_dir(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("b.csv:2") && !e.contains('\n'), "{e}");
+        let not_panel = dir.path().join("f.safetensors");
+        crate::build_feature_file(&fixture("features_small.csv"), &not_panel).unwrap();
+        let e = Panel::read(&not_panel).unwrap_err().to_string();
+        assert!(e.contains("metadata lacks `instruments`") || e.contains("schema is"), "{e}");
+    }
+}
