@@ -156,6 +156,10 @@ pub struct DqnPopulation {
     sampled: u64,
     #[cfg(feature = "cuda")]
     graph: Option<CapturedUpdate>,
+    /// `step` tried to capture the update already (and, under `graph = auto`, ran eagerly
+    /// after a failed capture).
+    #[cfg(feature = "cuda")]
+    capture_tried: bool,
     /// On a CUDA device: the member-batched optimiser kernels and their `[N, cols]` F32
     /// partials (the guard's sums of squares).
     #[cfg(feature = "cuda")]
@@ -336,6 +340,8 @@ impl DqnPopulation {
             #[cfg(feature = "cuda")]
             graph: None,
             #[cfg(feature = "cuda")]
+            capture_tried: false,
+            #[cfg(feature = "cuda")]
             fused,
         })
     }
@@ -473,6 +479,8 @@ impl DqnPopulation {
         if len >= first.learning_starts.max(1) && self.env_steps.is_multiple_of(first.train_every) {
             for _ in 0..first.gradient_steps {
                 let batch = self.sample()?;
+                #[cfg(feature = "cuda")]
+                self.capture_for_steps(&batch)?;
                 self.update(&batch)?;
                 if read {
                     updates.push(self.last_update()?);
@@ -549,6 +557,27 @@ impl DqnPopulation {
             }
         }
         Ok(())
+    }
+
+    /// On a CUDA device, the first update `step` runs captures the update as one graph
+    /// (`graph = auto` or `on` in the members' config; `off` keeps it eager), so the rest
+    /// replay it; under `auto` a failed capture is said once and the updates stay eager.
+    #[cfg(feature = "cuda")]
+    fn capture_for_steps(&mut self, example: &PopBatch) -> Result<()> {
+        use fx_precision::GraphMode;
+        let mode = self.members[0].graph;
+        if self.capture_tried || self.graph.is_some() || mode == GraphMode::Off || !self.online.device().is_cuda() {
+            return Ok(());
+        }
+        self.capture_tried = true;
+        match self.capture_update(example) {
+            Ok(()) => Ok(()),
+            Err(e) if mode == GraphMode::Auto => {
+                eprintln!("warning: the population update could not be captured ({e}); running it eagerly");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Captures [`Self::update`] as one CUDA graph at the configured batch size (CUDA only);
