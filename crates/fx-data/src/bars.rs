@@ -48,17 +48,19 @@ impl Bars {
     /// Reads and validates a CSV file of bars. Refuses files of at most
     /// [`WARMUP`] bars, after every row has been checked.
     pub fn from_csv_path(path: &Path) -> Result<Bars, Error> {
+        Self::from_csv_path_with_lines(path).map(|(b, _)| b)
+    }
+
+    /// [`Self::from_csv_path`], with each bar's line in the file (1-based; the header is
+    /// line 1, blank lines count), for errors found after parsing.
+    pub fn from_csv_path_with_lines(path: &Path) -> Result<(Bars, Vec<u64>), Error> {
         let file = crate::files::open_regular(path).map_err(|e| Error::io(path, e))?;
-        Self::from_csv_reader(std::io::BufReader::new(file), path)
+        read_csv(std::io::BufReader::new(file), path)
     }
 
     /// Reads bars from any reader; `path` is only used in error messages.
     pub fn from_csv_reader<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
-        let bars = read_rows(reader, path)?;
-        if bars.len() <= WARMUP {
-            return Err(Error::TooFewBars { path: path.to_path_buf(), bars: bars.len(), warmup: WARMUP });
-        }
-        Ok(bars)
+        read_csv(reader, path).map(|(b, _)| b)
     }
 
     /// Checks every bar against the row rules (used for bars that did not come
@@ -139,7 +141,7 @@ fn check_row(r: &RowValues, prev_ts: Option<i64>, raw: Option<&[&str; 4]>) -> Re
     Ok(())
 }
 
-fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
+fn read_rows<R: Read>(reader: R, path: &Path) -> Result<(Bars, Vec<u64>), Error> {
     let err = |line: u64, rule: String| Error::Input { path: path.to_path_buf(), line, rule };
     // Lines are split here (not by the csv crate, whose line numbers skip
     // blank lines and miscount CRLF) so `file:line` is the editor's line.
@@ -175,6 +177,7 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
     let n_fields = header.len();
 
     let mut bars = Bars::default();
+    let mut bar_lines = Vec::new();
     let mut prev_ts = None;
     while let Some((line, rec)) = lines.next_record()? {
         if is_blank(&rec) {
@@ -200,12 +203,22 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<Bars, Error> {
         check_row(&row, prev_ts, Some(&raw)).map_err(|rule| err(line, rule))?;
         prev_ts = Some(ts);
         bars.push(&row);
+        bar_lines.push(line);
     }
-    Ok(bars)
+    Ok((bars, bar_lines))
 }
 
 fn is_blank(rec: &[String]) -> bool {
     rec.iter().all(|f| f.trim().is_empty())
+}
+
+/// [`read_rows`] and the warm-up check: the bars and each one's line.
+fn read_csv<R: Read>(reader: R, path: &Path) -> Result<(Bars, Vec<u64>), Error> {
+    let (bars, lines) = read_rows(reader, path)?;
+    if bars.len() <= WARMUP {
+        return Err(Error::TooFewBars { path: path.to_path_buf(), bars: bars.len(), warmup: WARMUP });
+    }
+    Ok((bars, lines))
 }
 
 /// Physical lines of the input, numbered from 1, split into CSV fields.

@@ -35,6 +35,20 @@ pub enum Error {
         /// The warm-up length.
         warmup: usize,
     },
+    /// A feature table holds a NaN or infinity (a file's, or one just computed from bars).
+    #[error("{}: `{name}` holds a non-finite value ({value}) at row {row}, column {column}", path.display())]
+    NonFinite {
+        /// The feature file (or the bars' file name).
+        path: PathBuf,
+        /// The tensor (`market`, `known`, `logret_next`, `close`).
+        name: String,
+        /// Feature row of the first such value.
+        row: usize,
+        /// Its column.
+        column: usize,
+        /// The value.
+        value: f64,
+    },
     /// A feature file (or an in-memory feature table) is malformed.
     #[error("{}: {msg}", path.display())]
     Format {

@@ -52,6 +52,33 @@ impl FeatureTable {
         features::compute(bars, source)
     }
 
+    /// Reads `path`'s bars and computes their features. A feature that comes out NaN or
+    /// infinite (a price valid by the row rules but extreme enough to overflow a feature)
+    /// is reported at the CSV line of the first bar whose row holds it, `file:line: rule`.
+    pub fn from_csv(path: &Path) -> Result<Self, Error> {
+        let (bars, lines) = Bars::from_csv_path_with_lines(path)?;
+        let source = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        features::compute(&bars, &source).map_err(|e| match e {
+            Error::NonFinite { name, row, column, value, .. } => {
+                let feature = if name == "market" {
+                    features::MARKET_FEATURE_NAMES.get(column).map_or(name.clone(), |n| n.to_string())
+                } else {
+                    name
+                };
+                Error::Input {
+                    path: path.to_path_buf(),
+                    line: lines.get(row + features::WARMUP).copied().unwrap_or(0),
+                    rule: format!(
+                        "the prices up to this bar make feature `{feature}` {value} (an extreme or zero price?)"
+                    ),
+                }
+            }
+            // compute names the source by file name; name the full path instead.
+            Error::Format { msg, .. } => Error::format(path, msg),
+            other => other,
+        })
+    }
+
     /// Number of rows.
     pub fn rows(&self) -> usize {
         self.close.len()
@@ -185,20 +212,11 @@ pub struct FeatureFileSummary {
 /// Reads OHLCV bars from `input_csv`, computes the features and writes the
 /// feature file to `output` atomically (what `fx-train features` runs).
 pub fn build_feature_file(input_csv: &Path, output: &Path) -> Result<FeatureFileSummary, Error> {
-    let bars = Bars::from_csv_path(input_csv)?;
-    let source = input_csv
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| input_csv.display().to_string());
-    let table = features::compute(&bars, &source).map_err(|e| match e {
-        // compute names the source by file name; name the full path instead.
-        Error::Format { msg, .. } => Error::format(input_csv, msg),
-        other => other,
-    })?;
+    let table = FeatureTable::from_csv(input_csv)?;
     table.write(output)?;
     Ok(FeatureFileSummary {
         output: output.to_path_buf(),
-        bars: bars.len(),
+        bars: table.rows() + features::WARMUP,
         rows: table.rows(),
         n_market: table.n_market(),
         first_timestamp: table.timestamp[0],
@@ -443,16 +461,21 @@ fn check_finite_f32(x: &[f32], width: usize, name: &str, what: &Path) -> Result<
         return Ok(());
     }
     let i = x.iter().position(|v| !v.is_finite()).unwrap_or(0);
-    Err(Error::format(
-        what,
-        format!("`{name}` holds a non-finite value ({}) at row {}, column {}", x[i], i / width, i % width),
-    ))
+    Err(Error::NonFinite {
+        path: what.to_path_buf(),
+        name: name.to_string(),
+        row: i / width,
+        column: i % width,
+        value: f64::from(x[i]),
+    })
 }
 
 fn check_finite_f64(x: &[f64], name: &str, what: &Path) -> Result<(), Error> {
     match x.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(Error::format(what, format!("`{name}` holds a non-finite value ({}) at row {i}", x[i]))),
+        Some(i) => {
+            Err(Error::NonFinite { path: what.to_path_buf(), name: name.to_string(), row: i, column: 0, value: x[i] })
+        }
     }
 }
 
@@ -517,6 +540,25 @@ mod tests {
         let (nope, target) = (dir.path().join("nope"), dir.path().join("nope").join("f.safetensors"));
         let e = small_table().write(&target).unwrap_err().to_string();
         assert_eq!(e, format!("{}: folder {} does not exist", target.display(), nope.display()));
+    }
+
+    /// A price valid by the row rules but extreme enough to overflow a feature is reported
+    /// at its CSV line, not at a feature row.
+    #[test]
+    fn a_feature_overflow_is_reported_at_the_csv_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = std::fs::read_to_string(fixture("features_small.csv")).unwrap();
+        let mut lines: Vec<String> = text.lines().map(String::from).collect();
+        // Line 151 (bar 149): open = high = low = close = 1e300.
+        let mut f: Vec<String> = lines[150].split(',').map(String::from).collect();
+        for v in &mut f[1..5] {
+            *v = "1e300".into();
+        }
+        lines[150] = f.join(",");
+        let path = dir.path().join("big.csv");
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        let e = FeatureTable::from_csv(&path).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}:151: the prices up to this bar make feature", path.display())), "{e}");
     }
 
     #[test]

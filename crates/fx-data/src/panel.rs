@@ -18,7 +18,6 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 
-use crate::bars::Bars;
 use crate::error::Error;
 use crate::feature_file::FeatureTable;
 use crate::features::{calendar, N_KNOWN};
@@ -122,12 +121,8 @@ impl Panel {
         }
         let mut tables = Vec::with_capacity(files.len());
         for p in &files {
-            let bars = Bars::from_csv_path(p)?;
             let name = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            let source = p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            let mut table = FeatureTable::from_bars(&bars, &source)?;
-            table.source = source;
-            tables.push((name, table));
+            tables.push((name, FeatureTable::from_csv(p)?));
         }
         Self::from_tables(tables)
     }
@@ -223,6 +218,7 @@ fn pod_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bars::Bars;
 
     fn data(name: &str) -> PathBuf {
         PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data")).join(name)

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use fx_data::{Bars, FeatureStore, Normalizer, Splits};
+use fx_data::{FeatureStore, Normalizer, Splits};
 use fx_kernels::{EnvData, N_MARKET};
 
 use crate::config::RunConfig;
@@ -117,9 +117,7 @@ fn open_features(path: &Path) -> Result<FeatureStore> {
     }
     let is_csv = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv"));
     if is_csv {
-        let bars = Bars::from_csv_path(path)?;
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        Ok(FeatureStore::from_table(fx_data::features::compute(&bars, &name)?)?)
+        Ok(FeatureStore::from_table(fx_data::FeatureTable::from_csv(path)?)?)
     } else {
         Ok(FeatureStore::open(path)?)
     }
