@@ -719,7 +719,13 @@ fn damaged_checkpoints_are_skipped_with_a_warning_and_kept() {
         .map(|p| std::fs::read(p).unwrap())
         .expect("the PPO run wrote a checkpoint");
     type Damage<'a> = (&'a str, Box<dyn Fn() + 'a>);
-    let damages: [Damage<'_>; 4] = [
+    let bad_norm = {
+        let mut v: serde_json::Value = serde_json::from_slice(&good_sidecar).unwrap();
+        v["norm_std"][0] = serde_json::json!(-1.0);
+        serde_json::to_vec(&v).unwrap()
+    };
+    let damages: [Damage<'_>; 5] = [
+        ("a normaliser with a negative scale", Box::new(|| std::fs::write(&sidecar, &bad_norm).unwrap())),
         ("truncated", Box::new(|| std::fs::write(&state, &good_state[..good_state.len() / 3]).unwrap())),
         ("one flipped byte", Box::new(|| std::fs::write(&state, &flipped).unwrap())),
         ("missing sidecar", Box::new(|| std::fs::remove_file(&sidecar).unwrap())),
@@ -732,6 +738,9 @@ fn damaged_checkpoints_are_skipped_with_a_warning_and_kept() {
         assert!(out.status.success(), "{what}: eval failed: {err}");
         let warnings: Vec<&str> = err.lines().filter(|l| l.starts_with("warning: skipping checkpoint 40")).collect();
         assert_eq!(warnings.len(), 1, "{what}: {err}");
+        if what.starts_with("a normaliser") {
+            assert!(warnings[0].contains("checkpoint-0000000040.json: its normaliser"), "{err}");
+        }
         assert!(state.exists() || sidecar.exists(), "{what}: the damaged checkpoint was deleted");
         std::fs::write(&state, &good_state).unwrap();
         std::fs::write(&sidecar, &good_sidecar).unwrap();

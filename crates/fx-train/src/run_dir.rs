@@ -428,6 +428,9 @@ impl RunDir {
                 run.version
             );
         }
+        // The sidecar's normaliser is part of what verifies: a bad one names this file here,
+        // not later without a path.
+        run.normalizer().with_context(|| format!("{}: its normaliser", path.display()))?;
         if let Some(want) = &run.trainer_sha256 {
             let got = sha256_file(&trainer)?;
             if &got != want {
