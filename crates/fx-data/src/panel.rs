@@ -175,7 +175,8 @@ impl Panel {
         let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
         let n_t = st.tensor("timestamp").map_err(|e| bad(format!("tensor timestamp: {e}")))?.shape().first().copied();
         let (n_i, n_t, f) = (instruments.len(), n_t.unwrap_or(0), feature_names.len());
-        let take = |name: &str, dtype: Dtype, shape: &[usize]| -> Result<Vec<u8>, Error> {
+        // The tensor's bytes, checked; copied once, by `pod_vec`.
+        let take = |name: &str, dtype: Dtype, shape: &[usize]| -> Result<safetensors::tensor::TensorView<'_>, Error> {
             let t = st.tensor(name).map_err(|e| bad(format!("tensor {name}: {e}")))?;
             if t.dtype() != dtype || t.shape() != shape {
                 return Err(bad(format!(
@@ -184,16 +185,15 @@ impl Panel {
                     t.shape()
                 )));
             }
-            Ok(t.data().to_vec())
+            Ok(t)
         };
-        let f32s = |b: Vec<u8>| -> Vec<f32> { pod_vec(&b) };
         let panel = Panel {
-            market: f32s(take("market", Dtype::F32, &[n_i, n_t, f])?),
-            logret_next: f32s(take("logret_next", Dtype::F32, &[n_i, n_t])?),
-            close: pod_vec(&take("close", Dtype::F64, &[n_i, n_t])?),
-            mask: take("mask", Dtype::U8, &[n_i, n_t])?,
-            known: f32s(take("known", Dtype::F32, &[n_t, N_KNOWN])?),
-            timestamp: pod_vec(&take("timestamp", Dtype::I64, &[n_t])?),
+            market: pod_vec(take("market", Dtype::F32, &[n_i, n_t, f])?.data()),
+            logret_next: pod_vec(take("logret_next", Dtype::F32, &[n_i, n_t])?.data()),
+            close: pod_vec(take("close", Dtype::F64, &[n_i, n_t])?.data()),
+            mask: take("mask", Dtype::U8, &[n_i, n_t])?.data().to_vec(),
+            known: pod_vec(take("known", Dtype::F32, &[n_t, N_KNOWN])?.data()),
+            timestamp: pod_vec(take("timestamp", Dtype::I64, &[n_t])?.data()),
             instruments,
             feature_names,
         };

@@ -524,8 +524,11 @@ fn split_into(out: &mut BTreeMap<String, Tensor>, names: &Names, t: &Tensor) -> 
 
 /// Reads every tensor of a safetensors file onto `device`.
 pub fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
-    let bytes = fx_data::files::read_regular(path, u64::MAX)
-        .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let io = |source| Error::Io { path: path.to_path_buf(), source };
+    let file = fx_data::files::open_regular(path).map_err(io)?;
+    // Mapped, as candle's own `safetensors::load` does, not read into a second copy first.
+    // SAFETY: read-only; fx writes these files by rename, never in place.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
     candle_core::safetensors::load_buffer(&bytes, device)
         .map_err(|e| Error::SafeTensors { file: path.display().to_string(), message: e.to_string() })
 }

@@ -224,22 +224,20 @@ impl RunConfig {
             .map_err(|e| toml_error(&text, &e))
             .with_context(|| format!("parsing config {source}"))?;
         let given: toml::Table = text.parse().map_err(|e| toml_error(&text, &e))?;
+        // Which model batch keys the file sets itself, read before the defaults fill them in.
+        let has = |section: &str, key: &str| given.get(section).and_then(|s| s.get(key)).is_some();
+        let batch_keys_given = BatchKeysGiven {
+            dqn: has("dqn", "batch_size"),
+            ppo: has("ppo", "minibatch_size"),
+            seq: has("seq", "batch_size"),
+        };
         let mut merged = toml::Table::try_from(Self::default()).context("serialising the default config")?;
         overlay(&mut merged, given);
-        let mut cfg: Self = toml::Value::Table(merged)
+        let cfg: Self = toml::Value::Table(merged)
             .try_into()
             .map_err(|e: toml::de::Error| anyhow::anyhow!("{}", e.message().trim()))
             .with_context(|| format!("parsing config {source}"))?;
-        // Which model batch keys the file sets itself (it parsed, so it is a valid table).
-        if let Ok(table) = text.parse::<toml::Table>() {
-            let has = |section: &str, key: &str| table.get(section).and_then(|s| s.get(key)).is_some();
-            cfg.batch_keys_given = BatchKeysGiven {
-                dqn: has("dqn", "batch_size"),
-                ppo: has("ppo", "minibatch_size"),
-                seq: has("seq", "batch_size"),
-            };
-        }
-        Ok(cfg)
+        Ok(Self { batch_keys_given, ..cfg })
     }
 
     /// The trained model's own batch key's value (`dqn.batch_size`, `ppo.minibatch_size` or

@@ -187,7 +187,8 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
                 random_return: random,
                 beat_buy_and_hold: total > bh,
                 beat_random: total > random,
-                psr: significance::moments(&returns).and_then(|m| significance::probabilistic_sharpe(&m, 0.0)).ok(),
+                // The run's report computed it from the same returns.
+                psr: rep["agent_psr"].as_f64(),
             });
         }
     }
