@@ -1,6 +1,8 @@
 // Element-wise and loss kernels of the fused MLP training step (crates/fx-models/src/mlp/
 // train_cuda.rs); the GEMMs around them are cuBLAS calls. Row-major [rows, cols] F32 buffers.
 // The reference these are tested against is the candle DQN update (fx-models device tests).
+// fx_bias_act, fx_act_bwd and fx_dqn_head_loss also serve populations: blockIdx.y is the
+// member, whose buffers follow the previous member's (a solo step launches one member).
 
 #include <cuda_bf16.h>
 
@@ -9,10 +11,13 @@
 #define ACT_TANH 2
 
 // h = act(h + b) in place; b has `cols` entries. `h16` (may be 0) receives a BF16 copy, the
-// next layer's GEMM input under BF16 compute.
+// next layer's GEMM input under BF16 compute. Member m: h [m][rows, cols], b [m][cols].
 extern "C" __global__ void fx_bias_act(float* __restrict__ h, const float* __restrict__ b, unsigned int rows,
                                        unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ h16) {
     size_t n = (size_t)rows * cols;
+    h += blockIdx.y * n;
+    b += (size_t)blockIdx.y * cols;
+    if (h16) h16 += blockIdx.y * n;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float x = h[i] + b[i % cols];
         if (act == ACT_RELU) x = x > 0.0f ? x : 0.0f;
@@ -40,10 +45,15 @@ extern "C" __global__ void fx_cast_bf16(CastTable t) {
 }
 
 // dh *= act'(h) in place, where h is the layer's output after the activation; `dh16` (may
-// be 0) receives a BF16 copy.
+// be 0) receives a BF16 copy. Member m: dh (and dh16) [m][rows, cols], h at m·h_stride
+// (a member's h may hold more rows than its gradient: the DQN's online rows on s and s').
 extern "C" __global__ void fx_act_bwd(float* __restrict__ dh, const float* __restrict__ h, unsigned int rows,
-                                      unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ dh16) {
+                                      unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ dh16,
+                                      unsigned long long h_stride) {
     size_t n = (size_t)rows * cols;
+    dh += blockIdx.y * n;
+    h += blockIdx.y * h_stride;
+    if (dh16) dh16 += blockIdx.y * n;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float y = h[i];
         float g = dh[i];
@@ -86,6 +96,8 @@ __device__ __forceinline__ void dueling(const float* __restrict__ z, const float
 // the caller), d_out [B, 1 + na] (dL/dvalue, dL/dadv_a: the head gradients) and dz [B, k]
 // (dL/dz times the trunk's ReLU mask). Double DQN: a* = argmax Q_online(s') (first max),
 // y = r + gamma (1 - done) Q_target(s', a*), no gradient through y.
+// Member m = blockIdx.y: every buffer at member m's block (z_on [m][2B, k], heads [m][...],
+// transitions [m][B], outputs [m][...]); its gamma is gamma_m[m] when gamma_m is not 0.
 extern "C" __global__ void fx_dqn_head_loss(const float* __restrict__ z_on, const float* __restrict__ z_tg,
                                             const float* __restrict__ wv, const float* __restrict__ bv,
                                             const float* __restrict__ wa, const float* __restrict__ ba,
@@ -95,7 +107,26 @@ extern "C" __global__ void fx_dqn_head_loss(const float* __restrict__ z_on, cons
                                             const float* __restrict__ dones, unsigned int B, unsigned int k,
                                             unsigned int na, float gamma, float delta, float* __restrict__ loss_rows,
                                             float* __restrict__ d_out, float* __restrict__ dz,
-                                            __nv_bfloat16* __restrict__ dz16) {
+                                            __nv_bfloat16* __restrict__ dz16, const float* __restrict__ gamma_m) {
+    size_t m = blockIdx.y, bk = (size_t)B * k;
+    z_on += 2 * m * bk;
+    z_tg += m * bk;
+    wv += m * k;
+    bv += m;
+    wa += m * na * k;
+    ba += m * na;
+    wv_t += m * k;
+    bv_t += m;
+    wa_t += m * na * k;
+    ba_t += m * na;
+    actions += m * B;
+    rewards += m * B;
+    dones += m * B;
+    loss_rows += m * B;
+    d_out += m * B * (1 + na);
+    dz += m * bk;
+    if (dz16) dz16 += m * bk;
+    if (gamma_m) gamma = gamma_m[m];
     unsigned int warps = (gridDim.x * blockDim.x) >> 5;
     int lane = threadIdx.x & 31;
     for (unsigned int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < B; i += warps) {

@@ -23,6 +23,9 @@
 //!   update) and `CapturedGraph` (a candle step captured once as a CUDA graph and
 //!   replayed with one launch); the kernels' CPU reference is
 //!   `crate::fused_ref::fused_step_reference`, checked against [`TrainStep`] here;
+//! - [`PopAdamW`]: AdamW for populations (N members stacked `[N, ...]`, each member's
+//!   guard, clip, learning rate, weight decay, step count and soft target update its own,
+//!   decided on the device; member-batched kernels under `cuda`);
 //! - [`GradAccumulator`] (N micro-batches, loss / N, F32 sums) and [`Recomputed`]
 //!   (activation recomputation by segment);
 //! - [`save_tensors_atomic`] / [`load_tensors`]: crash-safe tensor files with
@@ -66,6 +69,7 @@ mod graph_mode;
 mod guard;
 pub mod ops;
 mod optim;
+mod pop_adamw;
 mod precision;
 mod recompute;
 mod tensor_file;
@@ -83,6 +87,7 @@ pub use graph::CapturedGraph;
 pub use graph_mode::GraphMode;
 pub use guard::{missing_gradients, GuardStats, SkipReason, StepReport, StepTimes, TrainStep, GUARD_METADATA_KEY};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
+pub use pop_adamw::{PopAdamW, PopMember, PopStepReport};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};
 pub use recompute::{RecomputeTape, Recomputed, Segment};
 pub use tensor_file::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};

@@ -42,14 +42,15 @@ pub(crate) struct DqnFused {
     bf16: Option<Bf16Shadows>,
 }
 
-/// BF16 copies of what the GEMMs read under BF16 compute.
-struct Bf16Shadows {
-    x2: Tensor,
-    h: [Tensor; 3],
-    t: [Tensor; 3],
-    dz: [Tensor; 3],
+/// BF16 copies of what the GEMMs read under BF16 compute (also the population's, stacked
+/// over members).
+pub(crate) struct Bf16Shadows {
+    pub(crate) x2: Tensor,
+    pub(crate) h: [Tensor; 3],
+    pub(crate) t: [Tensor; 3],
+    pub(crate) dz: [Tensor; 3],
     /// Online then target trunk weights.
-    w: [Tensor; 6],
+    pub(crate) w: [Tensor; 6],
 }
 
 fn a(t: &Tensor) -> Result<u64> {
@@ -218,6 +219,8 @@ impl DqnFused {
                 d_out,
                 dz: dz[2],
                 dz16: dz16(2),
+                members: 1,
+                gamma_members: 0,
             })
             .ctx(CTX)?;
             let ones = a(&self.ones)?;

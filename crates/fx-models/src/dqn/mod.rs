@@ -9,12 +9,15 @@
 //! The folder: this file (network, loss, soft update), [`trainer`] (`DqnTrainer`: ε-greedy
 //! collection, replay, updates, resume), and under `cuda` `fused` (the fused F32/BF16
 //! update over the shared `mlp` training kernels) and `iteration` (a whole collection +
-//! update iteration as one captured graph).
+//! update iteration as one captured graph); [`population`] (N runs trained as one) and,
+//! under `cuda`, `pop_fused` (its loss and gradients: the fused update batched over members).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod fused;
 #[cfg(feature = "cuda")]
 mod iteration;
+#[cfg(feature = "cuda")]
+mod pop_fused;
 pub mod population;
 pub mod trainer;
 

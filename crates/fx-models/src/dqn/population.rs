@@ -5,7 +5,10 @@
 //! Layout: the online and target networks are one [`ParamStore`] each whose tensors are
 //! stacked `[N, ...]` (member `k`'s slice starts as a solo run with its seed starts); AdamW's
 //! moments and step counts are stacked the same way. The forward and backward passes are
-//! batched matmuls over the member axis (cuBLAS strided-batched GEMMs on CUDA). Everything a
+//! batched matmuls over the member axis: candle's ops on the CPU, and on CUDA the solo fused
+//! update's kernels batched over members (`pop_fused`: strided-batched cuBLAS GEMMs and
+//! member-indexed kernels, ~30 launches whatever N), followed by member-batched optimiser
+//! kernels. Everything a
 //! member may set differently lives in device tensors of length N (`[N]` γ, τ, learning rate,
 //! weight decay, clip norm), and every decision of the step is taken on the device: which
 //! members' loss or gradients are non-finite (those skip their own step, weights, moments,
@@ -21,10 +24,9 @@
 //! [`DqnPopulation::new`]'s list; shape keys (network, batch, replay, schedule of updates,
 //! precision, Adam's betas and eps, Huber δ) must agree.
 
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, D};
 use fx_kernels::{ReplayBuffer, VecEnv};
-use fx_precision::{Precision, PrecisionExt};
+use fx_precision::{PopAdamW, PopMember, Precision, PrecisionExt};
 use serde::{Deserialize, Serialize};
 
 use crate::dqn::trainer::DqnConfig;
@@ -32,11 +34,6 @@ use crate::error::{Context, Error, Result};
 use crate::params::ParamStore;
 
 const CTX: &str = "DqnPopulation";
-
-/// Bias-correction tables stop where `1 − βᵗ` is exactly 1.0 in f64 for both betas (the
-/// solo optimiser's value from then on); a beta so close to 1 that this takes more steps is
-/// refused.
-const MAX_TABLE: usize = 1 << 20;
 
 /// What one population update did, per member (read back on request).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -91,65 +88,15 @@ impl PopBatch {
     }
 }
 
-/// The per-member values the update reads, in device memory.
-struct Hyper {
-    /// γ and −γ as F32 `[N, 1]` (the solo loss's `affine(−γ, γ)`, batched).
-    gamma: Tensor,
-    neg_gamma: Tensor,
-    /// τ as F32 `[N, 1, 1]` (broadcast over weights; biases use a reshape).
-    tau: Tensor,
-    /// Learning rate (F64 `[N]`).
-    lr: Tensor,
-    /// Decoupled weight decay factor `1 − lr·wd` as F32 `[N]`.
-    decay: Tensor,
-    /// Clip norm (F64 `[N]`).
-    max_norm: Tensor,
-    /// `1 − β₁ᵗ` and `1 − β₂ᵗ` for t = 0..len (F64), as the solo optimiser computes them.
-    bc1: Tensor,
-    bc2: Tensor,
-    /// The last index of each table, as U32 `[N]` (step counts past it read it).
-    bc1_last: Tensor,
-    bc2_last: Tensor,
-}
-
-/// AdamW state of the stacked parameters and the members' counters, updated in place.
-struct State {
-    exp_avg: Vec<Var>,
-    exp_avg_sq: Vec<Var>,
-    /// Optimiser steps applied per member (U32 `[N]`).
-    steps: Var,
-    /// Skips per member for a non-finite loss / gradient (U32 `[N]` each).
-    skipped_loss: Var,
-    skipped_grad: Var,
-    /// The last update's loss, gradient norm and skip flag per member (F64 `[3, N]`).
-    last: Var,
-}
-
-/// What one step decided per member (`[N]` each; see [`DqnPopulation::decide`]).
-struct Decisions {
-    /// 1 where the member's loss and gradient are finite (U8).
-    ok: Tensor,
-    /// Gradient clip factor (F32).
-    factor: Tensor,
-    /// Step counts after the step (U32).
-    steps: Tensor,
-    /// `lr / (1 − β₁ᵗ)` and `1 / √(1 − β₂ᵗ)` (F32).
-    step_size: Tensor,
-    inv_bc2_sqrt: Tensor,
-    /// Loss, gradient norm and skip flag (F64 `[3, N]`).
-    last: Tensor,
-    /// 1 where the member skips for its loss / for its gradient (U32).
-    bad_loss: Tensor,
-    bad_grad: Tensor,
-}
-
 /// N DQN runs trained as one; see the module docs.
 pub struct DqnPopulation {
     members: Vec<DqnConfig>,
     online: ParamStore,
     target: ParamStore,
-    hyper: Hyper,
-    state: State,
+    /// γ per member as F32 `[N, 1]`.
+    gamma: Tensor,
+    /// Each member's AdamW, guard, clip, counters and soft target update.
+    opt: PopAdamW,
     replays: Vec<ReplayBuffer>,
     env_steps: u64,
     /// Minibatches drawn (the sampling key; members draw at the same keys with their seeds).
@@ -160,10 +107,10 @@ pub struct DqnPopulation {
     /// after a failed capture).
     #[cfg(feature = "cuda")]
     capture_tried: bool,
-    /// On a CUDA device: the member-batched optimiser kernels and their `[N, cols]` F32
-    /// partials (the guard's sums of squares).
+    /// On a CUDA device, for networks its kernels cover: the member-batched loss and
+    /// gradients.
     #[cfg(feature = "cuda")]
-    fused: Option<(fx_precision::PopAdamKernels, Tensor)>,
+    pop_fused: Option<crate::dqn::pop_fused::DqnPopFused>,
 }
 
 /// The update captured as one CUDA graph over fixed input tensors.
@@ -204,41 +151,6 @@ fn shared_keys(c: &DqnConfig) -> String {
     )
 }
 
-/// `1 − βᵗ` for t = 0.. until it is exactly 1.0 (f64, `powf` as the solo optimiser).
-fn bias_table(beta: f64) -> Result<Vec<f64>> {
-    let mut v = Vec::new();
-    for t in 0..MAX_TABLE {
-        let x = 1.0 - beta.powf(t as f64);
-        v.push(x);
-        if x == 1.0 {
-            return Ok(v);
-        }
-    }
-    Err(Error::config(
-        CTX,
-        format!("beta {beta} is too close to 1 for a population (1 - beta^t < 1 after {MAX_TABLE} steps)"),
-    ))
-}
-
-/// Where `x` is finite (U8): `x − x` is 0 exactly for finite values and NaN otherwise.
-/// (Comparisons with tensors made on the device, not host scalars: a captured graph may not
-/// upload.)
-fn finite(x: &Tensor) -> candle_core::Result<Tensor> {
-    x.sub(x)?.eq(&x.zeros_like()?)
-}
-
-/// `t` `[N]` reshaped to broadcast over a stacked `[N, ...]` tensor of rank `rank`.
-fn per_member(t: &Tensor, rank: usize) -> candle_core::Result<Tensor> {
-    let mut shape = vec![t.dim(0)?];
-    shape.resize(rank, 1);
-    t.reshape(shape)
-}
-
-/// `where(mask[N], a, b)` over stacked tensors.
-fn select(mask: &Tensor, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    per_member(mask, a.rank())?.broadcast_as(a.shape())?.where_cond(a, b)
-}
-
 /// `y = x · wᵀ + b` per member: `x [N, R, i]`, `w [N, o, i]`, `b [N, o]` (the solo
 /// `Linear` batched: the same casts, GEMM and bias add).
 fn linear(x: &Tensor, w: &Tensor, b: &Tensor, p: Precision) -> candle_core::Result<Tensor> {
@@ -257,6 +169,49 @@ fn forward(w: &[Tensor], s: &Tensor, p: Precision) -> candle_core::Result<Tensor
     let a = linear(&z, &w[8], &w[9], p)?;
     let a_mean = a.mean_keepdim(D::Minus1)?;
     a.broadcast_sub(&a_mean)?.broadcast_add(&v)?.to_dtype(DType::F32)
+}
+
+/// Each member's mean double-DQN Huber loss `[N]` (F32) on `batch`: the online weights `w`
+/// (taped) score `s`, their detached copy picks `a* = argmax Q(s')`, the target weights `tw`
+/// evaluate it; `gamma` is `[N, 1]` F32 (the solo loss's `affine(−γ, γ)`, batched).
+fn pop_loss(
+    w: &[Tensor],
+    tw: &[Tensor],
+    batch: &PopBatch,
+    gamma: &Tensor,
+    delta: f64,
+    p: Precision,
+) -> candle_core::Result<Tensor> {
+    let wd: Vec<Tensor> = w.iter().map(|t| t.detach()).collect();
+    let q = forward(w, &batch.obs, p)?;
+    let q_sa = q.gather(&batch.actions.unsqueeze(2)?, 2)?.squeeze(2)?;
+    let next = batch.next_obs.detach();
+    let a_star = forward(&wd, &next, p)?.argmax(D::Minus1)?;
+    let q_t = forward(tw, &next, p)?.gather(&a_star.unsqueeze(2)?, 2)?.squeeze(2)?;
+    let r = batch.rewards.to_dtype(DType::F32)?;
+    let not_done = batch.dones.to_dtype(DType::F32)?.broadcast_mul(&gamma.neg()?)?.broadcast_add(gamma)?;
+    let y = r.add(&not_done.mul(&q_t)?)?;
+    crate::dqn::huber(&q_sa.broadcast_sub(&y)?, delta)?.mean(1)
+}
+
+/// The reference of the fused update's loss and gradients: [`pop_loss`] (`w` must be the
+/// tensors of variables) and the gradients of the members' summed losses, in parameter order.
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn loss_and_grads(
+    w: &[Tensor],
+    tw: &[Tensor],
+    batch: &PopBatch,
+    gamma: &Tensor,
+    delta: f64,
+    p: Precision,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let loss = pop_loss(w, tw, batch, gamma, delta, p).ctx(CTX)?;
+    let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
+    let g = w
+        .iter()
+        .map(|t| grads.get(t).cloned().ok_or_else(|| Error::config(CTX, "a parameter has no gradient")))
+        .collect::<Result<_>>()?;
+    Ok((loss, g))
 }
 
 impl DqnPopulation {
@@ -287,44 +242,25 @@ impl DqnPopulation {
         let seeds: Vec<u64> = members.iter().map(|m| m.seed).collect();
         let online = ParamStore::linear_init_population("dqn", specs.clone(), device, &seeds)?;
         let target = ParamStore::linear_init_population("dqn", specs, device, &seeds)?;
-        let f32s = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, device).ctx(CTX);
-        let f64s = |v: Vec<f64>| Tensor::from_vec(v, n, device).ctx(CTX);
+        let gamma = Tensor::from_vec(members.iter().map(|m| m.gamma as f32).collect(), (n, 1), device).ctx(CTX)?;
+        let per: Vec<PopMember> = members
+            .iter()
+            .map(|m| PopMember {
+                lr: m.optimizer.lr,
+                weight_decay: m.optimizer.weight_decay,
+                max_grad_norm: m.max_grad_norm,
+                tau: m.tau,
+            })
+            .collect();
         let o = &first.optimizer;
-        let (bc1, bc2) = (bias_table(o.beta1)?, bias_table(o.beta2)?);
-        let hyper = Hyper {
-            gamma: f32s(members.iter().map(|m| m.gamma as f32).collect(), &[n, 1])?,
-            neg_gamma: f32s(members.iter().map(|m| -m.gamma as f32).collect(), &[n, 1])?,
-            tau: f32s(members.iter().map(|m| m.tau as f32).collect(), &[n])?,
-            lr: f64s(members.iter().map(|m| m.optimizer.lr).collect())?,
-            decay: f32s(
-                members.iter().map(|m| (1.0 - m.optimizer.lr * m.optimizer.weight_decay) as f32).collect(),
-                &[n],
-            )?,
-            max_norm: f64s(members.iter().map(|m| m.max_grad_norm).collect())?,
-            bc1_last: Tensor::from_vec(vec![(bc1.len() - 1) as u32; n], n, device).ctx(CTX)?,
-            bc2_last: Tensor::from_vec(vec![(bc2.len() - 1) as u32; n], n, device).ctx(CTX)?,
-            bc1: Tensor::new(bc1, device).ctx(CTX)?,
-            bc2: Tensor::new(bc2, device).ctx(CTX)?,
-        };
-        let zeros_like = |v: &Var| Tensor::zeros(v.shape(), DType::F32, device).and_then(|t| Var::from_tensor(&t));
-        let u32_zeros = || Tensor::zeros(n, DType::U32, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX);
-        let vars = online.vars();
-        let state = State {
-            exp_avg: vars.iter().map(zeros_like).collect::<candle_core::Result<_>>().ctx(CTX)?,
-            exp_avg_sq: vars.iter().map(zeros_like).collect::<candle_core::Result<_>>().ctx(CTX)?,
-            steps: u32_zeros()?,
-            skipped_loss: u32_zeros()?,
-            skipped_grad: u32_zeros()?,
-            last: Tensor::zeros((3, n), DType::F64, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?,
-        };
+        let opt = PopAdamW::new(&online.vars(), &per, (o.beta1, o.beta2), o.eps, true)
+            .map_err(|e| Error::config(CTX, e.to_string()))?;
         let replays =
             (0..n).map(|_| ReplayBuffer::new(first.replay_capacity, device).ctx(CTX)).collect::<Result<Vec<_>>>()?;
         #[cfg(feature = "cuda")]
-        let fused = if device.is_cuda() {
-            let pers: Vec<usize> = vars.iter().map(|v| v.elem_count() / n).collect();
-            let cols = fx_precision::PopAdamKernels::partial_cols(&pers);
-            let kernels = fx_precision::PopAdamKernels::load(device).map_err(|e| Error::config(CTX, e.to_string()))?;
-            Some((kernels, Tensor::zeros((n, cols), DType::F32, device).ctx(CTX)?))
+        let pop_fused = if device.is_cuda() && crate::dqn::pop_fused::DqnPopFused::supports(&first.net) {
+            let (b, d, p) = (first.batch_size, first.huber_delta, first.precision);
+            Some(crate::dqn::pop_fused::DqnPopFused::new(&first.net, n, b, d, p, device)?)
         } else {
             None
         };
@@ -332,8 +268,8 @@ impl DqnPopulation {
             members,
             online,
             target,
-            hyper,
-            state,
+            gamma,
+            opt,
             replays,
             env_steps: 0,
             sampled: 0,
@@ -342,7 +278,7 @@ impl DqnPopulation {
             #[cfg(feature = "cuda")]
             capture_tried: false,
             #[cfg(feature = "cuda")]
-            fused,
+            pop_fused,
         })
     }
 
@@ -406,33 +342,18 @@ impl DqnPopulation {
 
     /// Member `k`'s AdamW moments `(exp_avg, exp_avg_sq)` in parameter order (copies).
     pub fn moments(&self, k: usize) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let take = |vs: &[Var]| -> Result<Vec<Tensor>> {
-            vs.iter().map(|v| v.as_tensor().get(k).and_then(|t| t.copy()).ctx(CTX)).collect()
-        };
-        Ok((take(&self.state.exp_avg)?, take(&self.state.exp_avg_sq)?))
+        self.opt.moments(k).map_err(|e| Error::config(CTX, e.to_string()))
     }
 
     /// Per member: optimiser steps applied and updates skipped (one read).
     pub fn counters(&self) -> Result<(Vec<u64>, Vec<u64>)> {
-        let t = Tensor::stack(
-            &[self.state.steps.as_tensor(), self.state.skipped_loss.as_tensor(), self.state.skipped_grad.as_tensor()],
-            0,
-        )
-        .and_then(|t| t.to_vec2::<u32>())
-        .ctx(CTX)?;
-        let applied = t[0].iter().map(|&x| u64::from(x)).collect();
-        let skipped = t[1].iter().zip(&t[2]).map(|(&a, &b)| u64::from(a) + u64::from(b)).collect();
-        Ok((applied, skipped))
+        self.opt.counters().map_err(|e| Error::config(CTX, e.to_string()))
     }
 
     /// The last update's statistics (one read).
     pub fn last_update(&self) -> Result<PopUpdateStats> {
-        let t: Vec<Vec<f64>> = self.state.last.as_tensor().to_vec2().ctx(CTX)?;
-        Ok(PopUpdateStats {
-            loss: t[0].clone(),
-            grad_norm: t[1].clone(),
-            skipped: t[2].iter().map(|&s| s != 0.0).collect(),
-        })
+        let r = self.opt.last_step().map_err(|e| Error::config(CTX, e.to_string()))?;
+        Ok(PopUpdateStats { loss: r.loss, grad_norm: r.grad_norm, skipped: r.skipped })
     }
 
     /// Each member's ε for the next environment step.
@@ -615,190 +536,34 @@ impl DqnPopulation {
         self.graph.as_ref().map(|g| g.graph.node_count().ctx(CTX)).transpose()
     }
 
-    /// The update; a `dry` run computes everything and writes nothing (graph warm-up).
+    /// The update; a `dry` run computes everything and writes nothing (graph warm-up). On
+    /// CUDA the loss and gradients come from the member-batched fused kernels
+    /// ([`crate::dqn::pop_fused`]) where they cover the network, else from candle's ops;
+    /// then each member's guard, clip, AdamW and soft target update ([`PopAdamW`]).
     fn update_body(&self, batch: &PopBatch, dry: bool) -> Result<()> {
         let cfg = &self.members[0];
-        let p = cfg.precision;
         let vars = self.online.vars();
+        let tvars = self.target.vars();
         let w: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let wd: Vec<Tensor> = w.iter().map(|t| t.detach()).collect();
-        let tw: Vec<Tensor> = self.target.vars().iter().map(|v| v.as_tensor().detach()).collect();
-        let h = &self.hyper;
-        let loss = (|| {
-            let q = forward(&w, &batch.obs, p)?;
-            let q_sa = q.gather(&batch.actions.unsqueeze(2)?, 2)?.squeeze(2)?;
-            let next = batch.next_obs.detach();
-            let a_star = forward(&wd, &next, p)?.argmax(D::Minus1)?;
-            let q_t = forward(&tw, &next, p)?.gather(&a_star.unsqueeze(2)?, 2)?.squeeze(2)?;
-            let r = batch.rewards.to_dtype(DType::F32)?;
-            let not_done = batch.dones.to_dtype(DType::F32)?.broadcast_mul(&h.neg_gamma)?.broadcast_add(&h.gamma)?;
-            let y = r.add(&not_done.mul(&q_t)?)?;
-            crate::dqn::huber(&q_sa.broadcast_sub(&y)?, cfg.huber_delta)?.mean(1)
-        })()
-        .ctx(CTX)?;
+        let tw: Vec<Tensor> = tvars.iter().map(|v| v.as_tensor().detach()).collect();
+        let opt_err = |e: fx_precision::Error| Error::config(CTX, e.to_string());
+        #[cfg(feature = "cuda")]
+        if let Some(engine) = &self.pop_fused {
+            engine.run(&w, &tw, &self.gamma, batch)?;
+            return self.opt.step(&vars, &tvars, engine.loss(), engine.grads(), dry).map_err(opt_err);
+        }
+        let loss = pop_loss(&w, &tw, batch, &self.gamma, cfg.huber_delta, cfg.precision).ctx(CTX)?;
         let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
-        self.apply(&vars, &loss, grads, dry)
-    }
-
-    /// Each member's decisions from its loss and squared gradient norm (`[N]` each, in the
-    /// accumulation dtype): the guard, the clip factor, the step count and the bias
-    /// corrections, as the solo optimiser takes them.
-    fn decide(&self, loss_v: &Tensor, sumsq: &Tensor) -> candle_core::Result<Decisions> {
-        let h = &self.hyper;
-        let ok_loss = finite(loss_v)?;
-        let ok_grad = finite(sumsq)?;
-        let ok = ok_loss.mul(&ok_grad)?;
-        let norm = sumsq.sqrt()?.to_dtype(DType::F64)?;
-        let coef = h.max_norm.div(&norm.affine(1.0, 1e-6)?)?;
-        let one = coef.ones_like()?;
-        let factor = coef.lt(&one)?.where_cond(&coef, &one)?.to_dtype(DType::F32)?;
-        let steps = self.state.steps.as_tensor().add(&ok.to_dtype(DType::U32)?)?;
-        let i1 = steps.minimum(&h.bc1_last)?;
-        let i2 = steps.minimum(&h.bc2_last)?;
-        let step_size = h.lr.div(&h.bc1.index_select(&i1, 0)?)?.to_dtype(DType::F32)?;
-        let inv_bc2_sqrt = h.bc2.index_select(&i2, 0)?.sqrt()?.recip()?.to_dtype(DType::F32)?;
-        let last =
-            Tensor::stack(&[loss_v.to_dtype(DType::F64)?, norm, ok.ones_like()?.sub(&ok)?.to_dtype(DType::F64)?], 0)?;
-        let bad_loss = ok_loss.ones_like()?.sub(&ok_loss)?.to_dtype(DType::U32)?;
-        let bad_grad = ok_loss.mul(&ok_grad.ones_like()?.sub(&ok_grad)?)?.to_dtype(DType::U32)?;
-        Ok(Decisions { ok, factor, steps, step_size, inv_bc2_sqrt, last, bad_loss, bad_grad })
-    }
-
-    /// The counters after a step that `d` decided.
-    fn record(&self, d: &Decisions) -> candle_core::Result<()> {
-        let st = &self.state;
-        st.steps.set(&d.steps)?;
-        st.skipped_loss.set(&st.skipped_loss.as_tensor().add(&d.bad_loss)?)?;
-        st.skipped_grad.set(&st.skipped_grad.as_tensor().add(&d.bad_grad)?)?;
-        st.last.set(&d.last)
-    }
-
-    /// Guard, clip, AdamW and the soft target update per member, on the device.
-    fn apply(&self, vars: &[Var], loss: &Tensor, grads: GradStore, dry: bool) -> Result<()> {
-        let h = &self.hyper;
-        let o = &self.members[0].optimizer;
-        let dev = self.online.device();
-        let acc = if dev.is_cpu() { DType::F64 } else { DType::F32 };
         let g: Vec<Tensor> = vars
             .iter()
             .map(|v| grads.get(v.as_tensor()).cloned().ok_or_else(|| Error::config(CTX, "a parameter has no gradient")))
             .collect::<Result<_>>()?;
-        #[cfg(feature = "cuda")]
-        if let Some((kernels, partials)) = &self.fused {
-            return self.apply_fused(kernels, partials, vars, loss, &g, dry);
-        }
-        let st = &self.state;
-        (|| -> candle_core::Result<()> {
-            // The solo guard's one reduction, per member: sum(g·0 + g²) is NaN iff some g is
-            // non-finite.
-            let flat = Tensor::cat(
-                &g.iter().map(|g| g.flatten_from(1)?.to_dtype(DType::F32)).collect::<candle_core::Result<Vec<_>>>()?,
-                1,
-            )?
-            .to_dtype(acc)?;
-            let sumsq = (flat.affine(0.0, 0.0)? + flat.affine(1.0, 0.0)?.sqr()?)?.sum(1)?;
-            let d = self.decide(&loss.detach().to_dtype(acc)?, &sumsq)?;
-            let (b1, b2, eps) = (o.beta1, o.beta2, o.eps);
-            let mut new_w = Vec::with_capacity(vars.len());
-            let mut new_m = Vec::with_capacity(vars.len());
-            let mut new_v = Vec::with_capacity(vars.len());
-            for (i, var) in vars.iter().enumerate() {
-                let r = var.rank();
-                let gi = g[i].detach().to_dtype(DType::F32)?.broadcast_mul(&per_member(&d.factor, r)?)?;
-                let w0 = var.as_tensor().detach();
-                let w = w0.broadcast_mul(&per_member(&h.decay, r)?)?;
-                let m0 = st.exp_avg[i].as_tensor();
-                let v0 = st.exp_avg_sq[i].as_tensor();
-                let m = (m0.affine(b1, 0.0)? + gi.affine(1.0 - b1, 0.0)?)?;
-                let v = (v0.affine(b2, 0.0)? + gi.sqr()?.affine(1.0 - b2, 0.0)?)?;
-                let denom = v.sqrt()?.broadcast_mul(&per_member(&d.inv_bc2_sqrt, r)?)?.affine(1.0, eps)?;
-                let upd = (&m / &denom)?.broadcast_mul(&per_member(&d.step_size, r)?)?;
-                new_w.push(select(&d.ok, &(w - upd)?, &w0)?);
-                new_m.push(select(&d.ok, &m, m0)?);
-                new_v.push(select(&d.ok, &v, v0)?);
-            }
-            if dry {
-                return Ok(());
-            }
-            let tvars = self.target.vars();
-            for (i, var) in vars.iter().enumerate() {
-                var.set(&new_w[i])?;
-                st.exp_avg[i].set(&new_m[i])?;
-                st.exp_avg_sq[i].set(&new_v[i])?;
-                let tt = tvars[i].as_tensor().detach();
-                let moved = (&tt + new_w[i].sub(&tt)?.broadcast_mul(&per_member(&h.tau, tt.rank())?)?)?;
-                tvars[i].set(&select(&d.ok, &moved, &tt)?)?;
-            }
-            self.record(&d)
-        })()
-        .ctx(CTX)
-    }
-
-    /// [`Self::apply`] on a CUDA device: the per-member sums of squares and AdamW with the
-    /// soft target update as member-batched kernels over the stacked tensors (two launches
-    /// instead of a chain of element-wise ops per tensor), the decisions between them as
-    /// in the candle path ([`Self::decide`]). The kernels round as the candle ops do; only
-    /// the sums of squares add in another order.
-    #[cfg(feature = "cuda")]
-    fn apply_fused(
-        &self,
-        kernels: &fx_precision::PopAdamKernels,
-        partials: &Tensor,
-        vars: &[Var],
-        loss: &Tensor,
-        g: &[Tensor],
-        dry: bool,
-    ) -> Result<()> {
-        use fx_kernels::cuda::address;
-        let (h, st, n) = (&self.hyper, &self.state, self.members.len());
-        let o = &self.members[0].optimizer;
-        let tvars = self.target.vars();
-        let launch = |e: fx_kernels::Error| Error::config(CTX, e.to_string());
-        let addr = |t: &Tensor, what: &'static str| address::<f32>(t, what).map_err(launch);
-        let g: Vec<Tensor> =
-            g.iter().map(|g| g.to_dtype(DType::F32)?.contiguous()).collect::<candle_core::Result<_>>().ctx(CTX)?;
-        let entries: Vec<fx_precision::PopEntry> = vars
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                Ok(fx_precision::PopEntry {
-                    param: addr(v.as_tensor(), "parameter")?,
-                    grad: addr(&g[i], "gradient")?,
-                    exp_avg: addr(st.exp_avg[i].as_tensor(), "exp_avg")?,
-                    exp_avg_sq: addr(st.exp_avg_sq[i].as_tensor(), "exp_avg_sq")?,
-                    target: addr(tvars[i].as_tensor(), "target")?,
-                    per: v.elem_count() / n,
-                })
-            })
-            .collect::<Result<_>>()?;
-        // SAFETY: every address is of a live contiguous F32 tensor of `n × per` elements on
-        // this device (the partials `[n, cols]`), all kept alive past the launches.
-        unsafe { kernels.sumsq(&entries, n, addr(partials, "partials")?) }.map_err(launch)?;
-        let (d, okf) = (|| -> candle_core::Result<_> {
-            let d = self.decide(&loss.detach().to_dtype(DType::F32)?, &partials.sum(1)?)?;
-            let okf = d.ok.to_dtype(DType::F32)?;
-            Ok((d, okf))
-        })()
-        .ctx(CTX)?;
-        let f = fx_precision::PopFactors {
-            ok: addr(&okf, "ok")?,
-            coef: addr(&d.factor, "clip factor")?,
-            decay: addr(&h.decay, "decay")?,
-            step_size: addr(&d.step_size, "step size")?,
-            inv_bc2_sqrt: addr(&d.inv_bc2_sqrt, "bias correction")?,
-            tau: addr(&h.tau, "tau")?,
-        };
-        // SAFETY: as above; the factor arrays are `[n]` F32 tensors alive past the launch.
-        unsafe { kernels.adam(&entries, n, &f, (o.beta1, o.beta2, o.eps), dry) }.map_err(launch)?;
-        if dry {
-            return Ok(());
-        }
-        self.record(&d).ctx(CTX)
+        self.opt.step(&vars, &tvars, &loss, &g, dry).map_err(opt_err)
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::dqn::trainer::DqnTrainer;
     use crate::synthetic::ar1_env;
@@ -906,11 +671,17 @@ mod tests {
     }
 
     fn random_batch(n: usize, b: usize, seed: u64) -> PopBatch {
+        random_batch_of(n, b, 3, seed)
+    }
+
+    /// A CPU batch of uniform values for `n` members of `b` transitions over `na` actions.
+    pub(crate) fn random_batch_of(n: usize, b: usize, na: usize, seed: u64) -> PopBatch {
         let v = |len: usize, stream: u64| -> Vec<f32> {
             (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, stream, 0, i) * 2.0 - 1.0) as f32).collect()
         };
         let t = |x: Vec<f32>, shape: &[usize]| Tensor::from_vec(x, shape, &Device::Cpu).unwrap();
-        let actions: Vec<u32> = v(n * b, 3).iter().map(|u| ((u + 1.0) * 1.5) as u32 % 3).collect();
+        let half = na as f32 / 2.0;
+        let actions: Vec<u32> = v(n * b, 3).iter().map(|u| ((u + 1.0) * half) as u32 % na as u32).collect();
         let dones = v(n * b, 5).iter().map(|&u| if u > 0.8 { 1.0 } else { 0.0 }).collect();
         PopBatch {
             obs: t(v(n * b * 56, 1), &[n, b, 56]),

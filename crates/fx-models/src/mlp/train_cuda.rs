@@ -64,6 +64,11 @@ pub struct DqnHeadArgs {
     pub dz: u64,
     /// BF16 copy of `dz` (0: none).
     pub dz16: u64,
+    /// Members (1 for a solo step): every buffer above holds `members` consecutive blocks,
+    /// one per member, each of the size described.
+    pub members: usize,
+    /// Each member's γ, F32 `[members]` (0: every member uses `gamma`).
+    pub gamma_members: u64,
 }
 
 /// Addresses and sizes for [`MlpTrainKernels::ppo_loss`].
@@ -136,6 +141,20 @@ impl MlpTrainKernels {
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
     }
 
+    /// Launch shape of an element-wise kernel over `members` blocks of `per` elements each
+    /// (grid y = member).
+    fn members_cfg(&self, members: usize, per: usize) -> Result<LaunchConfig> {
+        if members == 0 || members > 65_535 {
+            return Err(Error::Config {
+                context: "MlpTrainKernels",
+                message: format!("{members} members (1..=65535)"),
+            });
+        }
+        let per_member = (self.sm_count as usize * 8).div_ceil(members).max(1);
+        let blocks = per.div_ceil(256).min(per_member).max(1) as u32;
+        Ok(LaunchConfig { grid_dim: (blocks, members as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+    }
+
     /// `h = act(h + b)` in place on row-major `h[rows, cols]`; `h16` (0: none) receives a
     /// BF16 copy.
     ///
@@ -143,10 +162,30 @@ impl MlpTrainKernels {
     /// `h` holds `rows·cols` and `b` `cols` F32 values (`h16` `rows·cols` BF16) on this
     /// device until the launch ran.
     pub unsafe fn bias_act(&self, h: u64, b: u64, rows: usize, cols: usize, act: Act, h16: u64) -> Result<()> {
+        self.bias_act_members(h, b, 1, rows, cols, act, h16)
+    }
+
+    /// [`Self::bias_act`] for `members` members in one launch: member `m`'s `h` (and `h16`)
+    /// is block `m` of `rows·cols` values, its bias block `m` of `cols`.
+    ///
+    /// # Safety
+    /// As [`Self::bias_act`], for `members` consecutive blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn bias_act_members(
+        &self,
+        h: u64,
+        b: u64,
+        members: usize,
+        rows: usize,
+        cols: usize,
+        act: Act,
+        h16: u64,
+    ) -> Result<()> {
         let (r, c, a) = (rows as u32, cols as u32, act as u32);
+        let cfg = self.members_cfg(members, rows * cols)?;
         let mut l = self.stream.launch_builder(&self.bias_act);
         l.arg(&h).arg(&b).arg(&r).arg(&c).arg(&a).arg(&h16);
-        l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::bias_act"))?;
+        l.launch(cfg).map_err(driver("MlpTrainKernels::bias_act"))?;
         Ok(())
     }
 
@@ -156,14 +195,37 @@ impl MlpTrainKernels {
     /// # Safety
     /// As [`MlpTrainKernels::bias_act`].
     pub unsafe fn act_bwd(&self, dh: u64, h: u64, rows: usize, cols: usize, act: Act, dh16: u64) -> Result<()> {
+        self.act_bwd_members(dh, h, 1, (rows * cols) as u64, rows, cols, act, dh16)
+    }
+
+    /// [`Self::act_bwd`] for `members` members in one launch: member `m`'s `dh` (and `dh16`)
+    /// is block `m` of `rows·cols` values, its `h` starts `m·h_stride` values in (a member's
+    /// `h` may hold more rows than its gradient).
+    ///
+    /// # Safety
+    /// As [`Self::act_bwd`], for `members` blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn act_bwd_members(
+        &self,
+        dh: u64,
+        h: u64,
+        members: usize,
+        h_stride: u64,
+        rows: usize,
+        cols: usize,
+        act: Act,
+        dh16: u64,
+    ) -> Result<()> {
         let (r, c, a) = (rows as u32, cols as u32, act as u32);
+        let cfg = self.members_cfg(members, rows * cols)?;
         let mut l = self.stream.launch_builder(&self.act_bwd);
-        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a).arg(&dh16);
-        l.launch(self.elementwise_cfg(rows * cols)).map_err(driver("MlpTrainKernels::act_bwd"))?;
+        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a).arg(&dh16).arg(&h_stride);
+        l.launch(cfg).map_err(driver("MlpTrainKernels::act_bwd"))?;
         Ok(())
     }
 
-    /// The double-DQN dueling heads, Huber loss and their gradients, one warp per row.
+    /// The double-DQN dueling heads, Huber loss and their gradients, one warp per row (of
+    /// every member).
     ///
     /// # Safety
     /// Every address holds what [`DqnHeadArgs`] describes until the launch ran.
@@ -172,6 +234,12 @@ impl MlpTrainKernels {
             return Err(Error::Config {
                 context: "MlpTrainKernels::dqn_head_loss",
                 message: format!("batch {}, width {}, {} actions (1..={DQN_MAX_ACTIONS})", a.batch, a.k, a.n_actions),
+            });
+        }
+        if a.members == 0 || a.members > 65_535 {
+            return Err(Error::Config {
+                context: "MlpTrainKernels::dqn_head_loss",
+                message: format!("{} members (1..=65535)", a.members),
             });
         }
         let (b, k, na) = (a.batch as u32, a.k as u32, a.n_actions as u32);
@@ -184,11 +252,11 @@ impl MlpTrainKernels {
             l.arg(p);
         }
         l.arg(&a.actions).arg(&a.rewards).arg(&a.dones).arg(&b).arg(&k).arg(&na).arg(&a.gamma).arg(&a.huber_delta);
-        l.arg(&a.loss_rows).arg(&a.d_out).arg(&a.dz).arg(&a.dz16);
+        l.arg(&a.loss_rows).arg(&a.d_out).arg(&a.dz).arg(&a.dz16).arg(&a.gamma_members);
         let warps_per_block = 8usize;
         let blocks = a.batch.div_ceil(warps_per_block).max(1) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
+            grid_dim: (blocks, a.members as u32, 1),
             block_dim: (32 * warps_per_block as u32, 1, 1),
             shared_mem_bytes: 0,
         };
