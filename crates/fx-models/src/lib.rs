@@ -76,6 +76,7 @@ pub use mamba2::{Mamba2, Mamba2Config, Mamba2State};
 #[cfg(feature = "cuda")]
 pub use mlp::{DqnQForward, PpoForward};
 pub use params::{ParamSpec, ParamStore};
+pub use ppo::population::{PpoPopBatch, PpoPopulation};
 pub use ppo::{ppo_loss, ActorCritic, PpoBatch, PpoLossConfig, PpoLossParts, PpoNetConfig};
 
 pub use fx_kernels::LinearSchedule;

@@ -9,9 +9,11 @@
 //!   host read; `graph_nodes` in the record): one step is the trainers' whole update (see
 //!   [`train`]); `samples_per_s` = batch / median step time
 //!   over `--steps` timed steps after 10 warm-up steps (2 with `--quick`);
-//! - `dqn_pop{64,256}_train_b256` (CPU: `dqn_pop8_train_b64`), the same modes: N DQN runs
-//!   trained as one [`fx_models::DqnPopulation`] (γ spread over members as bench.py's),
-//!   `samples_per_s` = N × batch / median step time (see [`train`]);
+//! - `dqn_pop{64,256}_train_b256` and `ppo_pop64_train_b512` (CPU: `dqn_pop8_train_b64`,
+//!   `ppo_pop8_train_b64`), the same modes: N DQN runs trained as one
+//!   [`fx_models::DqnPopulation`] (γ spread over members as bench.py's), N PPO learners'
+//!   minibatch updates as one [`fx_models::PpoPopulation`] (entropy weight spread as
+//!   bench.py's), `samples_per_s` = N × batch / median step time (see [`train`]);
 //! - `dqn_infer_b1`, `ppo_infer_b1`: batch-1 greedy action latency, p50/p99/mean over
 //!   2000 calls (`eager_fp32`; on CUDA also the one-launch `fused_fp32` and the host-to-host
 //!   `fused_fp32_e2e`; on the CPU `cpu_fp32` and `int8`, see [`latency`]);
@@ -142,8 +144,8 @@ impl Model {
 #[derive(Debug, Clone)]
 pub(crate) struct Plan {
     pub(crate) train: Vec<(Model, Vec<usize>)>,
-    /// DQN population cases: (members, batch per member).
-    pub(crate) pop: Vec<(usize, usize)>,
+    /// Population cases: (model, members, batch per member).
+    pub(crate) pop: Vec<(Model, usize, usize)>,
     pub(crate) precisions: Vec<Precision>,
     pub(crate) latency: Vec<Model>,
     /// TFT / MAMBA-2 inference cases.
@@ -195,8 +197,8 @@ impl Plan {
         // bench.py's POP_SIZES on the GPU, its CPU size (8 members of batch 64) on the CPU.
         let pop = match (want(BenchModel::Pop), cuda) {
             (false, _) => Vec::new(),
-            (true, true) => vec![(64, 256), (256, 256)],
-            (true, false) => vec![(8, 64)],
+            (true, true) => vec![(Model::Dqn, 64, 256), (Model::Dqn, 256, 256), (Model::Ppo, 64, 512)],
+            (true, false) => vec![(Model::Dqn, 8, 64), (Model::Ppo, 8, 64)],
         };
         Plan {
             train,
@@ -311,16 +313,17 @@ pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
             }
         }
     }
-    for &(n, b) in &plan.pop {
+    for &(model, n, b) in &plan.pop {
         for &p in &plan.precisions {
             for graph in [false, true] {
                 if graph && !ctx.device.is_cuda() {
                     continue;
                 }
                 let mode = train::mode_name(p, graph);
-                let mut rec = base(ctx, format!("dqn_pop{n}_train_b{b}"), "train", "dqn", mode, b);
+                let name = model.name();
+                let mut rec = base(ctx, format!("{name}_pop{n}_train_b{b}"), "train", name, mode, b);
                 rec.insert("members".into(), json!(n));
-                rec_timing(ctx, &mut out, t0, rec, |ctx, r| train::pop_case(ctx, n, b, p, graph, r));
+                rec_timing(ctx, &mut out, t0, rec, |ctx, r| train::pop_case(ctx, model, n, b, p, graph, r));
             }
         }
     }
@@ -591,7 +594,7 @@ mod tests {
     fn tiny_plan() -> Plan {
         Plan {
             train: vec![(Model::Dqn, vec![32]), (Model::Ppo, vec![16])],
-            pop: vec![(3, 8)],
+            pop: vec![(Model::Dqn, 3, 8), (Model::Ppo, 3, 8)],
             precisions: vec![Precision::F32, Precision::Bf16],
             latency: vec![Model::Dqn, Model::Ppo],
             seq_infer: Vec::new(),
@@ -676,9 +679,9 @@ mod tests {
         let plan = tiny_plan();
         let mut ctx = Ctx::new(Device::Cpu, &plan).unwrap();
         let recs = run_cases(&mut ctx, &plan);
-        // 2 models x 1 batch x 2 precisions, 1 population x 2 precisions, 2 models x 4 latency
+        // 2 models x 1 batch x 2 precisions, 2 populations x 2 precisions, 2 models x 4 latency
         // modes, 2 models x 4 throughput modes, 2 env
-        assert_eq!(recs.len(), 24, "{recs:#?}");
+        assert_eq!(recs.len(), 26, "{recs:#?}");
         for r in &recs {
             assert_eq!(r.get("status"), Some(&json!("ok")), "{r:?}");
             for k in ["case", "kind", "model", "mode", "device"] {
@@ -691,7 +694,7 @@ mod tests {
             assert!(r.get("mem_method").is_none(), "{r:?}");
         }
         let train: Vec<&Record> = recs.iter().filter(|r| r["kind"] == "train").collect();
-        assert_eq!(train.len(), 6);
+        assert_eq!(train.len(), 8);
         let cases: Vec<(&str, &str)> =
             train.iter().map(|r| (r["case"].as_str().unwrap(), r["mode"].as_str().unwrap())).collect();
         assert_eq!(
@@ -702,7 +705,9 @@ mod tests {
                 ("ppo_train_b16", "eager_fp32"),
                 ("ppo_train_b16", "eager_bf16"),
                 ("dqn_pop3_train_b8", "eager_fp32"),
-                ("dqn_pop3_train_b8", "eager_bf16")
+                ("dqn_pop3_train_b8", "eager_bf16"),
+                ("ppo_pop3_train_b8", "eager_fp32"),
+                ("ppo_pop3_train_b8", "eager_bf16")
             ]
         );
         for r in &train {

@@ -26,11 +26,12 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use fx_kernels::{ReplayBuffer, VecEnv};
-use fx_precision::{PopAdamW, PopMember, Precision, PrecisionExt};
+use fx_precision::{PopAdamW, PopMember, Precision};
 use serde::{Deserialize, Serialize};
 
 use crate::dqn::trainer::DqnConfig;
 use crate::error::{Context, Error, Result};
+use crate::linear::linear_members;
 use crate::params::ParamStore;
 
 const CTX: &str = "DqnPopulation";
@@ -151,22 +152,14 @@ fn shared_keys(c: &DqnConfig) -> String {
     )
 }
 
-/// `y = x · wᵀ + b` per member: `x [N, R, i]`, `w [N, o, i]`, `b [N, o]` (the solo
-/// `Linear` batched: the same casts, GEMM and bias add).
-fn linear(x: &Tensor, w: &Tensor, b: &Tensor, p: Precision) -> candle_core::Result<Tensor> {
-    let x = p.to_compute(x)?;
-    let w = p.to_compute(w)?;
-    x.matmul(&w.transpose(1, 2)?)?.broadcast_add(&p.to_compute(b)?.unsqueeze(1)?)
-}
-
 /// Q values `[N, R, A]` (F32) of states `[N, R, S]` under stacked weights `w`.
 fn forward(w: &[Tensor], s: &Tensor, p: Precision) -> candle_core::Result<Tensor> {
     let mut z = s.clone();
     for l in 0..3 {
-        z = linear(&z, &w[2 * l], &w[2 * l + 1], p)?.relu()?;
+        z = linear_members(&z, &w[2 * l], &w[2 * l + 1], p)?.relu()?;
     }
-    let v = linear(&z, &w[6], &w[7], p)?;
-    let a = linear(&z, &w[8], &w[9], p)?;
+    let v = linear_members(&z, &w[6], &w[7], p)?;
+    let a = linear_members(&z, &w[8], &w[9], p)?;
     let a_mean = a.mean_keepdim(D::Minus1)?;
     a.broadcast_sub(&a_mean)?.broadcast_add(&v)?.to_dtype(DType::F32)
 }

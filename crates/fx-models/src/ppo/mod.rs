@@ -9,12 +9,14 @@
 //! The folder: this file (network, loss), [`trainer`] (`PpoTrainer`: rollouts, GAE,
 //! minibatch epochs, resume), and under `cuda` `fused` (the fused update over the shared
 //! `mlp` training kernels), `rollout` (a whole rollout as one captured graph) and `epochs`
-//! (all of an update's minibatch epochs as one graph).
+//! (all of an update's minibatch epochs as one graph); [`population`] (N learners' minibatch
+//! updates as one batched step).
 
 #[cfg(feature = "cuda")]
 mod epochs;
 #[cfg(feature = "cuda")]
 pub(crate) mod fused;
+pub mod population;
 #[cfg(feature = "cuda")]
 mod rollout;
 pub mod trainer;

@@ -73,7 +73,7 @@ impl Default for PpoConfig {
 }
 
 impl PpoConfig {
-    fn validate(&self, num_envs: usize) -> Result<()> {
+    pub(crate) fn validate(&self, num_envs: usize) -> Result<()> {
         let bad = |m: String| Err(Error::config("PpoConfig", m));
         if self.num_steps == 0 || self.epochs == 0 || self.minibatch_size < 2 || num_envs == 0 {
             return bad(format!(

@@ -10,12 +10,12 @@
 
 use std::time::Instant;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
 use fx_models::seq::{Mamba2Task, SeqBatch, SeqTask, SeqTrainConfig, SeqTrainer};
 use fx_models::{
-    DqnBatch, DqnConfig, DqnPopulation, DqnTrainer, Mamba2, Mamba2Config, PopBatch, PpoBatch, PpoConfig, PpoTrainer,
-    Tft, TftConfig,
+    DqnBatch, DqnConfig, DqnPopulation, DqnTrainer, Mamba2, Mamba2Config, PopBatch, PpoBatch, PpoConfig, PpoPopBatch,
+    PpoPopulation, PpoTrainer, Tft, TftConfig,
 };
 use fx_precision::{GraphMode, Precision};
 use serde_json::json;
@@ -185,6 +185,69 @@ impl Stepper for PopStepper {
         let last = self.pop.last_update()?;
         let (_, skipped) = self.pop.counters()?;
         let loss = last.loss.iter().sum::<f64>() / last.loss.len() as f64;
+        Ok(Some((loss, skipped.iter().sum::<u64>() as usize)))
+    }
+}
+
+/// N PPO learners as one population on fixed per-member minibatches (bench.py's
+/// `build_pop`: the entropy weight spread over [0.005, 0.015], every member its own seed and
+/// data).
+struct PpoPopStepper {
+    pop: PpoPopulation,
+    batch: PpoPopBatch,
+}
+
+impl PpoPopStepper {
+    fn new(device: &Device, n: usize, b: usize, precision: Precision, graph: bool) -> Result<Self> {
+        let members: Vec<PpoConfig> = (0..n)
+            .map(|k| {
+                let spread = if n > 1 { -1.0 + 2.0 * k as f64 / (n - 1) as f64 } else { 0.0 };
+                let mut c =
+                    PpoConfig { precision, minibatch_size: b, num_steps: 1, seed: k as u64, ..Default::default() };
+                c.loss.ent_coef *= 1.0 + 0.5 * spread;
+                c
+            })
+            .collect();
+        let mut pop = PpoPopulation::new(members, 1, device).context("building the PPO population")?;
+        let rows = n * b;
+        let actions: Vec<u32> = uniforms(2, 3, rows).iter().map(|u| ((u * 3.0) as u32).min(2)).collect();
+        let logp: Vec<f32> = normals(2, 6, rows).iter().map(|z| (1.0f32 / 3.0).ln() + 0.1 * z).collect();
+        let batch = PpoPopBatch {
+            obs: states(device, rows, 2, 1)?.reshape((n, b, fx_kernels::OBS_DIM))?,
+            actions: Tensor::from_vec(actions, (n, b), device)?,
+            logp_old: Tensor::from_vec(logp, (n, b), device)?,
+            advantages: Tensor::from_vec(normals(2, 7, rows), (n, b), device)?,
+            returns: Tensor::from_vec(normals(2, 8, rows), (n, b), device)?,
+        };
+        #[cfg(feature = "cuda")]
+        if graph {
+            pop.capture_update(&batch)?;
+        }
+        ensure!(!graph || device.is_cuda(), "graph modes need CUDA");
+        let _ = &mut pop;
+        Ok(Self { pop, batch })
+    }
+}
+
+impl Stepper for PpoPopStepper {
+    #[cfg(feature = "cuda")]
+    fn graph_nodes(&self) -> Result<Option<usize>> {
+        Ok(self.pop.graph_nodes()?)
+    }
+
+    fn params(&self) -> usize {
+        self.pop.params().param_count()
+    }
+
+    fn step(&mut self) -> Result<Option<StepOut>> {
+        self.pop.update_minibatch(&self.batch)?;
+        Ok(None)
+    }
+
+    fn summary(&mut self) -> Result<Option<(f64, usize)>> {
+        let last = self.pop.last_minibatch()?;
+        let (_, skipped) = self.pop.counters()?;
+        let loss = last.iter().map(|s| s.loss).sum::<f64>() / last.len() as f64;
         Ok(Some((loss, skipped.iter().sum::<u64>() as usize)))
     }
 }
@@ -387,9 +450,10 @@ pub(crate) fn train_case(
     Ok(())
 }
 
-/// A DQN population case: `members` runs at `batch` each (see the module docs).
+/// A population case: `members` DQN runs or PPO learners at `batch` each (see the module docs).
 pub(crate) fn pop_case(
     ctx: &mut Ctx,
+    model: Model,
     members: usize,
     batch: usize,
     precision: Precision,
@@ -398,8 +462,12 @@ pub(crate) fn pop_case(
 ) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
     let dev = ctx.device.clone();
-    let stepper = PopStepper::new(&dev, members, batch, precision, graph).context("building the population case")?;
-    time_stepper(ctx, Box::new(stepper), members * batch, precision, rec)
+    let stepper: Box<dyn Stepper> = match model {
+        Model::Dqn => Box::new(PopStepper::new(&dev, members, batch, precision, graph)?),
+        Model::Ppo => Box::new(PpoPopStepper::new(&dev, members, batch, precision, graph)?),
+        other => bail!("no population case for {}", other.name()),
+    };
+    time_stepper(ctx, stepper, members * batch, precision, rec)
 }
 
 /// Times `stepper` (a first step, `warmup` steps, then `steps` timed ones) and fills `rec`;

@@ -1,0 +1,480 @@
+//! PPO populations: N actor-critics of one shape whose minibatch updates run as one batched
+//! step, each member with its own seed (initial weights), loss coefficients (clip range,
+//! value and entropy weights), learning rate, gradient clip, Adam state, guard and counters.
+//!
+//! Layout: the N actor-critics are one [`ParamStore`] whose tensors are stacked `[N, ...]`
+//! (member k's slice starts as a solo [`ActorCritic`](crate::ActorCritic) with its seed
+//! starts); the optimiser is [`fx_precision::PopAdamW`] (Adam without weight decay is its
+//! arithmetic with a decay factor of 1). What members set differently lives in `[N]` device
+//! tensors read by the step, and nothing is read back, so the update runs unchanged inside a
+//! CUDA graph ([`PpoPopulation::capture_update`]).
+//!
+//! Member k of a population is member k's solo [`PpoTrainer::update_minibatch`](crate::PpoTrainer)
+//! on member k's minibatches: every operation is the solo loss's, batched over a leading axis
+//! in the same order (per-member scalars become `[N]` tensors with the same F32 values), so
+//! on the CPU the weights, moments, counters and minibatch statistics are the same values
+//! (the tests compare them). Rollouts and GAE stay per run for now: a population is driven one
+//! minibatch at a time by its caller.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use fx_precision::{PopAdamW, PopMember, Precision};
+
+use crate::error::{Context, Error, Result};
+use crate::linear::linear_members;
+use crate::params::ParamStore;
+use crate::ppo::trainer::{PpoConfig, PpoMinibatchStats};
+
+const CTX: &str = "PpoPopulation";
+
+/// One minibatch per member, stacked: `obs [N, B, S]`, `actions [N, B]` (U32),
+/// `logp_old`, `advantages` (raw) and `returns` `[N, B]`.
+#[derive(Debug, Clone)]
+pub struct PpoPopBatch {
+    /// States.
+    pub obs: Tensor,
+    /// Actions taken.
+    pub actions: Tensor,
+    /// Log-probabilities of the actions under the rollout policy.
+    pub logp_old: Tensor,
+    /// GAE advantages (unnormalised).
+    pub advantages: Tensor,
+    /// Return targets.
+    pub returns: Tensor,
+}
+
+impl PpoPopBatch {
+    #[cfg(feature = "cuda")]
+    fn tensors(&self) -> [&Tensor; 5] {
+        [&self.obs, &self.actions, &self.logp_old, &self.advantages, &self.returns]
+    }
+}
+
+/// Per-member loss coefficients in device memory.
+struct Coefs {
+    /// `1 − clip`, `1 + clip` and `clip` as F32 `[N, 1]`.
+    lo: Tensor,
+    hi: Tensor,
+    clip: Tensor,
+    /// Value and entropy weights as F32 `[N]`.
+    vf: Tensor,
+    ent: Tensor,
+}
+
+/// N PPO learners updated as one; see the module docs.
+pub struct PpoPopulation {
+    members: Vec<PpoConfig>,
+    params: ParamStore,
+    coefs: Coefs,
+    opt: PopAdamW,
+    /// The last minibatch's l_clip, l_v, entropy, approx_kl and clip_frac per member (F32 `[5, N]`).
+    diag: Var,
+    #[cfg(feature = "cuda")]
+    graph: Option<CapturedUpdate>,
+}
+
+#[cfg(feature = "cuda")]
+struct CapturedUpdate {
+    graph: fx_precision::CapturedGraph,
+    inputs: PpoPopBatch,
+}
+
+impl std::fmt::Debug for PpoPopulation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PpoPopulation").field("members", &self.members.len()).finish()
+    }
+}
+
+/// The keys every member must share: they fix shapes, the update schedule or constants the
+/// step takes once.
+fn shared_keys(c: &PpoConfig) -> String {
+    let o = &c.optimizer;
+    format!(
+        "net {:?}, precision {}, num_steps {}, epochs {}, minibatch_size {}, adv_eps {}, betas ({}, {}), eps {}",
+        c.net, c.precision, c.num_steps, c.epochs, c.minibatch_size, c.loss.adv_eps, o.beta1, o.beta2, o.eps
+    )
+}
+
+/// `(logits [N, R, A], value [N, R])` (F32) of states `[N, R, S]` under stacked weights `w`
+/// (the solo two tanh MLPs, batched).
+fn forward(w: &[Tensor], s: &Tensor, p: Precision) -> candle_core::Result<(Tensor, Tensor)> {
+    let mlp = |o: usize| -> candle_core::Result<Tensor> {
+        let x = linear_members(s, &w[o], &w[o + 1], p)?.tanh()?;
+        let x = linear_members(&x, &w[o + 2], &w[o + 3], p)?.tanh()?;
+        linear_members(&x, &w[o + 4], &w[o + 5], p)?.to_dtype(DType::F32)
+    };
+    Ok((mlp(0)?, mlp(6)?.squeeze(2)?))
+}
+
+/// Each member's PPO loss `[N]` and its diagnostics `[5, N]` (l_clip, l_v, entropy,
+/// approx_kl, clip_frac; no graph): [`crate::ppo_loss`] with a leading member axis.
+fn pop_loss(
+    w: &[Tensor],
+    batch: &PpoPopBatch,
+    c: &Coefs,
+    adv_eps: f64,
+    p: Precision,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let b = batch.obs.dim(1)?;
+    let (logits, value) = forward(w, &batch.obs, p)?;
+    let logp_all = crate::ppo::log_softmax(&logits)?;
+    let logp = logp_all.gather(&batch.actions.unsqueeze(2)?, 2)?.squeeze(2)?;
+    let entropy = logp_all.exp()?.mul(&logp_all)?.sum(D::Minus1)?.neg()?;
+    let adv = batch.advantages.to_dtype(DType::F32)?.detach();
+    let mean = adv.mean_keepdim(1)?;
+    let centred = adv.broadcast_sub(&mean)?;
+    let var = (centred.sqr()?.sum_keepdim(1)? / (b as f64 - 1.0))?;
+    let std = var.sqrt()?;
+    let adv_n = centred.broadcast_div(&(std + adv_eps)?)?;
+    let logratio = logp.sub(&batch.logp_old.to_dtype(DType::F32)?)?;
+    let ratio = logratio.exp()?;
+    let pg1 = ratio.mul(&adv_n)?;
+    let r_det = ratio.detach();
+    let inside = r_det.broadcast_ge(&c.lo)?.mul(&r_det.broadcast_le(&c.hi)?)?;
+    let bound = r_det.broadcast_maximum(&c.lo)?.broadcast_minimum(&c.hi)?;
+    let clipped = inside.where_cond(&ratio, &bound)?;
+    let pg2 = clipped.mul(&adv_n)?;
+    let take1 = pg1.detach().le(&pg2.detach())?;
+    let l_clip = take1.where_cond(&pg1, &pg2)?.mean(1)?.neg()?;
+    let l_v = (value.sub(&batch.returns.to_dtype(DType::F32)?)?.sqr()?.mean(1)? * 0.5)?;
+    let entropy_mean = entropy.mean(1)?;
+    let loss = ((&l_clip + l_v.mul(&c.vf)?)? - entropy_mean.mul(&c.ent)?)?;
+    let approx_kl = ((&r_det - 1.0)? - logratio.detach())?.mean(1)?;
+    let clip_frac = (&r_det - 1.0)?.abs()?.broadcast_gt(&c.clip)?.to_dtype(DType::F32)?.mean(1)?;
+    let diag = Tensor::stack(&[l_clip.detach(), l_v.detach(), entropy_mean.detach(), approx_kl, clip_frac], 0)?;
+    Ok((loss, diag))
+}
+
+impl PpoPopulation {
+    /// A population of `members.len()` PPO learners for rollouts of `num_envs` environments,
+    /// member `k` configured by `members[k]`. Members may differ in `seed`,
+    /// `optimizer.lr`, `max_grad_norm`, `loss.clip`, `loss.vf_coef`, `loss.ent_coef` and
+    /// `gae`; every other key must be equal (an error names the first member that differs).
+    /// F16 compute and Adam's L2 weight decay are refused.
+    pub fn new(members: Vec<PpoConfig>, num_envs: usize, device: &Device) -> Result<Self> {
+        let Some(first) = members.first() else {
+            return Err(Error::config(CTX, "a population needs at least one member"));
+        };
+        let shared = shared_keys(first);
+        for (k, m) in members.iter().enumerate() {
+            m.validate(num_envs).map_err(|e| Error::config(CTX, format!("member {k}: {e}")))?;
+            if shared_keys(m) != shared {
+                return Err(Error::config(
+                    CTX,
+                    format!("member {k} differs from member 0 in a shared key: {} vs {shared}", shared_keys(m)),
+                ));
+            }
+            if m.optimizer.weight_decay != 0.0 {
+                return Err(Error::config(
+                    CTX,
+                    format!(
+                        "member {k}: optimizer.weight_decay {} (populations take Adam without it)",
+                        m.optimizer.weight_decay
+                    ),
+                ));
+            }
+        }
+        if first.precision == Precision::F16 {
+            return Err(Error::config(CTX, "populations train in F32 or BF16, not F16"));
+        }
+        let n = members.len();
+        let seeds: Vec<u64> = members.iter().map(|m| m.seed).collect();
+        let params = ParamStore::linear_init_population("ppo", first.net.param_specs(), device, &seeds)?;
+        let col = |f: &dyn Fn(&PpoConfig) -> f64| {
+            Tensor::from_vec(members.iter().map(|m| f(m) as f32).collect::<Vec<f32>>(), (n, 1), device).ctx(CTX)
+        };
+        let row = |f: &dyn Fn(&PpoConfig) -> f64| {
+            Tensor::from_vec(members.iter().map(|m| f(m) as f32).collect::<Vec<f32>>(), n, device).ctx(CTX)
+        };
+        let coefs = Coefs {
+            lo: col(&|m| 1.0 - m.loss.clip)?,
+            hi: col(&|m| 1.0 + m.loss.clip)?,
+            clip: col(&|m| m.loss.clip)?,
+            vf: row(&|m| m.loss.vf_coef)?,
+            ent: row(&|m| m.loss.ent_coef)?,
+        };
+        let per: Vec<PopMember> = members
+            .iter()
+            .map(|m| PopMember { lr: m.optimizer.lr, weight_decay: 0.0, max_grad_norm: m.max_grad_norm, tau: 0.0 })
+            .collect();
+        let o = &first.optimizer;
+        let opt = PopAdamW::new(&params.vars(), &per, (o.beta1, o.beta2), o.eps, false)
+            .map_err(|e| Error::config(CTX, e.to_string()))?;
+        let diag = Tensor::zeros((5, n), DType::F32, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
+        Ok(Self {
+            members,
+            params,
+            coefs,
+            opt,
+            diag,
+            #[cfg(feature = "cuda")]
+            graph: None,
+        })
+    }
+
+    /// What members of one population must share, as text (a sweep groups trials by it).
+    pub fn shape_key(member: &PpoConfig) -> String {
+        shared_keys(member)
+    }
+
+    /// The members' configs.
+    pub fn members(&self) -> &[PpoConfig] {
+        &self.members
+    }
+
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the population has no member (never: [`Self::new`] refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The stacked actor-critics (`[N, ...]` per parameter, actor then critic).
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Member `k`'s Adam moments `(exp_avg, exp_avg_sq)` in parameter order (copies).
+    pub fn moments(&self, k: usize) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        self.opt.moments(k).map_err(|e| Error::config(CTX, e.to_string()))
+    }
+
+    /// Per member: optimiser steps applied and skipped (one read).
+    pub fn counters(&self) -> Result<(Vec<u64>, Vec<u64>)> {
+        self.opt.counters().map_err(|e| Error::config(CTX, e.to_string()))
+    }
+
+    /// Each member's statistics of the last minibatch update (two reads).
+    pub fn last_minibatch(&self) -> Result<Vec<PpoMinibatchStats>> {
+        let r = self.opt.last_step().map_err(|e| Error::config(CTX, e.to_string()))?;
+        let d: Vec<Vec<f32>> = self.diag.as_tensor().to_vec2().ctx(CTX)?;
+        Ok((0..self.len())
+            .map(|k| PpoMinibatchStats {
+                loss: r.loss[k],
+                l_clip: f64::from(d[0][k]),
+                l_v: f64::from(d[1][k]),
+                entropy: f64::from(d[2][k]),
+                approx_kl: f64::from(d[3][k]),
+                clip_frac: f64::from(d[4][k]),
+                grad_norm: r.grad_norm[k],
+                skipped: r.skipped[k],
+            })
+            .collect())
+    }
+
+    /// One minibatch update of every member (see the module docs). Reads nothing back;
+    /// [`Self::last_minibatch`] and [`Self::counters`] read the outcome. On CUDA, once
+    /// [`Self::capture_update`] has run, the captured graph replays instead.
+    pub fn update_minibatch(&mut self, batch: &PpoPopBatch) -> Result<()> {
+        self.check_batch(batch)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.graph {
+            for (dst, src) in g.inputs.tensors().into_iter().zip(batch.tensors()) {
+                dst.slice_set(&src.to_dtype(dst.dtype()).ctx(CTX)?, 0, 0).ctx(CTX)?;
+            }
+            return g.graph.replay().ctx(CTX);
+        }
+        self.update_body(batch, false)
+    }
+
+    fn check_batch(&self, batch: &PpoPopBatch) -> Result<()> {
+        let (n, s) = (self.len(), self.members[0].net.state_dim);
+        let b = batch.obs.dims().get(1).copied().unwrap_or(0);
+        if b < 2 {
+            return Err(Error::shape("obs", CTX, "[N, B >= 2, S]", format!("{:?}", batch.obs.dims())));
+        }
+        for (what, t, want) in [
+            ("obs", &batch.obs, vec![n, b, s]),
+            ("actions", &batch.actions, vec![n, b]),
+            ("logp_old", &batch.logp_old, vec![n, b]),
+            ("advantages", &batch.advantages, vec![n, b]),
+            ("returns", &batch.returns, vec![n, b]),
+        ] {
+            if t.dims() != want.as_slice() {
+                return Err(Error::shape(what, CTX, format!("{want:?}"), format!("{:?}", t.dims())));
+            }
+        }
+        if batch.actions.dtype() != DType::U32 {
+            return Err(Error::config(CTX, format!("actions must be U32, got {:?}", batch.actions.dtype())));
+        }
+        Ok(())
+    }
+
+    /// The update; a `dry` run computes everything and writes nothing (graph warm-up).
+    fn update_body(&self, batch: &PpoPopBatch, dry: bool) -> Result<()> {
+        let cfg = &self.members[0];
+        let vars = self.params.vars();
+        let w: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let (loss, diag) = pop_loss(&w, batch, &self.coefs, cfg.loss.adv_eps, cfg.precision).ctx(CTX)?;
+        let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
+        let g: Vec<Tensor> = vars
+            .iter()
+            .map(|v| grads.get(v.as_tensor()).cloned().ok_or_else(|| Error::config(CTX, "a parameter has no gradient")))
+            .collect::<Result<_>>()?;
+        self.opt.step(&vars, &[], &loss, &g, dry).map_err(|e| Error::config(CTX, e.to_string()))?;
+        if !dry {
+            self.diag.set(&diag).ctx(CTX)?;
+        }
+        Ok(())
+    }
+
+    /// Captures [`Self::update_minibatch`] as one CUDA graph at `example`'s minibatch size
+    /// (CUDA only); later updates copy their minibatch into the graph's inputs and replay it.
+    #[cfg(feature = "cuda")]
+    pub fn capture_update(&mut self, example: &PpoPopBatch) -> Result<()> {
+        self.check_batch(example)?;
+        self.graph = None;
+        let copy = |t: &Tensor| t.copy().ctx(CTX);
+        let inputs = PpoPopBatch {
+            obs: copy(&example.obs)?,
+            actions: copy(&example.actions)?,
+            logp_old: copy(&example.logp_old)?,
+            advantages: copy(&example.advantages)?,
+            returns: copy(&example.returns)?,
+        };
+        let dev = self.params.device().clone();
+        let graph = fx_precision::CapturedGraph::capture(&dev, 2, |dry| {
+            self.update_body(&inputs, dry)
+                .map_err(|e| fx_precision::Error::Config { what: "PpoPopulation update", message: e.to_string() })
+        })
+        .ctx(CTX)?;
+        self.graph = Some(CapturedUpdate { graph, inputs });
+        Ok(())
+    }
+
+    /// Launches per captured update (graph nodes); None before [`Self::capture_update`].
+    #[cfg(feature = "cuda")]
+    pub fn graph_nodes(&self) -> Result<Option<usize>> {
+        self.graph.as_ref().map(|g| g.graph.node_count().ctx(CTX)).transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ppo::trainer::PpoTrainer;
+    use crate::ppo::PpoBatch;
+
+    fn member(k: usize) -> PpoConfig {
+        let mut c = PpoConfig { seed: 5 + 11 * k as u64, minibatch_size: 32, num_steps: 16, ..Default::default() };
+        c.net.hidden = 24;
+        c.optimizer.lr = 3e-4 * (1.0 + k as f64);
+        c.loss.clip = 0.1 + 0.05 * k as f64;
+        c.loss.vf_coef = 0.25 + 0.25 * k as f64;
+        c.loss.ent_coef = 0.01 * k as f64;
+        // Member 2 clips hard (most of its steps are clipped).
+        c.max_grad_norm = if k == 2 { 0.01 } else { 0.5 };
+        c
+    }
+
+    /// Minibatch `step` of member k: uniform states, actions, old log-probabilities near
+    /// ln(1/3), advantages and returns (one stream per member and field).
+    fn batch(n: usize, b: usize, step: u64) -> PpoPopBatch {
+        let v = |len: usize, field: u64| -> Vec<f32> {
+            (0..len as u64).map(|i| (fx_kernels::rng::draw(77 + field, step, 0, i) * 2.0 - 1.0) as f32).collect()
+        };
+        let t = |x: Vec<f32>, shape: &[usize]| Tensor::from_vec(x, shape, &Device::Cpu).unwrap();
+        let actions: Vec<u32> = v(n * b, 1).iter().map(|u| ((u + 1.0) * 1.5) as u32 % 3).collect();
+        let logp: Vec<f32> = v(n * b, 2).iter().map(|u| (1.0f32 / 3.0).ln() + 0.3 * u).collect();
+        PpoPopBatch {
+            obs: t(v(n * b * 56, 0), &[n, b, 56]),
+            actions: Tensor::from_vec(actions, (n, b), &Device::Cpu).unwrap(),
+            logp_old: t(logp, &[n, b]),
+            advantages: t(v(n * b, 3).iter().map(|u| 2.0 * u).collect(), &[n, b]),
+            returns: t(v(n * b, 4), &[n, b]),
+        }
+    }
+
+    /// Members 0, 2 and 4 of a population of 5 (seeds, learning rates, clip ranges, value and
+    /// entropy weights and clip norms all different) are their solo learners over 40
+    /// minibatch updates on the CPU: the same weights, Adam moments, step counts and
+    /// minibatch statistics, bit for bit. A NaN in member 1's advantages at update 7 skips
+    /// that member's step and no other's.
+    #[test]
+    fn members_are_their_solo_learners_on_cpu() {
+        let n = 5;
+        let cfgs: Vec<PpoConfig> = (0..n).map(member).collect();
+        let mut pop = PpoPopulation::new(cfgs.clone(), 4, &Device::Cpu).unwrap();
+        let watched = [0usize, 2, 4];
+        let mut solos: Vec<PpoTrainer> =
+            watched.iter().map(|&k| PpoTrainer::new(cfgs[k].clone(), 4, &Device::Cpu).unwrap()).collect();
+        for (j, &k) in watched.iter().enumerate() {
+            for (a, b) in solos[j].model().params().vars().iter().zip(pop.params().vars()) {
+                assert_eq!(
+                    a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    b.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    "member {k}'s initial weights"
+                );
+            }
+        }
+        let mut clipped = 0;
+        for step in 0..40u64 {
+            let mut bt = batch(n, 32, step);
+            if step == 7 {
+                let mut a: Vec<Vec<f32>> = bt.advantages.to_vec2().unwrap();
+                a[1][5] = f32::NAN;
+                bt.advantages = Tensor::new(a, &Device::Cpu).unwrap();
+            }
+            pop.update_minibatch(&bt).unwrap();
+            let stats = pop.last_minibatch().unwrap();
+            assert_eq!(stats[1].skipped, step == 7, "member 1 skips update 7 only");
+            clipped += usize::from(stats[2].grad_norm > 0.01);
+            for (j, &k) in watched.iter().enumerate() {
+                let g = |t: &Tensor| t.get(k).unwrap();
+                let (obs, actions, logp, adv, ret) =
+                    (g(&bt.obs), g(&bt.actions), g(&bt.logp_old), g(&bt.advantages), g(&bt.returns));
+                let solo = solos[j]
+                    .update_minibatch(PpoBatch {
+                        obs: &obs,
+                        actions: &actions,
+                        logp_old: &logp,
+                        advantages: &adv,
+                        returns: &ret,
+                    })
+                    .unwrap();
+                let p = stats[k];
+                assert_eq!(
+                    (solo.loss, solo.grad_norm, solo.skipped),
+                    (p.loss, p.grad_norm, p.skipped),
+                    "member {k} update {step}: loss, gradient norm, skip"
+                );
+                assert_eq!(
+                    [solo.l_clip, solo.l_v, solo.entropy, solo.approx_kl, solo.clip_frac],
+                    [p.l_clip, p.l_v, p.entropy, p.approx_kl, p.clip_frac],
+                    "member {k} update {step}: diagnostics"
+                );
+            }
+        }
+        assert!(clipped > 30, "member 2 must be clipped on most updates, was on {clipped}");
+        let (applied, skipped) = pop.counters().unwrap();
+        assert_eq!(applied, vec![40, 39, 40, 40, 40]);
+        assert_eq!(skipped, vec![0, 1, 0, 0, 0]);
+        for (j, &k) in watched.iter().enumerate() {
+            for (i, (a, b)) in solos[j].model().params().vars().iter().zip(pop.params().vars()).enumerate() {
+                assert_eq!(
+                    a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    b.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    "member {k} tensor {i} after 40 updates"
+                );
+            }
+        }
+    }
+
+    /// Shape keys must agree, weight decay and F16 are refused, each with a named error.
+    #[test]
+    fn members_must_share_shape_keys() {
+        let a = member(0);
+        let e = PpoPopulation::new(vec![a.clone(), PpoConfig { epochs: 2, ..a.clone() }], 4, &Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("member 1 differs"), "{e}");
+        let mut wd = a.clone();
+        wd.optimizer.weight_decay = 0.1;
+        let e = PpoPopulation::new(vec![a.clone(), wd], 4, &Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("weight_decay"), "{e}");
+        let f16 = PpoConfig { precision: Precision::F16, ..a };
+        let e = PpoPopulation::new(vec![f16], 4, &Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("F16"), "{e}");
+        assert!(PpoPopulation::new(Vec::new(), 4, &Device::Cpu).is_err());
+    }
+}
