@@ -1,8 +1,9 @@
 // Element-wise and loss kernels of the fused MLP training step (crates/fx-models/src/mlp/
 // train_cuda.rs); the GEMMs around them are cuBLAS calls. Row-major [rows, cols] F32 buffers.
 // The reference these are tested against is the candle DQN update (fx-models device tests).
-// fx_bias_act, fx_act_bwd and fx_dqn_head_loss also serve populations: blockIdx.y is the
-// member, whose buffers follow the previous member's (a solo step launches one member).
+// fx_bias_act, fx_act_bwd, fx_dqn_head_loss and fx_ppo_loss also serve populations:
+// blockIdx.y is the member (blockIdx.x for fx_ppo_adv_stats), whose buffers follow the
+// previous member's (a solo step launches one member).
 
 #include <cuda_bf16.h>
 
@@ -18,8 +19,16 @@ extern "C" __global__ void fx_bias_act(float* __restrict__ h, const float* __res
     h += blockIdx.y * n;
     b += (size_t)blockIdx.y * cols;
     if (h16) h16 += blockIdx.y * n;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float x = h[i] + b[i % cols];
+    // The column follows the index by additions, not a 64-bit modulo per element (which made
+    // this memory-bound kernel compute-bound): i advances by `stride`, the column by
+    // stride % cols, wrapped once.
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    unsigned int col = (unsigned int)(i % cols), step = (unsigned int)(stride % cols);
+    for (; i < n; i += stride) {
+        float x = h[i] + b[col];
+        col += step;
+        if (col >= cols) col -= cols;
         if (act == ACT_RELU) x = x > 0.0f ? x : 0.0f;
         else if (act == ACT_TANH) x = tanhf(x);
         h[i] = x;
@@ -181,9 +190,11 @@ extern "C" __global__ void fx_dqn_q(const float* __restrict__ z, const float* __
 }
 
 // PPO: advantage mean and unbiased standard deviation of one minibatch (one block, double).
-// stats[0] = mean, stats[1] = std.
+// stats[0] = mean, stats[1] = std. Member m = blockIdx.x: adv [m][B], stats [m][2].
 extern "C" __global__ void fx_ppo_adv_stats(const float* __restrict__ adv, unsigned int B, float* __restrict__ stats) {
     __shared__ double s1[256], s2[256];
+    adv += (size_t)blockIdx.x * B;
+    stats += 2 * (size_t)blockIdx.x;
     double a = 0.0;
     for (unsigned int i = threadIdx.x; i < B; i += blockDim.x) a += (double)adv[i];
     s1[threadIdx.x] = a;
@@ -215,14 +226,31 @@ extern "C" __global__ void fx_ppo_adv_stats(const float* __restrict__ adv, unsig
 // PPO clipped-surrogate loss per row (one thread per row; MODELS.md / fx_models::ppo_loss):
 // rows [B, 6] = (loss, l_clip, l_v, entropy, approx_kl, clip_frac) per row, whose column
 // means are the minibatch values; d_logits [B, A] and d_value [B] are the gradients of the
-// mean loss.
+// mean loss. Member m = blockIdx.y: every buffer at member m's block; its clip, vf_coef and
+// ent_coef are coefs_m[3m..3m+3] when coefs_m is not 0.
 extern "C" __global__ void fx_ppo_loss(const float* __restrict__ logits, const float* __restrict__ value,
                                        const unsigned int* __restrict__ actions, const float* __restrict__ logp_old,
                                        const float* __restrict__ adv, const float* __restrict__ ret,
                                        const float* __restrict__ adv_stats, unsigned int B, unsigned int A,
                                        float clip, float vf_coef, float ent_coef, float adv_eps,
                                        float* __restrict__ rows, float* __restrict__ d_logits,
-                                       float* __restrict__ d_value) {
+                                       float* __restrict__ d_value, const float* __restrict__ coefs_m) {
+    size_t m = blockIdx.y;
+    logits += m * B * A;
+    value += m * B;
+    actions += m * B;
+    logp_old += m * B;
+    adv += m * B;
+    ret += m * B;
+    adv_stats += 2 * m;
+    rows += m * B * 6;
+    d_logits += m * B * A;
+    d_value += m * B;
+    if (coefs_m) {
+        clip = coefs_m[3 * m];
+        vf_coef = coefs_m[3 * m + 1];
+        ent_coef = coefs_m[3 * m + 2];
+    }
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= B) return;
     const float* z = logits + (size_t)i * A;

@@ -126,4 +126,4 @@ fn one_line(text: &str) -> String {
 }
 
 #[cfg(test)]
-mod fuzz_tests;
+pub(crate) mod fuzz_tests;

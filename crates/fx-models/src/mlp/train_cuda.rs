@@ -95,6 +95,11 @@ pub struct PpoLossArgs {
     pub rows: u64,
     pub d_logits: u64,
     pub d_value: u64,
+    /// Members (1 for a solo step): every buffer above holds `members` consecutive blocks,
+    /// one per member, each of the size described (`adv_stats` `[members, 2]`).
+    pub members: usize,
+    /// Each member's clip, vf_coef and ent_coef, F32 `[members, 3]` (0: the scalars above).
+    pub coefs_members: u64,
 }
 
 /// `struct CastTable` of mlp_train.cu.
@@ -327,7 +332,8 @@ impl MlpTrainKernels {
         Ok(())
     }
 
-    /// PPO: the advantages' statistics, then the per-row loss terms and gradients.
+    /// PPO: the advantages' statistics, then the per-row loss terms and gradients (of every
+    /// member).
     ///
     /// # Safety
     /// Every address holds what [`PpoLossArgs`] describes until the launches ran.
@@ -339,16 +345,19 @@ impl MlpTrainKernels {
                 message: format!("batch {} (>= 2), {} actions (1..={DQN_MAX_ACTIONS})", a.batch, a.n_actions),
             });
         }
-        let (b, na) = (a.batch as u32, a.n_actions as u32);
+        if a.members == 0 || a.members > 65_535 {
+            return Err(Error::Config { context: CTX, message: format!("{} members (1..=65535)", a.members) });
+        }
+        let (b, na, members) = (a.batch as u32, a.n_actions as u32, a.members as u32);
         let mut l = self.stream.launch_builder(&self.ppo_adv_stats);
         l.arg(&a.advantages).arg(&b).arg(&a.adv_stats);
-        l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+        l.launch(LaunchConfig { grid_dim: (members, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
             .map_err(driver(CTX))?;
         let mut l = self.stream.launch_builder(&self.ppo_loss);
         l.arg(&a.logits).arg(&a.value).arg(&a.actions).arg(&a.logp_old).arg(&a.advantages).arg(&a.returns);
         l.arg(&a.adv_stats).arg(&b).arg(&na).arg(&a.clip).arg(&a.vf_coef).arg(&a.ent_coef).arg(&a.adv_eps);
-        l.arg(&a.rows).arg(&a.d_logits).arg(&a.d_value);
-        let cfg = LaunchConfig { grid_dim: (b.div_ceil(128), 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        l.arg(&a.rows).arg(&a.d_logits).arg(&a.d_value).arg(&a.coefs_members);
+        let cfg = LaunchConfig { grid_dim: (b.div_ceil(128), members, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         l.launch(cfg).map_err(driver(CTX))?;
         Ok(())
     }

@@ -142,6 +142,8 @@ impl PpoFused {
                 rows: a(&self.rows)?,
                 d_logits: dz[0][2],
                 d_value: dz[1][2],
+                members: 1,
+                coefs_members: 0,
             })
             .ctx(CTX)?;
             blas.col_sums(b, 6, 1.0 / b as f32, a(&self.rows)?, 6, ones, a(&self.means)?).ctx(CTX)?;

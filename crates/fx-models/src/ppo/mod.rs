@@ -16,6 +16,8 @@
 mod epochs;
 #[cfg(feature = "cuda")]
 pub(crate) mod fused;
+#[cfg(feature = "cuda")]
+mod pop_fused;
 pub mod population;
 #[cfg(feature = "cuda")]
 mod rollout;

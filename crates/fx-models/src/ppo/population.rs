@@ -13,8 +13,9 @@
 //! on member k's minibatches: every operation is the solo loss's, batched over a leading axis
 //! in the same order (per-member scalars become `[N]` tensors with the same F32 values), so
 //! on the CPU the weights, moments, counters and minibatch statistics are the same values
-//! (the tests compare them). Rollouts and GAE stay per run for now: a population is driven one
-//! minibatch at a time by its caller.
+//! (the tests compare them). On CUDA the loss and gradients are the solo fused update
+//! batched over members (`pop_fused`; BF16 compute as the DQN's fused update takes it). Rollouts and GAE stay per run for now: a
+//! population is driven one minibatch at a time by its caller.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use fx_precision::{PopAdamW, PopMember, Precision};
@@ -70,6 +71,10 @@ pub struct PpoPopulation {
     diag: Var,
     #[cfg(feature = "cuda")]
     graph: Option<CapturedUpdate>,
+    /// On a CUDA device, for networks its kernels cover: the member-batched loss and
+    /// gradients at the configured minibatch size.
+    #[cfg(feature = "cuda")]
+    fused: Option<crate::ppo::pop_fused::PpoPopFused>,
 }
 
 #[cfg(feature = "cuda")]
@@ -144,6 +149,25 @@ fn pop_loss(
     Ok((loss, diag))
 }
 
+/// The reference of the fused update: each member's loss `[N]`, diagnostics `[5, N]` and
+/// the gradients of the summed losses in parameter order, with candle's ops.
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn reference_loss_and_grads(
+    pop: &PpoPopulation,
+    batch: &PpoPopBatch,
+) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
+    let cfg = &pop.members[0];
+    let vars = pop.params.vars();
+    let w: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let (loss, diag) = pop_loss(&w, batch, &pop.coefs, cfg.loss.adv_eps, cfg.precision).ctx(CTX)?;
+    let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
+    let g = w
+        .iter()
+        .map(|t| grads.get(t).cloned().ok_or_else(|| Error::config(CTX, "a parameter has no gradient")))
+        .collect::<Result<_>>()?;
+    Ok((loss, diag, g))
+}
+
 impl PpoPopulation {
     /// A population of `members.len()` PPO learners for rollouts of `num_envs` environments,
     /// member `k` configured by `members[k]`. Members may differ in `seed`,
@@ -200,6 +224,15 @@ impl PpoPopulation {
         let opt = PopAdamW::new(&params.vars(), &per, (o.beta1, o.beta2), o.eps, false)
             .map_err(|e| Error::config(CTX, e.to_string()))?;
         let diag = Tensor::zeros((5, n), DType::F32, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
+        #[cfg(feature = "cuda")]
+        let fused = if device.is_cuda() && crate::ppo::pop_fused::PpoPopFused::supports(&first.net) {
+            let c: Vec<[f32; 3]> =
+                members.iter().map(|m| [m.loss.clip as f32, m.loss.vf_coef as f32, m.loss.ent_coef as f32]).collect();
+            let (b, eps, p) = (first.minibatch_size, first.loss.adv_eps, first.precision);
+            Some(crate::ppo::pop_fused::PpoPopFused::new(&first.net, &c, b, eps, p, device)?)
+        } else {
+            None
+        };
         Ok(Self {
             members,
             params,
@@ -208,6 +241,8 @@ impl PpoPopulation {
             diag,
             #[cfg(feature = "cuda")]
             graph: None,
+            #[cfg(feature = "cuda")]
+            fused,
         })
     }
 
@@ -302,11 +337,25 @@ impl PpoPopulation {
         Ok(())
     }
 
-    /// The update; a `dry` run computes everything and writes nothing (graph warm-up).
+    /// The update; a `dry` run computes everything and writes nothing (graph warm-up). On
+    /// CUDA at the configured minibatch size the loss and gradients come from the
+    /// member-batched fused kernels ([`crate::ppo::pop_fused`]), else from candle's ops.
     fn update_body(&self, batch: &PpoPopBatch, dry: bool) -> Result<()> {
         let cfg = &self.members[0];
         let vars = self.params.vars();
         let w: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        #[cfg(feature = "cuda")]
+        if let Some(engine) = self.fused.as_ref().filter(|e| batch.obs.dims().get(1) == Some(&e.batch())) {
+            engine.run(&w, batch)?;
+            // Both reads run in a dry step too: a captured graph may only use the ops its
+            // warm-up ran.
+            let (loss, diag) = (engine.loss()?, engine.diagnostics()?);
+            self.opt.step(&vars, &[], &loss, engine.grads(), dry).map_err(|e| Error::config(CTX, e.to_string()))?;
+            if !dry {
+                self.diag.set(&diag).ctx(CTX)?;
+            }
+            return Ok(());
+        }
         let (loss, diag) = pop_loss(&w, batch, &self.coefs, cfg.loss.adv_eps, cfg.precision).ctx(CTX)?;
         let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
         let g: Vec<Tensor> = vars

@@ -17,6 +17,9 @@ pub mod series;
 pub mod task;
 pub mod trainer;
 
+#[cfg(test)]
+mod fuzz_tests;
+
 pub use metrics::{
     evaluate, evaluate_forecasts, evaluate_forecasts_with, forecast_metrics, EvalReport, ForecastMetrics, Forecasts,
 };

@@ -499,7 +499,21 @@ impl SeqTrainer {
 
     /// Restores [`SeqTrainer::save_state`]'s file into this trainer and `task`'s model.
     /// The file must come from the same model, training config and training rows.
+    /// Every error names `path`.
     pub fn load_state(&mut self, task: &impl SeqTask, path: &std::path::Path) -> Result<()> {
+        const CTX: &str = "SeqTrainer::load_state";
+        let shown = path.display().to_string();
+        self.load_state_from(task, path).map_err(|e| {
+            let msg = e.to_string();
+            if msg.contains(&shown) {
+                e
+            } else {
+                Error::config(CTX, format!("{shown}: {msg}"))
+            }
+        })
+    }
+
+    fn load_state_from(&mut self, task: &impl SeqTask, path: &std::path::Path) -> Result<()> {
         const CTX: &str = "SeqTrainer::load_state";
         let params = task.params();
         let mut nt = fx_precision::load_tensors(path, params.device()).ctx(CTX)?;

@@ -6,8 +6,9 @@
 //! inserted into the header) go through `DqnTrainer::load_state` / `PpoTrainer::load_state`.
 //! Each case ends in a trainer or a one-line error, never a panic, an abort or a hang.
 
+/// The fuzzing support every fx-models fuzz test shares (one copy of the module per crate).
 #[path = "../../../fx-data/src/fuzz_support.rs"]
-mod fz;
+pub(crate) mod fz;
 
 use std::path::{Path, PathBuf};
 
