@@ -398,10 +398,11 @@ impl RunConfig {
         Ok(())
     }
 
-    /// What a DQN / PPO run holds in host memory, by the key that sizes it (bytes): the
-    /// network's parameters with their gradient, AdamW moments and target / snapshot copies,
-    /// the replay buffer or rollout, a minibatch's activations and the accounts' state and
-    /// observations. Estimates on the generous side; the forecasters are not covered yet.
+    /// What a run holds in host memory, by the key that sizes it (bytes): the network's
+    /// parameters with their gradient, AdamW moments and target / snapshot / best copies; for
+    /// DQN / PPO the replay buffer or rollout, a minibatch's activations and the accounts'
+    /// state and observations; for TFT / MAMBA-2 one batch's activations over its windows.
+    /// Estimates on the generous side.
     pub fn host_memory_needs(&self) -> Vec<(String, u64)> {
         let count = |specs: Vec<fx_models::ParamSpec>| -> u64 {
             specs
@@ -441,7 +442,49 @@ impl RunConfig {
                 let acts = (self.ppo.minibatch_size as u64).saturating_mul(n.hidden as u64).saturating_mul(2 * 2 * 2);
                 needs.push((format!("ppo.minibatch_size {}", self.ppo.minibatch_size), f32s(acts, 1)));
             }
-            ModelChoice::Tft | ModelChoice::Mamba2 => return Vec::new(),
+            ModelChoice::Tft => {
+                // The accounts are not used; the sizes are the network's (an upper estimate of
+                // its parameters: a gated residual network of ~5 d×d maps per variable and the
+                // selection over all of them, the LSTMs, attention and the static GRNs) and one
+                // batch's activations over its windows (the taped forward keeps about a dozen
+                // d-wide values per variable and step).
+                let t = &self.tft;
+                needs.clear();
+                let (d, vars) = (t.d as u64, (t.n_observed + t.n_known).max(1) as u64);
+                let p = d.saturating_mul(d).saturating_mul(vars.saturating_mul(8).saturating_add(48));
+                needs.push((format!("tft.d {} (about {p} parameters)", t.d), f32s(p, 6)));
+                let steps = (t.l_enc as u64).saturating_add(t.h as u64);
+                let per = steps.saturating_mul(d).saturating_mul(vars.saturating_mul(12).saturating_add(40));
+                let acts = (self.seq.batch_size as u64).saturating_mul(per);
+                needs.push((
+                    format!("seq.batch_size {} x tft.l_enc + tft.h {steps}", self.seq.batch_size),
+                    f32s(acts, 2),
+                ));
+            }
+            ModelChoice::Mamba2 => {
+                let m = &self.mamba2;
+                needs.clear();
+                let (dm, layers) = (m.d_model as u64, m.n_layer as u64);
+                let inner = (m.expand as u64).saturating_mul(dm);
+                let gn = 2u64.saturating_mul(m.ngroups as u64).saturating_mul(m.d_state as u64);
+                let heads = inner / (m.headdim as u64).max(1);
+                let per_layer = dm
+                    .saturating_mul(inner.saturating_mul(3).saturating_add(gn).saturating_add(heads))
+                    .saturating_add(inner.saturating_add(gn).saturating_mul(m.d_conv as u64));
+                let p = layers.saturating_mul(per_layer).saturating_add((m.n_in as u64).saturating_mul(dm));
+                needs.push((
+                    format!("mamba2.d_model {} x n_layer {} (about {p} parameters)", m.d_model, m.n_layer),
+                    f32s(p, 6),
+                ));
+                let per = (self.mamba2_seq_len as u64)
+                    .saturating_mul(layers)
+                    .saturating_mul(inner.saturating_mul(12).saturating_add(gn.saturating_mul(4)));
+                let acts = (self.seq.batch_size as u64).saturating_mul(per);
+                needs.push((
+                    format!("seq.batch_size {} x mamba2_seq_len {}", self.seq.batch_size, self.mamba2_seq_len),
+                    f32s(acts, 1),
+                ));
+            }
         }
         needs
     }
@@ -526,7 +569,7 @@ fn toml_error(text: &str, e: &toml::de::Error) -> anyhow::Error {
 }
 
 #[cfg(test)]
-mod fuzz_tests;
+pub(crate) mod fuzz_tests;
 
 #[cfg(test)]
 mod tests {
@@ -644,5 +687,20 @@ mod tests {
         assert!(RunConfig::default().resolve().is_ok());
         let needs = RunConfig::default().host_memory_needs();
         assert!(needs.iter().any(|(k, b)| k.starts_with("dqn.replay_capacity") && *b > 0), "{needs:?}");
+        // The forecasters: a width, a depth or a batch beyond the machine names its key; the
+        // plain configs pass.
+        for (model, edit, key) in [
+            (ModelChoice::Tft, "[tft]\nd = 100000\n", "tft.d 100000"),
+            (ModelChoice::Tft, "[seq]\nbatch_size = 100000000\n", "seq.batch_size 100000000"),
+            (ModelChoice::Mamba2, "[mamba2]\nd_model = 1000000\n", "mamba2.d_model 1000000"),
+            (ModelChoice::Mamba2, "mamba2_seq_len = 1000000000\n", "mamba2_seq_len 1000000000"),
+        ] {
+            let name = if model == ModelChoice::Tft { "tft" } else { "mamba2" };
+            let plain = RunConfig::from_toml_str(&format!("model = \"{name}\"\n"), "plain.toml").unwrap();
+            assert!(plain.resolve().is_ok(), "the plain {name} config is refused");
+            let cfg = RunConfig::from_toml_str(&format!("model = \"{name}\"\n{edit}"), "big.toml").unwrap();
+            let e = format!("{:#}", cfg.resolve().unwrap_err());
+            assert!(e.contains(key) && e.contains("more than half of") && !e.contains('\n'), "{name} {edit:?}: {e}");
+        }
     }
 }

@@ -6,8 +6,9 @@
 //! case ends in a config or an error — whose message names the file and, with its causes,
 //! folds to the one line `fx-train` prints — never a panic or a hang.
 
+/// The fuzzing support every fx-train fuzz test shares (one copy of the module per crate).
 #[path = "../../../fx-data/src/fuzz_support.rs"]
-mod fz;
+pub(crate) mod fz;
 
 use std::path::PathBuf;
 
