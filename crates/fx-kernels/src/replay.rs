@@ -173,6 +173,34 @@ impl ReplayBuffer {
         self.select(&idx, ctx)
     }
 
+    /// [`Self::sample_keyed`] written into `out` (tensors of `batch` transitions in the
+    /// buffer's layout; views into larger tensors, such as one member's rows of a
+    /// population's stacked minibatch, are written in place, so nothing is stacked after). On
+    /// CUDA one kernel writes `out` directly; on the CPU the drawn rows are copied in.
+    pub fn sample_keyed_into(&self, batch: usize, seed: u64, key: u64, out: &ReplayBatch) -> Result<()> {
+        let ctx = "ReplayBuffer::sample_keyed_into";
+        if self.len == 0 {
+            return Err(Error::Empty { what: "replay buffer", context: ctx });
+        }
+        out.check(batch, &self.device, ctx)?;
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() {
+            return crate::cuda::dqn_loop::sample_keyed_into(self, seed, key, out);
+        }
+        let s = self.sample_keyed(batch, seed, key)?;
+        let pairs = [
+            (&out.states, &s.states),
+            (&out.actions, &s.actions),
+            (&out.rewards, &s.rewards),
+            (&out.next_states, &s.next_states),
+            (&out.dones, &s.dones),
+        ];
+        for (dst, src) in pairs {
+            dst.slice_set(src, 0, 0).ctx(ctx)?;
+        }
+        Ok(())
+    }
+
     /// The `len` stored transitions in physical (slot) order, as views of the buffer's own
     /// tensors (no copy: they change with the next write, so copy them off first, as a
     /// checkpoint's snapshot does).
@@ -328,6 +356,43 @@ mod tests {
         for len in [1usize, 2, 37, 1 << 20, u32::MAX as usize] {
             assert!(keyed_indices(len, 200, 5, len as u64).iter().all(|&i| (i as usize) < len), "len {len}");
         }
+    }
+
+    /// Sampling into member k's rows of a stacked minibatch writes what `sample_keyed`
+    /// returns there and leaves the other rows alone; a view of the wrong size is refused.
+    #[test]
+    fn samples_into_rows_of_a_stacked_batch() {
+        let mut buf = ReplayBuffer::new(64, &Device::Cpu).expect("buf");
+        push(&mut buf, 0, 37);
+        let z = |shape: &[usize], dt| Tensor::zeros(shape, dt, &Device::Cpu).expect("zeros");
+        let (s, a, r, s2, d) = (
+            z(&[3, 8, OBS_DIM], DType::F32),
+            z(&[3, 8], DType::U32),
+            z(&[3, 8], DType::F32),
+            z(&[3, 8, OBS_DIM], DType::F32),
+            z(&[3, 8], DType::F32),
+        );
+        let row = |t: &Tensor, k: usize| t.get(k).expect("row");
+        let view = |k| ReplayBatch {
+            states: row(&s, k),
+            actions: row(&a, k),
+            rewards: row(&r, k),
+            next_states: row(&s2, k),
+            dones: row(&d, k),
+        };
+        buf.sample_keyed_into(8, 5, 11, &view(1)).expect("into");
+        let want = buf.sample_keyed(8, 5, 11).expect("sample");
+        let got = view(1);
+        assert_eq!(got.states.to_vec2::<f32>().unwrap(), want.states.to_vec2::<f32>().unwrap());
+        assert_eq!(got.next_states.to_vec2::<f32>().unwrap(), want.next_states.to_vec2::<f32>().unwrap());
+        assert_eq!(got.actions.to_vec1::<u32>().unwrap(), want.actions.to_vec1::<u32>().unwrap());
+        assert_eq!(got.rewards.to_vec1::<f32>().unwrap(), want.rewards.to_vec1::<f32>().unwrap());
+        assert_eq!(got.dones.to_vec1::<f32>().unwrap(), want.dones.to_vec1::<f32>().unwrap());
+        ids(&got);
+        for k in [0, 2] {
+            assert!(view(k).states.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().all(|&v| v == 0.0));
+        }
+        assert!(buf.sample_keyed_into(4, 5, 11, &view(0)).is_err(), "a view of 8 rows for a batch of 4");
     }
 
     #[test]

@@ -150,6 +150,15 @@ pub(crate) fn sample_keyed(replay: &ReplayBuffer, batch: usize, seed: u64, key: 
     Ok(out)
 }
 
+/// [`ReplayBuffer::sample_keyed_into`] on CUDA: the sampling kernel writes `out` (contiguous,
+/// views allowed) directly.
+pub(crate) fn sample_keyed_into(replay: &ReplayBuffer, seed: u64, key: u64, out: &ReplayBatch) -> Result<()> {
+    const CTX: &str = "ReplayBuffer::sample_keyed_into";
+    let dev = cuda_device(replay.device(), "replay", CTX)?;
+    let func = load(dev, "fx_replay_sample", CTX)?;
+    launch_sample(&func, replay, None, replay.len() as u64, key, seed, out)
+}
+
 /// Launches `fx_replay_sample` into `out` after checking its buffers: with `looped`
 /// (block address, minibatch) the length and key come from the device, else `len`, `key`.
 fn launch_sample(

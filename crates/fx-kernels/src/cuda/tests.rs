@@ -153,6 +153,28 @@ fn dqn_experience_matches_cpu_replay() {
         assert_eq!(host_f32(&sg.rewards), host_f32(&sc.rewards), "sampled r, key {key}");
         assert_eq!(host_f32(&sg.dones), host_f32(&sc.dones), "sampled done, key {key}");
     }
+    // ... also when written into one member's rows of a stacked minibatch (the population's
+    // path), the other rows left alone
+    let z = |shape: &[usize], dt| Tensor::zeros(shape, dt, &dev).expect("zeros");
+    let stacked = [z(&[3, 300, OBS_DIM], DType::F32), z(&[3, 300, OBS_DIM], DType::F32)];
+    let scalars = [z(&[3, 300], DType::U32), z(&[3, 300], DType::F32), z(&[3, 300], DType::F32)];
+    let view = crate::ReplayBatch {
+        states: stacked[0].get(1).expect("row"),
+        actions: scalars[0].get(1).expect("row"),
+        rewards: scalars[1].get(1).expect("row"),
+        next_states: stacked[1].get(1).expect("row"),
+        dones: scalars[2].get(1).expect("row"),
+    };
+    rg.sample_keyed_into(300, 21, 977, &view).expect("gpu sample into");
+    let sc = rc.sample_keyed(300, 21, 977).expect("cpu");
+    assert_eq!(host_f32(&view.states), host_f32(&sc.states), "sampled-into s");
+    assert_eq!(host_f32(&view.next_states), host_f32(&sc.next_states), "sampled-into s2");
+    assert_eq!(host_u32(&view.actions), host_u32(&sc.actions), "sampled-into a");
+    assert_eq!(host_f32(&view.rewards), host_f32(&sc.rewards), "sampled-into r");
+    assert_eq!(host_f32(&view.dones), host_f32(&sc.dones), "sampled-into done");
+    for k in [0usize, 2] {
+        assert!(host_f32(&stacked[0].get(k).expect("row")).iter().all(|&v| v == 0.0), "row {k} touched");
+    }
     // E > capacity is refused before any launch
     let mut small = ReplayBuffer::new(3, &dev).expect("replay");
     assert!(gpu.step_into_replay(&Tensor::zeros(e, DType::U32, &dev).expect("a"), &mut small).is_err());
