@@ -1148,7 +1148,8 @@ fn configs_beyond_a_memory_limit_are_refused_under_it() {
     assert!(!out.exists(), "the refused run left {} behind", out.display());
 }
 
-/// `features --input FOLDER` writes the panel of the folder's bar files.
+/// `features --input FOLDER` writes the panel of the folder's bar files; a long-format file of
+/// the same bars writes the same panel.
 #[test]
 fn features_of_a_folder_is_a_panel() {
     let dir = tempfile::tempdir().unwrap();
@@ -1164,4 +1165,19 @@ fn features_of_a_folder_is_a_panel() {
     let p = fx_data::Panel::read(&out).unwrap();
     assert_eq!(p.instruments.len(), 3);
     assert!(p.mask.iter().all(|&m| m == 1), "the three stocks share one calendar");
+    // The same bars as one long-format file (a symbol column) give the same panel.
+    let mut long = String::from("symbol,timestamp,open,high,low,close,volume\n");
+    for s in ["aapl", "ibm", "msft"] {
+        let text = std::fs::read_to_string(bars.join(format!("{s}_daily_2000_2013.csv"))).unwrap();
+        for line in text.lines().skip(1).filter(|l| !l.trim().is_empty()) {
+            long.push_str(&format!("{s}_daily_2000_2013,{line}\n"));
+        }
+    }
+    let long_path = dir.path().join("long.csv");
+    std::fs::write(&long_path, long).unwrap();
+    let out2 = dir.path().join("panel2.safetensors");
+    let text =
+        ok(&fx_train().args(["features", "--input"]).arg(&long_path).arg("--output").arg(&out2).output().unwrap());
+    assert!(text.contains("panel of 3 instruments x 3170 calendar rows"), "{text}");
+    assert_eq!(fx_data::Panel::read(&out2).unwrap(), p);
 }

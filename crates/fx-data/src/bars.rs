@@ -141,14 +141,21 @@ fn check_row(r: &RowValues, prev_ts: Option<i64>, raw: Option<&[&str; 4]>) -> Re
     Ok(())
 }
 
-fn read_rows<R: Read>(reader: R, path: &Path) -> Result<(Bars, Vec<u64>), Error> {
-    let err = |line: u64, rule: String| Error::Input { path: path.to_path_buf(), line, rule };
-    // Lines are split here (not by the csv crate, whose line numbers skip
-    // blank lines and miscount CRLF) so `file:line` is the editor's line.
-    let mut lines = Lines::new(reader, path);
+/// Header names accepted for a long-format file's instrument column (after trim + lowercase).
+const SYMBOL_ALIASES: [&str; 3] = ["symbol", "ticker", "instrument"];
 
-    // Header: the first non-blank line.
-    let (header_line, header) = loop {
+/// Where a header puts the six bar columns and, in a long-format file, the symbol.
+struct Header {
+    line: u64,
+    idx: [usize; 6],
+    symbol: Option<usize>,
+    n_fields: usize,
+}
+
+/// The first non-blank line as a bars header.
+fn read_header<R: Read>(lines: &mut Lines<'_, R>, path: &Path) -> Result<Header, Error> {
+    let err = |line: u64, rule: String| Error::Input { path: path.to_path_buf(), line, rule };
+    let (line, header) = loop {
         match lines.next_record()? {
             None => return Err(err(1, "empty file (no header row)".into())),
             Some((_, rec)) if is_blank(&rec) => continue,
@@ -156,13 +163,21 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<(Bars, Vec<u64>), Error>
         }
     };
     let mut index: [Option<usize>; 6] = [None; 6];
+    let mut symbol = None;
     for (i, name) in header.iter().enumerate() {
         let name = name.trim().to_ascii_lowercase();
+        if SYMBOL_ALIASES.contains(&name.as_str()) {
+            if symbol.is_some() {
+                return Err(err(line, "more than one symbol column (symbol, ticker, instrument)".into()));
+            }
+            symbol = Some(i);
+            continue;
+        }
         let col =
             if TIMESTAMP_ALIASES.contains(&name.as_str()) { Some(0) } else { COLUMNS.iter().position(|c| *c == name) };
         if let Some(col) = col {
             if index[col].is_some() {
-                return Err(err(header_line, format!("column `{}` appears more than once", COLUMNS[col])));
+                return Err(err(line, format!("column `{}` appears more than once", COLUMNS[col])));
             }
             index[col] = Some(i);
         }
@@ -171,41 +186,135 @@ fn read_rows<R: Read>(reader: R, path: &Path) -> Result<(Bars, Vec<u64>), Error>
     for (k, slot) in index.iter().enumerate() {
         idx[k] = slot.ok_or_else(|| {
             let what = if k == 0 { "timestamp (or date, time, datetime)" } else { COLUMNS[k] };
-            err(header_line, format!("missing required column `{what}`"))
+            err(line, format!("missing required column `{what}`"))
         })?;
     }
-    let n_fields = header.len();
+    Ok(Header { line, idx, symbol, n_fields: header.len() })
+}
 
+/// One data row's values, checked against the row rules (`prev_ts`: the previous bar of the
+/// same instrument).
+fn parse_row(rec: &[String], h: &Header, line: u64, prev_ts: Option<i64>, path: &Path) -> Result<RowValues, Error> {
+    let err = |rule: String| Error::Input { path: path.to_path_buf(), line, rule };
+    if rec.len() < h.n_fields {
+        return Err(err(format!("row has fewer fields than the header ({} < {})", rec.len(), h.n_fields)));
+    }
+    let cell = |k: usize| rec[h.idx[k]].trim();
+    let ts_text = cell(0);
+    let ts = parse_timestamp(ts_text)
+        .ok_or_else(|| err(format!("timestamp is neither unix seconds nor ISO-8601 (`{}`)", one_line(ts_text))))?;
+    let mut vals = [0.0f64; 5];
+    for k in 1..6 {
+        let text = cell(k);
+        vals[k - 1] =
+            text.parse::<f64>().map_err(|_| err(format!("`{}` is not a number (`{}`)", COLUMNS[k], one_line(text))))?;
+    }
+    let row = RowValues { ts, open: vals[0], high: vals[1], low: vals[2], close: vals[3], volume: vals[4] };
+    let raw = [cell(1), cell(2), cell(3), cell(4)];
+    check_row(&row, prev_ts, Some(&raw)).map_err(err)?;
+    Ok(row)
+}
+
+fn read_rows<R: Read>(reader: R, path: &Path) -> Result<(Bars, Vec<u64>), Error> {
+    // Lines are split here (not by the csv crate, whose line numbers skip
+    // blank lines and miscount CRLF) so `file:line` is the editor's line.
+    let mut lines = Lines::new(reader, path);
+    let h = read_header(&mut lines, path)?;
     let mut bars = Bars::default();
     let mut bar_lines = Vec::new();
     let mut prev_ts = None;
+    // A symbol column is fine while it names one instrument; a second one makes the file a
+    // long-format panel, which one instrument's reader must not mix into one series.
+    let mut first_symbol: Option<String> = None;
     while let Some((line, rec)) = lines.next_record()? {
         if is_blank(&rec) {
             continue;
         }
-        if rec.len() < n_fields {
-            return Err(err(line, format!("row has fewer fields than the header ({} < {n_fields})", rec.len())));
+        if let Some(name) = h.symbol.and_then(|c| rec.get(c)).map(|s| s.trim()) {
+            match &first_symbol {
+                None => first_symbol = Some(name.to_string()),
+                Some(f) if f != name => {
+                    return Err(Error::Input {
+                        path: path.to_path_buf(),
+                        line,
+                        rule: format!(
+                            "a second instrument `{}` after `{}`: a long-format file of several instruments \
+                             is a panel (`fx-train features --input` builds it), not one instrument's bars",
+                            one_line(name),
+                            one_line(f)
+                        ),
+                    });
+                }
+                Some(_) => {}
+            }
         }
-        let cell = |k: usize| rec[idx[k]].trim();
-        let ts_text = cell(0);
-        let ts = parse_timestamp(ts_text).ok_or_else(|| {
-            err(line, format!("timestamp is neither unix seconds nor ISO-8601 (`{}`)", one_line(ts_text)))
-        })?;
-        let mut vals = [0.0f64; 5];
-        for k in 1..6 {
-            let text = cell(k);
-            vals[k - 1] = text
-                .parse::<f64>()
-                .map_err(|_| err(line, format!("`{}` is not a number (`{}`)", COLUMNS[k], one_line(text))))?;
-        }
-        let row = RowValues { ts, open: vals[0], high: vals[1], low: vals[2], close: vals[3], volume: vals[4] };
-        let raw = [cell(1), cell(2), cell(3), cell(4)];
-        check_row(&row, prev_ts, Some(&raw)).map_err(|rule| err(line, rule))?;
-        prev_ts = Some(ts);
+        let row = parse_row(&rec, &h, line, prev_ts, path)?;
+        prev_ts = Some(row.ts);
         bars.push(&row);
         bar_lines.push(line);
     }
     Ok((bars, bar_lines))
+}
+
+/// Reads a long-format CSV (a `symbol` — or `ticker`, `instrument` — column beside the
+/// bar columns, any number of instruments, rows in any order across instruments): each
+/// instrument's bars, in the order of its rows, with each bar's line, instruments sorted by
+/// name. The row rules hold per instrument (its timestamps strictly increase down the file);
+/// the first row that breaks one stops with `file:line: rule`, naming the instrument. Each
+/// instrument needs more than [`WARMUP`] bars.
+pub fn read_long_csv(path: &Path) -> Result<Vec<(String, Bars, Vec<u64>)>, Error> {
+    let file = crate::files::open_regular(path).map_err(|e| Error::io(path, e))?;
+    let mut lines = Lines::new(std::io::BufReader::new(file), path);
+    let h = read_header(&mut lines, path)?;
+    let Some(sym) = h.symbol else {
+        return Err(Error::Input {
+            path: path.to_path_buf(),
+            line: h.line,
+            rule: "no symbol column (symbol, ticker or instrument): not a long-format file".into(),
+        });
+    };
+    let mut by: std::collections::BTreeMap<String, (Bars, Vec<u64>)> = std::collections::BTreeMap::new();
+    while let Some((line, rec)) = lines.next_record()? {
+        if is_blank(&rec) {
+            continue;
+        }
+        let name = rec.get(sym).map(|s| s.trim()).unwrap_or_default();
+        if name.is_empty() {
+            return Err(Error::Input { path: path.to_path_buf(), line, rule: "the symbol is empty".into() });
+        }
+        let (bars, bar_lines) = by.entry(name.to_string()).or_default();
+        let prev = bars.timestamp.last().copied();
+        let row = parse_row(&rec, &h, line, prev, path).map_err(|e| match e {
+            Error::Input { path, line, rule } => {
+                Error::Input { path, line, rule: format!("{}: {rule}", one_line(name)) }
+            }
+            other => other,
+        })?;
+        bars.push(&row);
+        bar_lines.push(line);
+    }
+    if by.is_empty() {
+        return Err(Error::format(path, "holds a header and no bars"));
+    }
+    if let Some((name, (bars, _))) = by.iter().find(|(_, (b, _))| b.len() <= WARMUP) {
+        return Err(Error::format(
+            path,
+            format!(
+                "instrument {} has {} bars; at least {} are needed (the warm-up)",
+                one_line(name),
+                bars.len(),
+                WARMUP + 1
+            ),
+        ));
+    }
+    Ok(by.into_iter().map(|(n, (b, l))| (n, b, l)).collect())
+}
+
+/// Whether `path`'s header names an instrument column (a long-format panel file).
+pub fn has_symbol_column(path: &Path) -> Result<bool, Error> {
+    let file = crate::files::open_regular(path).map_err(|e| Error::io(path, e))?;
+    let mut lines = Lines::new(std::io::BufReader::new(file), path);
+    Ok(read_header(&mut lines, path)?.symbol.is_some())
 }
 
 fn is_blank(rec: &[String]) -> bool {

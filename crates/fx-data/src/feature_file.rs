@@ -58,7 +58,13 @@ impl FeatureTable {
     pub fn from_csv(path: &Path) -> Result<Self, Error> {
         let (bars, lines) = Bars::from_csv_path_with_lines(path)?;
         let source = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        features::compute(&bars, &source).map_err(|e| match e {
+        Self::from_bars_at_lines(&bars, &lines, path, &source)
+    }
+
+    /// The features of `bars` read from `path` at `lines` (each bar's line in the file): a
+    /// non-finite feature is reported at the line of the first bar whose row holds it.
+    pub(crate) fn from_bars_at_lines(bars: &Bars, lines: &[u64], path: &Path, source: &str) -> Result<Self, Error> {
+        features::compute(bars, source).map_err(|e| match e {
             Error::NonFinite { name, row, column, value, .. } => {
                 let feature = if name == "market" {
                     features::MARKET_FEATURE_NAMES.get(column).map_or(name.clone(), |n| n.to_string())

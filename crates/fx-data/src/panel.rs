@@ -1,7 +1,8 @@
 //! Panels: many instruments' features on one calendar, `[instrument × time × feature]`.
 //!
 //! [`Panel::from_csv_dir`] reads a folder of per-instrument bar files (`*.csv`, one
-//! instrument each, named by its file stem, in name order), computes each instrument's
+//! instrument each, named by its file stem, in name order), [`Panel::from_long_csv`] one
+//! long-format file (a symbol column beside the bar columns, instruments by name), computes each instrument's
 //! features exactly as for a single instrument ([`crate::features::compute`]: the same
 //! leakage rules, each instrument's look-back inside its own bars), and aligns them on the
 //! union of their feature rows' timestamps. Where an instrument has no row at a timestamp
@@ -123,6 +124,24 @@ impl Panel {
         for p in &files {
             let name = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
             tables.push((name, FeatureTable::from_csv(p)?));
+        }
+        Self::from_tables(tables)
+    }
+
+    /// Reads a long-format CSV of many instruments (`timestamp, symbol, open, high, low,
+    /// close, volume`, any column order, rows in any order across instruments; see
+    /// [`crate::bars::read_long_csv`]) and builds the panel, instruments by name. Each
+    /// instrument's features are its own bars' (as [`Self::from_csv_dir`] with one file per
+    /// instrument gives); a bad row's error names the file, its line, the instrument and the rule.
+    pub fn from_long_csv(path: &Path) -> Result<Self, Error> {
+        let mut tables = Vec::new();
+        for (name, bars, lines) in crate::bars::read_long_csv(path)? {
+            let source = format!("{}:{name}", path.file_name().map(|s| s.to_string_lossy()).unwrap_or_default());
+            let t = FeatureTable::from_bars_at_lines(&bars, &lines, path, &source).map_err(|e| match e {
+                Error::Input { path, line, rule } => Error::Input { path, line, rule: format!("{name}: {rule}") },
+                other => other,
+            })?;
+            tables.push((name, t));
         }
         Self::from_tables(tables)
     }
@@ -298,6 +317,91 @@ mod tests {
             assert_eq!(&p.market[cell * f..(cell + 1) * f], &gap.market[r * f..(r + 1) * f]);
         }
         assert!(Panel::from_tables(vec![("a".into(), full.clone()), ("a".into(), full)]).is_err());
+    }
+
+    /// The three shipped stocks as one long-format file (rows interleaved by date, columns
+    /// reordered, the symbol column named `ticker`): the same panel as the folder of their
+    /// files, bit for bit, instrument names aside.
+    #[test]
+    fn a_long_format_file_is_the_folders_panel() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = ["aapl", "ibm", "msft"];
+        let mut rows: Vec<(String, String, String)> = Vec::new();
+        for s in names {
+            let name = format!("{s}_daily_2000_2013.csv");
+            std::fs::copy(data(&name), dir.path().join(format!("{s}.csv"))).unwrap();
+            let text = std::fs::read_to_string(data(&name)).unwrap();
+            for line in text.lines().skip(1).filter(|l| !l.trim().is_empty()) {
+                let (date, rest) = line.split_once(',').unwrap();
+                rows.push((date.to_string(), s.to_uppercase(), rest.to_string()));
+            }
+        }
+        rows.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        let mut long = String::from("date,ticker,open,high,low,close,volume\n");
+        for (d, sym, rest) in &rows {
+            long.push_str(&format!("{d},{sym},{rest}\n"));
+        }
+        let long_path = dir.path().join("universe.long");
+        std::fs::write(&long_path, long).unwrap();
+        let folder = Panel::from_csv_dir(dir.path()).unwrap();
+        let mut p = Panel::from_long_csv(&long_path).unwrap();
+        assert_eq!(p.instruments, ["AAPL", "IBM", "MSFT"]);
+        p.instruments = folder.instruments.clone();
+        assert!(p == folder, "the long-format panel differs from the folder's");
+        // One instrument's bars read alone from a long file are refused, naming the line of
+        // the second instrument.
+        let e = Bars::from_csv_path(&long_path).unwrap_err().to_string();
+        assert!(e.contains("universe.long:3") && e.contains("a second instrument") && !e.contains('\n'), "{e}");
+    }
+
+    /// Long-format errors name the file, the line, the instrument and the rule, in one line.
+    #[test]
+    fn bad_long_format_rows_are_one_line_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let bars = Bars::from_csv_path(&fixture("features_small.csv")).unwrap();
+        let write = |name: &str, edit: &dyn Fn(&mut Vec<String>)| -> PathBuf {
+            let mut lines = vec!["timestamp,symbol,open,high,low,close,volume".to_string()];
+            for i in 0..bars.len() {
+                for sym in ["A", "B"] {
+                    let (o, h, l, c, v) = (bars.open[i], bars.high[i], bars.low[i], bars.close[i], bars.volume[i]);
+                    lines.push(format!("{},{sym},{o},{h},{l},{c},{v}", bars.timestamp[i]));
+                }
+            }
+            edit(&mut lines);
+            let p = dir.path().join(name);
+            std::fs::write(&p, lines.join("\n")).unwrap();
+            p
+        };
+        let ok = write("ok.csv", &|_| {});
+        let p = Panel::from_long_csv(&ok).unwrap();
+        assert_eq!((p.instruments.len(), p.mask.iter().all(|&m| m == 1)), (2, true));
+        type Edit<'a> = &'a dyn Fn(&mut Vec<String>);
+        let cases: [(&str, Edit, &str); 4] = [
+            // B's row at line 5 goes back in time (A's rows do not count for B).
+            (
+                "back.csv",
+                &|l| l[4] = l[4].replacen(&bars.timestamp[1].to_string(), "0", 1),
+                "back.csv:5: B: timestamps must be strictly increasing",
+            ),
+            (
+                "nan.csv",
+                &|l| {
+                    let mut f: Vec<String> = l[7].split(',').map(String::from).collect();
+                    f[2] = "nan".into();
+                    l[7] = f.join(",");
+                },
+                "nan.csv:8: A: prices must be finite and positive (open = nan)",
+            ),
+            ("empty.csv", &|l| l[2] = l[2].replace(",B,", ",,"), "empty.csv:3: the symbol is empty"),
+            ("short.csv", &|l| l.push(format!("{},C,1,1,1,1,1", bars.timestamp[0])), "instrument C has 1 bars"),
+        ];
+        for (name, edit, want) in cases {
+            let path = write(name, edit);
+            let e = Panel::from_long_csv(&path).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{name}: {e}");
+        }
+        let e = Panel::from_long_csv(&fixture("features_small.csv")).unwrap_err().to_string();
+        assert!(e.contains("no symbol column"), "{e}");
     }
 
     #[test]

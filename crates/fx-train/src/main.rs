@@ -143,9 +143,12 @@ fn fresh_run_folder(base: &std::path::Path) -> std::path::PathBuf {
 }
 
 fn features(args: &cli::FeaturesArgs) -> anyhow::Result<()> {
-    // A folder of per-instrument bar files is a panel (fx_data::panel).
-    if args.input.is_dir() {
-        let p = fx_data::Panel::from_csv_dir(&args.input)?;
+    // A folder of per-instrument bar files, or one long-format file (a symbol column), is a
+    // panel (fx_data::panel).
+    let long = !args.input.is_dir() && fx_data::bars::has_symbol_column(&args.input)?;
+    if args.input.is_dir() || long {
+        let p =
+            if long { fx_data::Panel::from_long_csv(&args.input)? } else { fx_data::Panel::from_csv_dir(&args.input)? };
         p.write(&args.output)?;
         let masked = p.mask.iter().filter(|&&m| m == 0).count();
         println!(

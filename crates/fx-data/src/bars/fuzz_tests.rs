@@ -1,8 +1,9 @@
 //! Bad input never panics: valid bar CSVs damaged by 1–4 random mutations (bytes flipped,
 //! truncated, lines duplicated, swapped or dropped, numbers replaced by huge, non-finite or
 //! out-of-range spellings, text inserted) go through the whole `fx-train features` path
-//! (read, compute the features, write the file). Each case ends in a valid result or a
-//! one-line error naming the input file, never a panic or a hang.
+//! (read, compute the features, write the file), and a long-format file of two instruments
+//! goes through `Panel::from_long_csv`. Each case ends in a valid result or a one-line error
+//! naming the input file, never a panic or a hang.
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,39 @@ fn fuzz(cases: u32) {
 fn read(input: &Path, output: &Path) -> Result<Result<(), String>, String> {
     let (input, output) = (input.to_path_buf(), output.to_path_buf());
     fz::guarded(move || build_feature_file(&input, &output).map(drop).map_err(|e| e.to_string()))
+}
+
+/// A long-format file of two instruments (rows interleaved) as `features --input` reads it:
+/// each damaged case ends in a panel or a one-line error naming the file.
+fn fuzz_long(cases: u32) {
+    let shared = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared"));
+    let text = std::fs::read_to_string(shared.join("fixtures/features_small.csv")).unwrap();
+    let mut long = String::from("timestamp,ticker,open,high,low,close,volume\n");
+    for line in text.lines().skip(1).filter(|l| !l.trim().is_empty()) {
+        let (ts, rest) = line.split_once(',').unwrap();
+        long.push_str(&format!("{ts},AAA,{rest}\n{ts},BBB,{rest}\n"));
+    }
+    let input = long.into_bytes();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("universe.csv");
+    fz::run("long-format CSV reader", cases, fz::mutations(Format::Text), |muts| {
+        let bytes = fz::apply(&input, &muts, Format::Text);
+        std::fs::write(&path, &bytes).unwrap();
+        let p = path.clone();
+        let outcome = fz::guarded(move || crate::Panel::from_long_csv(&p).map(drop).map_err(|e| e.to_string()));
+        fz::check("long-format CSV reader", outcome, &bytes, Some(&path))
+    });
+}
+
+#[test]
+fn fuzz_long_format_reader() {
+    fuzz_long(fz::DEFAULT_CASES);
+}
+
+#[test]
+#[ignore = "long fuzz run (FX_FUZZ_CASES, default 10,000): cargo test --workspace -- --ignored fuzz"]
+fn fuzz_long_format_reader_long() {
+    fuzz_long(fz::long_cases());
 }
 
 #[test]
