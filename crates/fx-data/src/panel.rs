@@ -15,6 +15,7 @@
 //! `schema`, `instruments` and `feature_names` (JSON lists), `rows` (T). Written atomically.
 
 use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
@@ -22,6 +23,7 @@ use safetensors::{Dtype, SafeTensors};
 use crate::error::Error;
 use crate::feature_file::FeatureTable;
 use crate::features::{calendar, N_KNOWN};
+use crate::normalize::Normalizer;
 
 /// The `schema` metadata value of a panel file.
 pub const PANEL_SCHEMA: &str = "fx-panel/1";
@@ -144,6 +146,54 @@ impl Panel {
             tables.push((name, t));
         }
         Self::from_tables(tables)
+    }
+
+    /// One normaliser per instrument, fitted on the calendar rows `train` only (DATA.md:
+    /// never on validation or test rows) over that instrument's own unmasked cells there: an
+    /// instrument's scale never mixes with another's, and a cell without a bar counts for
+    /// nothing. An instrument with no bar in `train` is an error naming it.
+    pub fn fit_normalizers(&self, train: Range<usize>) -> Result<Vec<Normalizer>, Error> {
+        let (n_t, f) = (self.rows(), self.n_market());
+        if train.end > n_t || train.is_empty() {
+            return Err(Error::config("panel normalisation rows", format!("{train:?} of {n_t} calendar rows")));
+        }
+        self.instruments
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let cells: Vec<usize> =
+                    train.clone().map(|c| i * n_t + c).filter(|&cell| self.mask[cell] == 1).collect();
+                if cells.is_empty() {
+                    return Err(Error::config(
+                        "panel normalisation rows",
+                        format!("instrument {name} has no bar in calendar rows {train:?}"),
+                    ));
+                }
+                let rows: Vec<f32> =
+                    cells.iter().flat_map(|&cell| self.market[cell * f..(cell + 1) * f].iter().copied()).collect();
+                Normalizer::fit_rows(&rows, f, 0..cells.len())
+            })
+            .collect()
+    }
+
+    /// Normalises every instrument's unmasked cells with its own normaliser (from
+    /// [`Self::fit_normalizers`]); masked cells stay 0.
+    pub fn normalize(&mut self, norms: &[Normalizer]) -> Result<(), Error> {
+        let (n_t, f) = (self.rows(), self.n_market());
+        if norms.len() != self.instruments.len() || norms.iter().any(|n| n.width() != f) {
+            return Err(Error::config(
+                "panel normalisers",
+                format!("{} normalisers for {} instruments of {f} features", norms.len(), self.instruments.len()),
+            ));
+        }
+        for (i, norm) in norms.iter().enumerate() {
+            for cell in i * n_t..(i + 1) * n_t {
+                if self.mask[cell] == 1 {
+                    norm.apply_in_place(&mut self.market[cell * f..(cell + 1) * f]);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Writes the panel file (see the module docs) atomically.
@@ -402,6 +452,58 @@ mod tests {
         }
         let e = Panel::from_long_csv(&fixture("features_small.csv")).unwrap_err().to_string();
         assert!(e.contains("no symbol column"), "{e}");
+    }
+
+    /// Each instrument's normaliser is the single-instrument normaliser of its own rows inside
+    /// the training span (bit for bit); values after the span and in masked cells change
+    /// nothing; normalising leaves masked cells at 0; an instrument without a bar in the span
+    /// is refused by name.
+    #[test]
+    fn normalisers_are_per_instrument_and_fitted_on_the_training_span_only() {
+        let bars = Bars::from_csv_path(&fixture("features_small.csv")).unwrap();
+        let full = FeatureTable::from_bars(&bars, "a").unwrap();
+        let keep: Vec<usize> = (0..bars.len()).filter(|&i| !(100..140).contains(&i)).collect();
+        let pick = |v: &[f64]| keep.iter().map(|&i| v[i]).collect::<Vec<_>>();
+        let gappy = Bars {
+            timestamp: keep.iter().map(|&i| bars.timestamp[i]).collect(),
+            open: pick(&bars.open),
+            high: pick(&bars.high),
+            low: pick(&bars.low),
+            close: pick(&bars.close),
+            volume: pick(&bars.volume),
+        };
+        let gap = FeatureTable::from_bars(&gappy, "b").unwrap();
+        let p = Panel::from_tables(vec![("a".into(), full.clone()), ("b".into(), gap.clone())]).unwrap();
+        let (n_t, f) = (p.rows(), p.n_market());
+        let train = 0..n_t / 2;
+        let norms = p.fit_normalizers(train.clone()).unwrap();
+        let end_ts = p.timestamp[train.end];
+        for (norm, t) in norms.iter().zip([&full, &gap]) {
+            let k = t.timestamp.iter().filter(|&&ts| ts < end_ts).count();
+            assert_eq!(norm, &Normalizer::fit_rows(&t.market, f, 0..k).unwrap());
+        }
+        let mut later = p.clone();
+        for c in train.end..n_t {
+            for i in 0..2 {
+                let cell = i * n_t + c;
+                later.market[cell * f..(cell + 1) * f].iter_mut().for_each(|x| *x = 1e6);
+            }
+        }
+        let masked: Vec<usize> = (0..n_t).map(|c| n_t + c).filter(|&cell| p.mask[cell] == 0).collect();
+        assert!(!masked.is_empty());
+        for &cell in &masked {
+            later.market[cell * f..(cell + 1) * f].iter_mut().for_each(|x| *x = -1e6);
+        }
+        assert_eq!(later.fit_normalizers(train.clone()).unwrap(), norms, "values after the span or masked leaked");
+        let mut normed = p.clone();
+        normed.normalize(&norms).unwrap();
+        assert!(masked.iter().all(|&cell| normed.market[cell * f..(cell + 1) * f].iter().all(|&x| x == 0.0)));
+        let mut want = p.market[..f].to_vec();
+        norms[0].apply_in_place(&mut want);
+        assert_eq!(&normed.market[..f], &want[..]);
+        let e = p.fit_normalizers(masked[0] - n_t..masked[0] - n_t + 1).unwrap_err().to_string();
+        assert!(e.contains("instrument b has no bar"), "{e}");
+        assert!(p.fit_normalizers(0..n_t + 1).is_err() && normed.normalize(&norms[..1]).is_err());
     }
 
     #[test]
