@@ -68,6 +68,9 @@ impl Drop for RunDir {
     }
 }
 
+/// A checkpoint a lookup passed over: its step and why (with where a resume moved it).
+type Skipped = (u64, String);
+
 /// The part of a checkpoint that is not the trainer's own state file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunState {
@@ -290,6 +293,12 @@ impl RunDir {
         Ok(RunDir { root: root.to_path_buf(), lock: None, provisional: false })
     }
 
+    /// A reader of `root` for tests (no config.toml needed).
+    #[cfg(test)]
+    fn existing_unchecked(root: &Path) -> Self {
+        RunDir { root: root.to_path_buf(), lock: None, provisional: false }
+    }
+
     pub fn path(&self, name: &str) -> PathBuf {
         self.root.join(name)
     }
@@ -343,44 +352,90 @@ impl RunDir {
     }
 
     fn newest_verified(&self, move_damaged: bool) -> Result<Option<Checkpoint>> {
-        self.newest_verified_once(move_damaged, true)
+        let (found, skipped) = self.newest_verified_quiet(move_damaged)?;
+        for (s, why) in &skipped {
+            eprintln!("warning: skipping checkpoint {s}: {why}");
+        }
+        Ok(found)
     }
 
-    /// `relist`: a checkpoint whose files are all gone by the time it is read was pruned by
-    /// a run writing here (an `eval` beside a `train`), not damaged: look again once.
-    fn newest_verified_once(&self, move_damaged: bool, relist: bool) -> Result<Option<Checkpoint>> {
-        let steps = self.checkpoint_candidates()?;
-        let mut damaged: Vec<(u64, String)> = Vec::new();
-        let mut vanished = false;
-        for &step in steps.iter().rev() {
-            match self.verified(step) {
-                Ok(c) => {
-                    // Only now, with a checkpoint to continue from, are the newer damaged
-                    // ones warned about (and set aside for a resume).
-                    for (s, why) in &damaged {
-                        let moved = if move_damaged { self.set_aside(*s)? } else { String::new() };
-                        eprintln!("warning: skipping checkpoint {s}: {why}{moved}");
+    /// [`Self::newest_verified`] without printing: the checkpoint and the newer ones it
+    /// skipped (step, why, and where it was moved for a resume).
+    ///
+    /// A writer beside the reader (an `eval` next to a running `train`) prunes and adds
+    /// checkpoints while they are read: what looks damaged may have been pruned between
+    /// the listing and the read, or not be finished (its state file written, its sidecar
+    /// not yet: a checkpoint counts only once both exist). So a lookup that met damage
+    /// looks again while the folder's files keep changing (a few times at most), giving a
+    /// newest state file without its sidecar a moment to get it; damage that stays is
+    /// reported as before.
+    fn newest_verified_quiet(&self, move_damaged: bool) -> Result<(Option<Checkpoint>, Vec<Skipped>)> {
+        let mut files = self.checkpoint_file_names()?;
+        let mut attempt = 0;
+        loop {
+            let steps = self.checkpoint_candidates()?;
+            let mut damaged: Vec<(u64, String)> = Vec::new();
+            let mut found = None;
+            for &step in steps.iter().rev() {
+                match self.verified(step) {
+                    Ok(c) => {
+                        found = Some(c);
+                        break;
                     }
-                    return Ok(Some(c));
+                    Err(e) => damaged.push((step, format!("{e:#}"))),
                 }
-                Err(_) if !self.run_state_path(step).exists() && !self.trainer_path(step).exists() => {
-                    vanished = true;
+            }
+            if !damaged.is_empty() && attempt < 5 {
+                let mut now = self.checkpoint_file_names()?;
+                // The newest state file without its sidecar may be a write in progress: give
+                // its sidecar a moment (not under a resume's lock, where no one writes).
+                let newest = steps.last().copied();
+                let half_written = newest.is_some_and(|n| {
+                    damaged[0].0 == n && self.trainer_path(n).exists() && !self.run_state_path(n).exists()
+                });
+                if now == files && half_written && !move_damaged {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    now = self.checkpoint_file_names()?;
                 }
-                Err(e) => damaged.push((step, format!("{e:#}"))),
+                if now != files {
+                    files = now;
+                    attempt += 1;
+                    continue;
+                }
+            }
+            if let Some(c) = found {
+                // Only now, with a checkpoint to continue from, are the newer damaged ones
+                // reported (and set aside for a resume).
+                let mut skipped = Vec::with_capacity(damaged.len());
+                for (s, why) in damaged {
+                    let moved = if move_damaged { self.set_aside(s)? } else { String::new() };
+                    skipped.push((s, format!("{why}{moved}")));
+                }
+                return Ok((Some(c), skipped));
+            }
+            let Some((_, why)) = damaged.first() else { return Ok((None, Vec::new())) };
+            let listed: Vec<String> = damaged.iter().rev().map(|(s, _)| s.to_string()).collect();
+            bail!(
+                "none of the {} checkpoint(s) in {} verifies (steps {}; the newest: {why}); nothing was changed: \
+                 move them away or train into another --out",
+                damaged.len(),
+                self.root.display(),
+                listed.join(", ")
+            )
+        }
+    }
+
+    /// The names of the folder's checkpoint files (both halves), to tell a folder that a
+    /// writer is changing from one that stays as it is.
+    fn checkpoint_file_names(&self) -> Result<std::collections::BTreeSet<String>> {
+        let mut names = std::collections::BTreeSet::new();
+        for entry in std::fs::read_dir(&self.root).with_context(|| format!("listing {}", self.root.display()))? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if name.starts_with("checkpoint-") {
+                names.insert(name);
             }
         }
-        if vanished && relist {
-            return self.newest_verified_once(move_damaged, false);
-        }
-        let Some((_, why)) = damaged.first() else { return Ok(None) };
-        let listed: Vec<String> = damaged.iter().rev().map(|(s, _)| s.to_string()).collect();
-        bail!(
-            "none of the {} checkpoint(s) in {} verifies (steps {}; the newest: {why}); nothing was changed: \
-             move them away or train into another --out",
-            damaged.len(),
-            self.root.display(),
-            listed.join(", ")
-        )
+        Ok(names)
     }
 
     /// Moves checkpoint `step`'s files (whichever exist) into `damaged/`; the warning's tail.
@@ -595,6 +650,56 @@ mod tests {
         assert!(!run.trainer_path(10).exists() && !run.run_state_path(10).exists());
         assert_eq!(run.checkpoint_steps().unwrap(), vec![20, 30]);
         assert_eq!(run.latest_checkpoint().unwrap().unwrap().run.env_steps, 30);
+    }
+
+    /// `eval` beside a running `train`: a writer keeps one checkpoint (pruning the previous
+    /// one after each write) while a reader looks up the newest over and over; every lookup
+    /// finds a checkpoint that verifies and reports nothing as damaged (a pruned or
+    /// half-written checkpoint is not damage).
+    #[test]
+    fn lookups_beside_a_pruning_writer_find_a_checkpoint_and_report_no_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::open(dir.path(), false).unwrap();
+        let state = |step| RunState {
+            version: RUN_STATE_VERSION,
+            model: ModelChoice::Dqn,
+            env_steps: step,
+            env: None,
+            norm_mean: vec![0.0],
+            norm_std: vec![1.0],
+            data_source: "test".into(),
+            train_seconds: 0.0,
+            trainer_sha256: None,
+        };
+        let payload = vec![7u8; 256 * 1024];
+        run.write_checkpoint(&state(1), 1, |p| write_atomic(p, &payload)).unwrap();
+        let files = run.checkpoint_files();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                for step in 2..=150u64 {
+                    let mut bytes = payload.clone();
+                    bytes[0] = step as u8;
+                    files.write(&state(step), 1, |p| write_atomic(p, &bytes)).unwrap();
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                done.store(true, std::sync::atomic::Ordering::SeqCst);
+            })
+        };
+        let reader = RunDir::existing_unchecked(dir.path());
+        let (mut lookups, mut last) = (0u64, 0u64);
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            let (found, skipped) = reader.newest_verified_quiet(false).unwrap();
+            let c = found.expect("a checkpoint");
+            assert!(skipped.is_empty(), "lookup {lookups} reported damage: {skipped:?}");
+            assert!(c.run.env_steps >= last, "went back from {last} to {}", c.run.env_steps);
+            last = c.run.env_steps;
+            lookups += 1;
+        }
+        writer.join().unwrap();
+        assert!(lookups > 10, "only {lookups} lookups ran beside the writer");
+        assert_eq!(reader.latest_checkpoint().unwrap().unwrap().run.env_steps, 150);
     }
 
     #[test]
