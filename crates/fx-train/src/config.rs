@@ -346,6 +346,12 @@ impl RunConfig {
         if self.model == ModelChoice::Mamba2 && self.mamba2_seq_len == 0 {
             bail!("mamba2_seq_len must be at least 1");
         }
+        // The forecasters' dimensions, each refused by key before anything is written.
+        match self.model {
+            ModelChoice::Tft => self.tft.validate()?,
+            ModelChoice::Mamba2 => self.mamba2.validate()?,
+            ModelChoice::Dqn | ModelChoice::Ppo => {}
+        }
         if self.steps == 0 {
             bail!("steps must be at least 1");
         }
@@ -671,6 +677,28 @@ mod tests {
         // Errors still name the file's line.
         let e = RunConfig::from_toml_str("steps = 3\n[dqn]\ngama = 0.5\n", "f.toml").unwrap_err();
         assert!(format!("{e:#}").contains("parsing config f.toml: line 3"), "{e:#}");
+    }
+
+    /// TFT / MAMBA-2 dimensions that cannot build are refused at resolve time, one line
+    /// naming the key and the value.
+    #[test]
+    fn forecaster_dimensions_that_cannot_work_are_refused_by_key() {
+        for (model, section, want) in [
+            ("tft", "[tft]\nd = 16\nn_head = 3\n", "n_head (3) must divide d (16)"),
+            ("tft", "[tft]\nquantiles = [0.9, 0.1]\n", "quantiles [0.9, 0.1] must be"),
+            ("tft", "[tft]\nquantiles = [0.5, 1.0]\n", "inside (0, 1)"),
+            ("tft", "[tft]\ndropout = 1.0\n", "dropout (1) must be in [0, 1)"),
+            ("tft", "[tft]\nln_eps = -1.0\n", "ln_eps (-1) must be finite and positive"),
+            ("tft", "[tft]\nH = 0\n", "H (0) must be at least 1"),
+            ("mamba2", "[mamba2]\nheaddim = 7\n", "headdim (7) must divide"),
+            ("mamba2", "[mamba2]\nngroups = 3\n", "ngroups (3) must divide"),
+            ("mamba2", "[mamba2]\nchunk_size = 0\n", "chunk_size (0) must be at least 1"),
+            ("mamba2", "[mamba2]\nnorm_eps = nan\n", "norm_eps (NaN) must be finite and positive"),
+        ] {
+            let cfg = RunConfig::from_toml_str(&format!("model = \"{model}\"\n{section}"), "f.toml").unwrap();
+            let e = format!("{:#}", cfg.resolve().unwrap_err());
+            assert!(e.contains(want) && e.contains(model) && !e.contains('\n'), "{section:?}: {e}");
+        }
     }
 
     #[test]

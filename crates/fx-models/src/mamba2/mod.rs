@@ -94,25 +94,35 @@ impl Mamba2Config {
         self.d_inner() + 2 * self.ngroups * self.d_state
     }
 
-    fn validate(&self) -> Result<()> {
-        let ok = self.d_model > 0
-            && self.n_layer > 0
-            && self.headdim > 0
-            && self.d_inner().is_multiple_of(self.headdim)
-            && self.ngroups > 0
-            && self.nheads().is_multiple_of(self.ngroups)
-            && self.d_inner().is_multiple_of(self.ngroups)
-            && self.d_conv > 0
-            && self.chunk_size > 0
-            && self.d_state > 0;
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::config(
-                "Mamba2::new",
-                format!("need headdim | d_inner, ngroups | nheads and positive sizes; got {self:?}"),
-            ))
+    /// Refuses dimensions that cannot build, naming the key (as in a run config's
+    /// `[mamba2]` section), its value and the rule.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::config("mamba2", m));
+        let sizes = [
+            ("n_in", self.n_in),
+            ("d_model", self.d_model),
+            ("n_layer", self.n_layer),
+            ("expand", self.expand),
+            ("d_state", self.d_state),
+            ("headdim", self.headdim),
+            ("ngroups", self.ngroups),
+            ("d_conv", self.d_conv),
+            ("chunk_size", self.chunk_size),
+        ];
+        if let Some((key, v)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return bad(format!("{key} ({v}) must be at least 1"));
         }
+        let (di, hd) = (self.d_inner(), self.headdim);
+        if !di.is_multiple_of(hd) {
+            return bad(format!("headdim ({hd}) must divide expand x d_model ({di})"));
+        }
+        if !self.nheads().is_multiple_of(self.ngroups) || !di.is_multiple_of(self.ngroups) {
+            return bad(format!("ngroups ({}) must divide the {} heads", self.ngroups, self.nheads()));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return bad(format!("norm_eps ({}) must be finite and positive", self.norm_eps));
+        }
+        Ok(())
     }
 }
 

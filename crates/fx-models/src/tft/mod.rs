@@ -61,6 +61,31 @@ pub struct TftConfig {
     pub ln_eps: f64,
 }
 
+impl TftConfig {
+    /// Refuses a configuration that cannot build or train, naming the key (as in a run
+    /// config's `[tft]` section), its value and the rule.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::config("tft", m));
+        if self.d == 0 || self.n_head == 0 || !self.d.is_multiple_of(self.n_head) {
+            return bad(format!("n_head ({}) must divide d ({}), both at least 1", self.n_head, self.d));
+        }
+        if self.l_enc == 0 || self.h == 0 {
+            return bad(format!("L_enc ({}) and H ({}) must be at least 1", self.l_enc, self.h));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!("dropout ({}) must be in [0, 1)", self.dropout));
+        }
+        if !(self.ln_eps.is_finite() && self.ln_eps > 0.0) {
+            return bad(format!("ln_eps ({}) must be finite and positive", self.ln_eps));
+        }
+        let q = &self.quantiles;
+        if q.is_empty() || q.iter().any(|x| !(*x > 0.0 && *x < 1.0)) || q.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!("quantiles {q:?} must be non-empty, inside (0, 1), sorted and distinct"));
+        }
+        Ok(())
+    }
+}
+
 impl Default for TftConfig {
     fn default() -> Self {
         Self {
@@ -135,19 +160,7 @@ impl Tft {
     /// A freshly initialised model (PyTorch's default initialisation scheme,
     /// LayerNorm 1/0), drawn from the counter-based generator with `seed`.
     pub fn new(cfg: TftConfig, device: &Device, seed: u64) -> Result<Self> {
-        if cfg.d == 0 || cfg.n_head == 0 || !cfg.d.is_multiple_of(cfg.n_head) {
-            let msg = format!("n_head ({}) must divide d ({})", cfg.n_head, cfg.d);
-            return Err(Error::config("Tft::new", msg));
-        }
-        if cfg.l_enc == 0 || cfg.h == 0 || cfg.quantiles.is_empty() || !(0.0..1.0).contains(&cfg.dropout) {
-            let msg = format!("need L_enc > 0, H > 0, quantiles and dropout in [0, 1); got {cfg:?}");
-            return Err(Error::config("Tft::new", msg));
-        }
-        let q = &cfg.quantiles;
-        if q.iter().any(|x| !(*x > 0.0 && *x < 1.0)) || q.windows(2).any(|w| w[0] >= w[1]) {
-            let msg = format!("quantiles {q:?} must lie in (0, 1), sorted and distinct");
-            return Err(Error::config("Tft::new", msg));
-        }
+        cfg.validate()?;
         Self::build(cfg, device, seed).ctx("Tft::new")
     }
 
