@@ -1,6 +1,9 @@
-//! PPO populations: N actor-critics of one shape whose minibatch updates run as one batched
-//! step, each member with its own seed (initial weights), loss coefficients (clip range,
-//! value and entropy weights), learning rate, gradient clip, Adam state, guard and counters.
+//! PPO populations: N actor-critics of one shape trained together, each member with its own
+//! seed (initial weights, shuffles), loss coefficients (clip range, value and entropy
+//! weights), GAE γ and λ, learning rate, gradient clip, Adam state, guard, counters,
+//! environments and rollout: [`PpoPopulation::iterate`] runs every member's iteration (one
+//! batched forward a collection step, then all members' minibatch updates as one step each,
+//! [`PpoPopulation::update_minibatch`]).
 //!
 //! Layout: the N actor-critics are one [`ParamStore`] whose tensors are stacked `[N, ...]`
 //! (member k's slice starts as a solo [`ActorCritic`](crate::ActorCritic) with its seed
@@ -14,16 +17,18 @@
 //! in the same order (per-member scalars become `[N]` tensors with the same F32 values), so
 //! on the CPU the weights, moments, counters and minibatch statistics are the same values
 //! (the tests compare them). On CUDA the loss and gradients are the solo fused update
-//! batched over members (`pop_fused`; BF16 compute as the DQN's fused update takes it). Rollouts and GAE stay per run for now: a
-//! population is driven one minibatch at a time by its caller.
+//! batched over members (`pop_fused`; BF16 compute as the DQN's fused update takes it).
+//! Whole iterations are member k's solo `PpoTrainer::iterate` too (tested on the CPU); the
+//! collection still steps each member's environments in launches of their own.
 
 use candle_core::{DType, Device, Tensor, Var, D};
+use fx_kernels::{Rollout, VecEnv};
 use fx_precision::{PopAdamW, PopMember, Precision};
 
 use crate::error::{Context, Error, Result};
 use crate::linear::linear_members;
 use crate::params::ParamStore;
-use crate::ppo::trainer::{PpoConfig, PpoMinibatchStats};
+use crate::ppo::trainer::{explained_variance_of, permutation, PpoConfig, PpoIterStats, PpoMinibatchStats};
 
 const CTX: &str = "PpoPopulation";
 
@@ -64,11 +69,18 @@ struct Coefs {
 /// N PPO learners updated as one; see the module docs.
 pub struct PpoPopulation {
     members: Vec<PpoConfig>,
+    num_envs: usize,
     params: ParamStore,
     coefs: Coefs,
     opt: PopAdamW,
     /// The last minibatch's l_clip, l_v, entropy, approx_kl and clip_frac per member (F32 `[5, N]`).
     diag: Var,
+    /// Each member's rollout storage (`num_steps × num_envs`).
+    rollouts: Vec<Rollout>,
+    /// Environment steps, epochs and iterations done (by every member together).
+    env_steps: u64,
+    epochs_done: u64,
+    iterations: u64,
     #[cfg(feature = "cuda")]
     graph: Option<CapturedUpdate>,
     /// On a CUDA device, for networks its kernels cover: the member-batched loss and
@@ -233,12 +245,19 @@ impl PpoPopulation {
         } else {
             None
         };
+        let rollouts =
+            (0..n).map(|_| Rollout::new(first.num_steps, num_envs, device).ctx(CTX)).collect::<Result<Vec<_>>>()?;
         Ok(Self {
             members,
+            num_envs,
             params,
             coefs,
             opt,
             diag,
+            rollouts,
+            env_steps: 0,
+            epochs_done: 0,
+            iterations: 0,
             #[cfg(feature = "cuda")]
             graph: None,
             #[cfg(feature = "cuda")]
@@ -312,6 +331,117 @@ impl PpoPopulation {
             return g.graph.replay().ctx(CTX);
         }
         self.update_body(batch, false)
+    }
+
+    /// `(logits [N, E, A], values [N, E])` of every member on its environments' current
+    /// states (no graph), as each solo learner's collection forward.
+    fn act_forward(&self, envs: &[&mut dyn VecEnv]) -> Result<(Tensor, Tensor)> {
+        let obs: Vec<Tensor> = envs.iter().map(|e| e.observe().ctx(CTX)).collect::<Result<_>>()?;
+        let w: Vec<Tensor> = self.params.vars().iter().map(|v| v.as_tensor().detach()).collect();
+        forward(&w, &Tensor::stack(&obs, 0).ctx(CTX)?, self.members[0].precision).ctx(CTX)
+    }
+
+    /// One iteration of every member, as [`crate::PpoTrainer::iterate`] runs it for one
+    /// learner (`envs[k]` is member k's `num_envs` environments): a rollout of `num_steps`
+    /// steps (one batched forward a step, each member's actions drawn by its environments
+    /// and stored in its own rollout), each member's GAE with its own γ and λ, then
+    /// `epochs` epochs of minibatch updates of all members together, member k's rows
+    /// shuffled by member k's seed. Member k's weights, moments and statistics are its solo
+    /// learner's on the CPU.
+    pub fn iterate(&mut self, envs: &mut [&mut dyn VecEnv]) -> Result<Vec<PpoIterStats>> {
+        let n_members = self.len();
+        if envs.len() != n_members || envs.iter().any(|e| e.num_envs() != self.num_envs) {
+            return Err(Error::config(
+                CTX,
+                format!("needs {n_members} environments of {} accounts, one per member", self.num_envs),
+            ));
+        }
+        let first = self.members[0].clone();
+        while !self.rollouts[0].is_full() {
+            let (logits, values) = self.act_forward(envs)?;
+            for (k, env) in envs.iter_mut().enumerate() {
+                let (l, v) = (logits.get(k).ctx(CTX)?, values.get(k).ctx(CTX)?);
+                env.step_into_rollout(&l, &v, &mut self.rollouts[k]).ctx(CTX)?;
+            }
+            self.env_steps += 1;
+        }
+        let (_, last_values) = self.act_forward(envs)?;
+        let n = first.num_steps * self.num_envs;
+        let flat = |t: &Tensor| t.flatten_to(1).ctx(CTX);
+        let mut rows: Vec<[Tensor; 5]> = Vec::with_capacity(n_members);
+        let mut rets = Vec::with_capacity(n_members);
+        for (k, (m, r)) in self.members.iter().zip(&self.rollouts).enumerate() {
+            let (adv, ret) = r.advantages(&last_values.get(k).ctx(CTX)?, m.gae).ctx(CTX)?;
+            let obs = r.states().reshape((n, first.net.state_dim)).ctx(CTX)?;
+            rows.push([obs, flat(r.actions())?, flat(r.log_probs())?, flat(&adv)?, flat(&ret)?]);
+            rets.push(flat(&ret)?);
+        }
+        let mb = first.minibatch_size;
+        let mut sums = vec![PpoMinibatchStats::default(); n_members];
+        let mut counts = vec![0u32; n_members];
+        let mut skipped = vec![0u32; n_members];
+        for _ in 0..first.epochs {
+            let perms: Vec<Tensor> = self
+                .members
+                .iter()
+                .map(|m| Tensor::from_vec(permutation(n, m.seed, self.epochs_done), n, self.params.device()).ctx(CTX))
+                .collect::<Result<_>>()?;
+            self.epochs_done += 1;
+            for start in (0..n).step_by(mb) {
+                let len = mb.min(n - start);
+                if len < 2 {
+                    continue;
+                }
+                let mut parts: [Vec<Tensor>; 5] = Default::default();
+                for (k, fields) in rows.iter().enumerate() {
+                    let idx = perms[k].narrow(0, start, len).ctx(CTX)?;
+                    for (p, t) in parts.iter_mut().zip(fields) {
+                        p.push(t.index_select(&idx, 0).ctx(CTX)?);
+                    }
+                }
+                let [obs, actions, logp, adv, ret] = parts.map(|p| Tensor::stack(&p, 0).ctx(CTX));
+                let batch = PpoPopBatch {
+                    obs: obs?,
+                    actions: actions?.to_dtype(DType::U32).ctx(CTX)?,
+                    logp_old: logp?,
+                    advantages: adv?,
+                    returns: ret?,
+                };
+                self.update_minibatch(&batch)?;
+                for (k, st) in self.last_minibatch()?.into_iter().enumerate() {
+                    if st.skipped {
+                        skipped[k] += 1;
+                    } else {
+                        sums[k].add(&st);
+                        counts[k] += 1;
+                    }
+                }
+            }
+        }
+        self.iterations += 1;
+        let mut out = Vec::with_capacity(n_members);
+        for (k, r) in self.rollouts.iter_mut().enumerate() {
+            let sums_dev = Tensor::stack(&[r.rewards(), r.dones()], 0)
+                .and_then(|t| t.to_dtype(DType::F64))
+                .and_then(|t| t.flatten_from(1))
+                .and_then(|t| t.sum(1))
+                .and_then(|t| t.to_vec1::<f64>())
+                .ctx(CTX)?;
+            let vec =
+                |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>());
+            let ev = explained_variance_of(&vec(r.values()).ctx(CTX)?, &vec(&rets[k]).ctx(CTX)?);
+            out.push(PpoIterStats {
+                iteration: self.iterations,
+                env_steps: self.env_steps,
+                mean_reward: sums_dev[0] / n as f64,
+                episodes_done: sums_dev[1] as u32,
+                mean: sums[k].scaled(1.0 / counts[k].max(1) as f64),
+                skipped: skipped[k],
+                explained_variance: ev,
+            });
+            r.clear();
+        }
+        Ok(out)
     }
 
     fn check_batch(&self, batch: &PpoPopBatch) -> Result<()> {
@@ -507,6 +637,46 @@ mod tests {
                     b.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                     "member {k} tensor {i} after 40 updates"
                 );
+            }
+        }
+    }
+
+    /// Whole iterations: members 0 and 2 of a population of 3 (seeds, learning rates, clip
+    /// ranges, loss weights, GAE γ and λ all different) are their solo learners'
+    /// `iterate` over 3 iterations on the CPU: the same weights after each, the same
+    /// iteration statistics (rewards, episodes, minibatch means, explained variance).
+    #[test]
+    fn whole_iterations_are_the_solo_learners_on_cpu() {
+        let n = 3;
+        let cfgs: Vec<PpoConfig> = (0..n)
+            .map(|k| {
+                let mut c = member(k);
+                (c.num_steps, c.epochs, c.minibatch_size) = (8, 2, 12);
+                c.gae.gamma = 0.9 + 0.04 * k as f64;
+                c.gae.lambda = 0.8 + 0.07 * k as f64;
+                c
+            })
+            .collect();
+        let mut pop = PpoPopulation::new(cfgs.clone(), 4, &Device::Cpu).unwrap();
+        let mut envs: Vec<_> = (0..n).map(|k| crate::synthetic::ar1_env(4, 16, 300, 30 + k as u64)).collect();
+        let watched = [0usize, 2];
+        let mut solos: Vec<PpoTrainer> =
+            watched.iter().map(|&k| PpoTrainer::new(cfgs[k].clone(), 4, &Device::Cpu).unwrap()).collect();
+        let mut solo_envs: Vec<_> =
+            watched.iter().map(|&k| crate::synthetic::ar1_env(4, 16, 300, 30 + k as u64)).collect();
+        for it in 0..3 {
+            let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let stats = pop.iterate(&mut refs).unwrap();
+            for (j, &k) in watched.iter().enumerate() {
+                let solo = solos[j].iterate(&mut solo_envs[j]).unwrap();
+                assert_eq!(stats[k], solo, "member {k} iteration {it}");
+                for (i, (a, b)) in solos[j].model().params().vars().iter().zip(pop.params().vars()).enumerate() {
+                    assert_eq!(
+                        a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        b.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        "member {k} tensor {i} after iteration {it}"
+                    );
+                }
             }
         }
     }

@@ -876,7 +876,7 @@ impl Default for PpoMinibatchStats {
 }
 
 impl PpoMinibatchStats {
-    fn add(&mut self, o: &Self) {
+    pub(crate) fn add(&mut self, o: &Self) {
         self.loss += o.loss;
         self.l_clip += o.l_clip;
         self.l_v += o.l_v;
@@ -886,7 +886,7 @@ impl PpoMinibatchStats {
         self.grad_norm += o.grad_norm;
     }
 
-    fn scaled(self, k: f64) -> Self {
+    pub(crate) fn scaled(self, k: f64) -> Self {
         Self {
             loss: self.loss * k,
             l_clip: self.l_clip * k,
