@@ -886,8 +886,20 @@ fn a_failed_checkpoint_write_stops_the_run_and_keeps_the_earlier_ones() {
 /// is its solo run), one market for every trial, and a second call that trains nothing again.
 #[test]
 fn sweep_ranks_trials_and_reruns_the_best() {
+    sweep_of("dqn", "dqn.optimizer.lr", "online.", 10, 40);
+}
+
+/// The same for PPO: the trials train as one PPO population (whole iterations), and the best
+/// trial's run folder ends with its trial's weights exactly.
+#[test]
+fn ppo_sweep_ranks_trials_and_reruns_the_best() {
+    sweep_of("ppo", "ppo.loss.ent_coef", "model.", 12, 64);
+}
+
+/// A 3-trial sweep of `model` over `key` and the seed, its best trial run again.
+fn sweep_of(model: &str, key: &str, prefix: &str, n_tensors: usize, steps: u64) {
     let dir = tempfile::tempdir().unwrap();
-    let run = std::fs::read_to_string(tiny_config(dir.path(), "dqn", 40, "")).unwrap();
+    let run = std::fs::read_to_string(tiny_config(dir.path(), model, steps, "")).unwrap();
     // The run config under [run]: every table header gains the prefix.
     let run: String = run
         .lines()
@@ -900,7 +912,7 @@ fn sweep_ranks_trials_and_reruns_the_best() {
     std::fs::write(
         &sweep,
         format!(
-            "trials = 3\nseed = 5\nsampler = \"random\"\nbest = 1\n[space]\n\"dqn.optimizer.lr\" = {{ log_uniform = [1e-4, 1e-2] }}\nseed = {{ int = [0, 99] }}\n[run]\n{run}"
+            "trials = 3\nseed = 5\nsampler = \"random\"\nbest = 1\n[space]\n\"{key}\" = {{ log_uniform = [1e-3, 1e-2] }}\nseed = {{ int = [0, 99] }}\n[run]\n{run}"
         ),
     )
     .unwrap();
@@ -915,7 +927,7 @@ fn sweep_ranks_trials_and_reruns_the_best() {
     assert_eq!(rows.len(), 3);
     let csv = std::fs::read_to_string(out.join("trials.csv")).unwrap();
     assert_eq!(csv.lines().count(), 4, "{csv}");
-    assert!(csv.starts_with("trial,dqn.optimizer.lr,seed,val_sharpe"), "{csv}");
+    assert!(csv.starts_with(&format!("trial,{key},seed,val_sharpe")), "{csv}");
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).unwrap()).unwrap();
     assert_eq!(doc["trials_tried"], 3);
@@ -932,9 +944,9 @@ fn sweep_ranks_trials_and_reruns_the_best() {
         .max()
         .unwrap();
     let trained: Vec<(String, Vec<u8>)> =
-        tensors(&ckpt).into_iter().filter_map(|(n, v)| n.strip_prefix("online.").map(|n| (n.to_string(), v))).collect();
+        tensors(&ckpt).into_iter().filter_map(|(n, v)| n.strip_prefix(prefix).map(|n| (n.to_string(), v))).collect();
     let member = tensors(&out.join(format!("weights/trial-{best}.safetensors")));
-    assert_eq!(trained.len(), 10);
+    assert_eq!(trained.len(), n_tensors);
     assert_eq!(trained, member, "the best run's final weights are its trial's");
     // Done already: nothing is trained again.
     let again = ok(&fx_train().arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&out).output().unwrap());

@@ -270,6 +270,22 @@ impl PpoPopulation {
         shared_keys(member)
     }
 
+    /// An estimate of one member's device memory in bytes for rollouts of `num_envs`
+    /// environments, for sizing populations: seven F32 copies of the parameters (weights,
+    /// gradient, two Adam moments, the clipped gradient, a compute-dtype copy and the
+    /// optimiser's scratch), the rollout (`num_steps × num_envs` states and six values each),
+    /// the minibatch gathered from it, and per row of the minibatch four F32 values a unit of
+    /// both networks (activations and their gradients), doubled for temporaries.
+    pub fn member_bytes(member: &PpoConfig, num_envs: usize) -> u64 {
+        let net = &member.net;
+        let params: usize = net.param_specs().iter().map(|p| p.shape.iter().product::<usize>()).sum();
+        let row = (net.state_dim + 6) * 4;
+        let rollout = member.num_steps.saturating_mul(num_envs).saturating_mul(row);
+        let units = 2 * (2 * net.hidden + net.n_actions + 1);
+        let batch = member.minibatch_size.saturating_mul(row + 2 * 4 * units * 4);
+        (7 * params * 4).saturating_add(rollout).saturating_add(batch) as u64
+    }
+
     /// The members' configs.
     pub fn members(&self) -> &[PpoConfig] {
         &self.members

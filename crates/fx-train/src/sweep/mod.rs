@@ -1,7 +1,8 @@
-//! `fx-train sweep --config sweep.toml --out DIR`: many DQN trials trained together as one
-//! population ([`fx_models::DqnPopulation`]: one batched step for every trial, each trial
-//! its own seed, environments, replay and hyperparameters), ranked by a validation-split
-//! metric; the best trials are then trained again as ordinary runs (their run folders hold
+//! `fx-train sweep --config sweep.toml --out DIR`: many DQN or PPO trials trained together as
+//! one population ([`fx_models::DqnPopulation`]: one batched step for every trial, each trial
+//! its own seed, environments, replay and hyperparameters; [`fx_models::PpoPopulation`]: whole
+//! iterations of every trial, each its own environments, rollout, GAE and hyperparameters),
+//! ranked by a validation-split metric; the best trials are then trained again as ordinary runs (their run folders hold
 //! config, checkpoint and report, so `eval`, `quantize` and `--resume` work on them, and the
 //! test split is scored there, for those trials only).
 //!
@@ -11,7 +12,8 @@
 //! `{ choice = [...] }`, `{ uniform = [lo, hi] }`, `{ log_uniform = [lo, hi] }` or
 //! `{ int = [lo, hi] }`) and `members` (the most trials in one population). Trials whose
 //! shape keys differ (network width, batch, replay, update schedule:
-//! [`DqnPopulation::shape_key`]) train in separate populations; a group with more trials than
+//! [`DqnPopulation::shape_key`], [`PpoPopulation::shape_key`] and the number of accounts)
+//! train in separate populations; a group with more trials than
 //! the device holds (`fx_hw::HardwareBudget::population_size` from the member's estimated
 //! memory, or `members`, or `FX_POPULATION`) trains in waves. A member is its solo run, so a
 //! trial's result does not depend on its wave.
@@ -38,7 +40,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
 use fx_kernels::VecEnv;
-use fx_models::{DqnConfig, DqnPopulation, DuelingDqn};
+use fx_models::{ActorCritic, DqnConfig, DqnPopulation, DuelingDqn, PpoConfig, PpoPopulation};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -227,9 +229,9 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     }
     let mut cfgs = trial_configs(&spec, &points)?;
     let base = RunConfig::from_toml_str(&toml::to_string(&spec.run)?, "the sweep's [run]")?.resolve()?;
-    if base.model != ModelChoice::Dqn {
+    if !matches!(base.model, ModelChoice::Dqn | ModelChoice::Ppo) {
         bail!(
-            "sweeps train DQN populations so far; model = {:?} is not supported by `fx-train sweep` yet",
+            "sweeps train DQN and PPO populations so far; model = {:?} is not supported by `fx-train sweep` yet",
             base.model.as_str()
         );
     }
@@ -346,7 +348,10 @@ struct Wave {
 fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], members: Option<usize>) -> Result<Vec<Wave>> {
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (i, c) in cfgs.iter().enumerate() {
-        let key = DqnPopulation::shape_key(&c.dqn);
+        let key = match base.model {
+            ModelChoice::Ppo => format!("{} x {} accounts", PpoPopulation::shape_key(&c.ppo), c.env.num_envs),
+            _ => DqnPopulation::shape_key(&c.dqn),
+        };
         match groups.iter_mut().find(|(k, _)| *k == key) {
             Some((_, g)) => g.push(i),
             None => groups.push((key, vec![i])),
@@ -361,7 +366,12 @@ fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], members: Option<usize>) -> R
     let budget = fx_hw::HardwareBudget::detect_with(&overrides);
     let mut waves = Vec::new();
     for (_, g) in &groups {
-        let size = budget.population_size(fx_hw::ModelKind::Dqn, DqnPopulation::member_bytes(&cfgs[g[0]].dqn), g.len());
+        let c = &cfgs[g[0]];
+        let (kind, bytes) = match base.model {
+            ModelChoice::Ppo => (fx_hw::ModelKind::Ppo, PpoPopulation::member_bytes(&c.ppo, c.env.num_envs)),
+            _ => (fx_hw::ModelKind::Dqn, DqnPopulation::member_bytes(&c.dqn)),
+        };
+        let size = budget.population_size(kind, bytes, g.len());
         println!(
             "sweep: {} trial(s) of one shape in waves of at most {} member(s) ({})",
             g.len(),
@@ -385,6 +395,9 @@ fn train_population(
     out: &Path,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
+    if base.model == ModelChoice::Ppo {
+        return train_ppo_population(base, cfgs, trials, params, out, stop);
+    }
     let device = crate::run_start::device_for(base)?;
     let data = Dataset::load(base, None)?;
     let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
@@ -421,16 +434,47 @@ fn train_population(
     device.synchronize()?;
     let train_s = t0.elapsed().as_secs_f64();
     let (applied, skipped) = pop.counters()?;
-    // The objective: each member's greedy policy on the validation split (the test split is
-    // left to the best trials' run folders).
+    let member = |k: usize| Ok((pop.online().member(k)?, member_policy(&pop, k)?));
+    let rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
+    let summary = json!({
+        "members": n,
+        "device": if device.is_cuda() { "cuda" } else { "cpu" },
+        "env_steps": base.steps,
+        "train_seconds": train_s,
+        "update_samples_per_s": samples as f64 / train_s.max(1e-9),
+    });
+    println!(
+        "sweep: trained {n} trials in {train_s:.1} s ({:.3e} update samples/s)",
+        samples as f64 / train_s.max(1e-9)
+    );
+    Ok(Some((rows, summary)))
+}
+
+/// What scoring needs of a trained member `k`: its final weights (spec names, as a run's
+/// network file) and its greedy policy on the CPU.
+type Member<'a> = dyn Fn(usize) -> Result<(fx_models::ParamStore, fx_models::mlp::cpu::CpuPolicy)> + 'a;
+
+/// The objective: each member's greedy policy backtested on the validation split (the test
+/// split is left to the best trials' run folders); saves each trial's final weights in
+/// `weights/` and returns the trials' rows.
+#[allow(clippy::too_many_arguments)]
+fn score_members(
+    base: &RunConfig,
+    data: &Dataset,
+    trials: &[usize],
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+    out: &Path,
+    applied: &[u64],
+    skipped: &[u64],
+    member: &Member<'_>,
+) -> Result<Vec<TrialRow>> {
     let valid = data.env_data(data.splits.valid.clone())?;
-    let mut rows = Vec::with_capacity(n);
+    let mut rows = Vec::with_capacity(trials.len());
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
     for (k, &trial) in trials.iter().enumerate() {
-        // Each trial's final online weights (spec names, the `train` layout's `online.*` tensors).
-        pop.online().member(k)?.save(&weights.join(format!("trial-{trial}.safetensors")))?;
-        let mut policy = member_policy(&pop, k)?;
+        let (store, mut policy) = member(k)?;
+        store.save(&weights.join(format!("trial-{trial}.safetensors")))?;
         let positions = fx_models::replay_policy(&valid, base.env.episode_len, |obs| {
             policy.act(obs).map_err(|e| fx_models::Error::Config { context: "sweep backtest", message: e.to_string() })
         })?;
@@ -448,10 +492,72 @@ fn train_population(
             status: if ok { "ok" } else { "diverged" }.into(),
         });
     }
+    Ok(rows)
+}
+
+/// The actor's greedy policy of a PPO member's weights on the CPU.
+fn ppo_member_policy(pop: &PpoPopulation, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
+    let cfg = &pop.members()[k];
+    let net = ActorCritic::new(cfg.net, &Device::Cpu, cfg.seed)?;
+    let mut map = std::collections::HashMap::new();
+    for (name, t) in pop.params().member(k)?.to_tensors("")? {
+        map.insert(name, t.to_device(&Device::Cpu)?);
+    }
+    net.params().load_map(&map, &format!("sweep member {k}"))?;
+    Ok(net.cpu_policy()?)
+}
+
+/// [`train_population`] for PPO: the members' iterations together
+/// ([`PpoPopulation::iterate`]) until each has taken the run's `steps` env steps, as a run
+/// does (whole rollouts, so the last may pass `steps`).
+fn train_ppo_population(
+    base: &RunConfig,
+    cfgs: &[RunConfig],
+    trials: &[usize],
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+    out: &Path,
+    stop: &mut dyn FnMut() -> bool,
+) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
+    let device = crate::run_start::device_for(base)?;
+    let data = Dataset::load(base, None)?;
+    let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
+    let num_envs = base.env.num_envs;
+    let mut pop = PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")?;
+    let train_rows = data.env_data(data.splits.train.clone())?;
+    let mut envs: Vec<TrainEnv> = trials
+        .iter()
+        .map(|&t| TrainEnv::new(train_rows.clone(), cfgs[t].env.clone(), &device))
+        .collect::<Result<_>>()?;
+    let n = trials.len();
+    println!(
+        "sweep: trials {:?} as one PPO population of {n} on {}, {} env steps x {num_envs} accounts each",
+        trials,
+        if device.is_cuda() { "cuda" } else { "cpu" },
+        base.steps
+    );
+    let t0 = Instant::now();
+    let (mut env_steps, mut samples) = (0u64, 0u64);
+    while env_steps < base.steps {
+        if stop() {
+            return Ok(None);
+        }
+        let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
+        let st = pop.iterate(&mut refs)?;
+        env_steps = st[0].env_steps;
+        let rows = (base.ppo.num_steps * num_envs) as u64;
+        samples += rows * base.ppo.epochs as u64 * n as u64;
+        let mean = st.iter().map(|s| s.mean_reward).sum::<f64>() / n as f64;
+        println!("sweep: env step {env_steps}/{}: mean reward over trials {mean:.3e}", base.steps);
+    }
+    device.synchronize()?;
+    let train_s = t0.elapsed().as_secs_f64();
+    let (applied, skipped) = pop.counters()?;
+    let member = |k: usize| Ok((pop.params().member(k)?, ppo_member_policy(&pop, k)?));
+    let rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
     let summary = json!({
         "members": n,
         "device": if device.is_cuda() { "cuda" } else { "cpu" },
-        "env_steps": base.steps,
+        "env_steps": env_steps,
         "train_seconds": train_s,
         "update_samples_per_s": samples as f64 / train_s.max(1e-9),
     });
