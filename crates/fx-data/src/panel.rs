@@ -333,14 +333,10 @@ mod tests {
         assert_eq!(Panel::read(&path).unwrap(), p);
     }
 
-    /// Calendars that differ: the missing bars are masked, not filled, and the other
-    /// instrument's values are the same as alone (nothing leaks across instruments).
-    #[test]
-    fn missing_bars_are_masked_and_nothing_leaks() {
+    /// The fixture's features, and the features of the same bars without those in `gap`.
+    fn full_and_gappy(gap: Range<usize>) -> (FeatureTable, FeatureTable) {
         let bars = Bars::from_csv_path(&fixture("features_small.csv")).unwrap();
-        let full = FeatureTable::from_bars(&bars, "a").unwrap();
-        // The second instrument lacks 20 bars in the middle (its features are its own).
-        let keep: Vec<usize> = (0..bars.len()).filter(|&i| !(200..220).contains(&i)).collect();
+        let keep: Vec<usize> = (0..bars.len()).filter(|i| !gap.contains(i)).collect();
         let pick = |v: &[f64]| keep.iter().map(|&i| v[i]).collect::<Vec<_>>();
         let gappy = Bars {
             timestamp: keep.iter().map(|&i| bars.timestamp[i]).collect(),
@@ -350,7 +346,15 @@ mod tests {
             close: pick(&bars.close),
             volume: pick(&bars.volume),
         };
-        let gap = FeatureTable::from_bars(&gappy, "b").unwrap();
+        (FeatureTable::from_bars(&bars, "a").unwrap(), FeatureTable::from_bars(&gappy, "b").unwrap())
+    }
+
+    /// Calendars that differ: the missing bars are masked, not filled, and the other
+    /// instrument's values are the same as alone (nothing leaks across instruments).
+    #[test]
+    fn missing_bars_are_masked_and_nothing_leaks() {
+        // The second instrument lacks 20 bars in the middle (its features are its own).
+        let (full, gap) = full_and_gappy(200..220);
         let p = Panel::from_tables(vec![("a".into(), full.clone()), ("b".into(), gap.clone())]).unwrap();
         assert_eq!(p.rows(), full.rows(), "b's timestamps are a subset of a's");
         let n_t = p.rows();
@@ -460,19 +464,7 @@ mod tests {
     /// is refused by name.
     #[test]
     fn normalisers_are_per_instrument_and_fitted_on_the_training_span_only() {
-        let bars = Bars::from_csv_path(&fixture("features_small.csv")).unwrap();
-        let full = FeatureTable::from_bars(&bars, "a").unwrap();
-        let keep: Vec<usize> = (0..bars.len()).filter(|&i| !(100..140).contains(&i)).collect();
-        let pick = |v: &[f64]| keep.iter().map(|&i| v[i]).collect::<Vec<_>>();
-        let gappy = Bars {
-            timestamp: keep.iter().map(|&i| bars.timestamp[i]).collect(),
-            open: pick(&bars.open),
-            high: pick(&bars.high),
-            low: pick(&bars.low),
-            close: pick(&bars.close),
-            volume: pick(&bars.volume),
-        };
-        let gap = FeatureTable::from_bars(&gappy, "b").unwrap();
+        let (full, gap) = full_and_gappy(100..140);
         let p = Panel::from_tables(vec![("a".into(), full.clone()), ("b".into(), gap.clone())]).unwrap();
         let (n_t, f) = (p.rows(), p.n_market());
         let train = 0..n_t / 2;

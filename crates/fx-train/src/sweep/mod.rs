@@ -398,15 +398,9 @@ fn train_population(
     if base.model == ModelChoice::Ppo {
         return train_ppo_population(base, cfgs, trials, params, out, stop);
     }
-    let device = crate::run_start::device_for(base)?;
-    let data = Dataset::load(base, None)?;
+    let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
     let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
     let mut pop = DqnPopulation::new(members, &device).context("building the sweep's population")?;
-    let train_rows = data.env_data(data.splits.train.clone())?;
-    let mut envs: Vec<TrainEnv> = trials
-        .iter()
-        .map(|&t| TrainEnv::new(train_rows.clone(), cfgs[t].env.clone(), &device))
-        .collect::<Result<_>>()?;
     let n = trials.len();
     println!(
         "sweep: trials {:?} as one population of {n} on {}, {} env steps x {} accounts each",
@@ -448,6 +442,23 @@ fn train_population(
         samples as f64 / train_s.max(1e-9)
     );
     Ok(Some((rows, summary)))
+}
+
+/// What a population of `trials` trains on: the device, the base config's data, and each
+/// trial's training environments (its own seed) over the training split.
+fn population_inputs(
+    base: &RunConfig,
+    cfgs: &[RunConfig],
+    trials: &[usize],
+) -> Result<(Device, Dataset, Vec<TrainEnv>)> {
+    let device = crate::run_start::device_for(base)?;
+    let data = Dataset::load(base, None)?;
+    let train_rows = data.env_data(data.splits.train.clone())?;
+    let envs = trials
+        .iter()
+        .map(|&t| TrainEnv::new(train_rows.clone(), cfgs[t].env.clone(), &device))
+        .collect::<Result<_>>()?;
+    Ok((device, data, envs))
 }
 
 /// What scoring needs of a trained member `k`: its final weights (spec names, as a run's
@@ -518,16 +529,10 @@ fn train_ppo_population(
     out: &Path,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
-    let device = crate::run_start::device_for(base)?;
-    let data = Dataset::load(base, None)?;
+    let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
     let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
     let num_envs = base.env.num_envs;
     let mut pop = PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")?;
-    let train_rows = data.env_data(data.splits.train.clone())?;
-    let mut envs: Vec<TrainEnv> = trials
-        .iter()
-        .map(|&t| TrainEnv::new(train_rows.clone(), cfgs[t].env.clone(), &device))
-        .collect::<Result<_>>()?;
     let n = trials.len();
     println!(
         "sweep: trials {:?} as one PPO population of {n} on {}, {} env steps x {num_envs} accounts each",
