@@ -18,6 +18,12 @@
 //! memory, or `members`, or `FX_POPULATION`) trains in waves. A member is its solo run, so a
 //! trial's result does not depend on its wave.
 //!
+//! Scale-out without a scheduler of our own: `--shard I/N` (or a SLURM array's task, or a
+//! Kubernetes Indexed Job's `JOB_COMPLETION_INDEX` with the file's `shards`) trains the trials
+//! whose index is I modulo N in its own folder (no best-trial runs there), and
+//! `fx-train sweep --report DIR... [--out MERGED]` merges the shards' rows into the one
+//! leaderboard (and, with `--out`, the merged rows and the best trials' runs).
+//!
 //! Outputs in DIR: `sweep.toml` (the file as run), `trials.jsonl` and `trials.csv` (one row per
 //! trial: its point, validation metric and backtest, updates, skips, status), `sweep.json`
 //! (how many trials were tried, the sampler, the populations, the leaderboard),
@@ -54,11 +60,22 @@ pub use space::{Dim, Sampler};
 #[derive(Debug, Args)]
 pub struct SweepArgs {
     /// The sweep file (see the module docs and the README).
-    #[arg(long)]
-    pub config: PathBuf,
-    /// The sweep's folder.
-    #[arg(long)]
-    pub out: PathBuf,
+    #[arg(long, required_unless_present = "report")]
+    pub config: Option<PathBuf>,
+    /// The sweep's folder (with `--report`: where the merged leaderboard, rows and best
+    /// runs go; none: the leaderboard is only printed).
+    #[arg(long, required_unless_present = "report")]
+    pub out: Option<PathBuf>,
+    /// This process's share of the trials, `I/N` (0 ≤ I < N): the trials whose index is I
+    /// modulo N, in a folder of their own. Without it, SLURM arrays
+    /// (`SLURM_ARRAY_TASK_ID` − `SLURM_ARRAY_TASK_MIN` of `SLURM_ARRAY_TASK_COUNT`) and
+    /// Kubernetes Indexed Jobs (`JOB_COMPLETION_INDEX` of the file's `shards`) set it.
+    #[arg(long, conflicts_with = "report")]
+    pub shard: Option<String>,
+    /// Merges the shard folders of one sweep into one leaderboard (and, with `--out`, one
+    /// set of rows and the best trials' runs).
+    #[arg(long, num_args = 1.., conflicts_with_all = ["config", "shard"])]
+    pub report: Vec<PathBuf>,
     /// Trials to run (overrides the file's `trials`).
     #[arg(long)]
     pub trials: Option<usize>,
@@ -95,6 +112,10 @@ pub struct SweepConfig {
     /// run in waves.
     #[serde(default)]
     pub members: Option<usize>,
+    /// Shards of a Kubernetes Indexed Job (`JOB_COMPLETION_INDEX` picks this process's;
+    /// see `--shard`).
+    #[serde(default)]
+    pub shards: Option<usize>,
     /// Every trial's base run config.
     #[serde(default)]
     pub run: toml::Table,
@@ -206,7 +227,13 @@ pub fn run(args: &SweepArgs) -> Result<Outcome> {
 
 /// [`run`] with the stop check as a parameter (called once per env step).
 fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome> {
-    let mut spec = SweepConfig::from_file(&args.config)?;
+    if !args.report.is_empty() {
+        return report(&args.report, args.out.as_deref());
+    }
+    let (Some(config), Some(out)) = (&args.config, &args.out) else {
+        bail!("a sweep needs --config and --out (or --report DIR...)");
+    };
+    let mut spec = SweepConfig::from_file(config)?;
     if let Some(n) = args.trials {
         spec.trials = Some(n);
     }
@@ -220,7 +247,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         spec.members = Some(m);
     }
     if spec.members == Some(0) {
-        bail!("sweep file {}: members must be at least 1", args.config.display());
+        bail!("sweep file {}: members must be at least 1", config.display());
     }
     let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
     let points = space::sample(&space, spec.sampler, spec.trials, spec.seed)?;
@@ -235,6 +262,8 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
             base.model.as_str()
         );
     }
+    let shard = shard_of(args.shard.as_deref(), spec.shards, &|k| std::env::var(k).ok())?;
+    let mine = |t: usize| shard.is_none_or(|(i, n)| t % n == i);
     // Every trial sees the same market: the data follow the base config's seed, whatever a
     // trial's seed (which moves weights and environment draws).
     for c in &mut cfgs {
@@ -242,17 +271,17 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         c.synthetic.seed = base.synthetic.seed;
         c.data.clone_from(&base.data);
     }
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-    let _lock = crate::run_dir::lock_folder(&args.out)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let _lock = crate::run_dir::lock_folder(out)?;
     let params = |k: usize| -> BTreeMap<String, serde_json::Value> {
         points[k].iter().map(|(key, v)| (key.clone(), toml_to_json(v))).collect()
     };
     // Finished trials of an earlier start; a row that is not this sweep's is an error, not a
     // silent mix of two sweeps.
-    let rows_path = args.out.join("trials.jsonl");
+    let rows_path = out.join("trials.jsonl");
     let mut done: BTreeMap<usize, TrialRow> = BTreeMap::new();
     for r in read_rows(&rows_path)?.unwrap_or_default() {
-        if r.trial >= cfgs.len() || r.params != params(r.trial) {
+        if r.trial >= cfgs.len() || r.params != params(r.trial) || !mine(r.trial) {
             bail!(
                 "{}: trial {} is not one of this sweep's {} trials (another sweep file or --trials?); use another --out",
                 rows_path.display(),
@@ -262,15 +291,19 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         }
         done.insert(r.trial, r);
     }
-    crate::run_dir::write_atomic(&args.out.join("sweep.toml"), toml::to_string(&spec)?.as_bytes())?;
-    let waves = plan_waves(&base, &cfgs, spec.members)?;
+    crate::run_dir::write_atomic(&out.join("sweep.toml"), toml::to_string(&spec)?.as_bytes())?;
+    let selected: Vec<usize> = (0..cfgs.len()).filter(|&t| mine(t)).collect();
+    if let Some((i, n)) = shard {
+        println!("sweep shard {i}/{n}: {} of the {} trials", selected.len(), cfgs.len());
+    }
+    let waves = plan_waves(&base, &cfgs, &selected, spec.members)?;
     let todo: Vec<&Wave> = waves.iter().filter(|w| w.trials.iter().any(|t| !done.contains_key(t))).collect();
     if todo.is_empty() {
-        println!("sweep {}: all {} trials done already; leaderboard from trials.jsonl", args.out.display(), cfgs.len());
+        println!("sweep {}: all {} trials done already; leaderboard from trials.jsonl", out.display(), selected.len());
     } else if !done.is_empty() {
-        println!("sweep {}: {} of {} trials done already; going on", args.out.display(), done.len(), cfgs.len());
+        println!("sweep {}: {} of {} trials done already; going on", out.display(), done.len(), selected.len());
     }
-    let pop_path = args.out.join("population.json");
+    let pop_path = out.join("population.json");
     let mut pop_doc: Vec<serde_json::Value> = match fx_data::files::read_regular_to_string(&pop_path, u64::MAX) {
         Ok(text) => serde_json::from_str::<serde_json::Value>(&text)
             .ok()
@@ -280,11 +313,11 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     };
     for wave in todo {
         let trials: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
-        let Some((rows, mut summary)) = train_population(&base, &cfgs, &trials, &params, &args.out, stop)? else {
+        let Some((rows, mut summary)) = train_population(&base, &cfgs, &trials, &params, out, stop)? else {
             println!(
                 "sweep interrupted: {} of {} trials done (finished waves are kept); run the same command to go on",
                 done.len(),
-                cfgs.len()
+                selected.len()
             );
             return Ok(Outcome::Interrupted);
         };
@@ -292,7 +325,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
             done.insert(r.trial, r);
         }
         let rows: Vec<TrialRow> = done.values().cloned().collect();
-        write_rows(&args.out, &rows)?;
+        write_rows(out, &rows)?;
         summary["trials"] = json!(trials);
         summary["members_source"] = json!(wave.source);
         pop_doc.push(summary);
@@ -300,15 +333,33 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         crate::run_dir::write_atomic(&pop_path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
     }
     let rows: Vec<TrialRow> = done.into_values().collect();
-    let board = leaderboard(&rows);
-    print_board(&board, &rows, &args.out);
+    let populations: Vec<usize> = waves.iter().map(|w| w.trials.len()).collect();
+    // A shard's best trials are its own; the sweep's come from the merged report.
+    let best = if shard.is_some() { 0 } else { spec.best };
+    let extra = json!({"populations": populations, "shard": shard.map(|(i, n)| format!("{i}/{n}"))});
+    finish(&spec, &cfgs, &rows, out, best, extra)
+}
+
+/// The leaderboard of `rows` (printed), the best `best` trials trained again as ordinary
+/// runs in `out/best-{rank}`, and `sweep.json` with `extra`'s fields.
+fn finish(
+    spec: &SweepConfig,
+    cfgs: &[RunConfig],
+    rows: &[TrialRow],
+    out: &Path,
+    best_n: usize,
+    extra: serde_json::Value,
+) -> Result<Outcome> {
+    let board = leaderboard(rows);
+    print_board(&board, rows, out);
     let mut best = Vec::new();
-    for (rank, &i) in board.iter().take(spec.best).enumerate() {
-        let mut cfg = cfgs[i].clone();
-        cfg.out = args.out.join(format!("best-{}", rank + 1));
+    for (rank, &i) in board.iter().take(best_n).enumerate() {
+        let trial = rows[i].trial;
+        let mut cfg = cfgs[trial].clone();
+        cfg.out = out.join(format!("best-{}", rank + 1));
         let resume = cfg.out.join("config.toml").exists();
         if !(resume && cfg.out.join("report.json").exists()) {
-            println!("training trial {i} (rank {}) as an ordinary run in {}", rank + 1, cfg.out.display());
+            println!("training trial {trial} (rank {}) as an ordinary run in {}", rank + 1, cfg.out.display());
             let outcome = crate::lifecycle::run(
                 cfg.clone(),
                 crate::lifecycle::TrainOptions { resume, quiet: true, steps: None },
@@ -318,20 +369,109 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
                 return Ok(Outcome::Interrupted);
             }
         }
-        best.push(json!({"rank": rank + 1, "trial": i, "run": cfg.out, "val_sharpe": rows[i].val_sharpe}));
+        best.push(json!({"rank": rank + 1, "trial": trial, "run": cfg.out, "val_sharpe": rows[i].val_sharpe}));
     }
-    let doc = json!({
+    let mut doc = json!({
         "trials_tried": rows.len(),
         "sampler": spec.sampler,
         "seed": spec.seed,
         "objective": "val_sharpe (greedy policy, validation split)",
         "test_split": format!("scored only in the best {} run folder(s)", best.len()),
-        "populations": waves.iter().map(|w| w.trials.len()).collect::<Vec<_>>(),
-        "leaderboard": board.iter().map(|&i| json!({"trial": i, "val_sharpe": rows[i].val_sharpe, "params": rows[i].params})).collect::<Vec<_>>(),
+        "leaderboard": board.iter().map(|&i| json!({"trial": rows[i].trial, "val_sharpe": rows[i].val_sharpe, "params": rows[i].params})).collect::<Vec<_>>(),
         "best": best,
     });
-    crate::run_dir::write_atomic(&args.out.join("sweep.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    if let (Some(d), Some(x)) = (doc.as_object_mut(), extra.as_object()) {
+        d.extend(x.clone());
+    }
+    crate::run_dir::write_atomic(&out.join("sweep.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
     Ok(Outcome::Finished)
+}
+
+/// This process's shard `(i, n)`: `--shard I/N`, else a SLURM array's task (its id less the
+/// array's first id, of its task count), else a Kubernetes Indexed Job's
+/// `JOB_COMPLETION_INDEX` of the sweep file's `shards`; none: every trial. `env` reads the
+/// environment (a parameter for tests).
+fn shard_of(
+    arg: Option<&str>,
+    shards: Option<usize>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<(usize, usize)>> {
+    let num = |what: &str, v: &str| -> Result<usize> {
+        v.trim().parse::<usize>().with_context(|| format!("{what} = {v:?} is not a whole number"))
+    };
+    let (i, n, what) = if let Some(a) = arg {
+        let Some((i, n)) = a.split_once('/') else { bail!("--shard {a:?}: expected I/N, such as 0/4") };
+        (num("--shard's I", i)?, num("--shard's N", n)?, "--shard")
+    } else if let (Some(id), Some(count)) = (env("SLURM_ARRAY_TASK_ID"), env("SLURM_ARRAY_TASK_COUNT")) {
+        let min = env("SLURM_ARRAY_TASK_MIN").map(|m| num("SLURM_ARRAY_TASK_MIN", &m)).transpose()?.unwrap_or(0);
+        let id = num("SLURM_ARRAY_TASK_ID", &id)?;
+        let i = id
+            .checked_sub(min)
+            .with_context(|| format!("SLURM_ARRAY_TASK_ID {id} is below SLURM_ARRAY_TASK_MIN {min}"))?;
+        (i, num("SLURM_ARRAY_TASK_COUNT", &count)?, "the SLURM array")
+    } else if let (Some(idx), Some(n)) = (env("JOB_COMPLETION_INDEX"), shards) {
+        (num("JOB_COMPLETION_INDEX", &idx)?, n, "JOB_COMPLETION_INDEX and the sweep file's shards")
+    } else {
+        return Ok(None);
+    };
+    if n == 0 || i >= n {
+        bail!("{what}: shard {i} of {n} (need 0 <= I < N)");
+    }
+    Ok(Some((i, n)))
+}
+
+/// `fx-train sweep --report DIR...`: the shard folders of one sweep (the same `sweep.toml`,
+/// disjoint trials) merged into one leaderboard, printed; with `out`, the merged rows,
+/// `sweep.json` and the best trials' run folders are written there.
+fn report(dirs: &[PathBuf], out: Option<&Path>) -> Result<Outcome> {
+    let read = |d: &PathBuf| -> Result<String> {
+        let p = d.join("sweep.toml");
+        fx_data::files::read_regular_to_string(&p, fx_data::files::MAX_TEXT_BYTES)
+            .with_context(|| format!("reading {}", p.display()))
+    };
+    let text = read(&dirs[0])?;
+    let spec: SweepConfig =
+        toml::from_str(&text).with_context(|| format!("parsing {}", dirs[0].join("sweep.toml").display()))?;
+    let mut rows: BTreeMap<usize, TrialRow> = BTreeMap::new();
+    for d in dirs {
+        if read(d)? != text {
+            bail!("{} is another sweep than {} (their sweep.toml differ)", d.display(), dirs[0].display());
+        }
+        let p = d.join("trials.jsonl");
+        for r in read_rows(&p)?.with_context(|| format!("{} has no trials.jsonl (not started?)", d.display()))? {
+            if rows.contains_key(&r.trial) {
+                bail!("trial {} appears in two of the folders ({} among them)", r.trial, d.display());
+            }
+            rows.insert(r.trial, r);
+        }
+    }
+    let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
+    let points = space::sample(&space, spec.sampler, spec.trials, spec.seed)?;
+    if rows.len() < points.len() {
+        println!(
+            "report: {} of the sweep's {} trials have rows (the other shards are not finished or not given)",
+            rows.len(),
+            points.len()
+        );
+    }
+    let rows: Vec<TrialRow> = rows.into_values().collect();
+    let Some(out) = out else {
+        print_board(&leaderboard(&rows), &rows, &dirs[0]);
+        return Ok(Outcome::Finished);
+    };
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let _lock = crate::run_dir::lock_folder(out)?;
+    crate::run_dir::write_atomic(&out.join("sweep.toml"), text.as_bytes())?;
+    write_rows(out, &rows)?;
+    let mut cfgs = trial_configs(&spec, &points)?;
+    let base = RunConfig::from_toml_str(&toml::to_string(&spec.run)?, "the sweep's [run]")?.resolve()?;
+    for c in &mut cfgs {
+        c.data_seed = Some(base.synthetic.seed);
+        c.synthetic.seed = base.synthetic.seed;
+        c.data.clone_from(&base.data);
+    }
+    let merged: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    finish(&spec, &cfgs, &rows, out, spec.best, json!({"merged_from": merged}))
 }
 
 /// Trials trained together as one population.
@@ -345,9 +485,10 @@ struct Wave {
 /// Trials grouped by shape (one population per [`DqnPopulation::shape_key`], in the order of
 /// their first trial), each group cut into waves as large as the device holds
 /// (`fx_hw::HardwareBudget::population_size`, or `members` / `FX_POPULATION`).
-fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], members: Option<usize>) -> Result<Vec<Wave>> {
+fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], selected: &[usize], members: Option<usize>) -> Result<Vec<Wave>> {
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-    for (i, c) in cfgs.iter().enumerate() {
+    for &i in selected {
+        let c = &cfgs[i];
         let key = match base.model {
             ModelChoice::Ppo => format!("{} x {} accounts", PpoPopulation::shape_key(&c.ppo), c.env.num_envs),
             _ => DqnPopulation::shape_key(&c.dqn),
@@ -664,6 +805,7 @@ mod tests {
             sampler: Sampler::Random,
             best: 1,
             members: None,
+            shards: None,
             run: t,
             space: BTreeMap::new(),
         };
@@ -706,8 +848,10 @@ n_actions = 3
         let config = dir.join("sweep.in.toml");
         std::fs::write(&config, text).unwrap();
         SweepArgs {
-            config,
-            out: dir.join(format!("out-{members}")),
+            config: Some(config),
+            out: Some(dir.join(format!("out-{members}"))),
+            shard: None,
+            report: Vec::new(),
             trials: None,
             steps: None,
             device: None,
@@ -723,7 +867,7 @@ n_actions = 3
         let dir = tempfile::tempdir().unwrap();
         let one = tiny_sweep(dir.path(), 4);
         assert!(matches!(run_with(&one, &mut || false).unwrap(), Outcome::Finished));
-        let want = std::fs::read_to_string(one.out.join("trials.jsonl")).unwrap();
+        let want = std::fs::read_to_string(one.out.as_ref().unwrap().join("trials.jsonl")).unwrap();
         assert_eq!(want.lines().count(), 4);
         for l in want.lines() {
             let r: TrialRow = serde_json::from_str(l).unwrap();
@@ -738,9 +882,9 @@ n_actions = 3
             calls == 25
         };
         assert!(matches!(run_with(&waves, &mut stop_in_wave_2).unwrap(), Outcome::Interrupted));
-        let half = std::fs::read_to_string(waves.out.join("trials.jsonl")).unwrap();
+        let half = std::fs::read_to_string(waves.out.as_ref().unwrap().join("trials.jsonl")).unwrap();
         assert_eq!(half.lines().count(), 2, "the first wave's rows are kept");
-        assert!(!waves.out.join("sweep.json").exists());
+        assert!(!waves.out.as_ref().unwrap().join("sweep.json").exists());
         let mut calls = 0;
         let mut count = || {
             calls += 1;
@@ -748,9 +892,11 @@ n_actions = 3
         };
         assert!(matches!(run_with(&waves, &mut count).unwrap(), Outcome::Finished));
         assert_eq!(calls, 24, "only the second wave trains again");
-        assert_eq!(std::fs::read_to_string(waves.out.join("trials.jsonl")).unwrap(), want);
-        let pop: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(waves.out.join("population.json")).unwrap()).unwrap();
+        assert_eq!(std::fs::read_to_string(waves.out.as_ref().unwrap().join("trials.jsonl")).unwrap(), want);
+        let pop: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(waves.out.as_ref().unwrap().join("population.json")).unwrap(),
+        )
+        .unwrap();
         assert_eq!(pop["waves"].as_array().unwrap().len(), 2);
         assert_eq!(pop["waves"][1]["trials"], json!([2, 3]));
         assert_eq!(pop["waves"][1]["members_source"], "config");
@@ -763,17 +909,78 @@ n_actions = 3
     }
 
     /// Trials of different widths train as separate populations.
+    /// Two shards of a sweep, merged by `--report`, give the unsharded sweep's rows and
+    /// leaderboard; a shard trains only its trials; overlapping folders are refused.
+    #[test]
+    fn two_shards_merge_into_the_unsharded_leaderboard() {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = tiny_sweep(dir.path(), 8);
+        run_with(&whole, &mut || false).unwrap();
+        let mut shards = Vec::new();
+        for i in 0..2 {
+            let mut a = tiny_sweep(dir.path(), 8);
+            a.out = Some(dir.path().join(format!("shard-{i}")));
+            a.shard = Some(format!("{i}/2"));
+            run_with(&a, &mut || false).unwrap();
+            let rows = read_rows(&a.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap();
+            assert!(rows.iter().all(|r| r.trial % 2 == i) && rows.len() == 2, "shard {i}: {rows:?}");
+            shards.push(a.out.unwrap());
+        }
+        let merged = dir.path().join("merged");
+        let r = SweepArgs {
+            config: None,
+            out: Some(merged.clone()),
+            shard: None,
+            report: shards.clone(),
+            ..tiny_sweep(dir.path(), 8)
+        };
+        run_with(&r, &mut || false).unwrap();
+        let read = |p: PathBuf| std::fs::read_to_string(p).unwrap();
+        let w = whole.out.as_ref().unwrap();
+        assert_eq!(read(merged.join("trials.jsonl")), read(w.join("trials.jsonl")));
+        assert_eq!(read(merged.join("trials.csv")), read(w.join("trials.csv")));
+        let board = |p: PathBuf| serde_json::from_str::<serde_json::Value>(&read(p)).unwrap()["leaderboard"].clone();
+        assert_eq!(board(merged.join("sweep.json")), board(w.join("sweep.json")));
+        // The same folder twice overlaps.
+        let twice = SweepArgs { report: vec![shards[0].clone(), shards[0].clone()], out: None, ..r };
+        assert!(run_with(&twice, &mut || false).unwrap_err().to_string().contains("appears in two"));
+    }
+
+    /// `--shard`, SLURM arrays and Kubernetes indices pick a shard; bad values are refused.
+    #[test]
+    fn shards_come_from_the_flag_slurm_or_kubernetes() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let none = env(&[]);
+        assert_eq!(shard_of(None, None, &none).unwrap(), None);
+        assert_eq!(shard_of(Some("1/4"), None, &none).unwrap(), Some((1, 4)));
+        let slurm =
+            env(&[("SLURM_ARRAY_TASK_ID", "7"), ("SLURM_ARRAY_TASK_COUNT", "4"), ("SLURM_ARRAY_TASK_MIN", "5")]);
+        assert_eq!(shard_of(None, None, &slurm).unwrap(), Some((2, 4)));
+        assert_eq!(shard_of(Some("0/2"), None, &slurm).unwrap(), Some((0, 2)), "the flag wins");
+        let k8s = env(&[("JOB_COMPLETION_INDEX", "3")]);
+        assert_eq!(shard_of(None, Some(5), &k8s).unwrap(), Some((3, 5)));
+        assert_eq!(shard_of(None, None, &k8s).unwrap(), None, "an index without the file's shards");
+        for bad in ["4/4", "1", "a/2", "0/0"] {
+            let e = shard_of(Some(bad), None, &none).unwrap_err().to_string();
+            assert!(e.contains("--shard") && !e.contains('\n'), "{bad}: {e}");
+        }
+        assert!(shard_of(None, Some(3), &env(&[("JOB_COMPLETION_INDEX", "3")])).is_err());
+    }
+
     #[test]
     fn shape_keys_split_trials_into_populations() {
         let dir = tempfile::tempdir().unwrap();
         let args = tiny_sweep(dir.path(), 8);
-        let mut spec = SweepConfig::from_file(&args.config).unwrap();
+        let mut spec = SweepConfig::from_file(args.config.as_ref().unwrap()).unwrap();
         spec.space.insert("dqn.net.hidden".into(), toml::from_str::<Dim>("choice = [16, 32]").unwrap());
         let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
         let points = space::sample(&space, spec.sampler, spec.trials, spec.seed).unwrap();
         let cfgs = trial_configs(&spec, &points).unwrap();
         let base = cfgs[0].clone();
-        let waves = plan_waves(&base, &cfgs, Some(8)).unwrap();
+        let all: Vec<usize> = (0..cfgs.len()).collect();
+        let waves = plan_waves(&base, &cfgs, &all, Some(8)).unwrap();
         let mut all: Vec<usize> = waves.iter().flat_map(|w| w.trials.clone()).collect();
         all.sort_unstable();
         assert_eq!(all, [0, 1, 2, 3]);
@@ -783,7 +990,7 @@ n_actions = 3
         }
         let widths: std::collections::BTreeSet<usize> = cfgs.iter().map(|c| c.dqn.net.hidden).collect();
         assert_eq!(waves.len(), widths.len(), "{waves:?}");
-        let small = plan_waves(&base, &cfgs, Some(1)).unwrap();
+        let small = plan_waves(&base, &cfgs, &all, Some(1)).unwrap();
         assert_eq!(small.len(), 4);
     }
 
