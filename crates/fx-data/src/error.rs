@@ -96,7 +96,7 @@ impl Error {
 
 /// `text` with its control characters (line ends, tabs, NUL, ...) escaped as `\n`, `\r`,
 /// `\u{0}`: a message quoting a file's text stays one line.
-pub(crate) fn one_line(text: &str) -> String {
+pub fn one_line(text: &str) -> String {
     if !text.chars().any(char::is_control) {
         return text.to_string();
     }

@@ -595,7 +595,7 @@ impl EnvState {
             .t
             .iter()
             .zip(&self.ep_step)
-            .any(|(&t, &s)| (s as usize) < episode_len && t + (episode_len - s as usize) >= t_len);
+            .any(|(&t, &s)| (s as usize) < episode_len && t.saturating_add(episode_len - s as usize) >= t_len);
         let bad_pos = self.pos.iter().any(|p| !(-1..=1).contains(p));
         let bad_ep = self.ep_step.iter().any(|&s| s as usize >= episode_len);
         let bad_sip = self.steps_in_pos.iter().any(|&s| s > u32::MAX as u64);
@@ -663,6 +663,18 @@ mod state_tests {
         let market: Vec<f32> = (0..t_len * N_MARKET).map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0).collect();
         let data = Arc::new(EnvData::new(market, close).unwrap());
         CpuTradingEnv::new(data, EnvConfig { num_envs: 5, episode_len: 16, seed: 99, ..Default::default() }).unwrap()
+    }
+
+    /// Found by the checkpoint-sidecar fuzzer: a time index near `usize::MAX` overflowed
+    /// the range check (a panic in debug builds, a wrapped sum that passed in release); it
+    /// is refused.
+    #[test]
+    fn a_time_index_at_the_top_of_its_range_is_refused() {
+        let mut a = env();
+        let mut s = a.state();
+        s.t[2] = usize::MAX - 3;
+        let e = a.restore(&s).unwrap_err().to_string();
+        assert!(e.contains("does not fit this series"), "{e}");
     }
 
     #[test]

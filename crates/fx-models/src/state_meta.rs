@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use fx_data::error::one_line;
 use fx_precision::NamedTensors;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -117,12 +118,6 @@ pub(crate) fn check_buffer(
         )),
         _ => Ok(()),
     }
-}
-
-/// `text` with its control characters (line ends, tabs, NUL, ...) escaped as `\n`, `\r`,
-/// `\u{0}`.
-fn one_line(text: &str) -> String {
-    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 #[cfg(test)]

@@ -475,7 +475,9 @@ impl RunDir {
         }
         let text = fx_data::files::read_regular_to_string(&path, fx_data::files::MAX_TEXT_BYTES)
             .with_context(|| format!("reading {}", path.display()))?;
-        let run: RunState = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        // serde quotes what it met, control characters included: escaped, the error stays one line.
+        let run: RunState = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("parsing {}: {}", path.display(), fx_data::error::one_line(&e.to_string())))?;
         if run.version != RUN_STATE_VERSION {
             bail!(
                 "{}: checkpoint layout version {} is not supported (expected {RUN_STATE_VERSION})",
