@@ -281,7 +281,14 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     let rows_path = out.join("trials.jsonl");
     let mut done: BTreeMap<usize, TrialRow> = BTreeMap::new();
     for r in read_rows(&rows_path)?.unwrap_or_default() {
-        if r.trial >= cfgs.len() || r.params != params(r.trial) || !mine(r.trial) {
+        if let (Some((i, n)), true) = (shard, r.trial < cfgs.len() && !mine(r.trial)) {
+            bail!(
+                "{}: trial {} is not in shard {i}/{n} (another shard's folder?); use another --out",
+                rows_path.display(),
+                r.trial
+            );
+        }
+        if r.trial >= cfgs.len() || r.params != params(r.trial) {
             bail!(
                 "{}: trial {} is not one of this sweep's {} trials (another sweep file or --trials?); use another --out",
                 rows_path.display(),
@@ -735,7 +742,7 @@ fn print_board(board: &[usize], rows: &[TrialRow], out: &Path) {
         println!(
             "{:>4}  {:>5}  {:>10.3}  {:>10.4}  {:>8}  {}",
             rank + 1,
-            i,
+            r.trial,
             r.val_sharpe,
             r.val_total_return,
             r.status,
@@ -941,7 +948,10 @@ n_actions = 3
         assert_eq!(read(merged.join("trials.csv")), read(w.join("trials.csv")));
         let board = |p: PathBuf| serde_json::from_str::<serde_json::Value>(&read(p)).unwrap()["leaderboard"].clone();
         assert_eq!(board(merged.join("sweep.json")), board(w.join("sweep.json")));
-        // The same folder twice overlaps.
+        // Another shard's folder is refused by name; the same folder twice overlaps.
+        let mut wrong = tiny_sweep(dir.path(), 8);
+        (wrong.out, wrong.shard) = (Some(shards[0].clone()), Some("1/2".into()));
+        assert!(run_with(&wrong, &mut || false).unwrap_err().to_string().contains("is not in shard 1/2"));
         let twice = SweepArgs { report: vec![shards[0].clone(), shards[0].clone()], out: None, ..r };
         assert!(run_with(&twice, &mut || false).unwrap_err().to_string().contains("appears in two"));
     }
