@@ -310,11 +310,23 @@ pub fn read_long_csv(path: &Path) -> Result<Vec<(String, Bars, Vec<u64>)>, Error
     Ok(by.into_iter().map(|(n, (b, l))| (n, b, l)).collect())
 }
 
-/// Whether `path`'s header names an instrument column (a long-format panel file).
-pub fn has_symbol_column(path: &Path) -> Result<bool, Error> {
+/// Whether `path` is a long-format file of several instruments: its header names an
+/// instrument column and its rows name at least two (a one-ticker export with a constant
+/// symbol column is one instrument's bars). Reads up to the second symbol.
+pub fn is_long_format(path: &Path) -> Result<bool, Error> {
     let file = crate::files::open_regular(path).map_err(|e| Error::io(path, e))?;
     let mut lines = Lines::new(std::io::BufReader::new(file), path);
-    Ok(read_header(&mut lines, path)?.symbol.is_some())
+    let Some(col) = read_header(&mut lines, path)?.symbol else { return Ok(false) };
+    let mut first: Option<String> = None;
+    while let Some((_, rec)) = lines.next_record()? {
+        let Some(name) = rec.get(col).map(|s| s.trim()).filter(|s| !s.is_empty()) else { continue };
+        match &first {
+            None => first = Some(name.to_string()),
+            Some(f) if f != name => return Ok(true),
+            Some(_) => {}
+        }
+    }
+    Ok(false)
 }
 
 fn is_blank(rec: &[String]) -> bool {

@@ -228,11 +228,13 @@ pub fn load_tft(path: &Path, source_sha256: Option<&str>) -> Result<(QuantTft, P
         .map_err(|e| Error::file(path, format!("metadata tft_config: {e}")))?;
     // The file's tensors bound the model built from its config (a config naming a huge
     // model beside small tensors is refused before anything is allocated).
-    let (d, ne) = (config.d, config.n_observed + config.n_known);
+    // Saturating: the config's numbers are the file's, and a huge one must be refused by the
+    // shape check below, not overflow (found by fuzzing).
+    let (d, ne) = (config.d, config.n_observed.saturating_add(config.n_known));
     for (name, shape) in [
         ("head.weight".to_string(), vec![config.quantiles.len(), d]),
-        ("lstm_enc.weight_hh_l0".to_string(), vec![4 * d, d]),
-        ("enc_vsn.flat.skip.weight".to_string(), vec![ne, ne * d]),
+        ("lstm_enc.weight_hh_l0".to_string(), vec![d.saturating_mul(4), d]),
+        ("enc_vsn.flat.skip.weight".to_string(), vec![ne, ne.saturating_mul(d)]),
         (format!("enc_vsn.vars.{}.fc1.weight", ne.max(1) - 1), vec![d, d]),
     ] {
         let t = r.st.tensor(&name).map_err(|_| Error::file(path, format!("tensor {name} is missing")))?;

@@ -461,11 +461,11 @@ impl RunConfig {
                 needs.push((format!("tft.d {} (about {p} parameters)", t.d), f32s(p, 6)));
                 let steps = (t.l_enc as u64).saturating_add(t.h as u64);
                 let per = steps.saturating_mul(d).saturating_mul(vars.saturating_mul(12).saturating_add(40));
-                let acts = (self.seq.batch_size as u64).saturating_mul(per);
-                needs.push((
-                    format!("seq.batch_size {} x tft.l_enc + tft.h {steps}", self.seq.batch_size),
-                    f32s(acts, 2),
-                ));
+                if self.activations_on_host() {
+                    let acts = (self.seq.batch_size as u64).saturating_mul(per);
+                    let key = format!("seq.batch_size {} x tft.l_enc + tft.h {steps}", self.seq.batch_size);
+                    needs.push((key, f32s(acts, 1)));
+                }
             }
             ModelChoice::Mamba2 => {
                 let m = &self.mamba2;
@@ -485,14 +485,22 @@ impl RunConfig {
                 let per = (self.mamba2_seq_len as u64)
                     .saturating_mul(layers)
                     .saturating_mul(inner.saturating_mul(12).saturating_add(gn.saturating_mul(4)));
-                let acts = (self.seq.batch_size as u64).saturating_mul(per);
-                needs.push((
-                    format!("seq.batch_size {} x mamba2_seq_len {}", self.seq.batch_size, self.mamba2_seq_len),
-                    f32s(acts, 1),
-                ));
+                if self.activations_on_host() {
+                    let acts = (self.seq.batch_size as u64).saturating_mul(per);
+                    let key =
+                        format!("seq.batch_size {} x mamba2_seq_len {}", self.seq.batch_size, self.mamba2_seq_len);
+                    needs.push((key, f32s(acts, 1)));
+                }
             }
         }
         needs
+    }
+
+    /// Whether a forecaster's batch activations live in host memory: on the CPU (or `auto`
+    /// in a build without CUDA). On a GPU they are the device's, which the batch sizing
+    /// (`fx-hw`'s budget) bounds instead.
+    fn activations_on_host(&self) -> bool {
+        self.device == "cpu" || (!cfg!(feature = "cuda") && self.device == "auto")
     }
 
     /// Refuses a run whose [`Self::host_memory_needs`] exceed half of what the process may
@@ -724,9 +732,10 @@ mod tests {
             (ModelChoice::Mamba2, "mamba2_seq_len = 1000000000\n", "mamba2_seq_len 1000000000"),
         ] {
             let name = if model == ModelChoice::Tft { "tft" } else { "mamba2" };
-            let plain = RunConfig::from_toml_str(&format!("model = \"{name}\"\n"), "plain.toml").unwrap();
+            let head = format!("model = \"{name}\"\ndevice = \"cpu\"\n");
+            let plain = RunConfig::from_toml_str(&head, "plain.toml").unwrap();
             assert!(plain.resolve().is_ok(), "the plain {name} config is refused");
-            let cfg = RunConfig::from_toml_str(&format!("model = \"{name}\"\n{edit}"), "big.toml").unwrap();
+            let cfg = RunConfig::from_toml_str(&format!("{head}{edit}"), "big.toml").unwrap();
             let e = format!("{:#}", cfg.resolve().unwrap_err());
             assert!(e.contains(key) && e.contains("more than half of") && !e.contains('\n'), "{name} {edit:?}: {e}");
         }

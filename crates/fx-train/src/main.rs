@@ -143,9 +143,9 @@ fn fresh_run_folder(base: &std::path::Path) -> std::path::PathBuf {
 }
 
 fn features(args: &cli::FeaturesArgs) -> anyhow::Result<()> {
-    // A folder of per-instrument bar files, or one long-format file (a symbol column), is a
-    // panel (fx_data::panel).
-    let long = !args.input.is_dir() && fx_data::bars::has_symbol_column(&args.input)?;
+    // A folder of per-instrument bar files, or one long-format file (a symbol column naming
+    // several instruments), is a panel (fx_data::panel).
+    let long = !args.input.is_dir() && fx_data::bars::is_long_format(&args.input)?;
     if args.input.is_dir() || long {
         let p =
             if long { fx_data::Panel::from_long_csv(&args.input)? } else { fx_data::Panel::from_csv_dir(&args.input)? };

@@ -367,8 +367,9 @@ impl RunDir {
     /// the listing and the read, or not be finished (its state file written, its sidecar
     /// not yet: a checkpoint counts only once both exist). So a lookup that met damage
     /// looks again while the folder's files keep changing (a few times at most), giving a
-    /// newest state file without its sidecar a moment to get it; damage that stays is
-    /// reported as before.
+    /// newest state file without its sidecar up to two seconds to get it, and a checkpoint
+    /// whose files are all gone is pruned, not damaged; damage that stays is reported as
+    /// before.
     fn newest_verified_quiet(&self, move_damaged: bool) -> Result<(Option<Checkpoint>, Vec<Skipped>)> {
         let mut files = self.checkpoint_file_names()?;
         let mut attempt = 0;
@@ -393,9 +394,13 @@ impl RunDir {
                 let half_written = newest.is_some_and(|n| {
                     damaged[0].0 == n && self.trainer_path(n).exists() && !self.run_state_path(n).exists()
                 });
-                if now == files && half_written && !move_damaged {
+                // The writer hashes the whole state file (a DQN's holds its replay buffer)
+                // before it writes the sidecar: wait up to two seconds for the folder to change.
+                let mut waited = 0;
+                while now == files && half_written && !move_damaged && waited < 40 {
                     std::thread::sleep(std::time::Duration::from_millis(50));
                     now = self.checkpoint_file_names()?;
+                    waited += 1;
                 }
                 if now != files {
                     files = now;
@@ -403,6 +408,8 @@ impl RunDir {
                     continue;
                 }
             }
+            // A checkpoint whose files are all gone by now was pruned by a writer, not damaged.
+            damaged.retain(|(st, _)| self.run_state_path(*st).exists() || self.trainer_path(*st).exists());
             if let Some(c) = found {
                 // Only now, with a checkpoint to continue from, are the newer damaged ones
                 // reported (and set aside for a resume).

@@ -305,6 +305,11 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     }
     let waves = plan_waves(&base, &cfgs, &selected, spec.members)?;
     let todo: Vec<&Wave> = waves.iter().filter(|w| w.trials.iter().any(|t| !done.contains_key(t))).collect();
+    if !rows_path.exists() {
+        // A shard with no trial of its own (more shards than trials) still leaves its rows,
+        // none, for the merged report.
+        write_rows(out, &done.values().cloned().collect::<Vec<_>>())?;
+    }
     if todo.is_empty() {
         println!("sweep {}: all {} trials done already; leaderboard from trials.jsonl", out.display(), selected.len());
     } else if !done.is_empty() {
@@ -364,6 +369,19 @@ fn finish(
         let trial = rows[i].trial;
         let mut cfg = cfgs[trial].clone();
         cfg.out = out.join(format!("best-{}", rank + 1));
+        // Which trial a best-run folder holds: a later leaderboard (more shards merged) may
+        // rank another trial there, which must not inherit this folder in silence.
+        let marker = cfg.out.join("sweep-trial");
+        if let Ok(held) = std::fs::read_to_string(&marker) {
+            if held.trim() != trial.to_string() {
+                bail!(
+                    "{} holds trial {} but rank {} is now trial {trial}: move the best-run folders away or use another --out",
+                    cfg.out.display(),
+                    held.trim(),
+                    rank + 1
+                );
+            }
+        }
         let resume = cfg.out.join("config.toml").exists();
         if !(resume && cfg.out.join("report.json").exists()) {
             println!("training trial {trial} (rank {}) as an ordinary run in {}", rank + 1, cfg.out.display());
@@ -371,6 +389,7 @@ fn finish(
                 cfg.clone(),
                 crate::lifecycle::TrainOptions { resume, quiet: true, steps: None },
             )?;
+            crate::run_dir::write_atomic(&marker, trial.to_string().as_bytes())?;
             if matches!(outcome, Outcome::Interrupted) {
                 println!("interrupted while training the best trials; run the same sweep again to finish them");
                 return Ok(Outcome::Interrupted);
@@ -437,11 +456,13 @@ fn report(dirs: &[PathBuf], out: Option<&Path>) -> Result<Outcome> {
             .with_context(|| format!("reading {}", p.display()))
     };
     // The shards' sweep files must agree except in `members` (how many trials a shard's
-    // device held at once changes no trial's result).
+    // device held at once changes no trial's result) and `run.device` (one shard a GPU).
     let spec_of = |d: &PathBuf| -> Result<(SweepConfig, String)> {
         let spec: SweepConfig =
             toml::from_str(&read(d)?).with_context(|| format!("parsing {}", d.join("sweep.toml").display()))?;
-        let key = toml::to_string(&SweepConfig { members: None, ..spec.clone() })?;
+        let mut run = spec.run.clone();
+        run.remove("device");
+        let key = toml::to_string(&SweepConfig { members: None, run, ..spec.clone() })?;
         Ok((spec, key))
     };
     let (spec, text) = spec_of(&dirs[0])?;
@@ -685,7 +706,9 @@ fn train_ppo_population(
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
     let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
-    let num_envs = base.env.num_envs;
+    // The group's own shape (trials are grouped by it), not the base config's.
+    let first = &cfgs[trials[0]];
+    let num_envs = first.env.num_envs;
     let mut pop = PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")?;
     let n = trials.len();
     println!(
@@ -703,8 +726,8 @@ fn train_ppo_population(
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.iterate(&mut refs)?;
         env_steps = st[0].env_steps;
-        let rows = (base.ppo.num_steps * num_envs) as u64;
-        samples += rows * base.ppo.epochs as u64 * n as u64;
+        let rows = (first.ppo.num_steps * num_envs) as u64;
+        samples += rows * first.ppo.epochs as u64 * n as u64;
         let mean = st.iter().map(|s| s.mean_reward).sum::<f64>() / n as f64;
         println!("sweep: env step {env_steps}/{}: mean reward over trials {mean:.3e}", base.steps);
     }
