@@ -73,3 +73,27 @@ fn fuzz_int8_loaders() {
 fn fuzz_int8_loaders_long() {
     fuzz(fz::long_cases());
 }
+
+/// Found by `fuzz_int8_loaders`: a TFT file whose `tft_config` names a huge width overflowed
+/// the shape check's products (a panic in debug builds); it is refused as a shape mismatch.
+#[test]
+fn regression_huge_tft_width_is_refused_not_overflowed() {
+    let input = tft_file();
+    let n = u64::from_le_bytes(input[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&input[8..8 + n]).unwrap();
+    let meta = header["__metadata__"].as_object_mut().unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(meta["tft_config"].as_str().unwrap()).unwrap();
+    cfg["d"] = serde_json::json!(u64::MAX);
+    meta.insert("tft_config".into(), serde_json::Value::String(cfg.to_string()));
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(&input[8 + n..]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q.safetensors");
+    std::fs::write(&path, &bytes).unwrap();
+    let p = path.clone();
+    let outcome = fz::guarded(move || load_tft(&p, None).map(drop).map_err(|e| e.to_string())).unwrap();
+    let e = outcome.unwrap_err();
+    assert!(e.contains("q.safetensors") && !e.contains('\n'), "{e}");
+}
