@@ -230,7 +230,19 @@ impl PopAdamW {
 
     /// The last step's loss, gradient norm and skips (one read).
     pub fn last_step(&self) -> Result<PopStepReport> {
-        let t: Vec<Vec<f64>> = self.last.as_tensor().to_vec2().ctx(CTX)?;
+        Self::report_of(&self.last.as_tensor().copy().ctx(CTX)?)
+    }
+
+    /// A device copy of the last step's loss, gradient norm and skip flag (F64 `[3, N]`),
+    /// for callers that gather many steps' outcomes and read them once
+    /// ([`Self::report_of`]).
+    pub fn last_step_tensor(&self) -> Result<Tensor> {
+        self.last.as_tensor().copy().ctx(CTX)
+    }
+
+    /// The report of a [`Self::last_step_tensor`] (one read).
+    pub fn report_of(last: &Tensor) -> Result<PopStepReport> {
+        let t: Vec<Vec<f64>> = last.to_vec2().ctx(CTX)?;
         Ok(PopStepReport {
             loss: t[0].clone(),
             grad_norm: t[1].clone(),

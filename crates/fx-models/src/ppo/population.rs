@@ -318,8 +318,14 @@ impl PpoPopulation {
 
     /// Each member's statistics of the last minibatch update (two reads).
     pub fn last_minibatch(&self) -> Result<Vec<PpoMinibatchStats>> {
-        let r = self.opt.last_step().map_err(|e| Error::config(CTX, e.to_string()))?;
-        let d: Vec<Vec<f32>> = self.diag.as_tensor().to_vec2().ctx(CTX)?;
+        let last = self.opt.last_step_tensor().map_err(|e| Error::config(CTX, e.to_string()))?;
+        self.stats_of(&last, &self.diag.as_tensor().copy().ctx(CTX)?)
+    }
+
+    /// Per-member statistics from a step's optimiser outcome `[3, N]` and diagnostics `[5, N]`.
+    fn stats_of(&self, last: &Tensor, diag: &Tensor) -> Result<Vec<PpoMinibatchStats>> {
+        let r = PopAdamW::report_of(last).map_err(|e| Error::config(CTX, e.to_string()))?;
+        let d: Vec<Vec<f32>> = diag.to_vec2().ctx(CTX)?;
         Ok((0..self.len())
             .map(|k| PpoMinibatchStats {
                 loss: r.loss[k],
@@ -396,6 +402,7 @@ impl PpoPopulation {
         let mut sums = vec![PpoMinibatchStats::default(); n_members];
         let mut counts = vec![0u32; n_members];
         let mut skipped = vec![0u32; n_members];
+        let mut outcomes: Vec<(Tensor, Tensor)> = Vec::new();
         for _ in 0..first.epochs {
             let perms: Vec<Tensor> = self
                 .members
@@ -424,13 +431,18 @@ impl PpoPopulation {
                     returns: ret?,
                 };
                 self.update_minibatch(&batch)?;
-                for (k, st) in self.last_minibatch()?.into_iter().enumerate() {
-                    if st.skipped {
-                        skipped[k] += 1;
-                    } else {
-                        sums[k].add(&st);
-                        counts[k] += 1;
-                    }
+                // Device copies, read once after the epochs: no host wait per minibatch.
+                let last = self.opt.last_step_tensor().map_err(|e| Error::config(CTX, e.to_string()))?;
+                outcomes.push((last, self.diag.as_tensor().copy().ctx(CTX)?));
+            }
+        }
+        for (last, diag) in &outcomes {
+            for (k, st) in self.stats_of(last, diag)?.into_iter().enumerate() {
+                if st.skipped {
+                    skipped[k] += 1;
+                } else {
+                    sums[k].add(&st);
+                    counts[k] += 1;
                 }
             }
         }
