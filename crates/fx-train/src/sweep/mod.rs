@@ -206,6 +206,16 @@ fn trial_configs(spec: &SweepConfig, points: &[space::Point]) -> Result<Vec<RunC
         .collect()
 }
 
+/// Every trial sees the same market: the data follow the base config's seed, whatever a
+/// trial's seed (which moves weights and environment draws).
+fn on_base_market(cfgs: &mut [RunConfig], base: &RunConfig) {
+    for c in cfgs {
+        c.data_seed = Some(base.synthetic.seed);
+        c.synthetic.seed = base.synthetic.seed;
+        c.data.clone_from(&base.data);
+    }
+}
+
 /// The greedy policy of a member's weights on the CPU (the backtest's decisions).
 fn member_policy(pop: &DqnPopulation, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
     let cfg = &pop.members()[k];
@@ -264,13 +274,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     }
     let shard = shard_of(args.shard.as_deref(), spec.shards, &|k| std::env::var(k).ok())?;
     let mine = |t: usize| shard.is_none_or(|(i, n)| t % n == i);
-    // Every trial sees the same market: the data follow the base config's seed, whatever a
-    // trial's seed (which moves weights and environment draws).
-    for c in &mut cfgs {
-        c.data_seed = Some(base.synthetic.seed);
-        c.synthetic.seed = base.synthetic.seed;
-        c.data.clone_from(&base.data);
-    }
+    on_base_market(&mut cfgs, &base);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let _lock = crate::run_dir::lock_folder(out)?;
     let params = |k: usize| -> BTreeMap<String, serde_json::Value> {
@@ -499,11 +503,7 @@ fn report(dirs: &[PathBuf], out: Option<&Path>) -> Result<Outcome> {
     write_rows(out, &rows)?;
     let mut cfgs = trial_configs(&spec, &points)?;
     let base = RunConfig::from_toml_str(&toml::to_string(&spec.run)?, "the sweep's [run]")?.resolve()?;
-    for c in &mut cfgs {
-        c.data_seed = Some(base.synthetic.seed);
-        c.synthetic.seed = base.synthetic.seed;
-        c.data.clone_from(&base.data);
-    }
+    on_base_market(&mut cfgs, &base);
     let merged: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
     finish(&spec, &cfgs, &rows, out, spec.best, json!({"merged_from": merged}))
 }
