@@ -1070,7 +1070,8 @@ fn hostile_paths_and_bad_flags_are_one_line_errors() {
         (data(&fifo), "bars.csv: is a FIFO (named pipe), not a regular file"),
         (data(Path::new("/dev/zero")), "/dev/zero: is a device, not a regular file"),
         (data(&looped), "loop.safetensors: is a symbolic link loop"),
-        (data(dir.path()), "is a folder: a folder of bar files is a panel"),
+        // A folder is a panel's bars: its FIFO is refused like any input.
+        (data(dir.path()), "bars.csv: is a FIFO"),
         (fx_train().args(["train", "--config"]).arg(&fifo).arg("--out").arg(&out).output().unwrap(), "reading config"),
         (
             fx_train()
@@ -1192,4 +1193,88 @@ fn features_of_a_folder_is_a_panel() {
         ok(&fx_train().args(["features", "--input"]).arg(&long_path).arg("--output").arg(&out2).output().unwrap());
     assert!(text.contains("panel of 3 instruments x 3170 calendar rows"), "{text}");
     assert_eq!(fx_data::Panel::read(&out2).unwrap(), p);
+}
+
+/// The three shipped stocks as a panel folder, IBM missing 40 bars mid-way (its calendar
+/// differs from the others').
+fn shipped_panel(dir: &Path) -> PathBuf {
+    let bars = dir.join("stocks");
+    std::fs::create_dir(&bars).unwrap();
+    for s in ["aapl", "ibm", "msft"] {
+        let name = format!("{s}_daily_2000_2013.csv");
+        let text = std::fs::read_to_string(fixtures().join("../data").join(&name)).unwrap();
+        let kept: Vec<&str> =
+            text.lines().enumerate().filter(|(i, _)| s != "ibm" || !(2700..2740).contains(i)).map(|(_, l)| l).collect();
+        std::fs::write(bars.join(&name), kept.join("\n") + "\n").unwrap();
+    }
+    bars
+}
+
+/// RL on a panel: DQN and PPO studies of 3 folds x 2 seeds on the three stocks; every run
+/// trains on all instruments and reports each instrument and their equal-weight portfolio;
+/// the study adds a per-instrument table; a killed DQN study resumes to the same backtests.
+#[test]
+fn panel_studies_of_folds_and_seeds_report_each_instrument_and_resume_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let bars = shipped_panel(dir.path());
+    let flags = ["--quiet", "--folds", "3", "--seeds", "2", "--data", bars.to_str().unwrap()];
+    for model in ["dqn", "ppo"] {
+        let cfg = tiny_config(dir.path(), model, 48, "");
+        let out = dir.path().join(format!("{model}-study"));
+        let text = ok(&train(&cfg, &out, &flags));
+        assert!(text.contains(&format!("3 fold(s) x 2 seed(s) = 6 {model} runs")), "{text}");
+        let doc = study_stats(&out);
+        let per_instrument = doc["per_instrument"].as_array().unwrap();
+        let names: Vec<&str> = per_instrument.iter().map(|i| i["instrument"].as_str().unwrap()).collect();
+        assert_eq!(names, ["aapl_daily_2000_2013", "ibm_daily_2000_2013", "msft_daily_2000_2013"]);
+        assert!(per_instrument.iter().all(|i| i["runs"] == 6 && i["sharpe_mean"].as_f64().unwrap().is_finite()));
+        assert_eq!(doc["per_fold"].as_array().unwrap().len(), 3);
+        assert!(doc["deflated_sharpe"]["dsr"].as_f64().is_some(), "{doc}");
+        let run = out.join("fold1-seed0");
+        let rep: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap();
+        let inst = rep["instruments"].as_array().unwrap();
+        assert_eq!(inst.len(), 3);
+        // The portfolio trades on every calendar step of the test span where any
+        // instrument does; IBM's gap lies in fold 1's span, so it has fewer steps there.
+        let steps: Vec<u64> = inst.iter().map(|i| i["steps"].as_u64().unwrap()).collect();
+        let test = rep["test_rows"]["end"].as_u64().unwrap() - rep["test_rows"]["start"].as_u64().unwrap();
+        assert_eq!(rep["agent"]["stats"]["steps"].as_u64().unwrap(), test - 1, "{steps:?}");
+        assert!(steps[0] == test - 1 && steps[2] == test - 1, "{steps:?}");
+        let bt = std::fs::read_to_string(run.join("backtest.csv")).unwrap();
+        assert_eq!(bt.lines().count() as u64, test, "header + a line per portfolio step");
+        if model == "ppo" {
+            continue;
+        }
+        assert!(steps[1] < test - 1, "IBM gap in fold 1 test span: {steps:?} {}", doc["per_fold"]);
+        // Killed in its third run and resumed: the same statistics and backtests.
+        let killed = dir.path().join("killed");
+        let mut child = fx_train()
+            .args(["train", "--config"])
+            .arg(&cfg)
+            .arg("--out")
+            .arg(&killed)
+            .args(flags)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let third = killed.join("fold1-seed0");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !checkpoint(&third, 20).exists() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!killed.join("study.json").exists(), "the study finished before it was killed");
+        let text = ok(&resume(&killed));
+        assert!(text.contains("(resumed)"), "{text}");
+        assert_eq!(study_stats(&killed), doc);
+        for f in 0..3 {
+            for s in 0..2 {
+                let run = format!("fold{f}-seed{s}");
+                let a = std::fs::read(out.join(&run).join("backtest.csv")).unwrap();
+                assert!(a == std::fs::read(killed.join(&run).join("backtest.csv")).unwrap(), "{run} differs");
+            }
+        }
+    }
 }

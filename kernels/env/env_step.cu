@@ -7,14 +7,17 @@
 
 #define FX_ENV_ARGS                                                                               \
     const float *__restrict__ market, const double *__restrict__ close, fx_u32 T, fx_u32 L,        \
-        double cost, fx_u64 seed, fx_u64 env_offset, fx_u32 E, fx_u32 *st_t, int *st_pos,           \
-        double *st_entry, fx_u32 *st_sip, fx_u32 *st_ep, fx_u64 *st_counter
+        const fx_u32 *__restrict__ seg, fx_u32 n_seg, double cost, fx_u64 seed, fx_u64 env_offset, \
+        fx_u32 E, fx_u32 *st_t, int *st_pos, double *st_entry, fx_u32 *st_sip, fx_u32 *st_ep,       \
+        fx_u64 *st_counter
 #define FX_ENV_MAKE                                                                              \
     FxEnv env;                                                                                   \
     env.market = market;                                                                         \
     env.close = close;                                                                           \
     env.T = T;                                                                                   \
     env.L = L;                                                                                   \
+    env.seg = seg;                                                                               \
+    env.n_seg = n_seg;                                                                           \
     env.cost = cost;                                                                             \
     env.seed = seed;                                                                             \
     env.env_offset = env_offset;                                                                 \

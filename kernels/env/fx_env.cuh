@@ -16,6 +16,7 @@
 #define FX_STREAM_EXPLORE 1ULL
 #define FX_STREAM_RANDOM_ACTION 2ULL
 #define FX_STREAM_POLICY 3ULL
+#define FX_STREAM_INSTRUMENT 4ULL
 
 // Error flag bits (GpuTradingEnv reads them on demand).
 #define FX_ERR_ACTION 1
@@ -150,6 +151,9 @@ struct FxEnv {
     const float* __restrict__ market;  // [T, 51]
     const double* __restrict__ close;  // [T]
     fx_u32 T, L;
+    // Segment boundaries (a panel's instruments): seg[k]..seg[k+1] for k < n_seg.
+    const fx_u32* __restrict__ seg;
+    fx_u32 n_seg;
     double cost;
     fx_u64 seed, env_offset;
     fx_u32* t;
@@ -159,6 +163,17 @@ struct FxEnv {
     fx_u32* ep;
     fx_u64* counter;
 };
+
+// Start index of a reset in env's series (EnvData's reset_start_in): one segment is the
+// reference's reset; several draw the segment first, floor(u_k * S), then the start in it.
+__device__ __forceinline__ fx_u32 fx_reset_start_in(const FxEnv& env, fx_u64 env_id, fx_u64 counter) {
+    if (env.n_seg <= 1u) return fx_reset_start(env.seed, env_id, counter, env.T, env.L);
+    double uk = fx_draw(env.seed, FX_STREAM_INSTRUMENT, env_id, counter);
+    fx_u32 k = (fx_u32)floor(__dmul_rn(uk, (double)env.n_seg));
+    if (k >= env.n_seg) k = env.n_seg - 1u;
+    fx_u32 s0 = env.seg[k];
+    return s0 + fx_reset_start(env.seed, env_id, counter, env.seg[k + 1u] - s0, env.L);
+}
 
 // The observation values of account e's current state.
 __device__ __forceinline__ FxRow fx_current(const FxEnv& env, fx_u32 e) {
@@ -197,7 +212,7 @@ __device__ __forceinline__ void fx_step(const FxEnv& env, fx_u32 e, fx_u32 a, Fx
     *next = fx_row(env.close, env.L, t, p_new, entry, sip);
     *done = ep >= env.L;
     if (*done) {
-        t = fx_reset_start(env.seed, env.env_offset + e, counter, env.T, env.L);
+        t = fx_reset_start_in(env, env.env_offset + e, counter);
         p_new = 0;
         entry = env.close[t];
         sip = 0;

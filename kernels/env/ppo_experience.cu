@@ -5,7 +5,8 @@
 #include "fx_env.cuh"
 
 extern "C" __global__ void fx_ppo_experience(
-    const float* __restrict__ market, const double* __restrict__ close, fx_u32 T, fx_u32 L, double cost,
+    const float* __restrict__ market, const double* __restrict__ close, fx_u32 T, fx_u32 L,
+    const fx_u32* __restrict__ seg, fx_u32 n_seg, double cost,
     fx_u64 seed, fx_u64 env_offset, fx_u32 E, fx_u32* st_t, int* st_pos, double* st_entry, fx_u32* st_sip,
     fx_u32* st_ep, fx_u64* st_counter, const float* __restrict__ logits, const float* __restrict__ values,
     fx_u32 row, float* __restrict__ ro_s, fx_u32* __restrict__ ro_a, float* __restrict__ ro_logp,
@@ -16,6 +17,8 @@ extern "C" __global__ void fx_ppo_experience(
     env.close = close;
     env.T = T;
     env.L = L;
+    env.seg = seg;
+    env.n_seg = n_seg;
     env.cost = cost;
     env.seed = seed;
     env.env_offset = env_offset;

@@ -276,6 +276,67 @@ impl Panel {
     }
 }
 
+impl Panel {
+    /// Reads whatever `path` holds as a panel: a folder of per-instrument bar files, a
+    /// long-format CSV, or a panel file (`fx-panel/1`). `None` when it is one instrument's
+    /// data (a bar CSV of one symbol, or a feature file).
+    pub fn load(path: &Path) -> Result<Option<Self>, Error> {
+        if path.is_dir() {
+            return Self::from_csv_dir(path).map(Some);
+        }
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
+            return if crate::bars::is_long_format(path)? { Self::from_long_csv(path).map(Some) } else { Ok(None) };
+        }
+        if is_panel_file(path)? {
+            return Self::read(path).map(Some);
+        }
+        Ok(None)
+    }
+
+    /// Instrument `i` alone: its own feature rows (the unmasked cells, in time order, exactly
+    /// the single-instrument table of its bars) and the calendar row of each.
+    pub fn instrument(&self, i: usize) -> Result<(FeatureTable, Vec<usize>), Error> {
+        let Some(name) = self.instruments.get(i) else {
+            return Err(Error::config("panel instrument", format!("{i} of {} instruments", self.instruments.len())));
+        };
+        let (n_t, f) = (self.rows(), self.n_market());
+        let rows: Vec<usize> = (0..n_t).filter(|&c| self.mask[i * n_t + c] == 1).collect();
+        let cell = |c: usize| i * n_t + c;
+        let table = FeatureTable {
+            market: rows.iter().flat_map(|&c| self.market[cell(c) * f..(cell(c) + 1) * f].iter().copied()).collect(),
+            known: rows.iter().flat_map(|&c| self.known[c * N_KNOWN..(c + 1) * N_KNOWN].iter().copied()).collect(),
+            logret_next: rows.iter().map(|&c| self.logret_next[cell(c)]).collect(),
+            close: rows.iter().map(|&c| self.close[cell(c)]).collect(),
+            timestamp: rows.iter().map(|&c| self.timestamp[c]).collect(),
+            feature_names: self.feature_names.clone(),
+            source: name.clone(),
+        };
+        Ok((table, rows))
+    }
+}
+
+/// Whether `path` is a safetensors file whose metadata says `fx-panel/1` (reads the header
+/// only; anything that is not safetensors is not a panel file).
+pub fn is_panel_file(path: &Path) -> Result<bool, Error> {
+    use std::io::Read;
+    let mut f = crate::files::open_regular(path).map_err(|e| Error::io(path, e))?;
+    let mut len = [0u8; 8];
+    if f.read_exact(&mut len).is_err() {
+        return Ok(false);
+    }
+    let n = u64::from_le_bytes(len);
+    // A header is JSON of a few KiB; anything implausible is not ours to judge here.
+    if n > 1 << 24 {
+        return Ok(false);
+    }
+    let mut head = vec![0u8; n as usize];
+    if f.read_exact(&mut head).is_err() {
+        return Ok(false);
+    }
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&head) else { return Ok(false) };
+    Ok(v["__metadata__"]["schema"].as_str() == Some(PANEL_SCHEMA))
+}
+
 /// `bytes` (a tensor's data, its length a multiple of `T`'s size) as `T`s, copied
 /// (safetensors data need not be aligned for `T`).
 fn pod_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
@@ -331,6 +392,36 @@ mod tests {
         let path = dir.path().join("panel.safetensors");
         p.write(&path).unwrap();
         assert_eq!(Panel::read(&path).unwrap(), p);
+    }
+
+    /// An instrument taken out of a panel is its own single-instrument table, and `load`
+    /// reads folders, long CSVs and panel files alike.
+    #[test]
+    fn an_instrument_out_of_a_panel_is_its_own_table() {
+        let (full, gappy) = full_and_gappy(40..55);
+        let p = Panel::from_tables(vec![("a".into(), full.clone()), ("b".into(), gappy.clone())]).unwrap();
+        for (i, want) in [full, gappy].into_iter().enumerate() {
+            let (got, rows) = p.instrument(i).unwrap();
+            assert_eq!(rows.len(), want.rows());
+            assert!(rows.windows(2).all(|w| w[0] < w[1]));
+            assert_eq!(
+                got.market.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.market.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+            assert_eq!((got.close, got.timestamp, got.known), (want.close, want.timestamp, want.known));
+            assert_eq!(got.logret_next, want.logret_next);
+        }
+        assert!(p.instrument(2).is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        p.write(&path).unwrap();
+        assert!(is_panel_file(&path).unwrap());
+        assert_eq!(Panel::load(&path).unwrap(), Some(p.clone()));
+        let one = dir.path().join("one.safetensors");
+        p.instrument(0).unwrap().0.write(&one).unwrap();
+        assert!(!is_panel_file(&one).unwrap());
+        assert_eq!(Panel::load(&one).unwrap(), None);
+        assert_eq!(Panel::load(&data("msft_daily_2000_2013.csv")).unwrap(), None);
     }
 
     /// The fixture's features, and the features of the same bars without those in `gap`.

@@ -84,19 +84,44 @@ impl EnvConfig {
     }
 }
 
-/// One feature series: `market` row-major `[T, 51]` (normalised features) and `close`
-/// `[T]` (prices, f64). Validated on construction: finite values, positive prices.
+/// The series the accounts trade: `market` row-major `[T, 51]` (normalised features) and
+/// `close` `[T]` (prices, f64), made of one or more **segments** (a panel's instruments,
+/// one after another). An episode never leaves the segment its reset chose: with one
+/// segment the reset is the reference's `floor(u · (T − L))`; with several it first draws
+/// the segment, `k = floor(u_k · S)` from [`rng::STREAM_INSTRUMENT`], then the start inside
+/// it, `segment.start + floor(u · (len_k − L))` from the reset stream. Validated on
+/// construction: finite values, positive prices, every segment at least 2 rows.
 #[derive(Clone, Debug)]
 pub struct EnvData {
     market: Vec<f32>,
     close: Vec<f64>,
+    segments: Vec<std::ops::Range<usize>>,
 }
 
 impl EnvData {
     /// Builds the series, checking `market.len() == 51 · close.len()`, finite market
     /// values and finite positive prices.
     pub fn new(market: Vec<f32>, close: Vec<f64>) -> Result<Self> {
+        let n = close.len();
+        Self::from_segments(market, close, &[n])
+    }
+
+    /// Segments of `lens` rows one after another (an instrument each; their sum is `T`),
+    /// checked as [`new`](Self::new) checks one series.
+    pub fn from_segments(market: Vec<f32>, close: Vec<f64>, lens: &[usize]) -> Result<Self> {
         let ctx = "EnvData::new";
+        if lens.is_empty() || lens.iter().sum::<usize>() != close.len() {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!("segments of {lens:?} rows do not add up to the {} rows of the series", close.len()),
+            });
+        }
+        if let Some((k, n)) = lens.iter().enumerate().find(|(_, &n)| n < 2) {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!("segment {k} has {n} rows; a series needs at least 2"),
+            });
+        }
         if market.len() != close.len() * N_MARKET {
             return Err(Error::shape(
                 "market",
@@ -117,7 +142,25 @@ impl EnvData {
         if let Some((index, v)) = close.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
             return Err(Error::NonFinite { what: "close (must be finite and > 0)", index, value: *v, context: ctx });
         }
-        Ok(Self { market, close })
+        let mut start = 0;
+        let segments = lens
+            .iter()
+            .map(|&n| {
+                start += n;
+                start - n..start
+            })
+            .collect();
+        Ok(Self { market, close, segments })
+    }
+
+    /// The segments (row ranges, in order, covering `0..T`).
+    pub fn segments(&self) -> &[std::ops::Range<usize>] {
+        &self.segments
+    }
+
+    /// Rows of the shortest segment (what an episode must fit in).
+    pub fn shortest_segment(&self) -> usize {
+        self.segments.iter().map(|s| s.len()).min().unwrap_or(0)
     }
 
     /// Number of rows `T`.
@@ -175,6 +218,26 @@ pub(crate) fn reset_start(t_len: usize, episode_len: usize, seed: u64, env: u64,
     (u * (t_len - episode_len) as f64).floor() as usize
 }
 
+/// Start index of a reset in a series of `segments` (see [`EnvData`]): one segment is the
+/// reference's reset; several draw the segment first.
+#[inline]
+pub(crate) fn reset_start_in(
+    segments: &[std::ops::Range<usize>],
+    episode_len: usize,
+    seed: u64,
+    env: u64,
+    counter: u64,
+) -> usize {
+    let seg = match segments {
+        [only] => only,
+        _ => {
+            let u = rng::draw(seed, rng::STREAM_INSTRUMENT, env, counter);
+            &segments[((u * segments.len() as f64).floor() as usize).min(segments.len() - 1)]
+        }
+    };
+    seg.start + reset_start(seg.len(), episode_len, seed, env, counter)
+}
+
 /// Writes one observation row.
 #[inline]
 fn write_obs(data: &EnvData, episode_len: usize, t: usize, pos: i8, entry: f64, sip: u64, out: &mut [f32]) {
@@ -190,7 +253,7 @@ fn write_obs(data: &EnvData, episode_len: usize, t: usize, pos: i8, entry: f64, 
 impl CpuTradingEnv {
     /// Creates the environment and resets every account with counter 0.
     pub fn new(data: Arc<EnvData>, cfg: EnvConfig) -> Result<Self> {
-        cfg.validate(data.len())?;
+        cfg.validate(data.shortest_segment())?;
         let e = cfg.num_envs;
         let mut env = Self {
             data,
@@ -211,7 +274,7 @@ impl CpuTradingEnv {
 
     fn reset_one(&mut self, i: usize) {
         let env_id = self.cfg.env_offset + i as u64;
-        let t0 = reset_start(self.data.len(), self.cfg.episode_len, self.cfg.seed, env_id, self.counter[i]);
+        let t0 = reset_start_in(self.data.segments(), self.cfg.episode_len, self.cfg.seed, env_id, self.counter[i]);
         self.t[i] = t0;
         self.pos[i] = 0;
         self.entry[i] = self.data.close[t0];
@@ -519,6 +582,59 @@ mod tests {
         Arc::new(EnvData::new(market, close).expect("data"))
     }
 
+    fn segment_of(data: &EnvData, t: usize) -> usize {
+        data.segments().iter().position(|s| s.contains(&t)).expect("t inside a segment")
+    }
+
+    #[test]
+    fn one_segment_is_the_reference_reset() {
+        // `new` is one segment, and a segmented series of one segment resets as it does.
+        let data = random_walk(40, 3);
+        let one = Arc::new(EnvData::from_segments(data.market().to_vec(), data.close().to_vec(), &[40]).expect("data"));
+        let cfg = EnvConfig { num_envs: 64, episode_len: 7, seed: 11, ..EnvConfig::default() };
+        let a = CpuTradingEnv::new(data, cfg.clone()).expect("env");
+        let b = CpuTradingEnv::new(one, cfg).expect("env");
+        assert_eq!(a.times(), b.times());
+    }
+
+    #[test]
+    fn resets_draw_every_segment() {
+        let parts: Vec<Arc<EnvData>> = [30, 50, 20].iter().map(|&n| random_walk(n, n as u64)).collect();
+        let market = parts.iter().flat_map(|p| p.market().to_vec()).collect();
+        let close = parts.iter().flat_map(|p| p.close().to_vec()).collect();
+        let data = Arc::new(EnvData::from_segments(market, close, &[30, 50, 20]).expect("data"));
+        let cfg = EnvConfig { num_envs: 300, episode_len: 8, seed: 5, ..EnvConfig::default() };
+        let env = CpuTradingEnv::new(data.clone(), cfg).expect("env");
+        let mut counts = [0usize; 3];
+        for &t in env.times() {
+            counts[segment_of(&data, t)] += 1;
+        }
+        // Uniform over segments, whatever their lengths: 100 expected each.
+        assert!(counts.iter().all(|&c| (70..=130).contains(&c)), "{counts:?}");
+        // A state whose episode would cross into the next segment is refused.
+        let mut state = env.state();
+        state.t[0] = 29 - 3;
+        state.ep_step[0] = 2;
+        let mut twin = env.clone();
+        assert!(twin.restore(&state).is_err());
+        state.t[0] = 30 - 1 - 6;
+        assert!(twin.restore(&state).is_ok());
+    }
+
+    #[test]
+    fn rejects_bad_segments() {
+        let close = vec![1.0; 10];
+        assert!(EnvData::from_segments(vec![0.0; 510], close.clone(), &[4, 5]).is_err());
+        assert!(EnvData::from_segments(vec![0.0; 510], close.clone(), &[9, 1]).is_err());
+        assert!(EnvData::from_segments(vec![0.0; 510], close.clone(), &[]).is_err());
+        let data = Arc::new(EnvData::from_segments(vec![0.0; 510], close, &[7, 3]).expect("data"));
+        // The shortest segment bounds the episode.
+        let cfg = EnvConfig { num_envs: 2, episode_len: 3, ..EnvConfig::default() };
+        assert!(CpuTradingEnv::new(data.clone(), cfg).is_err());
+        let cfg = EnvConfig { num_envs: 2, episode_len: 2, ..EnvConfig::default() };
+        assert!(CpuTradingEnv::new(data, cfg).is_ok());
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
         /// Invariants of the state machine on random series, seeds and actions: times stay
@@ -555,6 +671,36 @@ mod tests {
                 }
             }
         }
+
+        /// On a series of several segments an episode starts and ends inside one segment:
+        /// every step's `t` and `t + 1` lie in the segment of the episode's reset.
+        #[test]
+        fn episodes_stay_in_their_segment(seed: u64, e in 1usize..6, ep_len in 1usize..10,
+                                          lens in proptest::collection::vec(0usize..30, 1..5)) {
+            let lens: Vec<usize> = lens.iter().map(|n| n + ep_len + 1).collect();
+            let parts: Vec<Arc<EnvData>> = lens.iter().enumerate().map(|(k, &n)| random_walk(n, seed ^ k as u64)).collect();
+            let market = parts.iter().flat_map(|p| p.market().to_vec()).collect();
+            let close = parts.iter().flat_map(|p| p.close().to_vec()).collect();
+            let data = Arc::new(EnvData::from_segments(market, close, &lens).expect("data"));
+            let cfg = EnvConfig { num_envs: e, episode_len: ep_len, cost: 1e-4, seed, env_offset: 0 };
+            let mut env = CpuTradingEnv::new(data.clone(), cfg).expect("env");
+            let mut seg: Vec<usize> = env.times().iter().map(|&t| segment_of(&data, t)).collect();
+            for k in 0..30u32 {
+                let before = env.times().to_vec();
+                let a: Vec<u32> = (0..e as u32).map(|i| (k + i) % 3).collect();
+                let s = env.step_host(&a).expect("step");
+                for i in 0..e {
+                    let range = &data.segments()[seg[i]];
+                    proptest::prop_assert!(range.contains(&before[i]) && range.contains(&(before[i] + 1)));
+                    let t_next = before[i] + 1;
+                    proptest::prop_assert_eq!(&s.next_obs[i * OBS_DIM..i * OBS_DIM + N_MARKET],
+                        &data.market()[t_next * N_MARKET..(t_next + 1) * N_MARKET]);
+                    if s.done[i] == 1.0 {
+                        seg[i] = segment_of(&data, env.times()[i]);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -582,7 +728,13 @@ impl EnvState {
     /// `episode_len`, finite positive entry prices, and times that leave room for the rest
     /// of the episode (`t + episode_len − ep_step ≤ T − 1`, so no step reads past the
     /// series; the GPU env relies on this, as its kernels do not re-check).
-    pub fn check(&self, num_envs: usize, t_len: usize, episode_len: usize, context: &'static str) -> Result<()> {
+    pub fn check(
+        &self,
+        num_envs: usize,
+        segments: &[std::ops::Range<usize>],
+        episode_len: usize,
+        context: &'static str,
+    ) -> Result<()> {
         let e = num_envs;
         let lens = [self.t.len(), self.pos.len(), self.entry.len(), self.steps_in_pos.len(), self.ep_step.len()];
         if lens.iter().chain([&self.counter.len()]).any(|&n| n != e) {
@@ -591,11 +743,11 @@ impl EnvState {
                 message: format!("state is for a different number of accounts (expected {e})"),
             });
         }
-        let bad_t = self
-            .t
-            .iter()
-            .zip(&self.ep_step)
-            .any(|(&t, &s)| (s as usize) < episode_len && t.saturating_add(episode_len - s as usize) >= t_len);
+        // The rest of the episode must fit inside the segment the account is in.
+        let bad_t = self.t.iter().zip(&self.ep_step).any(|(&t, &s)| {
+            (s as usize) < episode_len
+                && !segments.iter().any(|seg| seg.start <= t && t.saturating_add(episode_len - s as usize) < seg.end)
+        });
         let bad_pos = self.pos.iter().any(|p| !(-1..=1).contains(p));
         let bad_ep = self.ep_step.iter().any(|&s| s as usize >= episode_len);
         let bad_sip = self.steps_in_pos.iter().any(|&s| s > u32::MAX as u64);
@@ -627,7 +779,7 @@ impl CpuTradingEnv {
     /// Restores a state taken with [`CpuTradingEnv::state`] from an env over the same
     /// series and config; a state of another size or out of the series is refused.
     pub fn restore(&mut self, state: &EnvState) -> Result<()> {
-        state.check(self.cfg.num_envs, self.data.len(), self.cfg.episode_len, "CpuTradingEnv::restore")?;
+        state.check(self.cfg.num_envs, self.data.segments(), self.cfg.episode_len, "CpuTradingEnv::restore")?;
         self.t.clone_from(&state.t);
         self.pos.clone_from(&state.pos);
         self.entry.clone_from(&state.entry);

@@ -17,6 +17,9 @@ pub const STREAM_EXPLORE: u64 = 1;
 pub const STREAM_RANDOM_ACTION: u64 = 2;
 /// Stream 3: policy sampling (first action whose cumulative probability exceeds `u`).
 pub const STREAM_POLICY: u64 = 3;
+/// Stream 4: the segment (a panel's instrument) a reset draws before its start, when the
+/// series has more than one (`floor(S * u)`).
+pub const STREAM_INSTRUMENT: u64 = 4;
 /// The stream of replay minibatch indices (`ReplayBuffer::sample_keyed`: env = the
 /// minibatch key, step = the row).
 pub const STREAM_REPLAY: u64 = 0x5250;

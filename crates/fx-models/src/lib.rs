@@ -67,7 +67,7 @@ mod seq_testing;
 mod synthetic;
 
 pub use backtest::significance;
-pub use backtest::{evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
+pub use backtest::{equal_weight, evaluate_positions, random_positions, replay_policy, Backtest, BacktestStats};
 pub use dqn::population::{DqnPopulation, PopBatch, PopStepStats, PopUpdateStats};
 pub use dqn::trainer::{DqnConfig, DqnStepStats, DqnTrainer, DqnUpdateStats};
 pub use dqn::{dqn_loss, soft_update, DqnBatch, DqnLossParts, DqnNetConfig, DuelingDqn};

@@ -1,90 +1,243 @@
-//! The run's data: features from a file, from bars, or from the synthetic market; the
-//! chronological split; the normaliser fitted on the training rows; and the
+//! The run's data: one instrument's features (from a feature file, from bars, or from the
+//! synthetic market) or a panel of instruments on one calendar (a folder of bar files, a
+//! long-format CSV or a panel file, see `fx_data::panel`); the chronological split of the
+//! calendar; one normaliser per instrument fitted on its own training rows; and the
 //! environment series built from them.
+//!
+//! Spans are calendar rows, so every instrument's training rows end where the split says,
+//! and no instrument's training data reaches into another's validation or test time. One
+//! instrument's calendar is its own rows, so a single-instrument run is what it always was.
+//! An instrument of a panel with fewer than two rows in the training span has no
+//! normaliser that would not peek at later data: it is left out of the run (and named).
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use fx_data::{FeatureStore, Normalizer, Splits};
+use fx_data::{FeatureStore, Normalizer, Panel, Splits};
 use fx_kernels::{EnvData, N_MARKET};
 
 use crate::config::RunConfig;
 
-/// Features, split and normaliser of a run.
-pub struct Dataset {
+/// One instrument of the run's data.
+pub struct Instrument {
+    pub name: String,
+    /// Its own feature rows, in time order.
     pub store: FeatureStore,
-    pub splits: Splits,
+    /// The calendar row of each of its rows (strictly increasing).
+    pub calendar_rows: Vec<usize>,
+    /// Fitted on its rows inside the training span.
     pub normalizer: Normalizer,
-    /// Where the rows came from (file name or `synthetic(seed=…)`).
+}
+
+/// Features, split and normalisers of a run.
+pub struct Dataset {
+    pub instruments: Vec<Instrument>,
+    /// Timestamps of the calendar rows (one instrument: its own rows').
+    pub calendar: Vec<i64>,
+    /// The spans, in calendar rows.
+    pub splits: Splits,
+    /// Where the rows came from (file or folder name, or `synthetic(seed=…)`).
     pub source: String,
     pub periods_per_year: f64,
+    /// Panel instruments left out: too few rows in the training span.
+    pub excluded: Vec<String>,
+}
+
+/// An instrument's part of a span: its environment series and the span's index of the
+/// calendar row each of its steps starts at.
+pub struct InstrumentSpan {
+    pub instrument: usize,
+    pub series: Arc<EnvData>,
+    pub steps: Vec<usize>,
 }
 
 impl Dataset {
-    /// Loads the data a config names and fits the normaliser on its training rows. A saved
-    /// normaliser (from a checkpoint) replaces the fitted one, so a resumed or evaluated
+    /// Loads the data a config names and fits the normalisers on the training rows. Saved
+    /// normalisers (from a checkpoint) replace the fitted ones, so a resumed or evaluated
     /// run sees exactly the inputs it was trained on.
-    pub fn load(cfg: &RunConfig, saved: Option<Normalizer>) -> Result<Self> {
-        let (store, source) = match &cfg.data {
+    pub fn load(cfg: &RunConfig, saved: Option<Vec<Normalizer>>) -> Result<Self> {
+        let (tables, calendar, source) = match &cfg.data {
             None => {
                 let table = fx_data::synthetic::feature_table(&cfg.synthetic)?;
                 let source = format!("synthetic(seed={}, bars={})", cfg.synthetic.seed, cfg.synthetic.bars);
-                (FeatureStore::from_table(table)?, source)
+                let store = FeatureStore::from_table(table)?;
+                let calendar = store.timestamps().to_vec();
+                (vec![("synthetic".to_string(), store, (0..calendar.len()).collect())], calendar, source)
             }
-            Some(path) => (open_features(path)?, path.display().to_string()),
+            Some(path) => open_data(path)?,
         };
-        if store.n_market() != N_MARKET {
-            bail!("{source}: {} market features per row, the models need {N_MARKET}", store.n_market());
-        }
-        // The count is not the schema: a renamed or reordered column feeds a model the wrong input.
-        let spec = fx_data::features::MARKET_FEATURE_NAMES;
-        if let Some((i, (got, want))) =
-            store.feature_names().iter().zip(spec).enumerate().find(|(_, (g, w))| g.as_str() != *w)
-        {
-            bail!("{source}: market feature {i} is {got:?} where DATA.md has {want:?} (renamed or reordered columns)");
-        }
-        let splits = match &cfg.rows {
-            Some(r) => check_rows(r, store.rows()).with_context(|| format!("the run's rows of {source}"))?,
-            None => cfg.split.split(store.rows()).with_context(|| format!("splitting {source}"))?,
-        };
-        let min_rows = cfg.env.episode_len + 1;
-        // Sequence models check their windows against the splits themselves.
-        if !cfg.model.is_sequence() && splits.train.len() < min_rows {
+        let panel = tables.len() > 1;
+        if panel && cfg.model.is_sequence() {
             bail!(
-                "{source}: the training split has {} rows, an episode of {} steps needs at least {min_rows} \
-                 (use more data or a shorter env.episode_len)",
-                splits.train.len(),
-                cfg.env.episode_len
+                "{source} is a panel of {} instruments: {} forecasters train on one instrument so far",
+                tables.len(),
+                cfg.model.as_str()
             );
         }
-        if splits.test.len() < 2 {
-            bail!("{source}: the test split has {} rows, a backtest needs at least 2", splits.test.len());
+        for (name, store, _) in &tables {
+            let what = if panel { format!("{source} ({name})") } else { source.clone() };
+            check_schema(store, &what)?;
         }
-        let normalizer = match saved {
-            Some(n) => {
-                if n.width() != store.n_market() {
+        let rows = calendar.len();
+        let splits = match &cfg.rows {
+            Some(r) => check_rows(r, rows).with_context(|| format!("the run's rows of {source}"))?,
+            None => cfg.split.split(rows).with_context(|| format!("splitting {source}"))?,
+        };
+        let mut instruments = Vec::with_capacity(tables.len());
+        let mut excluded = Vec::new();
+        for (name, store, calendar_rows) in tables {
+            let own = own_rows(&calendar_rows, &splits.train);
+            if panel && own.len() < 2 {
+                excluded.push(name);
+                continue;
+            }
+            let normalizer = Normalizer::fit(&store, own).with_context(|| format!("normalising {source}"))?;
+            instruments.push(Instrument { name, store, calendar_rows, normalizer });
+        }
+        if instruments.is_empty() {
+            bail!("{source}: no instrument has two rows in the training span {:?}", splits.train);
+        }
+        if let Some(saved) = saved {
+            if saved.len() != instruments.len() {
+                bail!(
+                    "{source}: the checkpoint has {} normalisers, the data {} instruments",
+                    saved.len(),
+                    instruments.len()
+                );
+            }
+            for (inst, n) in instruments.iter_mut().zip(saved) {
+                if n.width() != inst.store.n_market() {
                     bail!(
                         "{source}: the checkpoint's normaliser has {} features, the data {}",
                         n.width(),
-                        store.n_market()
+                        inst.store.n_market()
                     );
                 }
-                n
+                inst.normalizer = n;
             }
-            None => Normalizer::fit(&store, splits.train.clone())?,
-        };
-        let periods_per_year = cfg.periods_per_year.unwrap_or_else(|| infer_periods_per_year(store.timestamps()));
-        Ok(Dataset { store, splits, normalizer, source, periods_per_year })
+        }
+        let periods_per_year = cfg.periods_per_year.unwrap_or_else(|| infer_periods_per_year(&calendar));
+        let data = Dataset { instruments, calendar, splits, source, periods_per_year, excluded };
+        // Sequence models check their windows against the splits themselves.
+        let min_rows = cfg.env.episode_len + 1;
+        if !cfg.model.is_sequence() && data.longest_in(&data.splits.train) < min_rows {
+            let what = if panel { "every instrument's part of the training split" } else { "the training split" };
+            bail!(
+                "{}: {what} has at most {} rows, an episode of {} steps needs at least {min_rows} \
+                 (use more data or a shorter env.episode_len)",
+                data.source,
+                data.longest_in(&data.splits.train),
+                cfg.env.episode_len
+            );
+        }
+        if data.longest_in(&data.splits.test) < 2 {
+            bail!("{}: the test split has {} rows, a backtest needs at least 2", data.source, data.splits.test.len());
+        }
+        Ok(data)
     }
 
-    /// The environment series over `rows`: normalised market features and close prices.
-    pub fn env_data(&self, rows: std::ops::Range<usize>) -> Result<Arc<EnvData>> {
-        let mut market = self.store.market_rows(rows.clone()).to_vec();
-        self.normalizer.apply_in_place(&mut market);
-        let close = self.store.close()[rows].to_vec();
-        Ok(Arc::new(EnvData::new(market, close)?))
+    /// Calendar rows.
+    pub fn rows(&self) -> usize {
+        self.calendar.len()
     }
+
+    /// More than one instrument.
+    pub fn is_panel(&self) -> bool {
+        self.instruments.len() > 1
+    }
+
+    /// The one instrument of a single-instrument run (sequence models; [`load`](Self::load)
+    /// refuses panels for them).
+    pub fn single(&self) -> &Instrument {
+        &self.instruments[0]
+    }
+
+    /// The normalisers, in instrument order (what a checkpoint keeps).
+    pub fn normalizers(&self) -> Vec<Normalizer> {
+        self.instruments.iter().map(|i| i.normalizer.clone()).collect()
+    }
+
+    /// The most rows any instrument has inside the calendar span.
+    fn longest_in(&self, span: &Range<usize>) -> usize {
+        self.instruments.iter().map(|i| own_rows(&i.calendar_rows, span).len()).max().unwrap_or(0)
+    }
+
+    /// Instrument `i`'s part of the calendar span `span` (at least 2 rows, else `None`):
+    /// normalised market features and close prices, and the span index of each step.
+    pub fn instrument_span(&self, i: usize, span: &Range<usize>) -> Result<Option<InstrumentSpan>> {
+        let inst = &self.instruments[i];
+        let own = own_rows(&inst.calendar_rows, span);
+        if own.len() < 2 {
+            return Ok(None);
+        }
+        let (market, close) = inst.series(own.clone());
+        let series =
+            Arc::new(EnvData::new(market, close).with_context(|| format!("{} of {}", inst.name, self.source))?);
+        let steps = inst.calendar_rows[own.start..own.end - 1].iter().map(|&c| c - span.start).collect();
+        Ok(Some(InstrumentSpan { instrument: i, series, steps }))
+    }
+
+    /// Every instrument's part of `span` that has at least 2 rows.
+    pub fn spans(&self, span: &Range<usize>) -> Result<Vec<InstrumentSpan>> {
+        Ok((0..self.instruments.len())
+            .map(|i| self.instrument_span(i, span))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// The environment series over the calendar span `rows`: each instrument's rows there
+    /// with at least `min_rows` of them (an episode's length plus one), one segment each
+    /// (one instrument: exactly its rows, as before panels).
+    pub fn env_data(&self, rows: Range<usize>, min_rows: usize) -> Result<Arc<EnvData>> {
+        let (mut market, mut close, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+        for inst in &self.instruments {
+            let own = own_rows(&inst.calendar_rows, &rows);
+            if own.len() < min_rows.max(2) {
+                continue;
+            }
+            let (m, c) = inst.series(own.clone());
+            market.extend(m);
+            close.extend(c);
+            lens.push(own.len());
+        }
+        if lens.is_empty() {
+            bail!("{}: no instrument has {} rows in calendar rows {rows:?}", self.source, min_rows.max(2));
+        }
+        Ok(Arc::new(EnvData::from_segments(market, close, &lens).with_context(|| self.source.clone())?))
+    }
+}
+
+impl Instrument {
+    /// Normalised market features and close prices of its own rows `own`.
+    fn series(&self, own: Range<usize>) -> (Vec<f32>, Vec<f64>) {
+        let mut market = self.store.market_rows(own.clone()).to_vec();
+        self.normalizer.apply_in_place(&mut market);
+        (market, self.store.close()[own].to_vec())
+    }
+}
+
+/// The instrument's own rows whose calendar rows lie in `span` (contiguous: its calendar
+/// rows increase).
+fn own_rows(calendar_rows: &[usize], span: &Range<usize>) -> Range<usize> {
+    calendar_rows.partition_point(|&c| c < span.start)..calendar_rows.partition_point(|&c| c < span.end)
+}
+
+/// The count is not the schema: a renamed or reordered column feeds a model the wrong input.
+fn check_schema(store: &FeatureStore, source: &str) -> Result<()> {
+    if store.n_market() != N_MARKET {
+        bail!("{source}: {} market features per row, the models need {N_MARKET}", store.n_market());
+    }
+    let spec = fx_data::features::MARKET_FEATURE_NAMES;
+    if let Some((i, (got, want))) =
+        store.feature_names().iter().zip(spec).enumerate().find(|(_, (g, w))| g.as_str() != *w)
+    {
+        bail!("{source}: market feature {i} is {got:?} where DATA.md has {want:?} (renamed or reordered columns)");
+    }
+    Ok(())
 }
 
 /// Explicit spans (a walk-forward fold's): non-empty, in time order, inside the table.
@@ -101,26 +254,33 @@ fn check_rows(r: &Splits, rows: usize) -> Result<Splits> {
     Ok(r.clone())
 }
 
-fn open_features(path: &Path) -> Result<FeatureStore> {
-    if path.is_dir() {
-        bail!(
-            "{} is a folder: a folder of bar files is a panel, which `fx-train features --input {}` writes; \
-             training on panels is not built yet",
-            path.display(),
-            path.display()
-        );
-    }
+/// Instruments (name, features, calendar rows), the calendar and the source's name.
+type Opened = (Vec<(String, FeatureStore, Vec<usize>)>, Vec<i64>, String);
+
+fn open_data(path: &Path) -> Result<Opened> {
+    let source = path.display().to_string();
     // A symlink (loop or dangling) exists as a link though `exists()` is false: the opener
     // names what it is.
     if !path.exists() && std::fs::symlink_metadata(path).is_err() {
-        bail!("data file {} does not exist", path.display());
+        bail!("data file {source} does not exist");
+    }
+    if let Some(panel) = Panel::load(path)? {
+        let mut out = Vec::with_capacity(panel.instruments.len());
+        for i in 0..panel.instruments.len() {
+            let (table, rows) = panel.instrument(i)?;
+            out.push((panel.instruments[i].clone(), FeatureStore::from_table(table)?, rows));
+        }
+        return Ok((out, panel.timestamp, source));
     }
     let is_csv = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv"));
-    if is_csv {
-        Ok(FeatureStore::from_table(fx_data::FeatureTable::from_csv(path)?)?)
+    let store = if is_csv {
+        FeatureStore::from_table(fx_data::FeatureTable::from_csv(path)?)?
     } else {
-        Ok(FeatureStore::open(path)?)
-    }
+        FeatureStore::open(path)?
+    };
+    let calendar = store.timestamps().to_vec();
+    let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok((vec![(name, store, (0..calendar.len()).collect())], calendar, source))
 }
 
 /// Bars per year from the timestamps: rows over elapsed years (252-ish for daily equity
@@ -144,5 +304,14 @@ mod tests {
         // Weekdays only, daily.
         let days: Vec<i64> = (0..3000i64).filter(|d| (d + 3) % 7 < 5).map(|d| d * 86_400).collect();
         assert!((infer_periods_per_year(&days) - 261.0).abs() < 1.5);
+    }
+
+    #[test]
+    fn own_rows_are_the_calendar_span() {
+        let cal = [0, 2, 3, 7, 9];
+        assert_eq!(own_rows(&cal, &(0..3)), 0..2);
+        assert_eq!(own_rows(&cal, &(3..8)), 2..4);
+        assert_eq!(own_rows(&cal, &(4..7)), 3..3);
+        assert_eq!(own_rows(&cal, &(8..20)), 4..5);
     }
 }

@@ -18,10 +18,13 @@ pub fn write_all(dir: &RunDir, _cfg: &RunConfig, data: &Dataset, rep: &Report) -
         ("flat", &rep.flat.equity, RGBColor(120, 120, 120)),
     ];
     // Equity point i is the account after i test bars: dated by the bar it stands at.
-    let ts = data.store.timestamps();
-    let dates = ts.get(data.splits.test.start..).unwrap_or(&[]);
-    let chart =
-        Chart { title: "test-split equity (start = 1)", x_label: "date", dates: Some(dates), drawdown_of: Some(0) };
+    let dates: Vec<i64> = rep.step_rows.iter().filter_map(|&c| data.calendar.get(c).copied()).collect();
+    let title = if data.is_panel() {
+        "test-split equity, equal-weight portfolio (start = 1)"
+    } else {
+        "test-split equity (start = 1)"
+    };
+    let chart = Chart { title, x_label: "date", dates: Some(&dates), drawdown_of: Some(0) };
     line_chart(&equity, &chart, &series).map_err(|e| anyhow::anyhow!("plotting {}: {e}", equity.display()))?;
     training_curves(dir, "env_steps", "env steps", &[("loss", "loss"), ("mean reward per step", "mean_reward")])
 }

@@ -20,10 +20,34 @@ pub struct Report {
     pub test_rows: std::ops::Range<usize>,
     pub periods_per_year: f64,
     pub env_steps: u64,
+    /// One instrument: its backtest; a panel: the equal-weight portfolio of the
+    /// instruments' (`fx_models::equal_weight`), and so for the baselines.
     pub agent: Backtest,
     pub buy_and_hold: Backtest,
     pub flat: Backtest,
     pub random: Backtest,
+    /// A panel's instruments, each backtested on its own test rows.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub instruments: Vec<InstrumentReport>,
+    /// Panel instruments left out of the run (too few training rows) or of the test span
+    /// (fewer than 2 rows there).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub excluded_instruments: Vec<String>,
+    /// The calendar row each of the agent's steps starts at.
+    #[serde(skip)]
+    pub step_rows: Vec<usize>,
+}
+
+/// One instrument's backtest in a panel's report.
+#[derive(Serialize, Clone)]
+pub struct InstrumentReport {
+    pub name: String,
+    /// Its steps in the span.
+    pub steps: usize,
+    pub agent: BacktestStats,
+    pub buy_and_hold: BacktestStats,
+    pub flat: BacktestStats,
+    pub random: BacktestStats,
 }
 
 impl Report {
@@ -47,24 +71,103 @@ pub fn evaluate_policy(
     mut policy: impl FnMut(&[f32]) -> Result<u32>,
 ) -> Result<Report> {
     let rows = data.splits.test.clone();
-    let series = data.env_data(rows.clone())?;
-    let close = series.close();
-    let cost = cfg.env.cost;
-    let ppy = data.periods_per_year;
-    let positions = replay_policy(&series, cfg.env.episode_len, |obs| {
-        policy(obs).map_err(|e| fx_models::Error::Config { context: "backtest policy", message: format!("{e:#}") })
-    })?;
-    let n = positions.len();
+    let b = backtest_span(cfg, data, &rows, &mut policy)?;
     Ok(Report {
         model: cfg.model.as_str(),
         data_source: data.source.clone(),
         test_rows: rows,
-        periods_per_year: ppy,
+        periods_per_year: data.periods_per_year,
         env_steps,
-        agent: evaluate_positions(&positions, close, cost, ppy)?,
-        buy_and_hold: evaluate_positions(&vec![1; n], close, cost, ppy)?,
-        flat: evaluate_positions(&vec![0; n], close, cost, ppy)?,
-        random: evaluate_positions(&random_positions(n, cfg.seed), close, cost, ppy)?,
+        agent: b.agent,
+        buy_and_hold: b.buy_and_hold,
+        flat: b.flat,
+        random: b.random,
+        instruments: b.instruments,
+        excluded_instruments: b.excluded,
+        step_rows: b.step_rows,
+    })
+}
+
+/// A policy's backtest over a calendar span, beside the baselines: one instrument's own,
+/// or a panel's equal-weight portfolio with each instrument's table.
+pub struct SpanBacktest {
+    pub agent: Backtest,
+    pub buy_and_hold: Backtest,
+    pub flat: Backtest,
+    pub random: Backtest,
+    pub instruments: Vec<InstrumentReport>,
+    pub excluded: Vec<String>,
+    pub step_rows: Vec<usize>,
+}
+
+/// Replays `policy` greedily over every instrument's rows of `span` (each as one account
+/// starting flat) and backtests it and the baselines; the random baseline of instrument
+/// `i` draws from seed `cfg.seed + i`.
+pub fn backtest_span(
+    cfg: &RunConfig,
+    data: &Dataset,
+    span: &std::ops::Range<usize>,
+    policy: &mut dyn FnMut(&[f32]) -> Result<u32>,
+) -> Result<SpanBacktest> {
+    let (cost, ppy) = (cfg.env.cost, data.periods_per_year);
+    let spans = data.spans(span)?;
+    let mut excluded = data.excluded.clone();
+    for (i, inst) in data.instruments.iter().enumerate() {
+        if !spans.iter().any(|s| s.instrument == i) {
+            excluded.push(inst.name.clone());
+        }
+    }
+    if spans.is_empty() {
+        bail!("{}: no instrument has 2 rows in calendar rows {span:?}", data.source);
+    }
+    // Per instrument: agent, buy-and-hold, flat, random.
+    let mut parts: Vec<[Backtest; 4]> = Vec::with_capacity(spans.len());
+    for s in &spans {
+        let positions = replay_policy(&s.series, cfg.env.episode_len, |obs| {
+            policy(obs).map_err(|e| fx_models::Error::Config { context: "backtest policy", message: format!("{e:#}") })
+        })?;
+        let (n, close) = (positions.len(), s.series.close());
+        let seed = cfg.seed.wrapping_add(s.instrument as u64);
+        parts.push([
+            evaluate_positions(&positions, close, cost, ppy)?,
+            evaluate_positions(&vec![1; n], close, cost, ppy)?,
+            evaluate_positions(&vec![0; n], close, cost, ppy)?,
+            evaluate_positions(&random_positions(n, seed), close, cost, ppy)?,
+        ]);
+    }
+    if !data.is_panel() {
+        let [agent, buy_and_hold, flat, random] = parts.pop().context("one instrument")?;
+        let step_rows = spans[0].steps.iter().map(|&k| span.start + k).collect();
+        return Ok(SpanBacktest { agent, buy_and_hold, flat, random, instruments: Vec::new(), excluded, step_rows });
+    }
+    let portfolio = |k: usize| {
+        let legs: Vec<(&[usize], &Backtest)> =
+            spans.iter().zip(&parts).map(|(s, p)| (s.steps.as_slice(), &p[k])).collect();
+        fx_models::equal_weight(&legs, cost, ppy)
+    };
+    let mut step_rows: Vec<usize> = spans.iter().flat_map(|s| s.steps.iter().map(|&k| span.start + k)).collect();
+    step_rows.sort_unstable();
+    step_rows.dedup();
+    let instruments = spans
+        .iter()
+        .zip(&parts)
+        .map(|(s, p)| InstrumentReport {
+            name: data.instruments[s.instrument].name.clone(),
+            steps: s.steps.len(),
+            agent: p[0].stats.clone(),
+            buy_and_hold: p[1].stats.clone(),
+            flat: p[2].stats.clone(),
+            random: p[3].stats.clone(),
+        })
+        .collect();
+    Ok(SpanBacktest {
+        agent: portfolio(0)?,
+        buy_and_hold: portfolio(1)?,
+        flat: portfolio(2)?,
+        random: portfolio(3)?,
+        instruments,
+        excluded,
+        step_rows,
     })
 }
 
@@ -106,14 +209,16 @@ pub fn write(
 /// The training report's per-step backtest of the agent, beside `report.json`.
 pub(crate) const BACKTEST_CSV: &str = "backtest.csv";
 
-/// `row,position,log_return,equity`: one line per test step (`row` indexes the feature
-/// table). Returns are written with Rust's shortest round-trip formatting, so a reader gets
-/// the very values the statistics used.
+/// `row,position,log_return,equity`: one line per test step (`row` is the calendar row
+/// the step starts at; a panel's portfolio has no single position, its column is empty).
+/// Returns are written with Rust's shortest round-trip formatting, so a reader gets the
+/// very values the statistics used.
 fn backtest_csv(rep: &Report) -> String {
     let a = &rep.agent;
     let mut out = String::from("row,position,log_return,equity\n");
-    for (i, ((p, r), e)) in a.positions.iter().zip(&a.returns).zip(&a.equity).enumerate() {
-        out.push_str(&format!("{},{p},{r:?},{e:?}\n", rep.test_rows.start + i));
+    for (i, (r, e)) in a.returns.iter().zip(&a.equity).enumerate() {
+        let p = a.positions.get(i).map(|p| p.to_string()).unwrap_or_default();
+        out.push_str(&format!("{},{p},{r:?},{e:?}\n", rep.step_rows[i]));
     }
     out
 }
@@ -174,6 +279,19 @@ pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
         ("random", &rep.random),
     ] {
         println!("{}", row(name, &b.stats));
+    }
+    if !rep.instruments.is_empty() {
+        println!(
+            "(a panel: the rows above are the equal-weight portfolio of {} instruments; agent and buy & hold per instrument:)",
+            rep.instruments.len()
+        );
+        for i in &rep.instruments {
+            println!("{}", row(&format!("{} agent", i.name), &i.agent));
+            println!("{}", row(&format!("{} b&h", i.name), &i.buy_and_hold));
+        }
+        if !rep.excluded_instruments.is_empty() {
+            println!("left out (too few rows): {}", rep.excluded_instruments.join(", "));
+        }
     }
     println!(
         "{}",

@@ -101,7 +101,7 @@ impl RunTask for RlTask {
     const CHECKPOINT_LAST: bool = true;
 
     fn load_data(start: &RunStart) -> Result<Dataset> {
-        Dataset::load(&start.cfg, start.saved_normalizer()?)
+        Dataset::load(&start.cfg, start.saved_normalizers()?)
     }
 
     fn data_source(data: &Dataset) -> &str {
@@ -111,7 +111,7 @@ impl RunTask for RlTask {
     fn build(start: &mut RunStart, data: &Arc<Dataset>) -> Result<Self> {
         start.settle_batch(None)?;
         let (cfg, device) = (start.cfg.clone(), start.device.clone());
-        let train_rows = data.env_data(data.splits.train.clone())?;
+        let train_rows = data.env_data(data.splits.train.clone(), cfg.env.episode_len + 1)?;
         let mut env = TrainEnv::new(train_rows, cfg.env.clone(), &device)?;
         let agent = match &start.checkpoint {
             Some(c) => {
@@ -201,7 +201,7 @@ impl RunTask for RlTask {
             cfg.model,
             self.agent.env_steps(),
             self.env.state()?,
-            &data.normalizer,
+            &data.normalizers(),
             data.source.clone(),
             train_seconds,
         );
@@ -271,7 +271,7 @@ pub fn eval(run: &std::path::Path) -> Result<()> {
     };
     c.check_model(cfg.model, "config.toml says")?;
     let device = device_for(&cfg)?;
-    let data = Dataset::load(&cfg, Some(c.run.normalizer()?))?;
+    let data = Dataset::load(&cfg, Some(c.run.normalizers()?))?;
     c.check_source(&data.source, "config.toml now names")?;
     let agent = Agent::load(cfg.model, &c.trainer, &device)?;
     let rep = report::evaluate(&cfg, &data, &agent, &device)?;

@@ -83,7 +83,8 @@ pub struct RunState {
     /// The training environment's state (RL agents only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<EnvState>,
-    /// Normaliser mean and standard deviation (fitted on the training rows).
+    /// Normaliser mean and standard deviation (fitted on the training rows): a panel's
+    /// instruments' one after another, `N_MARKET` values each.
     pub norm_mean: Vec<f32>,
     pub norm_std: Vec<f32>,
     /// Where the data came from.
@@ -103,11 +104,16 @@ impl RunState {
         model: ModelChoice,
         env_steps: u64,
         env: EnvState,
-        norm: &fx_data::Normalizer,
+        norms: &[fx_data::Normalizer],
         data_source: String,
         train_seconds: f64,
     ) -> Self {
-        let (norm_mean, norm_std) = norm.to_pair();
+        let (mut norm_mean, mut norm_std) = (Vec::new(), Vec::new());
+        for n in norms {
+            let (m, s) = n.to_pair();
+            norm_mean.extend(m);
+            norm_std.extend(s);
+        }
         RunState {
             version: RUN_STATE_VERSION,
             model,
@@ -143,8 +149,29 @@ impl RunState {
         }
     }
 
+    /// The one normaliser of a single-instrument run.
     pub fn normalizer(&self) -> Result<fx_data::Normalizer> {
         Ok(fx_data::Normalizer::from_pair(&self.norm_mean, &self.norm_std)?)
+    }
+
+    /// The normalisers, one per instrument (`N_MARKET` values each).
+    pub fn normalizers(&self) -> Result<Vec<fx_data::Normalizer>> {
+        let w = fx_kernels::N_MARKET;
+        if self.norm_mean.is_empty()
+            || !self.norm_mean.len().is_multiple_of(w)
+            || self.norm_std.len() != self.norm_mean.len()
+        {
+            bail!(
+                "normaliser of {} means and {} deviations is not a whole number of {w}-feature instruments",
+                self.norm_mean.len(),
+                self.norm_std.len()
+            );
+        }
+        self.norm_mean
+            .chunks(w)
+            .zip(self.norm_std.chunks(w))
+            .map(|(m, s)| Ok(fx_data::Normalizer::from_pair(m, s)?))
+            .collect()
     }
 }
 
@@ -409,6 +436,16 @@ impl RunDir {
                 }
             }
             // A checkpoint whose files are all gone by now was pruned by a writer, not damaged.
+            // The writer removes a checkpoint's two files one by one: beside a live writer (a
+            // lookup, not a resume) give an older one that has lost just one file a moment to
+            // lose the other before calling it damaged.
+            let newest = steps.last().copied();
+            let half_gone = |st: u64| self.trainer_path(st).exists() != self.run_state_path(st).exists();
+            let mut waited = 0;
+            while !move_damaged && waited < 20 && damaged.iter().any(|(st, _)| Some(*st) != newest && half_gone(*st)) {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                waited += 1;
+            }
             damaged.retain(|(st, _)| self.run_state_path(*st).exists() || self.trainer_path(*st).exists());
             if let Some(c) = found {
                 // Only now, with a checkpoint to continue from, are the newer damaged ones

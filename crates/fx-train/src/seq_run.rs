@@ -83,19 +83,24 @@ pub(crate) struct SeqData {
 }
 
 fn seq_data(cfg: &RunConfig, saved_norm: Option<fx_data::Normalizer>) -> Result<SeqData> {
-    let data = Dataset::load(cfg, saved_norm)?;
-    let rows = data.store.rows();
-    let mut market = data.store.market_rows(0..rows).to_vec();
-    data.normalizer.apply_in_place(&mut market);
-    let ret = data.store.logret_next();
+    let data = Dataset::load(cfg, saved_norm.map(|n| vec![n]))?;
+    let rows = data.single().store.rows();
+    let mut market = data.single().store.market_rows(0..rows).to_vec();
+    data.single().normalizer.apply_in_place(&mut market);
+    let ret = data.single().store.logret_next();
     let train = &ret[data.splits.train.clone()];
     let mean = train.iter().map(|&v| v as f64).sum::<f64>() / train.len().max(1) as f64;
     let var = train.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / train.len().max(1) as f64;
     let target_scale = if var.sqrt() > 0.0 { var.sqrt() } else { 1.0 };
     let target: Vec<f32> = ret.iter().map(|&v| (v as f64 / target_scale) as f32).collect();
-    let series =
-        SeqSeries::new(market, fx_kernels::N_MARKET, data.store.known().to_vec(), fx_data::features::N_KNOWN, target)
-            .with_context(|| format!("building the sequence series from {}", data.source))?;
+    let series = SeqSeries::new(
+        market,
+        fx_kernels::N_MARKET,
+        data.single().store.known().to_vec(),
+        fx_data::features::N_KNOWN,
+        target,
+    )
+    .with_context(|| format!("building the sequence series from {}", data.source))?;
     Ok(SeqData { data, series, target_scale })
 }
 
@@ -351,7 +356,8 @@ impl RunTask for SeqRun {
     fn checkpoint(&mut self, dir: &RunDir, train_seconds: f64, _last: bool) -> Result<()> {
         let (cfg, d) = (&self.cfg, &self.d);
         let epochs = self.trainer.epochs_done() as u64;
-        let run = RunState::new_seq(cfg.model, epochs, &d.data.normalizer, d.data.source.clone(), train_seconds);
+        let run =
+            RunState::new_seq(cfg.model, epochs, &d.data.single().normalizer, d.data.source.clone(), train_seconds);
         let (model, trainer) = (&self.model, &self.trainer);
         dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| model.with(|t| t.save_state(trainer, p)))?;
         Ok(())
@@ -430,7 +436,7 @@ fn forecast_plot(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, dir: &RunDir
     // the bar j rows later (after j returns): dated by those bars' timestamps. The last
     // point stands one bar past the data (the last row's next-bar return has no bar
     // after it); the axis dates it as the last bar.
-    let ts = d.data.store.timestamps();
+    let ts = d.data.single().store.timestamps();
     let first = (test.start + task.next_bar().row).min(ts.len());
     let dates = Some(&ts[first..(first + strat.len()).min(ts.len())]).filter(|d| !d.is_empty());
     crate::plots::curves(

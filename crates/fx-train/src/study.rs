@@ -9,6 +9,10 @@
 //! config's split. Validation spans are the folds' model-selection rows (a sweep's
 //! objective); a run here is scored on its test span only.
 //!
+//! On a panel (`--data` a folder of bar files, a long-format CSV or a panel file) a run's
+//! statistics are its equal-weight portfolio's, and `study.json` adds each instrument's
+//! mean ± sd Sharpe over the runs beside its buy-and-hold's (`per_instrument`).
+//!
 //! `study.json` gives each run's statistics, each fold's mean ± sd, over all runs the mean,
 //! sd and a bootstrap 95 % interval of the Sharpe ratio and the shares that beat
 //! buy-and-hold and random; per seed, the out-of-sample returns of its folds concatenated
@@ -80,7 +84,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     }
     let resolved = cfg.clone().resolve()?;
     let data = Dataset::load(&resolved, None)?;
-    let rows = data.store.rows();
+    let rows = data.rows();
     let folds: Vec<Fold> = match &cfg.walk_forward {
         Some(wf) => wf.folds(rows, RL_MIN_PURGE).with_context(|| format!("folds of {}", data.source))?,
         None => {
@@ -163,12 +167,29 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
     // Per seed: the test spans' log returns, fold after fold.
     let mut oos: Vec<Vec<f64>> = vec![Vec::new(); cfg.seeds];
     let mut periods_per_year = 0.0;
+    // A panel's instruments: (name, agent Sharpes, buy-and-hold Sharpes), over the runs.
+    let mut instruments: Vec<(String, Vec<f64>, Vec<f64>)> = Vec::new();
     for (f, fold) in folds.iter().enumerate() {
         for (s, seed_oos) in oos.iter_mut().enumerate() {
             let run = member_config(cfg, fold, f, s as u64).out;
             let path = run.join("report.json");
             let rep = read_json(&path)?;
             periods_per_year = rep["periods_per_year"].as_f64().context("report.json: no periods_per_year")?;
+            for i in rep["instruments"].as_array().into_iter().flatten() {
+                let name =
+                    i["name"].as_str().with_context(|| format!("{}: an instrument without a name", path.display()))?;
+                let (a, b) = (i["agent"]["sharpe"].as_f64(), i["buy_and_hold"]["sharpe"].as_f64());
+                let (Some(a), Some(b)) = (a, b) else {
+                    bail!("{}: instrument {name} has no agent and buy-and-hold Sharpe ratios", path.display());
+                };
+                match instruments.iter_mut().find(|(n, ..)| n == name) {
+                    Some((_, xs, ys)) => {
+                        xs.push(a);
+                        ys.push(b);
+                    }
+                    None => instruments.push((name.to_string(), vec![a], vec![b])),
+                }
+            }
             let returns = crate::report::read_agent_returns(&run.join("backtest.csv"))?;
             seed_oos.extend_from_slice(&returns);
             let total = stat(&rep, &path, "agent", "total_return")?;
@@ -206,6 +227,15 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
             let bh = runs.iter().find(|r| r.fold == f).map_or(f64::NAN, |r| r.buy_and_hold_sharpe);
             json!({"fold": f, "train": fold.train, "valid": fold.valid, "test": fold.test,
                    "sharpe_mean": m, "sharpe_sd": s, "buy_and_hold_sharpe": bh})
+        })
+        .collect();
+    let per_instrument: Vec<Value> = instruments
+        .iter()
+        .map(|(name, a, b)| {
+            let (m, sd) = mean_sd(a);
+            let beat = a.iter().zip(b).filter(|(x, y)| x > y).count() as f64 / a.len() as f64;
+            json!({"instrument": name, "runs": a.len(), "sharpe_mean": m, "sharpe_sd": sd,
+                   "buy_and_hold_sharpe_mean": mean_sd(b).0, "share_beat_buy_and_hold_sharpe": beat})
         })
         .collect();
     // Per seed, over the concatenated out-of-sample returns.
@@ -262,6 +292,7 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
             "share_beat_random": share(|r| r.beat_random),
         },
         "per_fold": per_fold,
+        "per_instrument": if per_instrument.is_empty() { Value::Null } else { Value::Array(per_instrument) },
         "per_seed_out_of_sample": per_seed,
         "deflated_sharpe": deflated,
         "probability_of_backtest_overfitting": pbo,

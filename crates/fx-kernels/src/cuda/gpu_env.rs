@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{alloc_tensor, cuda_device, dev_ptr, driver, DqnLoop, LaunchPlan, PTX_ENV_STEP, PTX_PPO};
 use crate::checks::expect_tensor;
-use crate::env::{reset_start, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
+use crate::env::{reset_start_in, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
 use crate::error::{CandleContext, Error, Result};
 use crate::replay::ReplayBuffer;
 use crate::rollout::Rollout;
@@ -71,6 +71,8 @@ struct EnvArgs {
     close: u64,
     t_len: u32,
     ep_len: u32,
+    seg: u64,
+    n_seg: u32,
     cost: f64,
     seed: u64,
     offset: u64,
@@ -85,7 +87,8 @@ struct EnvArgs {
 
 impl EnvArgs {
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
-        b.arg(&self.market).arg(&self.close).arg(&self.t_len).arg(&self.ep_len).arg(&self.cost);
+        b.arg(&self.market).arg(&self.close).arg(&self.t_len).arg(&self.ep_len);
+        b.arg(&self.seg).arg(&self.n_seg).arg(&self.cost);
         b.arg(&self.seed).arg(&self.offset).arg(&self.e);
         b.arg(&self.t).arg(&self.pos).arg(&self.entry).arg(&self.sip).arg(&self.ep).arg(&self.counter);
     }
@@ -115,7 +118,6 @@ pub struct GpuEnvState {
 /// treats them as flat and raises a flag that [`check_errors`](Self::check_errors) reports.
 pub struct GpuTradingEnv {
     cfg: EnvConfig,
-    t_len: usize,
     device: Device,
     cdev: CudaDevice,
     stream: Arc<CudaStream>,
@@ -125,6 +127,10 @@ pub struct GpuTradingEnv {
     market: CudaSlice<f32>,
     #[allow(dead_code)]
     close: CudaSlice<f64>,
+    #[allow(dead_code)]
+    seg: CudaSlice<u32>,
+    /// The series' segments (for [`restore`](Self::restore)'s check).
+    segments: Vec<std::ops::Range<usize>>,
     t: CudaSlice<u32>,
     pos: CudaSlice<i32>,
     entry: CudaSlice<f64>,
@@ -154,7 +160,7 @@ impl GpuTradingEnv {
     /// kernels on `device` (must be `Device::Cuda`).
     pub fn new(data: Arc<EnvData>, cfg: EnvConfig, device: &Device, opts: GpuEnvOptions) -> Result<Self> {
         let ctx = "GpuTradingEnv::new";
-        cfg.validate(data.len())?;
+        cfg.validate(data.shortest_segment())?;
         let cdev = cuda_device(device, "device", ctx)?.clone();
         if data.len() > u32::MAX as usize || cfg.num_envs > u32::MAX as usize || cfg.episode_len > u32::MAX as usize {
             return Err(Error::Config {
@@ -165,13 +171,16 @@ impl GpuTradingEnv {
         let stream = cdev.cuda_stream();
         let e = cfg.num_envs;
         let t0: Vec<u32> = (0..e)
-            .map(|i| reset_start(data.len(), cfg.episode_len, cfg.seed, cfg.env_offset + i as u64, 0) as u32)
+            .map(|i| reset_start_in(data.segments(), cfg.episode_len, cfg.seed, cfg.env_offset + i as u64, 0) as u32)
             .collect();
         let entry0: Vec<f64> = t0.iter().map(|&t| data.close()[t as usize]).collect();
         let up = "GpuTradingEnv::new (upload)";
         let o = &opts;
         let market = stream.clone_htod(data.market()).map_err(driver(up))?;
         let close = stream.clone_htod(data.close()).map_err(driver(up))?;
+        // Segment boundaries `[S + 1]` (below 2^32: the series length is checked above).
+        let bounds: Vec<u32> = data.segments().iter().map(|r| r.start as u32).chain([data.len() as u32]).collect();
+        let seg = stream.clone_htod(&bounds).map_err(driver(up))?;
         let t = stream.clone_htod(&t0).map_err(driver(up))?;
         let pos = stream.alloc_zeros::<i32>(e).map_err(driver(up))?;
         let entry = stream.clone_htod(&entry0).map_err(driver(up))?;
@@ -184,6 +193,8 @@ impl GpuTradingEnv {
             close: raw(&close, &stream),
             t_len: data.len() as u32,
             ep_len: cfg.episode_len as u32,
+            seg: raw(&seg, &stream),
+            n_seg: data.segments().len() as u32,
             cost: cfg.cost,
             seed: cfg.seed,
             offset: cfg.env_offset,
@@ -205,6 +216,8 @@ impl GpuTradingEnv {
             k_ppo: Kernel::load(&cdev, "fx_ppo_experience", "fx_ppo_experience", PTX_PPO, o, ctx)?,
             market,
             close,
+            seg,
+            segments: data.segments().to_vec(),
             t,
             pos,
             entry,
@@ -215,7 +228,6 @@ impl GpuTradingEnv {
             args,
             p_err,
             instance: NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            t_len: data.len(),
             device: device.clone(),
             cdev,
             stream,
@@ -294,7 +306,7 @@ impl GpuTradingEnv {
     /// series).
     pub fn restore(&mut self, state: &EnvState) -> Result<()> {
         let ctx = "GpuTradingEnv::restore";
-        state.check(self.cfg.num_envs, self.t_len, self.cfg.episode_len, ctx)?;
+        state.check(self.cfg.num_envs, &self.segments, self.cfg.episode_len, ctx)?;
         let t: Vec<u32> = state.t.iter().map(|&x| x as u32).collect();
         let pos: Vec<i32> = state.pos.iter().map(|&x| i32::from(x)).collect();
         let sip: Vec<u32> = state.steps_in_pos.iter().map(|&x| x as u32).collect();

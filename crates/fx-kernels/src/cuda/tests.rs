@@ -80,6 +80,54 @@ fn trajectories_match_cpu_reference() {
     }
 }
 
+/// A panel's series: `lens` synthetic instruments one after another.
+fn segmented_series(lens: &[usize], seed: u64) -> Arc<EnvData> {
+    let parts: Vec<EnvData> =
+        lens.iter().enumerate().map(|(k, &n)| synthetic_series(n, seed + k as u64).expect("data")).collect();
+    let market = parts.iter().flat_map(|p| p.market().to_vec()).collect();
+    let close = parts.iter().flat_map(|p| p.close().to_vec()).collect();
+    Arc::new(EnvData::from_segments(market, close, lens).expect("segments"))
+}
+
+#[test]
+fn segmented_trajectories_match_cpu_reference() {
+    let Some(dev) = gpu("segmented_trajectories_match_cpu_reference") else { return };
+    // Segments of unequal lengths, one barely longer than an episode.
+    let data = segmented_series(&[400, 25, 900, 131], 17);
+    for (e, seed, steps) in [(5usize, 3u64, 120usize), (4099, 20240601, 60)] {
+        let cfg = EnvConfig { num_envs: e, episode_len: 24, cost: 1e-4, seed, env_offset: 7 };
+        let (mut cpu, mut gpu) = pair(&dev, &data, &cfg);
+        assert_same_state(&cpu, &gpu, "initial");
+        for k in 0..steps {
+            let a = random_actions(e, k as u64, seed);
+            let at = Tensor::from_vec(a.clone(), e, &dev).expect("actions");
+            let g = gpu.step(&at).expect("gpu step");
+            let c = cpu.step_host(&a).expect("cpu step");
+            let what = format!("segmented E={e} step {k}");
+            assert_close(&host_f32(&g.next_obs), &c.next_obs, 1e-6, &format!("{what} next_obs"));
+            assert_close(&host_f32(&g.obs), &c.obs, 1e-6, &format!("{what} obs"));
+            assert_close(&host_f32(&g.reward), &c.reward, 1e-6, &format!("{what} reward"));
+            assert_eq!(host_f32(&g.done), c.done, "{what} done");
+            assert_same_state(&cpu, &gpu, &what);
+        }
+        gpu.check_errors().expect("no flagged actions");
+    }
+    // The PPO experience kernel resets through the same code.
+    let cfg = EnvConfig { num_envs: 65, episode_len: 5, cost: 1e-4, seed: 99, env_offset: 0 };
+    let (mut cpu, mut gpu) = pair(&dev, &data, &cfg);
+    let mut rc = Rollout::new(16, 65, &Device::Cpu).expect("rollout");
+    let mut rg = Rollout::new(16, 65, &dev).expect("rollout");
+    for k in 0..16u64 {
+        let l: Vec<f32> = (0..65 * N_ACTIONS).map(|i| 4.0 * rng::draw(8, 1, i as u64, k) as f32 - 2.0).collect();
+        let lc = Tensor::from_vec(l, (65, N_ACTIONS), &Device::Cpu).expect("l");
+        let vc = Tensor::zeros(65, DType::F32, &Device::Cpu).expect("v");
+        cpu.step_into_rollout(&lc, &vc, &mut rc).expect("cpu");
+        gpu.step_into_rollout(&lc.to_device(&dev).expect("l"), &vc.to_device(&dev).expect("v"), &mut rg).expect("gpu");
+        assert_same_state(&cpu, &gpu, &format!("segmented ppo step {k}"));
+    }
+    assert_close(&host_f32(rg.states()), &host_f32(rc.states()), 1e-6, "segmented ppo states");
+}
+
 #[test]
 fn selection_matches_cpu_reference() {
     let Some(dev) = gpu("selection_matches_cpu_reference") else { return };

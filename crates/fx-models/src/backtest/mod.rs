@@ -81,13 +81,27 @@ pub fn evaluate_positions(positions: &[i8], close: &[f64], cost: f64, periods_pe
         rets.push(r);
         prev = p;
     }
+    let hit_rate = if in_market > 0 { wins as f64 / in_market as f64 } else { 0.0 };
+    let (equity, stats) = summarise(&rets, periods_per_year, hit_rate, changes / n as f64, cost_paid);
+    Ok(Backtest { positions: positions.to_vec(), returns: rets, equity, stats })
+}
+
+/// The equity curve and statistics of per-step log returns `rets` (non-empty).
+fn summarise(
+    rets: &[f64],
+    periods_per_year: f64,
+    hit_rate: f64,
+    turnover: f64,
+    cost_paid: f64,
+) -> (Vec<f64>, BacktestStats) {
+    let n = rets.len();
     let mean = rets.iter().sum::<f64>() / n as f64;
     let var = rets.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n as f64;
     let downside = (rets.iter().map(|r| r.min(0.0).powi(2)).sum::<f64>() / n as f64).sqrt();
     let ann = periods_per_year.sqrt();
     let mut equity = Vec::with_capacity(n);
     let (mut log_eq, mut peak, mut max_dd) = (0.0f64, 1.0f64, 0.0f64);
-    for r in &rets {
+    for r in rets {
         log_eq += r;
         let e = log_eq.exp();
         peak = peak.max(e);
@@ -101,11 +115,65 @@ pub fn evaluate_positions(positions: &[i8], close: &[f64], cost: f64, periods_pe
         sharpe: if var > 0.0 { mean / var.sqrt() * ann } else { 0.0 },
         sortino: if downside > 0.0 { mean / downside * ann } else { 0.0 },
         max_drawdown: max_dd,
-        hit_rate: if in_market > 0 { wins as f64 / in_market as f64 } else { 0.0 },
-        turnover: changes / n as f64,
+        hit_rate,
+        turnover,
         cost_paid,
     };
-    Ok(Backtest { positions: positions.to_vec(), returns: rets, equity, stats })
+    (equity, stats)
+}
+
+/// The equal-weight portfolio of several instruments' backtests, rebalanced every step:
+/// `parts[k] = (steps, backtest)` where `steps[j]` is the portfolio step (a calendar row's
+/// index in the span) at which the instrument's step `j` starts. At a step the instruments
+/// that trade there share the capital equally: the portfolio's simple return is the mean of
+/// theirs, `ln(mean(exp(r_i)))` as a log return (exactly `r_i` where one instrument
+/// trades alone). Steps where none trades are left out. `positions` is empty (a portfolio
+/// holds no single position); hit rate is pooled over the instrument-steps in the market,
+/// turnover and costs (`cost_per_unit` per unit of position change, as the backtests
+/// paid) are the trading instruments' means per step.
+pub fn equal_weight(parts: &[(&[usize], &Backtest)], cost_per_unit: f64, periods_per_year: f64) -> Result<Backtest> {
+    let ctx = "equal-weight portfolio";
+    if let Some((k, _)) = parts.iter().enumerate().find(|(_, (steps, b))| steps.len() != b.returns.len()) {
+        return Err(Error::config(ctx, format!("instrument {k}: step indices and returns differ in length")));
+    }
+    let n = parts.iter().flat_map(|(steps, _)| steps.iter().map(|&s| s + 1)).max().unwrap_or(0);
+    // Per portfolio step: the sum of simple returns, of costs, of |position changes|, the
+    // instruments trading, and the first one's log return (for the one-instrument case).
+    let (mut simple, mut cost, mut change) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+    let (mut count, mut first) = (vec![0usize; n], vec![0f64; n]);
+    let (mut in_market, mut wins) = (0usize, 0usize);
+    for (steps, b) in parts {
+        let mut prev = 0i8;
+        for (j, (&s, &r)) in steps.iter().zip(&b.returns).enumerate() {
+            let p = b.positions.get(j).copied().unwrap_or(0);
+            if count[s] == 0 {
+                first[s] = r;
+            }
+            count[s] += 1;
+            simple[s] += r.exp_m1();
+            change[s] += f64::from((p - prev).abs());
+            cost[s] += cost_per_unit * f64::from((p - prev).abs());
+            if p != 0 {
+                in_market += 1;
+                wins += usize::from(r > 0.0);
+            }
+            prev = p;
+        }
+    }
+    let live: Vec<usize> = (0..n).filter(|&s| count[s] > 0).collect();
+    if live.is_empty() {
+        return Err(Error::config(ctx, "no instrument has a step to backtest"));
+    }
+    if !(periods_per_year.is_finite() && periods_per_year > 0.0) {
+        return Err(Error::config(ctx, format!("periods_per_year must be positive, got {periods_per_year}")));
+    }
+    let rets: Vec<f64> =
+        live.iter().map(|&s| if count[s] == 1 { first[s] } else { (simple[s] / count[s] as f64).ln_1p() }).collect();
+    let turnover = live.iter().map(|&s| change[s] / count[s] as f64).sum::<f64>() / live.len() as f64;
+    let cost_paid = live.iter().map(|&s| cost[s] / count[s] as f64).sum::<f64>();
+    let hit_rate = if in_market > 0 { wins as f64 / in_market as f64 } else { 0.0 };
+    let (equity, stats) = summarise(&rets, periods_per_year, hit_rate, turnover, cost_paid);
+    Ok(Backtest { positions: Vec::new(), returns: rets, equity, stats })
 }
 
 /// Replays `policy` over every row of `data` but the last, as one account starting flat:
@@ -157,6 +225,30 @@ pub fn random_positions(steps: usize, seed: u64) -> Vec<i8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn equal_weight_of_one_instrument_is_that_instrument() {
+        let close: Vec<f64> = (0..40).map(|i| 100.0 * (1.0 + 0.01 * (i as f64 * 0.7).sin())).collect();
+        let pos: Vec<i8> = (0..39).map(|i| [1, 0, -1][i % 3]).collect();
+        let b = evaluate_positions(&pos, &close, 1e-4, 252.0).unwrap();
+        let steps: Vec<usize> = (0..39).collect();
+        let p = equal_weight(&[(&steps, &b)], 1e-4, 252.0).unwrap();
+        assert_eq!(p.returns, b.returns);
+        assert_eq!(p.stats.sharpe.to_bits(), b.stats.sharpe.to_bits());
+        assert!((p.stats.cost_paid - b.stats.cost_paid).abs() < 1e-15);
+        assert!((p.stats.turnover - b.stats.turnover).abs() < 1e-15);
+        // Two instruments: half the capital in each; a step one of them misses is the other's.
+        let flat = evaluate_positions(&[0; 20], &close[..21], 1e-4, 252.0).unwrap();
+        let late: Vec<usize> = (10..30).collect();
+        let q = equal_weight(&[(&steps, &b), (&late, &flat)], 1e-4, 252.0).unwrap();
+        assert_eq!(q.returns.len(), 39);
+        for s in 0..39 {
+            let want = if late.contains(&s) { (b.returns[s].exp_m1() / 2.0).ln_1p() } else { b.returns[s] };
+            assert!((q.returns[s] - want).abs() < 1e-15, "step {s}");
+        }
+        assert!(equal_weight(&[(&steps[..3], &b)], 1e-4, 252.0).is_err());
+        assert!(equal_weight(&[], 1e-4, 252.0).is_err());
+    }
 
     fn f64_reference(positions: &[i8], close: &[f64], cost: f64) -> (f64, f64) {
         let mut total = 0.0f64;

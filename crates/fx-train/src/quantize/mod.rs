@@ -50,8 +50,15 @@ fn load_run(run: &Path) -> Result<Loaded> {
         bail!("{} holds no checkpoint yet", run.display());
     };
     checkpoint.check_model(cfg.model, "config.toml says")?;
-    let data = Dataset::load(&cfg, Some(checkpoint.run.normalizer()?))?;
+    let data = Dataset::load(&cfg, Some(checkpoint.run.normalizers()?))?;
     checkpoint.check_source(&data.source, "config.toml now names")?;
+    if data.is_panel() {
+        bail!(
+            "{}: a run on a panel ({}) is not quantised yet (its calibration replays one instrument)",
+            run.display(),
+            data.source
+        );
+    }
     // Quantisation and INT8 decisions are CPU work, wherever the run trained.
     let agent = Agent::load(cfg.model, &checkpoint.trainer, &Device::Cpu)?;
     Ok(Loaded { dir, cfg, checkpoint, agent, data })
@@ -65,7 +72,10 @@ pub fn int8_path(trainer: &Path) -> PathBuf {
 
 /// The observations a greedy F32 replay of `rows` sees (`rows × 56`), in order.
 fn replay_observations(l: &Loaded, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
-    let series = l.data.env_data(rows)?;
+    let Some(span) = l.data.instrument_span(0, &rows)? else {
+        bail!("{}: rows {rows:?} hold fewer than 2 bars to replay", l.data.source);
+    };
+    let series = span.series;
     let mut policy = l.agent.cpu_policy()?;
     let mut seen = Vec::new();
     replay_policy(&series, l.cfg.env.episode_len, |obs| {

@@ -60,7 +60,8 @@ fn read(root: PathBuf) -> Result<(), String> {
     let Some(c) = run.latest_checkpoint().map_err(message)? else { return Ok(()) };
     c.run.normalizer().map_err(message)?;
     if let Some(env) = &c.run.env {
-        env.check(ACCOUNTS, SERIES, EPISODE, "resume").map_err(|e| format!("{}: {e}", c.trainer.display()))?;
+        env.check(ACCOUNTS, std::slice::from_ref(&(0..SERIES)), EPISODE, "resume")
+            .map_err(|e| format!("{}: {e}", c.trainer.display()))?;
     }
     Ok(())
 }

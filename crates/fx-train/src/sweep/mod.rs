@@ -628,7 +628,7 @@ fn population_inputs(
 ) -> Result<(Device, Dataset, Vec<TrainEnv>)> {
     let device = crate::run_start::device_for(base)?;
     let data = Dataset::load(base, None)?;
-    let train_rows = data.env_data(data.splits.train.clone())?;
+    let train_rows = data.env_data(data.splits.train.clone(), base.env.episode_len + 1)?;
     let envs = trials
         .iter()
         .map(|&t| TrainEnv::new(train_rows.clone(), cfgs[t].env.clone(), &device))
@@ -654,18 +654,16 @@ fn score_members(
     skipped: &[u64],
     member: &Member<'_>,
 ) -> Result<Vec<TrialRow>> {
-    let valid = data.env_data(data.splits.valid.clone())?;
+    let valid = data.splits.valid.clone();
     let mut rows = Vec::with_capacity(trials.len());
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
     for (k, &trial) in trials.iter().enumerate() {
         let (store, mut policy) = member(k)?;
         store.save(&weights.join(format!("trial-{trial}.safetensors")))?;
-        let positions = fx_models::replay_policy(&valid, base.env.episode_len, |obs| {
-            policy.act(obs).map_err(|e| fx_models::Error::Config { context: "sweep backtest", message: e.to_string() })
-        })?;
-        let bt = fx_models::evaluate_positions(&positions, valid.close(), base.env.cost, data.periods_per_year)?;
-        let s = &bt.stats;
+        // A panel's objective is its equal-weight portfolio on the validation span.
+        let bt = crate::report::backtest_span(base, data, &valid, &mut |obs| Ok(policy.act(obs)?))?;
+        let s = &bt.agent.stats;
         let ok = s.sharpe.is_finite() && applied[k] > 0;
         rows.push(TrialRow {
             trial,
