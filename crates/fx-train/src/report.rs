@@ -286,8 +286,9 @@ pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
             rep.instruments.len()
         );
         for i in &rep.instruments {
-            println!("{}", row(&format!("{} agent", i.name), &i.agent));
-            println!("{}", row(&format!("{} b&h", i.name), &i.buy_and_hold));
+            println!("{}:", i.name);
+            println!("{}", row("  agent", &i.agent));
+            println!("{}", row("  buy & hold", &i.buy_and_hold));
         }
         if !rep.excluded_instruments.is_empty() {
             println!("left out (too few rows): {}", rep.excluded_instruments.join(", "));
