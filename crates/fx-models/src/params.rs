@@ -236,6 +236,26 @@ impl ParamStore {
         Ok(())
     }
 
+    /// Member `src`'s values of a population store written over member `dst`'s, in place on
+    /// the device (a PBT exploit; the variables keep their addresses, so a captured step
+    /// sees the copy).
+    pub fn copy_member(&self, dst: usize, src: usize) -> Result<()> {
+        const CTX: &str = "ParamStore::copy_member";
+        for e in &self.entries {
+            let Names::Stacked { names, .. } = &e.names else {
+                return Err(Error::config(CTX, format!("{} holds a parameter that is not a population's", self.model)));
+            };
+            if dst >= names.len() || src >= names.len() {
+                return Err(Error::config(CTX, format!("members {src} -> {dst} of {}", names.len())));
+            }
+            if dst != src {
+                let t = e.var.as_tensor();
+                t.slice_set(&t.narrow(0, src, 1).and_then(|r| r.copy()).ctx(CTX)?, 0, dst).ctx(CTX)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The model's name (`"tft"`, `"mamba2"`), as error messages give it.
     pub fn model_name(&self) -> &'static str {
         self.model

@@ -73,11 +73,13 @@ pub struct PopAdamW {
     betas: (f64, f64),
     eps: f64,
     /// Learning rate (F64 `[N]`), decoupled decay factor `1 − lr·wd` (F32 `[N]`), clip norm
-    /// (F64 `[N]`), τ (F32 `[N]`; None without targets).
-    lr: Tensor,
-    decay: Tensor,
-    max_norm: Tensor,
-    tau: Option<Tensor>,
+    /// (F64 `[N]`), τ (F32 `[N]`; None without targets). Variables, so that
+    /// [`Self::set_member`] rewrites them in place and a captured step, which holds their
+    /// addresses, reads the new values.
+    lr: Var,
+    decay: Var,
+    max_norm: Var,
+    tau: Option<Var>,
     /// `1 − β₁ᵗ` and `1 − β₂ᵗ` for t = 0..len (F64) and their last index as U32 `[N]`.
     bc1: Tensor,
     bc2: Tensor,
@@ -101,6 +103,36 @@ impl std::fmt::Debug for PopAdamW {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PopAdamW").field("members", &self.members).field("tensors", &self.exp_avg.len()).finish()
     }
+}
+
+/// Checks one member's settings (`targets`: τ is read).
+fn check_member(k: usize, m: &PopMember, targets: bool) -> Result<()> {
+    let ok = m.lr.is_finite()
+        && m.lr > 0.0
+        && m.weight_decay.is_finite()
+        && m.weight_decay >= 0.0
+        && m.max_grad_norm > 0.0
+        && (!targets || (m.tau.is_finite() && (0.0..=1.0).contains(&m.tau)));
+    if ok {
+        return Ok(());
+    }
+    Err(Error::Config {
+        what: "PopAdamW",
+        message: format!("member {k}: {m:?} (lr > 0, weight_decay >= 0, max_grad_norm > 0, tau in [0, 1])"),
+    })
+}
+
+/// The decoupled decay factor `1 − lr·wd` as the solo AdamW rounds it.
+fn decay_factor(m: &PopMember) -> f32 {
+    (1.0 - m.lr * m.weight_decay) as f32
+}
+
+/// Row `src` of the stacked tensor `t` written over row `dst`, in place (device to device).
+fn copy_row(t: &Tensor, dst: usize, src: usize) -> candle_core::Result<()> {
+    if dst != src {
+        t.slice_set(&t.narrow(0, src, 1)?.copy()?, 0, dst)?;
+    }
+    Ok(())
 }
 
 /// `1 − βᵗ` for t = 0.. until it is exactly 1.0 (f64, `powf` as the solo optimiser).
@@ -152,23 +184,13 @@ impl PopAdamW {
             return Err(bad(format!("parameters must be stacked F32 [{n}, ...], got {:?} {:?}", p.dtype(), p.dims())));
         }
         for (k, m) in members.iter().enumerate() {
-            let ok = m.lr.is_finite()
-                && m.lr > 0.0
-                && m.weight_decay.is_finite()
-                && m.weight_decay >= 0.0
-                && m.max_grad_norm > 0.0
-                && (!targets || (m.tau.is_finite() && (0.0..=1.0).contains(&m.tau)));
-            if !ok {
-                return Err(bad(format!(
-                    "member {k}: {m:?} (lr > 0, weight_decay >= 0, max_grad_norm > 0, tau in [0, 1])"
-                )));
-            }
+            check_member(k, m, targets)?;
         }
         let dev = params[0].device();
         let (b1, b2) = betas;
         let (bc1, bc2) = (bias_table(b1)?, bias_table(b2)?);
-        let f32s = |v: Vec<f32>| Tensor::from_vec(v, n, dev).ctx(CTX);
-        let f64s = |v: Vec<f64>| Tensor::from_vec(v, n, dev).ctx(CTX);
+        let f32s = |v: Vec<f32>| Tensor::from_vec(v, n, dev).and_then(|t| Var::from_tensor(&t)).ctx(CTX);
+        let f64s = |v: Vec<f64>| Tensor::from_vec(v, n, dev).and_then(|t| Var::from_tensor(&t)).ctx(CTX);
         let zeros_like = |v: &Var| Tensor::zeros(v.shape(), DType::F32, dev).and_then(|t| Var::from_tensor(&t));
         let u32_zeros = || Tensor::zeros(n, DType::U32, dev).and_then(|t| Var::from_tensor(&t)).ctx(CTX);
         #[cfg(feature = "cuda")]
@@ -186,7 +208,7 @@ impl PopAdamW {
             betas,
             eps,
             lr: f64s(members.iter().map(|m| m.lr).collect())?,
-            decay: f32s(members.iter().map(|m| (1.0 - m.lr * m.weight_decay) as f32).collect())?,
+            decay: f32s(members.iter().map(decay_factor).collect())?,
             max_norm: f64s(members.iter().map(|m| m.max_grad_norm).collect())?,
             tau: if targets { Some(f32s(members.iter().map(|m| m.tau as f32).collect())?) } else { None },
             bc1_last: Tensor::from_vec(vec![(bc1.len() - 1) as u32; n], n, dev).ctx(CTX)?,
@@ -207,6 +229,47 @@ impl PopAdamW {
     /// Number of members.
     pub fn members(&self) -> usize {
         self.members
+    }
+
+    /// Replaces member `k`'s learning rate, weight decay, clip norm and τ, in place: the
+    /// tensors a captured step reads keep their addresses (a PBT explore). Its moments and
+    /// step count stay as they are.
+    pub fn set_member(&self, k: usize, m: &PopMember) -> Result<()> {
+        if k >= self.members {
+            return Err(Error::Config { what: "PopAdamW::set_member", message: format!("no member {k} of {}", self.members) });
+        }
+        check_member(k, m, self.tau.is_some())?;
+        let dev = self.lr.device();
+        let put = |v: &Var, x: Tensor| v.as_tensor().slice_set(&x, 0, k);
+        (|| -> candle_core::Result<()> {
+            put(&self.lr, Tensor::new(&[m.lr], dev)?)?;
+            put(&self.decay, Tensor::new(&[decay_factor(m)], dev)?)?;
+            put(&self.max_norm, Tensor::new(&[m.max_grad_norm], dev)?)?;
+            if let Some(tau) = &self.tau {
+                put(tau, Tensor::new(&[m.tau as f32], dev)?)?;
+            }
+            Ok(())
+        })()
+        .ctx(CTX)
+    }
+
+    /// Member `dst` takes member `src`'s optimiser state, in place on the device: both
+    /// moments of every tensor and the step count (which the bias corrections follow), as a
+    /// PBT exploit copies a better member. Hyperparameters and skip counters stay `dst`'s.
+    pub fn copy_member(&self, dst: usize, src: usize) -> Result<()> {
+        if dst >= self.members || src >= self.members {
+            return Err(Error::Config {
+                what: "PopAdamW::copy_member",
+                message: format!("members {src} -> {dst} of {}", self.members),
+            });
+        }
+        (|| -> candle_core::Result<()> {
+            for v in self.exp_avg.iter().chain(&self.exp_avg_sq) {
+                copy_row(v.as_tensor(), dst, src)?;
+            }
+            copy_row(self.steps.as_tensor(), dst, src)
+        })()
+        .ctx(CTX)
     }
 
     /// Member `k`'s moments `(exp_avg, exp_avg_sq)` in parameter order (copies).
@@ -535,5 +598,69 @@ mod tests {
                 assert_eq!(a, b, "member {k} tensor {i}");
             }
         }
+    }
+
+    /// `set_member` gives the optimiser of a population made with those settings (bit for
+    /// bit over 30 steps), and `copy_member` gives the destination the source's moments and
+    /// step count exactly, touching no other member.
+    #[test]
+    fn set_member_and_copy_member_rewrite_one_member_in_place() {
+        let dev = Device::Cpu;
+        let n = 3;
+        let member = |k: usize| PopMember {
+            lr: 1e-2 * (1.0 + k as f64),
+            weight_decay: 0.02 * k as f64,
+            max_grad_norm: 0.5 + k as f64,
+            tau: 0.01 * (1.0 + k as f64),
+        };
+        let want: Vec<PopMember> = (0..n).map(member).collect();
+        let mut other = want.clone();
+        other[1] = PopMember { lr: 0.3, weight_decay: 0.0, max_grad_norm: 9.0, tau: 0.5 };
+        let seed = 17;
+        let draw = |len: usize, stream: u64, step: u64| -> Vec<f32> {
+            (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, stream, step, i) * 2.0 - 1.0) as f32).collect()
+        };
+        let vars = || -> Vec<Var> {
+            [(4usize, 0u64), (2, 1)]
+                .iter()
+                .map(|&(per, s)| Var::from_tensor(&Tensor::from_vec(draw(n * per, s, 0), (n, per), &dev).unwrap()).unwrap())
+                .collect()
+        };
+        let (pa, ta, pb, tb) = (vars(), vars(), vars(), vars());
+        let a = PopAdamW::new(&pa, &want, (0.9, 0.999), 1e-8, true).unwrap();
+        let b = PopAdamW::new(&pb, &other, (0.9, 0.999), 1e-8, true).unwrap();
+        b.set_member(1, &want[1]).unwrap();
+        assert!(b.set_member(1, &PopMember { lr: 0.0, ..want[1] }).is_err(), "a refused setting changes nothing");
+        assert!(b.set_member(3, &want[0]).is_err());
+        for step in 1..=30u64 {
+            let mut g: Vec<Vec<f32>> = [(4usize, 10u64), (2, 11)].iter().map(|&(per, s)| draw(n * per, s, step)).collect();
+            if step == 5 {
+                g[0][2 * 4] = f32::NAN; // member 2 skips a step: its count differs from member 0's
+            }
+            let g: Vec<Tensor> = g.into_iter().map(|v| {
+                let per = v.len() / n;
+                Tensor::from_vec(v, (n, per), &dev).unwrap()
+            }).collect();
+            let loss = Tensor::from_vec(vec![1f32; n], n, &dev).unwrap();
+            a.step(&pa, &ta, &loss, &g, false).unwrap();
+            b.step(&pb, &tb, &loss, &g, false).unwrap();
+        }
+        let rows = |v: &[Var]| -> Vec<Vec<Vec<f32>>> { v.iter().map(|t| t.as_tensor().to_vec2().unwrap()).collect() };
+        assert_eq!(rows(&pa), rows(&pb));
+        assert_eq!(rows(&ta), rows(&tb));
+        assert_eq!(a.moments(1).unwrap().0[0].to_vec1::<f32>().unwrap(), b.moments(1).unwrap().0[0].to_vec1::<f32>().unwrap());
+
+        assert_eq!(a.counters().unwrap(), (vec![30, 30, 29], vec![0, 0, 1]));
+        let before: Vec<_> = (0..n).map(|k| a.moments(k).unwrap()).collect();
+        let flat = |m: &(Vec<Tensor>, Vec<Tensor>)| -> Vec<Vec<f32>> {
+            m.0.iter().chain(&m.1).map(|t| t.to_vec1().unwrap()).collect()
+        };
+        a.copy_member(0, 2).unwrap();
+        assert_eq!(flat(&a.moments(0).unwrap()), flat(&before[2]));
+        assert_eq!(flat(&a.moments(1).unwrap()), flat(&before[1]));
+        assert_eq!(flat(&a.moments(2).unwrap()), flat(&before[2]));
+        assert_ne!(flat(&before[0]), flat(&before[2]));
+        assert!(a.copy_member(0, 3).is_err());
+        assert_eq!(a.counters().unwrap(), (vec![29, 30, 29], vec![0, 0, 1]), "the step count moves, skips stay");
     }
 }

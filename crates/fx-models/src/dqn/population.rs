@@ -24,7 +24,7 @@
 //! [`DqnPopulation::new`]'s list; shape keys (network, batch, replay, schedule of updates,
 //! precision, Adam's betas and eps, Huber δ) must agree.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, Var, D};
 use fx_kernels::{ReplayBuffer, VecEnv};
 use fx_precision::{PopAdamW, PopMember, Precision};
 use serde::{Deserialize, Serialize};
@@ -94,8 +94,9 @@ pub struct DqnPopulation {
     members: Vec<DqnConfig>,
     online: ParamStore,
     target: ParamStore,
-    /// γ per member as F32 `[N, 1]`.
-    gamma: Tensor,
+    /// γ per member as F32 `[N, 1]` (a variable: [`Self::set_member`] rewrites it in place,
+    /// and a captured update reads the new values).
+    gamma: Var,
     /// Each member's AdamW, guard, clip, counters and soft target update.
     opt: PopAdamW,
     replays: Vec<ReplayBuffer>,
@@ -150,6 +151,11 @@ fn shared_keys(c: &DqnConfig) -> String {
         o.beta2,
         o.eps
     )
+}
+
+/// What a member's optimiser takes of its config.
+fn pop_member(m: &DqnConfig) -> PopMember {
+    PopMember { lr: m.optimizer.lr, weight_decay: m.optimizer.weight_decay, max_grad_norm: m.max_grad_norm, tau: m.tau }
 }
 
 /// Q values `[N, R, A]` (F32) of states `[N, R, S]` under stacked weights `w`.
@@ -235,16 +241,10 @@ impl DqnPopulation {
         let seeds: Vec<u64> = members.iter().map(|m| m.seed).collect();
         let online = ParamStore::linear_init_population("dqn", specs.clone(), device, &seeds)?;
         let target = ParamStore::linear_init_population("dqn", specs, device, &seeds)?;
-        let gamma = Tensor::from_vec(members.iter().map(|m| m.gamma as f32).collect(), (n, 1), device).ctx(CTX)?;
-        let per: Vec<PopMember> = members
-            .iter()
-            .map(|m| PopMember {
-                lr: m.optimizer.lr,
-                weight_decay: m.optimizer.weight_decay,
-                max_grad_norm: m.max_grad_norm,
-                tau: m.tau,
-            })
-            .collect();
+        let gamma = Tensor::from_vec(members.iter().map(|m| m.gamma as f32).collect(), (n, 1), device)
+            .and_then(|t| Var::from_tensor(&t))
+            .ctx(CTX)?;
+        let per: Vec<PopMember> = members.iter().map(pop_member).collect();
         let o = &first.optimizer;
         let opt = PopAdamW::new(&online.vars(), &per, (o.beta1, o.beta2), o.eps, true)
             .map_err(|e| Error::config(CTX, e.to_string()))?;
@@ -347,6 +347,40 @@ impl DqnPopulation {
     pub fn last_update(&self) -> Result<PopUpdateStats> {
         let r = self.opt.last_step().map_err(|e| Error::config(CTX, e.to_string()))?;
         Ok(PopUpdateStats { loss: r.loss, grad_norm: r.grad_norm, skipped: r.skipped })
+    }
+
+    /// Member `k`'s settings replaced by `cfg` between steps (a PBT explore): γ, τ, learning
+    /// rate, weight decay, clip norm and ε schedule, the keys members may differ in, written
+    /// in place on the device (a captured update reads them). The seed and every shared key
+    /// must stay as they are (an error names them); weights, moments and replay are kept.
+    pub fn set_member(&mut self, k: usize, cfg: DqnConfig) -> Result<()> {
+        let Some(old) = self.members.get(k) else {
+            return Err(Error::config(CTX, format!("no member {k} of {}", self.len())));
+        };
+        cfg.validate().map_err(|e| Error::config(CTX, format!("member {k}: {e}")))?;
+        if shared_keys(&cfg) != shared_keys(old) || cfg.seed != old.seed {
+            return Err(Error::config(
+                CTX,
+                format!("member {k}: only gamma, tau, optimizer.lr, optimizer.weight_decay, max_grad_norm and epsilon may change"),
+            ));
+        }
+        self.opt.set_member(k, &pop_member(&cfg)).map_err(|e| Error::config(CTX, e.to_string()))?;
+        let g = Tensor::new(&[[cfg.gamma as f32]], self.gamma.device()).ctx(CTX)?;
+        self.gamma.as_tensor().slice_set(&g, 0, k).ctx(CTX)?;
+        self.members[k] = cfg;
+        Ok(())
+    }
+
+    /// Member `dst` continues from member `src`'s state (a PBT exploit): online and target
+    /// weights, AdamW moments and step count copied over `dst`'s on the device, exactly. Its
+    /// settings, replay, environments, seed and skip counters stay its own.
+    pub fn exploit(&mut self, dst: usize, src: usize) -> Result<()> {
+        if dst >= self.len() || src >= self.len() {
+            return Err(Error::config(CTX, format!("exploit {src} -> {dst}: {} members", self.len())));
+        }
+        self.online.copy_member(dst, src)?;
+        self.target.copy_member(dst, src)?;
+        self.opt.copy_member(dst, src).map_err(|e| Error::config(CTX, e.to_string()))
     }
 
     /// Each member's ε for the next environment step.
@@ -542,10 +576,10 @@ impl DqnPopulation {
         let opt_err = |e: fx_precision::Error| Error::config(CTX, e.to_string());
         #[cfg(feature = "cuda")]
         if let Some(engine) = &self.pop_fused {
-            engine.run(&w, &tw, &self.gamma, batch)?;
+            engine.run(&w, &tw, &self.gamma.as_tensor().detach(), batch)?;
             return self.opt.step(&vars, &tvars, engine.loss(), engine.grads(), dry).map_err(opt_err);
         }
-        let loss = pop_loss(&w, &tw, batch, &self.gamma, cfg.huber_delta, cfg.precision).ctx(CTX)?;
+        let loss = pop_loss(&w, &tw, batch, &self.gamma.as_tensor().detach(), cfg.huber_delta, cfg.precision).ctx(CTX)?;
         let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
         let g: Vec<Tensor> = vars
             .iter()
@@ -661,6 +695,65 @@ pub(crate) mod tests {
         }
         assert!(applied.iter().all(|&a| a >= 200), "every member trained: {applied:?}");
         assert!(clipped > 100, "member 3 must be clipped on most steps, was on {clipped}");
+    }
+
+    /// PBT's two moves on the CPU: `set_member` before training gives the population made
+    /// with those settings, bit for bit over 100 env steps of updates; `exploit` gives the
+    /// destination the source's online and target weights, moments and step count exactly
+    /// and leaves the other members as they were.
+    #[test]
+    fn set_member_and_exploit_move_one_member() {
+        let n = 3;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let mut other = cfgs.clone();
+        other[1] = DqnConfig {
+            gamma: 0.5,
+            tau: 0.3,
+            max_grad_norm: 1.0,
+            optimizer: fx_precision::AdamWConfig { lr: 0.05, weight_decay: 0.2, ..cfgs[1].optimizer },
+            epsilon: LinearSchedule { start: 0.5, end: 0.5, steps: 1 },
+            ..cfgs[1].clone()
+        };
+        let mut a = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let mut b = DqnPopulation::new(other, &Device::Cpu).unwrap();
+        b.set_member(1, cfgs[1].clone()).unwrap();
+        assert!(b.set_member(1, DqnConfig { seed: 99, ..cfgs[1].clone() }).is_err(), "the seed is the member's");
+        assert!(b.set_member(1, DqnConfig { batch_size: 8, ..cfgs[1].clone() }).is_err(), "a shared key");
+        assert!(b.set_member(3, cfgs[0].clone()).is_err());
+        let run = |pop: &mut DqnPopulation, steps: usize| {
+            let mut envs: Vec<_> = (0..n).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
+            for _ in 0..steps {
+                let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+                pop.step(&mut refs, false).unwrap();
+            }
+        };
+        run(&mut a, 100);
+        run(&mut b, 100);
+        assert!(a.counters().unwrap().0.iter().all(|&u| u > 50));
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        for (x, y) in a.online().vars().iter().chain(&a.target().vars()).zip(b.online().vars().iter().chain(&b.target().vars())) {
+            same(x.as_tensor(), y.as_tensor(), "set_member before training: weights");
+        }
+        let before1 = a.online().member(1).unwrap();
+        a.exploit(0, 2).unwrap();
+        assert!(a.exploit(0, 3).is_err());
+        for (store, what) in [(a.online(), "online"), (a.target(), "target")] {
+            let (m0, m2) = (store.member(0).unwrap(), store.member(2).unwrap());
+            for (x, y) in m0.vars().iter().zip(m2.vars()) {
+                same(x.as_tensor(), y.as_tensor(), &format!("exploit: {what} weights"));
+            }
+        }
+        for (x, y) in a.online().member(1).unwrap().vars().iter().zip(before1.vars()) {
+            same(x.as_tensor(), y.as_tensor(), "exploit leaves member 1");
+        }
+        let ((m0, v0), (m2, v2)) = (a.moments(0).unwrap(), a.moments(2).unwrap());
+        for (x, y) in m0.iter().chain(&v0).zip(m2.iter().chain(&v2)) {
+            same(x, y, "exploit: moments");
+        }
+        let applied = a.counters().unwrap().0;
+        assert_eq!(applied[0], applied[2]);
+        assert_eq!(a.members()[0].seed, cfgs[0].seed, "settings stay the destination's");
+        run(&mut a, 5);
     }
 
     fn random_batch(n: usize, b: usize, seed: u64) -> PopBatch {
