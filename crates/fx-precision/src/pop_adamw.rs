@@ -236,7 +236,10 @@ impl PopAdamW {
     /// step count stay as they are.
     pub fn set_member(&self, k: usize, m: &PopMember) -> Result<()> {
         if k >= self.members {
-            return Err(Error::Config { what: "PopAdamW::set_member", message: format!("no member {k} of {}", self.members) });
+            return Err(Error::Config {
+                what: "PopAdamW::set_member",
+                message: format!("no member {k} of {}", self.members),
+            });
         }
         check_member(k, m, self.tau.is_some())?;
         let dev = self.lr.device();
@@ -623,7 +626,9 @@ mod tests {
         let vars = || -> Vec<Var> {
             [(4usize, 0u64), (2, 1)]
                 .iter()
-                .map(|&(per, s)| Var::from_tensor(&Tensor::from_vec(draw(n * per, s, 0), (n, per), &dev).unwrap()).unwrap())
+                .map(|&(per, s)| {
+                    Var::from_tensor(&Tensor::from_vec(draw(n * per, s, 0), (n, per), &dev).unwrap()).unwrap()
+                })
                 .collect()
         };
         let (pa, ta, pb, tb) = (vars(), vars(), vars(), vars());
@@ -633,14 +638,18 @@ mod tests {
         assert!(b.set_member(1, &PopMember { lr: 0.0, ..want[1] }).is_err(), "a refused setting changes nothing");
         assert!(b.set_member(3, &want[0]).is_err());
         for step in 1..=30u64 {
-            let mut g: Vec<Vec<f32>> = [(4usize, 10u64), (2, 11)].iter().map(|&(per, s)| draw(n * per, s, step)).collect();
+            let mut g: Vec<Vec<f32>> =
+                [(4usize, 10u64), (2, 11)].iter().map(|&(per, s)| draw(n * per, s, step)).collect();
             if step == 5 {
                 g[0][2 * 4] = f32::NAN; // member 2 skips a step: its count differs from member 0's
             }
-            let g: Vec<Tensor> = g.into_iter().map(|v| {
-                let per = v.len() / n;
-                Tensor::from_vec(v, (n, per), &dev).unwrap()
-            }).collect();
+            let g: Vec<Tensor> = g
+                .into_iter()
+                .map(|v| {
+                    let per = v.len() / n;
+                    Tensor::from_vec(v, (n, per), &dev).unwrap()
+                })
+                .collect();
             let loss = Tensor::from_vec(vec![1f32; n], n, &dev).unwrap();
             a.step(&pa, &ta, &loss, &g, false).unwrap();
             b.step(&pb, &tb, &loss, &g, false).unwrap();
@@ -648,7 +657,10 @@ mod tests {
         let rows = |v: &[Var]| -> Vec<Vec<Vec<f32>>> { v.iter().map(|t| t.as_tensor().to_vec2().unwrap()).collect() };
         assert_eq!(rows(&pa), rows(&pb));
         assert_eq!(rows(&ta), rows(&tb));
-        assert_eq!(a.moments(1).unwrap().0[0].to_vec1::<f32>().unwrap(), b.moments(1).unwrap().0[0].to_vec1::<f32>().unwrap());
+        assert_eq!(
+            a.moments(1).unwrap().0[0].to_vec1::<f32>().unwrap(),
+            b.moments(1).unwrap().0[0].to_vec1::<f32>().unwrap()
+        );
 
         assert_eq!(a.counters().unwrap(), (vec![30, 30, 29], vec![0, 0, 1]));
         let before: Vec<_> = (0..n).map(|k| a.moments(k).unwrap()).collect();

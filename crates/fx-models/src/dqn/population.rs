@@ -579,7 +579,8 @@ impl DqnPopulation {
             engine.run(&w, &tw, &self.gamma.as_tensor().detach(), batch)?;
             return self.opt.step(&vars, &tvars, engine.loss(), engine.grads(), dry).map_err(opt_err);
         }
-        let loss = pop_loss(&w, &tw, batch, &self.gamma.as_tensor().detach(), cfg.huber_delta, cfg.precision).ctx(CTX)?;
+        let loss =
+            pop_loss(&w, &tw, batch, &self.gamma.as_tensor().detach(), cfg.huber_delta, cfg.precision).ctx(CTX)?;
         let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
         let g: Vec<Tensor> = vars
             .iter()
@@ -731,7 +732,9 @@ pub(crate) mod tests {
         run(&mut b, 100);
         assert!(a.counters().unwrap().0.iter().all(|&u| u > 50));
         assert_eq!(a.counters().unwrap(), b.counters().unwrap());
-        for (x, y) in a.online().vars().iter().chain(&a.target().vars()).zip(b.online().vars().iter().chain(&b.target().vars())) {
+        for (x, y) in
+            a.online().vars().iter().chain(&a.target().vars()).zip(b.online().vars().iter().chain(&b.target().vars()))
+        {
             same(x.as_tensor(), y.as_tensor(), "set_member before training: weights");
         }
         let before1 = a.online().member(1).unwrap();
