@@ -18,6 +18,15 @@
 //! memory, or `members`, or `FX_POPULATION`) trains in waves. A member is its solo run, so a
 //! trial's result does not depend on its wave.
 //!
+//! `[pbt]` (`every`, `quantile`, `factors`; DQN) makes each wave a population-based training
+//! run ([`pbt`]): every `every` env steps the bottom members continue from copies of the top
+//! ones with perturbed γ / τ / learning rate / weight decay / clip norm, each trial's row
+//! records its copies, and the best trials' final weights are scored on the test split in
+//! `sweep.json` (an ordinary run would not replay the schedule). There a trial's result
+//! depends on the wave it trained in (`population.json` records the waves), and a PBT sweep
+//! is not sharded. PBT selects on the validation split, the same split that ranks the
+//! trials: the validation Sharpe of a PBT sweep is optimistic, its test Sharpe is not.
+//!
 //! Scale-out without a scheduler of our own: `--shard I/N` (or a SLURM array's task, or a
 //! Kubernetes Indexed Job's `JOB_COMPLETION_INDEX` with the file's `shards`) trains the trials
 //! whose index is I modulo N in its own folder (no best-trial runs there), and
@@ -36,6 +45,7 @@
 //! mid-training checkpoint yet); a sweep whose rows are complete is not trained again, and
 //! running it again prints its leaderboard and finishes any best-trial run that did not end.
 
+mod pbt;
 mod space;
 
 use std::collections::BTreeMap;
@@ -54,6 +64,7 @@ use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
 use crate::lifecycle::Outcome;
 use crate::train_env::TrainEnv;
+pub use pbt::{PbtConfig, PbtEvent};
 pub use space::{Dim, Sampler};
 
 /// Flags of `fx-train sweep`.
@@ -122,6 +133,9 @@ pub struct SweepConfig {
     /// The search space: dotted run-config key → dimension.
     #[serde(default)]
     pub space: BTreeMap<String, Dim>,
+    /// Population-based training of each DQN wave (none: every trial trains as it started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pbt: Option<PbtConfig>,
 }
 
 fn one() -> usize {
@@ -146,6 +160,10 @@ pub struct TrialRow {
     pub skipped_updates: u64,
     /// `ok`, or `diverged` (a non-finite objective or no applied update).
     pub status: String,
+    /// Under PBT, each time this trial continued from another (`params` above is where it
+    /// started; its last event's are the settings it ended with).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pbt: Vec<PbtEvent>,
 }
 
 /// A float as JSON: a number, or `null` for NaN and infinities (read back as NaN), so a
@@ -190,20 +208,17 @@ fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<
 /// The run config of each point: the base with the point's keys set, parsed strictly (a
 /// misspelt key is an error naming the trial) and resolved.
 fn trial_configs(spec: &SweepConfig, points: &[space::Point]) -> Result<Vec<RunConfig>> {
-    points
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let mut t = spec.run.clone();
-            for (k, v) in p {
-                set_dotted(&mut t, k, v.clone())?;
-            }
-            let text = toml::to_string(&t).context("writing a trial's config")?;
-            RunConfig::from_toml_str(&text, &format!("sweep trial {i}"))?
-                .resolve()
-                .with_context(|| format!("sweep trial {i}"))
-        })
-        .collect()
+    points.iter().enumerate().map(|(i, p)| point_config(spec, p, i)).collect()
+}
+
+/// The run config of trial `i` at point `p` (see [`trial_configs`]).
+fn point_config(spec: &SweepConfig, p: &space::Point, i: usize) -> Result<RunConfig> {
+    let mut t = spec.run.clone();
+    for (k, v) in p {
+        set_dotted(&mut t, k, v.clone())?;
+    }
+    let text = toml::to_string(&t).context("writing a trial's config")?;
+    RunConfig::from_toml_str(&text, &format!("sweep trial {i}"))?.resolve().with_context(|| format!("sweep trial {i}"))
 }
 
 /// Every trial sees the same market: the data follow the base config's seed, whatever a
@@ -273,6 +288,22 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         );
     }
     let shard = shard_of(args.shard.as_deref(), spec.shards, &|k| std::env::var(k).ok())?;
+    let pbt_keys = spec.pbt.as_ref().map(|p| p.check(&space)).transpose()?;
+    if pbt_keys.is_some() {
+        if base.model != ModelChoice::Dqn {
+            bail!("sweep file {}: [pbt] trains DQN populations so far, not {}", config.display(), base.model.as_str());
+        }
+        if shard.is_some() {
+            bail!(
+                "sweep file {}: a [pbt] sweep exploits across its whole population and is not sharded",
+                config.display()
+            );
+        }
+    }
+    let plan = match (&spec.pbt, pbt_keys) {
+        (Some(cfg), Some(keys)) => Some(PbtPlan { cfg, spec: &spec, space: &space, keys, points: &points }),
+        _ => None,
+    };
     let mine = |t: usize| shard.is_none_or(|(i, n)| t % n == i);
     on_base_market(&mut cfgs, &base);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -329,7 +360,8 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     };
     for wave in todo {
         let trials: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
-        let Some((rows, mut summary)) = train_population(&base, &cfgs, &trials, &params, out, stop)? else {
+        let Some((rows, mut summary)) = train_population(&base, &cfgs, &trials, &params, out, plan.as_ref(), stop)?
+        else {
             println!(
                 "sweep interrupted: {} of {} trials done (finished waves are kept); run the same command to go on",
                 done.len(),
@@ -369,7 +401,10 @@ fn finish(
     let board = leaderboard(rows);
     print_board(&board, rows, out);
     let mut best = Vec::new();
-    for (rank, &i) in board.iter().take(best_n).enumerate() {
+    if spec.pbt.is_some() {
+        best = pbt_best(cfgs, rows, &board, out, best_n)?;
+    }
+    for (rank, &i) in board.iter().take(if spec.pbt.is_some() { 0 } else { best_n }).enumerate() {
         let trial = rows[i].trial;
         let mut cfg = cfgs[trial].clone();
         cfg.out = out.join(format!("best-{}", rank + 1));
@@ -406,7 +441,11 @@ fn finish(
         "sampler": spec.sampler,
         "seed": spec.seed,
         "objective": "val_sharpe (greedy policy, validation split)",
-        "test_split": format!("scored only in the best {} run folder(s)", best.len()),
+        "test_split": if spec.pbt.is_some() {
+            format!("scored only for the best {} trial(s)' final weights (PBT: in `best`)", best.len())
+        } else {
+            format!("scored only in the best {} run folder(s)", best.len())
+        },
         "leaderboard": board.iter().map(|&i| json!({"trial": rows[i].trial, "val_sharpe": rows[i].val_sharpe, "params": rows[i].params})).collect::<Vec<_>>(),
         "best": best,
     });
@@ -415,6 +454,47 @@ fn finish(
     }
     crate::run_dir::write_atomic(&out.join("sweep.json"), serde_json::to_string_pretty(&doc)?.as_bytes())?;
     Ok(Outcome::Finished)
+}
+
+/// A PBT sweep's best trials: a member's weights come from its copies and schedule, which
+/// an ordinary run does not replay, so the best `best_n` trials' final weights
+/// (`weights/trial-{k}.safetensors`) are scored on the test split here, once.
+fn pbt_best(
+    cfgs: &[RunConfig],
+    rows: &[TrialRow],
+    board: &[usize],
+    out: &Path,
+    best_n: usize,
+) -> Result<Vec<serde_json::Value>> {
+    let mut best = Vec::new();
+    let Some(&first) = board.first() else { return Ok(best) };
+    let data = Dataset::load(&cfgs[rows[first].trial], None)?;
+    for (rank, &i) in board.iter().take(best_n).enumerate() {
+        let (trial, cfg) = (rows[i].trial, &cfgs[rows[i].trial]);
+        let path = out.join("weights").join(format!("trial-{trial}.safetensors"));
+        let net = DuelingDqn::new(cfg.dqn.net, &Device::Cpu, cfg.dqn.seed)?;
+        net.params().load(&path).with_context(|| format!("PBT best trial {trial}"))?;
+        let mut policy = net.cpu_policy()?;
+        let bt = crate::report::backtest_span(cfg, &data, &data.splits.test, &mut |obs| Ok(policy.act(obs)?))?;
+        let s = &bt.agent.stats;
+        println!(
+            "PBT rank {}: trial {trial}: test Sharpe {:.3}, test return {:.4}",
+            rank + 1,
+            s.sharpe,
+            s.total_return
+        );
+        best.push(json!({
+            "rank": rank + 1,
+            "trial": trial,
+            "weights": path,
+            "val_sharpe": rows[i].val_sharpe,
+            "test_sharpe": if s.sharpe.is_finite() { json!(s.sharpe) } else { json!(null) },
+            "test_total_return": s.total_return,
+            "test_max_drawdown": s.max_drawdown,
+            "pbt_copies": rows[i].pbt.len(),
+        }));
+    }
+    Ok(best)
 }
 
 /// This process's shard `(i, n)`: `--shard I/N`, else a SLURM array's task (its id less the
@@ -470,6 +550,9 @@ fn report(dirs: &[PathBuf], out: Option<&Path>) -> Result<Outcome> {
         Ok((spec, key))
     };
     let (spec, text) = spec_of(&dirs[0])?;
+    if spec.pbt.is_some() {
+        bail!("{}: a [pbt] sweep is not sharded, so there is nothing to merge", dirs[0].display());
+    }
     let mut rows: BTreeMap<usize, TrialRow> = BTreeMap::new();
     for d in dirs {
         if spec_of(d)?.1 != text {
@@ -560,17 +643,32 @@ fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], selected: &[usize], members:
     Ok(waves)
 }
 
-/// Trains `trials` as one population on the base config's training split, then scores each
-/// member's greedy policy on the validation split. `None` when `stop` asked to stop.
+/// What a DQN wave's PBT needs: the `[pbt]` section, the sweep (a moved member's run config
+/// is made from its new point as a trial's is), the space, the perturbed dimensions and every
+/// trial's starting point.
+struct PbtPlan<'a> {
+    cfg: &'a PbtConfig,
+    spec: &'a SweepConfig,
+    space: &'a [(String, Dim)],
+    keys: Vec<usize>,
+    points: &'a [space::Point],
+}
+
+/// Trains `trials` as one population on the base config's training split (with `pbt`, its
+/// rounds every `pbt.every` env steps), then scores each member's greedy policy on the
+/// validation split. `None` when `stop` asked to stop.
+#[allow(clippy::too_many_arguments)]
 fn train_population(
     base: &RunConfig,
     cfgs: &[RunConfig],
     trials: &[usize],
     params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
     out: &Path,
+    pbt: Option<&PbtPlan<'_>>,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     if base.model == ModelChoice::Ppo {
+        // run_with refuses [pbt] for PPO sweeps.
         return train_ppo_population(base, cfgs, trials, params, out, stop);
     }
     let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
@@ -585,7 +683,10 @@ fn train_population(
         envs[0].num_envs()
     );
     let t0 = Instant::now();
-    let mut samples = 0u64;
+    let (mut samples, mut pbt_s, mut rounds) = (0u64, 0f64, 0u64);
+    let mut points: Vec<space::Point> =
+        pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
+    let mut events: Vec<Vec<PbtEvent>> = vec![Vec::new(); n];
     for step in 1..=base.steps {
         if stop() {
             return Ok(None);
@@ -599,24 +700,89 @@ fn train_population(
             let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
             println!("sweep: env step {step}/{}: mean reward over trials {mean:.3e}", base.steps);
         }
+        // No round after the last step: the final scoring ranks what the last round made.
+        if let Some(plan) = pbt.filter(|p| step % p.cfg.every == 0 && step < base.steps) {
+            let t = Instant::now();
+            pbt_round(plan, base, &data, &mut pop, trials, &mut points, &mut events, step)?;
+            pbt_s += t.elapsed().as_secs_f64();
+            rounds += 1;
+        }
     }
     device.synchronize()?;
     let train_s = t0.elapsed().as_secs_f64();
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, member_policy(&pop, k)?));
-    let rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
-    let summary = json!({
+    let mut rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
+    for (row, ev) in rows.iter_mut().zip(events) {
+        row.pbt = ev;
+    }
+    let mut summary = json!({
         "members": n,
         "device": if device.is_cuda() { "cuda" } else { "cpu" },
         "env_steps": base.steps,
         "train_seconds": train_s,
         "update_samples_per_s": samples as f64 / train_s.max(1e-9),
     });
+    if pbt.is_some() {
+        // The rounds' scoring (validation backtests on the CPU) is inside train_seconds.
+        summary["pbt_rounds"] = json!(rounds);
+        summary["pbt_seconds"] = json!(pbt_s);
+    }
     println!(
         "sweep: trained {n} trials in {train_s:.1} s ({:.3e} update samples/s)",
         samples as f64 / train_s.max(1e-9)
     );
     Ok(Some((rows, summary)))
+}
+
+/// One PBT round at env step `step`: every member scored on the validation split, the
+/// bottom members moved onto copies of top ones with perturbed settings
+/// ([`pbt::exploits`], [`pbt::explore`]); `points` and `events` follow the members.
+#[allow(clippy::too_many_arguments)]
+fn pbt_round(
+    plan: &PbtPlan<'_>,
+    base: &RunConfig,
+    data: &Dataset,
+    pop: &mut DqnPopulation,
+    trials: &[usize],
+    points: &mut [space::Point],
+    events: &mut [Vec<PbtEvent>],
+    step: u64,
+) -> Result<()> {
+    let round = step / plan.cfg.every;
+    let valid = data.splits.valid.clone();
+    let scores = (0..trials.len())
+        .map(|k| {
+            let mut policy = member_policy(pop, k)?;
+            let bt = crate::report::backtest_span(base, data, &valid, &mut |obs| Ok(policy.act(obs)?))?;
+            Ok(bt.agent.stats.sharpe)
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    let moves = pbt::exploits(&scores, plan.cfg.quantile, plan.spec.seed, round);
+    for m in &moves {
+        let (dst, src) = (trials[m.dst], trials[m.src]);
+        let point = pbt::explore(
+            &points[m.dst],
+            &points[m.src],
+            plan.space,
+            &plan.keys,
+            &plan.cfg.factors,
+            plan.spec.seed,
+            round,
+            dst,
+        );
+        let mut cfg = [point_config(plan.spec, &point, dst)?];
+        on_base_market(&mut cfg, base);
+        let [cfg] = cfg;
+        pop.exploit(m.dst, m.src).with_context(|| format!("PBT round {round}: trial {dst} copying trial {src}"))?;
+        pop.set_member(m.dst, cfg.dqn).with_context(|| format!("PBT round {round}: trial {dst}'s new settings"))?;
+        let params = plan.keys.iter().map(|&d| (point[d].0.clone(), toml_to_json(&point[d].1))).collect();
+        events[m.dst].push(PbtEvent { round, env_step: step, copied_from: src, val_sharpe: scores[m.dst], params });
+        points[m.dst] = point;
+    }
+    let moved: Vec<String> = moves.iter().map(|m| format!("{}<-{}", trials[m.dst], trials[m.src])).collect();
+    println!("sweep: PBT round {round} at env step {step}: trials {}", moved.join(" "));
+    Ok(())
 }
 
 /// What a population of `trials` trains on: the device, the base config's data, and each
@@ -674,6 +840,7 @@ fn score_members(
             updates: applied[k],
             skipped_updates: skipped[k],
             status: if ok { "ok" } else { "diverged" }.into(),
+            pbt: Vec::new(),
         });
     }
     Ok(rows)
@@ -765,7 +932,11 @@ fn print_board(board: &[usize], rows: &[TrialRow], out: &Path) {
     println!("{:>4}  {:>5}  {:>10}  {:>10}  {:>8}  params", "rank", "trial", "val sharpe", "val return", "status");
     for (rank, &i) in board.iter().take(10).enumerate() {
         let r = &rows[i];
-        let params: Vec<String> = r.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mut params: Vec<String> = r.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        if let Some(last) = r.pbt.last() {
+            let now: Vec<String> = last.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            params.push(format!("(PBT: {} copies, ended with {})", r.pbt.len(), now.join(" ")));
+        }
         println!(
             "{:>4}  {:>5}  {:>10.3}  {:>10.4}  {:>8}  {}",
             rank + 1,
@@ -842,6 +1013,7 @@ mod tests {
             shards: None,
             run: t,
             space: BTreeMap::new(),
+            pbt: None,
         };
         let cfgs = trial_configs(&spec, &[vec![("dqn.gama".into(), toml::Value::Float(0.9))]]);
         let e = format!("{:#}", cfgs.unwrap_err());
@@ -852,6 +1024,11 @@ mod tests {
 
     /// A tiny CPU sweep file: 4 trials over lr and seed, no best runs.
     fn tiny_sweep(dir: &Path, members: usize) -> SweepArgs {
+        tiny_sweep_with(dir, members, "", "sweep.in.toml")
+    }
+
+    /// [`tiny_sweep`] with `extra` at the end of the file, written as `name`.
+    fn tiny_sweep_with(dir: &Path, members: usize, extra: &str, name: &str) -> SweepArgs {
         let text = r#"
 trials = 4
 seed = 3
@@ -879,8 +1056,8 @@ state_dim = 56
 hidden = 16
 n_actions = 3
 "#;
-        let config = dir.join("sweep.in.toml");
-        std::fs::write(&config, text).unwrap();
+        let config = dir.join(name);
+        std::fs::write(&config, format!("{text}{extra}")).unwrap();
         SweepArgs {
             config: Some(config),
             out: Some(dir.join(format!("out-{members}"))),
@@ -1034,6 +1211,71 @@ n_actions = 3
         assert_eq!(small.len(), 4);
     }
 
+    /// A PBT sweep: two rounds (env steps 8 and 16 of 24) in which the bottom half copies
+    /// the top half with perturbed learning rates, recorded per trial, the same from the same
+    /// file; the best trial's final weights are scored on the test split; sharding and PPO
+    /// are refused.
+    #[test]
+    fn pbt_moves_the_bottom_half_onto_the_top_half_deterministically() {
+        let dir = tempfile::tempdir().unwrap();
+        let pbt = "[pbt]\nevery = 8\nquantile = 0.5\nfactors = [0.5, 2.0]\n";
+        let mut args = tiny_sweep_with(dir.path(), 4, pbt, "pbt.toml");
+        args.out = Some(dir.path().join("pbt-a"));
+        assert!(matches!(run_with(&args, &mut || false).unwrap(), Outcome::Finished));
+        let out = args.out.clone().unwrap();
+        let rows = read_rows(&out.join("trials.jsonl")).unwrap().unwrap();
+        let events: Vec<(usize, &PbtEvent)> =
+            rows.iter().flat_map(|r| r.pbt.iter().map(move |e| (r.trial, e))).collect();
+        assert_eq!(events.len(), 4, "two of four trials copy in each of two rounds: {rows:#?}");
+        for round in [1, 2] {
+            let this: Vec<_> = events.iter().filter(|(_, e)| e.round == round).collect();
+            assert_eq!(this.len(), 2, "round {round}");
+            for (t, e) in this {
+                assert_eq!(e.env_step, 8 * round);
+                assert_ne!(*t, e.copied_from);
+                let lr = e.params["dqn.optimizer.lr"].as_f64().unwrap();
+                assert!((1e-4..=1e-2).contains(&lr), "lr {lr} stays in the space's bounds");
+                assert_eq!(e.params.len(), 1, "only the learning rate is perturbed (the seed is not)");
+            }
+        }
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).unwrap()).unwrap();
+        assert_eq!(doc["best"].as_array().unwrap().len(), 0, "best = 0 in the tiny file");
+        let pop: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("population.json")).unwrap()).unwrap();
+        assert_eq!(pop["waves"][0]["pbt_rounds"], 2);
+
+        let again = SweepArgs {
+            out: Some(dir.path().join("pbt-b")),
+            trials: None,
+            ..tiny_sweep_with(dir.path(), 4, pbt, "pbt.toml")
+        };
+        let spec_best =
+            std::fs::read_to_string(again.config.as_ref().unwrap()).unwrap().replace("best = 0", "best = 1");
+        std::fs::write(again.config.as_ref().unwrap(), spec_best).unwrap();
+        run_with(&again, &mut || false).unwrap();
+        let b = again.out.clone().unwrap();
+        assert_eq!(read_rows(&b.join("trials.jsonl")).unwrap().unwrap(), rows, "the same file gives the same schedule");
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(b.join("sweep.json")).unwrap()).unwrap();
+        let best = &doc["best"][0];
+        assert_eq!(best["trial"], doc["leaderboard"][0]["trial"]);
+        assert!(best["test_sharpe"].is_number() || best["test_sharpe"].is_null(), "{best}");
+        assert!(best["test_total_return"].as_f64().unwrap().is_finite(), "{best}");
+        assert!(!b.join("best-1").exists(), "PBT's best trials get no ordinary run");
+
+        let mut sharded = tiny_sweep_with(dir.path(), 4, pbt, "pbt.toml");
+        (sharded.out, sharded.shard) = (Some(dir.path().join("pbt-s")), Some("0/2".into()));
+        assert!(run_with(&sharded, &mut || false).unwrap_err().to_string().contains("not sharded"));
+        let ppo = tiny_sweep_with(dir.path(), 4, pbt, "pbt-ppo.toml");
+        let text = std::fs::read_to_string(ppo.config.as_ref().unwrap())
+            .unwrap()
+            .replace("model = \"dqn\"", "model = \"ppo\"");
+        std::fs::write(ppo.config.as_ref().unwrap(), text).unwrap();
+        let e = run_with(&SweepArgs { out: Some(dir.path().join("pbt-p")), ..ppo }, &mut || false).unwrap_err();
+        assert!(format!("{e:#}").contains("[pbt]"), "{e:#}");
+    }
+
     #[test]
     fn leaderboard_puts_diverged_trials_last() {
         let row = |trial, val_sharpe: f64, status: &str| TrialRow {
@@ -1045,6 +1287,7 @@ n_actions = 3
             updates: 1,
             skipped_updates: 0,
             status: status.into(),
+            pbt: Vec::new(),
         };
         let rows = vec![row(0, 0.5, "ok"), row(1, f64::NAN, "diverged"), row(2, 1.5, "ok"), row(3, 0.5, "ok")];
         assert_eq!(leaderboard(&rows), [2, 0, 3, 1]);
