@@ -100,6 +100,7 @@ pub fn exploits(scores: &[f64], quantile: f64, seed: u64, round: u64) -> Vec<Exp
 
 /// Member `dst`'s point after copying `src` in round `round`: `dst`'s own point with each
 /// perturbed key (`keys`, indices into `space`) set to `src`'s value perturbed.
+#[allow(clippy::too_many_arguments)]
 pub fn explore(
     dst: &Point,
     src: &Point,
