@@ -960,4 +960,83 @@ pub(crate) mod tests {
             assert!(e <= 1e-6, "graph vs eager tensor {k}: rel err {e} (seed {seed})");
         }
     }
+
+    /// On CUDA: PBT's moves between captured updates reach the graph. A captured population
+    /// and a CPU one take 10 updates, then member 1 gets new settings (`set_member`) and
+    /// member 3 continues from member 0 (`exploit`) on both, then 20 more updates: the same
+    /// counters, and every member's weights within 1e-5 relative of the CPU's (as in
+    /// `gpu_population_trains_as_the_cpu_one`); member 1 ends far from where its old
+    /// settings take it, so a graph that kept the captured values would fail.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn pbt_moves_reach_the_captured_update() {
+        let Some(dev) = fx_hw::test_gpu("dqn::population::pbt_moves_reach_the_captured_update") else { return };
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        eprintln!("pbt_moves_reach_the_captured_update: seed {seed}");
+        let n = 4;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let mut cpu = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let mut unmoved = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let mut graph = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
+        let to = |b: &PopBatch| PopBatch {
+            obs: b.obs.to_device(&dev).unwrap(),
+            actions: b.actions.to_device(&dev).unwrap(),
+            rewards: b.rewards.to_device(&dev).unwrap(),
+            next_obs: b.next_obs.to_device(&dev).unwrap(),
+            dones: b.dones.to_device(&dev).unwrap(),
+        };
+        graph.capture_update(&to(&random_batch(n, 16, seed))).unwrap();
+        let moved = DqnConfig {
+            gamma: 0.5,
+            tau: 0.3,
+            max_grad_norm: 1.0,
+            optimizer: fx_precision::AdamWConfig { lr: 0.05, weight_decay: 0.2, ..cfgs[1].optimizer },
+            ..cfgs[1].clone()
+        };
+        for step in 0..30u64 {
+            if step == 10 {
+                for pop in [&mut cpu, &mut graph] {
+                    pop.set_member(1, moved.clone()).unwrap();
+                    pop.exploit(3, 0).unwrap();
+                }
+            }
+            let batch = random_batch(n, 16, seed.wrapping_add(step + 1));
+            cpu.update(&batch).unwrap();
+            unmoved.update(&batch).unwrap();
+            graph.update(&to(&batch)).unwrap();
+        }
+        assert!(graph.update_captured());
+        assert_eq!(graph.counters().unwrap(), cpu.counters().unwrap());
+        assert_eq!(cpu.counters().unwrap().0, [30, 30, 30, 30], "member 3 took member 0's step count");
+        let rel = |a: &Tensor, b: &Tensor| {
+            let f = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+            let (a, b) = (f(a), f(b));
+            assert!(a.iter().all(|x| x.is_finite()), "non-finite values");
+            let d: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+            d / b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30)
+        };
+        for k in 0..n {
+            for (store, want, what) in
+                [(graph.online(), cpu.online(), "online"), (graph.target(), cpu.target(), "target")]
+            {
+                for (i, (a, b)) in
+                    store.member(k).unwrap().vars().iter().zip(want.member(k).unwrap().vars()).enumerate()
+                {
+                    let e = rel(a.as_tensor(), b.as_tensor());
+                    assert!(e <= 1e-5, "member {k} {what} tensor {i}: rel err {e} (seed {seed})");
+                }
+            }
+        }
+        let far = graph
+            .online()
+            .member(1)
+            .unwrap()
+            .vars()
+            .iter()
+            .zip(unmoved.online().member(1).unwrap().vars())
+            .map(|(a, b)| rel(a.as_tensor(), b.as_tensor()))
+            .fold(0.0, f64::max);
+        assert!(far > 1e-3, "member 1's new settings change its training: {far:.2e} (seed {seed})");
+    }
 }
