@@ -889,6 +889,28 @@ pub(crate) mod tests {
         assert!(solo.params().member(0).is_err(), "a solo store has no members");
     }
 
+    /// `b` copied to `dev` (the GPU tests' batches are drawn on the CPU).
+    #[cfg(feature = "cuda")]
+    fn batch_on(b: &PopBatch, dev: &Device) -> PopBatch {
+        PopBatch {
+            obs: b.obs.to_device(dev).unwrap(),
+            actions: b.actions.to_device(dev).unwrap(),
+            rewards: b.rewards.to_device(dev).unwrap(),
+            next_obs: b.next_obs.to_device(dev).unwrap(),
+            dones: b.dones.to_device(dev).unwrap(),
+        }
+    }
+
+    /// ‖a − b‖ / ‖b‖ in f64; a non-finite value of `a` fails the test.
+    #[cfg(feature = "cuda")]
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let f = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        let (a, b) = (f(a), f(b));
+        assert!(a.iter().all(|x| x.is_finite()), "non-finite values");
+        let d: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+        d / b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30)
+    }
+
     /// On CUDA: the population (eager, and its captured graph) trains as the CPU population
     /// does, a NaN in one member's data included: the same skips and counters, weights and
     /// moments within 1e-5 relative of the CPU's after 30 updates (F32 without TF32; GPU
@@ -905,13 +927,7 @@ pub(crate) mod tests {
         let mut cpu = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
         let mut eager = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
         let mut graph = DqnPopulation::new(cfgs, &dev).unwrap();
-        let to = |b: &PopBatch| PopBatch {
-            obs: b.obs.to_device(&dev).unwrap(),
-            actions: b.actions.to_device(&dev).unwrap(),
-            rewards: b.rewards.to_device(&dev).unwrap(),
-            next_obs: b.next_obs.to_device(&dev).unwrap(),
-            dones: b.dones.to_device(&dev).unwrap(),
-        };
+        let to = |b: &PopBatch| batch_on(b, &dev);
         graph.capture_update(&to(&random_batch(n, 16, seed))).unwrap();
         assert!(graph.update_captured() && graph.graph_nodes().unwrap().unwrap() > 0);
         for step in 0..30u64 {
@@ -929,34 +945,27 @@ pub(crate) mod tests {
         assert_eq!(want, (vec![30, 30, 29, 30, 30], vec![0, 0, 1, 0, 0]));
         assert_eq!(eager.counters().unwrap(), want);
         assert_eq!(graph.counters().unwrap(), want);
-        let rel = |a: &Tensor, b: &Tensor| {
-            let f = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
-            let (a, b) = (f(a), f(b));
-            assert!(a.iter().all(|x| x.is_finite()), "non-finite values");
-            let d: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
-            d / b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30)
-        };
         for (what, pop, tol) in [("eager", &eager, 1e-5), ("graph", &graph, 1e-5)] {
             for (k, (a, b)) in pop.online().vars().iter().zip(cpu.online().vars()).enumerate() {
-                let e = rel(a.as_tensor(), b.as_tensor());
+                let e = rel_err(a.as_tensor(), b.as_tensor());
                 eprintln!("{what} online {k}: rel err {e:.2e}");
                 assert!(e <= tol, "{what} online tensor {k}: rel err {e} (seed {seed})");
             }
             for (k, (a, b)) in pop.target().vars().iter().zip(cpu.target().vars()).enumerate() {
-                let e = rel(a.as_tensor(), b.as_tensor());
+                let e = rel_err(a.as_tensor(), b.as_tensor());
                 assert!(e <= tol, "{what} target tensor {k}: rel err {e} (seed {seed})");
             }
             for m in 0..n {
                 let (gm, gv) = pop.moments(m).unwrap();
                 let (cm, cv) = cpu.moments(m).unwrap();
                 for (i, (a, b)) in gm.iter().chain(&gv).zip(cm.iter().chain(&cv)).enumerate() {
-                    let e = rel(a, b);
+                    let e = rel_err(a, b);
                     assert!(e <= 1e-4, "{what} member {m} moment {i}: rel err {e} (seed {seed})");
                 }
             }
         }
         for (k, (a, b)) in graph.online().vars().iter().zip(eager.online().vars()).enumerate() {
-            let e = rel(a.as_tensor(), b.as_tensor());
+            let e = rel_err(a.as_tensor(), b.as_tensor());
             assert!(e <= 1e-6, "graph vs eager tensor {k}: rel err {e} (seed {seed})");
         }
     }
@@ -979,13 +988,7 @@ pub(crate) mod tests {
         let mut cpu = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
         let mut unmoved = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
         let mut graph = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
-        let to = |b: &PopBatch| PopBatch {
-            obs: b.obs.to_device(&dev).unwrap(),
-            actions: b.actions.to_device(&dev).unwrap(),
-            rewards: b.rewards.to_device(&dev).unwrap(),
-            next_obs: b.next_obs.to_device(&dev).unwrap(),
-            dones: b.dones.to_device(&dev).unwrap(),
-        };
+        let to = |b: &PopBatch| batch_on(b, &dev);
         graph.capture_update(&to(&random_batch(n, 16, seed))).unwrap();
         let moved = DqnConfig {
             gamma: 0.5,
@@ -1009,13 +1012,6 @@ pub(crate) mod tests {
         assert!(graph.update_captured());
         assert_eq!(graph.counters().unwrap(), cpu.counters().unwrap());
         assert_eq!(cpu.counters().unwrap().0, [30, 30, 30, 30], "member 3 took member 0's step count");
-        let rel = |a: &Tensor, b: &Tensor| {
-            let f = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
-            let (a, b) = (f(a), f(b));
-            assert!(a.iter().all(|x| x.is_finite()), "non-finite values");
-            let d: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
-            d / b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30)
-        };
         for k in 0..n {
             for (store, want, what) in
                 [(graph.online(), cpu.online(), "online"), (graph.target(), cpu.target(), "target")]
@@ -1023,7 +1019,7 @@ pub(crate) mod tests {
                 for (i, (a, b)) in
                     store.member(k).unwrap().vars().iter().zip(want.member(k).unwrap().vars()).enumerate()
                 {
-                    let e = rel(a.as_tensor(), b.as_tensor());
+                    let e = rel_err(a.as_tensor(), b.as_tensor());
                     assert!(e <= 1e-5, "member {k} {what} tensor {i}: rel err {e} (seed {seed})");
                 }
             }
@@ -1035,7 +1031,7 @@ pub(crate) mod tests {
             .vars()
             .iter()
             .zip(unmoved.online().member(1).unwrap().vars())
-            .map(|(a, b)| rel(a.as_tensor(), b.as_tensor()))
+            .map(|(a, b)| rel_err(a.as_tensor(), b.as_tensor()))
             .fold(0.0, f64::max);
         assert!(far > 1e-3, "member 1's new settings change its training: {far:.2e} (seed {seed})");
     }

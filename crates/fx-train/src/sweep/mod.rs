@@ -400,11 +400,10 @@ fn finish(
 ) -> Result<Outcome> {
     let board = leaderboard(rows);
     print_board(&board, rows, out);
-    let mut best = Vec::new();
-    if spec.pbt.is_some() {
-        best = pbt_best(cfgs, rows, &board, out, best_n)?;
-    }
-    for (rank, &i) in board.iter().take(if spec.pbt.is_some() { 0 } else { best_n }).enumerate() {
+    // PBT's best are scored from their weights; the others are trained again as runs.
+    let (mut best, runs) =
+        if spec.pbt.is_some() { (pbt_best(cfgs, rows, &board, out, best_n)?, 0) } else { (Vec::new(), best_n) };
+    for (rank, &i) in board.iter().take(runs).enumerate() {
         let trial = rows[i].trial;
         let mut cfg = cfgs[trial].clone();
         cfg.out = out.join(format!("best-{}", rank + 1));
@@ -475,8 +474,7 @@ fn pbt_best(
         let net = DuelingDqn::new(cfg.dqn.net, &Device::Cpu, cfg.dqn.seed)?;
         net.params().load(&path).with_context(|| format!("PBT best trial {trial}"))?;
         let mut policy = net.cpu_policy()?;
-        let bt = crate::report::backtest_span(cfg, &data, &data.splits.test, &mut |obs| Ok(policy.act(obs)?))?;
-        let s = &bt.agent.stats;
+        let s = &policy_stats(cfg, &data, &data.splits.test, &mut policy)?;
         println!(
             "PBT rank {}: trial {trial}: test Sharpe {:.3}, test return {:.4}",
             rank + 1,
@@ -750,13 +748,8 @@ fn pbt_round(
     step: u64,
 ) -> Result<()> {
     let round = step / plan.cfg.every;
-    let valid = data.splits.valid.clone();
     let scores = (0..trials.len())
-        .map(|k| {
-            let mut policy = member_policy(pop, k)?;
-            let bt = crate::report::backtest_span(base, data, &valid, &mut |obs| Ok(policy.act(obs)?))?;
-            Ok(bt.agent.stats.sharpe)
-        })
+        .map(|k| Ok(policy_stats(base, data, &data.splits.valid, &mut member_policy(pop, k)?)?.sharpe))
         .collect::<Result<Vec<f64>>>()?;
     let moves = pbt::exploits(&scores, plan.cfg.quantile, plan.spec.seed, round);
     for m in &moves {
@@ -771,9 +764,8 @@ fn pbt_round(
             round,
             dst,
         );
-        let mut cfg = [point_config(plan.spec, &point, dst)?];
-        on_base_market(&mut cfg, base);
-        let [cfg] = cfg;
+        let mut cfg = point_config(plan.spec, &point, dst)?;
+        on_base_market(std::slice::from_mut(&mut cfg), base);
         pop.exploit(m.dst, m.src).with_context(|| format!("PBT round {round}: trial {dst} copying trial {src}"))?;
         pop.set_member(m.dst, cfg.dqn).with_context(|| format!("PBT round {round}: trial {dst}'s new settings"))?;
         let params = plan.keys.iter().map(|&d| (point[d].0.clone(), toml_to_json(&point[d].1))).collect();
@@ -827,9 +819,7 @@ fn score_members(
     for (k, &trial) in trials.iter().enumerate() {
         let (store, mut policy) = member(k)?;
         store.save(&weights.join(format!("trial-{trial}.safetensors")))?;
-        // A panel's objective is its equal-weight portfolio on the validation span.
-        let bt = crate::report::backtest_span(base, data, &valid, &mut |obs| Ok(policy.act(obs)?))?;
-        let s = &bt.agent.stats;
+        let s = &policy_stats(base, data, &valid, &mut policy)?;
         let ok = s.sharpe.is_finite() && applied[k] > 0;
         rows.push(TrialRow {
             trial,
@@ -844,6 +834,17 @@ fn score_members(
         });
     }
     Ok(rows)
+}
+
+/// A greedy CPU policy's backtest statistics on `span` (a panel's: its equal-weight
+/// portfolio), the objective on the validation split and the PBT best's test score.
+fn policy_stats(
+    cfg: &RunConfig,
+    data: &Dataset,
+    span: &std::ops::Range<usize>,
+    policy: &mut fx_models::mlp::cpu::CpuPolicy,
+) -> Result<fx_models::BacktestStats> {
+    Ok(crate::report::backtest_span(cfg, data, span, &mut |obs| Ok(policy.act(obs)?))?.agent.stats)
 }
 
 /// The actor's greedy policy of a PPO member's weights on the CPU.
