@@ -164,6 +164,51 @@ struct FxEnv {
     fx_u64* counter;
 };
 
+// One member's row of a population's device table (PopMemberArgs in
+// crates/fx-kernels/src/cuda/pop_collect.rs, field for field: 184 bytes, no padding): its
+// env's series, parameters and state, its replay ring and its ε ramp.
+struct FxPopMember {
+    const float* market;
+    const double* close;
+    const fx_u32* seg;
+    fx_u32* t;
+    int* pos;
+    double* entry;
+    fx_u32* sip;
+    fx_u32* ep;
+    fx_u64* counter;
+    int* err;
+    float* rb_s;
+    fx_u32* rb_a;
+    float* rb_r;
+    float* rb_s2;
+    float* rb_d;
+    fx_u64 seed, env_offset;
+    double cost, eps_start, eps_end;
+    fx_u64 eps_steps;
+    fx_u32 T, L, n_seg, pad;
+};
+
+__device__ __forceinline__ FxEnv fx_pop_env(const FxPopMember& m) {
+    FxEnv env;
+    env.market = m.market;
+    env.close = m.close;
+    env.T = m.T;
+    env.L = m.L;
+    env.seg = m.seg;
+    env.n_seg = m.n_seg;
+    env.cost = m.cost;
+    env.seed = m.seed;
+    env.env_offset = m.env_offset;
+    env.t = m.t;
+    env.pos = m.pos;
+    env.entry = m.entry;
+    env.sip = m.sip;
+    env.ep = m.ep;
+    env.counter = m.counter;
+    return env;
+}
+
 // Start index of a reset in env's series (EnvData's reset_start_in): one segment is the
 // reference's reset; several draw the segment first, floor(u_k * S), then the start in it.
 __device__ __forceinline__ fx_u32 fx_reset_start_in(const FxEnv& env, fx_u64 env_id, fx_u64 counter) {

@@ -15,22 +15,16 @@
 #define FX_LOOP_KEY 3
 #define FX_LOOP_BASE 4
 
-// Minibatch row i of `B` from `len` stored transitions: index floor(u * len) (clamped to
-// len - 1) with u = fx_draw(seed, stream, key, i), as ReplayBuffer::sample_keyed on the
-// CPU. With `loop` not null, len = loop[LEN] and key = loop[BASE] + key_offset (a captured
-// iteration's j-th minibatch); otherwise the host's len and key. One thread per (row,
-// column) of the [B, 56] states, so the copies coalesce; column 0 copies the scalars too.
-extern "C" __global__ void fx_replay_sample(const fx_u64* __restrict__ loop, fx_u64 len, fx_u64 key,
-                                            fx_u64 key_offset, fx_u64 seed, fx_u64 stream, fx_u32 B,
-                                            const float* __restrict__ rb_s, const fx_u32* __restrict__ rb_a,
-                                            const float* __restrict__ rb_r, const float* __restrict__ rb_s2,
-                                            const float* __restrict__ rb_d, float* __restrict__ s,
-                                            fx_u32* __restrict__ a, float* __restrict__ r,
-                                            float* __restrict__ s2, float* __restrict__ d) {
-    if (loop) {
-        len = loop[FX_LOOP_LEN];
-        key = loop[FX_LOOP_BASE] + key_offset;
-    }
+// Minibatch rows of `B` from `len` stored transitions into s, a, r, s2, d: row i is index
+// floor(u * len) (clamped to len - 1) with u = fx_draw(seed, stream, key, i), as
+// ReplayBuffer::sample_keyed on the CPU. One thread per (row, column) of the [B, 56] states
+// (grid-stride over blockIdx.x), so the copies coalesce; column 0 copies the scalars too.
+__device__ __forceinline__ void fx_replay_gather(fx_u64 len, fx_u64 key, fx_u64 seed, fx_u64 stream, fx_u32 B,
+                                                 const float* __restrict__ rb_s, const fx_u32* __restrict__ rb_a,
+                                                 const float* __restrict__ rb_r, const float* __restrict__ rb_s2,
+                                                 const float* __restrict__ rb_d, float* __restrict__ s,
+                                                 fx_u32* __restrict__ a, float* __restrict__ r,
+                                                 float* __restrict__ s2, float* __restrict__ d) {
     const fx_u64 total = (fx_u64)B * FX_OBS_DIM;
     for (fx_u64 k = (fx_u64)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (fx_u64)gridDim.x * blockDim.x) {
         fx_u64 i = k / FX_OBS_DIM, c = k % FX_OBS_DIM;
@@ -45,6 +39,36 @@ extern "C" __global__ void fx_replay_sample(const fx_u64* __restrict__ loop, fx_
             d[i] = rb_d[j];
         }
     }
+}
+
+// fx_replay_gather from one ring. With `loop` not null, len = loop[LEN] and
+// key = loop[BASE] + key_offset (a captured iteration's j-th minibatch); otherwise the host's
+// len and key.
+extern "C" __global__ void fx_replay_sample(const fx_u64* __restrict__ loop, fx_u64 len, fx_u64 key,
+                                            fx_u64 key_offset, fx_u64 seed, fx_u64 stream, fx_u32 B,
+                                            const float* __restrict__ rb_s, const fx_u32* __restrict__ rb_a,
+                                            const float* __restrict__ rb_r, const float* __restrict__ rb_s2,
+                                            const float* __restrict__ rb_d, float* __restrict__ s,
+                                            fx_u32* __restrict__ a, float* __restrict__ r,
+                                            float* __restrict__ s2, float* __restrict__ d) {
+    if (loop) {
+        len = loop[FX_LOOP_LEN];
+        key = loop[FX_LOOP_BASE] + key_offset;
+    }
+    fx_replay_gather(len, key, seed, stream, B, rb_s, rb_a, rb_r, rb_s2, rb_d, s, a, r, s2, d);
+}
+
+// One minibatch of B rows per member of a population (member k = blockIdx.y of the table,
+// FxPopMember in fx_env.cuh): member k's rows k*B .. (k+1)*B of the outputs are drawn from its
+// ring with its seed at `key`, as fx_replay_sample on its own ring (every ring holds `len`).
+extern "C" __global__ void fx_pop_replay_sample(const FxPopMember* __restrict__ members, fx_u64 len, fx_u64 key,
+                                                fx_u64 stream, fx_u32 B, float* __restrict__ s,
+                                                fx_u32* __restrict__ a, float* __restrict__ r,
+                                                float* __restrict__ s2, float* __restrict__ d) {
+    const FxPopMember& m = members[blockIdx.y];
+    const size_t off = (size_t)blockIdx.y * B;
+    fx_replay_gather(len, key, m.seed, stream, B, m.rb_s, m.rb_a, m.rb_r, m.rb_s2, m.rb_d, s + off * FX_OBS_DIM,
+                     a + off, r + off, s2 + off * FX_OBS_DIM, d + off);
 }
 
 // After an environment step of E accounts into a ring of `capacity` slots, and before

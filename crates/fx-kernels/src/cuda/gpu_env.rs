@@ -481,6 +481,32 @@ impl GpuTradingEnv {
         self.launch_observe(p_obs, ctx)
     }
 
+    /// This env's part of a population table row (`FxPopMember` in
+    /// `kernels/env/fx_env.cuh`): series, parameters and state addresses; the replay and ε
+    /// fields are left zero for the caller.
+    pub(crate) fn member_args(&self) -> super::pop_collect::PopMemberArgs {
+        let a = &self.args;
+        super::pop_collect::PopMemberArgs {
+            market: a.market,
+            close: a.close,
+            seg: a.seg,
+            t: a.t,
+            pos: a.pos,
+            entry: a.entry,
+            sip: a.sip,
+            ep: a.ep,
+            counter: a.counter,
+            err: self.p_err,
+            seed: a.seed,
+            env_offset: a.offset,
+            cost: a.cost,
+            t_len: a.t_len,
+            ep_len: a.ep_len,
+            n_seg: a.n_seg,
+            ..bytemuck::Zeroable::zeroed()
+        }
+    }
+
     /// A number no other env of this process has (counted at construction): a graph
     /// captured on this env's buffers can tell another env apart, even one allocated where
     /// a dropped env's buffers were.

@@ -13,6 +13,7 @@ pub mod blas;
 pub(crate) mod dqn_loop;
 mod gpu_env;
 mod launch;
+mod pop_collect;
 
 #[cfg(test)]
 pub(crate) mod tests;
@@ -22,6 +23,7 @@ pub use gpu_env::{
     bench_env_steps, bytes_per_env_step, EnvBenchMode, EnvBenchResult, GpuEnvOptions, GpuEnvState, GpuTradingEnv,
 };
 pub use launch::LaunchPlan;
+pub use pop_collect::PopDqnCollect;
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};

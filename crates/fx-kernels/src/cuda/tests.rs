@@ -432,3 +432,105 @@ fn state_round_trips_between_backends() {
     bad.t[3] = 499;
     assert!(gpu2.restore(&bad).is_err(), "a state past the series is refused before any upload");
 }
+
+/// The population collector against each member's solo kernels: three members with their
+/// own series (one a panel of segments), seeds, offsets, costs and ε ramps (one crossing its
+/// end mid-run), E = 37 accounts (not a multiple of a warp) into rings of 100 that wrap;
+/// observations, rewards, done flags, env states, replay contents and keyed minibatches are
+/// bit-identical, and a collector handed other envs refuses to launch.
+#[test]
+fn pop_collection_equals_the_solo_kernels() {
+    let Some(dev) = gpu("pop_collection_equals_the_solo_kernels") else { return };
+    let (e, cap, n) = (37usize, 100usize, 3usize);
+    let datas = [
+        Arc::new(synthetic_series(400, 9).expect("data")),
+        segmented_series(&[150, 220, 180], 4),
+        Arc::new(synthetic_series(700, 2).expect("data")),
+    ];
+    let cfgs: Vec<EnvConfig> = (0..n)
+        .map(|k| EnvConfig {
+            num_envs: e,
+            episode_len: 9 + k,
+            cost: 1e-4 * (k + 1) as f64,
+            seed: 77 + 1000 * k as u64,
+            env_offset: 5 * k as u64,
+        })
+        .collect();
+    let mut eps = vec![
+        crate::LinearSchedule { start: 0.9, end: 0.1, steps: 6 },
+        crate::LinearSchedule { start: 1.0, end: 0.05, steps: 1000 },
+        crate::LinearSchedule { start: 0.3, end: 0.3, steps: 1 },
+    ];
+    let opts = GpuEnvOptions::default();
+    let mk = |k: usize| GpuTradingEnv::new(datas[k].clone(), cfgs[k].clone(), &dev, opts.clone()).expect("env");
+    let (mut solo, mut pop): (Vec<GpuTradingEnv>, Vec<GpuTradingEnv>) =
+        ((0..n).map(mk).collect(), (0..n).map(mk).collect());
+    let ring = || (0..n).map(|_| ReplayBuffer::new(cap, &dev).expect("replay")).collect::<Vec<_>>();
+    let (mut rs, mut rp) = (ring(), ring());
+    let pop_refs: Vec<&GpuTradingEnv> = pop.iter().collect();
+    let mut col = super::PopDqnCollect::new(&pop_refs, &rp, &eps).expect("collector");
+    assert_eq!(col.len(), n);
+    let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).expect("zeros");
+    let (obs, rew, done) = (z(&[n, e, OBS_DIM]), z(&[n, e]), z(&[n, e]));
+    col.observe(&pop_refs, &rp, &obs).expect("observe");
+    for k in 0..n {
+        assert_eq!(host_f32(&obs.get(k).expect("row")), host_f32(&solo[k].observe().expect("obs")), "initial obs {k}");
+    }
+    for step in 0..12u64 {
+        if step == 7 {
+            // a PBT explore between steps
+            eps[2] = crate::LinearSchedule { start: 0.8, end: 0.2, steps: 20 };
+            col.set_epsilon(&eps).expect("set_epsilon");
+        }
+        let q: Vec<f32> = (0..n * e * N_ACTIONS).map(|i| rng::draw(3, 9, i as u64, step) as f32).collect();
+        let q = Tensor::from_vec(q, (n, e, N_ACTIONS), &dev).expect("q");
+        col.collect(&pop_refs, &mut rp, &q, step, &obs, Some(&rew), Some(&done)).expect("collect");
+        for k in 0..n {
+            let (_, o) = solo[k].collect_dqn(&q.get(k).expect("q"), eps[k].value(step), &mut rs[k]).expect("solo");
+            let what = format!("member {k} step {step}");
+            assert_eq!(host_f32(&obs.get(k).expect("row")), host_f32(&o), "{what}: obs");
+            assert_eq!(solo[k].state().expect("state"), pop[k].state().expect("state"), "{what}: env state");
+            let stored = rs[k].stored().expect("stored");
+            let popped = rp[k].stored().expect("stored");
+            assert_eq!(host_f32(&popped.rewards), host_f32(&stored.rewards), "{what}: replay r");
+            assert_eq!(host_f32(&popped.dones), host_f32(&stored.dones), "{what}: replay done");
+            assert_eq!(host_u32(&popped.actions), host_u32(&stored.actions), "{what}: replay a");
+            assert_eq!(host_f32(&popped.states), host_f32(&stored.states), "{what}: replay s");
+            assert_eq!(host_f32(&popped.next_states), host_f32(&stored.next_states), "{what}: replay s2");
+            assert_eq!((rp[k].len(), rp[k].position()), (rs[k].len(), rs[k].position()), "{what}: ring");
+        }
+        // the rewards and done flags are those the replay got at this step's slots
+        let slot = (step as usize * e) % cap;
+        for k in 0..n {
+            let idx = Tensor::from_vec((0..e).map(|i| ((slot + i) % cap) as u32).collect(), e, &dev).expect("idx");
+            let b = rs[k].gather(&idx).expect("gather");
+            assert_eq!(host_f32(&rew.get(k).expect("row")), host_f32(&b.rewards), "member {k} step {step}: reward");
+            assert_eq!(host_f32(&done.get(k).expect("row")), host_f32(&b.dones), "member {k} step {step}: done");
+        }
+        let b = 64;
+        let out = crate::ReplayBatch::alloc(n * b, &dev, "test").expect("batch");
+        col.sample(&rp, 40 + step, &out).expect("sample");
+        for k in 0..n {
+            let want = rs[k].sample_keyed(b, cfgs[k].seed, 40 + step).expect("solo sample");
+            let rows = |t: &Tensor| host_f32(&t.narrow(0, k * b, b).expect("rows"));
+            let what = format!("member {k} step {step} sample");
+            assert_eq!(rows(&out.states), host_f32(&want.states), "{what}: s");
+            assert_eq!(rows(&out.next_states), host_f32(&want.next_states), "{what}: s2");
+            assert_eq!(rows(&out.rewards), host_f32(&want.rewards), "{what}: r");
+            assert_eq!(rows(&out.dones), host_f32(&want.dones), "{what}: done");
+            assert_eq!(host_u32(&out.actions.narrow(0, k * b, b).expect("rows")), host_u32(&want.actions), "{what}: a");
+        }
+    }
+    // handed other envs (the solo ones) or a shorter list, it refuses
+    let solo_refs: Vec<&GpuTradingEnv> = solo.iter().collect();
+    assert!(!col.fits(&solo_refs, &rp));
+    assert!(col.observe(&solo_refs, &rp, &obs).is_err());
+    assert!(col.observe(&pop_refs[..2], &rp[..2], &obs).is_err());
+    // members of different sizes are refused at construction
+    let small = ReplayBuffer::new(10, &dev).expect("replay");
+    let mixed = [rp.remove(0), small];
+    assert!(super::PopDqnCollect::new(&pop_refs[..2], &mixed, &eps[..2]).is_err());
+    for env in solo.iter_mut().chain(pop.iter_mut()) {
+        env.check_errors().expect("no flagged actions");
+    }
+}

@@ -113,6 +113,25 @@ pub struct DqnPopulation {
     /// gradients.
     #[cfg(feature = "cuda")]
     pop_fused: Option<crate::dqn::pop_fused::DqnPopFused>,
+    /// On CUDA, when every member's env is a [`fx_kernels::GpuTradingEnv`]: the
+    /// member-batched collection (one launch per step for all members, not N), built on the
+    /// first such step and rebuilt when the envs or replays change.
+    #[cfg(feature = "cuda")]
+    collect: Option<BatchedCollect>,
+    /// Whether `step` may use the batched collection (tests turn it off to compare it with
+    /// the per-member path).
+    #[cfg(feature = "cuda")]
+    batched: bool,
+}
+
+/// The batched collector and its stacked buffers: observations `[N, E, 56]`, rewards and
+/// done flags `[N, E]`.
+#[cfg(feature = "cuda")]
+struct BatchedCollect {
+    col: fx_kernels::cuda::PopDqnCollect,
+    obs: Tensor,
+    reward: Tensor,
+    done: Tensor,
 }
 
 /// The update captured as one CUDA graph over fixed input tensors.
@@ -272,6 +291,10 @@ impl DqnPopulation {
             capture_tried: false,
             #[cfg(feature = "cuda")]
             pop_fused,
+            #[cfg(feature = "cuda")]
+            collect: None,
+            #[cfg(feature = "cuda")]
+            batched: true,
         })
     }
 
@@ -396,28 +419,16 @@ impl DqnPopulation {
             return Err(Error::config(CTX, format!("{} environments for {} members", envs.len(), self.len())));
         }
         let eps = self.epsilon();
-        let obs: Vec<Tensor> = envs.iter().map(|e| e.observe().ctx(CTX)).collect::<Result<_>>()?;
-        let q = self.q_values(&Tensor::stack(&obs, 0).ctx(CTX)?)?;
-        let (mut rewards, mut dones) = (Vec::new(), Vec::new());
-        for (k, env) in envs.iter_mut().enumerate() {
-            let actions = env.epsilon_greedy(&q.get(k).ctx(CTX)?, eps[k]).ctx(CTX)?;
-            let st = env.step_into_replay(&actions, &mut self.replays[k]).ctx(CTX)?;
-            if read {
-                rewards.push(st.reward);
-                dones.push(st.done);
-            }
-        }
+        let (rewards, dones) = self.collect_step(envs, &eps, read)?;
         self.env_steps += 1;
         let (mut mean_reward, mut episodes_done) = (None, None);
-        if read {
-            let r = Tensor::stack(&rewards, 0).ctx(CTX)?;
-            let d = Tensor::stack(&dones, 0).ctx(CTX)?;
+        if let (Some(r), Some(d)) = (rewards, dones) {
+            let e = r.dim(1).ctx(CTX)?.max(1) as f64;
             let sums: Vec<Vec<f64>> = Tensor::stack(&[r, d], 0)
                 .and_then(|t| t.to_dtype(DType::F64))
                 .and_then(|t| t.sum(2))
                 .and_then(|t| t.to_vec2())
                 .ctx(CTX)?;
-            let e = rewards[0].elem_count().max(1) as f64;
             mean_reward = Some(sums[0].iter().map(|s| s / e).collect());
             episodes_done = Some(sums[1].iter().map(|&d| d as u32).collect());
         }
@@ -426,10 +437,7 @@ impl DqnPopulation {
         let (mut updates, mut updates_queued) = (Vec::new(), 0);
         if len >= first.learning_starts.max(1) && self.env_steps.is_multiple_of(first.train_every) {
             for _ in 0..first.gradient_steps {
-                let batch = self.sample()?;
-                #[cfg(feature = "cuda")]
-                self.capture_for_steps(&batch)?;
-                self.update(&batch)?;
+                self.sample_and_update()?;
                 if read {
                     updates.push(self.last_update()?);
                 } else {
@@ -448,6 +456,111 @@ impl DqnPopulation {
         })
     }
 
+    /// The collection of one `step`: every member's ε-greedy actions on its own Q values,
+    /// stepped into its replay; the rewards and done flags (`[N, E]`) when `read`. On CUDA
+    /// with GPU envs, one launch each for all members (observe, experience); otherwise per
+    /// member.
+    fn collect_step(
+        &mut self,
+        envs: &mut [&mut dyn VecEnv],
+        eps: &[f64],
+        read: bool,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if let Some((r, d)) = self.collect_batched(envs, read)? {
+            return Ok((r, d));
+        }
+        let obs: Vec<Tensor> = envs.iter().map(|e| e.observe().ctx(CTX)).collect::<Result<_>>()?;
+        let q = self.q_values(&Tensor::stack(&obs, 0).ctx(CTX)?)?;
+        let (mut rewards, mut dones) = (Vec::new(), Vec::new());
+        for (k, env) in envs.iter_mut().enumerate() {
+            let actions = env.epsilon_greedy(&q.get(k).ctx(CTX)?, eps[k]).ctx(CTX)?;
+            let st = env.step_into_replay(&actions, &mut self.replays[k]).ctx(CTX)?;
+            if read {
+                rewards.push(st.reward);
+                dones.push(st.done);
+            }
+        }
+        if !read {
+            return Ok((None, None));
+        }
+        Ok((Some(Tensor::stack(&rewards, 0).ctx(CTX)?), Some(Tensor::stack(&dones, 0).ctx(CTX)?)))
+    }
+
+    /// [`Self::collect_step`] through [`fx_kernels::cuda::PopDqnCollect`] when every env is a GPU
+    /// env on the population's CUDA device (None otherwise, and nothing ran). Member `k`'s ε
+    /// is its schedule's value at this step, computed on the device as the solo kernels do.
+    #[cfg(feature = "cuda")]
+    fn collect_batched(
+        &mut self,
+        envs: &[&mut dyn VecEnv],
+        read: bool,
+    ) -> Result<Option<(Option<Tensor>, Option<Tensor>)>> {
+        let dev = self.online.device().clone();
+        if !self.batched || !dev.is_cuda() {
+            return Ok(None);
+        }
+        let Some(genvs) = envs.iter().map(|e| e.as_gpu()).collect::<Option<Vec<_>>>() else { return Ok(None) };
+        if genvs.iter().any(|g| !VecEnv::device(*g).same_device(&dev)) {
+            return Ok(None);
+        }
+        let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
+        if !self.collect.as_ref().is_some_and(|c| c.col.fits(&genvs, &self.replays)) {
+            let e = genvs[0].config().num_envs;
+            let n = self.len();
+            let col = fx_kernels::cuda::PopDqnCollect::new(&genvs, &self.replays, &schedules).ctx(CTX)?;
+            let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).ctx(CTX);
+            self.collect = Some(BatchedCollect {
+                col,
+                obs: z(&[n, e, fx_kernels::OBS_DIM])?,
+                reward: z(&[n, e])?,
+                done: z(&[n, e])?,
+            });
+        }
+        let Some(bc) = self.collect.as_mut() else { return Ok(None) };
+        bc.col.set_epsilon(&schedules).ctx(CTX)?;
+        bc.col.observe(&genvs, &self.replays, &bc.obs).ctx(CTX)?;
+        let w: Vec<Tensor> = self.online.vars().iter().map(|v| v.as_tensor().detach()).collect();
+        let q = forward(&w, &bc.obs, self.members[0].precision)
+            .and_then(|q| q.to_dtype(DType::F32))
+            .and_then(|q| q.contiguous())
+            .ctx(CTX)?;
+        bc.col
+            .collect(&genvs, &mut self.replays, &q, self.env_steps, &bc.obs, Some(&bc.reward), Some(&bc.done))
+            .ctx(CTX)?;
+        if !read {
+            return Ok(Some((None, None)));
+        }
+        // Copies: the buffers are rewritten by the next step.
+        Ok(Some((Some(bc.reward.copy().ctx(CTX)?), Some(bc.done.copy().ctx(CTX)?))))
+    }
+
+    /// One minibatch per member and the update on it. On CUDA with the batched collection
+    /// and a captured update, the minibatch is drawn straight into the graph's inputs (one
+    /// launch for all members) before the replay.
+    fn sample_and_update(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let (Some(bc), Some(g)) = (&self.collect, &self.graph) {
+            let (n, b) = (self.len(), self.members[0].batch_size);
+            let i = &g.inputs;
+            let flat = |t: &Tensor, w: usize| if w == 1 { t.reshape(n * b) } else { t.reshape((n * b, w)) };
+            let view = fx_kernels::ReplayBatch {
+                states: flat(&i.obs, fx_kernels::OBS_DIM).ctx(CTX)?,
+                actions: flat(&i.actions, 1).ctx(CTX)?,
+                rewards: flat(&i.rewards, 1).ctx(CTX)?,
+                next_states: flat(&i.next_obs, fx_kernels::OBS_DIM).ctx(CTX)?,
+                dones: flat(&i.dones, 1).ctx(CTX)?,
+            };
+            bc.col.sample(&self.replays, self.sampled, &view).ctx(CTX)?;
+            self.sampled += 1;
+            return g.graph.replay().ctx(CTX);
+        }
+        let batch = self.sample()?;
+        #[cfg(feature = "cuda")]
+        self.capture_for_steps(&batch)?;
+        self.update(&batch)
+    }
+
     /// Q values `[N, R, A]` of stacked states `[N, R, S]` (no graph).
     pub fn q_values(&self, s: &Tensor) -> Result<Tensor> {
         let w: Vec<Tensor> = self.online.vars().iter().map(|v| v.as_tensor().detach()).collect();
@@ -458,6 +571,20 @@ impl DqnPopulation {
     /// solo trainer draws), stacked.
     pub fn sample(&mut self) -> Result<PopBatch> {
         let b = self.members[0].batch_size;
+        #[cfg(feature = "cuda")]
+        if let Some(bc) = &self.collect {
+            let (n, s) = (self.len(), self.members[0].net.state_dim);
+            let out = fx_kernels::ReplayBatch::alloc(n * b, self.online.device(), CTX).ctx(CTX)?;
+            bc.col.sample(&self.replays, self.sampled, &out).ctx(CTX)?;
+            self.sampled += 1;
+            return Ok(PopBatch {
+                obs: out.states.reshape((n, b, s)).ctx(CTX)?,
+                actions: out.actions.reshape((n, b)).ctx(CTX)?,
+                rewards: out.rewards.reshape((n, b)).ctx(CTX)?,
+                next_obs: out.next_states.reshape((n, b, s)).ctx(CTX)?,
+                dones: out.dones.reshape((n, b)).ctx(CTX)?,
+            });
+        }
         let mut parts: [Vec<Tensor>; 5] = Default::default();
         for (m, replay) in self.members.iter().zip(&self.replays) {
             let s = replay.sample_keyed(b, m.seed, self.sampled).ctx(CTX)?;
@@ -1034,5 +1161,71 @@ pub(crate) mod tests {
             .map(|(a, b)| rel_err(a.as_tensor(), b.as_tensor()))
             .fold(0.0, f64::max);
         assert!(far > 1e-3, "member 1's new settings change its training: {far:.2e} (seed {seed})");
+    }
+
+    /// On CUDA with GPU envs: the member-batched collection and sampling (one launch per
+    /// step for all members, minibatches drawn into the captured update's inputs) train the
+    /// population the per-member path trains over 150 env steps: bit-identical env states,
+    /// replay contents, per-step rewards and episode counts, the same counters, and weights
+    /// within 1e-6 relative (the update kernels are the same on the same minibatches; the
+    /// bound only allows for a reduction that sums in another order between runs).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn batched_collection_trains_as_the_per_member_path() {
+        let Some(dev) = fx_hw::test_gpu("dqn::population::batched_collection_trains_as_the_per_member_path") else {
+            return;
+        };
+        let n = 5;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
+            (0..n)
+                .map(|k| {
+                    let c = ar1_env(4, 32, 400, 3 + k as u64);
+                    let opts = fx_kernels::GpuEnvOptions::default();
+                    fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
+                })
+                .collect()
+        };
+        let (mut fast_envs, mut slow_envs) = (gpu_envs(), gpu_envs());
+        let mut fast = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
+        let mut slow = DqnPopulation::new(cfgs, &dev).unwrap();
+        slow.batched = false;
+        let mut updates = 0;
+        for step in 0..150 {
+            let read = step % 10 == 0;
+            let mut fr: Vec<&mut dyn VecEnv> = fast_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let f = fast.step(&mut fr, read).unwrap();
+            let mut sr: Vec<&mut dyn VecEnv> = slow_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let s = slow.step(&mut sr, read).unwrap();
+            assert!(fast.collect.is_some() && slow.collect.is_none(), "step {step}: the paths taken");
+            assert_eq!(f.mean_reward, s.mean_reward, "step {step}: rewards");
+            assert_eq!(f.episodes_done, s.episodes_done, "step {step}: episodes");
+            assert_eq!((f.replay_len, f.updates_queued), (s.replay_len, s.updates_queued), "step {step}");
+            for (a, b) in f.updates.iter().zip(&s.updates) {
+                assert_eq!(a.skipped, b.skipped, "step {step}: skips");
+            }
+            updates += f.updates.len() + f.updates_queued as usize;
+        }
+        assert!(updates > 100, "{updates} updates");
+        assert!(fast.update_captured() && slow.update_captured());
+        assert_eq!(fast.counters().unwrap(), slow.counters().unwrap());
+        for k in 0..n {
+            assert_eq!(fast_envs[k].state().unwrap(), slow_envs[k].state().unwrap(), "member {k} env state");
+            let (a, b) = (fast.replay(k).unwrap().stored().unwrap(), slow.replay(k).unwrap().stored().unwrap());
+            for (what, x, y) in [
+                ("states", &a.states, &b.states),
+                ("actions", &a.actions, &b.actions),
+                ("rewards", &a.rewards, &b.rewards),
+                ("next_states", &a.next_states, &b.next_states),
+                ("dones", &a.dones, &b.dones),
+            ] {
+                same(x, y, &format!("member {k} replay {what}"));
+            }
+        }
+        for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
+            let e = rel_err(a.as_tensor(), b.as_tensor());
+            eprintln!("batched vs per-member online {i}: rel err {e:.2e}");
+            assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
+        }
     }
 }

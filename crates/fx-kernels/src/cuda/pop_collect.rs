@@ -1,0 +1,364 @@
+//! [`PopDqnCollect`]: DQN collection for a population in one launch per kernel. Member `k`
+//! has its own [`GpuTradingEnv`], [`ReplayBuffer`] and ε ramp; a table on the device holds
+//! each member's addresses and settings (`FxPopMember` in `kernels/env/fx_env.cuh`), and the
+//! member-batched kernels (`fx_pop_observe`, `fx_pop_dqn_experience` in
+//! `kernels/env/env_step.cu`, `fx_pop_replay_sample` in `kernels/env/replay.cu`) take member
+//! `k` from `blockIdx.y`. Per account they run the solo kernels' code (the same device
+//! functions), so member `k`'s states, replay rows and draws are those of
+//! [`GpuTradingEnv::collect_dqn`] and [`ReplayBuffer::sample_keyed`] on its own env and
+//! buffer, bit for bit (device test `pop_collection_equals_the_solo_kernels`).
+//!
+//! Launching per member costs N launches for each of these steps, which dominates a
+//! population's iteration once its update is batched; here it is one.
+//!
+//! The table caches device addresses: the collector keeps clones of the replay tensors
+//! (their memory stays alive) and checks on every call that it is handed the same envs
+//! (their instance ids) and replays (their tensors' ids) it was built on.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, TensorId};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{cuda_device, dev_ptr, driver, GpuTradingEnv, LaunchPlan, PTX_ENV_STEP, PTX_REPLAY};
+use crate::checks::expect_tensor;
+use crate::env::{N_ACTIONS, OBS_DIM};
+use crate::error::{CandleContext, Error, Result};
+use crate::replay::{ReplayBatch, ReplayBuffer};
+use crate::schedule::LinearSchedule;
+use crate::vec_env::VecEnv;
+
+/// Threads per block of the member-batched sampling kernel.
+const SAMPLE_BLOCK: u32 = 256;
+
+/// One member's row of the device table: `FxPopMember` in `kernels/env/fx_env.cuh`, field for
+/// field (pointers as u64; 184 bytes, no padding).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct PopMemberArgs {
+    pub market: u64,
+    pub close: u64,
+    pub seg: u64,
+    pub t: u64,
+    pub pos: u64,
+    pub entry: u64,
+    pub sip: u64,
+    pub ep: u64,
+    pub counter: u64,
+    pub err: u64,
+    pub rb_s: u64,
+    pub rb_a: u64,
+    pub rb_r: u64,
+    pub rb_s2: u64,
+    pub rb_d: u64,
+    pub seed: u64,
+    pub env_offset: u64,
+    pub cost: f64,
+    pub eps_start: f64,
+    pub eps_end: f64,
+    pub eps_steps: u64,
+    pub t_len: u32,
+    pub ep_len: u32,
+    pub n_seg: u32,
+    pub pad: u32,
+}
+
+/// See the module docs.
+pub struct PopDqnCollect {
+    rows: Vec<PopMemberArgs>,
+    table: CudaSlice<u8>,
+    address: u64,
+    envs: Vec<u64>,
+    replays: Vec<TensorId>,
+    /// Keeps every replay's memory alive while the table points at it.
+    _replay_tensors: Vec<[Tensor; 5]>,
+    num_envs: usize,
+    capacity: usize,
+    device: Device,
+    stream: Arc<CudaStream>,
+    plan: LaunchPlan,
+    k_observe: CudaFunction,
+    k_experience: CudaFunction,
+    k_sample: CudaFunction,
+}
+
+impl std::fmt::Debug for PopDqnCollect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PopDqnCollect").field("members", &self.rows.len()).field("num_envs", &self.num_envs).finish()
+    }
+}
+
+impl PopDqnCollect {
+    /// The table for members `envs[k]`, `replays[k]`, `epsilon[k]` (one of each per member,
+    /// every env with the same number of accounts, at most the replays' common capacity,
+    /// all on one CUDA device).
+    pub fn new(envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], epsilon: &[LinearSchedule]) -> Result<Self> {
+        const CTX: &str = "PopDqnCollect::new";
+        let n = envs.len();
+        if n == 0 || replays.len() != n || epsilon.len() != n || n > u16::MAX as usize {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!(
+                    "need one env, replay and ε schedule per member (1..=65535 members), got {n}, {}, {}",
+                    replays.len(),
+                    epsilon.len()
+                ),
+            });
+        }
+        let device = VecEnv::device(envs[0]).clone();
+        let cdev = cuda_device(&device, "envs", CTX)?;
+        let stream = cdev.cuda_stream();
+        let (num_envs, capacity) = (envs[0].config().num_envs, replays[0].capacity());
+        let mut rows = Vec::with_capacity(n);
+        for (k, ((env, replay), eps)) in envs.iter().zip(replays).zip(epsilon).enumerate() {
+            if env.config().num_envs != num_envs || replay.capacity() != capacity || num_envs > capacity {
+                return Err(Error::Config {
+                    context: CTX,
+                    message: format!(
+                        "member {k}: {} accounts and replay capacity {} (every member needs {num_envs} accounts, \
+                         capacity {capacity}, accounts at most the capacity)",
+                        env.config().num_envs,
+                        replay.capacity()
+                    ),
+                });
+            }
+            if !VecEnv::device(*env).same_device(&device) || !replay.device().same_device(&device) {
+                return Err(Error::Device {
+                    what: "member env or replay",
+                    expected: "the first env's device".into(),
+                    context: CTX,
+                });
+            }
+            let p = |t: &Tensor, what| dev_ptr::<f32>(t, &stream, what, CTX);
+            let mut row = env.member_args();
+            row.rb_s = p(&replay.states, "replay.states")?;
+            row.rb_a = dev_ptr::<u32>(&replay.actions, &stream, "replay.actions", CTX)?;
+            row.rb_r = p(&replay.rewards, "replay.rewards")?;
+            row.rb_s2 = p(&replay.next_states, "replay.next_states")?;
+            row.rb_d = p(&replay.dones, "replay.dones")?;
+            (row.eps_start, row.eps_end, row.eps_steps) = (eps.start, eps.end, eps.steps);
+            rows.push(row);
+        }
+        let table = stream.clone_htod(bytemuck::cast_slice::<_, u8>(&rows)).map_err(driver(CTX))?;
+        let address = {
+            let (p, _record) = table.device_ptr(&stream);
+            p
+        };
+        let load = |name: &str, module: &str, ptx: &str| -> Result<CudaFunction> {
+            Ok(cdev.get_or_load_custom_func(name, module, ptx).ctx(CTX)?.into_cuda_function())
+        };
+        let k_experience = load("fx_pop_dqn_experience", "fx_env_step", PTX_ENV_STEP)?;
+        let plan = LaunchPlan::for_function(&k_experience, cdev, None, CTX)?;
+        Ok(Self {
+            envs: envs.iter().map(|e| e.instance_id()).collect(),
+            replays: replays.iter().map(|r| r.states.id()).collect(),
+            _replay_tensors: replays
+                .iter()
+                .map(|r| {
+                    [r.states.clone(), r.actions.clone(), r.rewards.clone(), r.next_states.clone(), r.dones.clone()]
+                })
+                .collect(),
+            rows,
+            table,
+            address,
+            num_envs,
+            capacity,
+            k_observe: load("fx_pop_observe", "fx_env_step", PTX_ENV_STEP)?,
+            k_sample: load("fx_pop_replay_sample", "fx_replay", PTX_REPLAY)?,
+            k_experience,
+            plan,
+            device,
+            stream,
+        })
+    }
+
+    /// Members.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Never true (a collector has at least one member).
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Whether the table was built on these envs and replays, in this order.
+    pub fn fits(&self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer]) -> bool {
+        envs.len() == self.envs.len()
+            && replays.len() == self.replays.len()
+            && envs.iter().zip(&self.envs).all(|(e, &id)| e.instance_id() == id)
+            && replays.iter().zip(&self.replays).all(|(r, &id)| r.states.id() == id)
+    }
+
+    fn check(&self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], ctx: &'static str) -> Result<()> {
+        if self.fits(envs, replays) {
+            return Ok(());
+        }
+        Err(Error::Config {
+            context: ctx,
+            message: "envs or replays differ from those the collector was built on".into(),
+        })
+    }
+
+    /// Puts each member's ε ramp in the table where it changed (a PBT move or new settings).
+    pub fn set_epsilon(&mut self, epsilon: &[LinearSchedule]) -> Result<()> {
+        const CTX: &str = "PopDqnCollect::set_epsilon";
+        if epsilon.len() != self.rows.len() {
+            return Err(Error::shape(
+                "epsilon",
+                CTX,
+                format!("{} schedules", self.rows.len()),
+                epsilon.len().to_string(),
+            ));
+        }
+        let mut changed = false;
+        for (row, e) in self.rows.iter_mut().zip(epsilon) {
+            if (row.eps_start, row.eps_end, row.eps_steps) != (e.start, e.end, e.steps) {
+                (row.eps_start, row.eps_end, row.eps_steps) = (e.start, e.end, e.steps);
+                changed = true;
+            }
+        }
+        if changed {
+            // In place: the table keeps its address (a captured graph may hold it).
+            self.stream.memcpy_htod(bytemuck::cast_slice::<_, u8>(&self.rows), &mut self.table).map_err(driver(CTX))?;
+        }
+        Ok(())
+    }
+
+    /// The launch over `N` members of `n` threads' work each: the solo plan's block for
+    /// `n`, and blocks in x up to the plan's grid bound shared among the members.
+    fn config(&self, n: usize) -> LaunchConfig {
+        let mut cfg = self.plan.config(n);
+        let members = self.rows.len() as u32;
+        cfg.grid_dim.0 = cfg.grid_dim.0.min((self.plan.max_grid / members).max(1));
+        cfg.grid_dim.1 = members;
+        cfg
+    }
+
+    fn rows_arg(&self, t: &Tensor, what: &'static str, width: usize, ctx: &'static str) -> Result<u64> {
+        let (n, e) = (self.rows.len(), self.num_envs);
+        let shape: Vec<usize> = if width == 1 { vec![n, e] } else { vec![n, e, width] };
+        expect_tensor(t, what, ctx, &shape, DType::F32, &self.device)?;
+        if !t.is_contiguous() {
+            return Err(Error::shape(what, ctx, "a contiguous tensor", "a strided view"));
+        }
+        dev_ptr::<f32>(t, &self.stream, what, ctx)
+    }
+
+    /// Every member's current states into `obs` (`[N, E, 56]` f32, contiguous).
+    pub fn observe(&self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], obs: &Tensor) -> Result<()> {
+        const CTX: &str = "PopDqnCollect::observe";
+        self.check(envs, replays, CTX)?;
+        let p_obs = self.rows_arg(obs, "obs", OBS_DIM, CTX)?;
+        let e32 = self.num_envs as u32;
+        let mut b = self.stream.launch_builder(&self.k_observe);
+        b.arg(&self.address).arg(&e32).arg(&p_obs);
+        // SAFETY: arguments match fx_pop_observe; the table's rows point at live env buffers
+        // of E accounts (checked above), obs holds N·E·56 f32.
+        unsafe { b.launch(self.config(self.num_envs)) }.map_err(driver(CTX))?;
+        Ok(())
+    }
+
+    /// One ε-greedy environment step of every member from Q-values `q` (`[N, E, 3]` f32,
+    /// contiguous) at environment step `env_step` (member `k`'s ε is its ramp's value
+    /// there), `(s, a, r, s', done)` written into each member's replay at its ring position
+    /// (the replays' host counters move on), the post-reset states into `obs` (`[N, E, 56]`)
+    /// and, when given, rewards and done flags into `reward` and `done` (`[N, E]`).
+    #[allow(clippy::too_many_arguments)] // the kernel's buffers, each checked here
+    pub fn collect(
+        &self,
+        envs: &[&GpuTradingEnv],
+        replays: &mut [ReplayBuffer],
+        q: &Tensor,
+        env_step: u64,
+        obs: &Tensor,
+        reward: Option<&Tensor>,
+        done: Option<&Tensor>,
+    ) -> Result<()> {
+        const CTX: &str = "PopDqnCollect::collect";
+        self.check(envs, replays, CTX)?;
+        let (pos, len) = (replays[0].position(), replays[0].len());
+        if replays.iter().any(|r| r.position() != pos || r.len() != len) {
+            return Err(Error::Config { context: CTX, message: "member replays at different ring positions".into() });
+        }
+        self.launch_experience(q, env_step, pos as u64, obs, reward, done, CTX)?;
+        for r in replays.iter_mut() {
+            r.advance(self.num_envs);
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_experience(
+        &self,
+        q: &Tensor,
+        env_step: u64,
+        ring_pos: u64,
+        obs: &Tensor,
+        reward: Option<&Tensor>,
+        done: Option<&Tensor>,
+        ctx: &'static str,
+    ) -> Result<()> {
+        let p_q = self.rows_arg(q, "q", N_ACTIONS, ctx)?;
+        let p_obs = self.rows_arg(obs, "obs", OBS_DIM, ctx)?;
+        let opt = |t: Option<&Tensor>, what| t.map_or(Ok(0u64), |t| self.rows_arg(t, what, 1, ctx));
+        let (p_r, p_d) = (opt(reward, "reward")?, opt(done, "done")?);
+        let (e32, cap) = (self.num_envs as u32, self.capacity as u64);
+        let mut b = self.stream.launch_builder(&self.k_experience);
+        b.arg(&self.address).arg(&e32).arg(&cap).arg(&p_q).arg(&env_step).arg(&ring_pos);
+        b.arg(&p_obs).arg(&p_r).arg(&p_d);
+        // SAFETY: arguments match fx_pop_dqn_experience; the table's rows point at live env
+        // and replay buffers (E accounts, E <= capacity, ring position < capacity); q, obs,
+        // reward and done hold N·E rows of their widths.
+        unsafe { b.launch(self.config(self.num_envs)) }.map_err(driver(ctx))?;
+        Ok(())
+    }
+
+    /// One minibatch of `B` rows per member into `out` (`N·B` rows: member `k`'s are rows
+    /// `k·B..(k+1)·B`), member `k`'s drawn from its replay with its seed at `key`, as
+    /// [`ReplayBuffer::sample_keyed`]`(B, seed_k, key)` draws them.
+    pub fn sample(&self, replays: &[ReplayBuffer], key: u64, out: &ReplayBatch) -> Result<()> {
+        const CTX: &str = "PopDqnCollect::sample";
+        if replays.len() != self.replays.len() || replays.iter().zip(&self.replays).any(|(r, &id)| r.states.id() != id)
+        {
+            return Err(Error::Config {
+                context: CTX,
+                message: "replays differ from those the collector was built on".into(),
+            });
+        }
+        let len = replays[0].len() as u64;
+        if replays.iter().any(|r| r.len() as u64 != len) {
+            return Err(Error::Config { context: CTX, message: "member replays of different lengths".into() });
+        }
+        self.launch_sample(len, key, out, CTX)
+    }
+
+    fn launch_sample(&self, len: u64, key: u64, out: &ReplayBatch, ctx: &'static str) -> Result<()> {
+        let n = self.rows.len();
+        let rows = out.actions.dims().first().copied().unwrap_or(0);
+        let b = rows / n;
+        if b == 0 || b * n != rows || b > u32::MAX as usize {
+            return Err(Error::shape("out", ctx, format!("a multiple of {n} rows"), format!("{rows} rows")));
+        }
+        out.check(rows, &self.device, ctx)?;
+        let s = &self.stream;
+        let p = |t: &Tensor, what| dev_ptr::<f32>(t, s, what, ctx);
+        let (os, or, os2, od) = (
+            p(&out.states, "states")?,
+            p(&out.rewards, "rewards")?,
+            p(&out.next_states, "next_states")?,
+            p(&out.dones, "dones")?,
+        );
+        let oa = dev_ptr::<u32>(&out.actions, s, "actions", ctx)?;
+        let (stream_id, b32) = (crate::rng::STREAM_REPLAY, b as u32);
+        let mut l = s.launch_builder(&self.k_sample);
+        l.arg(&self.address).arg(&len).arg(&key).arg(&stream_id).arg(&b32);
+        l.arg(&os).arg(&oa).arg(&or).arg(&os2).arg(&od);
+        let grid = (b * OBS_DIM).div_ceil(SAMPLE_BLOCK as usize).clamp(1, 1024) as u32;
+        let cfg = LaunchConfig { grid_dim: (grid, n as u32, 1), block_dim: (SAMPLE_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: arguments match fx_pop_replay_sample; out was checked to hold N·B rows of
+        // the replay layout; every member's indices stay below its length (≤ capacity).
+        unsafe { l.launch(cfg) }.map_err(driver(ctx))?;
+        Ok(())
+    }
+}
