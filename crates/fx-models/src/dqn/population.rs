@@ -17,6 +17,13 @@
 //! the update reads nothing back and runs unchanged inside a CUDA graph
 //! ([`DqnPopulation::capture_update`]).
 //!
+//! Collection: on CUDA, when every member's env is a [`fx_kernels::GpuTradingEnv`],
+//! [`DqnPopulation::step`] observes, steps (ε-greedy on the batched Q forward, each member's ε
+//! from its own ramp) and writes every member's replay in one launch each
+//! (`fx_kernels::cuda::PopDqnCollect`), and draws all members' minibatches in one launch,
+//! straight into the captured update's inputs; a launch per member otherwise. The kernels are
+//! the solo ones batched, so the two paths store the same transitions bit for bit.
+//!
 //! Member `k` of a population is the solo [`DqnTrainer`](crate::DqnTrainer) run with member
 //! `k`'s config: every operation is the solo one, batched over a leading axis, in the same
 //! order, so on the CPU the weights, moments, replay contents and statistics are the same

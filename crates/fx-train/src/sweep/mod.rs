@@ -6,7 +6,8 @@
 //! config, checkpoint and report, so `eval`, `quantize` and `--resume` work on them, and the
 //! test split is scored there, for those trials only).
 //!
-//! The sweep file: `trials`, `seed` (the sampler's), `sampler` (`grid`, `random`, `sobol`),
+//! The sweep file: `trials`, `seed` (the sampler's), `sampler` (`grid`, `random`, `sobol`,
+//! `tpe`),
 //! `best` (how many trials get run folders), `[run]` (a run config, the `train --config`
 //! format: every trial's base) and `[space]` (dotted run-config keys, each
 //! `{ choice = [...] }`, `{ uniform = [lo, hi] }`, `{ log_uniform = [lo, hi] }` or
@@ -17,6 +18,12 @@
 //! the device holds (`fx_hw::HardwareBudget::population_size` from the member's estimated
 //! memory, or `members`, or `FX_POPULATION`) trains in waves. A member is its solo run, so a
 //! trial's result does not depend on its wave.
+//!
+//! `sampler = "tpe"` with `[tpe]` (`startup`, default 16; `batch`, default `startup`;
+//! `explore`, default 0.2) runs the trials in rounds ([`tpe`]): the first `startup` on Sobol
+//! points, each later round of `batch` proposed by the tree-structured Parzen estimator from
+//! every finished trial's validation Sharpe (`explore` of it drawn uniformly). A round trains as one population (in waves if the device needs them);
+//! a restart recomputes the same proposals from the same rows. Not sharded, not with `[pbt]`.
 //!
 //! `[pbt]` (`every`, `quantile`, `factors`; DQN) makes each wave a population-based training
 //! run ([`pbt`]): every `every` env steps the bottom members continue from copies of the top
@@ -47,6 +54,7 @@
 
 mod pbt;
 mod space;
+mod tpe;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -66,6 +74,7 @@ use crate::lifecycle::Outcome;
 use crate::train_env::TrainEnv;
 pub use pbt::{PbtConfig, PbtEvent};
 pub use space::{Dim, Sampler};
+pub use tpe::TpeConfig;
 
 /// Flags of `fx-train sweep`.
 #[derive(Debug, Args)]
@@ -136,6 +145,9 @@ pub struct SweepConfig {
     /// Population-based training of each DQN wave (none: every trial trains as it started).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pbt: Option<PbtConfig>,
+    /// The TPE sampler's rounds (`sampler = "tpe"`; none: its defaults).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpe: Option<TpeConfig>,
 }
 
 fn one() -> usize {
@@ -275,11 +287,9 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         bail!("sweep file {}: members must be at least 1", config.display());
     }
     let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
-    let points = space::sample(&space, spec.sampler, spec.trials, spec.seed)?;
-    if points.is_empty() {
-        bail!("the sweep has no trials");
+    if spec.tpe.is_some() && spec.sampler != Sampler::Tpe {
+        bail!("sweep file {}: a [tpe] section needs sampler = \"tpe\"", config.display());
     }
-    let mut cfgs = trial_configs(&spec, &points)?;
     let base = RunConfig::from_toml_str(&toml::to_string(&spec.run)?, "the sweep's [run]")?.resolve()?;
     if !matches!(base.model, ModelChoice::Dqn | ModelChoice::Ppo) {
         bail!(
@@ -288,6 +298,14 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         );
     }
     let shard = shard_of(args.shard.as_deref(), spec.shards, &|k| std::env::var(k).ok())?;
+    if spec.sampler == Sampler::Tpe {
+        return run_tpe(&spec, &space, &base, config, out, shard.is_some(), stop);
+    }
+    let points = space::sample(&space, spec.sampler, spec.trials, spec.seed)?;
+    if points.is_empty() {
+        bail!("the sweep has no trials");
+    }
+    let mut cfgs = trial_configs(&spec, &points)?;
     let pbt_keys = spec.pbt.as_ref().map(|p| p.check(&space)).transpose()?;
     if pbt_keys.is_some() {
         if base.model != ModelChoice::Dqn {
@@ -386,6 +404,135 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     let best = if shard.is_some() { 0 } else { spec.best };
     let extra = json!({"populations": populations, "shard": shard.map(|(i, n)| format!("{i}/{n}"))});
     finish(&spec, &cfgs, &rows, out, best, extra)
+}
+
+/// A sweep with `sampler = "tpe"`: its rounds ([`TpeConfig::rounds`]) one after another,
+/// round 0 on Sobol points and each later one proposed by [`tpe::suggest`] from every
+/// earlier trial's validation Sharpe; each round trains as [`run_with`]'s trials do (waves,
+/// rows written per wave). A restart recomputes the same points from the same rows, so it
+/// goes on where it stopped. Not sharded (a round needs every earlier trial) and not with
+/// `[pbt]` (both would choose the trials' settings).
+fn run_tpe(
+    spec: &SweepConfig,
+    space: &[(String, Dim)],
+    base: &RunConfig,
+    config: &Path,
+    out: &Path,
+    sharded: bool,
+    stop: &mut dyn FnMut() -> bool,
+) -> Result<Outcome> {
+    let file = config.display();
+    let Some(total) = spec.trials.filter(|&n| n > 0) else {
+        bail!("sweep file {file}: sampler = \"tpe\" needs trials = N (at least 1)")
+    };
+    if spec.pbt.is_some() {
+        bail!("sweep file {file}: sampler = \"tpe\" and [pbt] both choose the trials' settings; use one of them");
+    }
+    if sharded {
+        bail!("sweep file {file}: a TPE sweep proposes each round from every finished trial and is not sharded");
+    }
+    for (k, d) in space {
+        d.validate(k)?;
+    }
+    let tcfg = spec.tpe.clone().unwrap_or_default();
+    if tcfg.startup == 0 || tcfg.batch == Some(0) {
+        bail!("sweep file {file}: [tpe] startup and batch must be at least 1");
+    }
+    if !(0.0..=1.0).contains(&tcfg.explore) {
+        bail!("sweep file {file}: [tpe] explore = {} is not a share in [0, 1]", tcfg.explore);
+    }
+    let rounds = tcfg.rounds(total);
+    let dims: Vec<Dim> = space.iter().map(|(_, d)| d.clone()).collect();
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let _lock = crate::run_dir::lock_folder(out)?;
+    let rows_path = out.join("trials.jsonl");
+    let mut done: BTreeMap<usize, TrialRow> = BTreeMap::new();
+    for r in read_rows(&rows_path)?.unwrap_or_default() {
+        if r.trial >= total {
+            bail!(
+                "{}: trial {} is not one of this sweep's {total} trials (another sweep file or --trials?); use another --out",
+                rows_path.display(),
+                r.trial
+            );
+        }
+        done.insert(r.trial, r);
+    }
+    crate::run_dir::write_atomic(&out.join("sweep.toml"), toml::to_string(spec)?.as_bytes())?;
+    if !rows_path.exists() {
+        write_rows(out, &[])?;
+    }
+    let pop_path = out.join("population.json");
+    let mut pop_doc: Vec<serde_json::Value> = match fx_data::files::read_regular_to_string(&pop_path, u64::MAX) {
+        Ok(text) => serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|d| d["waves"].as_array().cloned())
+            .unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    let mut units = space::units(space, Sampler::Tpe, rounds[0].len(), spec.seed)?;
+    let (mut points, mut cfgs): (Vec<space::Point>, Vec<RunConfig>) = (Vec::new(), Vec::new());
+    let mut populations = Vec::new();
+    for (r, range) in rounds.iter().enumerate() {
+        if r > 0 {
+            let history: Vec<tpe::Observed> = (0..range.start)
+                .map(|t| tpe::Observed { u: units[t].clone(), objective: done[&t].val_sharpe })
+                .collect();
+            units.extend(tpe::suggest(&dims, &history, range.len(), tcfg.explore, spec.seed, r as u64));
+            println!(
+                "sweep: TPE round {r}: trials {}..{} proposed from the {} before them",
+                range.start, range.end, range.start
+            );
+        }
+        for t in range.clone() {
+            points.push(space::point_at(space, &units[t]));
+            cfgs.push(point_config(spec, &points[t], t)?);
+        }
+        on_base_market(&mut cfgs[range.clone()], base);
+        let params = |k: usize| -> BTreeMap<String, serde_json::Value> {
+            points[k].iter().map(|(key, v)| (key.clone(), toml_to_json(v))).collect()
+        };
+        for t in range.clone() {
+            if done.get(&t).is_some_and(|row| row.params != params(t)) {
+                bail!(
+                    "{}: trial {t} is not this sweep's (another sweep file or seed?); use another --out",
+                    rows_path.display()
+                );
+            }
+        }
+        let trials: Vec<usize> = range.clone().collect();
+        let waves = plan_waves(base, &cfgs, &trials, spec.members)?;
+        populations.extend(waves.iter().map(|w| w.trials.len()));
+        for wave in &waves {
+            let todo: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
+            if todo.is_empty() {
+                continue;
+            }
+            let Some((rows, mut summary)) = train_population(base, &cfgs, &todo, &params, out, None, stop)? else {
+                println!(
+                    "sweep interrupted: {} of {total} trials done (finished waves are kept); run the same command to go on",
+                    done.len()
+                );
+                return Ok(Outcome::Interrupted);
+            };
+            for row in rows {
+                done.insert(row.trial, row);
+            }
+            write_rows(out, &done.values().cloned().collect::<Vec<_>>())?;
+            summary["trials"] = json!(todo);
+            summary["members_source"] = json!(wave.source);
+            summary["tpe_round"] = json!(r);
+            pop_doc.push(summary);
+            let doc = json!({"waves": pop_doc});
+            crate::run_dir::write_atomic(&pop_path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
+        }
+    }
+    let rows: Vec<TrialRow> = done.into_values().collect();
+    let extra = json!({
+        "populations": populations,
+        "shard": null,
+        "tpe": {"startup": rounds[0].len(), "batch": tcfg.batch.unwrap_or(tcfg.startup), "rounds": rounds.len()},
+    });
+    finish(spec, &cfgs, &rows, out, spec.best, extra)
 }
 
 /// The leaderboard of `rows` (printed), the best `best` trials trained again as ordinary
@@ -548,8 +695,8 @@ fn report(dirs: &[PathBuf], out: Option<&Path>) -> Result<Outcome> {
         Ok((spec, key))
     };
     let (spec, text) = spec_of(&dirs[0])?;
-    if spec.pbt.is_some() {
-        bail!("{}: a [pbt] sweep is not sharded, so there is nothing to merge", dirs[0].display());
+    if spec.pbt.is_some() || spec.sampler == Sampler::Tpe {
+        bail!("{}: a [pbt] or TPE sweep is not sharded, so there is nothing to merge", dirs[0].display());
     }
     let mut rows: BTreeMap<usize, TrialRow> = BTreeMap::new();
     for d in dirs {
@@ -1015,6 +1162,7 @@ mod tests {
             run: t,
             space: BTreeMap::new(),
             pbt: None,
+            tpe: None,
         };
         let cfgs = trial_configs(&spec, &[vec![("dqn.gama".into(), toml::Value::Float(0.9))]]);
         let e = format!("{:#}", cfgs.unwrap_err());
@@ -1118,6 +1266,73 @@ n_actions = 3
         let other = SweepArgs { trials: Some(3), ..tiny_sweep(dir.path(), 2) };
         let e = format!("{:#}", run_with(&other, &mut || false).unwrap_err());
         assert!(e.contains("trials.jsonl") && e.contains("trial"), "{e}");
+    }
+
+    /// A TPE sweep of 6 trials in rounds of 3: round 0 on Sobol points, round 1 proposed
+    /// from round 0's Sharpe (not the Sobol sequence's next points); stopped in round 1 and
+    /// run again, it trains only round 1 and ends with the uninterrupted sweep's rows.
+    #[test]
+    fn tpe_sweep_proposes_rounds_and_resumes_to_the_same_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let tpe_args = |out: &str| {
+            let a = tiny_sweep_with(dir.path(), 3, "[tpe]\nstartup = 3\nbatch = 3\n", "tpe.in.toml");
+            let path = a.config.clone().unwrap();
+            let text = std::fs::read_to_string(&path).unwrap();
+            std::fs::write(
+                &path,
+                text.replace("sampler = \"sobol\"", "sampler = \"tpe\"").replace("trials = 4", "trials = 6"),
+            )
+            .unwrap();
+            SweepArgs { out: Some(dir.path().join(out)), ..a }
+        };
+        let whole = tpe_args("whole");
+        assert!(matches!(run_with(&whole, &mut || false).unwrap(), Outcome::Finished));
+        let want = std::fs::read_to_string(whole.out.as_ref().unwrap().join("trials.jsonl")).unwrap();
+        let rows: Vec<TrialRow> = want.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(rows.len(), 6);
+        let spec = SweepConfig::from_file(whole.config.as_ref().unwrap()).unwrap();
+        let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
+        let sobol = space::units(&space, Sampler::Sobol, 6, spec.seed).unwrap();
+        let json_of = |u: &[f64]| -> BTreeMap<String, serde_json::Value> {
+            space::point_at(&space, u).iter().map(|(k, v)| (k.clone(), toml_to_json(v))).collect()
+        };
+        for t in 0..3 {
+            assert_eq!(rows[t].params, json_of(&sobol[t]), "round 0 is Sobol's");
+        }
+        assert!((3..6).any(|t| rows[t].params != json_of(&sobol[t])), "round 1 is TPE's");
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(whole.out.as_ref().unwrap().join("sweep.json")).unwrap())
+                .unwrap();
+        assert_eq!(doc["tpe"]["rounds"], 2, "{doc}");
+
+        let stopped = tpe_args("stopped");
+        let mut calls = 0;
+        let mut stop_in_round_1 = || {
+            calls += 1;
+            calls == 25
+        };
+        assert!(matches!(run_with(&stopped, &mut stop_in_round_1).unwrap(), Outcome::Interrupted));
+        let mut calls = 0;
+        let mut count = || {
+            calls += 1;
+            false
+        };
+        assert!(matches!(run_with(&stopped, &mut count).unwrap(), Outcome::Finished));
+        assert_eq!(calls, 24, "only round 1 trains again");
+        assert_eq!(std::fs::read_to_string(stopped.out.as_ref().unwrap().join("trials.jsonl")).unwrap(), want);
+        // TPE with [pbt] or shards is refused, and a [tpe] section without the sampler.
+        let both = tpe_args("both");
+        let path = both.config.clone().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("{text}[pbt]\nevery = 12\n")).unwrap();
+        let e = format!("{:#}", run_with(&both, &mut || false).unwrap_err());
+        assert!(e.contains("[pbt]") && e.contains("tpe"), "{e}");
+        let sharded = SweepArgs { shard: Some("0/2".into()), ..tpe_args("sharded") };
+        let e = format!("{:#}", run_with(&sharded, &mut || false).unwrap_err());
+        assert!(e.contains("not sharded"), "{e}");
+        let plain = tiny_sweep_with(dir.path(), 3, "[tpe]\nstartup = 3\n", "plain.in.toml");
+        let e = format!("{:#}", run_with(&plain, &mut || false).unwrap_err());
+        assert!(e.contains("[tpe] section needs sampler"), "{e}");
     }
 
     /// Trials of different widths train as separate populations.

@@ -30,6 +30,10 @@ pub enum Sampler {
     Random,
     /// A Sobol sequence (Joe–Kuo direction numbers), its first point (all zeros) skipped.
     Sobol,
+    /// The tree-structured Parzen estimator: Sobol points for the first `[tpe] startup`
+    /// trials, then rounds of `[tpe] batch` trials proposed from every finished trial's
+    /// validation Sharpe (`super::tpe`).
+    Tpe,
 }
 
 /// Counter-based stream of the random sampler's draws (apart from the env's and the init's).
@@ -112,26 +116,34 @@ pub fn sample(space: &[(String, Dim)], sampler: Sampler, trials: Option<usize>, 
         }
         Sampler::Random | Sampler::Sobol => {
             let Some(n) = trials else { bail!("random and sobol samplers need a trial count (trials = N)") };
-            if sampler == Sampler::Sobol && space.len() > sobol::MAX_DIMS {
-                bail!("sobol covers at most {} dimensions; the space has {}", sobol::MAX_DIMS, space.len());
-            }
-            Ok((0..n)
-                .map(|t| {
-                    space
-                        .iter()
-                        .enumerate()
-                        .map(|(j, (k, d))| {
-                            let u = match sampler {
-                                Sampler::Sobol => sobol::point(t as u64 + 1 + seed, j),
-                                _ => fx_kernels::rng::draw(seed, SWEEP_STREAM, t as u64, j as u64),
-                            };
-                            (k.clone(), d.at(u))
-                        })
-                        .collect()
-                })
-                .collect())
+            Ok(units(space, sampler, n, seed)?.iter().map(|u| point_at(space, u)).collect())
         }
+        Sampler::Tpe => bail!("the tpe sampler proposes its points in rounds, from finished trials"),
     }
+}
+
+/// The unit-cube coordinates of `n` random or Sobol points (one `u` in [0, 1) per
+/// dimension; [`point_at`] maps them to values). `Tpe` gives its startup points: Sobol's.
+pub fn units(space: &[(String, Dim)], sampler: Sampler, n: usize, seed: u64) -> Result<Vec<Vec<f64>>> {
+    let sobol = matches!(sampler, Sampler::Sobol | Sampler::Tpe);
+    if sobol && space.len() > sobol::MAX_DIMS {
+        bail!("sobol covers at most {} dimensions; the space has {}", sobol::MAX_DIMS, space.len());
+    }
+    Ok((0..n)
+        .map(|t| {
+            (0..space.len())
+                .map(|j| match sobol {
+                    true => sobol::point(t as u64 + 1 + seed, j),
+                    false => fx_kernels::rng::draw(seed, SWEEP_STREAM, t as u64, j as u64),
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// The point at unit-cube coordinates `u` (one per dimension of `space`).
+pub fn point_at(space: &[(String, Dim)], u: &[f64]) -> Point {
+    space.iter().zip(u).map(|((k, d), &u)| (k.clone(), d.at(u))).collect()
 }
 
 /// The Sobol sequence in base 2 (Bratley–Fox / Joe–Kuo construction, gray-code free:
