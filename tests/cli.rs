@@ -1193,6 +1193,24 @@ fn features_of_a_folder_is_a_panel() {
         ok(&fx_train().args(["features", "--input"]).arg(&long_path).arg("--output").arg(&out2).output().unwrap());
     assert!(text.contains("panel of 3 instruments x 3170 calendar rows"), "{text}");
     assert_eq!(fx_data::Panel::read(&out2).unwrap(), p);
+    // And as pandas writes them to Parquet (long, zstd, timestamp[ns]; fx-data's tests/data),
+    // and as a folder mixing Parquet and CSV bar files.
+    let pq = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fx-data/tests/data");
+    let out3 = dir.path().join("panel3.safetensors");
+    let text = ok(&fx_train()
+        .args(["features", "--input"])
+        .arg(pq.join("stocks_long.parquet"))
+        .arg("--output")
+        .arg(&out3)
+        .output()
+        .unwrap());
+    assert!(text.contains("panel of 3 instruments x 3170 calendar rows"), "{text}");
+    assert_eq!(fx_data::Panel::read(&out3).unwrap(), p);
+    std::fs::remove_file(bars.join("msft_daily_2000_2013.csv")).unwrap();
+    std::fs::copy(pq.join("msft_date32.parquet"), bars.join("msft_daily_2000_2013.parquet")).unwrap();
+    let out4 = dir.path().join("panel4.safetensors");
+    ok(&fx_train().args(["features", "--input"]).arg(&bars).arg("--output").arg(&out4).output().unwrap());
+    assert_eq!(fx_data::Panel::read(&out4).unwrap(), p);
 }
 
 /// The three shipped stocks as a panel folder, IBM missing 40 bars mid-way (its calendar

@@ -520,6 +520,9 @@ fn num<T: std::str::FromStr>(s: &str) -> Option<T> {
     s.parse().ok()
 }
 
+mod parquet_file;
+pub use parquet_file::{is_parquet, read_parquet};
+
 #[cfg(test)]
 mod fuzz_tests;
 

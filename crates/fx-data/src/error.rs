@@ -25,6 +25,16 @@ pub enum Error {
         /// The broken rule, e.g. `timestamps must be strictly increasing`.
         rule: String,
     },
+    /// A row of a Parquet bar file breaks a rule of DATA.md "Input" (its rows have no lines).
+    #[error("{}: row {row}: {rule}", path.display())]
+    Row {
+        /// The input file.
+        path: PathBuf,
+        /// 1-based row over the whole file (across its row groups).
+        row: u64,
+        /// The broken rule.
+        rule: String,
+    },
     /// The input has no more bars than the warm-up consumes.
     #[error("{}: {bars} bars; more than {warmup} are needed (the first {warmup} are the feature warm-up)", path.display())]
     TooFewBars {

@@ -61,6 +61,35 @@ impl FeatureTable {
         Self::from_bars_at_lines(&bars, &lines, path, &source)
     }
 
+    /// Reads a Parquet bar file of one instrument (see [`crate::bars::read_parquet`]) and
+    /// computes its features; a non-finite feature is reported at its bar's row. A file whose
+    /// symbol column names several instruments is a panel ([`crate::Panel::from_parquet`]).
+    pub fn from_parquet(path: &Path) -> Result<Self, Error> {
+        let mut all = crate::bars::read_parquet(path)?;
+        if all.len() > 1 {
+            return Err(Error::format(
+                path,
+                format!(
+                    "holds {} instruments ({}, ...): a long-format file is a panel, not one instrument's bars",
+                    all.len(),
+                    crate::error::one_line(&all[0].0)
+                ),
+            ));
+        }
+        let (_, bars, rows) = all.remove(0);
+        let source = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        Self::from_bars_at_lines(&bars, &rows, path, &source).map_err(lines_are_rows)
+    }
+
+    /// [`Self::from_csv`] or [`Self::from_parquet`] by the file's extension.
+    pub fn from_bar_file(path: &Path) -> Result<Self, Error> {
+        if crate::bars::is_parquet(path) {
+            Self::from_parquet(path)
+        } else {
+            Self::from_csv(path)
+        }
+    }
+
     /// The features of `bars` read from `path` at `lines` (each bar's line in the file): a
     /// non-finite feature is reported at the line of the first bar whose row holds it.
     pub(crate) fn from_bars_at_lines(bars: &Bars, lines: &[u64], path: &Path, source: &str) -> Result<Self, Error> {
@@ -198,6 +227,14 @@ impl View for Raw<'_> {
     }
 }
 
+/// An error at a "line" of a Parquet file's bars (its rows, counted as lines were) as a row.
+pub(crate) fn lines_are_rows(e: Error) -> Error {
+    match e {
+        Error::Input { path, line, rule } => Error::Row { path, row: line, rule },
+        other => other,
+    }
+}
+
 /// What [`build_feature_file`] did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FeatureFileSummary {
@@ -215,10 +252,10 @@ pub struct FeatureFileSummary {
     pub last_timestamp: i64,
 }
 
-/// Reads OHLCV bars from `input_csv`, computes the features and writes the
-/// feature file to `output` atomically (what `fx-train features` runs).
-pub fn build_feature_file(input_csv: &Path, output: &Path) -> Result<FeatureFileSummary, Error> {
-    let table = FeatureTable::from_csv(input_csv)?;
+/// Reads OHLCV bars from `input` (a CSV, or Parquet by its extension), computes the
+/// features and writes the feature file to `output` atomically (what `fx-train features` runs).
+pub fn build_feature_file(input: &Path, output: &Path) -> Result<FeatureFileSummary, Error> {
+    let table = FeatureTable::from_bar_file(input)?;
     table.write(output)?;
     Ok(FeatureFileSummary {
         output: output.to_path_buf(),

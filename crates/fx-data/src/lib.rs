@@ -1,5 +1,5 @@
 //! fx-data is the data layer of fx: it reads users' OHLCV bars (strictly
-//! validated CSV), computes the 51 market and 4 calendar features of
+//! validated CSV or Parquet, one instrument or many), computes the 51 market and 4 calendar features of
 //! `spec/DATA.md` in f64, writes and memory-maps safetensors feature files,
 //! generates a seeded synthetic market for the default run, normalises and
 //! splits the rows chronologically, and feeds training through seeded

@@ -110,22 +110,47 @@ impl Panel {
         })
     }
 
-    /// Reads every `*.csv` in `dir` (an instrument each, by file stem, in name order) and
-    /// builds the panel; a bad file's error names it, its line and rule as for one instrument.
+    /// Reads every `*.csv` and `*.parquet` (`*.pq`) in `dir` (an instrument each, by file
+    /// stem, in name order) and builds the panel; a bad file's error names it, its line (or
+    /// row) and rule as for one instrument. Two files of one stem are refused.
     pub fn from_csv_dir(dir: &Path) -> Result<Self, Error> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
             .map_err(|e| Error::io(dir, e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")))
+            .filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) || crate::bars::is_parquet(p))
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(Error::format(dir, "holds no .csv bar files"));
+            return Err(Error::format(dir, "holds no .csv or .parquet bar files"));
         }
-        let mut tables = Vec::with_capacity(files.len());
+        let mut tables: Vec<(String, FeatureTable)> = Vec::with_capacity(files.len());
         for p in &files {
             let name = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            tables.push((name, FeatureTable::from_csv(p)?));
+            if tables.iter().any(|(n, _)| *n == name) {
+                return Err(Error::format(p, format!("a second bar file of instrument `{name}` in {}", dir.display())));
+            }
+            tables.push((name, FeatureTable::from_bar_file(p)?));
+        }
+        Self::from_tables(tables)
+    }
+
+    /// Reads a Parquet bar file with a symbol column (long format; see
+    /// [`crate::bars::read_parquet`]) and builds the panel, instruments by name; a bad row's
+    /// error names the file, its row, the instrument and the rule.
+    pub fn from_parquet(path: &Path) -> Result<Self, Error> {
+        Self::from_instrument_bars(path, crate::bars::read_parquet(path)?).map_err(crate::feature_file::lines_are_rows)
+    }
+
+    /// Features per instrument of bars read from `path` (each bar's line, or row), then the panel.
+    fn from_instrument_bars(path: &Path, instruments: Vec<(String, crate::Bars, Vec<u64>)>) -> Result<Self, Error> {
+        let mut tables = Vec::new();
+        for (name, bars, lines) in instruments {
+            let source = format!("{}:{name}", path.file_name().map(|s| s.to_string_lossy()).unwrap_or_default());
+            let t = FeatureTable::from_bars_at_lines(&bars, &lines, path, &source).map_err(|e| match e {
+                Error::Input { path, line, rule } => Error::Input { path, line, rule: format!("{name}: {rule}") },
+                other => other,
+            })?;
+            tables.push((name, t));
         }
         Self::from_tables(tables)
     }
@@ -136,16 +161,7 @@ impl Panel {
     /// instrument's features are its own bars' (as [`Self::from_csv_dir`] with one file per
     /// instrument gives); a bad row's error names the file, its line, the instrument and the rule.
     pub fn from_long_csv(path: &Path) -> Result<Self, Error> {
-        let mut tables = Vec::new();
-        for (name, bars, lines) in crate::bars::read_long_csv(path)? {
-            let source = format!("{}:{name}", path.file_name().map(|s| s.to_string_lossy()).unwrap_or_default());
-            let t = FeatureTable::from_bars_at_lines(&bars, &lines, path, &source).map_err(|e| match e {
-                Error::Input { path, line, rule } => Error::Input { path, line, rule: format!("{name}: {rule}") },
-                other => other,
-            })?;
-            tables.push((name, t));
-        }
-        Self::from_tables(tables)
+        Self::from_instrument_bars(path, crate::bars::read_long_csv(path)?)
     }
 
     /// One normaliser per instrument, fitted on the calendar rows `train` only (DATA.md:
@@ -278,11 +294,19 @@ impl Panel {
 
 impl Panel {
     /// Reads whatever `path` holds as a panel: a folder of per-instrument bar files, a
-    /// long-format CSV, or a panel file (`fx-panel/1`). `None` when it is one instrument's
-    /// data (a bar CSV of one symbol, or a feature file).
+    /// long-format CSV or Parquet file, or a panel file (`fx-panel/1`). `None` when it is one
+    /// instrument's data (a bar file of one symbol, or a feature file).
     pub fn load(path: &Path) -> Result<Option<Self>, Error> {
         if path.is_dir() {
             return Self::from_csv_dir(path).map(Some);
+        }
+        if crate::bars::is_parquet(path) {
+            let all = crate::bars::read_parquet(path)?;
+            return if all.len() > 1 {
+                Self::from_instrument_bars(path, all).map(Some).map_err(crate::feature_file::lines_are_rows)
+            } else {
+                Ok(None)
+            };
         }
         if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
             return if crate::bars::is_long_format(path)? { Self::from_long_csv(path).map(Some) } else { Ok(None) };
@@ -593,11 +617,17 @@ mod tests {
     fn bad_panel_inputs_are_one_line_errors() {
         let dir = tempfile::tempdir().unwrap();
         let e = Panel::from_csv_dir(dir.path()).unwrap_err().to_string();
-        assert!(e.contains("holds no .csv bar files"), "{e}");
+        assert!(e.contains("holds no .csv or .parquet bar files"), "{e}");
         std::fs::copy(fixture("features_small.csv"), dir.path().join("a.csv")).unwrap();
         std::fs::write(dir.path().join("b.csv"), "timestamp,open,high,low,close,volume\n1,1,1,1,x,1\n").unwrap();
         let e = Panel::from_csv_dir(dir.path()).unwrap_err().to_string();
         assert!(e.contains("b.csv:2") && !e.contains('\n'), "{e}");
+        // Two files of one instrument (a.csv and a.parquet) are refused, naming the second.
+        std::fs::write(dir.path().join("a.parquet"), "x").unwrap();
+        std::fs::remove_file(dir.path().join("b.csv")).unwrap();
+        let e = Panel::from_csv_dir(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("a.parquet") && e.contains("a second bar file of instrument `a`"), "{e}");
+        std::fs::remove_file(dir.path().join("a.parquet")).unwrap();
         let not_panel = dir.path().join("f.safetensors");
         crate::build_feature_file(&fixture("features_small.csv"), &not_panel).unwrap();
         let e = Panel::read(&not_panel).unwrap_err().to_string();

@@ -272,9 +272,9 @@ fn open_data(path: &Path) -> Result<Opened> {
         }
         return Ok((out, panel.timestamp, source));
     }
-    let is_csv = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv"));
-    let store = if is_csv {
-        FeatureStore::from_table(fx_data::FeatureTable::from_csv(path)?)?
+    let is_bars = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) || fx_data::bars::is_parquet(path);
+    let store = if is_bars {
+        FeatureStore::from_table(fx_data::FeatureTable::from_bar_file(path)?)?
     } else {
         FeatureStore::open(path)?
     };

@@ -144,11 +144,21 @@ fn fresh_run_folder(base: &std::path::Path) -> std::path::PathBuf {
 
 fn features(args: &cli::FeaturesArgs) -> anyhow::Result<()> {
     // A folder of per-instrument bar files, or one long-format file (a symbol column naming
-    // several instruments), is a panel (fx_data::panel).
-    let long = !args.input.is_dir() && fx_data::bars::is_long_format(&args.input)?;
-    if args.input.is_dir() || long {
-        let p =
-            if long { fx_data::Panel::from_long_csv(&args.input)? } else { fx_data::Panel::from_csv_dir(&args.input)? };
+    // several instruments; CSV or Parquet), is a panel (fx_data::panel).
+    let parquet = fx_data::bars::is_parquet(&args.input);
+    let long = !args.input.is_dir() && !parquet && fx_data::bars::is_long_format(&args.input)?;
+    let panel = if args.input.is_dir() || long {
+        Some(if long {
+            fx_data::Panel::from_long_csv(&args.input)?
+        } else {
+            fx_data::Panel::from_csv_dir(&args.input)?
+        })
+    } else if parquet {
+        fx_data::Panel::load(&args.input)?
+    } else {
+        None
+    };
+    if let Some(p) = panel {
         p.write(&args.output)?;
         let masked = p.mask.iter().filter(|&&m| m == 0).count();
         println!(
