@@ -974,6 +974,32 @@ fn study_stats(out: &Path) -> serde_json::Value {
     doc
 }
 
+/// `--warm-start`: each fold after the first starts from its seed's previous fold's last
+/// checkpoint (recorded in its config.toml), the first fold trains as without it, and the
+/// later folds' results differ from cold starts; without --folds the flag is refused.
+#[test]
+fn warm_started_folds_start_from_the_previous_fold() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = study_config(dir.path());
+    let (cold, warm) = (dir.path().join("cold"), dir.path().join("warm"));
+    ok(&train(&cfg, &cold, &["--quiet", "--folds", "2"]));
+    let text = ok(&train(&cfg, &warm, &["--quiet", "--folds", "2", "--warm-start"]));
+    assert!(text.contains("fold 2/2 seed 7: ") && text.contains("(warm start from the previous fold)"), "{text}");
+    let sub = std::fs::read_to_string(warm.join("fold1-seed0/config.toml")).unwrap();
+    let want = warm.join("fold0-seed0").join("checkpoint-0000000060.safetensors");
+    assert!(sub.contains(&format!("init_from = \"{}\"", want.display())), "{sub}");
+    let first = std::fs::read_to_string(warm.join("fold0-seed0/config.toml")).unwrap();
+    assert!(!first.contains("init_from"), "{first}");
+    let (c, w) = (study_stats(&cold), study_stats(&warm));
+    assert_eq!(w["warm_start"], true);
+    let sharpe = |d: &serde_json::Value, k: usize| d["runs_table"][k]["sharpe"].as_f64().unwrap();
+    assert_eq!(sharpe(&c, 0), sharpe(&w, 0), "fold 0 has nothing to start from");
+    let bt = |d: &Path| std::fs::read_to_string(d.join("fold1-seed0/backtest.csv")).unwrap();
+    assert_ne!(bt(&cold), bt(&warm), "fold 1 started from fold 0's weights");
+    let e = err_line(&train(&cfg, &dir.path().join("x"), &["--quiet", "--warm-start"]));
+    assert!(e.contains("--warm-start") && e.contains("--folds"), "{e}");
+}
+
 #[test]
 fn study_of_folds_and_seeds_reports_its_luck_and_resumes_identically() {
     let dir = tempfile::tempdir().unwrap();

@@ -43,6 +43,16 @@ impl Agent {
         })
     }
 
+    /// Starts this fresh agent from the network weights of a trainer state file of the same
+    /// model and network (a warm-started fold); optimiser, replay or rollout stay fresh.
+    pub fn warm_start(&mut self, path: &Path) -> Result<()> {
+        let what = || format!("warm start from {}", path.display());
+        match self {
+            Agent::Dqn(t) => t.warm_start(path).with_context(what),
+            Agent::Ppo(t) => t.warm_start(path).with_context(what),
+        }
+    }
+
     /// Loads a trainer state file written by [`Agent::save`]; a file of the other model is
     /// a clear error naming it.
     pub fn load(model: ModelChoice, path: &Path, device: &Device) -> Result<Self> {

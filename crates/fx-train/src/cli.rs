@@ -128,6 +128,10 @@ pub struct TrainArgs {
     /// ratio [default: 0].
     #[arg(long)]
     pub prior_trials: Option<usize>,
+    /// Walk-forward: each fold after the first starts from the previous fold's final weights
+    /// (same seed; optimiser, replay and exploration fresh) [needs --folds].
+    #[arg(long)]
+    pub warm_start: bool,
     /// Continue the run (or study) in --out from its latest checkpoint.
     #[arg(long)]
     pub resume: bool,
@@ -176,7 +180,8 @@ impl TrainArgs {
         let path_str = |p: &Option<PathBuf>| p.as_ref().map_or("none".to_string(), |p| p.display().to_string());
         let folds = |c: &RunConfig| c.walk_forward.as_ref().map_or("none".to_string(), |w| w.folds.to_string());
         let window = |c: &RunConfig| c.walk_forward.as_ref().map_or("none".to_string(), |w| format!("{:?}", w.window));
-        let given: [(&str, Option<String>, String); 15] = [
+        let given: [(&str, Option<String>, String); 16] = [
+            ("--warm-start", self.warm_start.then(|| "true".to_string()), saved.warm_start.to_string()),
             ("--folds", self.folds.map(|n| n.to_string()), folds(&saved)),
             ("--window", self.window.map(|w| format!("{w:?}")), window(&saved)),
             ("--seeds", self.seeds.map(|n| n.to_string()), saved.seeds.to_string()),
@@ -310,6 +315,9 @@ impl TrainArgs {
         }
         if let Some(n) = self.prior_trials {
             cfg.prior_trials = n;
+        }
+        if self.warm_start {
+            cfg.warm_start = true;
         }
         Ok(cfg)
     }

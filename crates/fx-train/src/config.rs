@@ -107,8 +107,14 @@ pub struct RunConfig {
     /// Walk-forward folds (`--folds`, `--window`): a study of train → validation → test
     /// spans in time order; none: one run on `split`.
     pub walk_forward: Option<fx_data::WalkForwardConfig>,
+    /// Walk-forward (`--warm-start`): each fold after the first starts from the previous
+    /// fold's final weights of the same seed (optimiser, replay and ε schedule fresh).
+    pub warm_start: bool,
     /// Row spans of one fold's run (a study sets them for each of its runs); none: `split`.
     pub rows: Option<fx_data::Splits>,
+    /// A trainer state file whose network weights a fresh run starts from (a study sets it
+    /// for a warm-started fold: the previous fold's last checkpoint); ignored on resume.
+    pub init_from: Option<PathBuf>,
     /// The training environment (episode length, cost, number of accounts).
     pub env: EnvConfig,
     /// DQN hyper-parameters (`model = "dqn"`).
@@ -182,7 +188,9 @@ impl Default for RunConfig {
             seeds: 1,
             prior_trials: 0,
             walk_forward: None,
+            warm_start: false,
             rows: None,
+            init_from: None,
             env: EnvConfig { num_envs: 32, ..EnvConfig::default() },
             dqn,
             ppo,
@@ -354,6 +362,9 @@ impl RunConfig {
         }
         if self.steps == 0 {
             bail!("steps must be at least 1");
+        }
+        if self.warm_start && self.walk_forward.is_none() {
+            bail!("warm_start (--warm-start) carries weights from fold to fold: give --folds too");
         }
         // An "auto" batch is checked once it is a number (the run resolves it on its device,
         // within the same bounds, then calls this again).

@@ -121,7 +121,13 @@ impl RunTask for RlTask {
                     .with_context(|| format!("restoring the environment from {}", c.trainer.display()))?;
                 Agent::load(cfg.model, &c.trainer, &device)?
             }
-            None => Agent::new(&cfg, env.num_envs(), &device)?,
+            None => {
+                let mut agent = Agent::new(&cfg, env.num_envs(), &device)?;
+                if let Some(from) = &cfg.init_from {
+                    agent.warm_start(from)?;
+                }
+                agent
+            }
         };
         let steps = agent.env_steps();
         Ok(Self {

@@ -105,18 +105,28 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     );
     for (f, fold) in folds.iter().enumerate() {
         for s in 0..cfg.seeds {
-            let sub = member_config(&cfg, fold, f, s as u64);
+            let mut sub = member_config(&cfg, fold, f, s as u64);
             if sub.out.join("report.json").exists() {
                 continue;
             }
+            if cfg.warm_start && f > 0 {
+                // The previous fold of this seed has finished (folds run in order): its last
+                // checkpoint is its final weights.
+                let prev = member_config(&cfg, &folds[f - 1], f - 1, s as u64).out;
+                let ckpt = RunDir::existing(&prev)?
+                    .latest_checkpoint()?
+                    .with_context(|| format!("warm start of fold {f}: {} has no checkpoint", prev.display()))?;
+                sub.init_from = Some(ckpt.trainer);
+            }
             let resume = sub.out.join("config.toml").exists();
             println!(
-                "fold {}/{} seed {}: train rows {:?}, test rows {:?}{}",
+                "fold {}/{} seed {}: train rows {:?}, test rows {:?}{}{}",
                 f + 1,
                 folds.len(),
                 sub.seed,
                 fold.train,
                 fold.test,
+                if sub.init_from.is_some() { " (warm start from the previous fold)" } else { "" },
                 if resume { " (resumed)" } else { "" }
             );
             let outcome = crate::lifecycle::run(sub, TrainOptions { resume, quiet: true, steps: opts.steps })?;
@@ -136,6 +146,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
 fn member_config(cfg: &RunConfig, fold: &Fold, f: usize, s: u64) -> RunConfig {
     let mut sub = cfg.clone();
     sub.walk_forward = None;
+    sub.warm_start = false;
     sub.seeds = 1;
     sub.rows = Some(Splits { train: fold.train.clone(), valid: fold.valid.clone(), test: fold.test.clone() });
     sub.seed = cfg.seed + s;
@@ -280,6 +291,7 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
         "purge": cfg.walk_forward.as_ref().map(|w| w.purge.unwrap_or(RL_MIN_PURGE)),
         "embargo": cfg.walk_forward.as_ref().map(|w| w.embargo),
         "seeds": cfg.seeds,
+        "warm_start": cfg.warm_start,
         "runs": runs.len(),
         "trials_counted": trials,
         "periods_per_year": periods_per_year,

@@ -884,6 +884,25 @@ impl DqnTrainer {
         me.sampled = c.sampled.unwrap_or(c.updates + c.skipped_updates);
         Ok(me)
     }
+
+    /// A warm start: the online and target networks' weights from another DQN trainer state
+    /// file (e.g. the previous walk-forward fold's last checkpoint) replace this fresh
+    /// trainer's; its optimiser moments, replay, ε schedule and counters stay fresh. Only
+    /// before the first step (nothing captured or fused has copied the weights yet); the
+    /// file's network must be this trainer's (an error names the tensor otherwise).
+    pub fn warm_start(&mut self, path: &Path) -> Result<()> {
+        const CTX: &str = "DqnTrainer::warm_start";
+        if self.env_steps > 0 || self.updates + self.skipped_updates > 0 {
+            return Err(Error::config(CTX, "a warm start is for a trainer that has not stepped"));
+        }
+        let mut nt = fx_precision::load_tensors(path, self.online.params().device()).ctx(CTX)?;
+        let _: DqnCounters = crate::state_meta::read(&nt, path, STATE_KEY, "a DQN trainer state", STATE_VERSION, CTX)?;
+        for prefix in ["online.", "target."] {
+            crate::state_meta::check_network(&nt, path, prefix, &self.cfg.net.param_specs(), CTX)?;
+        }
+        nt.restore_varmap(&self.online.params().varmap()?, "online.").ctx(CTX)?;
+        nt.restore_varmap(&self.target.params().varmap()?, "target.").ctx(CTX)
+    }
 }
 
 #[cfg(test)]
@@ -1090,6 +1109,50 @@ mod tests {
                 assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} differs after resume");
             }
         }
+    }
+
+    /// A warm start takes the saved trainer's online and target weights exactly and nothing
+    /// else (fresh counters, empty replay, its own seed); another network, a weights-only
+    /// file and a trainer that has stepped are refused.
+    #[test]
+    fn warm_start_takes_the_weights_only() {
+        let mut env = ar1_env(4, 32, 400, 3);
+        let mut a = DqnTrainer::new(tiny_cfg(), &Device::Cpu).unwrap();
+        for _ in 0..17 {
+            a.step(&mut env).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dqn_state.safetensors");
+        a.save_state(&path).unwrap();
+        let mut b = DqnTrainer::new(DqnConfig { seed: 99, ..tiny_cfg() }, &Device::Cpu).unwrap();
+        let before: Vec<f32> = b.online.params().t(0).flatten_all().unwrap().to_vec1().unwrap();
+        b.warm_start(&path).unwrap();
+        for (net_a, net_b) in [(&a.online, &b.online), (&a.target, &b.target)] {
+            let (ta, tb) = (net_a.params().to_tensors("").unwrap(), net_b.params().to_tensors("").unwrap());
+            for (k, v) in ta {
+                let x: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+                let y: Vec<f32> = tb[&k].flatten_all().unwrap().to_vec1().unwrap();
+                assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} not taken");
+            }
+        }
+        let after: Vec<f32> = b.online.params().t(0).flatten_all().unwrap().to_vec1().unwrap();
+        assert_ne!(before, after);
+        assert_eq!((b.env_steps(), b.updates(), b.replay().len(), b.config().seed), (0, 0, 0, 99));
+        // It trains on from there like any fresh trainer.
+        let mut env_b = ar1_env(4, 32, 400, 5);
+        for _ in 0..25 {
+            b.step(&mut env_b).unwrap();
+        }
+        assert!(b.updates() > 0);
+        let e = b.warm_start(&path).unwrap_err().to_string();
+        assert!(e.contains("has not stepped"), "{e}");
+        let wide = DqnConfig { net: DqnNetConfig { hidden: 32, ..Default::default() }, ..tiny_cfg() };
+        let e = DqnTrainer::new(wide, &Device::Cpu).unwrap().warm_start(&path).unwrap_err().to_string();
+        assert!(e.contains("dqn_state.safetensors"), "{e}");
+        let weights = dir.path().join("weights_only.safetensors");
+        a.online.save(&weights).unwrap();
+        let e = DqnTrainer::new(tiny_cfg(), &Device::Cpu).unwrap().warm_start(&weights).unwrap_err().to_string();
+        assert!(e.contains("weights_only.safetensors") && e.contains(STATE_KEY), "{e}");
     }
 
     #[test]

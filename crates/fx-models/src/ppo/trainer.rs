@@ -858,6 +858,22 @@ impl PpoTrainer {
         me.skipped_updates = c.skipped_updates;
         Ok(me)
     }
+
+    /// A warm start: the actor-critic's weights from another PPO trainer state file (e.g.
+    /// the previous walk-forward fold's last checkpoint) replace this fresh trainer's; its
+    /// optimiser moments, rollout and counters stay fresh. Only before the first iteration
+    /// (nothing captured or fused has copied the weights yet); the file's network must be this
+    /// trainer's (an error names the tensor otherwise).
+    pub fn warm_start(&mut self, path: &Path) -> Result<()> {
+        const CTX: &str = "PpoTrainer::warm_start";
+        if self.iterations > 0 || self.env_steps > 0 {
+            return Err(Error::config(CTX, "a warm start is for a trainer that has not stepped"));
+        }
+        let mut nt = fx_precision::load_tensors(path, self.model.params().device()).ctx(CTX)?;
+        let _: PpoCounters = crate::state_meta::read(&nt, path, STATE_KEY, "a PPO trainer state", STATE_VERSION, CTX)?;
+        crate::state_meta::check_network(&nt, path, "model.", &self.cfg.net.param_specs(), CTX)?;
+        nt.restore_varmap(&self.model.params().varmap()?, "model.").ctx(CTX)
+    }
 }
 
 impl Default for PpoMinibatchStats {
@@ -1046,6 +1062,35 @@ mod tests {
             seed: 9,
             ..Default::default()
         }
+    }
+
+    /// A warm start takes the saved actor-critic exactly and nothing else; a DQN state file
+    /// and a trainer that has iterated are refused.
+    #[test]
+    fn warm_start_takes_the_weights_only() {
+        let mut env = ar1_env(4, 16, 300, 4);
+        let mut a = PpoTrainer::new(tiny_cfg(), 4, &Device::Cpu).unwrap();
+        a.iterate(&mut env).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ppo_state.safetensors");
+        a.save_state(&path).unwrap();
+        let mut b = PpoTrainer::new(PpoConfig { seed: 99, ..tiny_cfg() }, 4, &Device::Cpu).unwrap();
+        b.warm_start(&path).unwrap();
+        let (ta, tb) = (a.model.params().to_tensors("").unwrap(), b.model.params().to_tensors("").unwrap());
+        for (k, v) in ta {
+            let x: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+            let y: Vec<f32> = tb[&k].flatten_all().unwrap().to_vec1().unwrap();
+            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} not taken");
+        }
+        assert_eq!((b.iterations, b.env_steps, b.updates, b.cfg.seed), (0, 0, 0, 99));
+        let mut env_b = ar1_env(4, 16, 300, 5);
+        b.iterate(&mut env_b).unwrap();
+        let e = b.warm_start(&path).unwrap_err().to_string();
+        assert!(e.contains("has not stepped"), "{e}");
+        let dqn = dir.path().join("dqn_state.safetensors");
+        crate::DqnTrainer::new(Default::default(), &Device::Cpu).unwrap().save_state(&dqn).unwrap();
+        let e = PpoTrainer::new(tiny_cfg(), 4, &Device::Cpu).unwrap().warm_start(&dqn).unwrap_err().to_string();
+        assert!(e.contains("dqn_state.safetensors"), "{e}");
     }
 
     #[test]
