@@ -186,8 +186,12 @@ struct FxPopMember {
     fx_u64 seed, env_offset;
     double cost, eps_start, eps_end;
     fx_u64 eps_steps;
+    // The member's replay-sampling seed: its trainer's, not its env's (the solo trainer
+    // samples with DqnConfig::seed, the env draws with EnvConfig::seed).
+    fx_u64 sample_seed;
     fx_u32 T, L, n_seg, pad;
 };
+static_assert(sizeof(FxPopMember) == 192, "FxPopMember must match fx-kernels' PopMemberArgs");
 
 __device__ __forceinline__ FxEnv fx_pop_env(const FxPopMember& m) {
     FxEnv env;

@@ -67,7 +67,7 @@ extern "C" __global__ void fx_pop_replay_sample(const FxPopMember* __restrict__ 
                                                 float* __restrict__ s2, float* __restrict__ d) {
     const FxPopMember& m = members[blockIdx.y];
     const size_t off = (size_t)blockIdx.y * B;
-    fx_replay_gather(len, key, m.seed, stream, B, m.rb_s, m.rb_a, m.rb_r, m.rb_s2, m.rb_d, s + off * FX_OBS_DIM,
+    fx_replay_gather(len, key, m.sample_seed, stream, B, m.rb_s, m.rb_a, m.rb_r, m.rb_s2, m.rb_d, s + off * FX_OBS_DIM,
                      a + off, r + off, s2 + off * FX_OBS_DIM, d + off);
 }
 

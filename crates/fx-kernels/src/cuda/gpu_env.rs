@@ -482,8 +482,8 @@ impl GpuTradingEnv {
     }
 
     /// This env's part of a population table row (`FxPopMember` in
-    /// `kernels/env/fx_env.cuh`): series, parameters and state addresses; the replay and ε
-    /// fields are left zero for the caller.
+    /// `kernels/env/fx_env.cuh`): series, parameters and state addresses; the replay, ε and
+    /// sample-seed fields are left zero for the caller.
     pub(crate) fn member_args(&self) -> super::pop_collect::PopMemberArgs {
         let a = &self.args;
         super::pop_collect::PopMemberArgs {

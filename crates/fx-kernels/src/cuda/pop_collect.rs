@@ -32,7 +32,8 @@ use crate::vec_env::VecEnv;
 const SAMPLE_BLOCK: u32 = 256;
 
 /// One member's row of the device table: `FxPopMember` in `kernels/env/fx_env.cuh`, field for
-/// field (pointers as u64; 184 bytes, no padding).
+/// field (pointers as u64; 192 bytes, no padding: `Pod` refuses any, and both sides assert
+/// the size).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub(crate) struct PopMemberArgs {
@@ -57,11 +58,14 @@ pub(crate) struct PopMemberArgs {
     pub eps_start: f64,
     pub eps_end: f64,
     pub eps_steps: u64,
+    pub sample_seed: u64,
     pub t_len: u32,
     pub ep_len: u32,
     pub n_seg: u32,
     pub pad: u32,
 }
+
+const _: () = assert!(std::mem::size_of::<PopMemberArgs>() == 192);
 
 /// See the module docs.
 pub struct PopDqnCollect {
@@ -89,19 +93,27 @@ impl std::fmt::Debug for PopDqnCollect {
 }
 
 impl PopDqnCollect {
-    /// The table for members `envs[k]`, `replays[k]`, `epsilon[k]` (one of each per member,
-    /// every env with the same number of accounts, at most the replays' common capacity,
-    /// all on one CUDA device).
-    pub fn new(envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], epsilon: &[LinearSchedule]) -> Result<Self> {
+    /// The table for members `envs[k]`, `replays[k]`, `epsilon[k]`, `sample_seeds[k]` (one of
+    /// each per member, every env with the same number of accounts, at most the replays'
+    /// common capacity, all on one CUDA device). A member's sample seed is the one its solo
+    /// trainer would pass to [`ReplayBuffer::sample_keyed`] (a DQN trainer's own seed, which
+    /// need not be its env's).
+    pub fn new(
+        envs: &[&GpuTradingEnv],
+        replays: &[ReplayBuffer],
+        epsilon: &[LinearSchedule],
+        sample_seeds: &[u64],
+    ) -> Result<Self> {
         const CTX: &str = "PopDqnCollect::new";
         let n = envs.len();
-        if n == 0 || replays.len() != n || epsilon.len() != n || n > u16::MAX as usize {
+        if n == 0 || replays.len() != n || epsilon.len() != n || sample_seeds.len() != n || n > u16::MAX as usize {
             return Err(Error::Config {
                 context: CTX,
                 message: format!(
-                    "need one env, replay and ε schedule per member (1..=65535 members), got {n}, {}, {}",
+                    "need one env, replay, ε schedule and sample seed per member (1..=65535 members), got {n}, {}, {}, {}",
                     replays.len(),
-                    epsilon.len()
+                    epsilon.len(),
+                    sample_seeds.len()
                 ),
             });
         }
@@ -110,7 +122,9 @@ impl PopDqnCollect {
         let stream = cdev.cuda_stream();
         let (num_envs, capacity) = (envs[0].config().num_envs, replays[0].capacity());
         let mut rows = Vec::with_capacity(n);
-        for (k, ((env, replay), eps)) in envs.iter().zip(replays).zip(epsilon).enumerate() {
+        for (k, (((env, replay), eps), &sample_seed)) in
+            envs.iter().zip(replays).zip(epsilon).zip(sample_seeds).enumerate()
+        {
             if env.config().num_envs != num_envs || replay.capacity() != capacity || num_envs > capacity {
                 return Err(Error::Config {
                     context: CTX,
@@ -137,6 +151,7 @@ impl PopDqnCollect {
             row.rb_s2 = p(&replay.next_states, "replay.next_states")?;
             row.rb_d = p(&replay.dones, "replay.dones")?;
             (row.eps_start, row.eps_end, row.eps_steps) = (eps.start, eps.end, eps.steps);
+            row.sample_seed = sample_seed;
             rows.push(row);
         }
         let table = stream.clone_htod(bytemuck::cast_slice::<_, u8>(&rows)).map_err(driver(CTX))?;
@@ -329,6 +344,9 @@ impl PopDqnCollect {
         let len = replays[0].len() as u64;
         if replays.iter().any(|r| r.len() as u64 != len) {
             return Err(Error::Config { context: CTX, message: "member replays of different lengths".into() });
+        }
+        if len == 0 {
+            return Err(Error::Empty { what: "member replays", context: CTX });
         }
         self.launch_sample(len, key, out, CTX)
     }

@@ -468,7 +468,9 @@ fn pop_collection_equals_the_solo_kernels() {
     let ring = || (0..n).map(|_| ReplayBuffer::new(cap, &dev).expect("replay")).collect::<Vec<_>>();
     let (mut rs, mut rp) = (ring(), ring());
     let pop_refs: Vec<&GpuTradingEnv> = pop.iter().collect();
-    let mut col = super::PopDqnCollect::new(&pop_refs, &rp, &eps).expect("collector");
+    // Sampling seeds unlike the envs' (a trainer's seed need not be its env's).
+    let sample_seeds: Vec<u64> = (0..n as u64).map(|k| 5_000 + 3 * k).collect();
+    let mut col = super::PopDqnCollect::new(&pop_refs, &rp, &eps, &sample_seeds).expect("collector");
     assert_eq!(col.len(), n);
     let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).expect("zeros");
     let (obs, rew, done) = (z(&[n, e, OBS_DIM]), z(&[n, e]), z(&[n, e]));
@@ -511,7 +513,7 @@ fn pop_collection_equals_the_solo_kernels() {
         let out = crate::ReplayBatch::alloc(n * b, &dev, "test").expect("batch");
         col.sample(&rp, 40 + step, &out).expect("sample");
         for k in 0..n {
-            let want = rs[k].sample_keyed(b, cfgs[k].seed, 40 + step).expect("solo sample");
+            let want = rs[k].sample_keyed(b, sample_seeds[k], 40 + step).expect("solo sample");
             let rows = |t: &Tensor| host_f32(&t.narrow(0, k * b, b).expect("rows"));
             let what = format!("member {k} step {step} sample");
             assert_eq!(rows(&out.states), host_f32(&want.states), "{what}: s");
@@ -526,10 +528,11 @@ fn pop_collection_equals_the_solo_kernels() {
     assert!(!col.fits(&solo_refs, &rp));
     assert!(col.observe(&solo_refs, &rp, &obs).is_err());
     assert!(col.observe(&pop_refs[..2], &rp[..2], &obs).is_err());
-    // members of different sizes are refused at construction
+    // a missing sample seed, or members of different sizes, are refused at construction
+    assert!(super::PopDqnCollect::new(&pop_refs, &rp, &eps, &sample_seeds[..2]).is_err());
     let small = ReplayBuffer::new(10, &dev).expect("replay");
     let mixed = [rp.remove(0), small];
-    assert!(super::PopDqnCollect::new(&pop_refs[..2], &mixed, &eps[..2]).is_err());
+    assert!(super::PopDqnCollect::new(&pop_refs[..2], &mixed, &eps[..2], &sample_seeds[..2]).is_err());
     for env in solo.iter_mut().chain(pop.iter_mut()) {
         env.check_errors().expect("no flagged actions");
     }

@@ -515,7 +515,9 @@ impl DqnPopulation {
         if !self.collect.as_ref().is_some_and(|c| c.col.fits(&genvs, &self.replays)) {
             let e = genvs[0].config().num_envs;
             let n = self.len();
-            let col = fx_kernels::cuda::PopDqnCollect::new(&genvs, &self.replays, &schedules).ctx(CTX)?;
+            // Each member samples with its own seed, as its solo trainer does (not its env's).
+            let seeds: Vec<u64> = self.members.iter().map(|m| m.seed).collect();
+            let col = fx_kernels::cuda::PopDqnCollect::new(&genvs, &self.replays, &schedules, &seeds).ctx(CTX)?;
             let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).ctx(CTX);
             self.collect = Some(BatchedCollect {
                 col,
