@@ -296,6 +296,15 @@ pub fn read_long_csv(path: &Path) -> Result<Vec<(String, Bars, Vec<u64>)>, Error
     if by.is_empty() {
         return Err(Error::format(path, "holds a header and no bars"));
     }
+    past_warmup(path, by)
+}
+
+/// A long file's instruments (each bar's line or row beside it) once every one has more
+/// than [`WARMUP`] bars; the first that has not is an error naming it.
+fn past_warmup(
+    path: &Path,
+    by: std::collections::BTreeMap<String, (Bars, Vec<u64>)>,
+) -> Result<Vec<(String, Bars, Vec<u64>)>, Error> {
     if let Some((name, (bars, _))) = by.iter().find(|(_, (b, _))| b.len() <= WARMUP) {
         return Err(Error::format(
             path,

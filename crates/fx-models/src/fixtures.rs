@@ -37,3 +37,15 @@ pub(crate) fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
         num / den
     }
 }
+
+/// Asserts that two parameter stores hold the same tensors, bit for bit (`what` ends the
+/// message naming the first that differs).
+pub(crate) fn assert_same_params(a: &crate::params::ParamStore, b: &crate::params::ParamStore, what: &str) {
+    let (ta, tb) = (a.to_tensors("").unwrap(), b.to_tensors("").unwrap());
+    assert_eq!(ta.len(), tb.len(), "parameter count {what}");
+    for (k, v) in ta {
+        let x: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+        let y: Vec<f32> = tb[&k].flatten_all().unwrap().to_vec1().unwrap();
+        assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} {what}");
+    }
+}

@@ -138,21 +138,14 @@ fn read(path: &Path) -> Result<Vec<(String, Bars, Vec<u64>)>, Error> {
     if by.is_empty() {
         return Err(Error::format(path, "holds no rows"));
     }
-    if let Some((name, (bars, _))) = by.iter().find(|(_, (b, _))| b.len() <= WARMUP) {
-        return Err(match symbol {
-            None => Error::TooFewBars { path: path.to_path_buf(), bars: bars.len(), warmup: WARMUP },
-            Some(_) => Error::format(
-                path,
-                format!(
-                    "instrument {} has {} bars; at least {} are needed (the warm-up)",
-                    one_line(name),
-                    bars.len(),
-                    WARMUP + 1
-                ),
-            ),
-        });
+    if symbol.is_none() {
+        // One instrument: the same error as its CSV's.
+        let bars = by.values().next().map_or(0, |(b, _)| b.len());
+        if bars <= WARMUP {
+            return Err(Error::TooFewBars { path: path.to_path_buf(), bars, warmup: WARMUP });
+        }
     }
-    Ok(by.into_iter().map(|(n, (b, l))| (n, b, l)).collect())
+    super::past_warmup(path, by)
 }
 
 /// A timestamp cell as Unix seconds.
@@ -293,6 +286,18 @@ mod tests {
             Col::F64(some(&b.close)),
             Col::F64(some(&b.volume)),
         ]
+    }
+
+    /// One instrument's bars, integer-second timestamps, snappy.
+    fn write_one(path: &Path, b: &Bars) {
+        let mut cols = vec![Col::I64(some(&b.timestamp))];
+        cols.extend(ohlcv(b));
+        write(
+            path,
+            &format!("message bars {{ optional int64 timestamp; {OHLCV} }}"),
+            &cols,
+            ::parquet::basic::Compression::SNAPPY,
+        );
     }
 
     #[test]
@@ -490,14 +495,7 @@ mod tests {
         // Too few bars for the warm-up.
         let path = dir.path().join("short.parquet");
         let s = random_bars(WARMUP, 3);
-        let mut cols = vec![Col::I64(some(&s.timestamp))];
-        cols.extend(ohlcv(&s));
-        write(
-            &path,
-            &format!("message bars {{ optional int64 timestamp; {OHLCV} }}"),
-            &cols,
-            ::parquet::basic::Compression::SNAPPY,
-        );
+        write_one(&path, &s);
         assert!(matches!(read_parquet(&path), Err(Error::TooFewBars { bars, .. }) if bars == WARMUP));
     }
 
@@ -508,14 +506,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let b = random_bars(300, 5);
         let good = dir.path().join("good.parquet");
-        let mut cols = vec![Col::I64(some(&b.timestamp))];
-        cols.extend(ohlcv(&b));
-        write(
-            &good,
-            &format!("message bars {{ optional int64 timestamp; {OHLCV} }}"),
-            &cols,
-            ::parquet::basic::Compression::SNAPPY,
-        );
+        write_one(&good, &b);
         let bytes = std::fs::read(&good).unwrap();
         let csv = dir.path().join("bars.parquet");
         std::fs::write(&csv, "timestamp,open,high,low,close,volume\n").unwrap();

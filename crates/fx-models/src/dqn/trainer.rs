@@ -1102,12 +1102,7 @@ mod tests {
             assert_eq!(untimed(sa), untimed(sb));
         }
         for (net_a, net_b) in [(&a.online, &b.online), (&a.target, &b.target)] {
-            let (ta, tb) = (net_a.params().to_tensors("").unwrap(), net_b.params().to_tensors("").unwrap());
-            for (k, v) in ta {
-                let x: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
-                let y: Vec<f32> = tb[&k].flatten_all().unwrap().to_vec1().unwrap();
-                assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} differs after resume");
-            }
+            crate::fixtures::assert_same_params(net_a.params(), net_b.params(), "differs after resume");
         }
     }
 
@@ -1128,12 +1123,7 @@ mod tests {
         let before: Vec<f32> = b.online.params().t(0).flatten_all().unwrap().to_vec1().unwrap();
         b.warm_start(&path).unwrap();
         for (net_a, net_b) in [(&a.online, &b.online), (&a.target, &b.target)] {
-            let (ta, tb) = (net_a.params().to_tensors("").unwrap(), net_b.params().to_tensors("").unwrap());
-            for (k, v) in ta {
-                let x: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
-                let y: Vec<f32> = tb[&k].flatten_all().unwrap().to_vec1().unwrap();
-                assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} not taken");
-            }
+            crate::fixtures::assert_same_params(net_a.params(), net_b.params(), "not taken");
         }
         let after: Vec<f32> = b.online.params().t(0).flatten_all().unwrap().to_vec1().unwrap();
         assert_ne!(before, after);

@@ -1076,12 +1076,7 @@ mod tests {
         a.save_state(&path).unwrap();
         let mut b = PpoTrainer::new(PpoConfig { seed: 99, ..tiny_cfg() }, 4, &Device::Cpu).unwrap();
         b.warm_start(&path).unwrap();
-        let (ta, tb) = (a.model.params().to_tensors("").unwrap(), b.model.params().to_tensors("").unwrap());
-        for (k, v) in ta {
-            let x: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
-            let y: Vec<f32> = tb[&k].flatten_all().unwrap().to_vec1().unwrap();
-            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} not taken");
-        }
+        crate::fixtures::assert_same_params(a.model.params(), b.model.params(), "not taken");
         assert_eq!((b.iterations, b.env_steps, b.updates, b.cfg.seed), (0, 0, 0, 99));
         let mut env_b = ar1_env(4, 16, 300, 5);
         b.iterate(&mut env_b).unwrap();
@@ -1109,12 +1104,7 @@ mod tests {
             let (sa, sb) = (a.iterate(&mut env).unwrap(), b.iterate(&mut env_b).unwrap());
             assert_eq!(sa, sb);
         }
-        let (ta, tb) = (a.model.params().to_tensors("").unwrap(), b.model.params().to_tensors("").unwrap());
-        for (k, v) in ta {
-            let x: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
-            let y: Vec<f32> = tb[&k].flatten_all().unwrap().to_vec1().unwrap();
-            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{k} differs after resume");
-        }
+        crate::fixtures::assert_same_params(a.model.params(), b.model.params(), "differs after resume");
     }
 
     #[test]

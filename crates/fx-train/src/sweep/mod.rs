@@ -1171,6 +1171,28 @@ mod tests {
         assert_eq!((ok[0].dqn.gamma, ok[0].dqn.optimizer.lr, ok[0].steps), (0.9, 3e-4, 10));
     }
 
+    /// Runs `args` with a stop requested at the `at`-th check (once per env step): it must
+    /// report an interruption.
+    fn stop_at_check(args: &SweepArgs, at: usize) {
+        let mut calls = 0;
+        let mut stop = || {
+            calls += 1;
+            calls == at
+        };
+        assert!(matches!(run_with(args, &mut stop).unwrap(), Outcome::Interrupted));
+    }
+
+    /// Runs `args` to the end (it must finish) and returns how many checks (env steps) it made.
+    fn finish_counting_checks(args: &SweepArgs) -> usize {
+        let mut calls = 0;
+        let mut count = || {
+            calls += 1;
+            false
+        };
+        assert!(matches!(run_with(args, &mut count).unwrap(), Outcome::Finished));
+        calls
+    }
+
     /// A tiny CPU sweep file: 4 trials over lr and seed, no best runs.
     fn tiny_sweep(dir: &Path, members: usize) -> SweepArgs {
         tiny_sweep_with(dir, members, "", "sweep.in.toml")
@@ -1236,22 +1258,11 @@ n_actions = 3
 
         let waves = tiny_sweep(dir.path(), 2);
         // Stop at the first env step of the second wave (24 steps a wave).
-        let mut calls = 0;
-        let mut stop_in_wave_2 = || {
-            calls += 1;
-            calls == 25
-        };
-        assert!(matches!(run_with(&waves, &mut stop_in_wave_2).unwrap(), Outcome::Interrupted));
+        stop_at_check(&waves, 25);
         let half = std::fs::read_to_string(waves.out.as_ref().unwrap().join("trials.jsonl")).unwrap();
         assert_eq!(half.lines().count(), 2, "the first wave's rows are kept");
         assert!(!waves.out.as_ref().unwrap().join("sweep.json").exists());
-        let mut calls = 0;
-        let mut count = || {
-            calls += 1;
-            false
-        };
-        assert!(matches!(run_with(&waves, &mut count).unwrap(), Outcome::Finished));
-        assert_eq!(calls, 24, "only the second wave trains again");
+        assert_eq!(finish_counting_checks(&waves), 24, "only the second wave trains again");
         assert_eq!(std::fs::read_to_string(waves.out.as_ref().unwrap().join("trials.jsonl")).unwrap(), want);
         let pop: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(waves.out.as_ref().unwrap().join("population.json")).unwrap(),
@@ -1306,19 +1317,8 @@ n_actions = 3
         assert_eq!(doc["tpe"]["rounds"], 2, "{doc}");
 
         let stopped = tpe_args("stopped");
-        let mut calls = 0;
-        let mut stop_in_round_1 = || {
-            calls += 1;
-            calls == 25
-        };
-        assert!(matches!(run_with(&stopped, &mut stop_in_round_1).unwrap(), Outcome::Interrupted));
-        let mut calls = 0;
-        let mut count = || {
-            calls += 1;
-            false
-        };
-        assert!(matches!(run_with(&stopped, &mut count).unwrap(), Outcome::Finished));
-        assert_eq!(calls, 24, "only round 1 trains again");
+        stop_at_check(&stopped, 25);
+        assert_eq!(finish_counting_checks(&stopped), 24, "only round 1 trains again");
         assert_eq!(std::fs::read_to_string(stopped.out.as_ref().unwrap().join("trials.jsonl")).unwrap(), want);
         // TPE with [pbt] or shards is refused, and a [tpe] section without the sampler.
         let both = tpe_args("both");
