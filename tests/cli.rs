@@ -1073,6 +1073,70 @@ fn study_of_folds_and_seeds_reports_its_luck_and_resumes_identically() {
     assert!(e.contains("--folds 4 differs from the saved run's 3"), "{e}");
 }
 
+/// Forecasters in walk-forward studies: a TFT study of 2 folds x 2 seeds purges the
+/// features' look-back plus its horizon H, scores every run by its report's sign strategy
+/// (in backtest.csv, as an RL run's) beside its forecast metrics, per run and per fold; a
+/// warm-started MAMBA-2 fold starts from the previous fold's checkpoint and ends elsewhere
+/// than a cold start, while its first fold is the cold start's.
+#[test]
+fn forecaster_studies_score_their_forecasts_sign_strategy_and_warm_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_seq_config(dir.path(), "tft");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("bars = 500", "bars = 1500");
+    std::fs::write(&cfg, text).unwrap();
+    let tft = dir.path().join("tft");
+    let text = ok(&train(&cfg, &tft, &["--quiet", "--folds", "2", "--seeds", "2"]));
+    assert!(text.contains("2 fold(s) x 2 seed(s) = 4 tft runs") && text.contains("directional accuracy"), "{text}");
+    let doc = study_stats(&tft);
+    assert_eq!(doc["purge"], 102, "the features' 100-bar look-back plus the TFT's H = 2");
+    assert!(doc["strategy"].as_str().unwrap().contains("sign"), "{doc}");
+    let fc = &doc["summary"]["forecast"];
+    for k in ["directional_accuracy_mean", "rank_correlation_mean", "mse_over_zero_forecast_mean"] {
+        assert!(fc[k].as_f64().is_some_and(f64::is_finite), "{k}: {fc}");
+    }
+    assert!(doc["per_fold"][1]["forecast"]["share_beat_naive_forecasts"].is_number(), "{doc}");
+    for r in doc["runs_table"].as_array().unwrap() {
+        let run = tft.join(format!("fold{}-seed{}", r["fold"], r["seed"].as_u64().unwrap() - 7));
+        let rep = json_file(&run.join("report.json"));
+        assert_eq!(r["sharpe"], rep["agent"]["stats"]["sharpe"]);
+        assert_eq!(r["forecast"]["directional_accuracy"], rep["forecast"]["directional_accuracy"]);
+        let steps = rep["agent"]["stats"]["steps"].as_u64().unwrap() as usize;
+        let bt = std::fs::read_to_string(run.join("backtest.csv")).unwrap();
+        assert_eq!(bt.lines().count(), steps + 1, "{}: a line per step", run.display());
+        let last: usize = bt.lines().last().unwrap().split(',').next().unwrap().parse().unwrap();
+        assert!(last + 1 < r["test_rows"]["end"].as_u64().unwrap() as usize, "returns stay inside the test span");
+    }
+    assert!(doc["deflated_sharpe"]["dsr"].is_number() || doc["deflated_sharpe"]["unavailable"].is_string());
+
+    let cfg = tiny_seq_config(dir.path(), "mamba2");
+    // Every epoch's checkpoint kept: the one before fold 1's first epoch is read below.
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("bars = 500", "bars = 1500");
+    std::fs::write(&cfg, format!("keep_checkpoints = 10\n{text}")).unwrap();
+    let (cold, warm) = (dir.path().join("cold"), dir.path().join("warm"));
+    ok(&train(&cfg, &cold, &["--quiet", "--folds", "2"]));
+    let text = ok(&train(&cfg, &warm, &["--quiet", "--folds", "2", "--warm-start"]));
+    assert!(text.contains("(warm start from the previous fold)"), "{text}");
+    let sub = std::fs::read_to_string(warm.join("fold1-seed0/config.toml")).unwrap();
+    assert!(sub.contains("init_from") && sub.contains("fold0-seed0"), "{sub}");
+    let bt = |d: &Path, f: usize| std::fs::read_to_string(d.join(format!("fold{f}-seed0/backtest.csv"))).unwrap();
+    assert_eq!(bt(&cold, 0), bt(&warm, 0), "fold 0 has nothing to start from");
+    assert_ne!(bt(&cold, 1), bt(&warm, 1), "fold 1 started from fold 0's weights");
+    // The warm fold's first checkpoint (before any epoch) holds fold 0's best weights, every
+    // tensor byte for byte.
+    let bytes = std::fs::read(checkpoint(&warm.join("fold1-seed0"), 0)).unwrap();
+    let start = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let last = std::fs::read(checkpoint(&warm.join("fold0-seed0"), 3)).unwrap();
+    let prev = safetensors::SafeTensors::deserialize(&last).unwrap();
+    let mut n = 0;
+    for (name, t) in start.tensors() {
+        if let Some(p) = name.strip_prefix("model.") {
+            assert_eq!(t.data(), prev.tensor(&format!("best.{p}")).unwrap().data(), "{name}");
+            n += 1;
+        }
+    }
+    assert!(n > 3, "{n} weight tensors");
+}
+
 // ---------------------------------------------------------------- hostile inputs
 
 /// Paths that are not regular files and flags clap refuses: each ends at once in one line

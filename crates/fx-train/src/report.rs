@@ -184,13 +184,25 @@ pub fn write(
 ) -> Result<()> {
     let mut doc = serde_json::to_value(rep)?;
     doc["learned"] = json!(rep.learned());
-    // The probability that the agent's true Sharpe ratio on these rows is above 0, from the
-    // returns' length, skewness and kurtosis (null when the returns do not vary).
-    doc["agent_psr"] = json!(fx_models::significance::moments(&rep.agent.returns)
+    trim_backtests(&mut doc, &rep.agent);
+    doc["profile"] = serde_json::to_value(profile)?;
+    write_atomic(&dir.path(name), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    if plots {
+        write_backtest_csv(dir, &rep.agent, &rep.step_rows)?;
+        crate::plots::write_all(dir, cfg, data, rep)?;
+    }
+    Ok(())
+}
+
+/// A report document's backtests as `report.json` keeps them (every run kind's, RL or
+/// forecaster): `agent_psr`, the probability that the agent's true Sharpe ratio on these
+/// rows is above 0 (from the returns' length, skewness and kurtosis; null when they do not
+/// vary), and the `agent`, `buy_and_hold`, `flat`, `random` entries without their
+/// per-step vectors (those are in `backtest.csv` and the plots; the file stays readable).
+pub(crate) fn trim_backtests(doc: &mut serde_json::Value, agent: &Backtest) {
+    doc["agent_psr"] = json!(fx_models::significance::moments(&agent.returns)
         .and_then(|m| fx_models::significance::probabilistic_sharpe(&m, 0.0))
         .ok());
-    doc["profile"] = serde_json::to_value(profile)?;
-    // Equity curves and positions are in the plots; keep report.json readable.
     for k in ["agent", "buy_and_hold", "flat", "random"] {
         if let Some(o) = doc[k].as_object_mut() {
             o.remove("equity");
@@ -198,29 +210,22 @@ pub fn write(
             o.remove("returns");
         }
     }
-    write_atomic(&dir.path(name), serde_json::to_string_pretty(&doc)?.as_bytes())?;
-    if plots {
-        write_atomic(&dir.path(BACKTEST_CSV), backtest_csv(rep).as_bytes())?;
-        crate::plots::write_all(dir, cfg, data, rep)?;
-    }
-    Ok(())
 }
 
 /// The training report's per-step backtest of the agent, beside `report.json`.
 pub(crate) const BACKTEST_CSV: &str = "backtest.csv";
 
-/// `row,position,log_return,equity`: one line per test step (`row` is the calendar row
-/// the step starts at; a panel's portfolio has no single position, its column is empty).
-/// Returns are written with Rust's shortest round-trip formatting, so a reader gets the
-/// very values the statistics used.
-fn backtest_csv(rep: &Report) -> String {
-    let a = &rep.agent;
+/// Writes `backtest.csv`: `row,position,log_return,equity`, one line per test step (`row`
+/// is the calendar row the step starts at, `step_rows[i]`; a panel's portfolio has no
+/// single position, its column is empty). Returns are written with Rust's shortest
+/// round-trip formatting, so a reader gets the very values the statistics used.
+pub(crate) fn write_backtest_csv(dir: &RunDir, agent: &Backtest, step_rows: &[usize]) -> Result<()> {
     let mut out = String::from("row,position,log_return,equity\n");
-    for (i, (r, e)) in a.returns.iter().zip(&a.equity).enumerate() {
-        let p = a.positions.get(i).map(|p| p.to_string()).unwrap_or_default();
-        out.push_str(&format!("{},{p},{r:?},{e:?}\n", rep.step_rows[i]));
+    for (i, (r, e)) in agent.returns.iter().zip(&agent.equity).enumerate() {
+        let p = agent.positions.get(i).map(|p| p.to_string()).unwrap_or_default();
+        out.push_str(&format!("{},{p},{r:?},{e:?}\n", step_rows[i]));
     }
-    out
+    write_atomic(&dir.path(BACKTEST_CSV), out.as_bytes())
 }
 
 /// The agent's per-step log returns from a run's `backtest.csv`.
@@ -241,6 +246,17 @@ pub(crate) fn read_agent_returns(path: &std::path::Path) -> Result<Vec<f64>> {
                 .with_context(|| format!("{}: line {}: no finite log_return in {l:?}", path.display(), i + 2))
         })
         .collect()
+}
+
+/// The backtest table: a header, then a [`row`] per named backtest.
+pub(crate) fn print_table(rows: &[(&str, &Backtest)]) {
+    println!(
+        "{:<14} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>8} {:>9}",
+        "policy", "total", "annual", "sharpe", "sortino", "max dd", "hit", "turnover", "cost"
+    );
+    for (name, b) in rows {
+        println!("{}", row(name, &b.stats));
+    }
 }
 
 pub(crate) fn row(name: &str, s: &BacktestStats) -> String {
@@ -268,18 +284,12 @@ pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
         rep.periods_per_year,
         rep.env_steps
     );
-    println!(
-        "{:<14} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>8} {:>9}",
-        "policy", "total", "annual", "sharpe", "sortino", "max dd", "hit", "turnover", "cost"
-    );
-    for (name, b) in [
+    print_table(&[
         ("agent (greedy)", &rep.agent),
         ("buy & hold", &rep.buy_and_hold),
         ("flat", &rep.flat),
         ("random", &rep.random),
-    ] {
-        println!("{}", row(name, &b.stats));
-    }
+    ]);
     if !rep.instruments.is_empty() {
         println!(
             "(a panel: the rows above are the equal-weight portfolio of {} instruments; agent and buy & hold per instrument:)",

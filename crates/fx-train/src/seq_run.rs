@@ -19,7 +19,7 @@ use candle_core::Device;
 use fx_models::seq::{
     evaluate, evaluate_forecasts, EpochLog, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries, SeqTask, SeqTrainer,
 };
-use fx_models::{Mamba2, Tft};
+use fx_models::{evaluate_positions, random_positions, Backtest, Mamba2, Tft};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
@@ -73,6 +73,15 @@ pub struct SeqReport {
     pub forecast: ForecastMetrics,
     /// The model's MSE is below both the zero and the last-value forecast's.
     pub beats_naive: bool,
+    /// Bars per year of the data (the backtests' annualisation).
+    pub periods_per_year: f64,
+    /// What `backtest.agent` trades ([`SIGN_RULE`]).
+    pub strategy: &'static str,
+    /// The strategy's backtest on the test split beside the baselines; its entries sit at
+    /// the report's top level as `agent`, `buy_and_hold`, `flat`, `random`, as in an RL
+    /// run's report.
+    #[serde(flatten)]
+    pub backtest: SignBacktest,
 }
 
 /// The data as the sequence models see it, and the row ranges of the splits.
@@ -172,9 +181,10 @@ trait SeqTaskRun {
         on_batch: &mut dyn FnMut(usize, f64) -> ControlFlow<()>,
     ) -> Result<Option<EpochLog>>;
     fn save_state(&self, trainer: &SeqTrainer, path: &Path) -> Result<()>;
+    /// A fresh trainer's model set to another run's final weights (`init_from`).
+    fn warm_start(&self, trainer: &mut SeqTrainer, path: &Path) -> Result<()>;
     /// The best epoch's weights loaded, the forecast metrics on the test split.
     fn evaluate(&self, trainer: &SeqTrainer, cfg: &RunConfig, d: &SeqData) -> Result<SeqReport>;
-    fn forecast_plot(&self, cfg: &RunConfig, d: &SeqData, dir: &RunDir) -> Result<()>;
     fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()>;
 }
 
@@ -199,12 +209,12 @@ impl<T: SeqTask> SeqTaskRun for T {
     fn save_state(&self, trainer: &SeqTrainer, path: &Path) -> Result<()> {
         Ok(trainer.save_state(self, path)?)
     }
+    fn warm_start(&self, trainer: &mut SeqTrainer, path: &Path) -> Result<()> {
+        trainer.warm_start(self, path).context("warm start")
+    }
     fn evaluate(&self, trainer: &SeqTrainer, cfg: &RunConfig, d: &SeqData) -> Result<SeqReport> {
         trainer.finish(self)?;
         report(self, cfg, d, trainer)
-    }
-    fn forecast_plot(&self, cfg: &RunConfig, d: &SeqData, dir: &RunDir) -> Result<()> {
-        forecast_plot(self, cfg, d, dir)
     }
     fn eval(&self, cfg: &RunConfig, dir: &RunDir, c: &Checkpoint, d: &SeqData) -> Result<()> {
         let trainer = best_weights(self, cfg, c, d)?;
@@ -290,7 +300,10 @@ impl RunTask for SeqRun {
         start.settle_batch(Some(train_windows))?;
         check_windows(d, len, start.cfg.seq.batch_size)?;
         let cfg = start.cfg.clone();
-        let trainer = model.with(|t| t.trainer(&cfg, start.checkpoint.as_ref(), d))?;
+        let mut trainer = model.with(|t| t.trainer(&cfg, start.checkpoint.as_ref(), d))?;
+        if let (None, Some(from)) = (&start.checkpoint, &cfg.init_from) {
+            model.with(|t| t.warm_start(&mut trainer, from))?;
+        }
         Ok(Self {
             batches_per_epoch: trainer.batches_per_epoch() as u64,
             batch_seconds_start: trainer.batch_seconds(),
@@ -398,52 +411,84 @@ impl RunTask for SeqRun {
             "epoch",
             &[("training loss (mean over the epoch)", "train_loss"), ("validation loss", "val_loss")],
         )?;
-        model.with(|t| t.forecast_plot(&cfg, &d, dir))?;
+        forecast_plot(&rep, &d, dir)?;
         print(&rep, Some(&profile), dir);
         Ok(())
     }
 }
 
-/// `forecast.png`: over the test split, the equity of holding the sign of each bar's
-/// one-bar-ahead forecast (long or short, no costs) against buy-and-hold.
-fn forecast_plot(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, dir: &RunDir) -> Result<()> {
+/// The trading rule a forecaster's report backtests (the `agent` of its report, named as
+/// an RL run's so that a study reads either).
+pub(crate) const SIGN_RULE: &str =
+    "long/short on the sign of each bar's one-bar forecast (flat at 0), env.cost per unit of position change";
+
+/// The sign-of-forecast strategy on the test split ([`SIGN_RULE`]) beside buy-and-hold,
+/// flat and random positions (random from `cfg.seed`), accounted as the RL backtests
+/// are: a position taken at row `r` earns `r → r + 1`, and only returns realised inside
+/// the test span count, so one fold's strategy never reads the next span's bars.
+#[derive(Serialize)]
+pub struct SignBacktest {
+    pub agent: Backtest,
+    pub buy_and_hold: Backtest,
+    pub flat: Backtest,
+    pub random: Backtest,
+    /// The row each step starts at.
+    #[serde(skip)]
+    pub step_rows: Vec<usize>,
+}
+
+fn sign_backtest(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData) -> Result<SignBacktest> {
     let test = d.data.splits.test.clone();
-    let len = task.window_len();
-    let starts: Vec<usize> = (test.start..=test.end - len).collect();
+    let (len, next) = (task.window_len(), task.next_bar());
+    // Window `s` forecasts the return from row `s + next.row` to the row after it.
+    let starts: Vec<usize> = (test.start..=test.end - len).filter(|s| s + next.row + 1 < test.end).collect();
+    if starts.is_empty() {
+        bail!(
+            "{}: the test split's {} rows leave no one-bar forecast to backtest inside it (a window is {len} rows)",
+            d.data.source,
+            test.len()
+        );
+    }
     let c = fx_models::Ctx::inference(cfg.precision);
     let device = task.params().device().clone();
-    let (mut strat, mut hold) = (vec![1.0f64], vec![1.0f64]);
+    let mut positions: Vec<i8> = Vec::with_capacity(starts.len());
     for chunk in starts.chunks(cfg.seq.batch_size.max(1)) {
         let batch = task.batch(&d.series, chunk, &device)?;
         let point = task.point(&c, &batch)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-        let target = batch.target.to_vec2::<f32>()?;
-        // The forecast for the bar after the window's last observed row.
-        let col = task.next_bar().column;
-        for (p, t) in point.iter().zip(&target) {
-            let r = t[col] as f64 * d.target_scale;
-            let pos = if p[col] > 0.0 {
-                1.0
-            } else if p[col] < 0.0 {
-                -1.0
-            } else {
-                0.0
-            };
-            strat.push(strat[strat.len() - 1] * (pos * r).exp());
-            hold.push(hold[hold.len() - 1] * r.exp());
-        }
+        positions.extend(point.iter().map(|p| match p[next.column] {
+            x if x > 0.0 => 1i8,
+            x if x < 0.0 => -1,
+            _ => 0,
+        }));
     }
-    // Point 0 stands at the first window's forecast row (before its return), point j at
-    // the bar j rows later (after j returns): dated by those bars' timestamps. The last
-    // point stands one bar past the data (the last row's next-bar return has no bar
-    // after it); the axis dates it as the last bar.
+    let (n, first) = (positions.len(), starts[0] + next.row);
+    let close = &d.data.single().store.close()[first..first + n + 1];
+    let (cost, ppy) = (cfg.env.cost, d.data.periods_per_year);
+    Ok(SignBacktest {
+        agent: evaluate_positions(&positions, close, cost, ppy)?,
+        buy_and_hold: evaluate_positions(&vec![1; n], close, cost, ppy)?,
+        flat: evaluate_positions(&vec![0; n], close, cost, ppy)?,
+        random: evaluate_positions(&random_positions(n, cfg.seed), close, cost, ppy)?,
+        step_rows: (first..first + n).collect(),
+    })
+}
+
+/// `forecast.png`: over the test split, the equity of the report's sign strategy
+/// ([`SIGN_RULE`]) against buy-and-hold, dated by the bars each step ends at.
+fn forecast_plot(rep: &SeqReport, d: &SeqData, dir: &RunDir) -> Result<()> {
+    let b = &rep.backtest;
+    let with_start = |e: &[f64]| std::iter::once(1.0).chain(e.iter().copied()).collect::<Vec<f64>>();
+    let (strat, hold) = (with_start(&b.agent.equity), with_start(&b.buy_and_hold.equity));
+    // Point 0 stands at the first step's row (before its return), point j at the row j
+    // bars later (after j returns).
     let ts = d.data.single().store.timestamps();
-    let first = (test.start + task.next_bar().row).min(ts.len());
-    let dates = Some(&ts[first..(first + strat.len()).min(ts.len())]).filter(|d| !d.is_empty());
+    let first = b.step_rows[0];
+    let dates = Some(&ts[first..(first + strat.len()).min(ts.len())]).filter(|d| d.len() == strat.len());
     crate::plots::curves(
         dir,
         "forecast.png",
         dates,
-        "test split: long/short on the sign of the one-bar forecast (no costs)",
+        "test split: long/short on the sign of the one-bar forecast (with costs)",
         &[
             ("sign of forecast", &strat, plotters::style::RGBColor(31, 119, 180)),
             ("buy & hold", &hold, plotters::style::RGBColor(255, 127, 14)),
@@ -470,13 +515,21 @@ fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTraine
         beats_naive: point.mse_model < point.mse_zero && point.mse_model < point.mse_last,
         point,
         forecast,
+        periods_per_year: d.data.periods_per_year,
+        strategy: SIGN_RULE,
+        backtest: sign_backtest(task, cfg, d).context("backtesting the forecasts' signs on the test split")?,
     })
 }
 
 fn write_report(dir: &RunDir, name: &str, rep: &SeqReport, profile: Option<&SeqProfile>) -> Result<()> {
     let mut doc = serde_json::to_value(rep)?;
+    crate::report::trim_backtests(&mut doc, &rep.backtest.agent);
     doc["profile"] = serde_json::to_value(profile)?;
-    write_atomic(&dir.path(name), serde_json::to_string_pretty(&doc)?.as_bytes())
+    write_atomic(&dir.path(name), serde_json::to_string_pretty(&doc)?.as_bytes())?;
+    if name == "report.json" {
+        crate::report::write_backtest_csv(dir, &rep.backtest.agent, &rep.backtest.step_rows)?;
+    }
+    Ok(())
 }
 
 fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
@@ -518,6 +571,17 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
             "the model did NOT beat both the zero and last-value forecasts on held-out data"
         }
     );
+    let b = &rep.backtest;
+    println!(
+        "backtest of the forecasts' signs on the test split ({} steps, {:.0} bars/year):",
+        b.agent.stats.steps, rep.periods_per_year
+    );
+    crate::report::print_table(&[
+        ("sign (model)", &b.agent),
+        ("buy & hold", &b.buy_and_hold),
+        ("flat", &b.flat),
+        ("random", &b.random),
+    ]);
     if let Some(p) = profile {
         println!(
             "time: {:.1}s total = data {:.1}s + training {:.1}s + checkpoints/logs {:.1}s + eval {:.1}s + other {:.1}s",
@@ -539,4 +603,74 @@ pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     let (c, d) = latest_with_data(dir, &cfg)?;
     let device = device_for(&cfg)?;
     SeqModel::new(&cfg, &device)?.with(|task| task.eval(&cfg, dir, &c, &d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A TFT or MAMBA-2 of width 8 on 600 synthetic bars, resolved as a run resolves it.
+    fn tiny(model: ModelChoice) -> RunConfig {
+        let mut cfg = RunConfig { model, ..RunConfig::default() };
+        cfg.synthetic.bars = 600;
+        cfg.env.cost = 3e-4;
+        cfg.seq.batch_size = 16;
+        cfg.tft = fx_models::TftConfig { d: 8, n_head: 2, l_enc: 8, h: 3, dropout: 0.0, ..cfg.tft };
+        cfg.mamba2 =
+            fx_models::Mamba2Config { d_model: 8, n_layer: 1, d_state: 4, headdim: 4, chunk_size: 4, ..cfg.mamba2 };
+        cfg.mamba2_seq_len = 12;
+        cfg.resolve().unwrap()
+    }
+
+    /// Recomputes the sign strategy step by step: each step's row is a window's forecast
+    /// row (its window forecast alone, in f64 accounting), its position the forecast's sign,
+    /// its return `p·ln(close[r+1]/close[r]) − cost·|p − p_prev|`; the steps are consecutive
+    /// from the first window's forecast row and every return is realised inside the test
+    /// span; the baselines are scored on the same steps.
+    fn check(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData) {
+        let b = sign_backtest(task, cfg, d).unwrap();
+        let test = d.data.splits.test.clone();
+        let next = task.next_bar();
+        let n = b.agent.positions.len();
+        assert!(n > 10, "{n}");
+        assert_eq!(b.step_rows.len(), n);
+        assert_eq!(b.step_rows[0], test.start + next.row);
+        let windows = test.len() - task.window_len() + 1;
+        assert_eq!(n, windows.min(test.end - 1 - b.step_rows[0]), "every window whose return is inside the span");
+        assert!(b.step_rows.windows(2).all(|w| w[1] == w[0] + 1));
+        assert!(b.step_rows[n - 1] + 1 < test.end, "the last return ends inside the test span");
+        let close = d.data.single().store.close();
+        let c = fx_models::Ctx::inference(cfg.precision);
+        let (mut prev, mut checked) = (0i8, 0);
+        for (i, &r) in b.step_rows.iter().enumerate() {
+            let batch = task.batch(&d.series, &[r - next.row], &Device::Cpu).unwrap();
+            let f = task.point(&c, &batch).unwrap().to_vec2::<f32>().unwrap()[0][next.column];
+            let p = b.agent.positions[i];
+            if f.abs() > 1e-5 {
+                assert_eq!(p, if f > 0.0 { 1 } else { -1 }, "step {i}: forecast {f}");
+                checked += 1;
+            }
+            let want = f64::from(p) * (close[r + 1] / close[r]).ln() - cfg.env.cost * f64::from((p - prev).abs());
+            assert!((b.agent.returns[i] - want).abs() < 1e-12, "step {i}: {} vs {want}", b.agent.returns[i]);
+            prev = p;
+        }
+        assert!(checked > n / 2, "{checked} of {n} forecasts away from 0");
+        for base in [&b.buy_and_hold, &b.flat, &b.random] {
+            assert_eq!(base.returns.len(), n);
+        }
+        assert!(b.buy_and_hold.positions.iter().all(|&p| p == 1));
+        let hold: f64 = b.step_rows.iter().map(|&r| (close[r + 1] / close[r]).ln()).sum();
+        assert!((b.buy_and_hold.returns.iter().sum::<f64>() - (hold - cfg.env.cost)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_sign_backtest_trades_each_forecast_inside_the_test_span() {
+        let cfg = tiny(ModelChoice::Tft);
+        let d = seq_data(&cfg, None).unwrap();
+        check(&Tft::new(cfg.tft.clone(), &Device::Cpu, cfg.seed).unwrap(), &cfg, &d);
+        let cfg = tiny(ModelChoice::Mamba2);
+        let d = seq_data(&cfg, None).unwrap();
+        let m = Mamba2::new(cfg.mamba2.clone(), &Device::Cpu, cfg.seed).unwrap();
+        check(&Mamba2Task { model: &m, seq_len: cfg.mamba2_seq_len }, &cfg, &d);
+    }
 }

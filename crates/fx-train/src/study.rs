@@ -1,13 +1,19 @@
-//! Walk-forward folds and seeds (`fx-train train --folds K --seeds N`, dqn and ppo): the
+//! Walk-forward folds and seeds (`fx-train train --folds K --seeds N`, every model): the
 //! evidence behind a Sharpe ratio rather than one number.
 //!
 //! The study folder holds the study's `config.toml` and one ordinary run folder per (fold,
 //! seed), `fold{f}-seed{s}`, each trained on its fold's training span (its `rows`) with seed
 //! `seed + s` on one market (`data_seed`), and backtested on its fold's test span. Spans
 //! come from [`fx_data::WalkForwardConfig`] with a purge of at least the features' longest
-//! look-back plus the one-bar reward horizon; without `--folds` there is one fold, the
-//! config's split. Validation spans are the folds' model-selection rows (a sweep's
+//! look-back plus the horizon (the RL reward's one bar, the TFT's `H`, MAMBA-2's one bar:
+//! [`min_purge`]); without `--folds` there is one fold, the config's split. Validation spans are the folds' model-selection rows (a sweep's
 //! objective); a run here is scored on its test span only.
+//!
+//! A forecaster's (TFT, MAMBA-2) statistics are those of its report's sign strategy (long /
+//! short on the sign of each one-bar forecast, `seq_run::SIGN_RULE`), beside its forecast
+//! metrics per run and per fold (directional accuracy, MSE against the zero forecast, the
+//! share of runs beating both naive forecasts); `--warm-start` starts a fold from the
+//! previous fold's best-validation weights.
 //!
 //! On a panel (`--data` a folder of bar files, a long-format CSV or a panel file) a run's
 //! statistics are its equal-weight portfolio's, and `study.json` adds each instrument's
@@ -34,7 +40,7 @@ use plotters::style::RGBColor;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::config::RunConfig;
+use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
 use crate::lifecycle::{Outcome, TrainOptions};
 use crate::run_dir::{write_atomic, RunDir};
@@ -44,9 +50,16 @@ pub fn is_study(cfg: &RunConfig) -> bool {
     cfg.walk_forward.is_some() || cfg.seeds > 1
 }
 
-/// Rows a feature row's inputs reach back (the longest feature look-back) plus the reward's
-/// one-bar horizon: the smallest purge between spans.
-pub const RL_MIN_PURGE: usize = fx_data::features::WARMUP + 1;
+/// The smallest purge between spans: the rows a feature row's inputs reach back (the
+/// longest feature look-back) plus the horizon of the run's targets (the RL reward's and
+/// MAMBA-2's one bar; the TFT's `H` bars).
+pub fn min_purge(cfg: &RunConfig) -> usize {
+    let horizon = match cfg.model {
+        ModelChoice::Tft => cfg.tft.h,
+        ModelChoice::Dqn | ModelChoice::Ppo | ModelChoice::Mamba2 => 1,
+    };
+    fx_data::features::WARMUP + horizon
+}
 
 /// One run of the study.
 #[derive(Debug, Clone, Serialize)]
@@ -65,6 +78,35 @@ struct RunRow {
     beat_random: bool,
     /// Probability that the run's true Sharpe ratio on its test span is above 0.
     psr: Option<f64>,
+    /// A forecaster's forecast metrics on its test span.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    forecast: Option<ForecastRow>,
+}
+
+/// A forecaster run's forecast quality (its report's `point`, `forecast`, `beats_naive`).
+#[derive(Debug, Clone, Serialize)]
+struct ForecastRow {
+    directional_accuracy: f64,
+    rank_correlation: f64,
+    /// MSEs of the model's, the zero and the last-value forecasts (target units).
+    mse_model: f64,
+    mse_zero: f64,
+    mse_last: f64,
+    beats_naive: bool,
+}
+
+impl ForecastRow {
+    fn read(rep: &Value, path: &Path) -> Result<Self> {
+        let num = |v: &Value, key: &str| v.as_f64().with_context(|| format!("{}: no {key}", path.display()));
+        Ok(Self {
+            directional_accuracy: num(&rep["forecast"]["directional_accuracy"], "forecast.directional_accuracy")?,
+            rank_correlation: num(&rep["forecast"]["rank_correlation"], "forecast.rank_correlation")?,
+            mse_model: num(&rep["point"]["mse_model"], "point.mse_model")?,
+            mse_zero: num(&rep["point"]["mse_zero"], "point.mse_zero")?,
+            mse_last: num(&rep["point"]["mse_last"], "point.mse_last")?,
+            beats_naive: rep["beats_naive"].as_bool().with_context(|| format!("{}: no beats_naive", path.display()))?,
+        })
+    }
 }
 
 /// `fx-train train` with folds or seeds.
@@ -76,9 +118,6 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     } else {
         cfg
     };
-    if cfg.model.is_sequence() {
-        bail!("--folds and --seeds are for dqn and ppo runs so far; a {} run trains on one split", cfg.model.as_str());
-    }
     if cfg.seeds == 0 {
         bail!("seeds must be at least 1");
     }
@@ -86,7 +125,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     let data = Dataset::load(&resolved, None)?;
     let rows = data.rows();
     let folds: Vec<Fold> = match &cfg.walk_forward {
-        Some(wf) => wf.folds(rows, RL_MIN_PURGE).with_context(|| format!("folds of {}", data.source))?,
+        Some(wf) => wf.folds(rows, min_purge(&cfg)).with_context(|| format!("folds of {}", data.source))?,
         None => {
             let s = &data.splits;
             vec![Fold { train: s.train.clone(), valid: s.valid.clone(), test: s.test.clone() }]
@@ -221,6 +260,7 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
                 beat_random: total > random,
                 // The run's report computed it from the same returns.
                 psr: rep["agent_psr"].as_f64(),
+                forecast: if cfg.model.is_sequence() { Some(ForecastRow::read(&rep, &path)?) } else { None },
             });
         }
     }
@@ -236,8 +276,14 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
             let xs: Vec<f64> = runs.iter().filter(|r| r.fold == f).map(|r| r.sharpe).collect();
             let (m, s) = mean_sd(&xs);
             let bh = runs.iter().find(|r| r.fold == f).map_or(f64::NAN, |r| r.buy_and_hold_sharpe);
-            json!({"fold": f, "train": fold.train, "valid": fold.valid, "test": fold.test,
-                   "sharpe_mean": m, "sharpe_sd": s, "buy_and_hold_sharpe": bh})
+            let mut row = json!({"fold": f, "train": fold.train, "valid": fold.valid, "test": fold.test,
+                   "sharpe_mean": m, "sharpe_sd": s, "buy_and_hold_sharpe": bh});
+            let fc: Vec<&ForecastRow> =
+                runs.iter().filter(|r| r.fold == f).filter_map(|r| r.forecast.as_ref()).collect();
+            if !fc.is_empty() {
+                row["forecast"] = forecast_summary(&fc);
+            }
+            row
         })
         .collect();
     let per_instrument: Vec<Value> = instruments
@@ -283,12 +329,14 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
     } else {
         json!({"unavailable": "one seed: nothing was chosen among seeds"})
     };
+    let fc: Vec<&ForecastRow> = runs.iter().filter_map(|r| r.forecast.as_ref()).collect();
     Ok(json!({
         "model": cfg.model.as_str(),
+        "strategy": cfg.model.is_sequence().then_some(crate::seq_run::SIGN_RULE),
         "data_source": source,
         "folds": folds.len(),
         "window": cfg.walk_forward.as_ref().map(|w| w.window),
-        "purge": cfg.walk_forward.as_ref().map(|w| w.purge.unwrap_or(RL_MIN_PURGE)),
+        "purge": cfg.walk_forward.as_ref().map(|w| w.purge.unwrap_or(min_purge(cfg))),
         "embargo": cfg.walk_forward.as_ref().map(|w| w.embargo),
         "seeds": cfg.seeds,
         "warm_start": cfg.warm_start,
@@ -302,6 +350,7 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
             "sharpe_mean_ci95": ci,
             "share_beat_buy_and_hold": share(|r| r.beat_buy_and_hold),
             "share_beat_random": share(|r| r.beat_random),
+            "forecast": if fc.is_empty() { Value::Null } else { forecast_summary(&fc) },
         },
         "per_fold": per_fold,
         "per_instrument": if per_instrument.is_empty() { Value::Null } else { Value::Array(per_instrument) },
@@ -310,6 +359,19 @@ fn summarise(cfg: &RunConfig, folds: &[Fold], source: &str, dir: &RunDir) -> Res
         "probability_of_backtest_overfitting": pbo,
         "runs_table": runs,
     }))
+}
+
+/// Forecast metrics over some forecaster runs: mean ± sd directional accuracy and rank
+/// correlation, the mean MSE relative to the zero forecast's, the share beating both naive
+/// forecasts.
+fn forecast_summary(rows: &[&ForecastRow]) -> Value {
+    let (da, da_sd) = mean_sd(&rows.iter().map(|r| r.directional_accuracy).collect::<Vec<_>>());
+    let (rc, rc_sd) = mean_sd(&rows.iter().map(|r| r.rank_correlation).collect::<Vec<_>>());
+    let (rel, _) = mean_sd(&rows.iter().map(|r| r.mse_model / r.mse_zero).collect::<Vec<_>>());
+    let beat = rows.iter().filter(|r| r.beats_naive).count() as f64 / rows.len() as f64;
+    json!({"directional_accuracy_mean": da, "directional_accuracy_sd": da_sd,
+           "rank_correlation_mean": rc, "rank_correlation_sd": rc_sd,
+           "mse_over_zero_forecast_mean": rel, "share_beat_naive_forecasts": beat})
 }
 
 /// `oos_equity.png`: each seed's equity over its folds' test spans, one after another.
@@ -384,6 +446,19 @@ fn print_summary(doc: &Value, out: &Path) {
         f(&s["share_beat_buy_and_hold"]),
         f(&s["share_beat_random"]),
     );
+    let fc = &s["forecast"];
+    if fc.is_object() {
+        println!(
+            "  forecasts: directional accuracy {} ± {}, rank correlation {} ± {}, MSE / zero forecast's {}, beat both naive forecasts {} (strategy: {})",
+            f(&fc["directional_accuracy_mean"]),
+            f(&fc["directional_accuracy_sd"]),
+            f(&fc["rank_correlation_mean"]),
+            f(&fc["rank_correlation_sd"]),
+            f(&fc["mse_over_zero_forecast_mean"]),
+            f(&fc["share_beat_naive_forecasts"]),
+            doc["strategy"].as_str().unwrap_or("")
+        );
+    }
     for p in doc["per_fold"].as_array().into_iter().flatten() {
         println!(
             "  fold {}: test rows {}..{}: Sharpe {} ± {} (buy-and-hold {})",

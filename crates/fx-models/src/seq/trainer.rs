@@ -513,23 +513,49 @@ impl SeqTrainer {
         })
     }
 
+    /// Starts this trainer, before its first step, from the weights another run's state
+    /// file ([`SeqTrainer::save_state`]) ended with: its best-validation snapshot (what that
+    /// run evaluated), or its latest weights when it has none. The optimiser, schedule,
+    /// counters and dropout stream stay fresh (a walk-forward fold warm-started from the
+    /// previous fold). The file must hold this model's parameters, shape for shape; every
+    /// error names `path`.
+    pub fn warm_start(&mut self, task: &impl SeqTask, path: &std::path::Path) -> Result<()> {
+        const CTX: &str = "SeqTrainer::warm_start";
+        if self.step > 0 || self.epochs_done > 0 {
+            return Err(Error::config(CTX, "a warm start is for a trainer that has not stepped"));
+        }
+        let shown = path.display().to_string();
+        let named = |e: Error| {
+            let msg = e.to_string();
+            if msg.contains(&shown) {
+                e
+            } else {
+                Error::config(CTX, format!("{shown}: {msg}"))
+            }
+        };
+        let params = task.params();
+        let mut nt = fx_precision::load_tensors(path, params.device()).ctx(CTX).map_err(named)?;
+        let c = read_counters(&nt, path, params.model_name(), CTX).map_err(named)?;
+        let prefix = if c.best.is_some() { "best." } else { "model." };
+        let weights = params
+            .names_and_shapes()
+            .iter()
+            .map(|(n, shape)| Ok((n.clone(), nt.take(&format!("{prefix}{n}"), shape).ctx(CTX)?)))
+            .collect::<Result<HashMap<String, Tensor>>>()
+            .map_err(named)?;
+        params.load_map(&weights, &shown)?;
+        // A captured step would hold the weights it was captured with.
+        #[cfg(feature = "cuda")]
+        self.graph.reset();
+        Ok(())
+    }
+
     fn load_state_from(&mut self, task: &impl SeqTask, path: &std::path::Path) -> Result<()> {
         const CTX: &str = "SeqTrainer::load_state";
         let params = task.params();
         let mut nt = fx_precision::load_tensors(path, params.device()).ctx(CTX)?;
         let bad = |m: String| Error::config(CTX, format!("{}: {m}", path.display()));
-        let json = nt
-            .metadata()
-            .get(SEQ_STATE_KEY)
-            .cloned()
-            .ok_or_else(|| bad(format!("no `{SEQ_STATE_KEY}` metadata (not a sequence-model trainer state)")))?;
-        let c: SeqCounters = serde_json::from_str(&json).map_err(|source| Error::Json { context: CTX, source })?;
-        if c.version != SEQ_STATE_VERSION {
-            return Err(bad(format!("state version {} (expected {SEQ_STATE_VERSION})", c.version)));
-        }
-        if c.model != params.model_name() {
-            return Err(bad(format!("state of a {} model, this is a {}", c.model, params.model_name())));
-        }
+        let c = read_counters(&nt, path, params.model_name(), CTX)?;
         // The graph mode is how a step runs, not what it computes: a run may resume either way.
         let saved_cfg = SeqTrainConfig { graph: self.cfg.graph, ..c.config.clone() };
         if saved_cfg != self.cfg || c.train_rows != self.train_rows {
@@ -570,6 +596,29 @@ impl SeqTrainer {
         self.dirty = false;
         Ok(())
     }
+}
+
+/// The counters of a [`SeqTrainer::save_state`] file, checked to be of this version and of
+/// model `model`.
+fn read_counters(
+    nt: &fx_precision::NamedTensors,
+    path: &std::path::Path,
+    model: &str,
+    ctx: &'static str,
+) -> Result<SeqCounters> {
+    let bad = |m: String| Error::config(ctx, format!("{}: {m}", path.display()));
+    let json = nt
+        .metadata()
+        .get(SEQ_STATE_KEY)
+        .ok_or_else(|| bad(format!("no `{SEQ_STATE_KEY}` metadata (not a sequence-model trainer state)")))?;
+    let c: SeqCounters = serde_json::from_str(json).map_err(|source| Error::Json { context: ctx, source })?;
+    if c.version != SEQ_STATE_VERSION {
+        return Err(bad(format!("state version {} (expected {SEQ_STATE_VERSION})", c.version)));
+    }
+    if c.model != model {
+        return Err(bad(format!("state of a {} model, this is a {model}", c.model)));
+    }
+    Ok(c)
 }
 
 /// The static inputs of a captured step: the model inputs, then the target.
