@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use bytemuck::Pod;
 use memmap2::Mmap;
@@ -269,16 +270,36 @@ pub fn build_feature_file(input: &Path, output: &Path) -> Result<FeatureFileSumm
 
 /// One column: a byte range of the map (aligned, checked at open) or an owned copy.
 #[derive(Debug)]
-enum Col<T> {
+pub(crate) enum Col<T> {
+    /// A byte range of the store's map, aligned for `T`.
     Mapped(Range<usize>),
     Owned(Vec<T>),
+}
+
+impl<T> Col<T> {
+    fn owned_bytes(&self) -> usize {
+        match self {
+            Col::Mapped(_) => 0,
+            Col::Owned(v) => std::mem::size_of_val(v.as_slice()),
+        }
+    }
+}
+
+/// A mapped store's columns (see [`FeatureStore::mapped`]).
+pub(crate) struct MappedCols {
+    pub(crate) market: Col<f32>,
+    pub(crate) known: Col<f32>,
+    pub(crate) logret_next: Col<f32>,
+    pub(crate) close: Col<f64>,
+    pub(crate) timestamp: Col<i64>,
 }
 
 /// Read access to a feature table, memory-mapped from a file or in memory.
 #[derive(Debug)]
 pub struct FeatureStore {
     path: PathBuf,
-    map: Option<Mmap>,
+    /// Shared: a panel file's instruments are views of one map.
+    map: Option<Arc<Mmap>>,
     rows: usize,
     n_market: usize,
     market: Col<f32>,
@@ -359,7 +380,7 @@ impl FeatureStore {
             feature_names,
             source,
             copied_bytes: copied,
-            map: Some(map),
+            map: Some(Arc::new(map)),
         };
         check_finite_f32(store.market(), n_market, "market", path)?;
         check_finite_f32(store.known(), N_KNOWN, "known", path)?;
@@ -367,6 +388,37 @@ impl FeatureStore {
         check_finite_f64(store.close(), "close", path)?;
         check_increasing(store.timestamps(), path)?;
         Ok(store)
+    }
+
+    /// A view of `rows` rows of an already validated map (a panel file's instrument):
+    /// `cols` are byte ranges of `map` or owned copies.
+    pub(crate) fn mapped(
+        path: &Path,
+        map: Arc<Mmap>,
+        rows: usize,
+        cols: MappedCols,
+        feature_names: Vec<String>,
+        source: String,
+    ) -> Self {
+        let owned_bytes = cols.market.owned_bytes()
+            + cols.known.owned_bytes()
+            + cols.logret_next.owned_bytes()
+            + cols.close.owned_bytes()
+            + cols.timestamp.owned_bytes();
+        FeatureStore {
+            path: path.to_path_buf(),
+            map: Some(map),
+            rows,
+            n_market: feature_names.len(),
+            market: cols.market,
+            known: cols.known,
+            logret_next: cols.logret_next,
+            close: cols.close,
+            timestamp: cols.timestamp,
+            feature_names,
+            source,
+            copied_bytes: owned_bytes,
+        }
     }
 
     /// Wraps an in-memory table (validated) so it reads like a file.
@@ -479,13 +531,13 @@ impl FeatureStore {
     }
 }
 
-struct ColRaw {
-    range: Range<usize>,
-    aligned: bool,
+pub(crate) struct ColRaw {
+    pub(crate) range: Range<usize>,
+    pub(crate) aligned: bool,
 }
 
 impl ColRaw {
-    fn into_col<T: Pod>(self, map: &[u8]) -> Col<T> {
+    pub(crate) fn into_col<T: Pod>(self, map: &[u8]) -> Col<T> {
         if self.aligned {
             Col::Mapped(self.range)
         } else {
@@ -498,7 +550,7 @@ impl ColRaw {
     }
 }
 
-fn check_finite_f32(x: &[f32], width: usize, name: &str, what: &Path) -> Result<(), Error> {
+pub(crate) fn check_finite_f32(x: &[f32], width: usize, name: &str, what: &Path) -> Result<(), Error> {
     // Fast scan first; locate the culprit only on failure.
     if x.iter().all(|v| v.is_finite()) {
         return Ok(());
@@ -513,7 +565,7 @@ fn check_finite_f32(x: &[f32], width: usize, name: &str, what: &Path) -> Result<
     })
 }
 
-fn check_finite_f64(x: &[f64], name: &str, what: &Path) -> Result<(), Error> {
+pub(crate) fn check_finite_f64(x: &[f64], name: &str, what: &Path) -> Result<(), Error> {
     match x.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
         Some(i) => {
@@ -522,7 +574,7 @@ fn check_finite_f64(x: &[f64], name: &str, what: &Path) -> Result<(), Error> {
     }
 }
 
-fn check_increasing(ts: &[i64], what: &Path) -> Result<(), Error> {
+pub(crate) fn check_increasing(ts: &[i64], what: &Path) -> Result<(), Error> {
     match ts.windows(2).position(|w| w[1] <= w[0]) {
         None => Ok(()),
         Some(i) => Err(Error::format(what, format!("timestamps are not strictly increasing at row {}", i + 1))),

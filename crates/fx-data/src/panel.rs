@@ -18,7 +18,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 
 use crate::error::Error;
 use crate::feature_file::FeatureTable;
@@ -242,53 +242,10 @@ impl Panel {
         crate::files::write_atomic(path, &bytes).map_err(|e| Error::io(path, e))
     }
 
-    /// Reads a panel file, checking its schema, tensors, shapes and dtypes.
+    /// Reads a panel file into memory, checking its schema, tensors, shapes, dtypes, mask,
+    /// values and calendar ([`crate::PanelFile`] reads it without copying).
     pub fn read(path: &Path) -> Result<Self, Error> {
-        let bytes = crate::files::read_regular(path, u64::MAX).map_err(|e| Error::io(path, e))?;
-        let bad = |m: String| Error::format(path, m);
-        let (_, header) =
-            SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let meta = header.metadata().clone().unwrap_or_default();
-        let get = |k: &str| meta.get(k).ok_or_else(|| bad(format!("metadata lacks `{k}`")));
-        if get("schema")? != PANEL_SCHEMA {
-            return Err(bad(format!("schema is {:?}, expected {PANEL_SCHEMA:?}", get("schema")?)));
-        }
-        let list = |k: &str| -> Result<Vec<String>, Error> {
-            serde_json::from_str(get(k)?).map_err(|e| bad(format!("metadata `{k}` is not a JSON list: {e}")))
-        };
-        let (instruments, feature_names) = (list("instruments")?, list("feature_names")?);
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let n_t = st.tensor("timestamp").map_err(|e| bad(format!("tensor timestamp: {e}")))?.shape().first().copied();
-        let (n_i, n_t, f) = (instruments.len(), n_t.unwrap_or(0), feature_names.len());
-        // The tensor's bytes, checked; copied once, by `pod_vec`.
-        let take = |name: &str, dtype: Dtype, shape: &[usize]| -> Result<safetensors::tensor::TensorView<'_>, Error> {
-            let t = st.tensor(name).map_err(|e| bad(format!("tensor {name}: {e}")))?;
-            if t.dtype() != dtype || t.shape() != shape {
-                return Err(bad(format!(
-                    "tensor {name} is {:?} {:?}, expected {dtype:?} {shape:?}",
-                    t.dtype(),
-                    t.shape()
-                )));
-            }
-            Ok(t)
-        };
-        let panel = Panel {
-            market: pod_vec(take("market", Dtype::F32, &[n_i, n_t, f])?.data()),
-            logret_next: pod_vec(take("logret_next", Dtype::F32, &[n_i, n_t])?.data()),
-            close: pod_vec(take("close", Dtype::F64, &[n_i, n_t])?.data()),
-            mask: take("mask", Dtype::U8, &[n_i, n_t])?.data().to_vec(),
-            known: pod_vec(take("known", Dtype::F32, &[n_t, N_KNOWN])?.data()),
-            timestamp: pod_vec(take("timestamp", Dtype::I64, &[n_t])?.data()),
-            instruments,
-            feature_names,
-        };
-        if panel.timestamp.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(bad("timestamps are not strictly increasing".into()));
-        }
-        if let Some(j) = panel.mask.iter().position(|&m| m > 1) {
-            return Err(bad(format!("mask value {} at cell {j} is not 0 or 1", panel.mask[j])));
-        }
-        Ok(panel)
+        Ok(crate::PanelFile::open(path)?.to_panel())
     }
 }
 
@@ -359,14 +316,6 @@ pub fn is_panel_file(path: &Path) -> Result<bool, Error> {
     }
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(&head) else { return Ok(false) };
     Ok(v["__metadata__"]["schema"].as_str() == Some(PANEL_SCHEMA))
-}
-
-/// `bytes` (a tensor's data, its length a multiple of `T`'s size) as `T`s, copied
-/// (safetensors data need not be aligned for `T`).
-fn pod_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
-    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
-    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
-    v
 }
 
 #[cfg(test)]

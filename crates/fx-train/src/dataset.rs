@@ -264,6 +264,16 @@ fn open_data(path: &Path) -> Result<Opened> {
     if !path.exists() && std::fs::symlink_metadata(path).is_err() {
         bail!("data file {source} does not exist");
     }
+    // A panel file is mapped, its instruments views of the map where their rows allow.
+    if path.is_file() && fx_data::panel::is_panel_file(path)? {
+        let pf = fx_data::PanelFile::open(path)?;
+        let mut out = Vec::with_capacity(pf.instruments().len());
+        for (i, name) in pf.instruments().iter().enumerate() {
+            let (store, rows) = pf.instrument(i)?;
+            out.push((name.clone(), store, rows));
+        }
+        return Ok((out, pf.timestamps().into_owned(), source));
+    }
     if let Some(panel) = Panel::load(path)? {
         let mut out = Vec::with_capacity(panel.instruments.len());
         for i in 0..panel.instruments.len() {
