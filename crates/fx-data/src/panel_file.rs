@@ -232,6 +232,9 @@ impl PanelFile {
 }
 
 #[cfg(test)]
+mod fuzz_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::bars::Bars;
