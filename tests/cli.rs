@@ -953,6 +953,91 @@ fn sweep_of(model: &str, key: &str, prefix: &str, n_tensors: usize, steps: u64) 
     assert!(again.contains("all 3 trials done already"), "{again}");
 }
 
+/// Forecaster sweeps: 4 MAMBA-2 trials (one after another, `--epochs 2` over the file's 3)
+/// rank by validation loss; each trial's folder reports the validation split only; the best
+/// trial, trained again as an ordinary run, scores the test split and ends with its trial's
+/// weights exactly (CPU); a sweep killed inside a trial resumes it from its checkpoint to
+/// the same rows; `--steps` is refused for a forecaster sweep.
+#[test]
+fn forecaster_sweeps_rank_by_validation_loss_and_resume_inside_a_trial() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = std::fs::read_to_string(tiny_seq_config(dir.path(), "mamba2")).unwrap();
+    let run: String = run
+        .lines()
+        .map(|l| match l.strip_prefix('[') {
+            Some(rest) => format!("[run.{rest}\n"),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    let sweep = dir.path().join("sweep.toml");
+    let space = "[space]\n\"seq.lr\" = { log_uniform = [1e-3, 2e-2] }\n\"mamba2.d_state\" = { choice = [4, 8] }\n";
+    std::fs::write(&sweep, format!("trials = 4\nseed = 3\nsampler = \"sobol\"\nbest = 1\n{space}[run]\n{run}"))
+        .unwrap();
+    let sweep_cmd = |out: &Path| {
+        let mut c = fx_train();
+        c.arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(out).args(["--epochs", "2"]);
+        c
+    };
+    let out = dir.path().join("sw");
+    let text = ok(&sweep_cmd(&out).output().unwrap());
+    assert!(text.contains("4 mamba2 trial(s), one after another") && text.contains("val loss"), "{text}");
+    let rows = std::fs::read_to_string(out.join("trials.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = rows.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        let trial = out.join(format!("trials/trial-{}", r["trial"]));
+        let rep = json_file(&trial.join("report.json"));
+        assert_eq!(rep["split"], "validation", "a trial never scores the test split");
+        assert_eq!(rep["epochs_done"], 2, "--epochs 2");
+        assert_eq!(r["val_loss"], rep["best_val_loss"]);
+        assert_eq!(r["val_sharpe"], rep["agent"]["stats"]["sharpe"]);
+    }
+    let doc = json_file(&out.join("sweep.json"));
+    assert!(doc["objective"].as_str().unwrap().starts_with("val_loss"), "{doc}");
+    let losses: Vec<f64> =
+        doc["leaderboard"].as_array().unwrap().iter().map(|e| e["val_loss"].as_f64().unwrap()).collect();
+    assert!(losses.windows(2).all(|w| w[0] <= w[1]), "lowest validation loss first: {losses:?}");
+    let best = doc["best"][0]["trial"].as_u64().unwrap();
+    assert_eq!(best, doc["leaderboard"][0]["trial"].as_u64().unwrap());
+    let best_run = out.join("best-1");
+    assert_eq!(json_file(&best_run.join("report.json"))["split"], "test");
+    let weights = |p: &Path| -> Vec<(String, Vec<u8>)> {
+        tensors(&checkpoint(p, 2))
+            .into_iter()
+            .filter(|(n, _)| n.starts_with("best.") || n.starts_with("model."))
+            .collect()
+    };
+    assert_eq!(weights(&best_run), weights(&out.join(format!("trials/trial-{best}"))), "the best run is its trial");
+
+    // Killed inside trial 2 (after its first epoch's checkpoint), then the same command.
+    let killed = dir.path().join("killed");
+    let mut child = sweep_cmd(&killed).stdout(std::process::Stdio::null()).spawn().unwrap();
+    let inside = killed.join("trials/trial-2");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !checkpoint(&inside, 1).exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let text = ok(&sweep_cmd(&killed).output().unwrap());
+    assert!(text.contains("trials done already; going on"), "{text}");
+    let strip = |p: &Path| std::fs::read_to_string(p.join("trials.jsonl")).unwrap();
+    assert_eq!(strip(&killed), strip(&out), "the resumed sweep's rows are the uninterrupted one's");
+
+    let e = err_line(
+        &fx_train()
+            .arg("sweep")
+            .arg("--config")
+            .arg(&sweep)
+            .arg("--out")
+            .arg(dir.path().join("x"))
+            .args(["--steps", "5"])
+            .output()
+            .unwrap(),
+    );
+    assert!(e.contains("--steps") && e.contains("--epochs"), "{e}");
+}
+
 // ---------------------------------------------------------------- walk-forward studies
 
 /// The tiny DQN on 1,500 synthetic bars (1,400 feature rows): three folds leave each a

@@ -115,6 +115,11 @@ pub struct RunConfig {
     /// A trainer state file whose network weights a fresh run starts from (a study sets it
     /// for a warm-started fold: the previous fold's last checkpoint); ignored on resume.
     pub init_from: Option<PathBuf>,
+    /// A sweep's forecaster trial: its report scores the validation split, and the test
+    /// split is left for the trials the sweep chooses (their runs are ordinary). Written to
+    /// `config.toml` only when set.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub validation_only: bool,
     /// The training environment (episode length, cost, number of accounts).
     pub env: EnvConfig,
     /// DQN hyper-parameters (`model = "dqn"`).
@@ -191,6 +196,7 @@ impl Default for RunConfig {
             warm_start: false,
             rows: None,
             init_from: None,
+            validation_only: false,
             env: EnvConfig { num_envs: 32, ..EnvConfig::default() },
             dqn,
             ppo,

@@ -52,16 +52,23 @@ pub struct SeqProfile {
     pub data_stall_fraction: Option<f64>,
 }
 
-/// The report of a sequence run: forecast quality on the test split.
+/// The report of a sequence run: forecast quality on the test split (a sweep's trial:
+/// the validation split, `RunConfig::validation_only`).
 #[derive(Serialize)]
 pub struct SeqReport {
     pub model: &'static str,
     pub data_source: String,
-    pub test_rows: Range<usize>,
+    /// `test`, or `validation` for a sweep's trial.
+    pub split: &'static str,
+    /// The split's rows.
+    pub rows: Range<usize>,
     /// Standard deviation of the next-bar log return over the training rows: the unit of
     /// the targets, losses and MSEs.
     pub target_scale: f64,
     pub epochs_done: usize,
+    /// Optimiser steps taken, and of them skipped by the non-finite guard.
+    pub steps: usize,
+    pub skipped_steps: usize,
     /// 1-based, as in metrics.jsonl.
     pub best_epoch: usize,
     pub best_val_loss: f64,
@@ -437,14 +444,14 @@ pub struct SignBacktest {
     pub step_rows: Vec<usize>,
 }
 
-fn sign_backtest(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData) -> Result<SignBacktest> {
-    let test = d.data.splits.test.clone();
+fn sign_backtest(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, test: &Range<usize>) -> Result<SignBacktest> {
+    let test = test.clone();
     let (len, next) = (task.window_len(), task.next_bar());
     // Window `s` forecasts the return from row `s + next.row` to the row after it.
     let starts: Vec<usize> = (test.start..=test.end - len).filter(|s| s + next.row + 1 < test.end).collect();
     if starts.is_empty() {
         bail!(
-            "{}: the test split's {} rows leave no one-bar forecast to backtest inside it (a window is {len} rows)",
+            "{}: the split's {} rows leave no one-bar forecast to backtest inside it (a window is {len} rows)",
             d.data.source,
             test.len()
         );
@@ -473,7 +480,7 @@ fn sign_backtest(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData) -> Result<Si
     })
 }
 
-/// `forecast.png`: over the test split, the equity of the report's sign strategy
+/// `forecast.png`: over the report's split, the equity of the report's sign strategy
 /// ([`SIGN_RULE`]) against buy-and-hold, dated by the bars each step ends at.
 fn forecast_plot(rep: &SeqReport, d: &SeqData, dir: &RunDir) -> Result<()> {
     let b = &rep.backtest;
@@ -488,7 +495,7 @@ fn forecast_plot(rep: &SeqReport, d: &SeqData, dir: &RunDir) -> Result<()> {
         dir,
         "forecast.png",
         dates,
-        "test split: long/short on the sign of the one-bar forecast (with costs)",
+        &format!("{} split: long/short on the sign of the one-bar forecast (with costs)", rep.split),
         &[
             ("sign of forecast", &strat, plotters::style::RGBColor(31, 119, 180)),
             ("buy & hold", &hold, plotters::style::RGBColor(255, 127, 14)),
@@ -497,18 +504,26 @@ fn forecast_plot(rep: &SeqReport, d: &SeqData, dir: &RunDir) -> Result<()> {
 }
 
 fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTrainer) -> Result<SeqReport> {
-    let test = d.data.splits.test.clone();
+    let (split, rows) = if cfg.validation_only {
+        ("validation", d.data.splits.valid.clone())
+    } else {
+        ("test", d.data.splits.test.clone())
+    };
     let (bs, p) = (cfg.seq.batch_size, cfg.precision);
-    let point = evaluate(task, &d.series, test.clone(), bs, p).context("evaluating on the test split")?;
-    let forecast = evaluate_forecasts(task, &d.series, test.clone(), bs, p).context("forecast metrics")?;
+    let point =
+        evaluate(task, &d.series, rows.clone(), bs, p).with_context(|| format!("evaluating on the {split} split"))?;
+    let forecast = evaluate_forecasts(task, &d.series, rows.clone(), bs, p).context("forecast metrics")?;
     let (best_epoch, best_val_loss) = trainer.best().context("no epoch ran")?;
     let rep = trainer.log();
     Ok(SeqReport {
         model: cfg.model.as_str(),
         data_source: d.data.source.clone(),
-        test_rows: test,
+        split,
+        rows: rows.clone(),
         target_scale: d.target_scale,
         epochs_done: trainer.epochs_done(),
+        steps: trainer.step(),
+        skipped_steps: trainer.log().iter().map(|e| e.skipped).sum(),
         best_epoch: best_epoch + 1,
         best_val_loss,
         stopped_early: trainer.is_done() && rep.len() < cfg.seq.epochs,
@@ -517,7 +532,8 @@ fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTraine
         forecast,
         periods_per_year: d.data.periods_per_year,
         strategy: SIGN_RULE,
-        backtest: sign_backtest(task, cfg, d).context("backtesting the forecasts' signs on the test split")?,
+        backtest: sign_backtest(task, cfg, d, &rows)
+            .with_context(|| format!("backtesting the forecasts' signs on the {split} split"))?,
     })
 }
 
@@ -534,11 +550,12 @@ fn write_report(dir: &RunDir, name: &str, rep: &SeqReport, profile: Option<&SeqP
 
 fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
     println!(
-        "forecasts of {} on the test split ({} rows {}..{} of {}; after {} epochs, best {} with validation loss {:.4})",
+        "forecasts of {} on the {} split ({} rows {}..{} of {}; after {} epochs, best {} with validation loss {:.4})",
         rep.model,
-        rep.test_rows.len(),
-        rep.test_rows.start,
-        rep.test_rows.end,
+        rep.split,
+        rep.rows.len(),
+        rep.rows.start,
+        rep.rows.end,
         rep.data_source,
         rep.epochs_done,
         rep.best_epoch,
@@ -573,8 +590,8 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
     );
     let b = &rep.backtest;
     println!(
-        "backtest of the forecasts' signs on the test split ({} steps, {:.0} bars/year):",
-        b.agent.stats.steps, rep.periods_per_year
+        "backtest of the forecasts' signs on the {} split ({} steps, {:.0} bars/year):",
+        rep.split, b.agent.stats.steps, rep.periods_per_year
     );
     crate::report::print_table(&[
         ("sign (model)", &b.agent),
@@ -628,8 +645,8 @@ mod tests {
     /// from the first window's forecast row and every return is realised inside the test
     /// span; the baselines are scored on the same steps.
     fn check(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData) {
-        let b = sign_backtest(task, cfg, d).unwrap();
         let test = d.data.splits.test.clone();
+        let b = sign_backtest(task, cfg, d, &test).unwrap();
         let next = task.next_bar();
         let n = b.agent.positions.len();
         assert!(n > 10, "{n}");

@@ -94,6 +94,10 @@ pub struct EpochLog {
     pub val_loss: f64,
     /// Learning rate of the epoch's last step.
     pub lr: f64,
+    /// The epoch's steps skipped by the non-finite guard (a state written before this
+    /// count existed reads 0).
+    #[serde(default)]
+    pub skipped: usize,
 }
 
 /// Outcome of [`train`]; the model holds the weights of `best_epoch`.
@@ -425,7 +429,7 @@ impl SeqTrainer {
             }
         }
         let val = evaluate(task, series, val_rows, self.cfg.batch_size, self.cfg.precision)?.loss;
-        let entry = EpochLog { epoch, train_loss: sum / (nb - skipped).max(1) as f64, val_loss: val, lr };
+        let entry = EpochLog { epoch, train_loss: sum / (nb - skipped).max(1) as f64, val_loss: val, lr, skipped };
         self.log.push(entry.clone());
         self.epochs_done += 1;
         if self.best.as_ref().is_none_or(|(_, b, _)| val < *b) {

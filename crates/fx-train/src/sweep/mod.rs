@@ -19,6 +19,13 @@
 //! memory, or `members`, or `FX_POPULATION`) trains in waves. A member is its solo run, so a
 //! trial's result does not depend on its wave.
 //!
+//! TFT and MAMBA-2 sweeps train their trials one after another ([`train_seq_trials`]): each
+//! trial an ordinary run in `trials/trial-{k}` reporting on the validation split only
+//! (`RunConfig::validation_only`), ranked by its best epoch's validation loss, resumed from
+//! its last epoch's checkpoint when a stopped sweep starts again. Not as populations: their
+//! fused steps are one model's captured graph; member-batched attention, variable selection
+//! and scans are not built.
+//!
 //! `sampler = "tpe"` with `[tpe]` (`startup`, default 16; `batch`, default `startup`;
 //! `explore`, default 0.2) runs the trials in rounds ([`tpe`]): the first `startup` on Sobol
 //! points, each later round of `batch` proposed by the tree-structured Parzen estimator from
@@ -99,9 +106,12 @@ pub struct SweepArgs {
     /// Trials to run (overrides the file's `trials`).
     #[arg(long)]
     pub trials: Option<usize>,
-    /// Environment steps of every trial (overrides `run.steps`).
+    /// Environment steps of every trial (overrides `run.steps`; DQN and PPO).
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Epochs of every trial (overrides `run.seq.epochs`; TFT and MAMBA-2).
+    #[arg(long)]
+    pub epochs: Option<usize>,
     /// Device: auto, cpu, cuda, cuda:N (overrides `run.device`).
     #[arg(long)]
     pub device: Option<String>,
@@ -172,6 +182,11 @@ pub struct TrialRow {
     pub skipped_updates: u64,
     /// `ok`, or `diverged` (a non-finite objective or no applied update).
     pub status: String,
+    /// A forecaster trial's objective: its best validation loss (none for DQN / PPO,
+    /// whose objective is `val_sharpe`; a forecaster's `val_*` backtest fields are its
+    /// forecasts' sign strategy on the validation split).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
     /// Under PBT, each time this trial continued from another (`params` above is where it
     /// started; its last event's are the settings it ended with).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -280,6 +295,11 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     if let Some(d) = &args.device {
         spec.run.insert("device".into(), toml::Value::String(d.clone()));
     }
+    if let Some(e) = args.epochs {
+        let seq = spec.run.entry("seq").or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let seq = seq.as_table_mut().context("the sweep's [run.seq] is not a table")?;
+        seq.insert("epochs".into(), toml::Value::Integer(e.try_into().context("--epochs is too large")?));
+    }
     if let Some(m) = args.members {
         spec.members = Some(m);
     }
@@ -291,11 +311,12 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         bail!("sweep file {}: a [tpe] section needs sampler = \"tpe\"", config.display());
     }
     let base = RunConfig::from_toml_str(&toml::to_string(&spec.run)?, "the sweep's [run]")?.resolve()?;
-    if !matches!(base.model, ModelChoice::Dqn | ModelChoice::Ppo) {
-        bail!(
-            "sweeps train DQN and PPO populations so far; model = {:?} is not supported by `fx-train sweep` yet",
-            base.model.as_str()
-        );
+    match (base.model.is_sequence(), args.steps.is_some(), args.epochs.is_some()) {
+        (true, true, _) => bail!("--steps is for DQN and PPO sweeps; a {} sweep takes --epochs", base.model.as_str()),
+        (false, _, true) => {
+            bail!("--epochs is for TFT and MAMBA-2 sweeps; a {} sweep takes --steps", base.model.as_str())
+        }
+        _ => {}
     }
     let shard = shard_of(args.shard.as_deref(), spec.shards, &|k| std::env::var(k).ok())?;
     if spec.sampler == Sampler::Tpe {
@@ -475,7 +496,7 @@ fn run_tpe(
     for (r, range) in rounds.iter().enumerate() {
         if r > 0 {
             let history: Vec<tpe::Observed> = (0..range.start)
-                .map(|t| tpe::Observed { u: units[t].clone(), objective: done[&t].val_sharpe })
+                .map(|t| tpe::Observed { u: units[t].clone(), objective: objective(&done[&t]) })
                 .collect();
             units.extend(tpe::suggest(&dims, &history, range.len(), tcfg.explore, spec.seed, r as u64));
             println!(
@@ -580,19 +601,23 @@ fn finish(
                 return Ok(Outcome::Interrupted);
             }
         }
-        best.push(json!({"rank": rank + 1, "trial": trial, "run": cfg.out, "val_sharpe": rows[i].val_sharpe}));
+        best.push(json!({"rank": rank + 1, "trial": trial, "run": cfg.out, "val_sharpe": rows[i].val_sharpe, "val_loss": rows[i].val_loss}));
     }
     let mut doc = json!({
         "trials_tried": rows.len(),
         "sampler": spec.sampler,
         "seed": spec.seed,
-        "objective": "val_sharpe (greedy policy, validation split)",
+        "objective": if cfgs.first().is_some_and(|c| c.model.is_sequence()) {
+            "val_loss (the best epoch's validation loss, lower is better; val_sharpe is the forecasts' sign strategy there)"
+        } else {
+            "val_sharpe (greedy policy, validation split)"
+        },
         "test_split": if spec.pbt.is_some() {
             format!("scored only for the best {} trial(s)' final weights (PBT: in `best`)", best.len())
         } else {
             format!("scored only in the best {} run folder(s)", best.len())
         },
-        "leaderboard": board.iter().map(|&i| json!({"trial": rows[i].trial, "val_sharpe": rows[i].val_sharpe, "params": rows[i].params})).collect::<Vec<_>>(),
+        "leaderboard": board.iter().map(|&i| json!({"trial": rows[i].trial, "val_sharpe": rows[i].val_sharpe, "val_loss": rows[i].val_loss, "params": rows[i].params})).collect::<Vec<_>>(),
         "best": best,
     });
     if let (Some(d), Some(x)) = (doc.as_object_mut(), extra.as_object()) {
@@ -736,7 +761,10 @@ fn report(dirs: &[PathBuf], out: Option<&Path>) -> Result<Outcome> {
     finish(&spec, &cfgs, &rows, out, spec.best, json!({"merged_from": merged}))
 }
 
-/// Trials trained together as one population.
+/// A forecaster wave's `source`: its trials train one after another.
+const SEQUENTIAL: &str = "sequential (forecaster trials train one after another)";
+
+/// Trials trained together as one population (a forecaster's: one trial).
 #[derive(Debug, Clone, PartialEq)]
 struct Wave {
     trials: Vec<usize>,
@@ -748,6 +776,10 @@ struct Wave {
 /// their first trial), each group cut into waves as large as the device holds
 /// (`fx_hw::HardwareBudget::population_size`, or `members` / `FX_POPULATION`).
 fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], selected: &[usize], members: Option<usize>) -> Result<Vec<Wave>> {
+    if base.model.is_sequence() {
+        println!("sweep: {} {} trial(s), one after another (see the module docs)", selected.len(), base.model.as_str());
+        return Ok(selected.iter().map(|&t| Wave { trials: vec![t], source: SEQUENTIAL.to_string() }).collect());
+    }
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for &i in selected {
         let c = &cfgs[i];
@@ -816,6 +848,9 @@ fn train_population(
         // run_with refuses [pbt] for PPO sweeps.
         return train_ppo_population(base, cfgs, trials, params, out, stop);
     }
+    if base.model.is_sequence() {
+        return train_seq_trials(cfgs, trials, params, out);
+    }
     let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
     let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
     let mut pop = DqnPopulation::new(members, &device).context("building the sweep's population")?;
@@ -877,6 +912,73 @@ fn train_population(
         "sweep: trained {n} trials in {train_s:.1} s ({:.3e} update samples/s)",
         samples as f64 / train_s.max(1e-9)
     );
+    Ok(Some((rows, summary)))
+}
+
+/// Forecaster trials (TFT, MAMBA-2), one after another: each an ordinary run in
+/// `out/trials/trial-{k}` that reports on the validation split only
+/// (`RunConfig::validation_only`), resumed from its checkpoint when a stopped sweep starts
+/// again. The row's objective is the best epoch's validation loss; its `val_*` backtest
+/// fields are the forecasts' sign strategy on the validation split. `None` when a signal
+/// stopped a trial.
+fn train_seq_trials(
+    cfgs: &[RunConfig],
+    trials: &[usize],
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+    out: &Path,
+) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
+    let mut rows = Vec::with_capacity(trials.len());
+    let t0 = Instant::now();
+    for &t in trials {
+        let mut cfg = cfgs[t].clone();
+        cfg.out = out.join("trials").join(format!("trial-{t}"));
+        cfg.validation_only = true;
+        let report = cfg.out.join("report.json");
+        if !(cfg.out.join("config.toml").exists() && report.exists()) {
+            let resume = cfg.out.join("config.toml").exists();
+            println!(
+                "sweep: trial {t} as a {} run in {}{}",
+                cfg.model.as_str(),
+                cfg.out.display(),
+                if resume { " (resumed)" } else { "" }
+            );
+            let opts = crate::lifecycle::TrainOptions { resume, quiet: true, steps: None };
+            if crate::lifecycle::run(cfg.clone(), opts)? == Outcome::Interrupted {
+                return Ok(None);
+            }
+        }
+        let text = fx_data::files::read_regular_to_string(&report, fx_data::files::MAX_TEXT_BYTES)
+            .with_context(|| format!("reading {}", report.display()))?;
+        let rep: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", report.display()))?;
+        if rep["split"] != "validation" {
+            bail!("{}: a sweep trial's report must be of the validation split", report.display());
+        }
+        let num = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+        let stats = &rep["agent"]["stats"];
+        let loss = num(&rep["best_val_loss"]);
+        let steps = rep["steps"].as_u64().unwrap_or(0);
+        let skipped = rep["skipped_steps"].as_u64().unwrap_or(0);
+        rows.push(TrialRow {
+            trial: t,
+            params: params(t),
+            val_sharpe: num(&stats["sharpe"]),
+            val_total_return: num(&stats["total_return"]),
+            val_max_drawdown: num(&stats["max_drawdown"]),
+            updates: steps - skipped.min(steps),
+            skipped_updates: skipped,
+            status: if loss.is_finite() && steps > skipped { "ok" } else { "diverged" }.into(),
+            pbt: Vec::new(),
+            val_loss: loss.is_finite().then_some(loss),
+        });
+    }
+    let train_s = t0.elapsed().as_secs_f64();
+    let summary = json!({
+        "members": 1,
+        "device": cfgs[trials[0]].device,
+        "train_seconds": train_s,
+        "runs": trials.iter().map(|t| out.join("trials").join(format!("trial-{t}"))).collect::<Vec<_>>(),
+    });
     Ok(Some((rows, summary)))
 }
 
@@ -978,6 +1080,7 @@ fn score_members(
             skipped_updates: skipped[k],
             status: if ok { "ok" } else { "diverged" }.into(),
             pbt: Vec::new(),
+            val_loss: None,
         });
     }
     Ok(rows)
@@ -1067,17 +1170,36 @@ fn toml_to_json(v: &toml::Value) -> serde_json::Value {
     serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
 }
 
-/// Trial indices, best validation Sharpe first (diverged trials last, then by index).
+/// A trial's objective, larger is better: the validation Sharpe (DQN, PPO) or the negated
+/// best validation loss (forecasters); NaN for a diverged trial.
+fn objective(r: &TrialRow) -> f64 {
+    match (r.status.as_str(), r.val_loss) {
+        ("ok", Some(loss)) => -loss,
+        ("ok", None) => r.val_sharpe,
+        _ => f64::NAN,
+    }
+}
+
+/// Trial indices, best objective first (diverged trials last, then by index).
 fn leaderboard(rows: &[TrialRow]) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..rows.len()).collect();
-    let key = |r: &TrialRow| if r.status == "ok" { r.val_sharpe } else { f64::NEG_INFINITY };
+    let key = |r: &TrialRow| Some(objective(r)).filter(|o| o.is_finite()).unwrap_or(f64::NEG_INFINITY);
     idx.sort_by(|&a, &b| key(&rows[b]).total_cmp(&key(&rows[a])).then(a.cmp(&b)));
     idx
 }
 
 fn print_board(board: &[usize], rows: &[TrialRow], out: &Path) {
     println!("leaderboard of {} ({} trials tried; validation split):", out.display(), rows.len());
-    println!("{:>4}  {:>5}  {:>10}  {:>10}  {:>8}  params", "rank", "trial", "val sharpe", "val return", "status");
+    // Forecasters rank by validation loss; their Sharpe is the forecasts' sign strategy.
+    let loss = rows.iter().any(|r| r.val_loss.is_some());
+    if loss {
+        println!(
+            "{:>4}  {:>5}  {:>10}  {:>10}  {:>10}  {:>8}  params",
+            "rank", "trial", "val loss", "val sharpe", "val return", "status"
+        );
+    } else {
+        println!("{:>4}  {:>5}  {:>10}  {:>10}  {:>8}  params", "rank", "trial", "val sharpe", "val return", "status");
+    }
     for (rank, &i) in board.iter().take(10).enumerate() {
         let r = &rows[i];
         let mut params: Vec<String> = r.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -1085,8 +1207,9 @@ fn print_board(board: &[usize], rows: &[TrialRow], out: &Path) {
             let now: Vec<String> = last.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
             params.push(format!("(PBT: {} copies, ended with {})", r.pbt.len(), now.join(" ")));
         }
+        let lead = if loss { format!("{:>10.4}  ", r.val_loss.unwrap_or(f64::NAN)) } else { String::new() };
         println!(
-            "{:>4}  {:>5}  {:>10.3}  {:>10.4}  {:>8}  {}",
+            "{:>4}  {:>5}  {lead}{:>10.3}  {:>10.4}  {:>8}  {}",
             rank + 1,
             r.trial,
             r.val_sharpe,
@@ -1126,7 +1249,7 @@ fn write_rows(out: &Path, rows: &[TrialRow]) -> Result<()> {
         csv.push(',');
         csv.push_str(k);
     }
-    csv.push_str(",val_sharpe,val_total_return,val_max_drawdown,updates,skipped_updates,status\n");
+    csv.push_str(",val_sharpe,val_total_return,val_max_drawdown,updates,skipped_updates,status,val_loss\n");
     for r in rows {
         csv.push_str(&r.trial.to_string());
         for k in &keys {
@@ -1134,8 +1257,14 @@ fn write_rows(out: &Path, rows: &[TrialRow]) -> Result<()> {
             csv.push_str(&r.params[*k].to_string().replace(',', ";"));
         }
         csv.push_str(&format!(
-            ",{},{},{},{},{},{}\n",
-            r.val_sharpe, r.val_total_return, r.val_max_drawdown, r.updates, r.skipped_updates, r.status
+            ",{},{},{},{},{},{},{}\n",
+            r.val_sharpe,
+            r.val_total_return,
+            r.val_max_drawdown,
+            r.updates,
+            r.skipped_updates,
+            r.status,
+            r.val_loss.map(|l| l.to_string()).unwrap_or_default()
         ));
     }
     crate::run_dir::write_atomic(&out.join("trials.csv"), csv.as_bytes())?;
@@ -1236,6 +1365,7 @@ n_actions = 3
             report: Vec::new(),
             trials: None,
             steps: None,
+            epochs: None,
             device: None,
             members: Some(members),
         }
@@ -1504,8 +1634,17 @@ n_actions = 3
             skipped_updates: 0,
             status: status.into(),
             pbt: Vec::new(),
+            val_loss: None,
         };
         let rows = vec![row(0, 0.5, "ok"), row(1, f64::NAN, "diverged"), row(2, 1.5, "ok"), row(3, 0.5, "ok")];
+        assert_eq!(leaderboard(&rows), [2, 0, 3, 1]);
+        // Forecasters: the lowest validation loss first, whatever their Sharpe.
+        let seq = |trial, loss: Option<f64>, status: &str| TrialRow {
+            val_loss: loss,
+            ..row(trial, 9.0 - trial as f64, status)
+        };
+        let rows =
+            vec![seq(0, Some(0.9), "ok"), seq(1, None, "diverged"), seq(2, Some(0.7), "ok"), seq(3, Some(1.2), "ok")];
         assert_eq!(leaderboard(&rows), [2, 0, 3, 1]);
     }
 }
