@@ -18,7 +18,8 @@ use fx_precision::Precision;
 
 /// What the training loop needs from a model.
 pub trait SeqTask {
-    /// Rows per sample window.
+    /// Rows a sample window reaches: its inputs' rows and every row whose price its
+    /// targets use (a window drawn from a split stays inside it, targets included).
     fn window_len(&self) -> usize;
     /// Where the one-bar-ahead forecast sits in a window's target (for trading on it and
     /// dating it).
@@ -143,8 +144,11 @@ pub struct Mamba2Task<'a> {
 }
 
 impl SeqTask for Mamba2Task<'_> {
+    /// `seq_len` steps and the bar after them: the last step's target is the return to it,
+    /// so a window of a split must hold that bar too (else the training split's last
+    /// window would read the validation split's first close, and validation the test's).
     fn window_len(&self) -> usize {
-        self.seq_len
+        self.seq_len + 1
     }
 
     /// The last step: the return after the window's last row.

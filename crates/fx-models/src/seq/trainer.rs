@@ -873,6 +873,45 @@ mod tests {
         assert_eq!(mtask.next_bar(), NextBar { column: 15, row: 15 });
     }
 
+    /// A window drawn from a split keeps its targets inside it: with target `r` at row
+    /// `r` (the return from row `r` to `r + 1`), no window of rows `10..60` has a target
+    /// above 58, for the TFT (targets inside its window) and MAMBA-2 (whose last step's
+    /// return ends one row after its steps: its window counts that row).
+    #[test]
+    fn windows_of_a_split_keep_their_targets_inside_it() {
+        let rows = 80;
+        let mut series = synthetic(rows, 3);
+        series.target = (0..rows).map(|r| r as f32).collect();
+        let tft = Tft::new(
+            TftConfig { n_observed: 3, d: 8, n_head: 2, l_enc: 6, h: 3, ..TftConfig::default() },
+            &Device::Cpu,
+            1,
+        )
+        .unwrap();
+        let mcfg = Mamba2Config {
+            n_in: 3,
+            d_model: 8,
+            n_layer: 1,
+            d_state: 4,
+            headdim: 4,
+            chunk_size: 8,
+            ..Mamba2Config::default()
+        };
+        let mamba = Mamba2::new(mcfg, &Device::Cpu, 1).unwrap();
+        let mtask = Mamba2Task { model: &mamba, seq_len: 16 };
+        let highest = |task: &dyn Fn(&[usize]) -> SeqBatch, len: usize| {
+            let smp = sampler(&(10..60), len, 4, 3).unwrap();
+            let mut top = 0.0f32;
+            for bi in smp.epoch_batches(0) {
+                let t = task(&bi.starts).target.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                top = t.into_iter().fold(top, f32::max);
+            }
+            top
+        };
+        assert_eq!(highest(&|st| tft.batch(&series, st, &Device::Cpu).unwrap(), SeqTask::window_len(&tft)), 58.0);
+        assert_eq!(highest(&|st| mtask.batch(&series, st, &Device::Cpu).unwrap(), mtask.window_len()), 58.0);
+    }
+
     #[test]
     fn tft_learns_and_beats_naive_forecasts() {
         let series = synthetic(460, 3);
