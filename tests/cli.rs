@@ -1017,10 +1017,16 @@ fn forecaster_sweeps_rank_by_validation_loss_and_resume_inside_a_trial() {
     while !checkpoint(&inside, 1).exists() && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
+    let running = child.try_wait().unwrap().is_none();
     child.kill().unwrap();
     child.wait().unwrap();
+    assert!(checkpoint(&inside, 1).exists(), "trial 2 never reached its first epoch");
+    let mid_trial = running && !inside.join("report.json").exists();
     let text = ok(&sweep_cmd(&killed).output().unwrap());
     assert!(text.contains("trials done already; going on"), "{text}");
+    if mid_trial {
+        assert!(text.contains("trial 2 as a mamba2 run") && text.contains("(resumed)"), "{text}");
+    }
     let strip = |p: &Path| std::fs::read_to_string(p.join("trials.jsonl")).unwrap();
     assert_eq!(strip(&killed), strip(&out), "the resumed sweep's rows are the uninterrupted one's");
 
@@ -1036,6 +1042,129 @@ fn forecaster_sweeps_rank_by_validation_loss_and_resume_inside_a_trial() {
             .unwrap(),
     );
     assert!(e.contains("--steps") && e.contains("--epochs"), "{e}");
+    // A trial folder started with another length is refused, not resumed under it.
+    std::fs::remove_file(killed.join("trials.jsonl")).unwrap();
+    let mut other = fx_train();
+    other.arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&killed).args(["--epochs", "3"]);
+    let e = err_line(&other.output().unwrap());
+    assert!(e.contains("trial 0's folder was started with another config"), "{e}");
+}
+
+/// A forecaster trial whose loss goes non-finite (learning rate 1e30) is a diverged row, the
+/// sweep goes on and ranks the others, and a second call does not train it again.
+#[test]
+fn a_diverged_forecaster_trial_is_a_row_not_the_end_of_the_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = std::fs::read_to_string(tiny_seq_config(dir.path(), "mamba2")).unwrap();
+    let run: String = run
+        .lines()
+        .map(|l| match l.strip_prefix('[') {
+            Some(rest) => format!("[run.{rest}\n"),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    let sweep = dir.path().join("sweep.toml");
+    let head = "sampler = \"grid\"\nbest = 1\n[space]\n\"seq.lr\" = { choice = [1e30, 0.005] }\n";
+    std::fs::write(&sweep, format!("{head}[run]\n{run}")).unwrap();
+    let out = dir.path().join("sw");
+    let call = || ok(&fx_train().arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&out).output().unwrap());
+    let text = call();
+    assert!(text.contains("trial 0 diverged: non-finite"), "{text}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.join("trials.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!((rows[0]["status"].as_str(), rows[1]["status"].as_str()), (Some("diverged"), Some("ok")));
+    assert_eq!(json_file(&out.join("sweep.json"))["best"][0]["trial"], 1);
+    assert!(call().contains("all 2 trials done already"));
+}
+
+/// Successive halving (`[halving]`, min_epochs 1, eta 2, 4 epochs: rungs 1, 2, 4) over 6
+/// MAMBA-2 trials: the decisions follow the trials' own metrics (recomputed here from their
+/// metrics.jsonl), the stopped trials keep the epochs they reached and no report, and a
+/// trial trained in pauses ends with the weights of the same trial trained straight
+/// through (the schedule is the full run's).
+#[test]
+fn successive_halving_stops_the_worse_trials_at_rungs() {
+    let dir = tempfile::tempdir().unwrap();
+    let run =
+        std::fs::read_to_string(tiny_seq_config(dir.path(), "mamba2")).unwrap().replace("epochs = 3", "epochs = 4");
+    let run: String = run
+        .lines()
+        .map(|l| match l.strip_prefix('[') {
+            Some(rest) => format!("[run.{rest}\n"),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    let head =
+        "trials = 6\nseed = 3\nsampler = \"sobol\"\nbest = 0\n[space]\n\"seq.lr\" = { log_uniform = [1e-3, 2e-2] }\n";
+    let (halved, plain) = (dir.path().join("halved.toml"), dir.path().join("plain.toml"));
+    std::fs::write(&halved, format!("{head}[halving]\nmin_epochs = 1\neta = 2\n[run]\n{run}")).unwrap();
+    std::fs::write(&plain, format!("{head}[run]\n{run}")).unwrap();
+    let sweep = |cfg: &Path, out: &Path| {
+        ok(&fx_train().arg("sweep").arg("--config").arg(cfg).arg("--out").arg(out).output().unwrap())
+    };
+    let (h, p) = (dir.path().join("h"), dir.path().join("p"));
+    let text = sweep(&halved, &h);
+    assert!(
+        text.contains("halving at epoch 1: 3 of 6 trials") && text.contains("halving at epoch 2: 2 of 3 trials"),
+        "{text}"
+    );
+    sweep(&plain, &p);
+    let trial = |out: &Path, t: usize| out.join(format!("trials/trial-{t}"));
+    // The best validation loss of trial t after `epoch` epochs, from its own metrics.
+    let best_at = |t: usize, epoch: u64| -> f64 {
+        let text = std::fs::read_to_string(trial(&h, t).join("metrics.jsonl")).unwrap();
+        let line = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|v| v["epoch"] == epoch)
+            .unwrap();
+        line["best_val_loss"].as_f64().unwrap()
+    };
+    let best_of = |alive: &[usize], epoch: u64, n: usize| -> Vec<usize> {
+        let mut a = alive.to_vec();
+        a.sort_by(|&x, &y| best_at(x, epoch).total_cmp(&best_at(y, epoch)).then(x.cmp(&y)));
+        a.truncate(n);
+        a.sort_unstable();
+        a
+    };
+    let r1 = best_of(&[0, 1, 2, 3, 4, 5], 1, 3);
+    let r2 = best_of(&r1, 2, 2);
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(h.join("trials.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for r in &rows {
+        let t = r["trial"].as_u64().unwrap() as usize;
+        let want_epochs = if r2.contains(&t) {
+            4
+        } else if r1.contains(&t) {
+            2
+        } else {
+            1
+        };
+        assert_eq!(r["epochs"], want_epochs, "trial {t}: {r}");
+        assert_eq!(r["status"], if want_epochs == 4 { "ok" } else { "stopped" }, "trial {t}");
+        assert_eq!(trial(&h, t).join("report.json").exists(), want_epochs == 4, "trial {t}");
+        assert!(
+            checkpoint(&trial(&h, t), want_epochs).exists() && !checkpoint(&trial(&h, t), want_epochs + 1).exists()
+        );
+    }
+    let board = json_file(&h.join("sweep.json"))["leaderboard"].clone();
+    assert!(
+        r2.contains(&(board[0]["trial"].as_u64().unwrap() as usize))
+            && r2.contains(&(board[1]["trial"].as_u64().unwrap() as usize))
+    );
+    for &t in &r2 {
+        assert_eq!(
+            tensors(&checkpoint(&trial(&h, t), 4)),
+            tensors(&checkpoint(&trial(&p, t), 4)),
+            "trial {t} paused twice"
+        );
+    }
 }
 
 // ---------------------------------------------------------------- walk-forward studies

@@ -1,6 +1,7 @@
 //! A panel file (`fx-panel/1`, see [`crate::panel`]) memory-mapped: [`PanelFile::open`]
-//! checks it once (schema, tensors, dtypes, shapes, the mask, finite values, the calendar)
-//! and reads no cell into memory; [`PanelFile::instrument`] hands out one instrument's
+//! checks it once (schema, tensors, dtypes, shapes, the mask, finite values, the calendar:
+//! a scan of the map, copying nothing unless a tensor is misaligned, which this crate's
+//! writer never makes); [`PanelFile::instrument`] hands out one instrument's
 //! rows as a [`FeatureStore`] that borrows the map when they are one run of calendar rows
 //! (the usual case: an instrument listed after the calendar starts or delisted before it
 //! ends), and gathers them once into memory only when the instrument has gaps. A run on a
@@ -63,6 +64,9 @@ impl PanelFile {
             serde_json::from_str(get(k)?).map_err(|e| bad(format!("metadata `{k}` is not a JSON list: {e}")))
         };
         let (instruments, feature_names) = (list("instruments")?, list("feature_names")?);
+        if feature_names.is_empty() || instruments.is_empty() {
+            return Err(bad("metadata `feature_names` and `instruments` must not be empty".into()));
+        }
         let st = SafeTensors::deserialize(&map).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
         let n_t = st.tensor("timestamp").map_err(|e| bad(format!("tensor timestamp: {e}")))?.shape().first().copied();
         let (n_i, n_t, f) = (instruments.len(), n_t.unwrap_or(0), feature_names.len());

@@ -40,6 +40,10 @@ pub struct TrainOptions {
     /// `--steps` when given on the command line: on `--resume` it replaces the saved run's
     /// step count (to extend a run); otherwise the saved config is used unchanged.
     pub steps: Option<u64>,
+    /// Pause once the task's progress ([`RunTask::progress`]: a forecaster's epochs) has
+    /// reached this many, after their checkpoint, without the report: the run resumes from
+    /// there with its schedule unchanged (a sweep's successive halving). None: run to the end.
+    pub pause_at: Option<u64>,
 }
 
 /// How a run ended.
@@ -47,6 +51,8 @@ pub struct TrainOptions {
 pub enum Outcome {
     Finished,
     Interrupted,
+    /// Stopped at [`TrainOptions::pause_at`]; resumable.
+    Paused,
 }
 
 /// What one [`RunTask::step_chunk`] did.
@@ -125,6 +131,10 @@ pub(crate) trait RunTask: Sized {
     fn checkpoint(&mut self, dir: &RunDir, train_seconds: f64, last: bool) -> Result<()>;
     /// The line printed when a signal stopped the run: where its checkpoint is, how to go on.
     fn interrupted_line(&self, dir: &Path) -> String;
+    /// Chunks done that [`TrainOptions::pause_at`] counts (none: the task cannot pause).
+    fn progress(&self) -> Option<u64> {
+        None
+    }
     /// Evaluates the trained model, writes the report (with the profile) and prints it.
     fn report(self, dir: &RunDir, timings: Timings) -> Result<()>;
 }
@@ -213,9 +223,14 @@ fn drive<T: RunTask>(mut task: T, start: &RunStart, opts: &TrainOptions, data_pr
     let mut checkpointed = false;
     let mut interrupted = false;
     let ctx = ChunkCtx { bar: &bar };
+    let mut paused = false;
     while !task.is_done() {
         if ctx.stop_requested() {
             interrupted = true;
+            break;
+        }
+        if opts.pause_at.is_some_and(|p| task.progress().is_some_and(|done| done >= p)) {
+            paused = true;
             break;
         }
         let t = Instant::now();
@@ -264,6 +279,9 @@ fn drive<T: RunTask>(mut task: T, start: &RunStart, opts: &TrainOptions, data_pr
     if interrupted {
         eprintln!("{}", task.interrupted_line(dir.root()));
         return Ok(Ended::Outcome(Outcome::Interrupted));
+    }
+    if paused {
+        return Ok(Ended::Outcome(Outcome::Paused));
     }
     task.report(dir, times)?;
     Ok(Ended::Outcome(Outcome::Finished))
@@ -438,7 +456,7 @@ mod tests {
     }
 
     fn opts() -> TrainOptions {
-        TrainOptions { resume: false, quiet: true, steps: None }
+        TrainOptions { resume: false, quiet: true, steps: None, pause_at: None }
     }
 
     fn first_metrics(run: &Path) -> Value {

@@ -188,7 +188,7 @@ trait SeqTaskRun {
         on_batch: &mut dyn FnMut(usize, f64) -> ControlFlow<()>,
     ) -> Result<Option<EpochLog>>;
     fn save_state(&self, trainer: &SeqTrainer, path: &Path) -> Result<()>;
-    /// A fresh trainer's model set to another run's final weights (`init_from`).
+    /// A fresh trainer's model set to another run's best-validation weights (`init_from`).
     fn warm_start(&self, trainer: &mut SeqTrainer, path: &Path) -> Result<()>;
     /// The best epoch's weights loaded, the forecast metrics on the test split.
     fn evaluate(&self, trainer: &SeqTrainer, cfg: &RunConfig, d: &SeqData) -> Result<SeqReport>;
@@ -363,6 +363,7 @@ impl RunTask for SeqRun {
             "train_loss": e.log.train_loss,
             "val_loss": e.log.val_loss,
             "best_val_loss": self.trainer.best().map(|b| b.1),
+            "skipped_steps": self.trainer.log().iter().map(|e| e.skipped).sum::<usize>(),
             "lr": e.log.lr,
             "train_samples_per_s": self.batches_per_epoch as f64 * self.cfg.seq.batch_size as f64 / secs,
             "data_stall_fraction": e.batch_seconds / secs,
@@ -381,6 +382,10 @@ impl RunTask for SeqRun {
         let (model, trainer) = (&self.model, &self.trainer);
         dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| model.with(|t| t.save_state(trainer, p)))?;
         Ok(())
+    }
+
+    fn progress(&self) -> Option<u64> {
+        Some(self.trainer.epochs_done() as u64)
     }
 
     fn interrupted_line(&self, dir: &Path) -> String {
@@ -419,7 +424,10 @@ impl RunTask for SeqRun {
             &[("training loss (mean over the epoch)", "train_loss"), ("validation loss", "val_loss")],
         )?;
         forecast_plot(&rep, &d, dir)?;
-        print(&rep, Some(&profile), dir);
+        // A sweep's trials are summed up by its leaderboard.
+        if !cfg.validation_only {
+            print(&rep, Some(&profile), dir);
+        }
         Ok(())
     }
 }

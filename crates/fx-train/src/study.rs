@@ -168,7 +168,8 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
                 if sub.init_from.is_some() { " (warm start from the previous fold)" } else { "" },
                 if resume { " (resumed)" } else { "" }
             );
-            let outcome = crate::lifecycle::run(sub, TrainOptions { resume, quiet: true, steps: opts.steps })?;
+            let outcome =
+                crate::lifecycle::run(sub, TrainOptions { resume, quiet: true, steps: opts.steps, pause_at: None })?;
             if outcome == Outcome::Interrupted {
                 println!("study interrupted; continue with `fx-train train --resume --out {}`", dir.root().display());
                 return Ok(Outcome::Interrupted);

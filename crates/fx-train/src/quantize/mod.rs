@@ -41,6 +41,14 @@ struct Loaded {
 fn run_config(run: &Path) -> Result<(RunDir, RunConfig)> {
     let dir = RunDir::existing(run)?;
     let cfg = RunConfig::from_toml_file(&dir.path("config.toml"))?.resolve()?;
+    if cfg.validation_only {
+        // Its INT8 comparison would score the test split, which a sweep keeps for the
+        // trials it chooses.
+        bail!(
+            "{}: a sweep's trial (scored on the validation split only); quantize its best-N run instead",
+            run.display()
+        );
+    }
     Ok((dir, cfg))
 }
 

@@ -26,6 +26,10 @@
 //! fused steps are one model's captured graph; member-batched attention, variable selection
 //! and scans are not built.
 //!
+//! `[halving]` ([`halving`]) stops the worse forecaster trials at rungs of epochs
+//! (successive halving; each trial paused with its full schedule, [`halve`]); a trial
+//! whose training goes non-finite is recorded as diverged and the sweep goes on.
+//!
 //! `sampler = "tpe"` with `[tpe]` (`startup`, default 16; `batch`, default `startup`;
 //! `explore`, default 0.2) runs the trials in rounds ([`tpe`]): the first `startup` on Sobol
 //! points, each later round of `batch` proposed by the tree-structured Parzen estimator from
@@ -59,6 +63,7 @@
 //! mid-training checkpoint yet); a sweep whose rows are complete is not trained again, and
 //! running it again prints its leaderboard and finishes any best-trial run that did not end.
 
+mod halving;
 mod pbt;
 mod space;
 mod tpe;
@@ -79,6 +84,7 @@ use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
 use crate::lifecycle::Outcome;
 use crate::train_env::TrainEnv;
+pub use halving::HalvingConfig;
 pub use pbt::{PbtConfig, PbtEvent};
 pub use space::{Dim, Sampler};
 pub use tpe::TpeConfig;
@@ -158,6 +164,10 @@ pub struct SweepConfig {
     /// The TPE sampler's rounds (`sampler = "tpe"`; none: its defaults).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpe: Option<TpeConfig>,
+    /// Successive halving of forecaster trials ([`halving`]; none: every trial trains to
+    /// the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub halving: Option<HalvingConfig>,
 }
 
 fn one() -> usize {
@@ -187,6 +197,10 @@ pub struct TrialRow {
     /// forecasts' sign strategy on the validation split).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// A forecaster trial's epochs trained: fewer than `seq.epochs` when successive halving
+    /// stopped it (`status` = `stopped`; its `val_loss` is its best at that rung).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<usize>,
     /// Under PBT, each time this trial continued from another (`params` above is where it
     /// started; its last event's are the settings it ended with).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -377,6 +391,33 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     if let Some((i, n)) = shard {
         println!("sweep shard {i}/{n}: {} of the {} trials", selected.len(), cfgs.len());
     }
+    if let Some(h) = &spec.halving {
+        if !base.model.is_sequence() || shard.is_some() || plan.is_some() {
+            bail!(
+                "sweep file {}: [halving] stops forecaster (TFT, MAMBA-2) trials at rungs; it is not for {} sweeps, shards or [pbt]",
+                config.display(),
+                base.model.as_str()
+            );
+        }
+        let rows = if selected.iter().all(|t| done.contains_key(t)) {
+            println!(
+                "sweep {}: all {} trials done already; leaderboard from trials.jsonl",
+                out.display(),
+                selected.len()
+            );
+            done.into_values().collect()
+        } else {
+            let Some(rows) = halve(h, &cfgs, &selected, &params, out)? else {
+                println!("sweep interrupted: the trials' folders keep their epochs; run the same command to go on");
+                return Ok(Outcome::Interrupted);
+            };
+            write_rows(out, &rows)?;
+            rows
+        };
+        let extra = json!({"populations": [], "shard": null,
+            "halving": {"min_epochs": h.min_epochs, "eta": h.eta, "rungs": h.rungs(base.seq.epochs)?}});
+        return finish(&spec, &cfgs, &rows, out, spec.best, extra);
+    }
     let waves = plan_waves(&base, &cfgs, &selected, spec.members)?;
     let todo: Vec<&Wave> = waves.iter().filter(|w| w.trials.iter().any(|t| !done.contains_key(t))).collect();
     if !rows_path.exists() {
@@ -448,6 +489,9 @@ fn run_tpe(
     };
     if spec.pbt.is_some() {
         bail!("sweep file {file}: sampler = \"tpe\" and [pbt] both choose the trials' settings; use one of them");
+    }
+    if spec.halving.is_some() {
+        bail!("sweep file {file}: sampler = \"tpe\" with [halving] is not supported yet (TPE ranks finished trials)");
     }
     if sharded {
         bail!("sweep file {file}: a TPE sweep proposes each round from every finished trial and is not sharded");
@@ -593,7 +637,7 @@ fn finish(
             println!("training trial {trial} (rank {}) as an ordinary run in {}", rank + 1, cfg.out.display());
             let outcome = crate::lifecycle::run(
                 cfg.clone(),
-                crate::lifecycle::TrainOptions { resume, quiet: true, steps: None },
+                crate::lifecycle::TrainOptions { resume, quiet: true, steps: None, pause_at: None },
             )?;
             crate::run_dir::write_atomic(&marker, trial.to_string().as_bytes())?;
             if matches!(outcome, Outcome::Interrupted) {
@@ -930,56 +974,249 @@ fn train_seq_trials(
     let mut rows = Vec::with_capacity(trials.len());
     let t0 = Instant::now();
     for &t in trials {
-        let mut cfg = cfgs[t].clone();
-        cfg.out = out.join("trials").join(format!("trial-{t}"));
-        cfg.validation_only = true;
-        let report = cfg.out.join("report.json");
-        if !(cfg.out.join("config.toml").exists() && report.exists()) {
-            let resume = cfg.out.join("config.toml").exists();
-            println!(
-                "sweep: trial {t} as a {} run in {}{}",
-                cfg.model.as_str(),
-                cfg.out.display(),
-                if resume { " (resumed)" } else { "" }
-            );
-            let opts = crate::lifecycle::TrainOptions { resume, quiet: true, steps: None };
-            if crate::lifecycle::run(cfg.clone(), opts)? == Outcome::Interrupted {
-                return Ok(None);
-            }
+        let cfg = seq_trial_config(cfgs, t, out);
+        if train_seq_trial(&cfg, t, None)? == TrialRun::Stopped {
+            return Ok(None);
         }
-        let text = fx_data::files::read_regular_to_string(&report, fx_data::files::MAX_TEXT_BYTES)
-            .with_context(|| format!("reading {}", report.display()))?;
-        let rep: serde_json::Value =
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", report.display()))?;
-        if rep["split"] != "validation" {
-            bail!("{}: a sweep trial's report must be of the validation split", report.display());
-        }
-        let num = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
-        let stats = &rep["agent"]["stats"];
-        let loss = num(&rep["best_val_loss"]);
-        let steps = rep["steps"].as_u64().unwrap_or(0);
-        let skipped = rep["skipped_steps"].as_u64().unwrap_or(0);
-        rows.push(TrialRow {
-            trial: t,
-            params: params(t),
-            val_sharpe: num(&stats["sharpe"]),
-            val_total_return: num(&stats["total_return"]),
-            val_max_drawdown: num(&stats["max_drawdown"]),
-            updates: steps - skipped.min(steps),
-            skipped_updates: skipped,
-            status: if loss.is_finite() && steps > skipped { "ok" } else { "diverged" }.into(),
-            pbt: Vec::new(),
-            val_loss: loss.is_finite().then_some(loss),
-        });
+        rows.push(seq_trial_row(&cfg.out, t, params)?);
     }
     let train_s = t0.elapsed().as_secs_f64();
     let summary = json!({
         "members": 1,
         "device": cfgs[trials[0]].device,
         "train_seconds": train_s,
-        "runs": trials.iter().map(|t| out.join("trials").join(format!("trial-{t}"))).collect::<Vec<_>>(),
+        "runs": trials.iter().map(|&t| seq_trial_config(cfgs, t, out).out).collect::<Vec<_>>(),
     });
     Ok(Some((rows, summary)))
+}
+
+/// Forecaster trial `t`'s run config: its folder `out/trials/trial-{t}`, validation only.
+fn seq_trial_config(cfgs: &[RunConfig], t: usize, out: &Path) -> RunConfig {
+    let mut cfg = cfgs[t].clone();
+    cfg.out = out.join("trials").join(format!("trial-{t}"));
+    cfg.validation_only = true;
+    cfg
+}
+
+/// How a forecaster trial's training call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TrialRun {
+    /// Finished, or paused at the epoch asked for.
+    Ran,
+    /// A non-finite loss or gradient stopped it (the CPU step refuses them; a captured
+    /// GPU step skips them instead): recorded in its folder, not trained again.
+    Diverged,
+    /// A signal stopped it.
+    Stopped,
+}
+
+/// Marks a forecaster trial's folder: the config the sweep started it with (its `out`
+/// left out, so a moved sweep folder still matches), and why it diverged.
+const TRIAL_CONFIG: &str = "sweep-trial.toml";
+const TRIAL_DIVERGED: &str = "sweep-diverged.txt";
+
+/// Trains (or resumes) a forecaster trial's run, to its end or paused after `pause_at`
+/// epochs; nothing when it has finished or diverged. A folder started with another config
+/// (an edited sweep file, another `--epochs`) is refused rather than resumed under it.
+fn train_seq_trial(cfg: &RunConfig, t: usize, pause_at: Option<usize>) -> Result<TrialRun> {
+    let dir = &cfg.out;
+    let marker = dir.join(TRIAL_CONFIG);
+    let want = RunConfig { out: PathBuf::new(), ..cfg.clone() }.to_toml()?;
+    let started = dir.join("config.toml").exists();
+    if started {
+        let held = fx_data::files::read_regular_to_string(&marker, fx_data::files::MAX_TEXT_BYTES).ok();
+        if held.as_deref() != Some(want.as_str()) {
+            bail!(
+                "{}: trial {t}'s folder was started with another config than this sweep's (an edited sweep file or --epochs?); use another --out",
+                dir.display()
+            );
+        }
+    }
+    if dir.join(TRIAL_DIVERGED).exists() {
+        return Ok(TrialRun::Diverged);
+    }
+    if started && dir.join("report.json").exists() {
+        return Ok(TrialRun::Ran);
+    }
+    if !started {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        crate::run_dir::write_atomic(&marker, want.as_bytes())?;
+    }
+    println!(
+        "sweep: trial {t} as a {} run in {}{}{}",
+        cfg.model.as_str(),
+        dir.display(),
+        pause_at.map(|e| format!(" to epoch {e}")).unwrap_or_default(),
+        if started { " (resumed)" } else { "" }
+    );
+    let opts = crate::lifecycle::TrainOptions {
+        resume: started,
+        quiet: true,
+        steps: None,
+        pause_at: pause_at.map(|e| e as u64),
+    };
+    match crate::lifecycle::run(cfg.clone(), opts) {
+        Ok(Outcome::Interrupted) => Ok(TrialRun::Stopped),
+        Ok(_) => Ok(TrialRun::Ran),
+        Err(e) if is_non_finite(&e) => {
+            println!("sweep: trial {t} diverged: {e:#}");
+            crate::run_dir::write_atomic(&dir.join(TRIAL_DIVERGED), format!("{e:#}\n").as_bytes())?;
+            Ok(TrialRun::Diverged)
+        }
+        Err(e) => Err(e.context(format!("sweep trial {t}"))),
+    }
+}
+
+/// Whether a trial's error is its training producing a non-finite loss or gradient.
+fn is_non_finite(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| matches!(c.downcast_ref::<fx_models::Error>(), Some(fx_models::Error::NonFinite { .. })))
+}
+
+/// A finished forecaster trial's row, from its validation report (a diverged one's: from
+/// its metrics so far).
+fn seq_trial_row(
+    dir: &Path,
+    t: usize,
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+) -> Result<TrialRow> {
+    if dir.join(TRIAL_DIVERGED).exists() {
+        let (epochs, _, steps, skipped) = seq_trial_at(dir, usize::MAX).unwrap_or((0, f64::NAN, 0, 0));
+        return Ok(TrialRow {
+            trial: t,
+            params: params(t),
+            val_sharpe: f64::NAN,
+            val_total_return: f64::NAN,
+            val_max_drawdown: f64::NAN,
+            updates: steps - skipped.min(steps),
+            skipped_updates: skipped,
+            status: "diverged".into(),
+            pbt: Vec::new(),
+            val_loss: None,
+            epochs: Some(epochs),
+        });
+    }
+    let report = dir.join("report.json");
+    let rep = read_json(&report)?;
+    if rep["split"] != "validation" {
+        bail!("{}: a sweep trial's report must be of the validation split", report.display());
+    }
+    let num = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    let stats = &rep["agent"]["stats"];
+    let loss = num(&rep["best_val_loss"]);
+    let steps = rep["steps"].as_u64().unwrap_or(0);
+    let skipped = rep["skipped_steps"].as_u64().unwrap_or(0);
+    Ok(TrialRow {
+        trial: t,
+        params: params(t),
+        val_sharpe: num(&stats["sharpe"]),
+        val_total_return: num(&stats["total_return"]),
+        val_max_drawdown: num(&stats["max_drawdown"]),
+        updates: steps - skipped.min(steps),
+        skipped_updates: skipped,
+        status: if loss.is_finite() && steps > skipped { "ok" } else { "diverged" }.into(),
+        pbt: Vec::new(),
+        val_loss: loss.is_finite().then_some(loss),
+        epochs: rep["epochs_done"].as_u64().map(|e| e as usize),
+    })
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = fx_data::files::read_regular_to_string(path, fx_data::files::MAX_TEXT_BYTES)
+        .with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// A forecaster trial's line of `metrics.jsonl` at `epoch` (its last when it stopped
+/// earlier): (epochs done, best validation loss so far, optimiser steps, skipped steps).
+fn seq_trial_at(dir: &Path, epoch: usize) -> Result<(usize, f64, u64, u64)> {
+    let path = dir.join("metrics.jsonl");
+    let text = fx_data::files::read_regular_to_string(&path, u64::MAX)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let mut at = None;
+    for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value =
+            serde_json::from_str(l).with_context(|| format!("{}: line {}", path.display(), i + 1))?;
+        let e = v["epoch"].as_u64().with_context(|| format!("{}: line {}: no epoch", path.display(), i + 1))? as usize;
+        if e <= epoch {
+            let loss = v["best_val_loss"].as_f64().unwrap_or(f64::NAN);
+            at = Some((e, loss, v["steps"].as_u64().unwrap_or(0), v["skipped_steps"].as_u64().unwrap_or(0)));
+        }
+    }
+    at.with_context(|| format!("{}: no epoch trained", path.display()))
+}
+
+/// Successive halving of forecaster `trials` ([`halving`]): each rung trains the trials
+/// still in to its epochs (pausing them there), then keeps the best share by their best
+/// validation loss so far; the last rung's trials train to the end and are scored as
+/// [`train_seq_trials`]'s are, the others' rows say where they stopped. Every trial must
+/// share `seq.epochs` (the rungs). `None` when a signal stopped a trial.
+fn halve(
+    h: &HalvingConfig,
+    cfgs: &[RunConfig],
+    trials: &[usize],
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+    out: &Path,
+) -> Result<Option<Vec<TrialRow>>> {
+    let epochs = cfgs[trials[0]].seq.epochs;
+    if let Some(&t) = trials.iter().find(|&&t| cfgs[t].seq.epochs != epochs) {
+        bail!(
+            "[halving]: trial {t} has seq.epochs = {}, trial {} {epochs}; the rungs need one length",
+            cfgs[t].seq.epochs,
+            trials[0]
+        );
+    }
+    let rungs = h.rungs(epochs)?;
+    let mut alive = trials.to_vec();
+    let mut stopped: BTreeMap<usize, (usize, f64, u64, u64)> = BTreeMap::new();
+    for (k, &r) in rungs.iter().enumerate() {
+        let last = k + 1 == rungs.len();
+        let mut losses = Vec::with_capacity(alive.len());
+        for &t in &alive {
+            let cfg = seq_trial_config(cfgs, t, out);
+            let at = match train_seq_trial(&cfg, t, (!last).then_some(r))? {
+                TrialRun::Stopped => return Ok(None),
+                // Last at every later rung (its loss is no number); its row says why.
+                TrialRun::Diverged => (0, f64::NAN, 0, 0),
+                TrialRun::Ran => seq_trial_at(&cfg.out, r)?,
+            };
+            losses.push(at.1);
+            stopped.insert(t, at);
+        }
+        if !last {
+            let kept = halving::keep(&alive, &losses, h.eta);
+            println!(
+                "sweep: halving at epoch {r}: {} of {} trials go on to epoch {} ({:?})",
+                kept.len(),
+                alive.len(),
+                rungs[k + 1],
+                kept
+            );
+            alive = kept;
+        }
+    }
+    let mut rows = Vec::with_capacity(trials.len());
+    for &t in trials {
+        let dir = seq_trial_config(cfgs, t, out).out;
+        if alive.contains(&t) || dir.join(TRIAL_DIVERGED).exists() {
+            rows.push(seq_trial_row(&dir, t, params)?);
+            continue;
+        }
+        let (e, loss, steps, skipped) = stopped[&t];
+        rows.push(TrialRow {
+            trial: t,
+            params: params(t),
+            val_sharpe: f64::NAN,
+            val_total_return: f64::NAN,
+            val_max_drawdown: f64::NAN,
+            updates: steps - skipped.min(steps),
+            skipped_updates: skipped,
+            status: if loss.is_finite() { "stopped" } else { "diverged" }.into(),
+            pbt: Vec::new(),
+            val_loss: loss.is_finite().then_some(loss),
+            epochs: Some(e),
+        });
+    }
+    Ok(Some(rows))
 }
 
 /// One PBT round at env step `step`: every member scored on the validation split, the
@@ -1081,6 +1318,7 @@ fn score_members(
             status: if ok { "ok" } else { "diverged" }.into(),
             pbt: Vec::new(),
             val_loss: None,
+            epochs: None,
         });
     }
     Ok(rows)
@@ -1180,11 +1418,22 @@ fn objective(r: &TrialRow) -> f64 {
     }
 }
 
-/// Trial indices, best objective first (diverged trials last, then by index).
+/// Trial indices, best objective first; then trials successive halving stopped (the
+/// later their rung the earlier, then by their loss there); diverged trials last; ties by
+/// index.
 fn leaderboard(rows: &[TrialRow]) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..rows.len()).collect();
-    let key = |r: &TrialRow| Some(objective(r)).filter(|o| o.is_finite()).unwrap_or(f64::NEG_INFINITY);
-    idx.sort_by(|&a, &b| key(&rows[b]).total_cmp(&key(&rows[a])).then(a.cmp(&b)));
+    let key = |r: &TrialRow| match r.status.as_str() {
+        "stopped" => (1, usize::MAX - r.epochs.unwrap_or(0), r.val_loss.unwrap_or(f64::INFINITY)),
+        _ => match Some(objective(r)).filter(|o| o.is_finite()) {
+            Some(o) => (0, 0, -o),
+            None => (2, 0, 0.0),
+        },
+    };
+    idx.sort_by(|&a, &b| {
+        let (x, y) = (key(&rows[a]), key(&rows[b]));
+        x.0.cmp(&y.0).then(x.1.cmp(&y.1)).then(x.2.total_cmp(&y.2)).then(a.cmp(&b))
+    });
     idx
 }
 
@@ -1249,7 +1498,7 @@ fn write_rows(out: &Path, rows: &[TrialRow]) -> Result<()> {
         csv.push(',');
         csv.push_str(k);
     }
-    csv.push_str(",val_sharpe,val_total_return,val_max_drawdown,updates,skipped_updates,status,val_loss\n");
+    csv.push_str(",val_sharpe,val_total_return,val_max_drawdown,updates,skipped_updates,status,val_loss,epochs\n");
     for r in rows {
         csv.push_str(&r.trial.to_string());
         for k in &keys {
@@ -1257,14 +1506,15 @@ fn write_rows(out: &Path, rows: &[TrialRow]) -> Result<()> {
             csv.push_str(&r.params[*k].to_string().replace(',', ";"));
         }
         csv.push_str(&format!(
-            ",{},{},{},{},{},{},{}\n",
+            ",{},{},{},{},{},{},{},{}\n",
             r.val_sharpe,
             r.val_total_return,
             r.val_max_drawdown,
             r.updates,
             r.skipped_updates,
             r.status,
-            r.val_loss.map(|l| l.to_string()).unwrap_or_default()
+            r.val_loss.map(|l| l.to_string()).unwrap_or_default(),
+            r.epochs.map(|e| e.to_string()).unwrap_or_default()
         ));
     }
     crate::run_dir::write_atomic(&out.join("trials.csv"), csv.as_bytes())?;
@@ -1292,6 +1542,7 @@ mod tests {
             space: BTreeMap::new(),
             pbt: None,
             tpe: None,
+            halving: None,
         };
         let cfgs = trial_configs(&spec, &[vec![("dqn.gama".into(), toml::Value::Float(0.9))]]);
         let e = format!("{:#}", cfgs.unwrap_err());
@@ -1635,6 +1886,7 @@ n_actions = 3
             status: status.into(),
             pbt: Vec::new(),
             val_loss: None,
+            epochs: None,
         };
         let rows = vec![row(0, 0.5, "ok"), row(1, f64::NAN, "diverged"), row(2, 1.5, "ok"), row(3, 0.5, "ok")];
         assert_eq!(leaderboard(&rows), [2, 0, 3, 1]);
@@ -1646,5 +1898,18 @@ n_actions = 3
         let rows =
             vec![seq(0, Some(0.9), "ok"), seq(1, None, "diverged"), seq(2, Some(0.7), "ok"), seq(3, Some(1.2), "ok")];
         assert_eq!(leaderboard(&rows), [2, 0, 3, 1]);
+        // Successive halving's stopped trials after the finished ones: the later rung first,
+        // then the lower loss there; diverged last.
+        let at =
+            |trial, loss, epochs, status: &str| TrialRow { epochs: Some(epochs), ..seq(trial, Some(loss), status) };
+        let rows = vec![
+            at(0, 0.5, 1, "stopped"),
+            at(1, 0.9, 4, "ok"),
+            at(2, 0.6, 2, "stopped"),
+            at(3, 0.4, 1, "stopped"),
+            TrialRow { val_loss: None, ..at(4, 0.0, 1, "diverged") },
+            at(5, 0.8, 4, "ok"),
+        ];
+        assert_eq!(leaderboard(&rows), [5, 1, 2, 3, 0, 4]);
     }
 }
