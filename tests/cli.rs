@@ -1042,11 +1042,18 @@ fn forecaster_sweeps_rank_by_validation_loss_and_resume_inside_a_trial() {
             .unwrap(),
     );
     assert!(e.contains("--steps") && e.contains("--epochs"), "{e}");
-    // A trial folder started with another length is refused, not resumed under it.
+    // Another length in the same folder is refused: by the sweep (its sweep.toml), and by a
+    // trial's folder when the sweep's record is gone; nothing resumes under it.
+    let other = || {
+        let mut c = fx_train();
+        c.arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&killed).args(["--epochs", "3"]);
+        err_line(&c.output().unwrap())
+    };
+    let e = other();
+    assert!(e.contains("was started with another sweep"), "{e}");
     std::fs::remove_file(killed.join("trials.jsonl")).unwrap();
-    let mut other = fx_train();
-    other.arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&killed).args(["--epochs", "3"]);
-    let e = err_line(&other.output().unwrap());
+    std::fs::remove_file(killed.join("sweep.toml")).unwrap();
+    let e = other();
     assert!(e.contains("trial 0's folder was started with another config"), "{e}");
 }
 
@@ -1321,6 +1328,13 @@ fn forecaster_studies_score_their_forecasts_sign_strategy_and_warm_start() {
         assert!(last + 1 < r["test_rows"]["end"].as_u64().unwrap() as usize, "returns stay inside the test span");
     }
     assert!(doc["deflated_sharpe"]["dsr"].is_number() || doc["deflated_sharpe"]["unavailable"].is_string());
+    // The command that started the study resumes it (its flags are the saved study's).
+    ok(&train(&cfg, &tft, &["--quiet", "--folds", "2", "--seeds", "2", "--resume"]));
+    // Folds too short for a window are refused before the study's folder exists.
+    let none = dir.path().join("none");
+    let e = err_line(&train(&cfg, &none, &["--quiet", "--folds", "60"]));
+    assert!(e.contains("--folds 60") && e.contains("window needs"), "{e}");
+    assert!(!none.exists(), "nothing written");
 
     let cfg = tiny_seq_config(dir.path(), "mamba2");
     // Every epoch's checkpoint kept: the one before fold 1's first epoch is read below.

@@ -215,6 +215,70 @@ impl TrainArgs {
             let mut from_file = RunConfig::from_toml_file(c)?;
             from_file.out = saved.out.clone();
             from_file.steps = saved.steps;
+            // A study's folds, window, seeds, warm start and prior trials came from flags
+            // (checked against the saved run above): the file that started it holds none
+            // of them, and resuming with it is resuming the same study.
+            match (&mut from_file.walk_forward, &saved.walk_forward) {
+                (None, w) => from_file.walk_forward.clone_from(w),
+                (Some(f), Some(w)) => {
+                    f.folds = w.folds;
+                    f.window = w.window;
+                }
+                (Some(_), None) => {}
+            }
+            if from_file.seeds == 1 {
+                from_file.seeds = saved.seeds;
+            }
+            if from_file.prior_trials == 0 {
+                from_file.prior_trials = saved.prior_trials;
+            }
+            from_file.warm_start |= saved.warm_start;
+            // The flags given now equal the saved run's (checked above) and, as at the
+            // start, override the file's keys.
+            if self.epochs.is_some() {
+                from_file.seq.epochs = saved.seq.epochs;
+            }
+            if self.seed.is_some() {
+                from_file.seed = saved.seed;
+            }
+            if self.precision.is_some() {
+                from_file.precision = saved.precision;
+            }
+            if self.device.is_some() {
+                from_file.device.clone_from(&saved.device);
+            }
+            if self.graph.is_some() {
+                from_file.graph = saved.graph;
+            }
+            if self.num_envs.is_some() {
+                from_file.env.num_envs = saved.env.num_envs;
+            }
+            if self.checkpoint_every.is_some() {
+                from_file.checkpoint_every = saved.checkpoint_every;
+            }
+            if self.log_every.is_some() {
+                from_file.log_every = saved.log_every;
+            }
+            if self.model.is_some() {
+                from_file.model = saved.model;
+            }
+            if self.data.is_some() {
+                from_file.data.clone_from(&saved.data);
+            }
+            // A study's config.toml is its config as given (each of its runs resolves its
+            // own, seeds included), so the file compares unresolved.
+            if crate::study::is_study(&saved) {
+                from_file.threads = saved.threads;
+                // As written: fields config.toml does not hold (where the batch came from)
+                // do not count.
+                if from_file.to_toml()? != saved.to_toml()? {
+                    anyhow::bail!(
+                        "--config {} differs from the saved study's config.toml: --resume continues the study as it was started (give the flags it started with, or leave --config out)",
+                        c.display()
+                    );
+                }
+                return Ok((model, self.threads.or(saved.threads)));
+            }
             // The saved config holds the number "auto" settled to; the file's own model key,
             // when it sets one, must equal it (compared with everything else below).
             // A --batch-size given with the file overrode it (and equals the saved value,
@@ -240,7 +304,7 @@ impl TrainArgs {
             from_file.batch_keys_given = saved.batch_keys_given;
             if from_file.resolve()? != saved {
                 anyhow::bail!(
-                    "--config {} differs from the saved run's config.toml: --resume continues the run as it was started",
+                    "--config {} differs from the saved run's config.toml: --resume continues the run as it was started (give the flags it started with, or leave --config out)",
                     c.display()
                 );
             }
@@ -347,7 +411,7 @@ pub enum QuantMethod {
 
 #[derive(Debug, Args)]
 pub struct QuantizeArgs {
-    /// Run folder whose latest checkpoint to quantise (a dqn, ppo or tft run).
+    /// Run folder whose latest checkpoint to quantise (a dqn, ppo, tft or mamba2 run).
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// Calibration rows, spread evenly over the training split: observations of a greedy

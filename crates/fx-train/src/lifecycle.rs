@@ -44,6 +44,9 @@ pub struct TrainOptions {
     /// reached this many, after their checkpoint, without the report: the run resumes from
     /// there with its schedule unchanged (a sweep's successive halving). None: run to the end.
     pub pause_at: Option<u64>,
+    /// A run inside a study or a sweep: a signal's "continue with" line is the caller's to
+    /// print (resuming the inner run alone would leave the study or sweep behind).
+    pub inner: bool,
 }
 
 /// How a run ended.
@@ -277,7 +280,9 @@ fn drive<T: RunTask>(mut task: T, start: &RunStart, opts: &TrainOptions, data_pr
         times.checkpoint_and_logging += t.elapsed().as_secs_f64();
     }
     if interrupted {
-        eprintln!("{}", task.interrupted_line(dir.root()));
+        if !opts.inner {
+            eprintln!("{}", task.interrupted_line(dir.root()));
+        }
         return Ok(Ended::Outcome(Outcome::Interrupted));
     }
     if paused {
@@ -456,7 +461,7 @@ mod tests {
     }
 
     fn opts() -> TrainOptions {
-        TrainOptions { resume: false, quiet: true, steps: None, pause_at: None }
+        TrainOptions { resume: false, quiet: true, steps: None, pause_at: None, inner: false }
     }
 
     fn first_metrics(run: &Path) -> Value {

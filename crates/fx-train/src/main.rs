@@ -75,14 +75,22 @@ fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
             cfg.apply_env_overrides(&fx_hw::Overrides::from_env()?);
             cfg.out = fresh_run_folder(&cfg.out);
             set_cpu_threads(cfg.model, cfg.threads)?;
-            lifecycle::run(cfg, lifecycle::TrainOptions { resume: false, quiet: false, steps: None, pause_at: None })
+            lifecycle::run(
+                cfg,
+                lifecycle::TrainOptions { resume: false, quiet: false, steps: None, pause_at: None, inner: false },
+            )
         }
         Some(cli::Command::Train(args)) => {
             let (model, threads) = args.check_flags()?;
             set_cpu_threads(model, threads)?;
             let cfg = args.to_config()?;
-            let opts =
-                lifecycle::TrainOptions { resume: args.resume, quiet: args.quiet, steps: args.steps, pause_at: None };
+            let opts = lifecycle::TrainOptions {
+                resume: args.resume,
+                quiet: args.quiet,
+                steps: args.steps,
+                pause_at: None,
+                inner: false,
+            };
             // A resumed study is one by its saved config (the flags need not repeat it).
             let saved_study = args.resume
                 && config::RunConfig::from_toml_file(&cfg.out.join("config.toml")).is_ok_and(|c| study::is_study(&c));

@@ -120,6 +120,16 @@ fn seq_data(cfg: &RunConfig, saved_norm: Option<fx_data::Normalizer>) -> Result<
     Ok(SeqData { data, series, target_scale })
 }
 
+/// The rows one window of `cfg`'s forecaster reaches (the model's `window_len`, from its
+/// config alone).
+pub(crate) fn window_len(cfg: &RunConfig) -> Result<usize> {
+    Ok(match cfg.model {
+        ModelChoice::Tft => cfg.tft.window_len(),
+        ModelChoice::Mamba2 => Mamba2Task::window_len_of(cfg.mamba2_seq_len),
+        other => bail!("{} is not a sequence model", other.as_str()),
+    })
+}
+
 /// Checks that every split holds at least one window of `len` rows.
 fn check_windows(d: &SeqData, len: usize, batch_size: usize) -> Result<()> {
     let s = &d.data.splits;

@@ -111,9 +111,8 @@ impl ForecastRow {
 
 /// `fx-train train` with folds or seeds.
 pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
-    let mut dir = RunDir::open(&cfg.out, opts.resume)?;
     let cfg = if opts.resume {
-        let saved = RunConfig::from_toml_file(&dir.path("config.toml"))?;
+        let saved = RunConfig::from_toml_file(&cfg.out.join("config.toml"))?;
         RunConfig { steps: opts.steps.unwrap_or(saved.steps), ..saved }
     } else {
         cfg
@@ -121,16 +120,36 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     if cfg.seeds == 0 {
         bail!("seeds must be at least 1");
     }
+    // Everything that can refuse the study does so before its folder exists.
     let resolved = cfg.clone().resolve()?;
     let data = Dataset::load(&resolved, None)?;
     let rows = data.rows();
     let folds: Vec<Fold> = match &cfg.walk_forward {
-        Some(wf) => wf.folds(rows, min_purge(&cfg)).with_context(|| format!("folds of {}", data.source))?,
+        Some(wf) => wf
+            .folds(rows, min_purge(&cfg))
+            .with_context(|| format!("--folds {} of {} ({rows} rows)", wf.folds, data.source))?,
         None => {
             let s = &data.splits;
             vec![Fold { train: s.train.clone(), valid: s.valid.clone(), test: s.test.clone() }]
         }
     };
+    if cfg.model.is_sequence() {
+        // Each fold's spans must hold a window: refused here, not after the first folds.
+        let len = crate::seq_run::window_len(&resolved)?;
+        for (f, fold) in folds.iter().enumerate() {
+            for (name, r) in [("training", &fold.train), ("validation", &fold.valid), ("test", &fold.test)] {
+                if r.len() < len {
+                    bail!(
+                        "--folds {}: fold {f}'s {name} span has {} rows, a {} window needs {len} (fewer folds, more data or a shorter window)",
+                        folds.len(),
+                        r.len(),
+                        cfg.model.as_str()
+                    );
+                }
+            }
+        }
+    }
+    let mut dir = RunDir::open(&cfg.out, opts.resume)?;
     write_atomic(&dir.path("config.toml"), cfg.to_toml()?.as_bytes())?;
     dir.mark_started();
     let n_runs = folds.len() * cfg.seeds;
@@ -168,8 +187,10 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
                 if sub.init_from.is_some() { " (warm start from the previous fold)" } else { "" },
                 if resume { " (resumed)" } else { "" }
             );
-            let outcome =
-                crate::lifecycle::run(sub, TrainOptions { resume, quiet: true, steps: opts.steps, pause_at: None })?;
+            let outcome = crate::lifecycle::run(
+                sub,
+                TrainOptions { resume, quiet: true, steps: opts.steps, pause_at: None, inner: true },
+            )?;
             if outcome == Outcome::Interrupted {
                 println!("study interrupted; continue with `fx-train train --resume --out {}`", dir.root().display());
                 return Ok(Outcome::Interrupted);

@@ -67,7 +67,7 @@ fn tensor(v: Vec<f32>, shape: &[usize], device: &Device) -> Result<Tensor> {
 
 impl SeqTask for Tft {
     fn window_len(&self) -> usize {
-        self.config().l_enc + self.config().h
+        self.config().window_len()
     }
 
     /// The first decoder step: the return after the last encoder row (`batch`'s target
@@ -143,12 +143,19 @@ pub struct Mamba2Task<'a> {
     pub seq_len: usize,
 }
 
+impl Mamba2Task<'_> {
+    /// The rows a window of `seq_len` steps reaches: its steps and the bar after them (the
+    /// last step's target is the return to it, so a window of a split must hold that bar
+    /// too, else the training split's last window would read the validation split's first
+    /// close, and validation the test's).
+    pub fn window_len_of(seq_len: usize) -> usize {
+        seq_len + 1
+    }
+}
+
 impl SeqTask for Mamba2Task<'_> {
-    /// `seq_len` steps and the bar after them: the last step's target is the return to it,
-    /// so a window of a split must hold that bar too (else the training split's last
-    /// window would read the validation split's first close, and validation the test's).
     fn window_len(&self) -> usize {
-        self.seq_len + 1
+        Self::window_len_of(self.seq_len)
     }
 
     /// The last step: the return after the window's last row.

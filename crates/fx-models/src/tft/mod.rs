@@ -62,6 +62,12 @@ pub struct TftConfig {
 }
 
 impl TftConfig {
+    /// The rows a training window reaches: the encoder's `L_enc` and the decoder's `H`
+    /// (its targets' prices stay inside them).
+    pub fn window_len(&self) -> usize {
+        self.l_enc + self.h
+    }
+
     /// Refuses a configuration that cannot build or train, naming the key (as in a run
     /// config's `[tft]` section), its value and the rule.
     pub fn validate(&self) -> Result<()> {

@@ -357,6 +357,25 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         (Some(cfg), Some(keys)) => Some(PbtPlan { cfg, spec: &spec, space: &space, keys, points: &points }),
         _ => None,
     };
+    if let Some(h) = &spec.halving {
+        // Refused before the sweep's folder is made.
+        if !base.model.is_sequence() || shard.is_some() || plan.is_some() {
+            bail!(
+                "sweep file {}: [halving] stops forecaster (TFT, MAMBA-2) trials at rungs; it is not for {} sweeps, shards or [pbt]",
+                config.display(),
+                base.model.as_str()
+            );
+        }
+        h.rungs(base.seq.epochs).with_context(|| format!("sweep file {}", config.display()))?;
+        if let Some((t, c)) = cfgs.iter().enumerate().find(|(_, c)| c.seq.epochs != base.seq.epochs) {
+            bail!(
+                "sweep file {}: [halving] needs one seq.epochs for every trial (the rungs); trial {t} has {}, [run] {}",
+                config.display(),
+                c.seq.epochs,
+                base.seq.epochs
+            );
+        }
+    }
     let mine = |t: usize| shard.is_none_or(|(i, n)| t % n == i);
     on_base_market(&mut cfgs, &base);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -386,19 +405,13 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         }
         done.insert(r.trial, r);
     }
+    check_same_sweep(out, &spec)?;
     crate::run_dir::write_atomic(&out.join("sweep.toml"), toml::to_string(&spec)?.as_bytes())?;
     let selected: Vec<usize> = (0..cfgs.len()).filter(|&t| mine(t)).collect();
     if let Some((i, n)) = shard {
         println!("sweep shard {i}/{n}: {} of the {} trials", selected.len(), cfgs.len());
     }
     if let Some(h) = &spec.halving {
-        if !base.model.is_sequence() || shard.is_some() || plan.is_some() {
-            bail!(
-                "sweep file {}: [halving] stops forecaster (TFT, MAMBA-2) trials at rungs; it is not for {} sweeps, shards or [pbt]",
-                config.display(),
-                base.model.as_str()
-            );
-        }
         let rows = if selected.iter().all(|t| done.contains_key(t)) {
             println!(
                 "sweep {}: all {} trials done already; leaderboard from trials.jsonl",
@@ -522,6 +535,7 @@ fn run_tpe(
         }
         done.insert(r.trial, r);
     }
+    check_same_sweep(out, spec)?;
     crate::run_dir::write_atomic(&out.join("sweep.toml"), toml::to_string(spec)?.as_bytes())?;
     if !rows_path.exists() {
         write_rows(out, &[])?;
@@ -600,6 +614,33 @@ fn run_tpe(
     finish(spec, &cfgs, &rows, out, spec.best, extra)
 }
 
+/// What makes two sweep files one sweep: everything but `trials` (more trials extend it),
+/// `members` (how many trained at once changes no trial) and `run.device`.
+fn sweep_identity(spec: &SweepConfig) -> Result<String> {
+    let mut run = spec.run.clone();
+    run.remove("device");
+    Ok(toml::to_string(&SweepConfig { trials: None, members: None, run, ..spec.clone() })?)
+}
+
+/// Refuses to go on in `out` with another sweep than the one it was started with (an
+/// edited file, another `--epochs` or `--steps`): its rows would be kept as this sweep's.
+fn check_same_sweep(out: &Path, spec: &SweepConfig) -> Result<()> {
+    let path = out.join("sweep.toml");
+    if !path.exists() {
+        return Ok(());
+    }
+    let text = fx_data::files::read_regular_to_string(&path, fx_data::files::MAX_TEXT_BYTES)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let saved: SweepConfig = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    if sweep_identity(&saved)? != sweep_identity(spec)? {
+        bail!(
+            "{} was started with another sweep (its sweep.toml differs from this file with these flags: an edited file, --steps or --epochs?); use another --out",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
 /// The leaderboard of `rows` (printed), the best `best` trials trained again as ordinary
 /// runs in `out/best-{rank}`, and `sweep.json` with `extra`'s fields.
 fn finish(
@@ -637,7 +678,7 @@ fn finish(
             println!("training trial {trial} (rank {}) as an ordinary run in {}", rank + 1, cfg.out.display());
             let outcome = crate::lifecycle::run(
                 cfg.clone(),
-                crate::lifecycle::TrainOptions { resume, quiet: true, steps: None, pause_at: None },
+                crate::lifecycle::TrainOptions { resume, quiet: true, steps: None, pause_at: None, inner: true },
             )?;
             crate::run_dir::write_atomic(&marker, trial.to_string().as_bytes())?;
             if matches!(outcome, Outcome::Interrupted) {
@@ -906,6 +947,7 @@ fn train_population(
         base.steps,
         envs[0].num_envs()
     );
+    let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
     let (mut samples, mut pbt_s, mut rounds) = (0u64, 0f64, 0u64);
     let mut points: Vec<space::Point> =
@@ -934,28 +976,19 @@ fn train_population(
     }
     device.synchronize()?;
     let train_s = t0.elapsed().as_secs_f64();
+    let mut summary = wave_summary(n, &device, base.steps, train_s, samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, member_policy(&pop, k)?));
     let mut rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
     for (row, ev) in rows.iter_mut().zip(events) {
         row.pbt = ev;
     }
-    let mut summary = json!({
-        "members": n,
-        "device": if device.is_cuda() { "cuda" } else { "cpu" },
-        "env_steps": base.steps,
-        "train_seconds": train_s,
-        "update_samples_per_s": samples as f64 / train_s.max(1e-9),
-    });
     if pbt.is_some() {
-        // The rounds' scoring (validation backtests on the CPU) is inside train_seconds.
+        // The rounds' scoring (validation backtests on the CPU) is inside train_seconds
+        // (and counts as idle time in the GPU busy fraction).
         summary["pbt_rounds"] = json!(rounds);
         summary["pbt_seconds"] = json!(pbt_s);
     }
-    println!(
-        "sweep: trained {n} trials in {train_s:.1} s ({:.3e} update samples/s)",
-        samples as f64 / train_s.max(1e-9)
-    );
     Ok(Some((rows, summary)))
 }
 
@@ -1054,6 +1087,7 @@ fn train_seq_trial(cfg: &RunConfig, t: usize, pause_at: Option<usize>) -> Result
         quiet: true,
         steps: None,
         pause_at: pause_at.map(|e| e as u64),
+        inner: true,
     };
     match crate::lifecycle::run(cfg.clone(), opts) {
         Ok(Outcome::Interrupted) => Ok(TrialRun::Stopped),
@@ -1371,6 +1405,7 @@ fn train_ppo_population(
         if device.is_cuda() { "cuda" } else { "cpu" },
         base.steps
     );
+    let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
     let (mut env_steps, mut samples) = (0u64, 0u64);
     while env_steps < base.steps {
@@ -1387,21 +1422,41 @@ fn train_ppo_population(
     }
     device.synchronize()?;
     let train_s = t0.elapsed().as_secs_f64();
+    let summary = wave_summary(n, &device, env_steps, train_s, samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.params().member(k)?, ppo_member_policy(&pop, k)?));
     let rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
-    let summary = json!({
+    Ok(Some((rows, summary)))
+}
+
+/// A population wave's figures for `population.json`, and its printed line: members,
+/// device, env steps, training seconds, update samples per second and, on a GPU, the share
+/// of the training time a kernel ran (`gpu_busy`: the driver's utilisation samples, as for
+/// a run; null on the CPU or without NVML, the reason printed).
+fn wave_summary(
+    n: usize,
+    device: &Device,
+    env_steps: u64,
+    train_s: f64,
+    samples: u64,
+    busy: &mut crate::gpu_busy::GpuBusy,
+) -> serde_json::Value {
+    let fraction = busy.total();
+    let rate = samples as f64 / train_s.max(1e-9);
+    let busy_text = match (fraction, &busy.unavailable) {
+        (Some(b), _) => format!("; GPU busy {:.1}% of it", 100.0 * b),
+        (None, Some(why)) => format!("; GPU busy not measured: {why}"),
+        (None, None) => String::new(),
+    };
+    println!("sweep: trained {n} trials in {train_s:.1} s ({rate:.3e} update samples/s{busy_text})");
+    json!({
         "members": n,
         "device": if device.is_cuda() { "cuda" } else { "cpu" },
         "env_steps": env_steps,
         "train_seconds": train_s,
-        "update_samples_per_s": samples as f64 / train_s.max(1e-9),
-    });
-    println!(
-        "sweep: trained {n} trials in {train_s:.1} s ({:.3e} update samples/s)",
-        samples as f64 / train_s.max(1e-9)
-    );
-    Ok(Some((rows, summary)))
+        "update_samples_per_s": rate,
+        "gpu_busy_fraction": fraction,
+    })
 }
 
 fn toml_to_json(v: &toml::Value) -> serde_json::Value {
