@@ -17,7 +17,7 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::Error;
-use crate::feature_file::{check_finite_f32, check_finite_f64, check_increasing, Col, ColRaw, MappedCols};
+use crate::feature_file::{check_finite_f32, check_increasing, Col, ColRaw, MappedCols};
 use crate::feature_file::{FeatureStore, FeatureTable};
 use crate::features::N_KNOWN;
 use crate::panel::{Panel, PANEL_SCHEMA};
@@ -114,10 +114,24 @@ impl PanelFile {
         if let Some(j) = mask.iter().position(|&m| m > 1) {
             return Err(bad(format!("mask value {} at cell {j} is not 0 or 1", mask[j])));
         }
-        check_finite_f32(&pf.values::<f32>(&pf.market), f.max(1), "market", path)?;
+        // Cells are named by instrument, calendar row and column, not a flat index.
+        let cell = |name: &str, width: usize, j: usize, value: f64| Error::NonFinite {
+            path: path.to_path_buf(),
+            name: format!("{name} of instrument {}", pf.instruments[j / (n_t * width)]),
+            row: (j / width) % n_t,
+            column: j % width,
+            value,
+        };
+        if let Some(j) = pf.values::<f32>(&pf.market).iter().position(|v| !v.is_finite()) {
+            return Err(cell("market", f, j, f64::from(pf.values::<f32>(&pf.market)[j])));
+        }
+        if let Some(j) = pf.values::<f32>(&pf.logret_next).iter().position(|v| !v.is_finite()) {
+            return Err(cell("logret_next", 1, j, f64::from(pf.values::<f32>(&pf.logret_next)[j])));
+        }
+        if let Some(j) = pf.values::<f64>(&pf.close).iter().position(|v| !v.is_finite()) {
+            return Err(cell("close", 1, j, pf.values::<f64>(&pf.close)[j]));
+        }
         check_finite_f32(&pf.values::<f32>(&pf.known), N_KNOWN, "known", path)?;
-        check_finite_f32(&pf.values::<f32>(&pf.logret_next), 1, "logret_next", path)?;
-        check_finite_f64(&pf.values::<f64>(&pf.close), "close", path)?;
         Ok(pf)
     }
 
@@ -315,7 +329,7 @@ mod tests {
         p.market[5] = f32::NAN;
         p.write(&path).unwrap();
         let e = PanelFile::open(&path).unwrap_err().to_string();
-        assert!(e.contains("p.safetensors") && e.contains("market"), "{e}");
+        assert!(e.contains("p.safetensors") && e.contains("market of instrument a"), "{e}");
         p.market[5] = 0.0;
         p.mask[2] = 2;
         p.write(&path).unwrap();

@@ -179,11 +179,13 @@ impl TrainArgs {
         };
         let path_str = |p: &Option<PathBuf>| p.as_ref().map_or("none".to_string(), |p| p.display().to_string());
         let folds = |c: &RunConfig| c.walk_forward.as_ref().map_or("none".to_string(), |w| w.folds.to_string());
-        let window = |c: &RunConfig| c.walk_forward.as_ref().map_or("none".to_string(), |w| format!("{:?}", w.window));
+        let window = |c: &RunConfig| {
+            c.walk_forward.as_ref().map_or("none".to_string(), |w| format!("{:?}", w.window).to_lowercase())
+        };
         let given: [(&str, Option<String>, String); 16] = [
             ("--warm-start", self.warm_start.then(|| "true".to_string()), saved.warm_start.to_string()),
             ("--folds", self.folds.map(|n| n.to_string()), folds(&saved)),
-            ("--window", self.window.map(|w| format!("{w:?}")), window(&saved)),
+            ("--window", self.window.map(|w| format!("{w:?}").to_lowercase()), window(&saved)),
             ("--seeds", self.seeds.map(|n| n.to_string()), saved.seeds.to_string()),
             ("--prior-trials", self.prior_trials.map(|n| n.to_string()), saved.prior_trials.to_string()),
             ("--model", self.model.map(|m| m.as_str().to_string()), saved.model.as_str().to_string()),

@@ -118,7 +118,12 @@ impl Dataset {
                 inst.normalizer = n;
             }
         }
-        let periods_per_year = cfg.periods_per_year.unwrap_or_else(|| infer_periods_per_year(&calendar));
+        // Each instrument's own bar spacing (the panel's calendar spans every instrument's
+        // dates: instruments listed one after another would look sparse), the median of them.
+        let periods_per_year = cfg.periods_per_year.unwrap_or_else(|| {
+            let own: Vec<&[i64]> = instruments.iter().map(|i| i.store.timestamps()).collect();
+            median_periods_per_year(&own).unwrap_or_else(|| infer_periods_per_year(&calendar))
+        });
         let data = Dataset { instruments, calendar, splits, source, periods_per_year, excluded };
         // Sequence models check their windows against the splits themselves.
         let min_rows = cfg.env.episode_len + 1;
@@ -293,6 +298,14 @@ fn open_data(path: &Path) -> Result<Opened> {
     Ok((vec![(name, store, (0..calendar.len()).collect())], calendar, source))
 }
 
+/// Bars per year of a panel: the median over its instruments of each one's own
+/// [`infer_periods_per_year`] (None without instruments).
+fn median_periods_per_year(instruments: &[&[i64]]) -> Option<f64> {
+    let mut per: Vec<f64> = instruments.iter().map(|ts| infer_periods_per_year(ts)).collect();
+    per.sort_by(f64::total_cmp);
+    per.get(per.len() / 2).copied()
+}
+
 /// Bars per year from the timestamps: rows over elapsed years (252-ish for daily equity
 /// bars, 8,766 for round-the-clock hourly bars).
 pub fn infer_periods_per_year(ts: &[i64]) -> f64 {
@@ -314,6 +327,20 @@ mod tests {
         // Weekdays only, daily.
         let days: Vec<i64> = (0..3000i64).filter(|d| (d + 3) % 7 < 5).map(|d| d * 86_400).collect();
         assert!((infer_periods_per_year(&days) - 261.0).abs() < 1.5);
+    }
+
+    /// Instruments listed one after another (daily bars, 2000–2003 and 2008–2011): the
+    /// union calendar looks sparse over 12 years, each instrument's own spacing does not.
+    #[test]
+    fn a_panel_of_instruments_one_after_another_keeps_its_bar_rate() {
+        let day = 86_400i64;
+        let a: Vec<i64> = (0..1461).map(|d| d * day).collect();
+        let b: Vec<i64> = (2922..4383).map(|d| d * day).collect();
+        let union: Vec<i64> = a.iter().chain(&b).copied().collect();
+        assert!(infer_periods_per_year(&union) < 250.0);
+        let ppy = median_periods_per_year(&[&a, &b]).unwrap();
+        assert!((ppy - 365.25).abs() < 1.0, "{ppy}");
+        assert_eq!(median_periods_per_year(&[]), None);
     }
 
     #[test]

@@ -331,8 +331,8 @@ pub fn print(rep: &Report, profile: Option<&Profile>, dir: &RunDir) {
         }
         let split = p.update_forward + p.update_backward + p.update_device_wait + p.update_optimizer;
         if split == 0.0 && p.update > 0.0 {
-            // Captured-graph updates (CUDA): one launch each, no host-side phases to split.
-            println!("updates: captured CUDA graphs (no forward/backward/optimiser split on the host)");
+            // Fused steps (CPU) and captured graphs (CUDA) have no host-side phases to split.
+            println!("updates: fused steps or captured graphs (no forward/backward/optimiser split on the host)");
         } else {
             println!(
                 "updates: forward {:.1}s + backward {:.1}s + device wait {:.1}s + optimiser {:.1}s (this session's steps)",
