@@ -259,7 +259,22 @@ fn point_config(spec: &SweepConfig, p: &space::Point, i: usize) -> Result<RunCon
         set_dotted(&mut t, k, v.clone())?;
     }
     let text = toml::to_string(&t).context("writing a trial's config")?;
-    RunConfig::from_toml_str(&text, &format!("sweep trial {i}"))?.resolve().with_context(|| format!("sweep trial {i}"))
+    match RunConfig::from_toml_str(&text, &format!("sweep trial {i}")) {
+        Ok(cfg) => cfg.resolve().with_context(|| format!("sweep trial {i}")),
+        Err(e) => {
+            // The trial's text is generated: name the [space] key that broke it, not a line.
+            for (k, v) in p {
+                let mut one = spec.run.clone();
+                set_dotted(&mut one, k, v.clone())?;
+                if let Err(why) = RunConfig::from_toml_str(&toml::to_string(&one)?, "x") {
+                    let why = format!("{why:#}");
+                    let rule = why.rsplit(": ").next().unwrap_or(&why);
+                    bail!("[space] key {k:?} = {v} (trial {i}): {rule}");
+                }
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Every trial sees the same market: the data follow the base config's seed, whatever a
@@ -1601,7 +1616,8 @@ mod tests {
         };
         let cfgs = trial_configs(&spec, &[vec![("dqn.gama".into(), toml::Value::Float(0.9))]]);
         let e = format!("{:#}", cfgs.unwrap_err());
-        assert!(e.contains("sweep trial 0") && e.contains("gama"), "{e}");
+        assert!(e.starts_with("[space] key \"dqn.gama\" = 0.9 (trial 0): unknown field `gama`"), "{e}");
+        assert!(!e.contains("line") && !e.contains('\n'), "names the key, not a generated line: {e}");
         let ok = trial_configs(&spec, &[vec![("dqn.gamma".into(), toml::Value::Float(0.9))]]).unwrap();
         assert_eq!((ok[0].dqn.gamma, ok[0].dqn.optimizer.lr, ok[0].steps), (0.9, 3e-4, 10));
     }
