@@ -931,6 +931,8 @@ fn sweep_of(model: &str, key: &str, prefix: &str, n_tensors: usize, steps: u64) 
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).unwrap()).unwrap();
     assert_eq!(doc["trials_tried"], 3);
+    let ev = std::fs::read(out.join("tensorboard/trial-2/events.out.tfevents.0.fx-train")).unwrap();
+    assert!(ev.windows(10).any(|w| w == b"val/sharpe"), "{} bytes", ev.len());
     let best = doc["best"][0]["trial"].as_u64().unwrap();
     assert!(rows.iter().all(|r| r["val_sharpe"].as_f64().unwrap() <= doc["best"][0]["val_sharpe"].as_f64().unwrap()));
     let run_dir = out.join("best-1");
@@ -994,6 +996,11 @@ fn forecaster_sweeps_rank_by_validation_loss_and_resume_inside_a_trial() {
     }
     let doc = json_file(&out.join("sweep.json"));
     assert!(doc["objective"].as_str().unwrap().starts_with("val_loss"), "{doc}");
+    for t in 0..4 {
+        let ev = std::fs::read(out.join(format!("tensorboard/trial-{t}/events.out.tfevents.0.fx-train"))).unwrap();
+        // The version event and 2 epochs x (train/loss, val/loss, lr) + val/sharpe scalars.
+        assert!(ev.len() > 7 * 16 && ev.windows(8).any(|w| w == b"val/loss"), "trial {t}: {} bytes", ev.len());
+    }
     let losses: Vec<f64> =
         doc["leaderboard"].as_array().unwrap().iter().map(|e| e["val_loss"].as_f64().unwrap()).collect();
     assert!(losses.windows(2).all(|w| w[0] <= w[1]), "lowest validation loss first: {losses:?}");

@@ -21,6 +21,7 @@ mod run_start;
 mod seq_run;
 mod study;
 mod sweep;
+mod tensorboard;
 mod train_env;
 
 use std::process::ExitCode;

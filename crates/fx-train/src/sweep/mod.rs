@@ -55,7 +55,8 @@
 //! trial: its point, validation metric and backtest, updates, skips, status), `sweep.json`
 //! (how many trials were tried, the sampler, the populations, the leaderboard),
 //! `population.json` (per wave: its trials, members, where that size came from, device,
-//! training seconds and throughput), `weights/trial-{k}.safetensors` (every trial's final
+//! training seconds and throughput), `tensorboard/trial-{k}/` (each trial's scalars,
+//! [`write_tensorboard`]), `weights/trial-{k}.safetensors` (every trial's final
 //! online network) and `best-{rank}/` run folders (on the CPU a best run ends with its
 //! trial's weights exactly). The folder is locked while the sweep runs. Rows are written
 //! after each wave: a sweep stopped by a signal (or killed) keeps its finished waves and the
@@ -629,6 +630,44 @@ fn run_tpe(
     finish(spec, &cfgs, &rows, out, spec.best, extra)
 }
 
+/// `tensorboard/trial-{k}/`: each trial's scalars for `tensorboard --logdir DIR`: a
+/// forecaster's per-epoch `train/loss`, `val/loss` and `lr` (from its run's metrics), and
+/// its validation sign strategy's `val/sharpe`; a DQN / PPO trial's `val/sharpe`,
+/// `val/total_return` and `val/max_drawdown` at its env steps, with its PBT rounds'
+/// `pbt/val_sharpe`. Rewritten whenever the leaderboard is.
+fn write_tensorboard(cfgs: &[RunConfig], rows: &[TrialRow], out: &Path) -> Result<()> {
+    use crate::tensorboard::Scalar;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    for r in rows {
+        let cfg = &cfgs[r.trial];
+        let point = |tag: &str, step: i64, value: f64| Scalar { tag: tag.to_string(), step, value };
+        let mut scalars = Vec::new();
+        if cfg.model.is_sequence() {
+            let metrics = out.join("trials").join(format!("trial-{}", r.trial)).join("metrics.jsonl");
+            let text = fx_data::files::read_regular_to_string(&metrics, u64::MAX).unwrap_or_default();
+            for line in text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()) {
+                let Some(epoch) = line["epoch"].as_i64() else { continue };
+                for (tag, key) in [("train/loss", "train_loss"), ("val/loss", "val_loss"), ("lr", "lr")] {
+                    if let Some(v) = line[key].as_f64() {
+                        scalars.push(point(tag, epoch, v));
+                    }
+                }
+            }
+            scalars.push(point("val/sharpe", r.epochs.unwrap_or(0) as i64, r.val_sharpe));
+        } else {
+            let steps = i64::try_from(cfg.steps).unwrap_or(i64::MAX);
+            for e in &r.pbt {
+                scalars.push(point("pbt/val_sharpe", i64::try_from(e.env_step).unwrap_or(i64::MAX), e.val_sharpe));
+            }
+            scalars.push(point("val/sharpe", steps, r.val_sharpe));
+            scalars.push(point("val/total_return", steps, r.val_total_return));
+            scalars.push(point("val/max_drawdown", steps, r.val_max_drawdown));
+        }
+        crate::tensorboard::write_scalars(&out.join("tensorboard").join(format!("trial-{}", r.trial)), &scalars, now)?;
+    }
+    Ok(())
+}
+
 /// What makes two sweep files one sweep: everything but `trials` (more trials extend it),
 /// `members` (how many trained at once changes no trial) and `run.device`.
 fn sweep_identity(spec: &SweepConfig) -> Result<String> {
@@ -668,6 +707,7 @@ fn finish(
 ) -> Result<Outcome> {
     let board = leaderboard(rows);
     print_board(&board, rows, out);
+    write_tensorboard(cfgs, rows, out)?;
     // PBT's best are scored from their weights; the others are trained again as runs.
     let (mut best, runs) =
         if spec.pbt.is_some() { (pbt_best(cfgs, rows, &board, out, best_n)?, 0) } else { (Vec::new(), best_n) };
