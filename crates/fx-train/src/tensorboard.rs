@@ -125,7 +125,10 @@ mod tests {
 
     /// A reader written from the format's spec (not from the writer above): frames checked
     /// by their CRCs, then the protobuf fields decoded.
-    fn read(bytes: &[u8]) -> Vec<(f64, i64, Option<String>, Option<(String, f32)>)> {
+    /// A decoded event: wall time, step, file version, scalar (tag, value).
+    type Decoded = (f64, i64, Option<String>, Option<(String, f32)>);
+
+    fn read(bytes: &[u8]) -> Vec<Decoded> {
         fn crc(b: &[u8]) -> u32 {
             // Table-driven, unlike the writer's bitwise loop.
             let table: Vec<u32> = (0..256u32)
@@ -133,7 +136,8 @@ mod tests {
                 .collect();
             let c = b.iter().fold(0xFFFF_FFFFu32, |c, &x| table[((c ^ u32::from(x)) & 0xFF) as usize] ^ (c >> 8));
             let c = !c;
-            ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+            // The mask: rotate right by 15, add a constant (as the TFRecord spec states it).
+            c.rotate_right(15).wrapping_add(0xa282_ead8)
         }
         fn varint(b: &[u8], i: &mut usize) -> u64 {
             let (mut v, mut shift) = (0u64, 0);
