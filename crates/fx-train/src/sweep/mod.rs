@@ -1170,19 +1170,7 @@ fn seq_trial_row(
 ) -> Result<TrialRow> {
     if dir.join(TRIAL_DIVERGED).exists() {
         let (epochs, _, steps, skipped) = seq_trial_at(dir, usize::MAX).unwrap_or((0, f64::NAN, 0, 0));
-        return Ok(TrialRow {
-            trial: t,
-            params: params(t),
-            val_sharpe: f64::NAN,
-            val_total_return: f64::NAN,
-            val_max_drawdown: f64::NAN,
-            updates: steps - skipped.min(steps),
-            skipped_updates: skipped,
-            status: "diverged".into(),
-            pbt: Vec::new(),
-            val_loss: None,
-            epochs: Some(epochs),
-        });
+        return Ok(unfinished_row(t, params(t), (epochs, f64::NAN, steps, skipped)));
     }
     let report = dir.join("report.json");
     let rep = read_json(&report)?;
@@ -1207,6 +1195,25 @@ fn seq_trial_row(
         val_loss: loss.is_finite().then_some(loss),
         epochs: rep["epochs_done"].as_u64().map(|e| e as usize),
     })
+}
+
+/// The row of a forecaster trial that did not finish: stopped by successive halving at
+/// `(epochs, best loss so far, steps, skipped)`, or diverged (a non-finite loss).
+fn unfinished_row(t: usize, params: BTreeMap<String, serde_json::Value>, at: (usize, f64, u64, u64)) -> TrialRow {
+    let (epochs, loss, steps, skipped) = at;
+    TrialRow {
+        trial: t,
+        params,
+        val_sharpe: f64::NAN,
+        val_total_return: f64::NAN,
+        val_max_drawdown: f64::NAN,
+        updates: steps - skipped.min(steps),
+        skipped_updates: skipped,
+        status: if loss.is_finite() { "stopped" } else { "diverged" }.into(),
+        pbt: Vec::new(),
+        val_loss: loss.is_finite().then_some(loss),
+        epochs: Some(epochs),
+    }
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -1290,20 +1297,7 @@ fn halve(
             rows.push(seq_trial_row(&dir, t, params)?);
             continue;
         }
-        let (e, loss, steps, skipped) = stopped[&t];
-        rows.push(TrialRow {
-            trial: t,
-            params: params(t),
-            val_sharpe: f64::NAN,
-            val_total_return: f64::NAN,
-            val_max_drawdown: f64::NAN,
-            updates: steps - skipped.min(steps),
-            skipped_updates: skipped,
-            status: if loss.is_finite() { "stopped" } else { "diverged" }.into(),
-            pbt: Vec::new(),
-            val_loss: loss.is_finite().then_some(loss),
-            epochs: Some(e),
-        });
+        rows.push(unfinished_row(t, params(t), stopped[&t]));
     }
     Ok(Some(rows))
 }
