@@ -131,11 +131,16 @@ impl RunState {
     pub fn new_seq(
         model: ModelChoice,
         epochs: u64,
-        norm: &fx_data::Normalizer,
+        norms: &[fx_data::Normalizer],
         data_source: String,
         train_seconds: f64,
     ) -> Self {
-        let (norm_mean, norm_std) = norm.to_pair();
+        let (mut norm_mean, mut norm_std) = (Vec::new(), Vec::new());
+        for n in norms {
+            let (m, s) = n.to_pair();
+            norm_mean.extend(m);
+            norm_std.extend(s);
+        }
         RunState {
             version: RUN_STATE_VERSION,
             model,
@@ -447,6 +452,16 @@ impl RunDir {
                 waited += 1;
             }
             damaged.retain(|(st, _)| self.run_state_path(*st).exists() || self.trainer_path(*st).exists());
+            // A writer that keeps the folder changing can outlast the retries above: a lookup
+            // that saw it change and still meets the newest state file without its sidecar
+            // met a write in progress, not damage (a resume holds the lock: no one writes).
+            if !move_damaged && attempt > 0 {
+                if let Some(n) = newest {
+                    damaged.retain(|(st, _)| {
+                        !(*st == n && self.trainer_path(n).exists() && !self.run_state_path(n).exists())
+                    });
+                }
+            }
             if let Some(c) = found {
                 // Only now, with a checkpoint to continue from, are the newer damaged ones
                 // reported (and set aside for a resume).
