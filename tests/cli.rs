@@ -1645,3 +1645,53 @@ fn panel_studies_of_folds_and_seeds_report_each_instrument_and_resume_identicall
         }
     }
 }
+
+/// Forecasters on a panel: a TFT and a MAMBA-2 train on the three stocks' windows at once
+/// (built for the panel: the TFT's static context, MAMBA-2's instrument embedding), report
+/// pooled and per-instrument forecast metrics and the sign strategy per instrument and as
+/// their equal-weight portfolio; eval rescores the same weights; INT8 is refused; a
+/// MAMBA-2 study of 2 folds on the panel reports each instrument.
+#[test]
+fn forecasters_train_on_a_panel_and_report_each_instrument() {
+    let dir = tempfile::tempdir().unwrap();
+    let bars = shipped_panel(dir.path());
+    let names = ["aapl_daily_2000_2013", "ibm_daily_2000_2013", "msft_daily_2000_2013"];
+    for model in ["tft", "mamba2"] {
+        let run = dir.path().join(format!("{model}-panel"));
+        let cfg = tiny_seq_config(dir.path(), model);
+        let text = ok(&train(&cfg, &run, &["--quiet", "--epochs", "1", "--data", bars.to_str().unwrap()]));
+        assert!(text.contains("pooled over 3 instruments") && text.contains("equal-weight portfolio of 3"), "{text}");
+        let rep = json_file(&run.join("report.json"));
+        let per = rep["instrument_forecasts"].as_array().unwrap();
+        assert_eq!(per.iter().map(|i| i["name"].as_str().unwrap()).collect::<Vec<_>>(), names, "{model}");
+        for i in per {
+            assert!(i["point"]["mse_model"].as_f64().unwrap().is_finite(), "{model}: {i}");
+            assert!(i["target_scale"].as_f64().unwrap() > 0.0);
+            assert!(i["forecast"]["n"].as_u64().unwrap() > 100, "{model}: {i}");
+        }
+        let pooled = rep["forecast"]["n"].as_u64().unwrap();
+        assert_eq!(pooled, per.iter().map(|i| i["forecast"]["n"].as_u64().unwrap()).sum::<u64>(), "{model}");
+        let legs = rep["instruments"].as_array().unwrap();
+        assert_eq!(legs.len(), 3, "{model}");
+        let steps = rep["agent"]["stats"]["steps"].as_u64().unwrap();
+        assert!(legs.iter().all(|l| l["steps"].as_u64().unwrap() <= steps && l["steps"].as_u64().unwrap() > 100));
+        let bt = std::fs::read_to_string(run.join("backtest.csv")).unwrap();
+        assert_eq!(bt.lines().count() as u64, steps + 1, "{model}: header + a line per portfolio step");
+        let ev = fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap();
+        ok(&ev);
+        let ev = json_file(&run.join("eval.json"));
+        assert_eq!(ev["point"], rep["point"], "{model}");
+        assert_eq!(ev["instrument_forecasts"], rep["instrument_forecasts"], "{model}");
+        let q = fx_train().args(["quantize", "--checkpoint"]).arg(&run).output().unwrap();
+        assert!(!q.status.success());
+        let err = String::from_utf8_lossy(&q.stderr);
+        assert!(err.contains("panel of 3 instruments") && err.lines().count() == 1, "{model}: {err}");
+    }
+    let out = dir.path().join("mamba2-study");
+    let cfg = tiny_seq_config(dir.path(), "mamba2");
+    ok(&train(&cfg, &out, &["--quiet", "--epochs", "1", "--folds", "2", "--data", bars.to_str().unwrap()]));
+    let doc = study_stats(&out);
+    let per_instrument = doc["per_instrument"].as_array().unwrap();
+    assert_eq!(per_instrument.iter().map(|i| i["instrument"].as_str().unwrap()).collect::<Vec<_>>(), names);
+    assert_eq!(doc["per_fold"].as_array().unwrap().len(), 2);
+}

@@ -424,6 +424,12 @@ impl MatrixHook<CpuTft> for CalibrationHook {
 /// (a percentile in `(0, 100]`).
 pub fn quantize_tft(model: &Tft, windows: &[(Tensor, Tensor)], method: CalibMethod) -> Result<QuantTft> {
     const CTX: &str = "quantize_tft";
+    if model.config().n_instruments > 0 {
+        return Err(Error::invalid(
+            "model",
+            "a panel TFT (static context of its instruments) has no INT8 version; quantise a single-instrument model",
+        ));
+    }
     let Some((first, _)) = windows.first() else {
         return Err(Error::invalid("calibration windows", "none given"));
     };

@@ -69,13 +69,6 @@ impl Dataset {
             Some(path) => open_data(path)?,
         };
         let panel = tables.len() > 1;
-        if panel && cfg.model.is_sequence() {
-            bail!(
-                "{source} is a panel of {} instruments: {} forecasters train on one instrument so far",
-                tables.len(),
-                cfg.model.as_str()
-            );
-        }
         for (name, store, _) in &tables {
             let what = if panel { format!("{source} ({name})") } else { source.clone() };
             check_schema(store, &what)?;
@@ -153,12 +146,6 @@ impl Dataset {
         self.instruments.len() > 1
     }
 
-    /// The one instrument of a single-instrument run (sequence models; [`load`](Self::load)
-    /// refuses panels for them).
-    pub fn single(&self) -> &Instrument {
-        &self.instruments[0]
-    }
-
     /// The normalisers, in instrument order (what a checkpoint keeps).
     pub fn normalizers(&self) -> Vec<Normalizer> {
         self.instruments.iter().map(|i| i.normalizer.clone()).collect()
@@ -227,7 +214,7 @@ impl Instrument {
 
 /// The instrument's own rows whose calendar rows lie in `span` (contiguous: its calendar
 /// rows increase).
-fn own_rows(calendar_rows: &[usize], span: &Range<usize>) -> Range<usize> {
+pub(crate) fn own_rows(calendar_rows: &[usize], span: &Range<usize>) -> Range<usize> {
     calendar_rows.partition_point(|&c| c < span.start)..calendar_rows.partition_point(|&c| c < span.end)
 }
 

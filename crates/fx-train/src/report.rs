@@ -109,7 +109,6 @@ pub fn backtest_span(
     span: &std::ops::Range<usize>,
     policy: &mut dyn FnMut(&[f32]) -> Result<u32>,
 ) -> Result<SpanBacktest> {
-    let (cost, ppy) = (cfg.env.cost, data.periods_per_year);
     let spans = data.spans(span)?;
     let mut excluded = data.excluded.clone();
     for (i, inst) in data.instruments.iter().enumerate() {
@@ -120,44 +119,84 @@ pub fn backtest_span(
     if spans.is_empty() {
         bail!("{}: no instrument has 2 rows in calendar rows {span:?}", data.source);
     }
-    // Per instrument: agent, buy-and-hold, flat, random.
-    let mut parts: Vec<[Backtest; 4]> = Vec::with_capacity(spans.len());
-    for s in &spans {
+    let mut legs = Vec::with_capacity(spans.len());
+    for s in spans {
         let positions = replay_policy(&s.series, cfg.env.episode_len, |obs| {
             policy(obs).map_err(|e| fx_models::Error::Config { context: "backtest policy", message: format!("{e:#}") })
         })?;
-        let (n, close) = (positions.len(), s.series.close());
-        let seed = cfg.seed.wrapping_add(s.instrument as u64);
-        parts.push([
-            evaluate_positions(&positions, close, cost, ppy)?,
-            evaluate_positions(&vec![1; n], close, cost, ppy)?,
-            evaluate_positions(&vec![0; n], close, cost, ppy)?,
-            evaluate_positions(&random_positions(n, seed), close, cost, ppy)?,
-        ]);
+        legs.push(Leg::new(cfg, data, s.instrument, s.steps, &positions, s.series.close())?);
     }
+    combine_legs(cfg, data, span, legs, excluded)
+}
+
+/// One instrument's part of a span's backtest: the span index of the calendar row each
+/// step starts at, and the agent's, buy-and-hold's, flat's and random's backtests there.
+pub struct Leg {
+    pub instrument: usize,
+    pub steps: Vec<usize>,
+    /// Agent, buy-and-hold, flat, random.
+    pub parts: [Backtest; 4],
+}
+
+impl Leg {
+    /// `positions[j]` held over step `j`, from `close[j]` to `close[j + 1]`; the random
+    /// baseline of instrument `i` draws from seed `cfg.seed + i`.
+    pub fn new(
+        cfg: &RunConfig,
+        data: &Dataset,
+        instrument: usize,
+        steps: Vec<usize>,
+        positions: &[i8],
+        close: &[f64],
+    ) -> Result<Self> {
+        let (cost, ppy, n) = (cfg.env.cost, data.periods_per_year, positions.len());
+        let seed = cfg.seed.wrapping_add(instrument as u64);
+        Ok(Leg {
+            instrument,
+            steps,
+            parts: [
+                evaluate_positions(positions, close, cost, ppy)?,
+                evaluate_positions(&vec![1; n], close, cost, ppy)?,
+                evaluate_positions(&vec![0; n], close, cost, ppy)?,
+                evaluate_positions(&random_positions(n, seed), close, cost, ppy)?,
+            ],
+        })
+    }
+}
+
+/// The span's backtest of its legs (every instrument's that traded there): one
+/// instrument's own, or a panel's equal-weight portfolio with each instrument's table;
+/// `excluded` names the instruments without a leg.
+pub fn combine_legs(
+    cfg: &RunConfig,
+    data: &Dataset,
+    span: &std::ops::Range<usize>,
+    mut legs: Vec<Leg>,
+    excluded: Vec<String>,
+) -> Result<SpanBacktest> {
+    let (cost, ppy) = (cfg.env.cost, data.periods_per_year);
     if !data.is_panel() {
-        let [agent, buy_and_hold, flat, random] = parts.pop().context("one instrument")?;
-        let step_rows = spans[0].steps.iter().map(|&k| span.start + k).collect();
+        let leg = legs.pop().context("one instrument")?;
+        let [agent, buy_and_hold, flat, random] = leg.parts;
+        let step_rows = leg.steps.iter().map(|&k| span.start + k).collect();
         return Ok(SpanBacktest { agent, buy_and_hold, flat, random, instruments: Vec::new(), excluded, step_rows });
     }
     let portfolio = |k: usize| {
-        let legs: Vec<(&[usize], &Backtest)> =
-            spans.iter().zip(&parts).map(|(s, p)| (s.steps.as_slice(), &p[k])).collect();
-        fx_models::equal_weight(&legs, cost, ppy)
+        let parts: Vec<(&[usize], &Backtest)> = legs.iter().map(|l| (l.steps.as_slice(), &l.parts[k])).collect();
+        fx_models::equal_weight(&parts, cost, ppy)
     };
-    let mut step_rows: Vec<usize> = spans.iter().flat_map(|s| s.steps.iter().map(|&k| span.start + k)).collect();
+    let mut step_rows: Vec<usize> = legs.iter().flat_map(|l| l.steps.iter().map(|&k| span.start + k)).collect();
     step_rows.sort_unstable();
     step_rows.dedup();
-    let instruments = spans
+    let instruments = legs
         .iter()
-        .zip(&parts)
-        .map(|(s, p)| InstrumentReport {
-            name: data.instruments[s.instrument].name.clone(),
-            steps: s.steps.len(),
-            agent: p[0].stats.clone(),
-            buy_and_hold: p[1].stats.clone(),
-            flat: p[2].stats.clone(),
-            random: p[3].stats.clone(),
+        .map(|l| InstrumentReport {
+            name: data.instruments[l.instrument].name.clone(),
+            steps: l.steps.len(),
+            agent: l.parts[0].stats.clone(),
+            buy_and_hold: l.parts[1].stats.clone(),
+            flat: l.parts[2].stats.clone(),
+            random: l.parts[3].stats.clone(),
         })
         .collect();
     Ok(SpanBacktest {

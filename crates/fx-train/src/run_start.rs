@@ -81,12 +81,7 @@ impl RunStart {
         Ok(Self { t_start, dir, cfg, device, checkpoint, batch: None })
     }
 
-    /// The normaliser a resumed sequence run keeps (fitted when it started).
-    pub fn saved_normalizer(&self) -> Result<Option<fx_data::Normalizer>> {
-        self.checkpoint.as_ref().map(|c| c.run.normalizer()).transpose()
-    }
-
-    /// The normalisers a resumed RL run keeps, one per instrument.
+    /// The normalisers a resumed run keeps, one per instrument.
     pub fn saved_normalizers(&self) -> Result<Option<Vec<fx_data::Normalizer>>> {
         self.checkpoint.as_ref().map(|c| c.run.normalizers()).transpose()
     }

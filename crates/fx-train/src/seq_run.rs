@@ -8,6 +8,15 @@
 //! the normalised market features (observed) and the calendar features (known). Losses,
 //! MSEs and pinball losses in the report are in those units; directional accuracy,
 //! coverage and rank correlation do not depend on them.
+//!
+//! On a panel, the series is every instrument's rows one after another, each instrument
+//! normalised and scaled by its own training rows; a split is one span per instrument
+//! (windows never cross instruments or splits), training windows are drawn from all of
+//! them, and the model is built for the panel: the TFT takes the instrument as a static
+//! covariate, MAMBA-2 a learned instrument embedding added to its input
+//! (`fx_models::seq::SeqSeries::with_instruments`). The report gives the pooled metrics,
+//! each instrument's, and the sign strategy per instrument and as an equal-weight
+//! portfolio, as an RL panel's report does.
 
 use std::ops::{ControlFlow, Range};
 use std::path::Path;
@@ -18,14 +27,16 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use fx_models::seq::{
     evaluate, evaluate_forecasts, EpochLog, EvalReport, ForecastMetrics, Mamba2Task, SeqSeries, SeqTask, SeqTrainer,
+    Spans,
 };
-use fx_models::{evaluate_positions, random_positions, Backtest, Mamba2, Tft};
+use fx_models::{Backtest, Mamba2, Tft};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 use crate::config::{ModelChoice, RunConfig};
-use crate::dataset::Dataset;
+use crate::dataset::{own_rows, Dataset};
 use crate::lifecycle::{BarSpec, Chunk, ChunkCtx, RunTask, Timings};
+use crate::report::{InstrumentReport, Leg};
 use crate::run_dir::{write_atomic, Checkpoint, RunDir, RunState};
 use crate::run_start::{device_for, RunStart};
 
@@ -60,10 +71,11 @@ pub struct SeqReport {
     pub data_source: String,
     /// `test`, or `validation` for a sweep's trial.
     pub split: &'static str,
-    /// The split's rows.
+    /// The split's (calendar) rows.
     pub rows: Range<usize>,
     /// Standard deviation of the next-bar log return over the training rows: the unit of
-    /// the targets, losses and MSEs.
+    /// the targets, losses and MSEs (a panel: the median of its instruments', each of
+    /// which is in `instrument_forecasts`).
     pub target_scale: f64,
     pub epochs_done: usize,
     /// Optimiser steps taken, and of them skipped by the non-finite guard.
@@ -80,6 +92,10 @@ pub struct SeqReport {
     pub forecast: ForecastMetrics,
     /// The model's MSE is below both the zero and the last-value forecast's.
     pub beats_naive: bool,
+    /// A panel's instruments, each scored on its own rows of the split (the metrics above
+    /// pool them).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub instrument_forecasts: Vec<InstrumentForecast>,
     /// Bars per year of the data (the backtests' annualisation).
     pub periods_per_year: f64,
     /// What `backtest.agent` trades ([`SIGN_RULE`]).
@@ -91,33 +107,83 @@ pub struct SeqReport {
     pub backtest: SignBacktest,
 }
 
-/// The data as the sequence models see it, and the row ranges of the splits.
+/// One instrument's forecasts in a panel's report.
+#[derive(Serialize)]
+pub struct InstrumentForecast {
+    pub name: String,
+    /// Its training rows' next-bar return std (the unit of its targets and MSEs).
+    pub target_scale: f64,
+    pub point: EvalReport,
+    pub forecast: ForecastMetrics,
+    pub beats_naive: bool,
+}
+
+/// The data as the sequence models see it: the series (a panel's instruments one after
+/// another) and where each instrument's rows start in it.
 pub(crate) struct SeqData {
     pub(crate) data: Dataset,
     pub(crate) series: SeqSeries,
-    pub(crate) target_scale: f64,
+    /// Per instrument of `data`: the series row of its first row, and its target scale.
+    parts: Vec<(usize, f64)>,
 }
 
-fn seq_data(cfg: &RunConfig, saved_norm: Option<fx_data::Normalizer>) -> Result<SeqData> {
-    let data = Dataset::load(cfg, saved_norm.map(|n| vec![n]))?;
-    let rows = data.single().store.rows();
-    let mut market = data.single().store.market_rows(0..rows).to_vec();
-    data.single().normalizer.apply_in_place(&mut market);
-    let ret = data.single().store.logret_next();
-    let train = &ret[data.splits.train.clone()];
-    let mean = train.iter().map(|&v| v as f64).sum::<f64>() / train.len().max(1) as f64;
-    let var = train.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / train.len().max(1) as f64;
-    let target_scale = if var.sqrt() > 0.0 { var.sqrt() } else { 1.0 };
-    let target: Vec<f32> = ret.iter().map(|&v| (v as f64 / target_scale) as f32).collect();
-    let series = SeqSeries::new(
-        market,
-        fx_kernels::N_MARKET,
-        data.single().store.known().to_vec(),
-        fx_data::features::N_KNOWN,
-        target,
-    )
-    .with_context(|| format!("building the sequence series from {}", data.source))?;
-    Ok(SeqData { data, series, target_scale })
+impl SeqData {
+    /// Each instrument's rows of the calendar span, as series rows (one range per
+    /// instrument).
+    pub(crate) fn spans(&self, span: &Range<usize>) -> Spans {
+        Spans::new((0..self.parts.len()).map(|i| self.instrument_rows(i, span)).collect())
+    }
+
+    /// Instrument `i`'s rows of the calendar span, as series rows.
+    fn instrument_rows(&self, i: usize, span: &Range<usize>) -> Range<usize> {
+        let own = own_rows(&self.data.instruments[i].calendar_rows, span);
+        let at = self.parts[i].0;
+        at + own.start..at + own.end
+    }
+
+    /// The unit of the targets: one instrument's, or the median of a panel's.
+    pub(crate) fn target_scale(&self) -> f64 {
+        let mut s: Vec<f64> = self.parts.iter().map(|p| p.1).collect();
+        s.sort_by(f64::total_cmp);
+        s[s.len() / 2]
+    }
+
+    /// Instruments of the panel the model is built for (0 for one instrument).
+    fn n_instruments(&self) -> usize {
+        if self.data.is_panel() {
+            self.parts.len()
+        } else {
+            0
+        }
+    }
+}
+
+fn seq_data(cfg: &RunConfig, saved_norms: Option<Vec<fx_data::Normalizer>>) -> Result<SeqData> {
+    let data = Dataset::load(cfg, saved_norms)?;
+    let (mut market, mut known, mut target, mut ids) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut parts = Vec::with_capacity(data.instruments.len());
+    for (i, inst) in data.instruments.iter().enumerate() {
+        let rows = inst.store.rows();
+        let mut m = inst.store.market_rows(0..rows).to_vec();
+        inst.normalizer.apply_in_place(&mut m);
+        let ret = inst.store.logret_next();
+        let train = &ret[own_rows(&inst.calendar_rows, &data.splits.train)];
+        let mean = train.iter().map(|&v| v as f64).sum::<f64>() / train.len().max(1) as f64;
+        let var = train.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / train.len().max(1) as f64;
+        let scale = if var.sqrt() > 0.0 { var.sqrt() } else { 1.0 };
+        parts.push((target.len(), scale));
+        market.extend(m);
+        known.extend_from_slice(inst.store.known());
+        target.extend(ret.iter().map(|&v| (v as f64 / scale) as f32));
+        ids.extend(std::iter::repeat_n(i as u32, rows));
+    }
+    let context = || format!("building the sequence series from {}", data.source);
+    let mut series = SeqSeries::new(market, fx_kernels::N_MARKET, known, fx_data::features::N_KNOWN, target)
+        .with_context(context)?;
+    if data.is_panel() {
+        series = series.with_instruments(ids, parts.len()).with_context(context)?;
+    }
+    Ok(SeqData { data, series, parts })
 }
 
 /// The rows one window of `cfg`'s forecaster reaches (the model's `window_len`, from its
@@ -130,22 +196,29 @@ pub(crate) fn window_len(cfg: &RunConfig) -> Result<usize> {
     })
 }
 
-/// Checks that every split holds at least one window of `len` rows.
+/// Checks that every split holds at least one window of `len` rows (a panel: in at
+/// least one instrument's rows of it).
 fn check_windows(d: &SeqData, len: usize, batch_size: usize) -> Result<()> {
     let s = &d.data.splits;
-    let train_windows = s.train.len().saturating_sub(len) + 1;
-    if s.train.len() >= len && batch_size > train_windows {
+    let train_windows = d.spans(&s.train).window_starts(len).len();
+    if train_windows > 0 && batch_size > train_windows {
         bail!(
             "seq.batch_size {batch_size} exceeds the {train_windows} training windows of {} (use a smaller batch or more data)",
             d.data.source
         );
     }
     for (name, r) in [("training", &s.train), ("validation", &s.valid), ("test", &s.test)] {
-        if r.len() < len {
+        let spans = d.spans(r);
+        if spans.window_starts(len).is_empty() {
+            let most = spans.ranges().iter().map(|r| r.len()).max().unwrap_or(0);
+            let rows = if d.data.is_panel() {
+                format!("at most {most} rows of an instrument")
+            } else {
+                format!("{most} rows")
+            };
             bail!(
-                "{}: the {name} split has {} rows, a window needs {len} (use more data or a shorter L_enc/H/mamba2_seq_len)",
-                d.data.source,
-                r.len()
+                "{}: the {name} split has {rows}, a window needs {len} (use more data or a shorter L_enc/H/mamba2_seq_len)",
+                d.data.source
             );
         }
     }
@@ -161,14 +234,17 @@ enum SeqModel {
 }
 
 impl SeqModel {
-    /// The config's model, its weights seeded by the run's seed.
-    fn new(cfg: &RunConfig, device: &Device) -> Result<Self> {
+    /// The config's model for `d` (a panel's: built for its instruments), its weights
+    /// seeded by the run's seed.
+    fn new(cfg: &RunConfig, d: &SeqData, device: &Device) -> Result<Self> {
+        let n = d.n_instruments();
         Ok(match cfg.model {
             ModelChoice::Tft => {
-                SeqModel::Tft(Box::new(Tft::new(cfg.tft.clone(), device, cfg.seed).context("building the TFT")?))
+                let tft = fx_models::TftConfig { n_instruments: n, ..cfg.tft.clone() };
+                SeqModel::Tft(Box::new(Tft::new(tft, device, cfg.seed).context("building the TFT")?))
             }
             ModelChoice::Mamba2 => SeqModel::Mamba2 {
-                model: Box::new(Mamba2::new(cfg.mamba2.clone(), device, cfg.seed).context("building the MAMBA-2")?),
+                model: Box::new(Mamba2::new(panel_mamba2(cfg, n), device, cfg.seed).context("building the MAMBA-2")?),
                 seq_len: cfg.mamba2_seq_len,
             },
             other => bail!("{} is not a sequence model", other.as_str()),
@@ -182,6 +258,12 @@ impl SeqModel {
             SeqModel::Mamba2 { model, seq_len } => f(&Mamba2Task { model, seq_len: *seq_len }),
         }
     }
+}
+
+/// `cfg`'s MAMBA-2 for a panel of `n` instruments: its input is the features and the
+/// instrument's one-hot row, so `embed` adds a learned embedding of the instrument.
+pub(crate) fn panel_mamba2(cfg: &RunConfig, n: usize) -> fx_models::Mamba2Config {
+    fx_models::Mamba2Config { n_in: cfg.mamba2.n_in + n, ..cfg.mamba2.clone() }
 }
 
 /// What a run does with its model, written once over every [`SeqTask`] and object-safe so
@@ -212,7 +294,7 @@ impl<T: SeqTask> SeqTaskRun for T {
     fn trainer(&self, cfg: &RunConfig, c: Option<&Checkpoint>, d: &SeqData) -> Result<SeqTrainer> {
         match c {
             Some(c) => restored(self, cfg, c, d),
-            None => Ok(SeqTrainer::new(self, d.data.splits.train.clone(), &cfg.seq)?),
+            None => Ok(SeqTrainer::new(self, d.spans(&d.data.splits.train), &cfg.seq)?),
         }
     }
     fn train_epoch(
@@ -221,7 +303,7 @@ impl<T: SeqTask> SeqTaskRun for T {
         d: &SeqData,
         on_batch: &mut dyn FnMut(usize, f64) -> ControlFlow<()>,
     ) -> Result<Option<EpochLog>> {
-        Ok(trainer.train_epoch_with(self, &d.series, d.data.splits.valid.clone(), on_batch)?)
+        Ok(trainer.train_epoch_with(self, &d.series, d.spans(&d.data.splits.valid), on_batch)?)
     }
     fn save_state(&self, trainer: &SeqTrainer, path: &Path) -> Result<()> {
         Ok(trainer.save_state(self, path)?)
@@ -244,7 +326,7 @@ impl<T: SeqTask> SeqTaskRun for T {
 
 /// A trainer restored from checkpoint `c` (weights, optimiser, counters).
 fn restored(task: &impl SeqTask, cfg: &RunConfig, c: &Checkpoint, d: &SeqData) -> Result<SeqTrainer> {
-    let mut t = SeqTrainer::new(task, d.data.splits.train.clone(), &cfg.seq)?;
+    let mut t = SeqTrainer::new(task, d.spans(&d.data.splits.train), &cfg.seq)?;
     t.load_state(task, &c.trainer)
         .with_context(|| format!("loading {} checkpoint {}", cfg.model.as_str(), c.trainer.display()))?;
     Ok(t)
@@ -266,7 +348,7 @@ pub(crate) fn latest_with_data(dir: &RunDir, cfg: &RunConfig) -> Result<(Checkpo
         bail!("{} holds no checkpoint yet", dir.root().display());
     };
     c.check_model(cfg.model, "config.toml says")?;
-    let d = seq_data(cfg, Some(c.run.normalizer()?))?;
+    let d = seq_data(cfg, Some(c.run.normalizers()?))?;
     c.check_source(&d.data.source, "config.toml now names")?;
     Ok((c, d))
 }
@@ -303,7 +385,7 @@ impl RunTask for SeqRun {
     const CHECKPOINT_LAST: bool = false;
 
     fn load_data(start: &RunStart) -> Result<SeqData> {
-        seq_data(&start.cfg, start.saved_normalizer()?)
+        seq_data(&start.cfg, start.saved_normalizers()?)
     }
 
     fn data_source(d: &SeqData) -> &str {
@@ -311,9 +393,9 @@ impl RunTask for SeqRun {
     }
 
     fn build(start: &mut RunStart, d: &Arc<SeqData>) -> Result<Self> {
-        let model = SeqModel::new(&start.cfg, &start.device)?;
+        let model = SeqModel::new(&start.cfg, d, &start.device)?;
         let len = model.with(|t| t.window_len());
-        let train_windows = d.data.splits.train.len().saturating_sub(len) + 1;
+        let train_windows = d.spans(&d.data.splits.train).window_starts(len).len();
         start.settle_batch(Some(train_windows))?;
         check_windows(d, len, start.cfg.seq.batch_size)?;
         let cfg = start.cfg.clone();
@@ -387,8 +469,7 @@ impl RunTask for SeqRun {
     fn checkpoint(&mut self, dir: &RunDir, train_seconds: f64, _last: bool) -> Result<()> {
         let (cfg, d) = (&self.cfg, &self.d);
         let epochs = self.trainer.epochs_done() as u64;
-        let run =
-            RunState::new_seq(cfg.model, epochs, &d.data.single().normalizer, d.data.source.clone(), train_seconds);
+        let run = RunState::new_seq(cfg.model, epochs, &d.data.normalizers(), d.data.source.clone(), train_seconds);
         let (model, trainer) = (&self.model, &self.trainer);
         dir.write_checkpoint(&run, cfg.keep_checkpoints, |p| model.with(|t| t.save_state(trainer, p)))?;
         Ok(())
@@ -448,53 +529,74 @@ pub(crate) const SIGN_RULE: &str =
     "long/short on the sign of each bar's one-bar forecast (flat at 0), env.cost per unit of position change";
 
 /// The sign-of-forecast strategy on the test split ([`SIGN_RULE`]) beside buy-and-hold,
-/// flat and random positions (random from `cfg.seed`), accounted as the RL backtests
-/// are: a position taken at row `r` earns `r → r + 1`, and only returns realised inside
-/// the test span count, so one fold's strategy never reads the next span's bars.
+/// flat and random positions (random from `cfg.seed`, plus the instrument's index in a
+/// panel), accounted as the RL backtests are: a position taken at row `r` earns
+/// `r → r + 1`, and only returns realised inside the test span count, so one fold's
+/// strategy never reads the next span's bars. A panel's: each instrument's on its own
+/// rows of the span, and their equal-weight portfolio.
 #[derive(Serialize)]
 pub struct SignBacktest {
     pub agent: Backtest,
     pub buy_and_hold: Backtest,
     pub flat: Backtest,
     pub random: Backtest,
-    /// The row each step starts at.
+    /// A panel's instruments, each traded on its own rows of the span.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub instruments: Vec<InstrumentReport>,
+    /// Panel instruments left out of the run, or without a forecast to trade in the span.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub excluded_instruments: Vec<String>,
+    /// The calendar row each step starts at.
     #[serde(skip)]
     pub step_rows: Vec<usize>,
 }
 
-fn sign_backtest(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, test: &Range<usize>) -> Result<SignBacktest> {
-    let test = test.clone();
+fn sign_backtest(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, span: &Range<usize>) -> Result<SignBacktest> {
     let (len, next) = (task.window_len(), task.next_bar());
-    // Window `s` forecasts the return from row `s + next.row` to the row after it.
-    let starts: Vec<usize> = (test.start..=test.end - len).filter(|s| s + next.row + 1 < test.end).collect();
-    if starts.is_empty() {
+    let c = fx_models::Ctx::inference(cfg.precision);
+    let device = task.params().device().clone();
+    let (mut legs, mut excluded) = (Vec::new(), d.data.excluded.clone());
+    for (i, inst) in d.data.instruments.iter().enumerate() {
+        let rows = d.instrument_rows(i, span);
+        // Window `s` forecasts the return from row `s + next.row` to the row after it.
+        let starts: Vec<usize> =
+            Spans::from(rows.clone()).window_starts(len).into_iter().filter(|s| s + next.row + 1 < rows.end).collect();
+        if starts.is_empty() {
+            excluded.push(inst.name.clone());
+            continue;
+        }
+        let mut positions: Vec<i8> = Vec::with_capacity(starts.len());
+        for chunk in starts.chunks(cfg.seq.batch_size.max(1)) {
+            let batch = task.batch(&d.series, chunk, &device)?;
+            let point = task.point(&c, &batch)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+            positions.extend(point.iter().map(|p| match p[next.column] {
+                x if x > 0.0 => 1i8,
+                x if x < 0.0 => -1,
+                _ => 0,
+            }));
+        }
+        // The instrument's own row of the first step.
+        let (n, first) = (positions.len(), starts[0] + next.row - d.parts[i].0);
+        let close = &inst.store.close()[first..first + n + 1];
+        let steps = inst.calendar_rows[first..first + n].iter().map(|&r| r - span.start).collect();
+        legs.push(Leg::new(cfg, &d.data, i, steps, &positions, close)?);
+    }
+    if legs.is_empty() {
         bail!(
             "{}: the split's {} rows leave no one-bar forecast to backtest inside it (a window is {len} rows)",
             d.data.source,
-            test.len()
+            span.len()
         );
     }
-    let c = fx_models::Ctx::inference(cfg.precision);
-    let device = task.params().device().clone();
-    let mut positions: Vec<i8> = Vec::with_capacity(starts.len());
-    for chunk in starts.chunks(cfg.seq.batch_size.max(1)) {
-        let batch = task.batch(&d.series, chunk, &device)?;
-        let point = task.point(&c, &batch)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-        positions.extend(point.iter().map(|p| match p[next.column] {
-            x if x > 0.0 => 1i8,
-            x if x < 0.0 => -1,
-            _ => 0,
-        }));
-    }
-    let (n, first) = (positions.len(), starts[0] + next.row);
-    let close = &d.data.single().store.close()[first..first + n + 1];
-    let (cost, ppy) = (cfg.env.cost, d.data.periods_per_year);
+    let b = crate::report::combine_legs(cfg, &d.data, span, legs, excluded)?;
     Ok(SignBacktest {
-        agent: evaluate_positions(&positions, close, cost, ppy)?,
-        buy_and_hold: evaluate_positions(&vec![1; n], close, cost, ppy)?,
-        flat: evaluate_positions(&vec![0; n], close, cost, ppy)?,
-        random: evaluate_positions(&random_positions(n, cfg.seed), close, cost, ppy)?,
-        step_rows: (first..first + n).collect(),
+        agent: b.agent,
+        buy_and_hold: b.buy_and_hold,
+        flat: b.flat,
+        random: b.random,
+        instruments: b.instruments,
+        excluded_instruments: if d.data.is_panel() { b.excluded } else { Vec::new() },
+        step_rows: b.step_rows,
     })
 }
 
@@ -506,7 +608,7 @@ fn forecast_plot(rep: &SeqReport, d: &SeqData, dir: &RunDir) -> Result<()> {
     let (strat, hold) = (with_start(&b.agent.equity), with_start(&b.buy_and_hold.equity));
     // Point 0 stands at the first step's row (before its return), point j at the row j
     // bars later (after j returns).
-    let ts = d.data.single().store.timestamps();
+    let ts = &d.data.calendar;
     let first = b.step_rows[0];
     let dates = Some(&ts[first..(first + strat.len()).min(ts.len())]).filter(|d| d.len() == strat.len());
     crate::plots::curves(
@@ -528,9 +630,26 @@ fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTraine
         ("test", d.data.splits.test.clone())
     };
     let (bs, p) = (cfg.seq.batch_size, cfg.precision);
+    let spans = d.spans(&rows);
     let point =
-        evaluate(task, &d.series, rows.clone(), bs, p).with_context(|| format!("evaluating on the {split} split"))?;
-    let forecast = evaluate_forecasts(task, &d.series, rows.clone(), bs, p).context("forecast metrics")?;
+        evaluate(task, &d.series, spans.clone(), bs, p).with_context(|| format!("evaluating on the {split} split"))?;
+    let forecast = evaluate_forecasts(task, &d.series, spans, bs, p).context("forecast metrics")?;
+    let mut instrument_forecasts = Vec::new();
+    for (i, inst) in d.data.instruments.iter().enumerate().filter(|_| d.data.is_panel()) {
+        let own = Spans::from(d.instrument_rows(i, &rows));
+        if own.window_starts(task.window_len()).is_empty() {
+            continue;
+        }
+        let context = || format!("{} on the {split} split", inst.name);
+        let point = evaluate(task, &d.series, own.clone(), bs, p).with_context(context)?;
+        instrument_forecasts.push(InstrumentForecast {
+            name: inst.name.clone(),
+            target_scale: d.parts[i].1,
+            beats_naive: point.mse_model < point.mse_zero && point.mse_model < point.mse_last,
+            point,
+            forecast: evaluate_forecasts(task, &d.series, own, bs, p).with_context(context)?,
+        });
+    }
     let (best_epoch, best_val_loss) = trainer.best().context("no epoch ran")?;
     let rep = trainer.log();
     Ok(SeqReport {
@@ -538,7 +657,7 @@ fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTraine
         data_source: d.data.source.clone(),
         split,
         rows: rows.clone(),
-        target_scale: d.target_scale,
+        target_scale: d.target_scale(),
         epochs_done: trainer.epochs_done(),
         steps: trainer.step(),
         skipped_steps: trainer.log().iter().map(|e| e.skipped).sum(),
@@ -548,6 +667,7 @@ fn report(task: &impl SeqTask, cfg: &RunConfig, d: &SeqData, trainer: &SeqTraine
         beats_naive: point.mse_model < point.mse_zero && point.mse_model < point.mse_last,
         point,
         forecast,
+        instrument_forecasts,
         periods_per_year: d.data.periods_per_year,
         strategy: SIGN_RULE,
         backtest: sign_backtest(task, cfg, d, &rows)
@@ -579,7 +699,14 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
         rep.best_epoch,
         rep.best_val_loss
     );
-    println!("next-bar log return in units of its training-split std ({:.3e})", rep.target_scale);
+    if rep.instrument_forecasts.is_empty() {
+        println!("next-bar log return in units of its training-split std ({:.3e})", rep.target_scale);
+    } else {
+        println!(
+            "next-bar log return in units of each instrument's training-split std; pooled over {} instruments:",
+            rep.instrument_forecasts.len()
+        );
+    }
     println!("{:<12} {:>10}", "forecast", "MSE");
     println!("{:<12} {:>10.4}", "model", rep.point.mse_model);
     println!("{:<12} {:>10.4}", "zero", rep.point.mse_zero);
@@ -606,9 +733,27 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
             "the model did NOT beat both the zero and last-value forecasts on held-out data"
         }
     );
+    if !rep.instrument_forecasts.is_empty() {
+        println!("{:<14} {:>10} {:>10} {:>10} {:>9}", "instrument", "MSE model", "MSE zero", "MSE last", "direction");
+        for f in &rep.instrument_forecasts {
+            println!(
+                "{:<14} {:>10.4} {:>10.4} {:>10.4} {:>8.1}%",
+                f.name,
+                f.point.mse_model,
+                f.point.mse_zero,
+                f.point.mse_last,
+                100.0 * f.forecast.directional_accuracy
+            );
+        }
+    }
     let b = &rep.backtest;
+    let what = if b.instruments.is_empty() {
+        String::new()
+    } else {
+        format!(", the equal-weight portfolio of {} instruments", b.instruments.len())
+    };
     println!(
-        "backtest of the forecasts' signs on the {} split ({} steps, {:.0} bars/year):",
+        "backtest of the forecasts' signs on the {} split ({} steps, {:.0} bars/year{what}):",
         rep.split, b.agent.stats.steps, rep.periods_per_year
     );
     crate::report::print_table(&[
@@ -617,6 +762,12 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
         ("flat", &b.flat),
         ("random", &b.random),
     ]);
+    for i in &b.instruments {
+        println!(
+            "  {:<14} {:>5} steps: sign Sharpe {:>6.2} (buy & hold {:>6.2})",
+            i.name, i.steps, i.agent.sharpe, i.buy_and_hold.sharpe
+        );
+    }
     if let Some(p) = profile {
         println!(
             "time: {:.1}s total = data {:.1}s + training {:.1}s + checkpoints/logs {:.1}s + eval {:.1}s + other {:.1}s",
@@ -637,7 +788,7 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
 pub fn eval(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     let (c, d) = latest_with_data(dir, &cfg)?;
     let device = device_for(&cfg)?;
-    SeqModel::new(&cfg, &device)?.with(|task| task.eval(&cfg, dir, &c, &d))
+    SeqModel::new(&cfg, &d, &device)?.with(|task| task.eval(&cfg, dir, &c, &d))
 }
 
 #[cfg(test)]
@@ -674,7 +825,7 @@ mod tests {
         assert_eq!(n, windows.min(test.end - 1 - b.step_rows[0]), "every window whose return is inside the span");
         assert!(b.step_rows.windows(2).all(|w| w[1] == w[0] + 1));
         assert!(b.step_rows[n - 1] + 1 < test.end, "the last return ends inside the test span");
-        let close = d.data.single().store.close();
+        let close = d.data.instruments[0].store.close();
         let c = fx_models::Ctx::inference(cfg.precision);
         let (mut prev, mut checked) = (0i8, 0);
         for (i, &r) in b.step_rows.iter().enumerate() {

@@ -2,14 +2,12 @@
 //! ([`evaluate`]) and forecast quality ([`forecast_metrics`]: pinball, coverage, direction,
 //! rank correlation) over every window of a range.
 
-use std::ops::Range;
-
 use candle_core::{DType, Tensor};
 use fx_precision::Precision;
 use serde::Serialize;
 
 use super::ops::Ctx;
-use super::series::{sampler, SeqBatch, SeqSeries};
+use super::series::{sampler, SeqBatch, SeqSeries, Spans};
 use super::task::SeqTask;
 use crate::error::{Context, Error, Result};
 
@@ -36,16 +34,16 @@ pub(super) fn scalar(t: &Tensor, context: &'static str) -> Result<f64> {
     }
 }
 
-/// Loss and point-forecast metrics over every window in `range` (inference, no tape).
+/// Loss and point-forecast metrics over every window in `rows` (inference, no tape).
 pub fn evaluate(
     task: &impl SeqTask,
     series: &SeqSeries,
-    range: Range<usize>,
+    rows: impl Into<Spans>,
     batch_size: usize,
     precision: Precision,
 ) -> Result<EvalReport> {
     let dev = task.params().device().clone();
-    let smp = sampler(&range, task.window_len(), batch_size, 0)?;
+    let smp = sampler(&rows.into(), task.window_len(), batch_size, 0)?;
     let c = Ctx::inference(precision);
     let (mut loss, mut n_b) = (0.0, 0usize);
     let (mut se_m, mut se_z, mut se_l, mut n) = (0.0, 0.0, 0.0, 0usize);
@@ -168,17 +166,17 @@ fn host(t: &Tensor) -> Result<Vec<f64>> {
     t.to_dtype(DType::F64).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f64>()).ctx("evaluate_forecasts")
 }
 
-/// [`ForecastMetrics`] over every window in `range` (inference, no tape).
+/// [`ForecastMetrics`] over every window in `rows` (inference, no tape).
 pub fn evaluate_forecasts(
     task: &impl SeqTask,
     series: &SeqSeries,
-    range: Range<usize>,
+    rows: impl Into<Spans>,
     batch_size: usize,
     precision: Precision,
 ) -> Result<ForecastMetrics> {
     let c = Ctx::inference(precision);
     let dev = task.params().device().clone();
-    evaluate_forecasts_with(task, series, range, batch_size, &dev, |batch| {
+    evaluate_forecasts_with(task, series, rows, batch_size, &dev, |batch| {
         Ok(Forecasts { point: task.point(&c, batch)?, quantiles: task.quantiles(&c, batch)? })
     })
 }
@@ -192,19 +190,19 @@ pub struct Forecasts {
     pub quantiles: Option<(Vec<f64>, Tensor)>,
 }
 
-/// [`ForecastMetrics`] over every window in `range`, in `task`'s batches on `device`, of
+/// [`ForecastMetrics`] over every window in `rows`, in `task`'s batches on `device`, of
 /// the forecasts `forecast` makes of each batch (another implementation of the task's
 /// model, such as its INT8 version, scored on exactly the windows
 /// [`evaluate_forecasts`] uses).
 pub fn evaluate_forecasts_with(
     task: &impl SeqTask,
     series: &SeqSeries,
-    range: Range<usize>,
+    rows: impl Into<Spans>,
     batch_size: usize,
     device: &candle_core::Device,
     mut forecast: impl FnMut(&SeqBatch) -> Result<Forecasts>,
 ) -> Result<ForecastMetrics> {
-    let smp = sampler(&range, task.window_len(), batch_size, 0)?;
+    let smp = sampler(&rows.into(), task.window_len(), batch_size, 0)?;
     let (mut levels, mut qs, mut pts, mut ys) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for bi in smp.epoch_batches(0) {
         let batch = task.batch(series, &bi.starts, device)?;

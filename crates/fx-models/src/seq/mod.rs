@@ -23,7 +23,7 @@ mod fuzz_tests;
 pub use metrics::{
     evaluate, evaluate_forecasts, evaluate_forecasts_with, forecast_metrics, EvalReport, ForecastMetrics, Forecasts,
 };
-pub use series::{NextBar, SeqBatch, SeqSeries};
+pub use series::{NextBar, SeqBatch, SeqSeries, Spans};
 #[cfg(feature = "cuda")]
 pub use task::FusedSeqStep;
 pub use task::{Mamba2Task, SeqTask};

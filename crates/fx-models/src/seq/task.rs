@@ -24,7 +24,8 @@ pub trait SeqTask {
     /// Where the one-bar-ahead forecast sits in a window's target (for trading on it and
     /// dating it).
     fn next_bar(&self) -> NextBar;
-    /// The batch of windows starting at `starts` (each window inside `series`).
+    /// The batch of windows starting at `starts` (each window inside `series`, and inside
+    /// one instrument's rows of a panel's).
     fn batch(&self, series: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch>;
     /// The training loss of a batch (F32 scalar).
     fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor>;
@@ -93,32 +94,37 @@ impl SeqTask for Tft {
         // Decoder step i forecasts the return from row L−1+i to L+i of the window.
         let target = SeqSeries::gather(&s.target, 1, starts, l - 1, h);
         let last: Vec<f32> = starts.iter().flat_map(|&st| std::iter::repeat_n(s.target[st + l - 2], h)).collect();
-        Ok(SeqBatch {
-            inputs: vec![
-                tensor(observed, &[b, l, s.n_observed], device)?,
-                tensor(known, &[b, l + h, s.n_known], device)?,
-            ],
-            target: tensor(target, &[b, h], device)?,
-            last_value: tensor(last, &[b, h], device)?,
-        })
+        let mut inputs =
+            vec![tensor(observed, &[b, l, s.n_observed], device)?, tensor(known, &[b, l + h, s.n_known], device)?];
+        if s.n_instruments != cfg.n_instruments {
+            return Err(Error::config(
+                "Tft batch",
+                format!("series of {} instruments, model built for {}", s.n_instruments, cfg.n_instruments),
+            ));
+        }
+        if s.n_instruments > 0 {
+            inputs.push(tensor(s.instrument_one_hot(starts, l + h)?, &[b, s.n_instruments], device)?);
+        }
+        Ok(SeqBatch { inputs, target: tensor(target, &[b, h], device)?, last_value: tensor(last, &[b, h], device)? })
     }
 
     fn loss(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
-        let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
+        let q = self.forward_batch(c, batch)?;
         Tft::loss(self, &q, &batch.target)
     }
 
     fn loss_and_grads(&self, c: &Ctx, batch: &SeqBatch, recompute: bool) -> Result<(Tensor, GradStore)> {
-        Tft::loss_and_grads(self, c, &batch.inputs[0], &batch.inputs[1], &batch.target, recompute)
+        let i = batch.inputs.get(2);
+        Tft::loss_and_grads_with(self, c, &batch.inputs[0], &batch.inputs[1], i, &batch.target, recompute)
     }
 
     fn quantiles(&self, c: &Ctx, batch: &SeqBatch) -> Result<Option<(Vec<f64>, Tensor)>> {
-        let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
+        let q = self.forward_batch(c, batch)?;
         Ok(Some((self.config().quantiles.clone(), q)))
     }
 
     fn point(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
-        let q = self.forward(c, &batch.inputs[0], &batch.inputs[1])?;
+        let q = self.forward_batch(c, batch)?;
         crate::tft::point_forecast(&self.config().quantiles, &q)
     }
 
@@ -128,6 +134,9 @@ impl SeqTask for Tft {
 
     #[cfg(feature = "cuda")]
     fn fused_step(&self, batch: usize, precision: Precision) -> Result<Box<dyn FusedSeqStep>> {
+        if self.config().n_instruments > 0 {
+            return Err(Error::config("Tft fused step", "a panel model's static context is not in the fused kernels"));
+        }
         let k = crate::tft::ops_cuda::CudaTft::new(self.params().device()).ctx("Tft fused step")?;
         Ok(Box::new(crate::tft::fused::TftFused::new(k, self, batch, precision)?))
     }
@@ -163,15 +172,36 @@ impl SeqTask for Mamba2Task<'_> {
         NextBar { column: self.seq_len - 1, row: self.seq_len - 1 }
     }
 
+    /// A panel's windows end each step's features with the instrument's one-hot row, so
+    /// that the model's `embed` adds a learned embedding of the instrument to its input
+    /// (the model is built with `n_in` = features + instruments).
     fn batch(&self, s: &SeqSeries, starts: &[usize], device: &Device) -> Result<SeqBatch> {
         let (b, l) = (starts.len(), self.seq_len);
-        if s.n_observed != self.model.config().n_in {
+        let n_x = s.n_observed + s.n_instruments;
+        if n_x != self.model.config().n_in {
             return Err(Error::config(
                 "Mamba2 batch",
-                format!("series has {} features, model n_in {}", s.n_observed, self.model.config().n_in),
+                format!(
+                    "series has {} features and {} instruments, model n_in {}",
+                    s.n_observed,
+                    s.n_instruments,
+                    self.model.config().n_in
+                ),
             ));
         }
-        let x = SeqSeries::gather(&s.observed, s.n_observed, starts, 0, l);
+        let mut x = SeqSeries::gather(&s.observed, s.n_observed, starts, 0, l);
+        if s.n_instruments > 0 {
+            let one_hot = s.instrument_one_hot(starts, self.window_len())?;
+            let n = s.n_instruments;
+            let mut with = Vec::with_capacity(b * l * n_x);
+            for (w, hot) in x.chunks(l * s.n_observed).zip(one_hot.chunks(n)) {
+                for row in w.chunks(s.n_observed) {
+                    with.extend_from_slice(row);
+                    with.extend_from_slice(hot);
+                }
+            }
+            x = with;
+        }
         // Step t predicts the return from row t to t+1.
         let target = SeqSeries::gather(&s.target, 1, starts, 0, l);
         let mut last = Vec::with_capacity(b * l);
@@ -180,7 +210,7 @@ impl SeqTask for Mamba2Task<'_> {
             last.extend_from_slice(&s.target[st..st + l - 1]);
         }
         Ok(SeqBatch {
-            inputs: vec![tensor(x, &[b, l, s.n_observed], device)?],
+            inputs: vec![tensor(x, &[b, l, n_x], device)?],
             target: tensor(target, &[b, l], device)?,
             last_value: tensor(last, &[b, l], device)?,
         })
@@ -206,6 +236,14 @@ impl SeqTask for Mamba2Task<'_> {
     #[cfg(feature = "cuda")]
     fn fused_step(&self, batch: usize, precision: Precision) -> Result<Box<dyn FusedSeqStep>> {
         Ok(Box::new(crate::mamba2::fused::Mamba2Fused::new(self.model, batch, self.seq_len, precision)?))
+    }
+}
+
+impl Tft {
+    /// The quantile forecast of a [`SeqBatch`] (its third input, when there is one, the
+    /// windows' instruments).
+    fn forward_batch(&self, c: &Ctx, batch: &SeqBatch) -> Result<Tensor> {
+        self.forward_with(c, &batch.inputs[0], &batch.inputs[1], batch.inputs.get(2))
     }
 }
 

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::metrics::{evaluate, scalar};
 use super::ops::{Ctx, DropoutRng};
-use super::series::{sampler, SeqBatch, SeqSeries};
+use super::series::{sampler, SeqBatch, SeqSeries, Spans};
 #[cfg(feature = "cuda")]
 use super::task::FusedSeqStep;
 use super::task::SeqTask;
@@ -124,7 +124,11 @@ struct SeqCounters {
     version: u32,
     model: String,
     config: SeqTrainConfig,
+    /// From the first training row to the last.
     train_rows: Range<usize>,
+    /// A panel's training spans, one per instrument (absent for one span).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    train_spans: Vec<Range<usize>>,
     epochs_done: usize,
     step: usize,
     log: Vec<EpochLog>,
@@ -146,7 +150,7 @@ pub struct SeqTrainer {
     opt: AdamW,
     vars: Vec<candle_core::Var>,
     smp: fx_data::Sampler,
-    train_rows: Range<usize>,
+    train_rows: Spans,
     total: usize,
     warmup: usize,
     step: usize,
@@ -200,8 +204,9 @@ impl SeqTrainConfig {
 }
 
 impl SeqTrainer {
-    /// A trainer for `task` on windows inside `train_rows`.
-    pub fn new(task: &impl SeqTask, train_rows: Range<usize>, cfg: &SeqTrainConfig) -> Result<Self> {
+    /// A trainer for `task` on windows inside `train_rows` (one range, or a panel's spans).
+    pub fn new(task: &impl SeqTask, train_rows: impl Into<Spans>, cfg: &SeqTrainConfig) -> Result<Self> {
+        let train_rows = train_rows.into();
         if cfg.epochs == 0 || cfg.batch_size == 0 || cfg.lr.is_nan() || cfg.lr <= 0.0 {
             return Err(Error::config("SeqTrainer::new", format!("need epochs, batch_size and lr > 0; got {cfg:?}")));
         }
@@ -398,7 +403,7 @@ impl SeqTrainer {
         &mut self,
         task: &impl SeqTask,
         series: &SeqSeries,
-        val_rows: Range<usize>,
+        val_rows: impl Into<Spans>,
         mut on_batch: impl FnMut(usize, f64) -> std::ops::ControlFlow<()>,
     ) -> Result<Option<EpochLog>> {
         const CTX: &str = "SeqTrainer::train_epoch";
@@ -440,8 +445,22 @@ impl SeqTrainer {
         Ok(Some(entry))
     }
 
+    /// The training spans when there are several (what a state file records beside their
+    /// hull).
+    fn spans_if_several(&self) -> Vec<Range<usize>> {
+        match self.train_rows.ranges() {
+            [_] | [] => Vec::new(),
+            r => r.to_vec(),
+        }
+    }
+
     /// One full epoch and its validation.
-    pub fn train_epoch(&mut self, task: &impl SeqTask, series: &SeqSeries, val_rows: Range<usize>) -> Result<EpochLog> {
+    pub fn train_epoch(
+        &mut self,
+        task: &impl SeqTask,
+        series: &SeqSeries,
+        val_rows: impl Into<Spans>,
+    ) -> Result<EpochLog> {
         let log = self.train_epoch_with(task, series, val_rows, |_, _| std::ops::ControlFlow::Continue(()))?;
         log.ok_or_else(|| Error::config("SeqTrainer::train_epoch", "epoch stopped"))
     }
@@ -489,7 +508,8 @@ impl SeqTrainer {
             version: SEQ_STATE_VERSION,
             model: params.model_name().to_string(),
             config: self.cfg.clone(),
-            train_rows: self.train_rows.clone(),
+            train_rows: self.train_rows.hull(),
+            train_spans: self.spans_if_several(),
             epochs_done: self.epochs_done,
             step: self.step,
             log: self.log.clone(),
@@ -562,10 +582,14 @@ impl SeqTrainer {
         let c = read_counters(&nt, path, params.model_name(), CTX)?;
         // The graph mode is how a step runs, not what it computes: a run may resume either way.
         let saved_cfg = SeqTrainConfig { graph: self.cfg.graph, ..c.config.clone() };
-        if saved_cfg != self.cfg || c.train_rows != self.train_rows {
+        if saved_cfg != self.cfg || c.train_rows != self.train_rows.hull() || c.train_spans != self.spans_if_several() {
             return Err(bad(format!(
-                "trained with {:?} on rows {:?}; this trainer has {:?} on rows {:?}",
-                c.config, c.train_rows, self.cfg, self.train_rows
+                "trained with {:?} on rows {:?} {:?}; this trainer has {:?} on rows {:?}",
+                c.config,
+                c.train_rows,
+                c.train_spans,
+                self.cfg,
+                self.train_rows.ranges()
             )));
         }
         let shapes = params.names_and_shapes();
@@ -674,10 +698,11 @@ fn graph_body<'a>(
 pub fn train(
     task: &impl SeqTask,
     series: &SeqSeries,
-    train_rows: Range<usize>,
-    val_rows: Range<usize>,
+    train_rows: impl Into<Spans>,
+    val_rows: impl Into<Spans>,
     cfg: &SeqTrainConfig,
 ) -> Result<TrainReport> {
+    let val_rows = val_rows.into();
     let mut t = SeqTrainer::new(task, train_rows, cfg)?;
     while !t.is_done() {
         t.train_epoch(task, series, val_rows.clone())?;
@@ -837,6 +862,66 @@ mod tests {
         assert!(after.mse_model < 0.7 * after.mse_last, "{after:?}");
     }
 
+    /// A panel of two instruments whose next return follows the same feature with opposite
+    /// signs: alone the feature predicts nothing (its pooled slope is zero); with the
+    /// instrument's embedding added to its input MAMBA-2 learns both. Windows are drawn
+    /// per instrument, and a window across the boundary is refused.
+    #[test]
+    fn mamba2_on_a_panel_learns_each_instruments_sign() {
+        let (one, rows) = (synthetic(400, 3), 400);
+        let (mut obs, mut known, mut target, mut inst) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for i in 0..2u32 {
+            let sign = if i == 0 { 1.0 } else { -1.0 };
+            for r in 0..rows {
+                let f = one.observed_row(r);
+                obs.extend_from_slice(f);
+                known.extend_from_slice(&one.known[r * 4..r * 4 + 4]);
+                target.push(sign * 0.6 * f[0]);
+                inst.push(i);
+            }
+        }
+        let series = SeqSeries::new(obs, 3, known, 4, target).unwrap().with_instruments(inst, 2).unwrap();
+        let spans = |a: usize, b: usize| Spans::new(vec![a..b, rows + a..rows + b]);
+        let cfg = Mamba2Config {
+            n_in: 3 + 2,
+            d_model: 16,
+            n_layer: 1,
+            expand: 2,
+            d_state: 8,
+            headdim: 8,
+            ngroups: 1,
+            d_conv: 4,
+            chunk_size: 8,
+            norm_eps: 1e-5,
+        };
+        let model = Mamba2::new(cfg, &Device::Cpu, 2).unwrap();
+        let task = Mamba2Task { model: &model, seq_len: 24 };
+        let e = task.batch(&series, &[rows - 10], &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("crosses from one instrument"), "{e}");
+        let b = task.batch(&series, &[0, rows], &Device::Cpu).unwrap();
+        let x = b.inputs[0].to_vec3::<f32>().unwrap();
+        assert_eq!((&x[0][5][3..], &x[1][5][3..]), (&[1.0, 0.0][..], &[0.0, 1.0][..]));
+        let tc = SeqTrainConfig { epochs: 12, batch_size: 16, lr: 1e-2, patience: 4, ..Default::default() };
+        train(&task, &series, spans(0, 280), spans(280, 340), &tc).unwrap();
+        let after = evaluate(&task, &series, spans(340, 400), 32, Precision::F32).unwrap();
+        assert!(after.mse_model < 0.5 * after.mse_zero, "{after:?}");
+        let single = Mamba2::new(Mamba2Config { n_in: 3, ..model.config().clone() }, &Device::Cpu, 2).unwrap();
+        let e = Mamba2Task { model: &single, seq_len: 24 }.batch(&series, &[0], &Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("2 instruments"), "{e}");
+    }
+
+    #[test]
+    fn spans_list_window_starts_inside_each_range() {
+        let s = Spans::new(vec![0..5, 5..5, 10..13]);
+        assert_eq!(s.ranges(), &[0..5, 10..13]);
+        assert_eq!(s.window_starts(3), vec![0, 1, 2, 10]);
+        assert_eq!(s.window_starts(4), vec![0, 1]);
+        assert_eq!((s.rows(), s.hull()), (8, 0..13));
+        let bad = synthetic(10, 3).with_instruments(vec![0; 9], 1).unwrap_err().to_string();
+        assert!(bad.contains("instrument"), "{bad}");
+        assert!(synthetic(10, 3).with_instruments(vec![2; 10], 2).is_err());
+    }
+
     /// `next_bar` names the target entry each model's batch holds for the bar after the
     /// window's last observed row: `target[col]` of window `s` is `series.target[s + row]`.
     #[test]
@@ -900,7 +985,7 @@ mod tests {
         let mamba = Mamba2::new(mcfg, &Device::Cpu, 1).unwrap();
         let mtask = Mamba2Task { model: &mamba, seq_len: 16 };
         let highest = |task: &dyn Fn(&[usize]) -> SeqBatch, len: usize| {
-            let smp = sampler(&(10..60), len, 4, 3).unwrap();
+            let smp = sampler(&Spans::from(10..60), len, 4, 3).unwrap();
             let mut top = 0.0f32;
             for bi in smp.epoch_batches(0) {
                 let t = task(&bi.starts).target.flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -1,5 +1,6 @@
 //! TFT building blocks: Linear, GLU, GRN (single and stacked per variable), variable
-//! selection, LSTM with PyTorch's layout, interpretable multi-head attention.
+//! selection, LSTM with PyTorch's layout, interpretable multi-head attention, and a
+//! panel's static context.
 
 use candle_core::{Tensor, Var};
 
@@ -140,7 +141,18 @@ impl Grn {
     }
 
     pub(crate) fn fwd(&self, c: &Ctx, x: &Tensor) -> Result<Tensor> {
-        let eta2 = self.fc1.fwd(c, x)?.elu(1.0)?;
+        self.fwd_with(c, x, None)
+    }
+
+    /// With the TFT paper's context: `η2 = ELU(fc1(x) + context)`, `context` broadcast
+    /// over `x`'s leading axes.
+    pub(crate) fn fwd_with(&self, c: &Ctx, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        let pre = self.fc1.fwd(c, x)?;
+        let pre = match context {
+            Some(ctx) => pre.broadcast_add(ctx)?,
+            None => pre,
+        };
+        let eta2 = pre.elu(1.0)?;
         let eta1 = c.dropout(&self.fc2.fwd(c, &eta2)?, self.dropout)?;
         let res = match &self.skip {
             Some(s) => s.fwd(c, x)?,
@@ -320,5 +332,42 @@ impl InterpretableMha {
         let heads = c.mm(&attn, &v.unsqueeze(1)?.broadcast_as((b, h, nk, dk))?.contiguous()?)?;
         let avg = heads.mean(1)?; // [B, Q, dk]
         Ok((self.out.fwd(c, &avg)?, attn))
+    }
+}
+
+/// A panel model's static context (not in the spec's single-instrument TFT): the
+/// instrument is the one static covariate, a learned embedding `static_embed` (a
+/// Linear(n_instruments→d) without bias of its one-hot row), and as in the TFT paper GRN
+/// encoders of it give the LSTM encoder's initial hidden (`static_h`) and cell
+/// (`static_c`) state and the enrichment's context (`static_e`, entering the `enrich` GRN
+/// through `enrich.context`, a Linear(d→d) without bias). The paper's fourth context, of
+/// the variable selection, is left out: selection stays per step.
+#[derive(Debug, Clone)]
+pub(crate) struct StaticContext {
+    pub(super) embed: Var,
+    pub(super) h: Grn,
+    pub(super) c: Grn,
+    pub(super) e: Grn,
+    pub(super) enrich_ctx: Var,
+}
+
+impl StaticContext {
+    pub(crate) fn new(ps: &mut ParamStore, n: usize, d: usize, dropout: f64, eps: f64) -> Result<Self> {
+        Ok(Self {
+            // Unit variance, as PyTorch's nn.Embedding draws.
+            embed: ps.add("static_embed.weight".to_string(), &[d, n], Init::Uniform(3f64.sqrt()))?,
+            h: Grn::new(ps, "static_h", d, d, d, dropout, eps)?,
+            c: Grn::new(ps, "static_c", d, d, d, dropout, eps)?,
+            e: Grn::new(ps, "static_e", d, d, d, dropout, eps)?,
+            enrich_ctx: ps.add("enrich.context.weight".to_string(), &[d, d], Init::Uniform(1.0 / (d as f64).sqrt()))?,
+        })
+    }
+
+    /// `one_hot [B, n]` → the LSTM's initial `(h, c)` `[B, d]` each and the enrichment
+    /// context `[B, 1, d]`.
+    pub(crate) fn fwd(&self, c: &Ctx, one_hot: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let e = c.linear(one_hot, &c.p(&self.embed)?, None)?;
+        let ctx_e = c.linear(&self.e.fwd(c, &e)?, &c.p(&self.enrich_ctx)?, None)?.unsqueeze(1)?;
+        Ok((self.h.fwd(c, &e)?, self.c.fwd(c, &e)?, ctx_e))
     }
 }

@@ -137,6 +137,7 @@ mod tests {
             dropout: 0.2,
             quantiles: vec![0.1, 0.5, 0.9],
             ln_eps: 1e-5,
+            n_instruments: 0,
         };
         let seed = fresh_seed();
         let m = Tft::new(cfg.clone(), &Device::Cpu, seed).unwrap();

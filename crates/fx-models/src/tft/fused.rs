@@ -278,6 +278,9 @@ impl<K: TftBackend> TftFused<K> {
             && dk <= MAX_HEAD_DIM
             && nh * h * steps <= MAX_ATTN_SCORES
             && !c.quantiles.is_empty();
+        if c.n_instruments > 0 {
+            return Err(Error::config(CTX, "a panel model's static context is not in the fused kernels"));
+        }
         if !fits {
             return Err(Error::config(
                 CTX,
@@ -1356,6 +1359,7 @@ mod tests {
             dropout: 0.2,
             quantiles: vec![0.1, 0.5, 0.9],
             ln_eps: 1e-5,
+            n_instruments: 0,
         };
         check_against_candle(cfg.clone(), 3, 11, Precision::F32, 2e-5);
         // BF16 GEMM operands against candle's autocast: the spec's BF16 tolerance.
@@ -1374,6 +1378,7 @@ mod tests {
             dropout: 0.0,
             quantiles: vec![0.25, 0.75],
             ln_eps: 1e-3,
+            n_instruments: 0,
         };
         check_against_candle(cfg, 2, 5, Precision::F32, 2e-5);
     }

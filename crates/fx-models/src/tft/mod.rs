@@ -2,6 +2,12 @@
 //! log-return over `H` horizon steps from `L_enc` encoder steps of market features and
 //! calendar features known for encoder and decoder steps.
 //!
+//! A model built for a panel (`n_instruments > 0`, not in the spec) also takes each
+//! window's instrument as a static covariate: a learned embedding whose encoders set the
+//! LSTM's initial state and the enrichment's context, as in the TFT paper
+//! (`blocks::StaticContext`); its fused CUDA step, fused forecaster and INT8 version are
+//! not built (it trains through candle's step).
+//!
 //! Parameters carry the spec's names (`enc_embed.{j}`, `enc_vsn.vars.{j}.fc1`,
 //! `lstm_enc.weight_ih_l0`, `attn.q.{k}`, ...); per-variable embeddings, variable GRNs
 //! and attention heads are stacked internally so that each is one batched matmul
@@ -33,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Context, Error, Result};
 use crate::params::ParamStore;
 use crate::seq::ops::{Ctx, DropoutMasks};
-use blocks::{EmbedVsn, Glu, Grn, InterpretableMha, Lin, Ln, Lstm};
+use blocks::{EmbedVsn, Glu, Grn, InterpretableMha, Lin, Ln, Lstm, StaticContext};
 
 /// TFT dimensions and hyper-parameters; defaults are the spec's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,6 +65,15 @@ pub struct TftConfig {
     pub quantiles: Vec<f64>,
     /// LayerNorm epsilon.
     pub ln_eps: f64,
+    /// Instruments of the panel the model is built for, each with a learned embedding
+    /// feeding the static context; 0 (the default): the spec's single-instrument model,
+    /// without static covariates.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub n_instruments: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl TftConfig {
@@ -104,6 +119,7 @@ impl Default for TftConfig {
             dropout: 0.1,
             quantiles: vec![0.1, 0.5, 0.9],
             ln_eps: 1e-5,
+            n_instruments: 0,
         }
     }
 }
@@ -160,6 +176,8 @@ pub struct Tft {
     pre_out_glu: Glu,
     pre_out_norm: Ln,
     head: Lin,
+    /// A panel model's (`n_instruments > 0`).
+    static_ctx: Option<StaticContext>,
 }
 
 impl Tft {
@@ -189,6 +207,9 @@ impl Tft {
         let pre_out_glu = Glu::new(&mut ps, "pre_out_glu", d, d)?;
         let pre_out_norm = Ln::new(&mut ps, "pre_out_norm", d, e)?;
         let head = Lin::new(&mut ps, "head", d, cfg.quantiles.len())?;
+        // After the spec's parameters, so a single-instrument model's stay as they were.
+        let static_ctx =
+            if cfg.n_instruments > 0 { Some(StaticContext::new(&mut ps, cfg.n_instruments, d, p, e)?) } else { None };
         Ok(Self {
             cfg,
             params: ps,
@@ -206,6 +227,7 @@ impl Tft {
             pre_out_glu,
             pre_out_norm,
             head,
+            static_ctx,
         })
     }
 
@@ -283,21 +305,40 @@ impl Tft {
     /// → quantiles `[B, H, n_quantiles]` (F32) and the intermediate
     /// activations.
     pub fn forward_aux(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> Result<(Tensor, TftAux)> {
-        const CTX: &str = "Tft::forward";
-        self.check_inputs(observed, known, CTX)?;
-        self.forward_impl(c, observed, known).ctx(CTX)
+        self.forward_aux_with(c, observed, known, None)
     }
 
-    fn forward_impl(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> candle_core::Result<(Tensor, TftAux)> {
+    /// [`Self::forward_aux`] of a panel model: `instrument [B, n_instruments]` one-hot
+    /// rows of the windows' instruments (`None` for a single-instrument model).
+    pub fn forward_aux_with(
+        &self,
+        c: &Ctx,
+        observed: &Tensor,
+        known: &Tensor,
+        instrument: Option<&Tensor>,
+    ) -> Result<(Tensor, TftAux)> {
+        const CTX: &str = "Tft::forward";
+        self.check_inputs(observed, known, CTX)?;
+        self.check_instrument(observed, instrument, CTX)?;
+        self.forward_impl(c, observed, known, instrument).ctx(CTX)
+    }
+
+    fn forward_impl(
+        &self,
+        c: &Ctx,
+        observed: &Tensor,
+        known: &Tensor,
+        instrument: Option<&Tensor>,
+    ) -> candle_core::Result<(Tensor, TftAux)> {
         let cfg = &self.cfg;
         let (b, l, h, d) = (observed.dim(0)?, cfg.l_enc, cfg.h, cfg.d);
-        let packed = self.pack(observed, known)?;
+        let packed = self.pack(observed, known, instrument)?;
         // Segment numbers as in the checkpointed path, so recorded masks replay here.
         let seg = |k: usize| c.masks.inspect(|m| m.begin_segment(k));
         let n_vsn = self.vsn_chunks().len();
         let (vsn_out, enc_w, dec_w) = self.stage_vsn(c, &packed)?;
         seg(n_vsn);
-        let (phi_enriched, lstm_out) = self.stage_temporal(c, &vsn_out)?;
+        let (phi_enriched, lstm_out) = self.stage_temporal(c, &vsn_out, self.static_of(&packed)?.as_ref())?;
         seg(n_vsn + 1);
         let (out, attn_w, attn_out) = self.stage_attention(c, &phi_enriched)?;
         let aux = TftAux {
@@ -313,12 +354,36 @@ impl Tft {
         Ok((out, aux))
     }
 
-    /// The inputs as one tensor `[B, L_enc + H, n_observed + n_known]` (observed
-    /// zero on the decoder steps), so that each stage has a single input and output
-    /// and the stages can be checkpoint segments.
-    fn pack(&self, observed: &Tensor, known: &Tensor) -> candle_core::Result<Tensor> {
+    /// The inputs as one tensor `[B, L_enc + H, n_observed + n_known (+ n_instruments)]`
+    /// (observed zero on the decoder steps; a panel model's instrument one-hot on every
+    /// step), so that each stage has a single input and output and the stages can be
+    /// checkpoint segments.
+    fn pack(&self, observed: &Tensor, known: &Tensor, instrument: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let observed = observed.to_dtype(DType::F32)?.pad_with_zeros(1, 0, self.cfg.h)?;
-        Tensor::cat(&[&observed, &known.to_dtype(DType::F32)?], 2)
+        let known = known.to_dtype(DType::F32)?;
+        match instrument {
+            Some(i) => {
+                let (b, t) = (known.dim(0)?, known.dim(1)?);
+                let i = i.to_dtype(DType::F32)?.unsqueeze(1)?.broadcast_as((b, t, self.cfg.n_instruments))?;
+                Tensor::cat(&[&observed, &known, &i.contiguous()?], 2)
+            }
+            None => Tensor::cat(&[&observed, &known], 2),
+        }
+    }
+
+    /// Columns of the packed raw inputs (the instrument's included).
+    fn n_raw(&self) -> usize {
+        self.cfg.n_observed + self.cfg.n_known + self.cfg.n_instruments
+    }
+
+    /// A panel model's instrument one-hot `[B, n_instruments]` from packed raw inputs
+    /// (`[B, T, ≥ n_raw]`, its first step).
+    fn static_of(&self, packed: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if self.static_ctx.is_none() {
+            return Ok(None);
+        }
+        let n_in = self.cfg.n_observed + self.cfg.n_known;
+        Ok(Some(packed.narrow(1, 0, 1)?.narrow(2, n_in, self.cfg.n_instruments)?.squeeze(1)?.contiguous()?))
     }
 
     /// Stage 1, embeddings and variable selection: packed inputs → VSN outputs
@@ -352,7 +417,8 @@ impl Tft {
         let (b, t, d) = (packed.dim(0)?, t1 - t0, cfg.d);
         let rows = packed.narrow(1, t0, t)?;
         let (x, w) = if t1 <= cfg.l_enc {
-            self.enc.fwd(c, &rows.contiguous()?.reshape((b * t, cfg.n_observed + cfg.n_known))?)?
+            let n_in = cfg.n_observed + cfg.n_known;
+            self.enc.fwd(c, &rows.narrow(2, 0, n_in)?.contiguous()?.reshape((b * t, n_in))?)?
         } else {
             let known = rows.narrow(2, cfg.n_observed, cfg.n_known)?.contiguous()?;
             self.dec.fwd(c, &known.reshape((b * t, cfg.n_known))?)?
@@ -372,19 +438,33 @@ impl Tft {
         out
     }
 
-    /// Stage 2, LSTM encoder/decoder, gated skip and enrichment: VSN outputs →
-    /// `[φ, enriched]` concatenated on the last axis `[B, L_enc + H, 2d]` (and the LSTM
-    /// outputs).
-    fn stage_temporal(&self, c: &Ctx, vsn_out: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    /// Stage 2, LSTM encoder/decoder, gated skip and enrichment: VSN outputs (and a panel
+    /// model's instrument one-hot) → `[φ, enriched]` concatenated on the last axis
+    /// `[B, L_enc + H, 2d]` (and the LSTM outputs).
+    fn stage_temporal(
+        &self,
+        c: &Ctx,
+        vsn_out: &Tensor,
+        instrument: Option<&Tensor>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let cfg = &self.cfg;
         let (b, l, h, d) = (vsn_out.dim(0)?, cfg.l_enc, cfg.h, cfg.d);
-        let zeros = Tensor::zeros((b, d), DType::F32, vsn_out.device())?;
-        let (enc_out, state) = self.lstm_enc.fwd(c, &vsn_out.narrow(1, 0, l)?, (zeros.clone(), zeros))?;
+        let (state0, enrich_ctx) = match (&self.static_ctx, instrument) {
+            (Some(s), Some(i)) => {
+                let (h0, c0, e) = s.fwd(c, i)?;
+                ((h0, c0), Some(e))
+            }
+            _ => {
+                let zeros = Tensor::zeros((b, d), DType::F32, vsn_out.device())?;
+                ((zeros.clone(), zeros), None)
+            }
+        };
+        let (enc_out, state) = self.lstm_enc.fwd(c, &vsn_out.narrow(1, 0, l)?, state0)?;
         let (dec_out, _) = self.lstm_dec.fwd(c, &vsn_out.narrow(1, l, h)?, state)?;
         let lstm_out = Tensor::cat(&[&enc_out, &dec_out], 1)?;
         let gated = self.post_lstm_glu.fwd(c, &c.dropout(&lstm_out, cfg.dropout)?)?;
         let phi = self.post_lstm_norm.fwd(c, &(vsn_out + gated)?)?;
-        let enriched = self.enrich.fwd(c, &phi)?;
+        let enriched = self.enrich.fwd_with(c, &phi, enrich_ctx.as_ref())?;
         Ok((Tensor::cat(&[&phi, &enriched], 2)?, lstm_out))
     }
 
@@ -419,15 +499,30 @@ impl Tft {
         target: &Tensor,
         recompute: bool,
     ) -> Result<(Tensor, GradStore)> {
+        self.loss_and_grads_with(c, observed, known, None, target, recompute)
+    }
+
+    /// [`Self::loss_and_grads`] of a panel model (`instrument` as in
+    /// [`Self::forward_aux_with`]).
+    pub fn loss_and_grads_with(
+        &self,
+        c: &Ctx,
+        observed: &Tensor,
+        known: &Tensor,
+        instrument: Option<&Tensor>,
+        target: &Tensor,
+        recompute: bool,
+    ) -> Result<(Tensor, GradStore)> {
         const CTX: &str = "Tft::loss_and_grads";
         if !recompute {
-            let q = self.forward(c, observed, known)?;
+            let q = self.forward_aux_with(c, observed, known, instrument)?.0;
             let loss = self.loss(&q, target)?;
             let grads = loss.backward().ctx(CTX)?;
             return Ok((loss, grads));
         }
         // Shape checks as in the plain forward.
         self.check_inputs(observed, known, CTX)?;
+        self.check_instrument(observed, instrument, CTX)?;
         // Dropout must replay in the re-run: record masks unless the caller already does.
         let own = DropoutMasks::new();
         let masks = c.masks.unwrap_or(&own);
@@ -435,7 +530,7 @@ impl Tft {
         let c = &c;
         // Segments: one per VSN chunk over a carried state [raw inputs | VSN outputs so
         // far], then the temporal stage, then attention to head.
-        let n_in = self.cfg.n_observed + self.cfg.n_known;
+        let n_in = self.n_raw();
         let d = self.cfg.d;
         let chunks = self.vsn_chunks();
         let mut stack = Recomputed::new();
@@ -461,13 +556,14 @@ impl Tft {
         let stack = stack
             .push(move |s: &Tensor| {
                 masks.begin_segment(k);
-                self.stage_temporal(c, &s.narrow(2, n_in, d)?.contiguous()?).map(|r| r.0)
+                let instrument = self.static_of(s)?;
+                self.stage_temporal(c, &s.narrow(2, n_in, d)?.contiguous()?, instrument.as_ref()).map(|r| r.0)
             })
             .push(move |x: &Tensor| {
                 masks.begin_segment(k + 1);
                 self.stage_attention(c, x).map(|r| r.0)
             });
-        let packed = self.pack(observed, known).and_then(|p| p.pad_with_zeros(2, 0, d)).ctx(CTX)?;
+        let packed = self.pack(observed, known, instrument).and_then(|p| p.pad_with_zeros(2, 0, d)).ctx(CTX)?;
         let tape = stack.forward(&packed).ctx(CTX)?;
         let loss = self.loss(tape.output(), target)?;
         let grads = stack.backward(tape, &loss).ctx(CTX)?;
@@ -489,9 +585,41 @@ impl Tft {
         Ok(())
     }
 
+    /// A panel model needs each window's instrument `[B, n_instruments]`; a
+    /// single-instrument model takes none.
+    fn check_instrument(&self, observed: &Tensor, instrument: Option<&Tensor>, context: &'static str) -> Result<()> {
+        let (b, n) = (observed.dims()[0], self.cfg.n_instruments);
+        match instrument {
+            None if n == 0 => Ok(()),
+            None => Err(Error::config(
+                context,
+                format!("this TFT is built for a panel of {n} instruments: each window's instrument is needed"),
+            )),
+            Some(_) if n == 0 => Err(Error::config(
+                context,
+                "an instrument was given to a single-instrument TFT (build it with n_instruments)",
+            )),
+            Some(i) if i.dims() != [b, n] => {
+                Err(Error::shape("instrument", context, format!("[{b}, {n}]"), format!("{:?}", i.dims())))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
     /// Forward pass returning only the quantiles `[B, H, n_quantiles]`.
     pub fn forward(&self, c: &Ctx, observed: &Tensor, known: &Tensor) -> Result<Tensor> {
         Ok(self.forward_aux(c, observed, known)?.0)
+    }
+
+    /// [`Self::forward`] of a panel model (`instrument` as in [`Self::forward_aux_with`]).
+    pub fn forward_with(
+        &self,
+        c: &Ctx,
+        observed: &Tensor,
+        known: &Tensor,
+        instrument: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        Ok(self.forward_aux_with(c, observed, known, instrument)?.0)
     }
 
     /// Mean pinball loss of `pred [B, H, Q]` against `target [B, H]` (F32 scalar).

@@ -28,9 +28,24 @@ const INT8_EVAL_BATCH: usize = 32;
 /// INT8 model runs), and its data.
 fn best_tft_on_cpu(dir: &RunDir, cfg: &RunConfig) -> Result<(Checkpoint, SeqData, Tft)> {
     let (c, d) = latest_with_data(dir, cfg)?;
+    refuse_panel(dir, &d)?;
     let model = Tft::new(cfg.tft.clone(), &Device::Cpu, cfg.seed).context("building the TFT")?;
     best_weights(&model, cfg, &c, &d)?;
     Ok((c, d, model))
+}
+
+/// The INT8 forecasters (the TFT's file, MAMBA-2's one-bar step) are one instrument's:
+/// a panel run's model also takes the instrument, which they do not.
+fn refuse_panel(dir: &RunDir, d: &SeqData) -> Result<()> {
+    if d.data.is_panel() {
+        bail!(
+            "{} was trained on a panel of {} instruments ({}): INT8 forecasters are built for one instrument's runs",
+            dir.root().display(),
+            d.data.instruments.len(),
+            d.data.source
+        );
+    }
+    Ok(())
 }
 
 /// F32 (candle's forward) and INT8 forecast metrics on the test split, on the same windows.
@@ -142,7 +157,7 @@ pub(super) fn quantize_tft(dir: &RunDir, cfg: RunConfig, windows: usize, method:
         f32_bytes as f64 / q.bytes() as f64
     );
     let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
-    let mut report = tft_int8_comparison(&f32m, &i8m, d.target_scale);
+    let mut report = tft_int8_comparison(&f32m, &i8m, d.target_scale());
     let file_bytes = std::fs::metadata(&out).with_context(|| format!("reading {}", out.display()))?.len();
     let head = super::report_head("tft", &c.trainer, &out, &provenance, &q.calibration, TFT_CALIB_FROM);
     super::extend(&mut report, head);
@@ -180,7 +195,7 @@ pub(super) fn eval_int8_tft(dir: &RunDir, cfg: RunConfig) -> Result<()> {
     };
     let (q, provenance) = fx_quant::int8_file::load_tft(&path, Some(&sha))?;
     let (f32m, i8m, isa) = tft_int8_metrics(&model, &q, &d)?;
-    let mut doc = tft_int8_comparison(&f32m, &i8m, d.target_scale);
+    let mut doc = tft_int8_comparison(&f32m, &i8m, d.target_scale());
     let head = super::report_head("tft", &c.trainer, &path, &provenance, &q.calibration, TFT_CALIB_FROM);
     super::extend(&mut doc, head);
     super::extend(&mut doc, json!({ "isa": isa.name() }));
@@ -200,6 +215,7 @@ const MSE_REL_TARGET: f64 = 0.01;
 /// step and the INT8 one, scored on the test split's bars (`report` in the run folder).
 pub(super) fn int8_mamba2(dir: &RunDir, cfg: RunConfig, report: &str) -> Result<()> {
     let (c, d) = latest_with_data(dir, &cfg)?;
+    refuse_panel(dir, &d)?;
     let model = Mamba2::new(cfg.mamba2.clone(), &Device::Cpu, cfg.seed).context("building the MAMBA-2")?;
     let task = Mamba2Task { model: &model, seq_len: cfg.mamba2_seq_len };
     best_weights(&task, &cfg, &c, &d)?;
@@ -250,7 +266,7 @@ pub(super) fn int8_mamba2(dir: &RunDir, cfg: RunConfig, report: &str) -> Result<
         "checkpoint": c.trainer.display().to_string(),
         "int8_file": null,
         "int8": "fx_quant::mamba2_int8_step: in_proj and out_proj per-row INT8, dynamic input scales, built from the F32 model",
-        "target_units": format!("target / {:.6e} (the training split's return std)", d.target_scale),
+        "target_units": format!("target / {:.6e} (the training split's return std)", d.target_scale()),
         "test_bars": n,
         "mse_f32": mse_f,
         "mse_int8": mse_q,
