@@ -367,6 +367,42 @@ fn seq_graph_step_tracks_eager() {
     }
 }
 
+/// Panel models on the GPU: a TFT built for 2 instruments (its static context trains
+/// through candle's captured step: the fused kernels refuse it) and a MAMBA-2 with the
+/// instrument embedding in its input (its fused step, `n_in` = features + instruments)
+/// train in the captured graph as eagerly, windows drawn per instrument.
+#[test]
+fn panel_seq_graph_step_tracks_eager() {
+    use fx_models::seq::{Mamba2Task, SeqTrainConfig, SeqTrainer, Spans};
+    let Some(dev) = gpu() else { return };
+    let ids: Vec<u32> = (0..400).map(|r| u32::from(r >= 200)).collect();
+    let series = seq::series(400, 5).with_instruments(ids, 2).unwrap();
+    fn train(
+        task: &impl fx_models::seq::SeqTask,
+        series: &fx_models::seq::SeqSeries,
+        graph: GraphMode,
+    ) -> (std::collections::BTreeMap<String, Tensor>, Vec<f64>, Option<usize>) {
+        let f32p = fx_precision::Precision::F32;
+        let cfg = SeqTrainConfig { epochs: 2, batch_size: 16, lr: 3e-3, graph, precision: f32p, ..Default::default() };
+        let mut t = SeqTrainer::new(task, Spans::new(vec![0..150, 200..350]), &cfg).unwrap();
+        let mut losses = Vec::new();
+        while !t.is_done() {
+            let val = Spans::new(vec![150..200, 350..400]);
+            losses.push(t.train_epoch(task, series, val).unwrap().train_loss);
+        }
+        (task.params().to_map().unwrap(), losses, t.graph_nodes().unwrap())
+    }
+    let tft = || fx_models::Tft::new(fx_models::TftConfig { n_instruments: 2, ..seq::tft_cfg() }, &dev, 4).unwrap();
+    let (a, b) = (tft(), tft());
+    assert!(a.params().get("static_embed.weight").is_some());
+    seq::compare("panel tft f32", &train(&a, &series, GraphMode::Off), &train(&b, &series, GraphMode::On), 1e-4);
+    let mamba =
+        || fx_models::Mamba2::new(fx_models::Mamba2Config { n_in: 5 + 2, ..seq::mamba_cfg() }, &dev, 4).unwrap();
+    let (a, b) = (mamba(), mamba());
+    let (ta, tb) = (Mamba2Task { model: &a, seq_len: 16 }, Mamba2Task { model: &b, seq_len: 16 });
+    seq::compare("panel mamba2 f32", &train(&ta, &series, GraphMode::Off), &train(&tb, &series, GraphMode::On), 1e-4);
+}
+
 /// DQN steps on the GPU environment that read nothing back (`step_with(.., false)`: the
 /// captured updates only queued) train exactly as steps that read everything, over 120 env
 /// steps with a read every 40: same weights and, once synced, the same counters. Run one

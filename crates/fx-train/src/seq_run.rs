@@ -734,10 +734,11 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
         }
     );
     if !rep.instrument_forecasts.is_empty() {
-        println!("{:<14} {:>10} {:>10} {:>10} {:>9}", "instrument", "MSE model", "MSE zero", "MSE last", "direction");
+        let w = rep.instrument_forecasts.iter().map(|f| f.name.len()).max().unwrap_or(0).max(10);
+        println!("{:<w$} {:>10} {:>10} {:>10} {:>9}", "instrument", "MSE model", "MSE zero", "MSE last", "direction");
         for f in &rep.instrument_forecasts {
             println!(
-                "{:<14} {:>10.4} {:>10.4} {:>10.4} {:>8.1}%",
+                "{:<w$} {:>10.4} {:>10.4} {:>10.4} {:>8.1}%",
                 f.name,
                 f.point.mse_model,
                 f.point.mse_zero,
@@ -762,9 +763,10 @@ fn print(rep: &SeqReport, profile: Option<&SeqProfile>, dir: &RunDir) {
         ("flat", &b.flat),
         ("random", &b.random),
     ]);
+    let w = b.instruments.iter().map(|i| i.name.len()).max().unwrap_or(0);
     for i in &b.instruments {
         println!(
-            "  {:<14} {:>5} steps: sign Sharpe {:>6.2} (buy & hold {:>6.2})",
+            "  {:<w$} {:>5} steps: sign Sharpe {:>6.2} (buy & hold {:>6.2})",
             i.name, i.steps, i.agent.sharpe, i.buy_and_hold.sharpe
         );
     }
