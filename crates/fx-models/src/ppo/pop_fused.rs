@@ -125,6 +125,13 @@ impl PpoPopFused {
         })
     }
 
+    /// Member `k`'s (clip, vf_coef, ent_coef) replaced in place (a captured update reads
+    /// the new values).
+    pub(crate) fn set_member(&self, k: usize, coefs: [f32; 3]) -> Result<()> {
+        let row = Tensor::new(&[coefs], self.coefs.device()).ctx(CTX)?;
+        self.coefs.slice_set(&row, 0, k).ctx(CTX)
+    }
+
     /// The minibatch size the buffers were made for.
     pub(crate) fn batch(&self) -> usize {
         self.batch

@@ -301,6 +301,56 @@ impl PpoPopulation {
         self.members.is_empty()
     }
 
+    /// Member `k`'s settings replaced by `cfg` between updates (a PBT explore): learning
+    /// rate, gradient clip, clip range, value and entropy weights and GAE γ, λ, the keys
+    /// members may differ in, written in place on the device (a captured update reads them;
+    /// GAE is computed per member each iteration). The seed and every shared key must stay
+    /// as they are (an error names them); weights, moments and rollout are kept.
+    pub fn set_member(&mut self, k: usize, cfg: PpoConfig) -> Result<()> {
+        let Some(old) = self.members.get(k) else {
+            return Err(Error::config(CTX, format!("no member {k} of {}", self.len())));
+        };
+        cfg.validate(self.num_envs).map_err(|e| Error::config(CTX, format!("member {k}: {e}")))?;
+        if shared_keys(&cfg) != shared_keys(old) || cfg.seed != old.seed || cfg.optimizer.weight_decay != 0.0 {
+            return Err(Error::config(
+                CTX,
+                format!(
+                    "member {k}: only optimizer.lr, max_grad_norm, loss.clip, loss.vf_coef, loss.ent_coef and gae may change"
+                ),
+            ));
+        }
+        let member = PopMember { lr: cfg.optimizer.lr, weight_decay: 0.0, max_grad_norm: cfg.max_grad_norm, tau: 0.0 };
+        self.opt.set_member(k, &member).map_err(|e| Error::config(CTX, e.to_string()))?;
+        let c = &self.coefs;
+        let l = &cfg.loss;
+        let put = |t: &Tensor, v: f64, col: bool| -> Result<()> {
+            let x = if col { Tensor::new(&[[v as f32]], t.device()) } else { Tensor::new(&[v as f32], t.device()) };
+            x.and_then(|x| t.slice_set(&x, 0, k)).ctx(CTX)
+        };
+        put(&c.lo, 1.0 - l.clip, true)?;
+        put(&c.hi, 1.0 + l.clip, true)?;
+        put(&c.clip, l.clip, true)?;
+        put(&c.vf, l.vf_coef, false)?;
+        put(&c.ent, l.ent_coef, false)?;
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &self.fused {
+            f.set_member(k, [l.clip as f32, l.vf_coef as f32, l.ent_coef as f32])?;
+        }
+        self.members[k] = cfg;
+        Ok(())
+    }
+
+    /// Member `dst` continues from member `src`'s state (a PBT exploit): actor-critic weights,
+    /// Adam moments and step count copied over `dst`'s on the device, exactly. Its settings,
+    /// seed, rollout, environments and skip counters stay its own.
+    pub fn exploit(&mut self, dst: usize, src: usize) -> Result<()> {
+        if dst >= self.len() || src >= self.len() {
+            return Err(Error::config(CTX, format!("exploit {src} -> {dst}: {} members", self.len())));
+        }
+        self.params.copy_member(dst, src)?;
+        self.opt.copy_member(dst, src).map_err(|e| Error::config(CTX, e.to_string()))
+    }
+
     /// The stacked actor-critics (`[N, ...]` per parameter, actor then critic).
     pub fn params(&self) -> &ParamStore {
         &self.params
@@ -707,6 +757,65 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// PBT's moves: `set_member` before training gives the population that was built with
+    /// the new settings (every per-member value is written: learning rate, clip norm, clip
+    /// range, loss weights, GAE), bit for bit over 2 iterations; `exploit` copies weights,
+    /// moments and step count exactly and training goes on; a changed shared key or seed is
+    /// refused.
+    #[test]
+    fn set_member_and_exploit_move_one_member() {
+        let base: Vec<PpoConfig> = (0..3)
+            .map(|k| {
+                let mut c = member(k);
+                (c.num_steps, c.epochs, c.minibatch_size) = (8, 2, 12);
+                c
+            })
+            .collect();
+        let mut moved = base[1].clone();
+        moved.optimizer.lr *= 3.0;
+        moved.max_grad_norm = 0.2;
+        (moved.loss.clip, moved.loss.vf_coef, moved.loss.ent_coef) = (0.3, 0.9, 0.05);
+        (moved.gae.gamma, moved.gae.lambda) = (0.93, 0.7);
+        let mut want_cfgs = base.clone();
+        want_cfgs[1] = moved.clone();
+        let envs = || (0..3).map(|k| crate::synthetic::ar1_env(4, 16, 300, 40 + k as u64)).collect::<Vec<_>>();
+        let (mut a, mut b) = (
+            PpoPopulation::new(base.clone(), 4, &Device::Cpu).unwrap(),
+            PpoPopulation::new(want_cfgs, 4, &Device::Cpu).unwrap(),
+        );
+        a.set_member(1, moved.clone()).unwrap();
+        let (mut ea, mut eb) = (envs(), envs());
+        let flat = |p: &PpoPopulation, k: usize| -> Vec<Vec<f32>> {
+            p.params()
+                .vars()
+                .iter()
+                .map(|v| v.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1().unwrap())
+                .collect()
+        };
+        for _ in 0..2 {
+            let mut ra: Vec<&mut dyn VecEnv> = ea.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let mut rb: Vec<&mut dyn VecEnv> = eb.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            assert_eq!(a.iterate(&mut ra).unwrap(), b.iterate(&mut rb).unwrap());
+        }
+        assert_eq!(flat(&a, 1), flat(&b, 1));
+        a.exploit(2, 0).unwrap();
+        assert_eq!(flat(&a, 2), flat(&a, 0));
+        let (m0, m2) = (a.moments(0).unwrap(), a.moments(2).unwrap());
+        for (x, y) in m0.0.iter().chain(&m0.1).zip(m2.0.iter().chain(&m2.1)) {
+            assert_eq!(
+                x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
+        }
+        let mut ra: Vec<&mut dyn VecEnv> = ea.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+        a.iterate(&mut ra).unwrap();
+        assert_ne!(flat(&a, 2), flat(&a, 0), "members 0 and 2 train on their own rollouts after the copy");
+        let e = a.set_member(0, PpoConfig { epochs: 3, ..base[0].clone() }).unwrap_err().to_string();
+        assert!(e.contains("only optimizer.lr"), "{e}");
+        assert!(a.set_member(0, PpoConfig { seed: 999, ..base[0].clone() }).is_err());
+        assert!(a.exploit(3, 0).is_err());
     }
 
     /// Shape keys must agree, weight decay and F16 are refused, each with a named error.

@@ -268,6 +268,7 @@ fn gpu_stage_timings() {
         .pack(
             &Tensor::randn(0f32, 1.0, (b, l, 51), &dev).unwrap(),
             &Tensor::randn(0f32, 1.0, (b, l + h, 4), &dev).unwrap(),
+            None,
         )
         .unwrap();
     let vsn_in = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, l + h, d), &dev).unwrap()).unwrap();
@@ -292,7 +293,7 @@ fn gpu_stage_timings() {
         eprintln!("STAGE {name}: forward {f:.1} ms, backward {bw:.1} ms");
     };
     time("vsn (embeddings + enc/dec VSN)", &|| m.stage_vsn(&c, &packed).unwrap().0);
-    time("temporal (LSTMs + gated skip + enrich)", &|| m.stage_temporal(&c, vsn_in.as_tensor()).unwrap().0);
+    time("temporal (LSTMs + gated skip + enrich)", &|| m.stage_temporal(&c, vsn_in.as_tensor(), None).unwrap().0);
     time("lstm_enc only", &|| {
         let z = Tensor::zeros((b, d), DType::F32, &dev).unwrap();
         m.lstm_enc.fwd(&c, &vsn_in.as_tensor().narrow(1, 0, l).unwrap(), (z.clone(), z)).unwrap().0

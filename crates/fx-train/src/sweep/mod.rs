@@ -91,7 +91,7 @@ pub use space::{Dim, Sampler};
 pub use tpe::TpeConfig;
 
 /// Flags of `fx-train sweep`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct SweepArgs {
     /// The sweep file (see the module docs and the README).
     #[arg(long, required_unless_present = "report")]
@@ -357,17 +357,17 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         bail!("the sweep has no trials");
     }
     let mut cfgs = trial_configs(&spec, &points)?;
-    let pbt_keys = spec.pbt.as_ref().map(|p| p.check(&space)).transpose()?;
-    if pbt_keys.is_some() {
-        if base.model != ModelChoice::Dqn {
-            bail!("sweep file {}: [pbt] trains DQN populations so far, not {}", config.display(), base.model.as_str());
-        }
-        if shard.is_some() {
-            bail!(
-                "sweep file {}: a [pbt] sweep exploits across its whole population and is not sharded",
-                config.display()
-            );
-        }
+    let perturbable: &[&str] = if base.model == ModelChoice::Ppo { &pbt::PERTURBABLE_PPO } else { &pbt::PERTURBABLE };
+    if spec.pbt.is_some() && base.model.is_sequence() {
+        bail!(
+            "sweep file {}: [pbt] trains DQN and PPO populations, not {} trials (try [halving])",
+            config.display(),
+            base.model.as_str()
+        );
+    }
+    let pbt_keys = spec.pbt.as_ref().map(|p| p.check(&space, perturbable)).transpose()?;
+    if pbt_keys.is_some() && shard.is_some() {
+        bail!("sweep file {}: a [pbt] sweep exploits across its whole population and is not sharded", config.display());
     }
     let plan = match (&spec.pbt, pbt_keys) {
         (Some(cfg), Some(keys)) => Some(PbtPlan { cfg, spec: &spec, space: &space, keys, points: &points }),
@@ -783,9 +783,16 @@ fn pbt_best(
     for (rank, &i) in board.iter().take(best_n).enumerate() {
         let (trial, cfg) = (rows[i].trial, &cfgs[rows[i].trial]);
         let path = out.join("weights").join(format!("trial-{trial}.safetensors"));
-        let net = DuelingDqn::new(cfg.dqn.net, &Device::Cpu, cfg.dqn.seed)?;
-        net.params().load(&path).with_context(|| format!("PBT best trial {trial}"))?;
-        let mut policy = net.cpu_policy()?;
+        let context = || format!("PBT best trial {trial}");
+        let mut policy = if cfg.model == ModelChoice::Ppo {
+            let net = ActorCritic::new(cfg.ppo.net, &Device::Cpu, cfg.ppo.seed)?;
+            net.params().load(&path).with_context(context)?;
+            net.cpu_policy()?
+        } else {
+            let net = DuelingDqn::new(cfg.dqn.net, &Device::Cpu, cfg.dqn.seed)?;
+            net.params().load(&path).with_context(context)?;
+            net.cpu_policy()?
+        };
         let s = &policy_stats(cfg, &data, &data.splits.test, &mut policy)?;
         println!(
             "PBT rank {}: trial {trial}: test Sharpe {:.3}, test return {:.4}",
@@ -960,7 +967,7 @@ fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], selected: &[usize], members:
     Ok(waves)
 }
 
-/// What a DQN wave's PBT needs: the `[pbt]` section, the sweep (a moved member's run config
+/// What a DQN or PPO wave's PBT needs: the `[pbt]` section, the sweep (a moved member's run config
 /// is made from its new point as a trial's is), the space, the perturbed dimensions and every
 /// trial's starting point.
 struct PbtPlan<'a> {
@@ -985,8 +992,7 @@ fn train_population(
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     if base.model == ModelChoice::Ppo {
-        // run_with refuses [pbt] for PPO sweeps.
-        return train_ppo_population(base, cfgs, trials, params, out, stop);
+        return train_ppo_population(base, cfgs, trials, params, out, pbt, stop);
     }
     if base.model.is_sequence() {
         return train_seq_trials(cfgs, trials, params, out);
@@ -1310,7 +1316,7 @@ fn pbt_round(
     plan: &PbtPlan<'_>,
     base: &RunConfig,
     data: &Dataset,
-    pop: &mut DqnPopulation,
+    pop: &mut dyn PbtMembers,
     trials: &[usize],
     points: &mut [space::Point],
     events: &mut [Vec<PbtEvent>],
@@ -1318,7 +1324,7 @@ fn pbt_round(
 ) -> Result<()> {
     let round = step / plan.cfg.every;
     let scores = (0..trials.len())
-        .map(|k| Ok(policy_stats(base, data, &data.splits.valid, &mut member_policy(pop, k)?)?.sharpe))
+        .map(|k| Ok(policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?)?.sharpe))
         .collect::<Result<Vec<f64>>>()?;
     let moves = pbt::exploits(&scores, plan.cfg.quantile, plan.spec.seed, round);
     for m in &moves {
@@ -1336,7 +1342,7 @@ fn pbt_round(
         let mut cfg = point_config(plan.spec, &point, dst)?;
         on_base_market(std::slice::from_mut(&mut cfg), base);
         pop.exploit(m.dst, m.src).with_context(|| format!("PBT round {round}: trial {dst} copying trial {src}"))?;
-        pop.set_member(m.dst, cfg.dqn).with_context(|| format!("PBT round {round}: trial {dst}'s new settings"))?;
+        pop.set(m.dst, &cfg).with_context(|| format!("PBT round {round}: trial {dst}'s new settings"))?;
         let params = plan.keys.iter().map(|&d| (point[d].0.clone(), toml_to_json(&point[d].1))).collect();
         events[m.dst].push(PbtEvent { round, env_step: step, copied_from: src, val_sharpe: scores[m.dst], params });
         points[m.dst] = point;
@@ -1344,6 +1350,40 @@ fn pbt_round(
     let moved: Vec<String> = moves.iter().map(|m| format!("{}<-{}", trials[m.dst], trials[m.src])).collect();
     println!("sweep: PBT round {round} at env step {step}: trials {}", moved.join(" "));
     Ok(())
+}
+
+/// What a PBT round does to a population's members (DQN or PPO).
+trait PbtMembers {
+    /// Member `k`'s greedy policy on the CPU (what a round scores).
+    fn policy(&self, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy>;
+    /// Member `dst` continues from member `src`'s weights and optimiser state.
+    fn exploit(&mut self, dst: usize, src: usize) -> Result<()>;
+    /// Member `k` takes the settings of run config `cfg`.
+    fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()>;
+}
+
+impl PbtMembers for DqnPopulation {
+    fn policy(&self, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
+        member_policy(self, k)
+    }
+    fn exploit(&mut self, dst: usize, src: usize) -> Result<()> {
+        Ok(DqnPopulation::exploit(self, dst, src)?)
+    }
+    fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()> {
+        Ok(self.set_member(k, cfg.dqn.clone())?)
+    }
+}
+
+impl PbtMembers for PpoPopulation {
+    fn policy(&self, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
+        ppo_member_policy(self, k)
+    }
+    fn exploit(&mut self, dst: usize, src: usize) -> Result<()> {
+        Ok(PpoPopulation::exploit(self, dst, src)?)
+    }
+    fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()> {
+        Ok(self.set_member(k, cfg.ppo.clone())?)
+    }
 }
 
 /// What a population of `trials` trains on: the device, the base config's data, and each
@@ -1439,6 +1479,7 @@ fn train_ppo_population(
     trials: &[usize],
     params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
     out: &Path,
+    pbt: Option<&PbtPlan<'_>>,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
@@ -1456,7 +1497,10 @@ fn train_ppo_population(
     );
     let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
-    let (mut env_steps, mut samples) = (0u64, 0u64);
+    let (mut env_steps, mut samples, mut pbt_s, mut rounds, mut last_round) = (0u64, 0u64, 0f64, 0u64, 0u64);
+    let mut points: Vec<space::Point> =
+        pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
+    let mut events: Vec<Vec<PbtEvent>> = vec![Vec::new(); n];
     while env_steps < base.steps {
         if stop() {
             return Ok(None);
@@ -1468,13 +1512,29 @@ fn train_ppo_population(
         samples += rows * first.ppo.epochs as u64 * n as u64;
         let mean = st.iter().map(|s| s.mean_reward).sum::<f64>() / n as f64;
         println!("sweep: env step {env_steps}/{}: mean reward over trials {mean:.3e}", base.steps);
+        // A round at the first iteration boundary at or past each multiple of `every` (an
+        // iteration is num_steps env steps), none after the last iteration.
+        if let Some(plan) = pbt.filter(|p| env_steps / p.cfg.every > last_round && env_steps < base.steps) {
+            let t = Instant::now();
+            last_round = env_steps / plan.cfg.every;
+            pbt_round(plan, base, &data, &mut pop, trials, &mut points, &mut events, env_steps)?;
+            pbt_s += t.elapsed().as_secs_f64();
+            rounds += 1;
+        }
     }
     device.synchronize()?;
     let train_s = t0.elapsed().as_secs_f64();
-    let summary = wave_summary(n, &device, env_steps, train_s, samples, &mut busy);
+    let mut summary = wave_summary(n, &device, env_steps, train_s, samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.params().member(k)?, ppo_member_policy(&pop, k)?));
-    let rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
+    let mut rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
+    for (row, ev) in rows.iter_mut().zip(events) {
+        row.pbt = ev;
+    }
+    if pbt.is_some() {
+        summary["pbt_rounds"] = json!(rounds);
+        summary["pbt_seconds"] = json!(pbt_s);
+    }
     Ok(Some((rows, summary)))
 }
 
@@ -1969,13 +2029,35 @@ n_actions = 3
         let mut sharded = tiny_sweep_with(dir.path(), 4, pbt, "pbt.toml");
         (sharded.out, sharded.shard) = (Some(dir.path().join("pbt-s")), Some("0/2".into()));
         assert!(run_with(&sharded, &mut || false).unwrap_err().to_string().contains("not sharded"));
+        // A PPO population: rounds at the iteration boundaries (4 env steps) on the multiples
+        // of 8, its members copied and perturbed the same way; a DQN key is not PPO's.
         let ppo = tiny_sweep_with(dir.path(), 4, pbt, "pbt-ppo.toml");
         let text = std::fs::read_to_string(ppo.config.as_ref().unwrap())
             .unwrap()
             .replace("model = \"dqn\"", "model = \"ppo\"");
-        std::fs::write(ppo.config.as_ref().unwrap(), text).unwrap();
-        let e = run_with(&SweepArgs { out: Some(dir.path().join("pbt-p")), ..ppo }, &mut || false).unwrap_err();
-        assert!(format!("{e:#}").contains("[pbt]"), "{e:#}");
+        std::fs::write(ppo.config.as_ref().unwrap(), &text).unwrap();
+        let e =
+            run_with(&SweepArgs { out: Some(dir.path().join("pbt-p0")), ..ppo.clone() }, &mut || false).unwrap_err();
+        assert!(format!("{e:#}").contains("ppo.optimizer.lr"), "{e:#}");
+        let text = text.replace("\"dqn.optimizer.lr\"", "\"ppo.optimizer.lr\"")
+            + "[run.ppo]\nnum_steps = 4\nepochs = 1\nminibatch_size = 8\n[run.ppo.net]\nhidden = 16\n";
+        std::fs::write(ppo.config.as_ref().unwrap(), &text).unwrap();
+        let p_out = dir.path().join("pbt-p");
+        run_with(&SweepArgs { out: Some(p_out.clone()), ..ppo.clone() }, &mut || false).unwrap();
+        let rows = read_rows(&p_out.join("trials.jsonl")).unwrap().unwrap();
+        let events: Vec<&PbtEvent> = rows.iter().flat_map(|r| r.pbt.iter()).collect();
+        assert_eq!(events.len(), 4, "two of four PPO trials copy in each of two rounds: {rows:#?}");
+        for e in &events {
+            assert_eq!(e.env_step, 8 * e.round);
+            let lr = e.params["ppo.optimizer.lr"].as_f64().unwrap();
+            assert!((1e-4..=1e-2).contains(&lr), "lr {lr} stays in the space's bounds");
+        }
+        let pop: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(p_out.join("population.json")).unwrap()).unwrap();
+        assert_eq!(pop["waves"][0]["pbt_rounds"], 2);
+        let again = dir.path().join("pbt-p2");
+        run_with(&SweepArgs { out: Some(again.clone()), ..ppo }, &mut || false).unwrap();
+        assert_eq!(read_rows(&again.join("trials.jsonl")).unwrap().unwrap(), rows, "the same PPO schedule");
     }
 
     #[test]

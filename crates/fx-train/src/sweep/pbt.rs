@@ -1,11 +1,12 @@
-//! Population-based training (Jaderberg et al., 2017) inside a DQN sweep population: every
-//! `every` env steps each member's greedy policy is scored on the validation split; each
-//! member in the bottom `quantile` of that ranking continues from a member drawn from the top
-//! `quantile` (exploit: online and target weights, AdamW moments and step count copied on the
-//! device, [`fx_models::DqnPopulation::exploit`]) with the source's hyperparameters perturbed
+//! Population-based training (Jaderberg et al., 2017) inside a DQN or PPO sweep population:
+//! every `every` env steps (a PPO population: at the first iteration boundary after each
+//! multiple) each member's greedy policy is scored on the validation split; each member in
+//! the bottom `quantile` of that ranking continues from a member drawn from the top
+//! `quantile` (exploit: weights (a DQN's online and target), Adam moments and step count
+//! copied on the device, [`fx_models::DqnPopulation::exploit`],
+//! [`fx_models::PpoPopulation::exploit`]) with the source's hyperparameters perturbed
 //! (explore: a range key multiplied by one of `factors` and kept in its bounds, a choice moved
-//! to a neighbour), written in place ([`fx_models::DqnPopulation::set_member`]), so a captured
-//! update goes on serving. Every decision is a counter-based draw of the sweep's seed: one
+//! to a neighbour), written in place (`set_member`), so a captured update goes on serving. Every decision is a counter-based draw of the sweep's seed: one
 //! sweep file and one wave gives one schedule.
 
 use std::collections::BTreeMap;
@@ -19,11 +20,23 @@ use super::space::{Dim, Point};
 /// key `d`'s explore draws use stream `PBT_STREAM + 1 + d`.
 const PBT_STREAM: u64 = 0xB7_0000;
 
-/// The run-config keys PBT perturbs: the settings members of one population may differ in
+/// The run-config keys PBT perturbs in a DQN population: the settings members may differ in
 /// without a new shape (γ, τ, learning rate, weight decay, clip norm). Other keys of the
 /// space stay each trial's own.
 pub const PERTURBABLE: [&str; 5] =
     ["dqn.gamma", "dqn.tau", "dqn.optimizer.lr", "dqn.optimizer.weight_decay", "dqn.max_grad_norm"];
+
+/// The keys PBT perturbs in a PPO population (learning rate, clip norm, clip range, loss
+/// weights, GAE γ and λ).
+pub const PERTURBABLE_PPO: [&str; 7] = [
+    "ppo.optimizer.lr",
+    "ppo.max_grad_norm",
+    "ppo.loss.clip",
+    "ppo.loss.vf_coef",
+    "ppo.loss.ent_coef",
+    "ppo.gae.gamma",
+    "ppo.gae.lambda",
+];
 
 /// The sweep file's `[pbt]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,9 +62,10 @@ fn factors() -> Vec<f64> {
 }
 
 impl PbtConfig {
-    /// Checks the section against the space and returns the indices of the space's
+    /// Checks the section against the space of a sweep whose members perturb `perturbable`
+    /// ([`PERTURBABLE`], [`PERTURBABLE_PPO`]) and returns the indices of the space's
     /// dimensions PBT perturbs (at least one).
-    pub fn check(&self, space: &[(String, Dim)]) -> Result<Vec<usize>> {
+    pub fn check(&self, space: &[(String, Dim)], perturbable: &[&str]) -> Result<Vec<usize>> {
         if self.every == 0 {
             bail!("sweep file: pbt.every must be at least 1 env step");
         }
@@ -62,9 +76,9 @@ impl PbtConfig {
             bail!("sweep file: pbt.factors must be one or more finite numbers > 0, got {:?}", self.factors);
         }
         let keys: Vec<usize> =
-            space.iter().enumerate().filter(|(_, (k, _))| PERTURBABLE.contains(&k.as_str())).map(|(i, _)| i).collect();
+            space.iter().enumerate().filter(|(_, (k, _))| perturbable.contains(&k.as_str())).map(|(i, _)| i).collect();
         if keys.is_empty() {
-            bail!("sweep file: pbt perturbs {} and the [space] has none of them", PERTURBABLE.join(", "));
+            bail!("sweep file: pbt perturbs {} and the [space] has none of them", perturbable.join(", "));
         }
         Ok(keys)
     }
@@ -200,7 +214,7 @@ mod tests {
             ("dqn.optimizer.lr".into(), toml::Value::Float(1e-4)),
             ("seed".into(), toml::Value::Integer(42)),
         ];
-        let keys = PbtConfig { every: 1, quantile: 0.25, factors: factors() }.check(&space).unwrap();
+        let keys = PbtConfig { every: 1, quantile: 0.25, factors: factors() }.check(&space, &PERTURBABLE).unwrap();
         assert_eq!(keys, [0, 1], "the seed is not perturbed");
         let mut lrs = std::collections::BTreeSet::new();
         for round in 0..40 {
@@ -228,10 +242,10 @@ mod tests {
             (PbtConfig { factors: vec![], ..ok.clone() }, "factors"),
             (PbtConfig { factors: vec![1.2, -1.0], ..ok.clone() }, "factors"),
         ] {
-            let e = bad.check(&space).unwrap_err().to_string();
+            let e = bad.check(&space, &PERTURBABLE).unwrap_err().to_string();
             assert!(e.contains(word) && !e.contains('\n'), "{e}");
         }
-        let e = ok.check(&space[2..]).unwrap_err().to_string();
+        let e = ok.check(&space[2..], &PERTURBABLE).unwrap_err().to_string();
         assert!(e.contains("dqn.optimizer.lr") && e.contains("[space]"), "{e}");
         let parsed: PbtConfig = toml::from_str("every = 50").unwrap();
         assert_eq!(parsed, PbtConfig { every: 50, ..ok });
