@@ -284,6 +284,46 @@ mod tests {
     use crate::ppo::population::{reference_loss_and_grads, PpoPopulation};
     use crate::ppo::trainer::PpoConfig;
 
+    /// PBT's `set_member` on a CUDA population (the fused update's coefficient rows and the
+    /// optimiser's, written in place) trains as the population built with the new settings:
+    /// the same weights after 3 minibatch updates, bit for bit (the same kernels on the same
+    /// inputs).
+    #[test]
+    fn set_member_rewrites_the_fused_coefficients() {
+        let Some(dev) = gpu("ppo_pop_fused::set_member_rewrites_the_fused_coefficients") else { return };
+        let seed = fresh_seed();
+        let (n, b) = (3usize, 64usize);
+        let base: Vec<PpoConfig> = (0..n)
+            .map(|k| PpoConfig { seed: seed.wrapping_add(k as u64), minibatch_size: b, ..Default::default() })
+            .collect();
+        let mut moved = base[1].clone();
+        (moved.loss.clip, moved.loss.vf_coef, moved.loss.ent_coef) = (0.35, 1.5, 0.1);
+        (moved.optimizer.lr, moved.max_grad_norm) = (3e-3, 0.05);
+        let mut want = base.clone();
+        want[1] = moved.clone();
+        let mut a = PpoPopulation::new(base, 1, &dev).unwrap();
+        let mut c = PpoPopulation::new(want, 1, &dev).unwrap();
+        a.set_member(1, moved).unwrap();
+        let s = a.members()[0].net.state_dim;
+        for step in 0..3u64 {
+            let v = |len: usize, k: u64| Tensor::from_vec(vals(len, seed ^ step, k), len, &dev).unwrap();
+            let actions: Vec<u32> = vals(n * b, seed ^ step, 3).iter().map(|u| ((u + 1.0) * 1.5) as u32 % 3).collect();
+            let batch = PpoPopBatch {
+                obs: v(n * b * s, 1).reshape((n, b, s)).unwrap(),
+                actions: Tensor::from_vec(actions, (n, b), &dev).unwrap(),
+                logp_old: ((v(n * b, 4) * 0.5).unwrap() + (1.0f64 / 3.0).ln()).unwrap().reshape((n, b)).unwrap(),
+                advantages: v(n * b, 5).reshape((n, b)).unwrap(),
+                returns: v(n * b, 6).reshape((n, b)).unwrap(),
+            };
+            a.update_minibatch(&batch).unwrap();
+            c.update_minibatch(&batch).unwrap();
+        }
+        for (x, y) in a.params().vars().iter().zip(c.params().vars()) {
+            let f = |t: &Tensor| t.get(1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(f(x.as_tensor()), f(y.as_tensor()), "member 1 after set_member (seed {seed})");
+        }
+    }
+
     /// Every member's fused loss, diagnostics and gradients equal the population's candle
     /// loss on the CPU (the reference), member by member, on fresh random weights and
     /// minibatches (ratios past the clip range both ways), members with different clip
