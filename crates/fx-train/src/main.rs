@@ -12,6 +12,7 @@ mod gpu_busy;
 mod hw;
 mod lifecycle;
 mod plots;
+mod population;
 mod progress;
 mod quantize;
 mod report;

@@ -84,6 +84,7 @@ use serde_json::json;
 use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
 use crate::lifecycle::Outcome;
+use crate::population::{dqn_member_policy as member_policy, ppo_member_policy};
 use crate::train_env::TrainEnv;
 pub use halving::HalvingConfig;
 pub use pbt::{PbtConfig, PbtEvent};
@@ -286,18 +287,6 @@ fn on_base_market(cfgs: &mut [RunConfig], base: &RunConfig) {
         c.synthetic.seed = base.synthetic.seed;
         c.data.clone_from(&base.data);
     }
-}
-
-/// The greedy policy of a member's weights on the CPU (the backtest's decisions).
-fn member_policy(pop: &DqnPopulation, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
-    let cfg = &pop.members()[k];
-    let net = DuelingDqn::new(cfg.net, &Device::Cpu, cfg.seed)?;
-    let mut map = std::collections::HashMap::new();
-    for (name, t) in pop.online().member(k)?.to_tensors("")? {
-        map.insert(name, t.to_device(&Device::Cpu)?);
-    }
-    net.params().load_map(&map, &format!("sweep member {k}"))?;
-    Ok(net.cpu_policy()?)
 }
 
 /// `fx-train sweep` (see the module docs); a signal stops it after the env step in flight,
@@ -1456,18 +1445,6 @@ fn policy_stats(
     policy: &mut fx_models::mlp::cpu::CpuPolicy,
 ) -> Result<fx_models::BacktestStats> {
     Ok(crate::report::backtest_span(cfg, data, span, &mut |obs| Ok(policy.act(obs)?))?.agent.stats)
-}
-
-/// The actor's greedy policy of a PPO member's weights on the CPU.
-fn ppo_member_policy(pop: &PpoPopulation, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
-    let cfg = &pop.members()[k];
-    let net = ActorCritic::new(cfg.net, &Device::Cpu, cfg.seed)?;
-    let mut map = std::collections::HashMap::new();
-    for (name, t) in pop.params().member(k)?.to_tensors("")? {
-        map.insert(name, t.to_device(&Device::Cpu)?);
-    }
-    net.params().load_map(&map, &format!("sweep member {k}"))?;
-    Ok(net.cpu_policy()?)
 }
 
 /// [`train_population`] for PPO: the members' iterations together
