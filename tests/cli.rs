@@ -1695,3 +1695,41 @@ fn forecasters_train_on_a_panel_and_report_each_instrument() {
     assert_eq!(per_instrument.iter().map(|i| i["instrument"].as_str().unwrap()).collect::<Vec<_>>(), names);
     assert_eq!(doc["per_fold"].as_array().unwrap().len(), 2);
 }
+
+/// A study trained as one population (`--population`, a member per fold and seed) is the
+/// study of runs one after another: on the CPU the same `study.json` and every run's
+/// `backtest.csv`, for DQN (on a panel of the three stocks) and PPO (synthetic); its run
+/// folders keep their final network and no checkpoint; a forecaster study and a population
+/// without a study are refused.
+#[test]
+fn a_population_study_is_the_study_of_its_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let bars = shipped_panel(dir.path());
+    for (model, data) in [("dqn", Some(bars.to_str().unwrap())), ("ppo", None)] {
+        let cfg = tiny_config(dir.path(), model, 64, "");
+        let mut flags = vec!["--quiet", "--folds", "2", "--seeds", "2"];
+        if let Some(d) = data {
+            flags.extend(["--data", d]);
+        }
+        let (one, pop) = (dir.path().join(format!("{model}-one")), dir.path().join(format!("{model}-pop")));
+        ok(&train(&cfg, &one, &flags));
+        let text = ok(&train(&cfg, &pop, &[flags.as_slice(), &["--population"]].concat()));
+        assert!(text.contains("population of 4 runs"), "{text}");
+        assert_eq!(study_stats(&pop), study_stats(&one), "{model}");
+        for run in ["fold0-seed0", "fold0-seed1", "fold1-seed0", "fold1-seed1"] {
+            let bt = |d: &Path| std::fs::read(d.join(run).join("backtest.csv")).unwrap();
+            assert!(bt(&pop) == bt(&one), "{model} {run}: backtests differ");
+            assert!(pop.join(run).join("weights.safetensors").exists());
+            assert!(!checkpoint(&pop.join(run), 64).exists(), "{model} {run}: a member has no checkpoint");
+        }
+        let again = ok(&resume(&pop));
+        assert!(!again.contains("population of"), "nothing left to train: {again}");
+        assert_eq!(study_stats(&pop), study_stats(&one));
+    }
+    let seq = tiny_seq_config(dir.path(), "mamba2");
+    let out = train(&seq, &dir.path().join("m"), &["--quiet", "--folds", "2", "--population"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--population"));
+    let cfg = tiny_config(dir.path(), "dqn", 64, "");
+    let out = train(&cfg, &dir.path().join("d"), &["--quiet", "--population"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--folds or --seeds"), "{out:?}");
+}

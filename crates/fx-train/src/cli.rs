@@ -132,6 +132,10 @@ pub struct TrainArgs {
     /// (same seed; optimiser, replay and exploration fresh) [needs --folds].
     #[arg(long)]
     pub warm_start: bool,
+    /// A DQN / PPO study's runs (a member per fold and seed) train together as one
+    /// population [needs --folds or --seeds].
+    #[arg(long)]
+    pub population: bool,
     /// Continue the run (or study) in --out from its latest checkpoint.
     #[arg(long)]
     pub resume: bool,
@@ -182,8 +186,9 @@ impl TrainArgs {
         let window = |c: &RunConfig| {
             c.walk_forward.as_ref().map_or("none".to_string(), |w| format!("{:?}", w.window).to_lowercase())
         };
-        let given: [(&str, Option<String>, String); 16] = [
+        let given: [(&str, Option<String>, String); 17] = [
             ("--warm-start", self.warm_start.then(|| "true".to_string()), saved.warm_start.to_string()),
+            ("--population", self.population.then(|| "true".to_string()), saved.population.to_string()),
             ("--folds", self.folds.map(|n| n.to_string()), folds(&saved)),
             ("--window", self.window.map(|w| format!("{w:?}").to_lowercase()), window(&saved)),
             ("--seeds", self.seeds.map(|n| n.to_string()), saved.seeds.to_string()),
@@ -235,6 +240,7 @@ impl TrainArgs {
                 from_file.prior_trials = saved.prior_trials;
             }
             from_file.warm_start |= saved.warm_start;
+            from_file.population |= saved.population;
             // The flags given now equal the saved run's (checked above) and, as at the
             // start, override the file's keys.
             if self.epochs.is_some() {
@@ -384,6 +390,9 @@ impl TrainArgs {
         }
         if self.warm_start {
             cfg.warm_start = true;
+        }
+        if self.population {
+            cfg.population = true;
         }
         Ok(cfg)
     }

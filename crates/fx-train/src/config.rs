@@ -110,6 +110,11 @@ pub struct RunConfig {
     /// Walk-forward (`--warm-start`): each fold after the first starts from the previous
     /// fold's final weights of the same seed (optimiser, replay and ε schedule fresh).
     pub warm_start: bool,
+    /// A DQN or PPO study (`--population`): its runs, a member per fold and seed, train
+    /// together as one population instead of one after another. Written to `config.toml`
+    /// only when set.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub population: bool,
     /// Row spans of one fold's run (a study sets them for each of its runs); none: `split`.
     pub rows: Option<fx_data::Splits>,
     /// A trainer state file whose network weights a fresh run starts from (a study sets it
@@ -194,6 +199,7 @@ impl Default for RunConfig {
             prior_trials: 0,
             walk_forward: None,
             warm_start: false,
+            population: false,
             rows: None,
             init_from: None,
             validation_only: false,
@@ -371,6 +377,19 @@ impl RunConfig {
         }
         if self.warm_start && self.walk_forward.is_none() {
             bail!("warm_start (--warm-start) carries weights from fold to fold: give --folds too");
+        }
+        if self.population {
+            if self.walk_forward.is_none() && self.seeds < 2 {
+                bail!("population (--population) trains a study's runs together: give --folds or --seeds too");
+            }
+            if self.model.is_sequence() {
+                bail!("population (--population) trains DQN and PPO studies, not {} ones", self.model.as_str());
+            }
+            if self.warm_start {
+                bail!(
+                    "population (--population) trains every fold at once: a warm start needs the previous fold first"
+                );
+            }
         }
         // An "auto" batch is checked once it is a number (the run resolves it on its device,
         // within the same bounds, then calls this again).

@@ -7,20 +7,30 @@ use candle_core::Device;
 use fx_models::mlp::cpu::CpuPolicy;
 use fx_models::{ActorCritic, DqnPopulation, DuelingDqn, PpoPopulation};
 
-/// The greedy policy of DQN member `k`'s online weights on the CPU.
-pub fn dqn_member_policy(pop: &DqnPopulation, k: usize) -> Result<CpuPolicy> {
+/// DQN member `k`'s online network on the CPU.
+pub fn dqn_member_net(pop: &DqnPopulation, k: usize) -> Result<DuelingDqn> {
     let cfg = &pop.members()[k];
     let net = DuelingDqn::new(cfg.net, &Device::Cpu, cfg.seed)?;
     net.params().load_map(&on_cpu(pop.online().member(k)?)?, &format!("population member {k}"))?;
-    Ok(net.cpu_policy()?)
+    Ok(net)
+}
+
+/// PPO member `k`'s actor-critic on the CPU.
+pub fn ppo_member_net(pop: &PpoPopulation, k: usize) -> Result<ActorCritic> {
+    let cfg = &pop.members()[k];
+    let net = ActorCritic::new(cfg.net, &Device::Cpu, cfg.seed)?;
+    net.params().load_map(&on_cpu(pop.params().member(k)?)?, &format!("population member {k}"))?;
+    Ok(net)
+}
+
+/// The greedy policy of DQN member `k`'s online weights on the CPU.
+pub fn dqn_member_policy(pop: &DqnPopulation, k: usize) -> Result<CpuPolicy> {
+    Ok(dqn_member_net(pop, k)?.cpu_policy()?)
 }
 
 /// The actor's greedy policy of PPO member `k`'s weights on the CPU.
 pub fn ppo_member_policy(pop: &PpoPopulation, k: usize) -> Result<CpuPolicy> {
-    let cfg = &pop.members()[k];
-    let net = ActorCritic::new(cfg.net, &Device::Cpu, cfg.seed)?;
-    net.params().load_map(&on_cpu(pop.params().member(k)?)?, &format!("population member {k}"))?;
-    Ok(net.cpu_policy()?)
+    Ok(ppo_member_net(pop, k)?.cpu_policy()?)
 }
 
 /// A member's parameters by spec name, on the CPU.

@@ -30,6 +30,14 @@
 //! the interrupted one continues from its checkpoint, the rest start; the statistics are
 //! recomputed from the run folders, so a resumed study writes what an uninterrupted one
 //! does.
+//!
+//! `--population` (DQN, PPO) trains the study's unfinished runs together as one population
+//! ([`train_as_population`]), a member per (fold, seed) with its fold's training span and
+//! normalisers, its own accounts, replay or rollout and seed; member k is run k trained
+//! alone (on the CPU the same weights and backtests), so `study.json` is the same. A
+//! member's folder holds what the statistics read (`config.toml`, `report.json`,
+//! `backtest.csv`, the plots) and its final network (`weights.safetensors`), not a
+//! checkpoint: a stopped population is trained again from its start on `--resume`.
 
 use std::path::{Path, PathBuf};
 
@@ -161,6 +169,10 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
         cfg.model.as_str(),
         data.source
     );
+    if cfg.population && train_as_population(&cfg, &folds, opts.steps)? == Outcome::Interrupted {
+        println!("study interrupted; continue with `fx-train train --resume --out {}`", dir.root().display());
+        return Ok(Outcome::Interrupted);
+    }
     for (f, fold) in folds.iter().enumerate() {
         for s in 0..cfg.seeds {
             let mut sub = member_config(&cfg, fold, f, s as u64);
@@ -208,12 +220,130 @@ fn member_config(cfg: &RunConfig, fold: &Fold, f: usize, s: u64) -> RunConfig {
     let mut sub = cfg.clone();
     sub.walk_forward = None;
     sub.warm_start = false;
+    sub.population = false;
     sub.seeds = 1;
     sub.rows = Some(Splits { train: fold.train.clone(), valid: fold.valid.clone(), test: fold.test.clone() });
     sub.seed = cfg.seed + s;
     sub.data_seed = Some(cfg.data_seed.unwrap_or(cfg.seed));
     sub.out = cfg.out.join(format!("fold{f}-seed{s}"));
     sub
+}
+
+/// The file a population member's run folder keeps its final network in (spec names).
+pub const MEMBER_WEIGHTS: &str = "weights.safetensors";
+
+/// Trains the study's runs without a `report.json` as one DQN or PPO population (see the
+/// module docs) and writes each member's run folder. A signal stops it between env steps
+/// (DQN) or iterations (PPO), leaving the unfinished runs without a folder's report.
+fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> Result<Outcome> {
+    let mut runs: Vec<(RunConfig, usize)> = Vec::new();
+    for (f, fold) in folds.iter().enumerate() {
+        for s in 0..cfg.seeds {
+            let mut sub = member_config(cfg, fold, f, s as u64);
+            if let Some(n) = steps {
+                sub.steps = n;
+            }
+            if !sub.out.join("report.json").exists() {
+                runs.push((sub.resolve()?, f));
+            }
+        }
+    }
+    let Some((first, _)) = runs.first() else { return Ok(Outcome::Finished) };
+    let device = crate::run_start::device_for(first)?;
+    // One dataset per fold: its spans and its normalisers, fitted on its training rows.
+    let mut data: Vec<Option<Dataset>> = folds.iter().map(|_| None).collect();
+    for (c, f) in &runs {
+        if data[*f].is_none() {
+            data[*f] = Some(Dataset::load(c, None)?);
+        }
+    }
+    let fold_data = |f: usize| data[f].as_ref().context("a fold's data");
+    let mut envs = Vec::with_capacity(runs.len());
+    for (c, f) in &runs {
+        let d = fold_data(*f)?;
+        let rows = d.env_data(d.splits.train.clone(), c.env.episode_len + 1)?;
+        envs.push(crate::train_env::TrainEnv::new(rows, c.env.clone(), &device)?);
+    }
+    // The members' folders first (a folder a stopped population left holds its config).
+    let mut dirs = Vec::with_capacity(runs.len());
+    for (c, _) in &runs {
+        let mut dir = RunDir::open(&c.out, c.out.join("config.toml").exists())?;
+        write_atomic(&dir.path("config.toml"), c.to_toml()?.as_bytes())?;
+        dir.mark_started();
+        dirs.push(dir);
+    }
+    let n = runs.len();
+    println!(
+        "population of {n} runs on {}: every unfinished (fold, seed) trained together",
+        if device.is_cuda() { "cuda" } else { "cpu" }
+    );
+    crate::lifecycle::install_signal_handler();
+    let t0 = std::time::Instant::now();
+    // Each member's CPU network: its greedy actions as a run's `Agent::greedy_action` takes them.
+    let (nets, env_steps): (Vec<Box<Greedy>>, u64) = match cfg.model {
+        ModelChoice::Dqn => {
+            let members = runs.iter().map(|(c, _)| c.dqn.clone()).collect();
+            let mut pop = fx_models::DqnPopulation::new(members, &device).context("building the study's population")?;
+            for step in 1..=first.steps {
+                if crate::lifecycle::interrupted() {
+                    return Ok(Outcome::Interrupted);
+                }
+                pop.step(&mut refs(&mut envs), step == first.steps)?;
+            }
+            let nets = (0..n)
+                .map(|k| {
+                    let net = crate::population::dqn_member_net(&pop, k)?;
+                    net.params().save(&dirs[k].path(MEMBER_WEIGHTS))?;
+                    Ok(Box::new(move |obs: &[f32]| greedy(obs, |x| Ok(net.greedy_actions(x)?))) as Box<Greedy>)
+                })
+                .collect::<Result<_>>()?;
+            (nets, first.steps)
+        }
+        ModelChoice::Ppo => {
+            let members = runs.iter().map(|(c, _)| c.ppo.clone()).collect();
+            let mut pop = fx_models::PpoPopulation::new(members, first.env.num_envs, &device)
+                .context("building the study's population")?;
+            let mut env_steps = 0;
+            while env_steps < first.steps {
+                if crate::lifecycle::interrupted() {
+                    return Ok(Outcome::Interrupted);
+                }
+                env_steps = pop.iterate(&mut refs(&mut envs))?[0].env_steps;
+            }
+            let nets = (0..n)
+                .map(|k| {
+                    let net = crate::population::ppo_member_net(&pop, k)?;
+                    net.params().save(&dirs[k].path(MEMBER_WEIGHTS))?;
+                    Ok(Box::new(move |obs: &[f32]| greedy(obs, |x| Ok(net.greedy_actions(x)?))) as Box<Greedy>)
+                })
+                .collect::<Result<_>>()?;
+            (nets, env_steps)
+        }
+        other => bail!("a {} study does not train as a population", other.as_str()),
+    };
+    device.synchronize()?;
+    println!("population: {n} runs trained in {:.1} s", t0.elapsed().as_secs_f64());
+    for (k, ((c, f), dir)) in runs.iter().zip(&dirs).enumerate() {
+        let d = fold_data(*f)?;
+        let rep = crate::report::evaluate_policy(c, d, env_steps, |obs| nets[k](obs))?;
+        // Last: a run with a report is finished.
+        crate::report::write(dir, "report.json", c, d, &rep, None, true)?;
+    }
+    Ok(Outcome::Finished)
+}
+
+/// A member's greedy action of an observation.
+type Greedy = dyn Fn(&[f32]) -> Result<u32>;
+
+/// The members' environments as the populations step them.
+fn refs(envs: &mut [crate::train_env::TrainEnv]) -> Vec<&mut dyn fx_kernels::VecEnv> {
+    envs.iter_mut().map(|e| e.as_vec_env()).collect()
+}
+
+/// The greedy action of one observation through `actions` (a network's batch of one).
+fn greedy(obs: &[f32], actions: impl Fn(&candle_core::Tensor) -> Result<candle_core::Tensor>) -> Result<u32> {
+    let x = candle_core::Tensor::from_slice(obs, (1, obs.len()), &candle_core::Device::Cpu)?;
+    Ok(actions(&x)?.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?[0])
 }
 
 fn read_json(path: &Path) -> Result<Value> {
