@@ -462,6 +462,10 @@ impl RunDir {
                     });
                 }
             }
+            // And one whose write finished since it was read verifies now: it was in progress.
+            if !move_damaged {
+                damaged.retain(|(st, _)| self.verified(*st).is_err());
+            }
             if let Some(c) = found {
                 // Only now, with a checkpoint to continue from, are the newer damaged ones
                 // reported (and set aside for a resume).
