@@ -1696,9 +1696,10 @@ fn forecasters_train_on_a_panel_and_report_each_instrument() {
     assert_eq!(doc["per_fold"].as_array().unwrap().len(), 2);
 }
 
-/// A study trained as one population (`--population`, a member per fold and seed) is the
-/// study of runs one after another: on the CPU the same `study.json` and every run's
-/// `backtest.csv`, for DQN (on a panel of the three stocks) and PPO (synthetic); its run
+/// A study trained as one population (`--population`, a member per fold and seed; DQN in
+/// waves of 3 and 1) is the study of runs one after another: on the CPU the same
+/// `study.json` and every run's `backtest.csv`, for DQN (on a panel of the three stocks)
+/// and PPO (synthetic); its run
 /// folders keep their final network and no checkpoint; a forecaster study and a population
 /// without a study are refused.
 #[test]
@@ -1713,8 +1714,21 @@ fn a_population_study_is_the_study_of_its_runs() {
         }
         let (one, pop) = (dir.path().join(format!("{model}-one")), dir.path().join(format!("{model}-pop")));
         ok(&train(&cfg, &one, &flags));
-        let text = ok(&train(&cfg, &pop, &[flags.as_slice(), &["--population"]].concat()));
-        assert!(text.contains("population of 4 runs"), "{text}");
+        // DQN in waves of 3 and 1 (FX_POPULATION), PPO in one.
+        let waves = if model == "dqn" { "3" } else { "8" };
+        let text = ok(&fx_train()
+            .args(["train", "--config"])
+            .arg(&cfg)
+            .arg("--out")
+            .arg(&pop)
+            .args(&flags)
+            .arg("--population")
+            .env("FX_POPULATION", waves)
+            .output()
+            .unwrap());
+        let want =
+            if model == "dqn" { "population of 4 runs on cpu in waves of at most 3" } else { "in waves of at most 4" };
+        assert!(text.contains(want), "{text}");
         assert_eq!(study_stats(&pop), study_stats(&one), "{model}");
         for run in ["fold0-seed0", "fold0-seed1", "fold1-seed0", "fold1-seed1"] {
             let bt = |d: &Path| std::fs::read(d.join(run).join("backtest.csv")).unwrap();

@@ -232,9 +232,11 @@ fn member_config(cfg: &RunConfig, fold: &Fold, f: usize, s: u64) -> RunConfig {
 /// The file a population member's run folder keeps its final network in (spec names).
 pub const MEMBER_WEIGHTS: &str = "weights.safetensors";
 
-/// Trains the study's runs without a `report.json` as one DQN or PPO population (see the
-/// module docs) and writes each member's run folder. A signal stops it between env steps
-/// (DQN) or iterations (PPO), leaving the unfinished runs without a folder's report.
+/// Trains the study's runs without a `report.json` as DQN or PPO populations (see the module
+/// docs), in waves as large as the device holds (`fx_hw::HardwareBudget::population_size`
+/// from a member's estimated memory, or `FX_POPULATION`), and writes each member's run
+/// folder as its wave ends. A signal stops the wave in flight between env steps (DQN) or
+/// iterations (PPO); the finished waves' runs are kept.
 fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> Result<Outcome> {
     let mut runs: Vec<(RunConfig, usize)> = Vec::new();
     for (f, fold) in folds.iter().enumerate() {
@@ -250,40 +252,70 @@ fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> R
     }
     let Some((first, _)) = runs.first() else { return Ok(Outcome::Finished) };
     let device = crate::run_start::device_for(first)?;
-    // One dataset per fold: its spans and its normalisers, fitted on its training rows.
-    let mut data: Vec<Option<Dataset>> = folds.iter().map(|_| None).collect();
+    // One dataset per fold (its spans and normalisers, fitted on its training rows) and one
+    // training series, shared by the fold's members.
+    let mut data: Vec<Option<(Dataset, std::sync::Arc<fx_kernels::EnvData>)>> = folds.iter().map(|_| None).collect();
     for (c, f) in &runs {
         if data[*f].is_none() {
-            data[*f] = Some(Dataset::load(c, None)?);
+            let d = Dataset::load(c, None)?;
+            let rows = d.env_data(d.splits.train.clone(), c.env.episode_len + 1)?;
+            data[*f] = Some((d, rows));
         }
     }
+    let (kind, bytes) = match cfg.model {
+        ModelChoice::Ppo => {
+            (fx_hw::ModelKind::Ppo, fx_models::PpoPopulation::member_bytes(&first.ppo, first.env.num_envs))
+        }
+        _ => (fx_hw::ModelKind::Dqn, fx_models::DqnPopulation::member_bytes(&first.dqn)),
+    };
+    let mut overrides = fx_hw::Overrides::default().try_with_device(&first.device)?;
+    let env = fx_hw::Overrides::from_env()?;
+    overrides = overrides.layered(fx_hw::Overrides { population: env.population, ..Default::default() });
+    let size = fx_hw::HardwareBudget::detect_with(&overrides).population_size(kind, bytes, runs.len());
+    println!(
+        "population of {} runs on {} in waves of at most {} ({}): every unfinished (fold, seed) trained together",
+        runs.len(),
+        if device.is_cuda() { "cuda" } else { "cpu" },
+        size.value,
+        size.source
+    );
+    crate::lifecycle::install_signal_handler();
+    for wave in runs.chunks(size.value) {
+        if train_wave(cfg.model, wave, &data, &device)? == Outcome::Interrupted {
+            return Ok(Outcome::Interrupted);
+        }
+    }
+    Ok(Outcome::Finished)
+}
+
+/// One wave of [`train_as_population`]: its runs `(config, fold)` as one population over
+/// `data[fold]`, then each run's folder.
+fn train_wave(
+    model: ModelChoice,
+    runs: &[(RunConfig, usize)],
+    data: &[Option<(Dataset, std::sync::Arc<fx_kernels::EnvData>)>],
+    device: &candle_core::Device,
+) -> Result<Outcome> {
     let fold_data = |f: usize| data[f].as_ref().context("a fold's data");
     let mut envs = Vec::with_capacity(runs.len());
-    for (c, f) in &runs {
-        let d = fold_data(*f)?;
-        let rows = d.env_data(d.splits.train.clone(), c.env.episode_len + 1)?;
-        envs.push(crate::train_env::TrainEnv::new(rows, c.env.clone(), &device)?);
+    for (c, f) in runs {
+        envs.push(crate::train_env::TrainEnv::new(fold_data(*f)?.1.clone(), c.env.clone(), device)?);
     }
     // The members' folders first (a folder a stopped population left holds its config).
     let mut dirs = Vec::with_capacity(runs.len());
-    for (c, _) in &runs {
+    for (c, _) in runs {
         let mut dir = RunDir::open(&c.out, c.out.join("config.toml").exists())?;
         write_atomic(&dir.path("config.toml"), c.to_toml()?.as_bytes())?;
         dir.mark_started();
         dirs.push(dir);
     }
-    let n = runs.len();
-    println!(
-        "population of {n} runs on {}: every unfinished (fold, seed) trained together",
-        if device.is_cuda() { "cuda" } else { "cpu" }
-    );
-    crate::lifecycle::install_signal_handler();
+    let (n, first) = (runs.len(), &runs[0].0);
     let t0 = std::time::Instant::now();
     // Each member's CPU network: its greedy actions as a run's `Agent::greedy_action` takes them.
-    let (nets, env_steps): (Vec<Box<Greedy>>, u64) = match cfg.model {
+    let (nets, env_steps): (Vec<Box<Greedy>>, u64) = match model {
         ModelChoice::Dqn => {
             let members = runs.iter().map(|(c, _)| c.dqn.clone()).collect();
-            let mut pop = fx_models::DqnPopulation::new(members, &device).context("building the study's population")?;
+            let mut pop = fx_models::DqnPopulation::new(members, device).context("building the study's population")?;
             for step in 1..=first.steps {
                 if crate::lifecycle::interrupted() {
                     return Ok(Outcome::Interrupted);
@@ -301,7 +333,7 @@ fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> R
         }
         ModelChoice::Ppo => {
             let members = runs.iter().map(|(c, _)| c.ppo.clone()).collect();
-            let mut pop = fx_models::PpoPopulation::new(members, first.env.num_envs, &device)
+            let mut pop = fx_models::PpoPopulation::new(members, first.env.num_envs, device)
                 .context("building the study's population")?;
             let mut env_steps = 0;
             while env_steps < first.steps {
@@ -324,7 +356,7 @@ fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> R
     device.synchronize()?;
     println!("population: {n} runs trained in {:.1} s", t0.elapsed().as_secs_f64());
     for (k, ((c, f), dir)) in runs.iter().zip(&dirs).enumerate() {
-        let d = fold_data(*f)?;
+        let d = &fold_data(*f)?.0;
         let rep = crate::report::evaluate_policy(c, d, env_steps, |obs| nets[k](obs))?;
         // Last: a run with a report is finished.
         crate::report::write(dir, "report.json", c, d, &rep, None, true)?;
