@@ -37,7 +37,8 @@
 //! alone (on the CPU the same weights and backtests), so `study.json` is the same. A
 //! member's folder holds what the statistics read (`config.toml`, `report.json`,
 //! `backtest.csv`, the plots) and its final network (`weights.safetensors`), not a
-//! checkpoint: a stopped population is trained again from its start on `--resume`.
+//! checkpoint: the populations train in waves the device holds, and a stopped wave is
+//! trained again from its start on `--resume`.
 
 use std::path::{Path, PathBuf};
 
