@@ -933,6 +933,11 @@ fn sweep_of(model: &str, key: &str, prefix: &str, n_tensors: usize, steps: u64) 
     assert_eq!(doc["trials_tried"], 3);
     let ev = std::fs::read(out.join("tensorboard/trial-2/events.out.tfevents.0.fx-train")).unwrap();
     assert!(ev.windows(10).any(|w| w == b"val/sharpe"), "{} bytes", ev.len());
+    assert!(ev.windows(28).any(|w| w == b"_hparams_/session_start_info"), "the trial's HParams session");
+    let exp = std::fs::read(out.join("tensorboard/events.out.tfevents.0.fx-train")).unwrap();
+    assert!(
+        exp.windows(20).any(|w| w == b"_hparams_/experiment") && exp.windows(key.len()).any(|w| w == key.as_bytes())
+    );
     let best = doc["best"][0]["trial"].as_u64().unwrap();
     assert!(rows.iter().all(|r| r["val_sharpe"].as_f64().unwrap() <= doc["best"][0]["val_sharpe"].as_f64().unwrap()));
     let run_dir = out.join("best-1");

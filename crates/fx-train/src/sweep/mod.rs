@@ -623,10 +623,37 @@ fn run_tpe(
 /// forecaster's per-epoch `train/loss`, `val/loss` and `lr` (from its run's metrics), and
 /// its validation sign strategy's `val/sharpe`; a DQN / PPO trial's `val/sharpe`,
 /// `val/total_return` and `val/max_drawdown` at its env steps, with its PBT rounds'
-/// `pbt/val_sharpe`. Rewritten whenever the leaderboard is.
+/// `pbt/val_sharpe`. And for the HParams dashboard, the experiment in `tensorboard/` (the
+/// space's keys; the metrics above, of which the dashboard shows each run's last value)
+/// and each trial as a session of its values, a success when its row is `ok`. Rewritten
+/// whenever the leaderboard is.
 fn write_tensorboard(cfgs: &[RunConfig], rows: &[TrialRow], out: &Path) -> Result<()> {
-    use crate::tensorboard::Scalar;
+    use crate::tensorboard::{HParam, Scalar, Session};
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    // The HParams dashboard: the space's keys as hyperparameters, the rows' values.
+    let hparams = |r: &TrialRow| -> Vec<(String, HParam)> {
+        r.params
+            .iter()
+            .map(|(k, v)| {
+                let h = match v {
+                    serde_json::Value::Number(n) => HParam::Number(n.as_f64().unwrap_or(f64::NAN)),
+                    serde_json::Value::Bool(b) => HParam::Bool(*b),
+                    serde_json::Value::String(t) => HParam::Text(t.clone()),
+                    other => HParam::Text(other.to_string()),
+                };
+                (k.clone(), h)
+            })
+            .collect()
+    };
+    let tb = out.join("tensorboard");
+    if let Some(first) = rows.first() {
+        let metrics: &[&str] = if cfgs[first.trial].model.is_sequence() {
+            &["val/loss", "val/sharpe"]
+        } else {
+            &["val/sharpe", "val/total_return", "val/max_drawdown"]
+        };
+        crate::tensorboard::write_experiment(&tb, &hparams(first), metrics, now)?;
+    }
     for r in rows {
         let cfg = &cfgs[r.trial];
         let point = |tag: &str, step: i64, value: f64| Scalar { tag: tag.to_string(), step, value };
@@ -652,7 +679,8 @@ fn write_tensorboard(cfgs: &[RunConfig], rows: &[TrialRow], out: &Path) -> Resul
             scalars.push(point("val/total_return", steps, r.val_total_return));
             scalars.push(point("val/max_drawdown", steps, r.val_max_drawdown));
         }
-        crate::tensorboard::write_scalars(&out.join("tensorboard").join(format!("trial-{}", r.trial)), &scalars, now)?;
+        let session = Session { hparams: hparams(r), success: r.status == "ok" };
+        crate::tensorboard::write_scalars(&tb.join(format!("trial-{}", r.trial)), &scalars, Some(&session), now)?;
     }
     Ok(())
 }
