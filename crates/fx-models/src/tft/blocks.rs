@@ -230,13 +230,14 @@ impl EmbedVsn {
         Ok(Self { embed, flat, vars, n, d })
     }
 
-    /// `x [M, n]` raw variables → (`[M, d]` selected mix, `[M, n]` selection weights).
-    pub(crate) fn fwd(&self, c: &Ctx, x: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `x [M, n]` raw variables → (`[M, d]` selected mix, `[M, n]` selection weights); with
+    /// a panel model's static context `[M, d]` added inside the selection GRN.
+    pub(crate) fn fwd(&self, c: &Ctx, x: &Tensor, context: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let m = x.dim(0)?;
         let emb = self.embed.embed(c, x)?; // [n, M, d]
                                            // The flat GRN sees the embeddings variable-major: flat[j·d + k] = emb_j[k].
         let flat_in = emb.transpose(0, 1)?.reshape((m, self.n * self.d))?;
-        let w = softmax_last_dim(&self.flat.fwd(c, &flat_in)?)?; // [M, n]
+        let w = softmax_last_dim(&self.flat.fwd_with(c, &flat_in, context)?)?; // [M, n]
         let outs = self.vars.fwd(c, &emb)?; // [n, M, d]
         let mix = outs.broadcast_mul(&w.t()?.unsqueeze(2)?)?.sum(0)?;
         Ok((mix, w))
@@ -340,8 +341,9 @@ impl InterpretableMha {
 /// Linear(n_instruments→d) without bias of its one-hot row), and as in the TFT paper GRN
 /// encoders of it give the LSTM encoder's initial hidden (`static_h`) and cell
 /// (`static_c`) state and the enrichment's context (`static_e`, entering the `enrich` GRN
-/// through `enrich.context`, a Linear(d→d) without bias). The paper's fourth context, of
-/// the variable selection, is left out: selection stays per step.
+/// through `enrich.context`, a Linear(d→d) without bias) and of the variable selection
+/// (`static_s`, entering both selection GRNs through `enc_vsn.flat.context` and
+/// `dec_vsn.flat.context`).
 #[derive(Debug, Clone)]
 pub(crate) struct StaticContext {
     pub(super) embed: Var,
@@ -349,6 +351,9 @@ pub(crate) struct StaticContext {
     pub(super) c: Grn,
     pub(super) e: Grn,
     pub(super) enrich_ctx: Var,
+    pub(super) s: Grn,
+    pub(super) enc_vsn_ctx: Var,
+    pub(super) dec_vsn_ctx: Var,
 }
 
 impl StaticContext {
@@ -360,7 +365,26 @@ impl StaticContext {
             c: Grn::new(ps, "static_c", d, d, d, dropout, eps)?,
             e: Grn::new(ps, "static_e", d, d, d, dropout, eps)?,
             enrich_ctx: ps.add("enrich.context.weight".to_string(), &[d, d], Init::Uniform(1.0 / (d as f64).sqrt()))?,
+            s: Grn::new(ps, "static_s", d, d, d, dropout, eps)?,
+            enc_vsn_ctx: ps.add(
+                "enc_vsn.flat.context.weight".to_string(),
+                &[d, d],
+                Init::Uniform(1.0 / (d as f64).sqrt()),
+            )?,
+            dec_vsn_ctx: ps.add(
+                "dec_vsn.flat.context.weight".to_string(),
+                &[d, d],
+                Init::Uniform(1.0 / (d as f64).sqrt()),
+            )?,
         })
+    }
+
+    /// `one_hot [B, n]` → the selection context `[B, d]` of the encoder's (or decoder's)
+    /// variable selection.
+    pub(crate) fn selection(&self, c: &Ctx, one_hot: &Tensor, decoder: bool) -> Result<Tensor> {
+        let e = c.linear(one_hot, &c.p(&self.embed)?, None)?;
+        let w = if decoder { &self.dec_vsn_ctx } else { &self.enc_vsn_ctx };
+        c.linear(&self.s.fwd(c, &e)?, &c.p(w)?, None)
     }
 
     /// `one_hot [B, n]` → the LSTM's initial `(h, c)` `[B, d]` each and the enrichment

@@ -510,7 +510,11 @@ mod tests {
         p.int8(steps).forward_ref(raw, wsel).expect("valid weights")
     }
 
+    /// A fresh seed, or `FX_TEST_SEED` to replay a failure's.
     fn seed() -> u64 {
+        if let Some(s) = std::env::var("FX_TEST_SEED").ok().and_then(|s| s.parse().ok()) {
+            return s;
+        }
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
     }
 
@@ -553,11 +557,14 @@ mod tests {
             let e = rel_rms(&dynamic, &want);
             assert!(e < 0.02, "seed {s}, n {n} d {d}: dynamic INT8 {e:.4} from F32");
             // Calibrated steps wide enough for every input: close too; far too narrow: not.
-            let wide = Some((vec![0.05; n], vec![0.05; n]));
-            let e = rel_rms(&run_ref(&p, &raw, &wsel, wide), &want);
-            assert!(e < 0.05, "seed {s}, n {n} d {d}: calibrated INT8 {e:.4} from F32");
-            // (At d = 4 a saturated input can still land near F32 by chance: wide rows only.)
+            // (At d = 4 both are left out: a fixed 0.05 step is about the size of the small
+            // rows' activations, so a 4-wide LayerNorm of them lands near F32 or not by the
+            // draw (seed 1796610222279591765: 0.149), and a saturated input can land near
+            // F32 by chance.)
             if d >= 32 {
+                let wide = Some((vec![0.05; n], vec![0.05; n]));
+                let e = rel_rms(&run_ref(&p, &raw, &wsel, wide), &want);
+                assert!(e < 0.05, "seed {s}, n {n} d {d}: calibrated INT8 {e:.4} from F32");
                 let narrow = Some((vec![1e-4; n], vec![1e-4; n]));
                 let e = rel_rms(&run_ref(&p, &raw, &wsel, narrow), &want);
                 assert!(e > 0.05, "seed {s}, n {n} d {d}: saturated steps should not track F32 ({e:.4})");

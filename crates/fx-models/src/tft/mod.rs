@@ -3,8 +3,9 @@
 //! calendar features known for encoder and decoder steps.
 //!
 //! A model built for a panel (`n_instruments > 0`, not in the spec) also takes each
-//! window's instrument as a static covariate: a learned embedding whose encoders set the
-//! LSTM's initial state and the enrichment's context, as in the TFT paper
+//! window's instrument as a static covariate: a learned embedding whose encoders give the
+//! variable selections' context, the LSTM's initial state and the enrichment's context, as
+//! in the TFT paper
 //! (`blocks::StaticContext`); its fused CUDA step, fused forecaster and INT8 version are
 //! not built (it trains through candle's step).
 //!
@@ -416,12 +417,21 @@ impl Tft {
         let cfg = &self.cfg;
         let (b, t, d) = (packed.dim(0)?, t1 - t0, cfg.d);
         let rows = packed.narrow(1, t0, t)?;
-        let (x, w) = if t1 <= cfg.l_enc {
+        let decoder = t1 > cfg.l_enc;
+        // A panel model's selection context, one per window, repeated over its steps.
+        let context = match (&self.static_ctx, self.static_of(&rows)?) {
+            (Some(s), Some(i)) => {
+                let ctx = s.selection(c, &i, decoder)?;
+                Some(ctx.unsqueeze(1)?.broadcast_as((b, t, d))?.contiguous()?.reshape((b * t, d))?)
+            }
+            _ => None,
+        };
+        let (x, w) = if !decoder {
             let n_in = cfg.n_observed + cfg.n_known;
-            self.enc.fwd(c, &rows.narrow(2, 0, n_in)?.contiguous()?.reshape((b * t, n_in))?)?
+            self.enc.fwd(c, &rows.narrow(2, 0, n_in)?.contiguous()?.reshape((b * t, n_in))?, context.as_ref())?
         } else {
             let known = rows.narrow(2, cfg.n_observed, cfg.n_known)?.contiguous()?;
-            self.dec.fwd(c, &known.reshape((b * t, cfg.n_known))?)?
+            self.dec.fwd(c, &known.reshape((b * t, cfg.n_known))?, context.as_ref())?
         };
         Ok((x.reshape((b, t, d))?, w))
     }

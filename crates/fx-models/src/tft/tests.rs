@@ -368,9 +368,9 @@ fn panel_static_context_has_true_gradients_and_separates_instruments() {
         .params()
         .named_vars()
         .into_iter()
-        .filter(|(k, _)| k.starts_with("static_") || k == "enrich.context.weight")
+        .filter(|(k, _)| k.starts_with("static_") || k.ends_with(".context.weight"))
         .collect();
-    assert_eq!(statics.len(), 1 + 3 * 10 + 1, "{:?}", statics.iter().map(|s| &s.0).collect::<Vec<_>>());
+    assert_eq!(statics.len(), 1 + 4 * 10 + 3, "{:?}", statics.iter().map(|s| &s.0).collect::<Vec<_>>());
     let norm2: f64 =
         statics.iter().map(|(k, _)| g[k].sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64).sum();
     assert!(norm2 > 0.0);
