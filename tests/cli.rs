@@ -1704,9 +1704,9 @@ fn forecasters_train_on_a_panel_and_report_each_instrument() {
 /// A study trained as one population (`--population`, a member per fold and seed; DQN in
 /// waves of 3 and 1) is the study of runs one after another: on the CPU the same
 /// `study.json` and every run's `backtest.csv`, for DQN (on a panel of the three stocks)
-/// and PPO (synthetic); its run
-/// folders keep their final network and no checkpoint; a forecaster study and a population
-/// without a study are refused.
+/// and PPO (synthetic); its run folders keep their final network and no checkpoint, and
+/// `eval` of a member rescores that network to its report's backtest; a forecaster study
+/// and a population without a study are refused.
 #[test]
 fn a_population_study_is_the_study_of_its_runs() {
     let dir = tempfile::tempdir().unwrap();
@@ -1740,6 +1740,13 @@ fn a_population_study_is_the_study_of_its_runs() {
             assert!(bt(&pop) == bt(&one), "{model} {run}: backtests differ");
             assert!(pop.join(run).join("weights.safetensors").exists());
             assert!(!checkpoint(&pop.join(run), 64).exists(), "{model} {run}: a member has no checkpoint");
+        }
+        // eval of a member: its saved network on its fold, the report's backtest again.
+        let member = pop.join("fold1-seed1");
+        ok(&fx_train().args(["eval", "--checkpoint"]).arg(&member).output().unwrap());
+        let (ev, rep) = (json_file(&member.join("eval.json")), json_file(&member.join("report.json")));
+        for k in ["agent", "buy_and_hold", "random", "env_steps", "test_rows"] {
+            assert_eq!(ev[k], rep[k], "{model}: eval.json's {k}");
         }
         let again = ok(&resume(&pop));
         assert!(!again.contains("population of"), "nothing left to train: {again}");

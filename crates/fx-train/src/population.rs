@@ -33,6 +33,33 @@ pub fn ppo_member_policy(pop: &PpoPopulation, k: usize) -> Result<CpuPolicy> {
     Ok(ppo_member_net(pop, k)?.cpu_policy()?)
 }
 
+/// A member's greedy action of an observation.
+pub type Greedy = dyn Fn(&[f32]) -> Result<u32>;
+
+/// The greedy action of one observation through `actions` (a CPU network's batch of one),
+/// as a run's `Agent::greedy_action` takes it.
+pub fn greedy(obs: &[f32], actions: impl Fn(&candle_core::Tensor) -> Result<candle_core::Tensor>) -> Result<u32> {
+    let x = candle_core::Tensor::from_slice(obs, (1, obs.len()), &Device::Cpu)?;
+    Ok(actions(&x)?.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?[0])
+}
+
+/// The greedy action function of a population member's saved network (`weights`, spec
+/// names) for `cfg`'s model.
+pub fn saved_member_greedy(cfg: &crate::config::RunConfig, weights: &std::path::Path) -> Result<Box<Greedy>> {
+    Ok(match cfg.model {
+        crate::config::ModelChoice::Ppo => {
+            let net = ActorCritic::new(cfg.ppo.net, &Device::Cpu, cfg.ppo.seed)?;
+            net.params().load(weights)?;
+            Box::new(move |obs: &[f32]| greedy(obs, |x| Ok(net.greedy_actions(x)?)))
+        }
+        _ => {
+            let net = DuelingDqn::new(cfg.dqn.net, &Device::Cpu, cfg.dqn.seed)?;
+            net.params().load(weights)?;
+            Box::new(move |obs: &[f32]| greedy(obs, |x| Ok(net.greedy_actions(x)?)))
+        }
+    })
+}
+
 /// A member's parameters by spec name, on the CPU.
 fn on_cpu(store: fx_models::ParamStore) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
     let mut map = std::collections::HashMap::new();

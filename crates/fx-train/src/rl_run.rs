@@ -273,6 +273,22 @@ pub fn eval(run: &std::path::Path) -> Result<()> {
         return crate::seq_run::eval(&dir, cfg);
     }
     let Some(c) = dir.latest_checkpoint()? else {
+        // A population study's member: its final network, its fold's data as it trained on.
+        let weights = dir.path(crate::study::MEMBER_WEIGHTS);
+        if weights.exists() {
+            let data = Dataset::load(&cfg, None)?;
+            let greedy = crate::population::saved_member_greedy(&cfg, &weights)?;
+            // The env steps its report counted (a PPO member's whole rollouts may pass `steps`).
+            let report: Option<serde_json::Value> =
+                fx_data::files::read_regular_to_string(&dir.path("report.json"), fx_data::files::MAX_TEXT_BYTES)
+                    .ok()
+                    .and_then(|t| serde_json::from_str(&t).ok());
+            let steps = report.and_then(|r| r["env_steps"].as_u64()).unwrap_or(cfg.steps);
+            let rep = report::evaluate_policy(&cfg, &data, steps, |obs| greedy(obs))?;
+            report::write(&dir, "eval.json", &cfg, &data, &rep, None, false)?;
+            report::print(&rep, None, &dir);
+            return Ok(());
+        }
         bail!("{} holds no checkpoint yet", run.display());
     };
     c.check_model(cfg.model, "config.toml says")?;

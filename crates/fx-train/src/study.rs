@@ -313,7 +313,7 @@ fn train_wave(
     let (n, first) = (runs.len(), &runs[0].0);
     let t0 = std::time::Instant::now();
     // Each member's CPU network: its greedy actions as a run's `Agent::greedy_action` takes them.
-    let (nets, env_steps): (Vec<Box<Greedy>>, u64) = match model {
+    let (nets, env_steps): (Vec<Box<crate::population::Greedy>>, u64) = match model {
         ModelChoice::Dqn => {
             let members = runs.iter().map(|(c, _)| c.dqn.clone()).collect();
             let mut pop = fx_models::DqnPopulation::new(members, device).context("building the study's population")?;
@@ -327,7 +327,8 @@ fn train_wave(
                 .map(|k| {
                     let net = crate::population::dqn_member_net(&pop, k)?;
                     net.params().save(&dirs[k].path(MEMBER_WEIGHTS))?;
-                    Ok(Box::new(move |obs: &[f32]| greedy(obs, |x| Ok(net.greedy_actions(x)?))) as Box<Greedy>)
+                    Ok(Box::new(move |obs: &[f32]| crate::population::greedy(obs, |x| Ok(net.greedy_actions(x)?)))
+                        as Box<crate::population::Greedy>)
                 })
                 .collect::<Result<_>>()?;
             (nets, first.steps)
@@ -347,7 +348,8 @@ fn train_wave(
                 .map(|k| {
                     let net = crate::population::ppo_member_net(&pop, k)?;
                     net.params().save(&dirs[k].path(MEMBER_WEIGHTS))?;
-                    Ok(Box::new(move |obs: &[f32]| greedy(obs, |x| Ok(net.greedy_actions(x)?))) as Box<Greedy>)
+                    Ok(Box::new(move |obs: &[f32]| crate::population::greedy(obs, |x| Ok(net.greedy_actions(x)?)))
+                        as Box<crate::population::Greedy>)
                 })
                 .collect::<Result<_>>()?;
             (nets, env_steps)
@@ -365,18 +367,9 @@ fn train_wave(
     Ok(Outcome::Finished)
 }
 
-/// A member's greedy action of an observation.
-type Greedy = dyn Fn(&[f32]) -> Result<u32>;
-
 /// The members' environments as the populations step them.
 fn refs(envs: &mut [crate::train_env::TrainEnv]) -> Vec<&mut dyn fx_kernels::VecEnv> {
     envs.iter_mut().map(|e| e.as_vec_env()).collect()
-}
-
-/// The greedy action of one observation through `actions` (a network's batch of one).
-fn greedy(obs: &[f32], actions: impl Fn(&candle_core::Tensor) -> Result<candle_core::Tensor>) -> Result<u32> {
-    let x = candle_core::Tensor::from_slice(obs, (1, obs.len()), &candle_core::Device::Cpu)?;
-    Ok(actions(&x)?.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?[0])
 }
 
 fn read_json(path: &Path) -> Result<Value> {
