@@ -36,8 +36,8 @@
 //! normalisers, its own accounts, replay or rollout and seed; member k is run k trained
 //! alone (on the CPU the same weights and backtests), so `study.json` is the same. A
 //! member's folder holds what the statistics read (`config.toml`, `report.json`,
-//! `backtest.csv`, the plots) and its final network (`weights.safetensors`), not a
-//! checkpoint: the populations train in waves the device holds, and a stopped wave is
+//! `backtest.csv`, the plots) and its final network (`weights.safetensors`, which `eval`
+//! rescores), not a checkpoint: the populations train in waves the device holds, and a stopped wave is
 //! trained again from its start on `--resume`.
 
 use std::path::{Path, PathBuf};
