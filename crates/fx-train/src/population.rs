@@ -60,6 +60,31 @@ pub fn saved_member_greedy(cfg: &crate::config::RunConfig, weights: &std::path::
     })
 }
 
+/// How many members like `member` (a DQN or PPO run config) one population holds on its
+/// device, at most `runs`: `fx_hw`'s budget from the device's free memory and the member's
+/// estimated memory (`DqnPopulation::member_bytes`, `PpoPopulation::member_bytes`), capped
+/// by `members` (a sweep file's key) or `FX_POPULATION`. A sweep's and a population study's
+/// waves are cut by it.
+pub fn wave_size(
+    member: &crate::config::RunConfig,
+    members: Option<usize>,
+    runs: usize,
+) -> Result<fx_hw::Sourced<usize>> {
+    let (kind, bytes) = match member.model {
+        crate::config::ModelChoice::Ppo => {
+            (fx_hw::ModelKind::Ppo, PpoPopulation::member_bytes(&member.ppo, member.env.num_envs))
+        }
+        _ => (fx_hw::ModelKind::Dqn, DqnPopulation::member_bytes(&member.dqn)),
+    };
+    let mut overrides = fx_hw::Overrides::default().try_with_device(&member.device)?;
+    if let Some(m) = members {
+        overrides = overrides.with_population(m);
+    }
+    let env = fx_hw::Overrides::from_env()?;
+    overrides = overrides.layered(fx_hw::Overrides { population: env.population, ..Default::default() });
+    Ok(fx_hw::HardwareBudget::detect_with(&overrides).population_size(kind, bytes, runs))
+}
+
 /// A member's parameters by spec name, on the CPU.
 fn on_cpu(store: fx_models::ParamStore) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
     let mut map = std::collections::HashMap::new();

@@ -263,16 +263,7 @@ fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> R
             data[*f] = Some((d, rows));
         }
     }
-    let (kind, bytes) = match cfg.model {
-        ModelChoice::Ppo => {
-            (fx_hw::ModelKind::Ppo, fx_models::PpoPopulation::member_bytes(&first.ppo, first.env.num_envs))
-        }
-        _ => (fx_hw::ModelKind::Dqn, fx_models::DqnPopulation::member_bytes(&first.dqn)),
-    };
-    let mut overrides = fx_hw::Overrides::default().try_with_device(&first.device)?;
-    let env = fx_hw::Overrides::from_env()?;
-    overrides = overrides.layered(fx_hw::Overrides { population: env.population, ..Default::default() });
-    let size = fx_hw::HardwareBudget::detect_with(&overrides).population_size(kind, bytes, runs.len());
+    let size = crate::population::wave_size(first, None, runs.len())?;
     println!(
         "population of {} runs on {} in waves of at most {} ({}): every unfinished (fold, seed) trained together",
         runs.len(),
@@ -312,8 +303,8 @@ fn train_wave(
     }
     let (n, first) = (runs.len(), &runs[0].0);
     let t0 = std::time::Instant::now();
-    // Each member's CPU network: its greedy actions as a run's `Agent::greedy_action` takes them.
-    let (nets, env_steps): (Vec<Box<crate::population::Greedy>>, u64) = match model {
+    // Each member's final network into its folder (spec names), as `eval` reads it back.
+    let env_steps = match model {
         ModelChoice::Dqn => {
             let members = runs.iter().map(|(c, _)| c.dqn.clone()).collect();
             let mut pop = fx_models::DqnPopulation::new(members, device).context("building the study's population")?;
@@ -323,15 +314,10 @@ fn train_wave(
                 }
                 pop.step(&mut refs(&mut envs), step == first.steps)?;
             }
-            let nets = (0..n)
-                .map(|k| {
-                    let net = crate::population::dqn_member_net(&pop, k)?;
-                    net.params().save(&dirs[k].path(MEMBER_WEIGHTS))?;
-                    Ok(Box::new(move |obs: &[f32]| crate::population::greedy(obs, |x| Ok(net.greedy_actions(x)?)))
-                        as Box<crate::population::Greedy>)
-                })
-                .collect::<Result<_>>()?;
-            (nets, first.steps)
+            for (k, dir) in dirs.iter().enumerate() {
+                crate::population::dqn_member_net(&pop, k)?.params().save(&dir.path(MEMBER_WEIGHTS))?;
+            }
+            first.steps
         }
         ModelChoice::Ppo => {
             let members = runs.iter().map(|(c, _)| c.ppo.clone()).collect();
@@ -344,23 +330,20 @@ fn train_wave(
                 }
                 env_steps = pop.iterate(&mut refs(&mut envs))?[0].env_steps;
             }
-            let nets = (0..n)
-                .map(|k| {
-                    let net = crate::population::ppo_member_net(&pop, k)?;
-                    net.params().save(&dirs[k].path(MEMBER_WEIGHTS))?;
-                    Ok(Box::new(move |obs: &[f32]| crate::population::greedy(obs, |x| Ok(net.greedy_actions(x)?)))
-                        as Box<crate::population::Greedy>)
-                })
-                .collect::<Result<_>>()?;
-            (nets, env_steps)
+            for (k, dir) in dirs.iter().enumerate() {
+                crate::population::ppo_member_net(&pop, k)?.params().save(&dir.path(MEMBER_WEIGHTS))?;
+            }
+            env_steps
         }
         other => bail!("a {} study does not train as a population", other.as_str()),
     };
     device.synchronize()?;
     println!("population: {n} runs trained in {:.1} s", t0.elapsed().as_secs_f64());
-    for (k, ((c, f), dir)) in runs.iter().zip(&dirs).enumerate() {
+    for ((c, f), dir) in runs.iter().zip(&dirs) {
         let d = &fold_data(*f)?.0;
-        let rep = crate::report::evaluate_policy(c, d, env_steps, |obs| nets[k](obs))?;
+        // The saved network's greedy actions: what `eval` of the member scores too.
+        let greedy = crate::population::saved_member_greedy(c, &dir.path(MEMBER_WEIGHTS))?;
+        let rep = crate::report::evaluate_policy(c, d, env_steps, |obs| greedy(obs))?;
         // Last: a run with a report is finished.
         crate::report::write(dir, "report.json", c, d, &rep, None, true)?;
     }

@@ -189,19 +189,20 @@ impl SeqTask for Mamba2Task<'_> {
                 ),
             ));
         }
-        let mut x = SeqSeries::gather(&s.observed, s.n_observed, starts, 0, l);
-        if s.n_instruments > 0 {
+        let x = if s.n_instruments > 0 {
+            // Each step's features, then its window's one-hot row, gathered in one pass.
             let one_hot = s.instrument_one_hot(starts, self.window_len())?;
-            let n = s.n_instruments;
-            let mut with = Vec::with_capacity(b * l * n_x);
-            for (w, hot) in x.chunks(l * s.n_observed).zip(one_hot.chunks(n)) {
-                for row in w.chunks(s.n_observed) {
-                    with.extend_from_slice(row);
-                    with.extend_from_slice(hot);
+            let mut x = Vec::with_capacity(b * l * n_x);
+            for (&st, hot) in starts.iter().zip(one_hot.chunks(s.n_instruments)) {
+                for r in st..st + l {
+                    x.extend_from_slice(s.observed_row(r));
+                    x.extend_from_slice(hot);
                 }
             }
-            x = with;
-        }
+            x
+        } else {
+            SeqSeries::gather(&s.observed, s.n_observed, starts, 0, l)
+        };
         // Step t predicts the return from row t to t+1.
         let target = SeqSeries::gather(&s.target, 1, starts, 0, l);
         let mut last = Vec::with_capacity(b * l);

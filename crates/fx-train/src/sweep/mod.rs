@@ -84,7 +84,7 @@ use serde_json::json;
 use crate::config::{ModelChoice, RunConfig};
 use crate::dataset::Dataset;
 use crate::lifecycle::Outcome;
-use crate::population::{dqn_member_policy as member_policy, ppo_member_policy};
+use crate::population::{dqn_member_policy, ppo_member_policy};
 use crate::train_env::TrainEnv;
 pub use halving::HalvingConfig;
 pub use pbt::{PbtConfig, PbtEvent};
@@ -956,21 +956,12 @@ fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], selected: &[usize], members:
             None => groups.push((key, vec![i])),
         }
     }
-    let mut overrides = fx_hw::Overrides::default().try_with_device(&base.device)?;
-    if let Some(m) = members {
-        overrides = overrides.with_population(m);
-    }
-    let env = fx_hw::Overrides::from_env()?;
-    overrides = overrides.layered(fx_hw::Overrides { population: env.population, ..Default::default() });
-    let budget = fx_hw::HardwareBudget::detect_with(&overrides);
     let mut waves = Vec::new();
     for (_, g) in &groups {
         let c = &cfgs[g[0]];
-        let (kind, bytes) = match base.model {
-            ModelChoice::Ppo => (fx_hw::ModelKind::Ppo, PpoPopulation::member_bytes(&c.ppo, c.env.num_envs)),
-            _ => (fx_hw::ModelKind::Dqn, DqnPopulation::member_bytes(&c.dqn)),
-        };
-        let size = budget.population_size(kind, bytes, g.len());
+        // The trials' device is the base config's.
+        let size =
+            crate::population::wave_size(&RunConfig { device: base.device.clone(), ..c.clone() }, members, g.len())?;
         println!(
             "sweep: {} trial(s) of one shape in waves of at most {} member(s) ({})",
             g.len(),
@@ -1056,7 +1047,7 @@ fn train_population(
     let train_s = t0.elapsed().as_secs_f64();
     let mut summary = wave_summary(n, &device, base.steps, train_s, samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
-    let member = |k: usize| Ok((pop.online().member(k)?, member_policy(&pop, k)?));
+    let member = |k: usize| Ok((pop.online().member(k)?, dqn_member_policy(&pop, k)?));
     let mut rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
     for (row, ev) in rows.iter_mut().zip(events) {
         row.pbt = ev;
@@ -1381,7 +1372,7 @@ trait PbtMembers {
 
 impl PbtMembers for DqnPopulation {
     fn policy(&self, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
-        member_policy(self, k)
+        dqn_member_policy(self, k)
     }
     fn exploit(&mut self, dst: usize, src: usize) -> Result<()> {
         Ok(DqnPopulation::exploit(self, dst, src)?)
