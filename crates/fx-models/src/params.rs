@@ -256,6 +256,38 @@ impl ParamStore {
         Ok(())
     }
 
+    /// A population store cut down to the members `keep` (strictly increasing indices), in
+    /// that order: member `i` of the result is member `keep[i]` of this one, values copied
+    /// exactly (successive halving drops the stopped members). The variables are new
+    /// tensors, so a step captured over the old ones must be captured again.
+    pub fn retain_members(&mut self, keep: &[usize]) -> Result<()> {
+        const CTX: &str = "ParamStore::retain_members";
+        let n = match self.entries.first().map(|e| &e.names) {
+            Some(Names::Stacked { names, .. }) => names.len(),
+            _ => return Err(Error::config(CTX, format!("{} is not a population's store", self.model))),
+        };
+        fx_precision::check_kept_members(keep, n).map_err(|m| Error::config(CTX, m))?;
+        let idx = Tensor::from_vec(keep.iter().map(|&k| k as u32).collect(), keep.len(), &self.device).ctx(CTX)?;
+        let mut entries = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            let Names::Stacked { names, part_shape } = &e.names else {
+                return Err(Error::config(CTX, format!("{} holds a parameter that is not a population's", self.model)));
+            };
+            let names = keep
+                .iter()
+                .enumerate()
+                .map(|(i, &k)| {
+                    let plain = names[k].strip_prefix(&member_prefix(k)).unwrap_or(&names[k]);
+                    format!("{}{plain}", member_prefix(i))
+                })
+                .collect();
+            let var = e.var.as_tensor().index_select(&idx, 0).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
+            entries.push(Entry { var, names: Names::Stacked { names, part_shape: part_shape.clone() } });
+        }
+        self.entries = entries;
+        Ok(())
+    }
+
     /// The model's name (`"tft"`, `"mamba2"`), as error messages give it.
     pub fn model_name(&self) -> &'static str {
         self.model

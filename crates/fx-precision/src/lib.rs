@@ -87,7 +87,7 @@ pub use graph::CapturedGraph;
 pub use graph_mode::GraphMode;
 pub use guard::{missing_gradients, GuardStats, SkipReason, StepReport, StepTimes, TrainStep, GUARD_METADATA_KEY};
 pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
-pub use pop_adamw::{PopAdamW, PopMember, PopStepReport};
+pub use pop_adamw::{check_kept_members, PopAdamW, PopMember, PopStepReport};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};
 pub use recompute::{RecomputeTape, Recomputed, Segment};
 pub use tensor_file::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};

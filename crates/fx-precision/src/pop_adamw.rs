@@ -135,6 +135,19 @@ fn copy_row(t: &Tensor, dst: usize, src: usize) -> candle_core::Result<()> {
     Ok(())
 }
 
+/// Checks that `keep` names members of a population of `n` in strictly increasing order
+/// and is not empty (what a population may be cut down to, [`PopAdamW::retain_members`]);
+/// the message says what is wrong.
+pub fn check_kept_members(keep: &[usize], n: usize) -> std::result::Result<(), String> {
+    if keep.is_empty() {
+        return Err(format!("keeping no member of {n}: a population needs at least one"));
+    }
+    if keep.windows(2).any(|w| w[0] >= w[1]) || keep.iter().any(|&k| k >= n) {
+        return Err(format!("members to keep {keep:?} must be increasing indices below {n}"));
+    }
+    Ok(())
+}
+
 /// `1 − βᵗ` for t = 0.. until it is exactly 1.0 (f64, `powf` as the solo optimiser).
 fn bias_table(beta: f64) -> Result<Vec<f64>> {
     let mut v = Vec::new();
@@ -273,6 +286,45 @@ impl PopAdamW {
             copy_row(self.steps.as_tensor(), dst, src)
         })()
         .ctx(CTX)
+    }
+
+    /// The optimiser cut down to the members `keep` (strictly increasing), in that order:
+    /// their moments, step counts, skip counters, hyperparameters and last report copied
+    /// exactly, for the stacked parameters cut down the same way (successive halving). The
+    /// state is new tensors: a step captured over the old ones must be captured again.
+    pub fn retain_members(&mut self, keep: &[usize]) -> Result<()> {
+        check_kept_members(keep, self.members)
+            .map_err(|message| Error::Config { what: "PopAdamW::retain_members", message })?;
+        let dev = self.lr.device().clone();
+        let n = keep.len();
+        let idx = Tensor::from_vec(keep.iter().map(|&k| k as u32).collect(), n, &dev).ctx(CTX)?;
+        let pick = |t: &Tensor, dim: usize| t.index_select(&idx, dim);
+        let var = |t: &Tensor, dim: usize| pick(t, dim).and_then(|t| Var::from_tensor(&t));
+        (|| -> candle_core::Result<()> {
+            self.lr = var(self.lr.as_tensor(), 0)?;
+            self.decay = var(self.decay.as_tensor(), 0)?;
+            self.max_norm = var(self.max_norm.as_tensor(), 0)?;
+            if let Some(tau) = &self.tau {
+                self.tau = Some(var(tau.as_tensor(), 0)?);
+            }
+            self.bc1_last = pick(&self.bc1_last, 0)?;
+            self.bc2_last = pick(&self.bc2_last, 0)?;
+            for v in self.exp_avg.iter_mut().chain(self.exp_avg_sq.iter_mut()) {
+                *v = var(v.as_tensor(), 0)?;
+            }
+            self.steps = var(self.steps.as_tensor(), 0)?;
+            self.skipped_loss = var(self.skipped_loss.as_tensor(), 0)?;
+            self.skipped_grad = var(self.skipped_grad.as_tensor(), 0)?;
+            self.last = var(self.last.as_tensor(), 1)?;
+            #[cfg(feature = "cuda")]
+            if let Some((_, partials)) = &mut self.fused {
+                *partials = Tensor::zeros((n, partials.dim(1)?), DType::F32, &dev)?;
+            }
+            Ok(())
+        })()
+        .ctx(CTX)?;
+        self.members = n;
+        Ok(())
     }
 
     /// Member `k`'s moments `(exp_avg, exp_avg_sq)` in parameter order (copies).

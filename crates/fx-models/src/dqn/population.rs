@@ -413,6 +413,38 @@ impl DqnPopulation {
         self.opt.copy_member(dst, src).map_err(|e| Error::config(CTX, e.to_string()))
     }
 
+    /// The population cut down to the members `keep` (strictly increasing), in that order:
+    /// member `i` goes on as member `keep[i]` would have (weights, target, moments, counters,
+    /// settings and replay, exactly), so it stays its solo run (successive halving stops the
+    /// others). The caller drops the stopped members' environments the same way. On CUDA
+    /// the member-batched kernels and the captured update are rebuilt for the new size at
+    /// the next step.
+    pub fn retain_members(&mut self, keep: &[usize]) -> Result<()> {
+        fx_precision::check_kept_members(keep, self.len()).map_err(|m| Error::config(CTX, m))?;
+        self.online.retain_members(keep)?;
+        self.target.retain_members(keep)?;
+        self.opt.retain_members(keep).map_err(|e| Error::config(CTX, e.to_string()))?;
+        let idx =
+            Tensor::from_vec(keep.iter().map(|&k| k as u32).collect(), keep.len(), self.gamma.device()).ctx(CTX)?;
+        self.gamma = self.gamma.as_tensor().index_select(&idx, 0).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
+        let mut replays = std::mem::take(&mut self.replays).into_iter().map(Some).collect::<Vec<_>>();
+        self.replays = keep.iter().filter_map(|&k| replays[k].take()).collect();
+        self.members = keep.iter().map(|&k| self.members[k].clone()).collect();
+        #[cfg(feature = "cuda")]
+        {
+            self.graph = None;
+            self.capture_tried = false;
+            self.collect = None;
+            if self.pop_fused.is_some() {
+                let first = &self.members[0];
+                let (b, d, p) = (first.batch_size, first.huber_delta, first.precision);
+                let dev = self.gamma.device().clone();
+                self.pop_fused = Some(crate::dqn::pop_fused::DqnPopFused::new(&first.net, keep.len(), b, d, p, &dev)?);
+            }
+        }
+        Ok(())
+    }
+
     /// Each member's ε for the next environment step.
     pub fn epsilon(&self) -> Vec<f64> {
         self.members.iter().map(|m| m.epsilon.value(self.env_steps)).collect()
@@ -895,6 +927,59 @@ pub(crate) mod tests {
         run(&mut a, 5);
     }
 
+    /// Successive halving's cut: members 1, 3 and 4 of a population of 5, kept after 60 env
+    /// steps and trained 60 more, are bit for bit the population of those three trained for
+    /// 120 (weights, targets, moments, counters, replays, the last update's figures), which
+    /// is their solo runs (above). Bad cuts are refused and change nothing.
+    #[test]
+    fn retained_members_go_on_as_their_own_population() {
+        let run = |pop: &mut DqnPopulation, envs: &mut [fx_kernels::CpuTradingEnv], steps: usize| {
+            let mut last = None;
+            for _ in 0..steps {
+                let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+                last = Some(pop.step(&mut refs, true).unwrap());
+            }
+            last.unwrap()
+        };
+        let keep = [1usize, 3, 4];
+        let mut a = DqnPopulation::new((0..5).map(tiny).collect(), &Device::Cpu).unwrap();
+        let mut a_envs: Vec<_> = (0..5).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
+        run(&mut a, &mut a_envs, 60);
+        for bad in [&[][..], &[3, 1], &[1, 1], &[0, 5]] {
+            assert!(a.retain_members(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(a.len(), 5, "a refused cut changes nothing");
+        a.retain_members(&keep).unwrap();
+        let mut a_envs: Vec<_> =
+            a_envs.into_iter().enumerate().filter(|(k, _)| keep.contains(k)).map(|(_, e)| e).collect();
+        let la = run(&mut a, &mut a_envs, 60);
+        let mut b = DqnPopulation::new(keep.iter().map(|&k| tiny(k)).collect(), &Device::Cpu).unwrap();
+        let mut b_envs: Vec<_> = keep.iter().map(|&k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
+        let lb = run(&mut b, &mut b_envs, 120);
+        assert_eq!(la.epsilon, lb.epsilon);
+        assert_eq!(la.mean_reward, lb.mean_reward);
+        assert_eq!(a.last_update().unwrap(), b.last_update().unwrap());
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        assert!(a.counters().unwrap().0.iter().all(|&u| u > 50), "trained past the cut");
+        assert_eq!(a.members(), b.members());
+        for (x, y) in
+            a.online().vars().iter().chain(&a.target().vars()).zip(b.online().vars().iter().chain(&b.target().vars()))
+        {
+            same(x.as_tensor(), y.as_tensor(), "weights after the cut");
+        }
+        for k in 0..keep.len() {
+            let ((ma, va), (mb, vb)) = (a.moments(k).unwrap(), b.moments(k).unwrap());
+            for (x, y) in ma.iter().chain(&va).zip(mb.iter().chain(&vb)) {
+                same(x, y, &format!("member {k} moments"));
+            }
+            let (ra, rb) = (a.replay(k).unwrap().stored().unwrap(), b.replay(k).unwrap().stored().unwrap());
+            same(&ra.states, &rb.states, "replay states");
+            same(&ra.rewards, &rb.rewards, "replay rewards");
+            let names = |p: &DqnPopulation| p.online().member(k).unwrap().specs().to_vec();
+            assert_eq!(names(&a), names(&b), "member {k}'s spec names");
+        }
+    }
+
     fn random_batch(n: usize, b: usize, seed: u64) -> PopBatch {
         random_batch_of(n, b, 3, seed)
     }
@@ -1236,5 +1321,86 @@ pub(crate) mod tests {
             eprintln!("batched vs per-member online {i}: rel err {e:.2e}");
             assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
         }
+    }
+
+    /// On CUDA, successive halving's cut through the captured update and the batched
+    /// collection. Updates on fixed random batches: members 1 and 3 of 4, kept after 20
+    /// captured updates and updated 20 more (captured again at the new size), track the
+    /// population of those two updated on the same batches (the same kernels at another size:
+    /// within the fused kernels' F32 tolerance). Whole steps on GPU envs: after the cut the
+    /// batched collection and the captured update are rebuilt and the counters go on.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn retained_members_go_on_through_the_captured_update() {
+        let Some(dev) = fx_hw::test_gpu("dqn::population::retained_members_go_on_through_the_captured_update") else {
+            return;
+        };
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        eprintln!("retained_members_go_on_through_the_captured_update: seed {seed}");
+        let keep = [1usize, 3];
+        let idx = Tensor::new(&[1u32, 3], &Device::Cpu).unwrap();
+        let pick = |b: &PopBatch| {
+            let f = |t: &Tensor| t.index_select(&idx, 0).unwrap();
+            PopBatch {
+                obs: f(&b.obs),
+                actions: f(&b.actions),
+                rewards: f(&b.rewards),
+                next_obs: f(&b.next_obs),
+                dones: f(&b.dones),
+            }
+        };
+        let to = |b: &PopBatch| batch_on(b, &dev);
+        let mut a = DqnPopulation::new((0..4).map(tiny).collect(), &dev).unwrap();
+        let mut b = DqnPopulation::new(keep.iter().map(|&k| tiny(k)).collect(), &dev).unwrap();
+        a.capture_update(&to(&random_batch(4, 16, seed))).unwrap();
+        b.capture_update(&to(&pick(&random_batch(4, 16, seed)))).unwrap();
+        for step in 0..40u64 {
+            if step == 20 {
+                a.retain_members(&keep).unwrap();
+                assert!(!a.update_captured(), "a cut drops the old capture");
+                a.capture_update(&to(&pick(&random_batch(4, 16, seed)))).unwrap();
+            }
+            let batch = random_batch(4, 16, seed.wrapping_add(step + 1));
+            a.update(&to(&if step < 20 { batch.clone() } else { pick(&batch) })).unwrap();
+            b.update(&to(&pick(&batch))).unwrap();
+        }
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        for (i, (x, y)) in a
+            .online()
+            .vars()
+            .iter()
+            .chain(&a.target().vars())
+            .zip(b.online().vars().iter().chain(&b.target().vars()))
+            .enumerate()
+        {
+            let e = rel_err(x.as_tensor(), y.as_tensor());
+            eprintln!("cut vs fresh tensor {i}: rel err {e:.2e}");
+            assert!(e <= 1e-5, "tensor {i}: rel err {e} (seed {seed})");
+        }
+        // Whole steps: the fast paths before and after a cut.
+        let env = |k: usize| {
+            let c = ar1_env(4, 32, 400, 3 + k as u64);
+            let opts = fx_kernels::GpuEnvOptions::default();
+            fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
+        };
+        let run = |pop: &mut DqnPopulation, envs: &mut [fx_kernels::GpuTradingEnv], steps: usize| {
+            for _ in 0..steps {
+                let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+                pop.step(&mut refs, false).unwrap();
+            }
+        };
+        let mut c = DqnPopulation::new((0..4).map(tiny).collect(), &dev).unwrap();
+        let mut envs: Vec<_> = (0..4).map(env).collect();
+        run(&mut c, &mut envs, 60);
+        assert!(c.update_captured() && c.collect.is_some(), "the fast paths ran before the cut");
+        let before = c.counters().unwrap().0;
+        c.retain_members(&keep).unwrap();
+        assert!(!c.update_captured() && c.collect.is_none(), "rebuilt for the new size");
+        let mut envs: Vec<_> = envs.into_iter().enumerate().filter(|(k, _)| keep.contains(k)).map(|(_, e)| e).collect();
+        run(&mut c, &mut envs, 60);
+        assert!(c.update_captured() && c.collect.is_some(), "captured again after the cut");
+        let after = c.counters().unwrap().0;
+        assert!(after.len() == 2 && after[0] > before[1] && after[1] > before[3], "{before:?} -> {after:?}");
     }
 }

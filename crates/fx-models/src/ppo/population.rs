@@ -66,6 +66,40 @@ struct Coefs {
     ent: Tensor,
 }
 
+impl Coefs {
+    /// The members' loss coefficients as the batched loss reads them.
+    fn of(members: &[PpoConfig], device: &Device) -> Result<Self> {
+        let n = members.len();
+        let col = |f: &dyn Fn(&PpoConfig) -> f64| {
+            Tensor::from_vec(members.iter().map(|m| f(m) as f32).collect::<Vec<f32>>(), (n, 1), device).ctx(CTX)
+        };
+        let row = |f: &dyn Fn(&PpoConfig) -> f64| {
+            Tensor::from_vec(members.iter().map(|m| f(m) as f32).collect::<Vec<f32>>(), n, device).ctx(CTX)
+        };
+        Ok(Self {
+            lo: col(&|m| 1.0 - m.loss.clip)?,
+            hi: col(&|m| 1.0 + m.loss.clip)?,
+            clip: col(&|m| m.loss.clip)?,
+            vf: row(&|m| m.loss.vf_coef)?,
+            ent: row(&|m| m.loss.ent_coef)?,
+        })
+    }
+}
+
+/// On a CUDA device, for networks its kernels cover: the member-batched loss and gradients
+/// of `members` (their coefficients on the device).
+#[cfg(feature = "cuda")]
+fn fused_for(members: &[PpoConfig], device: &Device) -> Result<Option<crate::ppo::pop_fused::PpoPopFused>> {
+    let first = &members[0];
+    if !device.is_cuda() || !crate::ppo::pop_fused::PpoPopFused::supports(&first.net) {
+        return Ok(None);
+    }
+    let c: Vec<[f32; 3]> =
+        members.iter().map(|m| [m.loss.clip as f32, m.loss.vf_coef as f32, m.loss.ent_coef as f32]).collect();
+    let (b, eps, p) = (first.minibatch_size, first.loss.adv_eps, first.precision);
+    Ok(Some(crate::ppo::pop_fused::PpoPopFused::new(&first.net, &c, b, eps, p, device)?))
+}
+
 /// N PPO learners updated as one; see the module docs.
 pub struct PpoPopulation {
     members: Vec<PpoConfig>,
@@ -215,19 +249,7 @@ impl PpoPopulation {
         let n = members.len();
         let seeds: Vec<u64> = members.iter().map(|m| m.seed).collect();
         let params = ParamStore::linear_init_population("ppo", first.net.param_specs(), device, &seeds)?;
-        let col = |f: &dyn Fn(&PpoConfig) -> f64| {
-            Tensor::from_vec(members.iter().map(|m| f(m) as f32).collect::<Vec<f32>>(), (n, 1), device).ctx(CTX)
-        };
-        let row = |f: &dyn Fn(&PpoConfig) -> f64| {
-            Tensor::from_vec(members.iter().map(|m| f(m) as f32).collect::<Vec<f32>>(), n, device).ctx(CTX)
-        };
-        let coefs = Coefs {
-            lo: col(&|m| 1.0 - m.loss.clip)?,
-            hi: col(&|m| 1.0 + m.loss.clip)?,
-            clip: col(&|m| m.loss.clip)?,
-            vf: row(&|m| m.loss.vf_coef)?,
-            ent: row(&|m| m.loss.ent_coef)?,
-        };
+        let coefs = Coefs::of(&members, device)?;
         let per: Vec<PopMember> = members
             .iter()
             .map(|m| PopMember { lr: m.optimizer.lr, weight_decay: 0.0, max_grad_norm: m.max_grad_norm, tau: 0.0 })
@@ -237,14 +259,7 @@ impl PpoPopulation {
             .map_err(|e| Error::config(CTX, e.to_string()))?;
         let diag = Tensor::zeros((5, n), DType::F32, device).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
         #[cfg(feature = "cuda")]
-        let fused = if device.is_cuda() && crate::ppo::pop_fused::PpoPopFused::supports(&first.net) {
-            let c: Vec<[f32; 3]> =
-                members.iter().map(|m| [m.loss.clip as f32, m.loss.vf_coef as f32, m.loss.ent_coef as f32]).collect();
-            let (b, eps, p) = (first.minibatch_size, first.loss.adv_eps, first.precision);
-            Some(crate::ppo::pop_fused::PpoPopFused::new(&first.net, &c, b, eps, p, device)?)
-        } else {
-            None
-        };
+        let fused = fused_for(&members, device)?;
         let rollouts =
             (0..n).map(|_| Rollout::new(first.num_steps, num_envs, device).ctx(CTX)).collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -349,6 +364,30 @@ impl PpoPopulation {
         }
         self.params.copy_member(dst, src)?;
         self.opt.copy_member(dst, src).map_err(|e| Error::config(CTX, e.to_string()))
+    }
+
+    /// The population cut down to the members `keep` (strictly increasing), in that order:
+    /// member `i` goes on as member `keep[i]` would have (weights, moments, counters,
+    /// settings and rollout storage, exactly), so it stays its solo run (successive halving
+    /// stops the others). The caller drops the stopped members' environments the same way.
+    /// On CUDA the member-batched loss and the captured update are rebuilt for the new size.
+    pub fn retain_members(&mut self, keep: &[usize]) -> Result<()> {
+        fx_precision::check_kept_members(keep, self.len()).map_err(|m| Error::config(CTX, m))?;
+        let device = self.params.device().clone();
+        self.params.retain_members(keep)?;
+        self.opt.retain_members(keep).map_err(|e| Error::config(CTX, e.to_string()))?;
+        let idx = Tensor::from_vec(keep.iter().map(|&k| k as u32).collect(), keep.len(), &device).ctx(CTX)?;
+        self.diag = self.diag.as_tensor().index_select(&idx, 1).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?;
+        let mut rollouts = std::mem::take(&mut self.rollouts).into_iter().map(Some).collect::<Vec<_>>();
+        self.rollouts = keep.iter().filter_map(|&k| rollouts[k].take()).collect();
+        self.members = keep.iter().map(|&k| self.members[k].clone()).collect();
+        self.coefs = Coefs::of(&self.members, &device)?;
+        #[cfg(feature = "cuda")]
+        {
+            self.graph = None;
+            self.fused = fused_for(&self.members, &device)?;
+        }
+        Ok(())
     }
 
     /// The stacked actor-critics (`[N, ...]` per parameter, actor then critic).
@@ -714,6 +753,62 @@ mod tests {
                     a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                     b.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                     "member {k} tensor {i} after 40 updates"
+                );
+            }
+        }
+    }
+
+    /// Successive halving's cut: members 0 and 2 of a population of 3, kept after 2
+    /// iterations and trained 2 more, are bit for bit the population of those two trained
+    /// for 4 (iteration statistics, weights, moments, counters), which is their solo
+    /// learners (below). A bad cut is refused.
+    #[test]
+    fn retained_members_go_on_as_their_own_population() {
+        let cfgs: Vec<PpoConfig> = (0..3)
+            .map(|k| {
+                let mut c = member(k);
+                (c.num_steps, c.epochs, c.minibatch_size) = (8, 2, 12);
+                c.gae.gamma = 0.9 + 0.04 * k as f64;
+                c
+            })
+            .collect();
+        let env = |k: usize| crate::synthetic::ar1_env(4, 16, 300, 30 + k as u64);
+        let run = |pop: &mut PpoPopulation, envs: &mut [fx_kernels::CpuTradingEnv], iterations: usize| {
+            let mut last = Vec::new();
+            for _ in 0..iterations {
+                let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+                last = pop.iterate(&mut refs).unwrap();
+            }
+            last
+        };
+        let keep = [0usize, 2];
+        let mut a = PpoPopulation::new(cfgs.clone(), 4, &Device::Cpu).unwrap();
+        let mut a_envs: Vec<_> = (0..3).map(env).collect();
+        run(&mut a, &mut a_envs, 2);
+        assert!(a.retain_members(&[2, 0]).is_err());
+        a.retain_members(&keep).unwrap();
+        let mut a_envs: Vec<_> =
+            a_envs.into_iter().enumerate().filter(|(k, _)| keep.contains(k)).map(|(_, e)| e).collect();
+        let sa = run(&mut a, &mut a_envs, 2);
+        let mut b = PpoPopulation::new(keep.iter().map(|&k| cfgs[k].clone()).collect(), 4, &Device::Cpu).unwrap();
+        let mut b_envs: Vec<_> = keep.iter().map(|&k| env(k)).collect();
+        let sb = run(&mut b, &mut b_envs, 4);
+        assert_eq!(sa, sb, "the last iteration's statistics");
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        for (i, (x, y)) in a.params().vars().iter().zip(b.params().vars()).enumerate() {
+            assert_eq!(
+                x.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                y.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                "tensor {i}"
+            );
+        }
+        for k in 0..2 {
+            let ((ma, va), (mb, vb)) = (a.moments(k).unwrap(), b.moments(k).unwrap());
+            for (x, y) in ma.iter().chain(&va).zip(mb.iter().chain(&vb)) {
+                assert_eq!(
+                    x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    "member {k} moments"
                 );
             }
         }

@@ -1,15 +1,22 @@
-//! Successive halving for forecaster sweeps (`[halving]`): every trial trains to the first
-//! rung's epochs; the best `1/eta` of them by validation loss (the best epoch's so far)
-//! go on to `eta` times as many epochs, and so on, until the run's `seq.epochs`; the others
-//! stop where they are. This is the synchronous form of ASHA (Li et al., 2020): its
-//! asynchrony keeps parallel workers busy, and forecaster trials run one after another,
-//! so there is no idle worker to fill and the synchronous rule's decisions (each rung
-//! ranks every trial that reached it) are the ones kept. Deterministic: a rung's decision
-//! depends on the trials' losses at that rung alone, so a restarted sweep makes the same
-//! decisions from its trials' folders.
+//! Successive halving (`[halving]`): every trial trains to the first rung; the best `1/eta`
+//! of them by the validation metric go on to `eta` times as long, and so on, until the run's
+//! length; the others stop where they are. This is the synchronous form of ASHA (Li et al.,
+//! 2020): its asynchrony keeps parallel workers busy, and here there is no idle worker to
+//! fill (forecaster trials run one after another; DQN and PPO trials train as one
+//! population, whose members share one step counter, so a stopped member's slot cannot take
+//! a new trial at step 0 while the others go on: the population shrinks instead and its
+//! steps get cheaper). The synchronous rule's decisions (each rung ranks every trial that
+//! reached it) are the ones kept. Deterministic: a rung's decision depends on the trials'
+//! metrics at that rung alone, so a restarted sweep makes the same decisions.
 //!
-//! Each trial keeps the run's full schedule (its learning rate decays over `seq.epochs`):
-//! stopping at a rung pauses it, it is not a shorter run.
+//! - Forecasters (TFT, MAMBA-2): rungs of epochs from `min_epochs` (default 1), ranked by
+//!   the best validation loss so far; each trial keeps the run's full schedule (its learning
+//!   rate decays over `seq.epochs`): stopping at a rung pauses it, it is not a shorter run.
+//! - DQN and PPO: rungs of env steps from `min_steps` (default the run's steps / eta², at
+//!   least 1), ranked by each member's greedy validation Sharpe at the rung; the kept members
+//!   go on exactly as they were (`DqnPopulation::retain_members`), so a member that reaches
+//!   the end is its solo run. Within each population: a sweep with more trials than one
+//!   population holds halves each wave among itself.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -18,17 +25,17 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HalvingConfig {
-    /// Epochs of the first rung.
-    #[serde(default = "one")]
-    pub min_epochs: usize,
+    /// Epochs of a forecaster sweep's first rung (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_epochs: Option<usize>,
+    /// Env steps of a DQN / PPO sweep's first rung (default the run's steps / eta², at
+    /// least 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_steps: Option<u64>,
     /// Each rung keeps the best `1/eta` (rounded up) of the trials that reached it and
-    /// trains them to `eta` times the epochs.
+    /// trains them to `eta` times as long.
     #[serde(default = "three")]
     pub eta: usize,
-}
-
-fn one() -> usize {
-    1
 }
 
 fn three() -> usize {
@@ -37,29 +44,58 @@ fn three() -> usize {
 
 impl Default for HalvingConfig {
     fn default() -> Self {
-        Self { min_epochs: one(), eta: three() }
+        Self { min_epochs: None, min_steps: None, eta: three() }
     }
 }
 
 impl HalvingConfig {
-    /// The rungs, in epochs, of trials of `epochs` epochs: `min_epochs`, `min_epochs·eta`,
-    /// … while below `epochs`, then `epochs`. Refused in one line when it cannot halve.
+    /// A forecaster sweep's rungs, in epochs, of trials of `epochs` epochs: `min_epochs`,
+    /// `min_epochs·eta`, … while below `epochs`, then `epochs`. Refused in one line when it
+    /// cannot halve or `min_steps` (a DQN / PPO key) is set.
     pub fn rungs(&self, epochs: usize) -> Result<Vec<usize>> {
+        if let Some(s) = self.min_steps {
+            bail!("[halving] min_steps = {s} is for DQN and PPO sweeps; a forecaster sweep's rungs are min_epochs");
+        }
+        let min = self.min_epochs.unwrap_or(1);
+        if min == 0 || min >= epochs {
+            bail!("[halving] min_epochs = {min} must be at least 1 and below seq.epochs = {epochs}");
+        }
+        Ok(rungs_from(min as u64, self.check_eta()?, epochs as u64).into_iter().map(|r| r as usize).collect())
+    }
+
+    /// A DQN / PPO sweep's rungs, in env steps, of runs of `steps` env steps: `min_steps`
+    /// (default `steps / eta²`, at least 1), `min_steps·eta`, … while below `steps`, then
+    /// `steps`. Refused in one line when it cannot halve or `min_epochs` is set.
+    pub fn step_rungs(&self, steps: u64) -> Result<Vec<u64>> {
+        if let Some(e) = self.min_epochs {
+            bail!("[halving] min_epochs = {e} is for forecaster sweeps; a DQN / PPO sweep's rungs are min_steps");
+        }
+        let eta = self.check_eta()?;
+        let min = self.min_steps.unwrap_or_else(|| (steps / (eta as u64).saturating_mul(eta as u64)).max(1));
+        if min == 0 || min >= steps {
+            bail!("[halving] min_steps = {min} must be at least 1 and below the run's steps = {steps}");
+        }
+        Ok(rungs_from(min, eta, steps))
+    }
+
+    fn check_eta(&self) -> Result<usize> {
         if self.eta < 2 {
             bail!("[halving] eta = {} must be at least 2", self.eta);
         }
-        if self.min_epochs == 0 || self.min_epochs >= epochs {
-            bail!("[halving] min_epochs = {} must be at least 1 and below seq.epochs = {epochs}", self.min_epochs);
-        }
-        let mut rungs = Vec::new();
-        let mut r = self.min_epochs;
-        while r < epochs {
-            rungs.push(r);
-            r = r.saturating_mul(self.eta);
-        }
-        rungs.push(epochs);
-        Ok(rungs)
+        Ok(self.eta)
     }
+}
+
+/// `min`, `min·eta`, … while below `end`, then `end`.
+fn rungs_from(min: u64, eta: usize, end: u64) -> Vec<u64> {
+    let mut rungs = Vec::new();
+    let mut r = min;
+    while r < end {
+        rungs.push(r);
+        r = r.saturating_mul(eta as u64);
+    }
+    rungs.push(end);
+    rungs
 }
 
 /// The trials that go on from a rung: of `trials` with their losses at the rung, the best
@@ -81,7 +117,7 @@ mod tests {
 
     #[test]
     fn rungs_multiply_by_eta_and_end_at_the_run_length() {
-        let h = |min_epochs, eta| HalvingConfig { min_epochs, eta };
+        let h = |min_epochs, eta| HalvingConfig { min_epochs: Some(min_epochs), min_steps: None, eta };
         assert_eq!(h(1, 3).rungs(20).unwrap(), [1, 3, 9, 20]);
         assert_eq!(h(2, 2).rungs(8).unwrap(), [2, 4, 8]);
         assert_eq!(h(1, 2).rungs(5).unwrap(), [1, 2, 4, 5]);
@@ -90,6 +126,19 @@ mod tests {
             let e = bad.rungs(epochs).unwrap_err().to_string();
             assert!(e.starts_with("[halving]") && !e.contains('\n'), "{e}");
         }
+        assert_eq!(HalvingConfig::default().rungs(4).unwrap(), [1, 3, 4], "min_epochs defaults to 1");
+        let steps = |min_steps, eta| HalvingConfig { min_epochs: None, min_steps, eta };
+        assert_eq!(steps(Some(100), 3).step_rungs(2000).unwrap(), [100, 300, 900, 2000]);
+        assert_eq!(steps(None, 3).step_rungs(2000).unwrap(), [222, 666, 1998, 2000], "steps / eta² first");
+        assert_eq!(steps(None, 4).step_rungs(10).unwrap(), [1, 4, 10], "at least 1");
+        for (bad, n) in [(steps(Some(0), 3), 10), (steps(Some(10), 3), 10), (steps(None, 1), 10), (steps(None, 3), 1)] {
+            let e = bad.step_rungs(n).unwrap_err().to_string();
+            assert!(e.starts_with("[halving]") && !e.contains('\n'), "{e}");
+        }
+        let e = HalvingConfig { min_epochs: Some(2), ..Default::default() }.step_rungs(100).unwrap_err().to_string();
+        assert!(e.contains("min_epochs") && e.contains("forecaster"), "{e}");
+        let e = steps(Some(5), 3).rungs(9).unwrap_err().to_string();
+        assert!(e.contains("min_steps") && e.contains("DQN"), "{e}");
     }
 
     /// Hand-computed: 7 trials, eta 3 → the best ceil(7/3) = 3, NaN last, ties by index.

@@ -26,9 +26,11 @@
 //! fused steps are one model's captured graph; member-batched attention, variable selection
 //! and scans are not built.
 //!
-//! `[halving]` ([`halving`]) stops the worse forecaster trials at rungs of epochs
-//! (successive halving; each trial paused with its full schedule, [`halve`]); a trial
-//! whose training goes non-finite is recorded as diverged and the sweep goes on.
+//! `[halving]` ([`halving`]) stops the worse trials at rungs: forecaster trials at rungs of
+//! epochs (each paused with its full schedule, [`halve`]; a trial whose training goes
+//! non-finite is recorded as diverged and the sweep goes on), DQN and PPO trials at rungs of
+//! env steps, where the population drops its stopped members and goes on smaller
+//! ([`PopHalving`]; within each wave).
 //!
 //! `sampler = "tpe"` with `[tpe]` (`startup`, default 16; `batch`, default `startup`;
 //! `explore`, default 0.2) runs the trials in rounds ([`tpe`]): the first `startup` on Sobol
@@ -166,7 +168,7 @@ pub struct SweepConfig {
     /// The TPE sampler's rounds (`sampler = "tpe"`; none: its defaults).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpe: Option<TpeConfig>,
-    /// Successive halving of forecaster trials ([`halving`]; none: every trial trains to
+    /// Successive halving of the trials ([`halving`]; none: every trial trains to
     /// the end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub halving: Option<HalvingConfig>,
@@ -207,6 +209,22 @@ pub struct TrialRow {
     /// started; its last event's are the settings it ended with).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pbt: Vec<PbtEvent>,
+    /// A DQN / PPO trial's env steps trained when successive halving stopped it (`status` =
+    /// `stopped`; its `val_*` fields are its greedy policy's at that rung).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env_steps: Option<u64>,
+    /// Under successive halving of DQN / PPO trials, the validation Sharpe at each rung the
+    /// trial reached before the end (the metric the rung ranked).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rungs: Vec<RungScore>,
+}
+
+/// A DQN / PPO trial's validation Sharpe at a rung of successive halving.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RungScore {
+    pub env_step: u64,
+    #[serde(with = "nan_as_null")]
+    pub val_sharpe: f64,
 }
 
 /// A float as JSON: a number, or `null` for NaN and infinities (read back as NaN), so a
@@ -363,22 +381,31 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         _ => None,
     };
     if let Some(h) = &spec.halving {
-        // Refused before the sweep's folder is made.
-        if !base.model.is_sequence() || shard.is_some() || plan.is_some() {
-            bail!(
-                "sweep file {}: [halving] stops forecaster (TFT, MAMBA-2) trials at rungs; it is not for {} sweeps, shards or [pbt]",
-                config.display(),
-                base.model.as_str()
-            );
+        // Refused before the sweep's folder is made. Shards would halve among their own
+        // trials (another leaderboard than the whole sweep's); PBT already moves the worst.
+        if shard.is_some() || plan.is_some() {
+            bail!("sweep file {}: [halving] ranks every trial of a population at each rung; it is not for shards or [pbt]", config.display());
         }
-        h.rungs(base.seq.epochs).with_context(|| format!("sweep file {}", config.display()))?;
-        if let Some((t, c)) = cfgs.iter().enumerate().find(|(_, c)| c.seq.epochs != base.seq.epochs) {
-            bail!(
-                "sweep file {}: [halving] needs one seq.epochs for every trial (the rungs); trial {t} has {}, [run] {}",
-                config.display(),
-                c.seq.epochs,
-                base.seq.epochs
-            );
+        if !base.model.is_sequence() {
+            h.step_rungs(base.steps).with_context(|| format!("sweep file {}", config.display()))?;
+            if let Some((t, c)) = cfgs.iter().enumerate().find(|(_, c)| c.steps != base.steps) {
+                bail!(
+                    "sweep file {}: [halving] needs one steps for every trial (the rungs); trial {t} has {}, [run] {}",
+                    config.display(),
+                    c.steps,
+                    base.steps
+                );
+            }
+        } else {
+            h.rungs(base.seq.epochs).with_context(|| format!("sweep file {}", config.display()))?;
+            if let Some((t, c)) = cfgs.iter().enumerate().find(|(_, c)| c.seq.epochs != base.seq.epochs) {
+                bail!(
+                    "sweep file {}: [halving] needs one seq.epochs for every trial (the rungs); trial {t} has {}, [run] {}",
+                    config.display(),
+                    c.seq.epochs,
+                    base.seq.epochs
+                );
+            }
         }
     }
     let mine = |t: usize| shard.is_none_or(|(i, n)| t % n == i);
@@ -416,7 +443,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     if let Some((i, n)) = shard {
         println!("sweep shard {i}/{n}: {} of the {} trials", selected.len(), cfgs.len());
     }
-    if let Some(h) = &spec.halving {
+    if let Some(h) = spec.halving.as_ref().filter(|_| base.model.is_sequence()) {
         let rows = if selected.iter().all(|t| done.contains_key(t)) {
             println!(
                 "sweep {}: all {} trials done already; leaderboard from trials.jsonl",
@@ -433,7 +460,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
             rows
         };
         let extra = json!({"populations": [], "shard": null,
-            "halving": {"min_epochs": h.min_epochs, "eta": h.eta, "rungs": h.rungs(base.seq.epochs)?}});
+            "halving": {"min_epochs": h.min_epochs.unwrap_or(1), "eta": h.eta, "rungs": h.rungs(base.seq.epochs)?}});
         return finish(&spec, &cfgs, &rows, out, spec.best, extra);
     }
     let waves = plan_waves(&base, &cfgs, &selected, spec.members)?;
@@ -458,7 +485,8 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     };
     for wave in todo {
         let trials: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
-        let Some((rows, mut summary)) = train_population(&base, &cfgs, &trials, &params, out, plan.as_ref(), stop)?
+        let Some((rows, mut summary)) =
+            train_population(&base, &cfgs, &trials, &params, out, plan.as_ref(), spec.halving.as_ref(), stop)?
         else {
             println!(
                 "sweep interrupted: {} of {} trials done (finished waves are kept); run the same command to go on",
@@ -482,7 +510,11 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     let populations: Vec<usize> = waves.iter().map(|w| w.trials.len()).collect();
     // A shard's best trials are its own; the sweep's come from the merged report.
     let best = if shard.is_some() { 0 } else { spec.best };
-    let extra = json!({"populations": populations, "shard": shard.map(|(i, n)| format!("{i}/{n}"))});
+    let mut extra = json!({"populations": populations, "shard": shard.map(|(i, n)| format!("{i}/{n}"))});
+    if let Some(h) = &spec.halving {
+        // Each wave halves among its own trials (population.json has each wave's cuts).
+        extra["halving"] = json!({"eta": h.eta, "rungs": h.step_rungs(base.steps)?, "within": "each wave"});
+    }
     finish(&spec, &cfgs, &rows, out, best, extra)
 }
 
@@ -591,7 +623,8 @@ fn run_tpe(
             if todo.is_empty() {
                 continue;
             }
-            let Some((rows, mut summary)) = train_population(base, &cfgs, &todo, &params, out, None, stop)? else {
+            let Some((rows, mut summary)) = train_population(base, &cfgs, &todo, &params, out, None, None, stop)?
+            else {
                 println!(
                     "sweep interrupted: {} of {total} trials done (finished waves are kept); run the same command to go on",
                     done.len()
@@ -987,8 +1020,8 @@ struct PbtPlan<'a> {
 }
 
 /// Trains `trials` as one population on the base config's training split (with `pbt`, its
-/// rounds every `pbt.every` env steps), then scores each member's greedy policy on the
-/// validation split. `None` when `stop` asked to stop.
+/// rounds every `pbt.every` env steps; with `halving`, its rungs), then scores each
+/// member's greedy policy on the validation split. `None` when `stop` asked to stop.
 #[allow(clippy::too_many_arguments)]
 fn train_population(
     base: &RunConfig,
@@ -997,10 +1030,11 @@ fn train_population(
     params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
     out: &Path,
     pbt: Option<&PbtPlan<'_>>,
+    halving: Option<&HalvingConfig>,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     if base.model == ModelChoice::Ppo {
-        return train_ppo_population(base, cfgs, trials, params, out, pbt, stop);
+        return train_ppo_population(base, cfgs, trials, params, out, pbt, halving, stop);
     }
     if base.model.is_sequence() {
         return train_seq_trials(cfgs, trials, params, out);
@@ -1022,6 +1056,7 @@ fn train_population(
     let mut points: Vec<space::Point> =
         pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
     let mut events: Vec<Vec<PbtEvent>> = vec![Vec::new(); n];
+    let mut halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
     for step in 1..=base.steps {
         if stop() {
             return Ok(None);
@@ -1029,7 +1064,11 @@ fn train_population(
         let read = step % base.log_every == 0 || step == base.steps;
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.step(&mut refs, read)?;
-        samples += (st.updates.len() as u64 + u64::from(st.updates_queued)) * (n * base.dqn.batch_size) as u64;
+        let members = pop.len() as u64;
+        samples += (st.updates.len() as u64 + u64::from(st.updates_queued)) * members * base.dqn.batch_size as u64;
+        if let Some(h) = halve.as_mut().filter(|h| h.due(step)) {
+            h.rung(base, &data, &mut pop, &mut envs, params, out, step)?;
+        }
         if read {
             let r = st.mean_reward.as_deref().unwrap_or_default();
             let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
@@ -1048,9 +1087,13 @@ fn train_population(
     let mut summary = wave_summary(n, &device, base.steps, train_s, samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, dqn_member_policy(&pop, k)?));
-    let mut rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
+    let alive = halve.as_ref().map_or(trials, |h| &h.alive[..]);
+    let mut rows = score_members(base, &data, alive, params, out, &applied, &skipped, &member)?;
     for (row, ev) in rows.iter_mut().zip(events) {
         row.pbt = ev;
+    }
+    if let Some(h) = halve {
+        rows = h.finish(rows, &mut summary);
     }
     if pbt.is_some() {
         // The rounds' scoring (validation backtests on the CPU) is inside train_seconds
@@ -1208,6 +1251,8 @@ fn seq_trial_row(
         pbt: Vec::new(),
         val_loss: loss.is_finite().then_some(loss),
         epochs: rep["epochs_done"].as_u64().map(|e| e as usize),
+        env_steps: None,
+        rungs: Vec::new(),
     })
 }
 
@@ -1227,6 +1272,8 @@ fn unfinished_row(t: usize, params: BTreeMap<String, serde_json::Value>, at: (us
         pbt: Vec::new(),
         val_loss: loss.is_finite().then_some(loss),
         epochs: Some(epochs),
+        env_steps: None,
+        rungs: Vec::new(),
     }
 }
 
@@ -1324,7 +1371,7 @@ fn pbt_round(
     plan: &PbtPlan<'_>,
     base: &RunConfig,
     data: &Dataset,
-    pop: &mut dyn PbtMembers,
+    pop: &mut dyn PopMembers,
     trials: &[usize],
     points: &mut [space::Point],
     events: &mut [Vec<PbtEvent>],
@@ -1360,19 +1407,36 @@ fn pbt_round(
     Ok(())
 }
 
-/// What a PBT round does to a population's members (DQN or PPO).
-trait PbtMembers {
-    /// Member `k`'s greedy policy on the CPU (what a round scores).
+/// What PBT rounds and halving rungs do to a population's members (DQN or PPO).
+trait PopMembers {
+    /// Number of members.
+    fn len(&self) -> usize;
+    /// Member `k`'s greedy policy on the CPU (what a round or a rung scores).
     fn policy(&self, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy>;
+    /// Member `k`'s network under the spec's names (its `weights/trial-{t}` file).
+    fn weights(&self, k: usize) -> Result<fx_models::ParamStore>;
+    /// Per member: optimiser steps applied and skipped.
+    fn counters(&self) -> Result<(Vec<u64>, Vec<u64>)>;
     /// Member `dst` continues from member `src`'s weights and optimiser state.
     fn exploit(&mut self, dst: usize, src: usize) -> Result<()>;
     /// Member `k` takes the settings of run config `cfg`.
     fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()>;
+    /// Only the members `keep` go on.
+    fn retain(&mut self, keep: &[usize]) -> Result<()>;
 }
 
-impl PbtMembers for DqnPopulation {
+impl PopMembers for DqnPopulation {
+    fn len(&self) -> usize {
+        DqnPopulation::len(self)
+    }
     fn policy(&self, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
         dqn_member_policy(self, k)
+    }
+    fn weights(&self, k: usize) -> Result<fx_models::ParamStore> {
+        Ok(self.online().member(k)?)
+    }
+    fn counters(&self) -> Result<(Vec<u64>, Vec<u64>)> {
+        Ok(DqnPopulation::counters(self)?)
     }
     fn exploit(&mut self, dst: usize, src: usize) -> Result<()> {
         Ok(DqnPopulation::exploit(self, dst, src)?)
@@ -1380,17 +1444,134 @@ impl PbtMembers for DqnPopulation {
     fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()> {
         Ok(self.set_member(k, cfg.dqn.clone())?)
     }
+    fn retain(&mut self, keep: &[usize]) -> Result<()> {
+        Ok(self.retain_members(keep)?)
+    }
 }
 
-impl PbtMembers for PpoPopulation {
+impl PopMembers for PpoPopulation {
+    fn len(&self) -> usize {
+        PpoPopulation::len(self)
+    }
     fn policy(&self, k: usize) -> Result<fx_models::mlp::cpu::CpuPolicy> {
         ppo_member_policy(self, k)
+    }
+    fn weights(&self, k: usize) -> Result<fx_models::ParamStore> {
+        Ok(self.params().member(k)?)
+    }
+    fn counters(&self) -> Result<(Vec<u64>, Vec<u64>)> {
+        Ok(PpoPopulation::counters(self)?)
     }
     fn exploit(&mut self, dst: usize, src: usize) -> Result<()> {
         Ok(PpoPopulation::exploit(self, dst, src)?)
     }
     fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()> {
         Ok(self.set_member(k, cfg.ppo.clone())?)
+    }
+    fn retain(&mut self, keep: &[usize]) -> Result<()> {
+        Ok(self.retain_members(keep)?)
+    }
+}
+
+/// Successive halving of one DQN / PPO population ([`halving`]): the rungs before the end,
+/// the next one, the trials still in (`alive[k]` is member `k`'s trial), the rows of the
+/// trials stopped so far, every trial's rung scores and the rungs' decisions.
+struct PopHalving {
+    eta: usize,
+    rungs: Vec<u64>,
+    next: usize,
+    alive: Vec<usize>,
+    stopped: Vec<TrialRow>,
+    scores: BTreeMap<usize, Vec<RungScore>>,
+    log: Vec<serde_json::Value>,
+}
+
+impl PopHalving {
+    fn new(h: &HalvingConfig, steps: u64, trials: &[usize]) -> Result<Self> {
+        let mut rungs = h.step_rungs(steps)?;
+        rungs.pop();
+        Ok(Self {
+            eta: h.eta,
+            rungs,
+            next: 0,
+            alive: trials.to_vec(),
+            stopped: Vec::new(),
+            scores: BTreeMap::new(),
+            log: Vec::new(),
+        })
+    }
+
+    /// Whether a rung is due at `env_step` (the first at or past it not taken yet).
+    fn due(&self, env_step: u64) -> bool {
+        self.rungs.get(self.next).is_some_and(|&r| env_step >= r)
+    }
+
+    /// The rung at `env_step`: every member's greedy policy scored on the validation split,
+    /// the best `1/eta` kept (`halving::keep`, ranked by Sharpe), the others' rows made
+    /// (`stopped`, their weights saved as a finished trial's are) and dropped from `pop`
+    /// and `envs`.
+    #[allow(clippy::too_many_arguments)]
+    fn rung(
+        &mut self,
+        base: &RunConfig,
+        data: &Dataset,
+        pop: &mut dyn PopMembers,
+        envs: &mut Vec<TrainEnv>,
+        params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+        out: &Path,
+        env_step: u64,
+    ) -> Result<()> {
+        self.next += 1;
+        let stats = (0..pop.len())
+            .map(|k| policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?))
+            .collect::<Result<Vec<_>>>()?;
+        for (&t, s) in self.alive.iter().zip(&stats) {
+            self.scores.entry(t).or_default().push(RungScore { env_step, val_sharpe: s.sharpe });
+        }
+        let neg: Vec<f64> = stats.iter().map(|s| -s.sharpe).collect();
+        let kept = halving::keep(&self.alive, &neg, self.eta);
+        let (applied, skipped) = pop.counters()?;
+        let weights = out.join("weights");
+        std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
+        let mut positions = Vec::with_capacity(kept.len());
+        let mut stopped = Vec::new();
+        for (k, &t) in self.alive.iter().enumerate() {
+            if kept.contains(&t) {
+                positions.push(k);
+                continue;
+            }
+            pop.weights(k)?.save(&weights.join(format!("trial-{t}.safetensors")))?;
+            let mut row = member_row(t, params(t), &stats[k], applied[k], skipped[k]);
+            if row.status == "ok" {
+                row.status = "stopped".into();
+            }
+            row.env_steps = Some(env_step);
+            self.stopped.push(row);
+            stopped.push(t);
+        }
+        println!(
+            "sweep: halving at env step {env_step}: {} of {} trials go on ({kept:?})",
+            kept.len(),
+            self.alive.len()
+        );
+        self.log.push(json!({"env_step": env_step, "kept": kept, "stopped": stopped}));
+        pop.retain(&positions)?;
+        let mut old = std::mem::take(envs).into_iter().map(Some).collect::<Vec<_>>();
+        *envs = positions.iter().filter_map(|&k| old[k].take()).collect();
+        self.alive = kept;
+        Ok(())
+    }
+
+    /// The wave's rows in trial order: the finished members' (with their rung scores) and
+    /// the stopped ones'; the rungs' decisions go into the wave's summary.
+    fn finish(mut self, finished: Vec<TrialRow>, summary: &mut serde_json::Value) -> Vec<TrialRow> {
+        let mut rows: Vec<TrialRow> = finished.into_iter().chain(std::mem::take(&mut self.stopped)).collect();
+        for r in &mut rows {
+            r.rungs = self.scores.remove(&r.trial).unwrap_or_default();
+        }
+        rows.sort_by_key(|r| r.trial);
+        summary["halving"] = json!(self.log);
+        rows
     }
 }
 
@@ -1436,23 +1617,37 @@ fn score_members(
     for (k, &trial) in trials.iter().enumerate() {
         let (store, mut policy) = member(k)?;
         store.save(&weights.join(format!("trial-{trial}.safetensors")))?;
-        let s = &policy_stats(base, data, &valid, &mut policy)?;
-        let ok = s.sharpe.is_finite() && applied[k] > 0;
-        rows.push(TrialRow {
-            trial,
-            params: params(trial),
-            val_sharpe: s.sharpe,
-            val_total_return: s.total_return,
-            val_max_drawdown: s.max_drawdown,
-            updates: applied[k],
-            skipped_updates: skipped[k],
-            status: if ok { "ok" } else { "diverged" }.into(),
-            pbt: Vec::new(),
-            val_loss: None,
-            epochs: None,
-        });
+        let s = policy_stats(base, data, &valid, &mut policy)?;
+        rows.push(member_row(trial, params(trial), &s, applied[k], skipped[k]));
     }
     Ok(rows)
+}
+
+/// A DQN / PPO trial's row from its greedy policy's validation statistics and its
+/// optimiser counters: `ok`, or `diverged` (a non-finite Sharpe or no applied update).
+fn member_row(
+    trial: usize,
+    params: BTreeMap<String, serde_json::Value>,
+    s: &fx_models::BacktestStats,
+    applied: u64,
+    skipped: u64,
+) -> TrialRow {
+    let ok = s.sharpe.is_finite() && applied > 0;
+    TrialRow {
+        trial,
+        params,
+        val_sharpe: s.sharpe,
+        val_total_return: s.total_return,
+        val_max_drawdown: s.max_drawdown,
+        updates: applied,
+        skipped_updates: skipped,
+        status: if ok { "ok" } else { "diverged" }.into(),
+        pbt: Vec::new(),
+        val_loss: None,
+        epochs: None,
+        env_steps: None,
+        rungs: Vec::new(),
+    }
 }
 
 /// A greedy CPU policy's backtest statistics on `span` (a panel's: its equal-weight
@@ -1469,6 +1664,7 @@ fn policy_stats(
 /// [`train_population`] for PPO: the members' iterations together
 /// ([`PpoPopulation::iterate`]) until each has taken the run's `steps` env steps, as a run
 /// does (whole rollouts, so the last may pass `steps`).
+#[allow(clippy::too_many_arguments)]
 fn train_ppo_population(
     base: &RunConfig,
     cfgs: &[RunConfig],
@@ -1476,6 +1672,7 @@ fn train_ppo_population(
     params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
     out: &Path,
     pbt: Option<&PbtPlan<'_>>,
+    halving: Option<&HalvingConfig>,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
@@ -1497,6 +1694,7 @@ fn train_ppo_population(
     let mut points: Vec<space::Point> =
         pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
     let mut events: Vec<Vec<PbtEvent>> = vec![Vec::new(); n];
+    let mut halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
     while env_steps < base.steps {
         if stop() {
             return Ok(None);
@@ -1505,9 +1703,14 @@ fn train_ppo_population(
         let st = pop.iterate(&mut refs)?;
         env_steps = st[0].env_steps;
         let rows = (first.ppo.num_steps * num_envs) as u64;
-        samples += rows * first.ppo.epochs as u64 * n as u64;
-        let mean = st.iter().map(|s| s.mean_reward).sum::<f64>() / n as f64;
+        samples += rows * first.ppo.epochs as u64 * st.len() as u64;
+        let mean = st.iter().map(|s| s.mean_reward).sum::<f64>() / st.len() as f64;
         println!("sweep: env step {env_steps}/{}: mean reward over trials {mean:.3e}", base.steps);
+        // A rung at the first iteration boundary at or past it, none after the last
+        // iteration (each rung passed is a cut of its own).
+        while let Some(h) = halve.as_mut().filter(|h| h.due(env_steps) && env_steps < base.steps) {
+            h.rung(base, &data, &mut pop, &mut envs, params, out, env_steps)?;
+        }
         // A round at the first iteration boundary at or past each multiple of `every` (an
         // iteration is num_steps env steps), none after the last iteration.
         if let Some(plan) = pbt.filter(|p| env_steps / p.cfg.every > last_round && env_steps < base.steps) {
@@ -1523,9 +1726,13 @@ fn train_ppo_population(
     let mut summary = wave_summary(n, &device, env_steps, train_s, samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.params().member(k)?, ppo_member_policy(&pop, k)?));
-    let mut rows = score_members(base, &data, trials, params, out, &applied, &skipped, &member)?;
+    let alive = halve.as_ref().map_or(trials, |h| &h.alive[..]);
+    let mut rows = score_members(base, &data, alive, params, out, &applied, &skipped, &member)?;
     for (row, ev) in rows.iter_mut().zip(events) {
         row.pbt = ev;
+    }
+    if let Some(h) = halve {
+        rows = h.finish(rows, &mut summary);
     }
     if pbt.is_some() {
         summary["pbt_rounds"] = json!(rounds);
@@ -1579,12 +1786,17 @@ fn objective(r: &TrialRow) -> f64 {
 }
 
 /// Trial indices, best objective first; then trials successive halving stopped (the
-/// later their rung the earlier, then by their loss there); diverged trials last; ties by
+/// later their rung the earlier, then by their metric there); diverged trials last; ties by
 /// index.
 fn leaderboard(rows: &[TrialRow]) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..rows.len()).collect();
     let key = |r: &TrialRow| match r.status.as_str() {
-        "stopped" => (1, usize::MAX - r.epochs.unwrap_or(0), r.val_loss.unwrap_or(f64::INFINITY)),
+        // A forecaster's lowest loss, a DQN / PPO trial's highest Sharpe at its rung.
+        "stopped" => (
+            1,
+            u64::MAX - r.epochs.map(|e| e as u64).or(r.env_steps).unwrap_or(0),
+            r.val_loss.or(Some(-r.val_sharpe).filter(|x| x.is_finite())).unwrap_or(f64::INFINITY),
+        ),
         _ => match Some(objective(r)).filter(|o| o.is_finite()) {
             Some(o) => (0, 0, -o),
             None => (2, 0, 0.0),
@@ -1658,7 +1870,9 @@ fn write_rows(out: &Path, rows: &[TrialRow]) -> Result<()> {
         csv.push(',');
         csv.push_str(k);
     }
-    csv.push_str(",val_sharpe,val_total_return,val_max_drawdown,updates,skipped_updates,status,val_loss,epochs\n");
+    csv.push_str(
+        ",val_sharpe,val_total_return,val_max_drawdown,updates,skipped_updates,status,val_loss,epochs,env_steps\n",
+    );
     for r in rows {
         csv.push_str(&r.trial.to_string());
         for k in &keys {
@@ -1666,7 +1880,7 @@ fn write_rows(out: &Path, rows: &[TrialRow]) -> Result<()> {
             csv.push_str(&r.params[*k].to_string().replace(',', ";"));
         }
         csv.push_str(&format!(
-            ",{},{},{},{},{},{},{},{}\n",
+            ",{},{},{},{},{},{},{},{},{}\n",
             r.val_sharpe,
             r.val_total_return,
             r.val_max_drawdown,
@@ -1674,7 +1888,8 @@ fn write_rows(out: &Path, rows: &[TrialRow]) -> Result<()> {
             r.skipped_updates,
             r.status,
             r.val_loss.map(|l| l.to_string()).unwrap_or_default(),
-            r.epochs.map(|e| e.to_string()).unwrap_or_default()
+            r.epochs.map(|e| e.to_string()).unwrap_or_default(),
+            r.env_steps.map(|e| e.to_string()).unwrap_or_default()
         ));
     }
     crate::run_dir::write_atomic(&out.join("trials.csv"), csv.as_bytes())?;
@@ -2056,6 +2271,118 @@ n_actions = 3
         assert_eq!(read_rows(&again.join("trials.jsonl")).unwrap().unwrap(), rows, "the same PPO schedule");
     }
 
+    /// Successive halving of DQN and PPO populations (6 trials, eta 2, rungs at env steps 8
+    /// and 16 of 24): a trial's score at a rung is its score in a plain sweep of that many
+    /// steps (a member trains to a rung as its solo run would), the rungs keep the best half
+    /// by those scores (recomputed here), the stopped trials' weights are the short sweep's,
+    /// and the trials that reach the end have the plain full sweep's rows and weights.
+    #[test]
+    fn halving_drops_the_worse_members_and_the_rest_train_on_as_solo_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        for model in ["dqn", "ppo"] {
+            let halving = "[halving]\nmin_steps = 8\neta = 2\n";
+            let mk = |name: &str, extra: &str| {
+                let args = tiny_sweep_with(dir.path(), 6, extra, &format!("{model}-{name}.toml"));
+                let mut text = std::fs::read_to_string(args.config.as_ref().unwrap())
+                    .unwrap()
+                    .replace("trials = 4", "trials = 6")
+                    .replace("learning_starts = 32", "learning_starts = 4");
+                if model == "ppo" {
+                    text = text
+                        .replace("model = \"dqn\"", "model = \"ppo\"")
+                        .replace("\"dqn.optimizer.lr\"", "\"ppo.optimizer.lr\"")
+                        + "[run.ppo]\nnum_steps = 4\nepochs = 1\nminibatch_size = 8\n[run.ppo.net]\nhidden = 16\n";
+                }
+                std::fs::write(args.config.as_ref().unwrap(), text).unwrap();
+                SweepArgs { out: Some(dir.path().join(format!("{model}-{name}"))), ..args }
+            };
+            let halved = mk("halved", halving);
+            run_with(&halved, &mut || false).unwrap();
+            let rows = read_rows(&halved.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap();
+            let plain = |steps: u64| {
+                let a = SweepArgs {
+                    steps: Some(steps),
+                    out: Some(dir.path().join(format!("{model}-p{steps}"))),
+                    ..mk(&format!("p{steps}"), "")
+                };
+                run_with(&a, &mut || false).unwrap();
+                (read_rows(&a.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap(), a.out.unwrap())
+            };
+            let (p8, d8) = plain(8);
+            let (p16, d16) = plain(16);
+            let (p24, d24) = plain(24);
+            let best = |alive: &[usize], rows: &[TrialRow], n: usize| -> Vec<usize> {
+                let mut a = alive.to_vec();
+                a.sort_by(|&x, &y| rows[y].val_sharpe.total_cmp(&rows[x].val_sharpe).then(x.cmp(&y)));
+                a.truncate(n);
+                a.sort_unstable();
+                a
+            };
+            let r1 = best(&[0, 1, 2, 3, 4, 5], &p8, 3);
+            let r2 = best(&r1, &p16, 2);
+            let w = |d: &Path, t: usize| std::fs::read(d.join(format!("weights/trial-{t}.safetensors"))).unwrap();
+            let h_out = halved.out.clone().unwrap();
+            for r in &rows {
+                let t = r.trial;
+                let scores: Vec<(u64, f64)> = r.rungs.iter().map(|s| (s.env_step, s.val_sharpe)).collect();
+                let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
+                assert!(
+                    same(scores[0].1, p8[t].val_sharpe) && scores[0].0 == 8,
+                    "{model} trial {t} at 8: {scores:?} vs {}",
+                    p8[t].val_sharpe
+                );
+                if r2.contains(&t) {
+                    assert_eq!(scores.len(), 2);
+                    assert!(same(scores[1].1, p16[t].val_sharpe), "{model} trial {t} at 16");
+                    assert_eq!(TrialRow { rungs: Vec::new(), ..r.clone() }, p24[t], "{model} trial {t} finished");
+                    assert_eq!(w(&h_out, t), w(&d24, t), "{model} trial {t}'s final weights");
+                } else if r1.contains(&t) {
+                    assert_eq!((r.env_steps, scores.len()), (Some(16), 2), "{model} trial {t}");
+                    assert!(same(r.val_sharpe, p16[t].val_sharpe));
+                    assert_eq!(r.updates, p16[t].updates);
+                    assert_eq!(w(&h_out, t), w(&d16, t), "{model} trial {t}'s weights at 16");
+                } else {
+                    assert_eq!((r.env_steps, scores.len()), (Some(8), 1), "{model} trial {t}");
+                    assert_eq!(w(&h_out, t), w(&d8, t), "{model} trial {t}'s weights at 8");
+                }
+                let stopped = !r2.contains(&t);
+                assert_eq!(r.status == "stopped", stopped && p8[t].status == "ok", "{model} trial {t}: {}", r.status);
+            }
+            // Not a vacuous schedule: the short runs trained and their scores differ (the
+            // tiny policies tie often; ties go to the lower trial index).
+            let mut s8: Vec<f64> = p8.iter().map(|r| r.val_sharpe).filter(|x| x.is_finite()).collect();
+            s8.sort_by(f64::total_cmp);
+            s8.dedup();
+            assert!(s8.len() >= 2 && p8.iter().all(|r| r.updates > 0), "{model}: {p8:?}");
+            assert_eq!(rows.iter().filter(|r| r.status == "stopped").count(), 4, "{model}");
+            let board = leaderboard(&rows);
+            assert!(r2.contains(&rows[board[0]].trial) && r2.contains(&rows[board[1]].trial), "{model}");
+            let pop: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(h_out.join("population.json")).unwrap()).unwrap();
+            assert_eq!(pop["waves"][0]["halving"][0]["kept"], json!(r1), "{model}");
+            assert_eq!(pop["waves"][0]["halving"][1]["kept"], json!(r2), "{model}");
+            let doc: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(h_out.join("sweep.json")).unwrap()).unwrap();
+            assert_eq!(doc["halving"]["rungs"], json!([8, 16, 24]));
+        }
+        // Refused: with [pbt], sharded, min_epochs in an RL sweep.
+        for (extra, want) in [
+            ("[halving]\neta = 2\n[pbt]\nevery = 8\nquantile = 0.5\nfactors = [0.5, 2.0]\n", "[pbt]"),
+            ("[halving]\nmin_epochs = 2\n", "min_epochs"),
+            ("[halving]\nmin_steps = 24\n", "below the run's steps"),
+        ] {
+            let args = tiny_sweep_with(dir.path(), 4, extra, "bad.toml");
+            let e = format!(
+                "{:#}",
+                run_with(&SweepArgs { out: Some(dir.path().join("bad")), ..args }, &mut || false).unwrap_err()
+            );
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        let mut sharded = tiny_sweep_with(dir.path(), 4, "[halving]\nmin_steps = 8\n", "sh.toml");
+        (sharded.out, sharded.shard) = (Some(dir.path().join("sh")), Some("0/2".into()));
+        assert!(run_with(&sharded, &mut || false).unwrap_err().to_string().contains("shards"));
+    }
+
     #[test]
     fn leaderboard_puts_diverged_trials_last() {
         let row = |trial, val_sharpe: f64, status: &str| TrialRow {
@@ -2070,6 +2397,8 @@ n_actions = 3
             pbt: Vec::new(),
             val_loss: None,
             epochs: None,
+            env_steps: None,
+            rungs: Vec::new(),
         };
         let rows = vec![row(0, 0.5, "ok"), row(1, f64::NAN, "diverged"), row(2, 1.5, "ok"), row(3, 0.5, "ok")];
         assert_eq!(leaderboard(&rows), [2, 0, 3, 1]);
@@ -2094,5 +2423,19 @@ n_actions = 3
             at(5, 0.8, 4, "ok"),
         ];
         assert_eq!(leaderboard(&rows), [5, 1, 2, 3, 0, 4]);
+        // DQN / PPO: stopped at a later rung first, then the higher Sharpe there.
+        let rl = |trial, sharpe, steps: Option<u64>, status: &str| TrialRow {
+            env_steps: steps,
+            ..row(trial, sharpe, status)
+        };
+        let rows = vec![
+            rl(0, 2.0, Some(100), "stopped"),
+            rl(1, 0.1, None, "ok"),
+            rl(2, 0.5, Some(300), "stopped"),
+            rl(3, 2.5, Some(100), "stopped"),
+            rl(4, f64::NAN, None, "diverged"),
+            rl(5, 0.2, Some(300), "stopped"),
+        ];
+        assert_eq!(leaderboard(&rows), [1, 2, 5, 3, 0, 4]);
     }
 }
