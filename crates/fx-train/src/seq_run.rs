@@ -240,8 +240,7 @@ impl SeqModel {
         let n = d.n_instruments();
         Ok(match cfg.model {
             ModelChoice::Tft => {
-                let tft = fx_models::TftConfig { n_instruments: n, ..cfg.tft.clone() };
-                SeqModel::Tft(Box::new(Tft::new(tft, device, cfg.seed).context("building the TFT")?))
+                SeqModel::Tft(Box::new(Tft::new(panel_tft(cfg, n)?, device, cfg.seed).context("building the TFT")?))
             }
             ModelChoice::Mamba2 => SeqModel::Mamba2 {
                 model: Box::new(Mamba2::new(panel_mamba2(cfg, n), device, cfg.seed).context("building the MAMBA-2")?),
@@ -258,6 +257,20 @@ impl SeqModel {
             SeqModel::Mamba2 { model, seq_len } => f(&Mamba2Task { model, seq_len: *seq_len }),
         }
     }
+}
+
+/// `cfg`'s TFT for a panel of `n` instruments (0: one instrument, the spec's model): the
+/// instrument count comes from the data, so a config's own `[tft] n_instruments` must be
+/// absent (0) or that count, never overwritten in silence.
+pub(crate) fn panel_tft(cfg: &RunConfig, n: usize) -> Result<fx_models::TftConfig> {
+    let set = cfg.tft.n_instruments;
+    if set != 0 && set != n {
+        bail!(
+            "[tft] n_instruments = {set}, but the data has {}: the count is taken from the data (leave the key out)",
+            if n == 0 { "one instrument".to_string() } else { format!("{n} instruments") }
+        );
+    }
+    Ok(fx_models::TftConfig { n_instruments: n, ..cfg.tft.clone() })
 }
 
 /// `cfg`'s MAMBA-2 for a panel of `n` instruments: its input is the features and the
@@ -808,6 +821,21 @@ mod tests {
             fx_models::Mamba2Config { d_model: 8, n_layer: 1, d_state: 4, headdim: 4, chunk_size: 4, ..cfg.mamba2 };
         cfg.mamba2_seq_len = 12;
         cfg.resolve().unwrap()
+    }
+
+    /// A panel TFT's instrument count is the data's: a config's `[tft] n_instruments` is
+    /// taken when absent (0) or equal, refused in one line when it differs.
+    #[test]
+    fn a_configured_instrument_count_must_be_the_datas() {
+        let mut cfg = tiny(ModelChoice::Tft);
+        assert_eq!(panel_tft(&cfg, 3).unwrap().n_instruments, 3);
+        assert_eq!(panel_tft(&cfg, 0).unwrap().n_instruments, 0);
+        cfg.tft.n_instruments = 3;
+        assert_eq!(panel_tft(&cfg, 3).unwrap().n_instruments, 3);
+        for (n, want) in [(5, "5 instruments"), (0, "one instrument")] {
+            let e = panel_tft(&cfg, n).unwrap_err().to_string();
+            assert!(e.contains("n_instruments = 3") && e.contains(want) && !e.contains('\n'), "{e}");
+        }
     }
 
     /// Recomputes the sign strategy step by step: each step's row is a window's forecast
