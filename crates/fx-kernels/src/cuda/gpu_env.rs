@@ -8,6 +8,7 @@ use candle_core::{CudaDevice, DType, Device, Tensor};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchArgs, PushKernelArg};
 use serde::{Deserialize, Serialize};
 
+use super::gpu_series::GpuSeries;
 use super::{alloc_tensor, cuda_device, dev_ptr, driver, DqnLoop, LaunchPlan, PTX_ENV_STEP, PTX_PPO};
 use crate::checks::expect_tensor;
 use crate::env::{reset_start_in, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
@@ -121,14 +122,9 @@ pub struct GpuTradingEnv {
     device: Device,
     cdev: CudaDevice,
     stream: Arc<CudaStream>,
-    // The device buffers. Several are only read by kernels, through the addresses cached
-    // in `args`; the fields own the memory and keep it alive.
-    #[allow(dead_code)]
-    market: CudaSlice<f32>,
-    #[allow(dead_code)]
-    close: CudaSlice<f64>,
-    #[allow(dead_code)]
-    seg: CudaSlice<u32>,
+    // The device buffers, read by the kernels through the addresses cached in `args`; the
+    // fields own the memory and keep it alive. The series is shared (see `GpuSeries`).
+    series: Arc<GpuSeries>,
     /// The series' segments (for [`restore`](Self::restore)'s check).
     segments: Vec<std::ops::Range<usize>>,
     t: CudaSlice<u32>,
@@ -176,11 +172,7 @@ impl GpuTradingEnv {
         let entry0: Vec<f64> = t0.iter().map(|&t| data.close()[t as usize]).collect();
         let up = "GpuTradingEnv::new (upload)";
         let o = &opts;
-        let market = stream.clone_htod(data.market()).map_err(driver(up))?;
-        let close = stream.clone_htod(data.close()).map_err(driver(up))?;
-        // Segment boundaries `[S + 1]` (below 2^32: the series length is checked above).
-        let bounds: Vec<u32> = data.segments().iter().map(|r| r.start as u32).chain([data.len() as u32]).collect();
-        let seg = stream.clone_htod(&bounds).map_err(driver(up))?;
+        let series = GpuSeries::of(&data, device, &stream)?;
         let t = stream.clone_htod(&t0).map_err(driver(up))?;
         let pos = stream.alloc_zeros::<i32>(e).map_err(driver(up))?;
         let entry = stream.clone_htod(&entry0).map_err(driver(up))?;
@@ -189,11 +181,11 @@ impl GpuTradingEnv {
         let counter = stream.alloc_zeros::<u64>(e).map_err(driver(up))?;
         let err = stream.alloc_zeros::<i32>(1).map_err(driver(up))?;
         let args = EnvArgs {
-            market: raw(&market, &stream),
-            close: raw(&close, &stream),
+            market: series.market,
+            close: series.close,
             t_len: data.len() as u32,
             ep_len: cfg.episode_len as u32,
-            seg: raw(&seg, &stream),
+            seg: series.seg,
             n_seg: data.segments().len() as u32,
             cost: cfg.cost,
             seed: cfg.seed,
@@ -214,9 +206,7 @@ impl GpuTradingEnv {
             k_probs: Kernel::load(&cdev, "fx_select_from_probs", "fx_env_step", PTX_ENV_STEP, o, ctx)?,
             k_dqn: Kernel::load(&cdev, "fx_dqn_experience", "fx_env_step", PTX_ENV_STEP, o, ctx)?,
             k_ppo: Kernel::load(&cdev, "fx_ppo_experience", "fx_ppo_experience", PTX_PPO, o, ctx)?,
-            market,
-            close,
-            seg,
+            series,
             segments: data.segments().to_vec(),
             t,
             pos,
@@ -238,6 +228,13 @@ impl GpuTradingEnv {
     /// The configuration.
     pub fn config(&self) -> &EnvConfig {
         &self.cfg
+    }
+
+    /// Device address of the series' market rows. Envs built from one `Arc<EnvData>` on
+    /// one device share one device copy of the series (the kernels only read it), so their
+    /// addresses are equal; envs of different data, or on different devices, have their own.
+    pub fn series_address(&self) -> u64 {
+        self.series.market
     }
 
     /// The launch plan of the step kernel (block size, grid bound, SM count).

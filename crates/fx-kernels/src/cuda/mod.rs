@@ -12,6 +12,7 @@
 pub mod blas;
 pub(crate) mod dqn_loop;
 mod gpu_env;
+mod gpu_series;
 mod launch;
 mod pop_collect;
 

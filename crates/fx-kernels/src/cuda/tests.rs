@@ -128,6 +128,52 @@ fn segmented_trajectories_match_cpu_reference() {
     assert_close(&host_f32(rg.states()), &host_f32(rc.states()), 1e-6, "segmented ppo states");
 }
 
+/// Envs of one `Arc<EnvData>` on one device read one device copy of the series; each keeps
+/// its own accounts, and each still steps as its CPU twin. A copy of the same bars in
+/// another allocation, or another device handle, gets its own upload; the shared copy
+/// outlives the env that uploaded it.
+#[test]
+fn envs_of_one_series_share_its_device_copy() {
+    let Some(dev) = gpu("envs_of_one_series_share_its_device_copy") else { return };
+    let data = segmented_series(&[700, 300], 5);
+    let twin =
+        Arc::new(EnvData::from_segments(data.market().to_vec(), data.close().to_vec(), &[700, 300]).expect("twin"));
+    let cfg = |seed: u64| EnvConfig { num_envs: 33, episode_len: 24, cost: 1e-4, seed, env_offset: 0 };
+    let (mut c1, mut g1) = pair(&dev, &data, &cfg(1));
+    let (mut c2, mut g2) = pair(&dev, &data, &cfg(2));
+    let (mut c3, mut g3) = pair(&dev, &twin, &cfg(3));
+    assert_eq!(g1.series_address(), g2.series_address(), "one Arc, one device: one copy");
+    assert_ne!(g1.series_address(), g3.series_address(), "another allocation of the same bars: its own copy");
+    let other = gpu("envs_of_one_series_share_its_device_copy (second handle)").expect("second device handle");
+    let g4 = GpuTradingEnv::new(data.clone(), cfg(4), &other, GpuEnvOptions::default()).expect("env");
+    assert_ne!(g1.series_address(), g4.series_address(), "another device handle: its own copy");
+    let mut step = |cpu: &mut CpuTradingEnv, gpu: &mut GpuTradingEnv, k: u64, what: &str| {
+        let a = random_actions(33, k, 77);
+        let g = gpu.step(&Tensor::from_vec(a.clone(), 33, &dev).expect("actions")).expect("gpu step");
+        let c = cpu.step_host(&a).expect("cpu step");
+        assert_close(&host_f32(&g.next_obs), &c.next_obs, 1e-6, &format!("{what} step {k} next_obs"));
+        assert_close(&host_f32(&g.reward), &c.reward, 1e-6, &format!("{what} step {k} reward"));
+        assert_same_state(cpu, gpu, &format!("{what} step {k}"));
+    };
+    for k in 0..60 {
+        step(&mut c1, &mut g1, k, "env 1");
+        step(&mut c2, &mut g2, k, "env 2");
+        step(&mut c3, &mut g3, k, "env 3");
+    }
+    // The uploader goes; the copy stays for the env still holding it and for new ones.
+    let shared = g1.series_address();
+    drop(g1);
+    let (mut c5, mut g5) = pair(&dev, &data, &cfg(5));
+    assert_eq!(g5.series_address(), shared, "a new env of the same Arc joins the live copy");
+    for k in 60..100 {
+        step(&mut c2, &mut g2, k, "env 2 after env 1 dropped");
+        step(&mut c5, &mut g5, k, "env 5");
+    }
+    for g in [&g2, &g3, &g5] {
+        g.check_errors().expect("no flagged actions");
+    }
+}
+
 #[test]
 fn selection_matches_cpu_reference() {
     let Some(dev) = gpu("selection_matches_cpu_reference") else { return };
