@@ -147,7 +147,7 @@ fn envs_of_one_series_share_its_device_copy() {
     let other = gpu("envs_of_one_series_share_its_device_copy (second handle)").expect("second device handle");
     let g4 = GpuTradingEnv::new(data.clone(), cfg(4), &other, GpuEnvOptions::default()).expect("env");
     assert_ne!(g1.series_address(), g4.series_address(), "another device handle: its own copy");
-    let mut step = |cpu: &mut CpuTradingEnv, gpu: &mut GpuTradingEnv, k: u64, what: &str| {
+    let step = |cpu: &mut CpuTradingEnv, gpu: &mut GpuTradingEnv, k: u64, what: &str| {
         let a = random_actions(33, k, 77);
         let g = gpu.step(&Tensor::from_vec(a.clone(), 33, &dev).expect("actions")).expect("gpu step");
         let c = cpu.step_host(&a).expect("cpu step");
@@ -169,7 +169,7 @@ fn envs_of_one_series_share_its_device_copy() {
         step(&mut c2, &mut g2, k, "env 2 after env 1 dropped");
         step(&mut c5, &mut g5, k, "env 5");
     }
-    for g in [&g2, &g3, &g5] {
+    for g in [&mut g2, &mut g3, &mut g5] {
         g.check_errors().expect("no flagged actions");
     }
 }
