@@ -101,6 +101,41 @@ pub fn open_regular(path: &Path) -> std::io::Result<File> {
         }
         e
     })?;
+    regular(f)
+}
+
+/// Opens `path` for appending (created if missing, with the umask's permissions) if it is
+/// a regular file: opened without blocking, so a FIFO with no reader is an error, not a
+/// hang; a FIFO with one, a device or a directory is refused as [`open_regular`] refuses it.
+pub fn append_regular(path: &Path) -> std::io::Result<File> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.create(true).append(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags(libc::O_NONBLOCK);
+    }
+    let f = opts.open(path).map_err(|e| {
+        #[cfg(unix)]
+        if e.raw_os_error() == Some(libc::ENXIO) {
+            return std::io::Error::new(std::io::ErrorKind::InvalidInput, "is a FIFO (named pipe), not a regular file");
+        }
+        #[cfg(unix)]
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            return std::io::Error::new(std::io::ErrorKind::InvalidInput, "is a symbolic link loop");
+        }
+        #[cfg(unix)]
+        if e.raw_os_error() == Some(libc::EISDIR) {
+            return std::io::Error::new(std::io::ErrorKind::InvalidInput, "is a directory, not a file");
+        }
+        e
+    })?;
+    regular(f)
+}
+
+/// `f` if it is a regular file, else an error saying what it is.
+fn regular(f: File) -> std::io::Result<File> {
+    use std::io::{Error, ErrorKind};
     let ft = f.metadata()?.file_type();
     if ft.is_file() {
         return Ok(f);
@@ -233,6 +268,41 @@ mod tests {
         let e = read_regular(&f, 9).unwrap_err().to_string();
         assert!(e.contains("holds 10 bytes, more than the 9"), "{e}");
         assert!(read_regular(&dir.path().join("missing"), 9).unwrap_err().kind() == std::io::ErrorKind::NotFound);
+    }
+
+    /// The log a run appends to: a FIFO with or without a reader, a device, a directory or
+    /// a symlink loop is refused at once; a regular file (new or existing) is appended to.
+    #[test]
+    fn only_regular_files_are_appended_to() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let loop_a = dir.path().join("a");
+        std::os::unix::fs::symlink(dir.path().join("b"), &loop_a).unwrap();
+        std::os::unix::fs::symlink(&loop_a, dir.path().join("b")).unwrap();
+        let t = std::time::Instant::now();
+        let cases = [
+            (fifo.clone(), "is a FIFO"),
+            (PathBuf::from("/dev/null"), "is a device"),
+            (loop_a, "symbolic link loop"),
+            (dir.path().to_path_buf(), "is a directory"),
+        ];
+        for (p, want) in &cases {
+            let e = append_regular(p).unwrap_err().to_string();
+            assert!(e.contains(want), "{}: {e}", p.display());
+        }
+        // With a reader holding the FIFO open the open itself succeeds: the type refuses it.
+        let _reader = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
+        let e = append_regular(&fifo).unwrap_err().to_string();
+        assert!(e.contains("is a FIFO"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "something blocked");
+        let f = dir.path().join("log");
+        append_regular(&f).unwrap().write_all(b"one\n").unwrap();
+        append_regular(&f).unwrap().write_all(b"two\n").unwrap();
+        assert_eq!(std::fs::read(&f).unwrap(), b"one\ntwo\n");
     }
 
     #[test]

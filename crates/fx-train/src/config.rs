@@ -366,11 +366,12 @@ impl RunConfig {
         if self.model == ModelChoice::Mamba2 && self.mamba2_seq_len == 0 {
             bail!("mamba2_seq_len must be at least 1");
         }
-        // The forecasters' dimensions, each refused by key before anything is written.
+        // Each model's values, refused by key before anything is written.
         match self.model {
             ModelChoice::Tft => self.tft.validate()?,
             ModelChoice::Mamba2 => self.mamba2.validate()?,
-            ModelChoice::Dqn | ModelChoice::Ppo => {}
+            ModelChoice::Dqn => self.dqn.validate()?,
+            ModelChoice::Ppo => self.ppo.validate(self.env.num_envs)?,
         }
         if self.steps == 0 {
             bail!("steps must be at least 1");
@@ -724,7 +725,8 @@ mod tests {
     }
 
     /// TFT / MAMBA-2 dimensions that cannot build are refused at resolve time, one line
-    /// naming the key and the value.
+    /// naming the key and the value; DQN's and PPO's values too (they were refused only
+    /// when the trainer was built, after a sweep or study had made its folder).
     #[test]
     fn forecaster_dimensions_that_cannot_work_are_refused_by_key() {
         for (model, section, want) in [
@@ -738,6 +740,12 @@ mod tests {
             ("mamba2", "[mamba2]\nngroups = 3\n", "ngroups (3) must divide"),
             ("mamba2", "[mamba2]\nchunk_size = 0\n", "chunk_size (0) must be at least 1"),
             ("mamba2", "[mamba2]\nnorm_eps = nan\n", "norm_eps (NaN) must be finite and positive"),
+            ("dqn", "[dqn.optimizer]\nlr = 0.0\n", "optimizer.lr (0) must be finite and positive"),
+            ("dqn", "[dqn]\ngamma = 1.5\n", "gamma (1.5) must be in [0, 1]"),
+            ("dqn", "[dqn.epsilon]\nend = -0.1\n", "epsilon.end (-0.1)"),
+            ("ppo", "[ppo.gae]\nlambda = 2.0\n", "gae.lambda (2) must be in [0, 1]"),
+            ("ppo", "[ppo.gae]\ngamma = nan\n", "gae.gamma (NaN)"),
+            ("ppo", "[ppo.loss]\nclip = 0.0\n", "loss.clip (0)"),
         ] {
             let cfg = RunConfig::from_toml_str(&format!("model = \"{model}\"\n{section}"), "f.toml").unwrap();
             let e = format!("{:#}", cfg.resolve().unwrap_err());

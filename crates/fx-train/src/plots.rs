@@ -61,7 +61,8 @@ pub fn training_curves(dir: &RunDir, x_key: &str, x_desc: &str, panels: &[(&str,
 }
 
 fn read_metrics(path: &std::path::Path) -> Result<Vec<serde_json::Value>> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    // A log that is missing (or not a regular file) has no curve to draw.
+    let text = fx_data::files::read_regular_to_string(path, u64::MAX).unwrap_or_default();
     Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
 }
 

@@ -10,7 +10,7 @@
 //! checkpoints from a thread of its own, one at a time.
 
 use std::fs::{File, OpenOptions, TryLockError};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -621,9 +621,10 @@ impl RunDir {
         let path = self.path("metrics.jsonl");
         if let Some(step) = resume_from {
             if path.exists() {
-                let kept: Vec<String> = BufReader::new(File::open(&path)?)
+                let text = fx_data::files::read_regular_to_string(&path, u64::MAX)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let kept: Vec<&str> = text
                     .lines()
-                    .map_while(|l| l.ok())
                     .filter(|l| {
                         serde_json::from_str::<serde_json::Value>(l)
                             .ok()
@@ -640,11 +641,7 @@ impl RunDir {
         } else if path.exists() {
             std::fs::remove_file(&path)?;
         }
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
+        let file = fx_data::files::append_regular(&path).with_context(|| format!("opening {}", path.display()))?;
         Ok(MetricsLog { file, path })
     }
 }
@@ -689,6 +686,29 @@ mod tests {
         // Readers (eval) take no lock.
         let _writer = RunDir::open(&root, true).unwrap();
         RunDir::existing(&root).unwrap();
+    }
+
+    /// The metrics log a resume trims and appends to: kept lines up to the step, and a log
+    /// that is a FIFO (no writer ever comes) refused at once, naming it, on resume and new.
+    #[test]
+    fn the_metrics_log_is_trimmed_on_resume_and_never_a_fifo() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::open(dir.path(), false).unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        std::fs::write(&path, "{\"env_steps\":10}\n{\"env_steps\":20}\nnot json\n{\"epoch\":30}\n").unwrap();
+        run.metrics(Some(20)).unwrap().write(&serde_json::json!({"env_steps": 21})).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"env_steps\":10}\n{\"env_steps\":20}\n{\"env_steps\":21}\n"
+        );
+        std::fs::remove_file(&path).unwrap();
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let t = std::time::Instant::now();
+        let e = format!("{:#}", run.metrics(Some(20)).err().expect("a FIFO log is refused"));
+        assert!(e.contains("metrics.jsonl") && e.contains("is a FIFO") && !e.contains('\n'), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "the log blocked");
     }
 
     #[test]

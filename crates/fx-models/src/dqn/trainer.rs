@@ -88,8 +88,11 @@ impl Default for DqnConfig {
 }
 
 impl DqnConfig {
-    pub(crate) fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::config("DqnConfig", m));
+    /// Refuses a configuration that cannot train (or trains nothing), naming the key (as in
+    /// a run config's `[dqn]` section), its value and the rule; the trainer and the
+    /// population check it again, and a run config checks it before anything is written.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::config("dqn", m));
         if self.batch_size == 0 || self.replay_capacity == 0 || self.train_every == 0 {
             return bad(format!(
                 "batch_size ({}), replay_capacity ({}) and train_every ({}) must be positive",

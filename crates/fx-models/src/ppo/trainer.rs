@@ -73,8 +73,12 @@ impl Default for PpoConfig {
 }
 
 impl PpoConfig {
-    pub(crate) fn validate(&self, num_envs: usize) -> Result<()> {
-        let bad = |m: String| Err(Error::config("PpoConfig", m));
+    /// Refuses a configuration that cannot train with `num_envs` accounts (or trains
+    /// nothing), naming the key (as in a run config's `[ppo]` section), its value and the
+    /// rule; checked by the trainer, the population and a run config before anything is
+    /// written.
+    pub fn validate(&self, num_envs: usize) -> Result<()> {
+        let bad = |m: String| Err(Error::config("ppo", m));
         if self.num_steps == 0 || self.epochs == 0 || self.minibatch_size < 2 || num_envs == 0 {
             return bad(format!(
                 "num_steps ({}), epochs ({}) and num_envs ({num_envs}) must be positive and minibatch_size ({}) >= 2",

@@ -768,7 +768,7 @@ fn finish(
         // Which trial a best-run folder holds: a later leaderboard (more shards merged) may
         // rank another trial there, which must not inherit this folder in silence.
         let marker = cfg.out.join("sweep-trial");
-        if let Ok(held) = std::fs::read_to_string(&marker) {
+        if let Ok(held) = fx_data::files::read_regular_to_string(&marker, fx_data::files::MAX_TEXT_BYTES) {
             if held.trim() != trial.to_string() {
                 bail!(
                     "{} holds trial {} but rank {} is now trial {trial}: move the best-run folders away or use another --out",
