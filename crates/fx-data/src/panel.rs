@@ -83,10 +83,13 @@ impl Panel {
             tables.iter().flat_map(|(_, t)| t.timestamp.iter().copied()).collect::<BTreeSet<_>>().into_iter().collect();
         let at: HashMap<i64, usize> = calendar_ts.iter().enumerate().map(|(i, &ts)| (ts, i)).collect();
         let (n_i, n_t, f) = (tables.len(), calendar_ts.len(), feature_names.len());
-        let mut market = vec![0f32; n_i * n_t * f];
-        let mut logret_next = vec![0f32; n_i * n_t];
-        let mut close = vec![0f64; n_i * n_t];
-        let mut mask = vec![0u8; n_i * n_t];
+        // Instruments whose dates barely overlap make the union calendar long: the aligned
+        // cells can outgrow memory though every instrument's own table fits.
+        check_fits(aligned_bytes(n_i, n_t, f), fx_hw::HostInfo::detect().ram_total_bytes, n_i, n_t)?;
+        let mut market = zeroed::<f32>(n_i * n_t * f)?;
+        let mut logret_next = zeroed::<f32>(n_i * n_t)?;
+        let mut close = zeroed::<f64>(n_i * n_t)?;
+        let mut mask = zeroed::<u8>(n_i * n_t)?;
         for (i, (_, t)) in tables.iter().enumerate() {
             for (r, ts) in t.timestamp.iter().enumerate() {
                 let c = at[ts];
@@ -318,9 +321,65 @@ pub fn is_panel_file(path: &Path) -> Result<bool, Error> {
     Ok(v["__metadata__"]["schema"].as_str() == Some(PANEL_SCHEMA))
 }
 
+/// Bytes of a panel of `n_i` instruments aligned on `n_t` dates with `f` features: per cell
+/// its features (F32), next return (F32), close (F64) and mask (U8); per date the calendar
+/// features and timestamp.
+fn aligned_bytes(n_i: usize, n_t: usize, f: usize) -> u64 {
+    let cell = 4 * f as u64 + 4 + 8 + 1;
+    let cells = (n_i as u64).saturating_mul(n_t as u64).saturating_mul(cell);
+    cells.saturating_add((n_t as u64).saturating_mul(4 * N_KNOWN as u64 + 8))
+}
+
+/// Refuses an aligned panel of more than half of the machine's `ram` (when known), in one
+/// line with the sizes that make it.
+fn check_fits(bytes: u64, ram: Option<u64>, n_i: usize, n_t: usize) -> Result<(), Error> {
+    let Some(ram) = ram else { return Ok(()) };
+    if bytes > ram / 2 {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        return Err(Error::format(
+            "panel",
+            format!(
+                "{n_i} instruments aligned on the union of their dates ({n_t} dates) need {:.1} GiB, more than half of \
+                 this machine's memory ({:.1} GiB): do the instruments' dates overlap?",
+                gib(bytes),
+                gib(ram)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `n` zeroed values, reserved fallibly (an address-space limit is an error, not an abort).
+fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>, Error> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::format(
+            "panel",
+            format!("{} bytes of aligned cells do not fit in this process's memory", n.saturating_mul(size_of::<T>())),
+        )
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The aligned panel's size is checked before its cells are allocated: a union
+    /// calendar that would take more than half of the memory is refused in one line.
+    #[test]
+    fn an_aligned_panel_larger_than_memory_is_refused() {
+        let b = aligned_bytes(1000, 60_000, 51);
+        assert_eq!(b, 1000 * 60_000 * (4 * 51 + 13) + 60_000 * (4 * N_KNOWN as u64 + 8));
+        assert!(check_fits(b, Some(2 * b), 1000, 60_000).is_ok());
+        assert!(check_fits(b, None, 1000, 60_000).is_ok());
+        let e = check_fits(b, Some(2 * b - 2), 1000, 60_000).unwrap_err().to_string();
+        assert!(e.contains("1000 instruments") && e.contains("60000 dates") && !e.contains('\n'), "{e}");
+        assert_eq!(aligned_bytes(usize::MAX, usize::MAX, 51), u64::MAX);
+        assert_eq!(zeroed::<f64>(3).unwrap(), vec![0.0; 3]);
+        assert!(zeroed::<f64>(usize::MAX / 4).unwrap_err().to_string().contains("do not fit"));
+    }
     use crate::bars::Bars;
 
     fn data(name: &str) -> PathBuf {
