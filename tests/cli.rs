@@ -664,7 +664,7 @@ fn configs_that_cannot_work_are_refused_and_leave_no_folder() {
             "dqn",
             "learning_starts = 64",
             "learning_starts = 5000",
-            "dqn.learning_starts 5000 exceeds dqn.replay_capacity",
+            "dqn: learning_starts (5000) exceeds replay_capacity (2000)",
         ),
         (
             "dqn",

@@ -420,12 +420,6 @@ impl RunConfig {
                 if b > cap {
                     bail!("dqn.batch_size {b} exceeds dqn.replay_capacity {cap}: minibatches are drawn from the replay buffer");
                 }
-                if self.dqn.learning_starts > cap {
-                    bail!(
-                        "dqn.learning_starts {} exceeds dqn.replay_capacity {cap}: no update would ever run",
-                        self.dqn.learning_starts
-                    );
-                }
             }
             ModelChoice::Ppo => {
                 let rollout = self.ppo.num_steps.saturating_mul(self.env.num_envs);
