@@ -236,18 +236,25 @@ mod tests {
         assert!(write_atomic(Path::new("/"), b"x").is_err());
     }
 
+    /// A FIFO (no writer) and a symbolic link loop in `dir`.
+    #[cfg(unix)]
+    fn fifo_and_loop(dir: &Path) -> (PathBuf, PathBuf) {
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let loop_a = dir.join("a");
+        std::os::unix::fs::symlink(dir.join("b"), &loop_a).unwrap();
+        std::os::unix::fs::symlink(&loop_a, dir.join("b")).unwrap();
+        (fifo, loop_a)
+    }
+
     /// Each kind of path that is not a regular file is refused at once, saying what it is.
     #[cfg(unix)]
     #[test]
     fn only_regular_files_are_read() {
         let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("fifo");
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let loop_a = dir.path().join("a");
-        std::os::unix::fs::symlink(dir.path().join("b"), &loop_a).unwrap();
-        std::os::unix::fs::symlink(&loop_a, dir.path().join("b")).unwrap();
+        let (fifo, loop_a) = fifo_and_loop(dir.path());
         let to_zero = dir.path().join("zero");
         std::os::unix::fs::symlink("/dev/zero", &to_zero).unwrap();
         let t = std::time::Instant::now();
@@ -272,17 +279,12 @@ mod tests {
 
     /// The log a run appends to: a FIFO with or without a reader, a device, a directory or
     /// a symlink loop is refused at once; a regular file (new or existing) is appended to.
+    #[cfg(unix)]
     #[test]
     fn only_regular_files_are_appended_to() {
         use std::os::unix::fs::OpenOptionsExt;
         let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("fifo");
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let loop_a = dir.path().join("a");
-        std::os::unix::fs::symlink(dir.path().join("b"), &loop_a).unwrap();
-        std::os::unix::fs::symlink(&loop_a, dir.path().join("b")).unwrap();
+        let (fifo, loop_a) = fifo_and_loop(dir.path());
         let t = std::time::Instant::now();
         let cases = [
             (fifo.clone(), "is a FIFO"),
