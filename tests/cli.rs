@@ -1389,6 +1389,9 @@ fn hostile_paths_and_bad_flags_are_one_line_errors() {
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // A symlink to the FIFO: the opener resolves it and refuses the FIFO (never blocks).
+    let to_fifo = dir.path().join("to-fifo.csv");
+    std::os::unix::fs::symlink(&fifo, &to_fifo).unwrap();
     let looped = dir.path().join("loop.safetensors");
     std::os::unix::fs::symlink(dir.path().join("other"), &looped).unwrap();
     std::os::unix::fs::symlink(&looped, dir.path().join("other")).unwrap();
@@ -1398,6 +1401,7 @@ fn hostile_paths_and_bad_flags_are_one_line_errors() {
     let t = std::time::Instant::now();
     for (o, want) in [
         (data(&fifo), "bars.csv: is a FIFO (named pipe), not a regular file"),
+        (data(&to_fifo), "to-fifo.csv: is a FIFO (named pipe), not a regular file"),
         (data(Path::new("/dev/zero")), "/dev/zero: is a device, not a regular file"),
         (data(&looped), "loop.safetensors: is a symbolic link loop"),
         // A folder is a panel's bars: its FIFO is refused like any input.
@@ -1420,6 +1424,10 @@ fn hostile_paths_and_bad_flags_are_one_line_errors() {
         // Said once, not once by the error and again by its cause.
         assert!(e.matches("not a regular file").count() <= 1, "{e}");
     }
+    // The same FIFO with a writer that never writes (this process holds both ends).
+    let _held = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+    let e = err_line(&data(&fifo));
+    assert!(e.contains("bars.csv: is a FIFO (named pipe), not a regular file"), "{e}");
     assert!(t.elapsed() < std::time::Duration::from_secs(60), "an input blocked");
     assert!(!out.exists(), "a failed start left {} behind", out.display());
     let o = fx_train().args(["train", "--bogus"]).output().unwrap();
