@@ -96,7 +96,7 @@ impl EnvArgs {
 }
 
 /// Raw device address of one of the env's own buffers (all on the candle stream).
-fn raw<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+pub(super) fn raw<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (p, _record) = s.device_ptr(stream);
     p
 }
