@@ -86,30 +86,19 @@ fn temporary_sibling(path: &Path) -> std::io::Result<PathBuf> {
 /// between a check and the open is refused too. Errors are the operation's own kind with a
 /// message saying what the path is (the caller names the path).
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
-    use std::io::{Error, ErrorKind};
-    let mut opts = std::fs::OpenOptions::new();
-    opts.read(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.custom_flags(libc::O_NONBLOCK);
-    }
-    let f = opts.open(path).map_err(|e| {
-        #[cfg(unix)]
-        if e.raw_os_error() == Some(libc::ELOOP) {
-            return Error::new(ErrorKind::InvalidInput, "is a symbolic link loop");
-        }
-        e
-    })?;
-    regular(f)
+    open_checked(std::fs::OpenOptions::new().read(true), path)
 }
 
 /// Opens `path` for appending (created if missing, with the umask's permissions) if it is
-/// a regular file: opened without blocking, so a FIFO with no reader is an error, not a
-/// hang; a FIFO with one, a device or a directory is refused as [`open_regular`] refuses it.
+/// a regular file, as [`open_regular`] opens for reading: a FIFO (with a reader or not), a
+/// device, a directory or a loop is refused at once, never waited on.
 pub fn append_regular(path: &Path) -> std::io::Result<File> {
-    let mut opts = std::fs::OpenOptions::new();
-    opts.create(true).append(true);
+    open_checked(std::fs::OpenOptions::new().create(true).append(true), path)
+}
+
+/// `opts` without blocking, then the handle's type checked: the one way fx opens a file.
+fn open_checked(opts: &mut std::fs::OpenOptions, path: &Path) -> std::io::Result<File> {
+    use std::io::{Error, ErrorKind};
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
@@ -117,30 +106,31 @@ pub fn append_regular(path: &Path) -> std::io::Result<File> {
     }
     let f = opts.open(path).map_err(|e| {
         #[cfg(unix)]
-        if e.raw_os_error() == Some(libc::ENXIO) {
-            return std::io::Error::new(std::io::ErrorKind::InvalidInput, "is a FIFO (named pipe), not a regular file");
-        }
-        #[cfg(unix)]
-        if e.raw_os_error() == Some(libc::ELOOP) {
-            return std::io::Error::new(std::io::ErrorKind::InvalidInput, "is a symbolic link loop");
-        }
-        #[cfg(unix)]
-        if e.raw_os_error() == Some(libc::EISDIR) {
-            return std::io::Error::new(std::io::ErrorKind::InvalidInput, "is a directory, not a file");
+        match e.raw_os_error() {
+            Some(libc::ELOOP) => return Error::new(ErrorKind::InvalidInput, "is a symbolic link loop"),
+            // A directory opened for writing, or a FIFO without a reader opened for writing
+            // without blocking: what the path is, from its metadata (no open, no wait).
+            Some(libc::EISDIR | libc::ENXIO) => {
+                if let Some(what) = std::fs::metadata(path).ok().and_then(|m| not_regular(m.file_type())) {
+                    return Error::new(ErrorKind::InvalidInput, what);
+                }
+            }
+            _ => {}
         }
         e
     })?;
-    regular(f)
+    match not_regular(f.metadata()?.file_type()) {
+        None => Ok(f),
+        Some(what) => Err(Error::new(ErrorKind::InvalidInput, what)),
+    }
 }
 
-/// `f` if it is a regular file, else an error saying what it is.
-fn regular(f: File) -> std::io::Result<File> {
-    use std::io::{Error, ErrorKind};
-    let ft = f.metadata()?.file_type();
+/// What a file of type `ft` is, when it is not a regular file.
+fn not_regular(ft: std::fs::FileType) -> Option<&'static str> {
     if ft.is_file() {
-        return Ok(f);
+        return None;
     }
-    let what = if ft.is_dir() {
+    Some(if ft.is_dir() {
         "is a directory, not a file"
     } else {
         #[cfg(unix)]
@@ -158,8 +148,7 @@ fn regular(f: File) -> std::io::Result<File> {
         }
         #[cfg(not(unix))]
         "is not a regular file"
-    };
-    Err(Error::new(ErrorKind::InvalidInput, what))
+    })
 }
 
 /// The whole of the regular file at `path` ([`open_regular`]), refused unread when it is
