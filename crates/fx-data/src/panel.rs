@@ -85,7 +85,7 @@ impl Panel {
         let (n_i, n_t, f) = (tables.len(), calendar_ts.len(), feature_names.len());
         // Instruments whose dates barely overlap make the union calendar long: the aligned
         // cells can outgrow memory though every instrument's own table fits.
-        check_fits(aligned_bytes(n_i, n_t, f), fx_hw::HostInfo::detect().ram_total_bytes, n_i, n_t)?;
+        check_fits(aligned_bytes(n_i, n_t, f), fx_hw::HostInfo::detect().memory_limit(), n_i, n_t)?;
         let mut market = zeroed::<f32>(n_i * n_t * f)?;
         let mut logret_next = zeroed::<f32>(n_i * n_t)?;
         let mut close = zeroed::<f64>(n_i * n_t)?;
@@ -330,19 +330,20 @@ fn aligned_bytes(n_i: usize, n_t: usize, f: usize) -> u64 {
     cells.saturating_add((n_t as u64).saturating_mul(4 * N_KNOWN as u64 + 8))
 }
 
-/// Refuses an aligned panel of more than half of the machine's `ram` (when known), in one
-/// line with the sizes that make it.
-fn check_fits(bytes: u64, ram: Option<u64>, n_i: usize, n_t: usize) -> Result<(), Error> {
-    let Some(ram) = ram else { return Ok(()) };
-    if bytes > ram / 2 {
+/// Refuses an aligned panel of more than half of `limit` (the process's memory limit and
+/// what it is, [`fx_hw::HostInfo::memory_limit`]; no check when unknown), in one line with
+/// the sizes that make it.
+fn check_fits(bytes: u64, limit: Option<(u64, &str)>, n_i: usize, n_t: usize) -> Result<(), Error> {
+    let Some((limit, what)) = limit else { return Ok(()) };
+    if bytes > limit / 2 {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         return Err(Error::format(
             "panel",
             format!(
                 "{n_i} instruments aligned on the union of their dates ({n_t} dates) need {:.1} GiB, more than half of \
-                 this machine's memory ({:.1} GiB): do the instruments' dates overlap?",
+                 {what} ({:.1} GiB): do the instruments' dates overlap?",
                 gib(bytes),
-                gib(ram)
+                gib(limit)
             ),
         ));
     }
@@ -365,6 +366,7 @@ fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bars::Bars;
 
     /// The aligned panel's size is checked before its cells are allocated: a union
     /// calendar that would take more than half of the memory is refused in one line.
@@ -372,15 +374,16 @@ mod tests {
     fn an_aligned_panel_larger_than_memory_is_refused() {
         let b = aligned_bytes(1000, 60_000, 51);
         assert_eq!(b, 1000 * 60_000 * (4 * 51 + 13) + 60_000 * (4 * N_KNOWN as u64 + 8));
-        assert!(check_fits(b, Some(2 * b), 1000, 60_000).is_ok());
+        let ram = "this machine's memory";
+        assert!(check_fits(b, Some((2 * b, ram)), 1000, 60_000).is_ok());
         assert!(check_fits(b, None, 1000, 60_000).is_ok());
-        let e = check_fits(b, Some(2 * b - 2), 1000, 60_000).unwrap_err().to_string();
+        let e = check_fits(b, Some((2 * b - 2, ram)), 1000, 60_000).unwrap_err().to_string();
         assert!(e.contains("1000 instruments") && e.contains("60000 dates") && !e.contains('\n'), "{e}");
+        assert!(e.contains("more than half of this machine's memory"), "{e}");
         assert_eq!(aligned_bytes(usize::MAX, usize::MAX, 51), u64::MAX);
         assert_eq!(zeroed::<f64>(3).unwrap(), vec![0.0; 3]);
         assert!(zeroed::<f64>(usize::MAX / 4).unwrap_err().to_string().contains("do not fit"));
     }
-    use crate::bars::Bars;
 
     fn data(name: &str) -> PathBuf {
         PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data")).join(name)

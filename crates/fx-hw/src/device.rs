@@ -40,6 +40,31 @@ impl HostInfo {
         let (total, avail) = read_meminfo();
         HostInfo { cpu_cores, ram_total_bytes: total, ram_available_bytes: avail }
     }
+
+    /// The most memory this process may use, and what bounds it: the machine's RAM, or the
+    /// process's address-space limit (`RLIMIT_AS`, set by containers and `ulimit -v`) when
+    /// that is smaller; `None` when neither is known. Memory checks compare against this.
+    pub fn memory_limit(&self) -> Option<(u64, &'static str)> {
+        match (self.ram_total_bytes, address_space_limit()) {
+            (Some(r), Some(l)) if l < r => Some((l, "this process's address-space limit")),
+            (Some(r), _) => Some((r, "this machine's memory")),
+            (None, Some(l)) => Some((l, "this process's address-space limit")),
+            (None, None) => None,
+        }
+    }
+}
+
+/// `RLIMIT_AS` when one is set, in bytes.
+fn address_space_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes the struct it is given.
+        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0 && r.rlim_cur != libc::RLIM_INFINITY {
+            return Some(r.rlim_cur);
+        }
+    }
+    None
 }
 
 fn read_meminfo() -> (Option<u64>, Option<u64>) {
@@ -290,6 +315,17 @@ mod tests {
         let back: HardwareBudget = serde_json::from_str(&json).unwrap();
         assert_eq!(back.device, b.device);
         assert!(json.contains("\"precision\""));
+    }
+
+    #[test]
+    fn the_memory_limit_is_the_smaller_of_ram_and_the_address_space() {
+        let host = |ram| HostInfo { cpu_cores: 1, ram_total_bytes: ram, ram_available_bytes: None };
+        let (lim, what) = host(Some(1 << 30)).memory_limit().expect("RAM known");
+        match address_space_limit() {
+            Some(l) if l < 1 << 30 => assert_eq!((lim, what), (l, "this process's address-space limit")),
+            _ => assert_eq!((lim, what), (1 << 30, "this machine's memory")),
+        }
+        assert_eq!(host(None).memory_limit(), address_space_limit().map(|l| (l, "this process's address-space limit")));
     }
 
     #[cfg(feature = "cuda")]

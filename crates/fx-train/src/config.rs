@@ -542,13 +542,7 @@ impl RunConfig {
         let needs = self.host_memory_needs();
         let total: u64 = needs.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
         let Some((key, most)) = needs.iter().max_by_key(|(_, b)| *b) else { return Ok(()) };
-        let ram = fx_hw::HostInfo::detect().ram_total_bytes;
-        let (limit, what) = match (ram, address_space_limit()) {
-            (Some(r), Some(l)) if l < r => (l, "this process's address-space limit"),
-            (Some(r), _) => (r, "this machine's memory"),
-            (None, Some(l)) => (l, "this process's address-space limit"),
-            (None, None) => return Ok(()),
-        };
+        let Some((limit, what)) = fx_hw::HostInfo::detect().memory_limit() else { return Ok(()) };
         if total > limit / 2 {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
             bail!(
@@ -560,19 +554,6 @@ impl RunConfig {
         }
         Ok(())
     }
-}
-
-/// `RLIMIT_AS` when one is set (containers and `ulimit -v` set it), in bytes.
-fn address_space_limit() -> Option<u64> {
-    #[cfg(unix)]
-    {
-        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        // SAFETY: getrlimit writes the struct it is given.
-        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0 && r.rlim_cur != libc::RLIM_INFINITY {
-            return Some(r.rlim_cur);
-        }
-    }
-    None
 }
 
 /// A TOML error as one line, `line L, column C: what`: the toml crate's own message is a
