@@ -5,8 +5,10 @@
 //   1. fx_pop_sumsq  per-block partial sums of g^2, one row of partials per member, over up
 //                    to FX_MT_MAX tensors (a member's partials in a fixed order, so its norm
 //                    does not depend on the other members);
-//   2. (the caller)  per member: the guard, clip factor, step count and bias corrections
-//                    from the partials, as [N] tensors;
+//   2. fx_pop_decide per member (a thread each): the guard, clip factor, step count and
+//                    bias corrections from its row of partials, as [N] arrays, and its
+//                    counters and last report (one launch, where candle's ops took ~40 tiny
+//                    launches that a captured step paid one by one);
 //   3. fx_pop_adam   AdamW on every tensor with member k's factors, skipped where member k's
 //                    ok flag is 0, then the soft target update target += tau_k (p - target).
 // Per-member values are device arrays, so a captured graph serves any mix of members.
@@ -45,6 +47,28 @@ struct PopFactors {
     unsigned long long tau;           // soft target update
 };
 
+// The inputs and outputs of fx_pop_decide (member k at index k of every [members] array).
+struct PopDecide {
+    unsigned long long partials;      // F32 [members, cols] (fx_pop_sumsq's)
+    unsigned long long loss;          // F32 [members]
+    unsigned long long lr;            // F64 [members]
+    unsigned long long max_norm;      // F64 [members]
+    unsigned long long bc1;           // F64 [bc1_last + 1]: 1 - beta1^t
+    unsigned long long bc2;           // F64 [bc2_last + 1]: 1 - beta2^t
+    unsigned long long steps;         // U32 [members], in and out: steps applied
+    unsigned long long skipped_loss;  // U32 [members], in and out
+    unsigned long long skipped_grad;  // U32 [members], in and out
+    unsigned long long last;          // F64 [3, members] out: loss, gradient norm, skipped
+    unsigned long long ok;            // F32 [members] out: PopFactors' ok, coef, step_size,
+    unsigned long long coef;          //   inv_bc2_sqrt
+    unsigned long long step_size;
+    unsigned long long inv_bc2_sqrt;
+    unsigned int bc1_last;
+    unsigned int bc2_last;
+    unsigned int members;
+    unsigned int cols;
+};
+
 // Block b of the launch: its tensor i, member k and chunk c within the member's slice.
 __device__ __forceinline__ void pop_block(const PopTable& t, unsigned int b, unsigned int& i, unsigned int& k,
                                           unsigned int& c) {
@@ -78,6 +102,44 @@ fx_pop_sumsq(PopTable t, float* __restrict__ partials) {
     }
     acc = block_sum(acc, smem);
     if (threadIdx.x == 0) partials[(size_t)k * t.cols + t.col_start[i] + c] = acc;
+}
+
+// Member k's decisions, rounding as the CPU path's candle ops (PopAdamW::decide) round, with
+// the squared norm summed in F32 over the member's partials in column order:
+//   ok = loss and sumsq finite; norm = sqrt(sumsq) (F32, then F64);
+//   coef = min(max_norm / (norm + 1e-6), 1) (F64, a NaN quotient gives 1; then F32);
+//   steps += ok; step_size = lr / bc1[min(steps, bc1_last)]; inv_bc2_sqrt = 1 / sqrt(bc2[..]).
+// A dry launch (a graph's warm-up) writes the four factor arrays only, never the counters.
+extern "C" __global__ void fx_pop_decide(PopDecide d, unsigned int dry) {
+    unsigned int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= d.members) return;
+    const float* row = (const float*)d.partials + (size_t)k * d.cols;
+    float sumsq = 0.0f;
+    for (unsigned int c = 0; c < d.cols; ++c) sumsq = __fadd_rn(sumsq, row[c]);
+    float loss = ((const float*)d.loss)[k];
+    // x - x is 0 exactly for finite x and NaN otherwise.
+    bool ok_loss = __fsub_rn(loss, loss) == 0.0f;
+    bool ok_grad = __fsub_rn(sumsq, sumsq) == 0.0f;
+    bool ok = ok_loss && ok_grad;
+    double norm = (double)__fsqrt_rn(sumsq);
+    double q = __ddiv_rn(((const double*)d.max_norm)[k], __dadd_rn(norm, 1e-6));
+    float coef = q < 1.0 ? __double2float_rn(q) : 1.0f;
+    unsigned int* steps = (unsigned int*)d.steps;
+    unsigned int t = steps[k] + (ok ? 1u : 0u);
+    unsigned int i1 = t < d.bc1_last ? t : d.bc1_last;
+    unsigned int i2 = t < d.bc2_last ? t : d.bc2_last;
+    ((float*)d.ok)[k] = ok ? 1.0f : 0.0f;
+    ((float*)d.coef)[k] = coef;
+    ((float*)d.step_size)[k] = __double2float_rn(__ddiv_rn(((const double*)d.lr)[k], ((const double*)d.bc1)[i1]));
+    ((float*)d.inv_bc2_sqrt)[k] = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(((const double*)d.bc2)[i2])));
+    if (dry) return;
+    steps[k] = t;
+    ((unsigned int*)d.skipped_loss)[k] += ok_loss ? 0u : 1u;
+    ((unsigned int*)d.skipped_grad)[k] += (ok_loss && !ok_grad) ? 1u : 0u;
+    double* last = (double*)d.last;
+    last[k] = (double)loss;
+    last[d.members + k] = norm;
+    last[2 * (size_t)d.members + k] = ok ? 0.0 : 1.0;
 }
 
 // The rounding follows the population's candle ops (crates/fx-models/src/dqn/population.rs):

@@ -243,6 +243,64 @@ pub fn pop_sumsq_reference(grads: &[&[f32]], members: usize) -> Vec<f64> {
     out
 }
 
+/// One member's inputs to `fx_pop_decide`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PopRefMember {
+    pub loss: f32,
+    pub lr: f64,
+    pub max_norm: f64,
+    /// Steps applied, skips for a non-finite loss / gradient: read and, unless dry, written.
+    pub steps: u32,
+    pub skipped_loss: u32,
+    pub skipped_grad: u32,
+}
+
+/// One member's outputs of `fx_pop_decide`: its `PopFactors` entries and its last report.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PopRefDecision {
+    pub ok: f32,
+    pub coef: f32,
+    pub step_size: f32,
+    pub inv_bc2_sqrt: f32,
+    /// Loss, gradient norm before clipping, 1 where skipped.
+    pub last: [f64; 3],
+}
+
+/// `fx_pop_decide` for one member on the host, rounding as the kernel does: its row of
+/// partials summed in F32 in order, the guard, clip factor, step count and bias
+/// corrections (`bc1`, `bc2`: the tables `1 − βᵗ`). Unless `dry`, `m`'s counters advance.
+pub fn pop_decide_reference(
+    partials: &[f32],
+    m: &mut PopRefMember,
+    bc1: &[f64],
+    bc2: &[f64],
+    dry: bool,
+) -> PopRefDecision {
+    let sumsq = partials.iter().fold(0.0f32, |a, &x| a + x);
+    // The kernel's x - x == 0 is exactly is_finite.
+    let (ok_loss, ok_grad) = (m.loss.is_finite(), sumsq.is_finite());
+    let ok = ok_loss && ok_grad;
+    let norm = f64::from(sumsq.sqrt());
+    let q = m.max_norm / (norm + 1e-6);
+    let coef = if q < 1.0 { q as f32 } else { 1.0 };
+    let t = m.steps + u32::from(ok);
+    let i1 = (t as usize).min(bc1.len() - 1);
+    let i2 = (t as usize).min(bc2.len() - 1);
+    let d = PopRefDecision {
+        ok: if ok { 1.0 } else { 0.0 },
+        coef,
+        step_size: (m.lr / bc1[i1]) as f32,
+        inv_bc2_sqrt: (1.0 / bc2[i2].sqrt()) as f32,
+        last: [f64::from(m.loss), norm, if ok { 0.0 } else { 1.0 }],
+    };
+    if !dry {
+        m.steps = t;
+        m.skipped_loss += u32::from(!ok_loss);
+        m.skipped_grad += u32::from(ok_loss && !ok_grad);
+    }
+    d
+}
+
 /// `fx_pop_adam` on the host, rounding as the kernel does (F32, no contraction): member k
 /// with `ok[k] == 0` is left as it is.
 pub fn pop_adam_reference(
@@ -278,6 +336,40 @@ pub fn pop_adam_reference(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The decisions of one member: the clip, the guard on a NaN loss and on an infinite
+    /// norm, the step count and the bias corrections at and past the tables' ends.
+    #[test]
+    fn pop_decide_reference_clips_guards_and_counts() {
+        let bc1: Vec<f64> = (0..4).map(|t| 1.0 - 0.9f64.powi(t)).collect();
+        let bc2: Vec<f64> = (0..3).map(|t| 1.0 - 0.999f64.powi(t)).collect();
+        let member =
+            |loss: f32| PopRefMember { loss, lr: 0.01, max_norm: 1.0, steps: 0, skipped_loss: 0, skipped_grad: 0 };
+        // Norm 2 against a clip of 1: factor 1 / (2 + 1e-6); first step's bias corrections.
+        let mut m = member(0.5);
+        let d = pop_decide_reference(&[3.0, 1.0], &mut m, &bc1, &bc2, false);
+        assert_eq!((d.ok, d.coef), (1.0, (1.0 / (2.0 + 1e-6)) as f32));
+        assert_eq!((d.step_size, d.inv_bc2_sqrt), ((0.01 / 0.1f64) as f32, (1.0 / 0.001f64.sqrt()) as f32));
+        assert_eq!((m.steps, d.last), (1, [0.5, 2.0, 0.0]));
+        // A small norm is not clipped; a dry decision leaves the counters.
+        let d = pop_decide_reference(&[0.01], &mut m, &bc1, &bc2, true);
+        assert_eq!((d.coef, m.steps), (1.0, 1));
+        // Past the tables' ends the last entries serve.
+        m.steps = 10;
+        let d = pop_decide_reference(&[0.01], &mut m, &bc1, &bc2, false);
+        assert_eq!((d.step_size, d.inv_bc2_sqrt, m.steps), ((0.01 / bc1[3]) as f32, (1.0 / bc2[2].sqrt()) as f32, 11));
+        // A NaN loss skips and counts as a loss skip; an infinite norm as a gradient skip (its
+        // factor max_norm / ∞ = 0), a NaN norm too (its factor 1: NaN < 1 is false).
+        let mut m = member(f32::NAN);
+        let d = pop_decide_reference(&[1.0], &mut m, &bc1, &bc2, false);
+        assert_eq!((d.ok, m.steps, m.skipped_loss, m.skipped_grad, d.last[2]), (0.0, 0, 1, 0, 1.0));
+        let mut m = member(0.1);
+        let d = pop_decide_reference(&[f32::INFINITY, 1.0], &mut m, &bc1, &bc2, false);
+        assert_eq!((d.ok, d.coef, m.steps, m.skipped_loss, m.skipped_grad), (0.0, 0.0, 0, 0, 1));
+        let d = pop_decide_reference(&[f32::NAN], &mut m, &bc1, &bc2, false);
+        assert_eq!((d.ok, d.coef, m.steps, m.skipped_grad), (0.0, 1.0, 0, 2));
+        assert!(d.last[1].is_nan());
+    }
 
     /// Adam's first step moves every weight by about lr against its gradient's sign, and
     /// a NaN loss or gradient changes nothing but the counters.

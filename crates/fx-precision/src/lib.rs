@@ -78,7 +78,7 @@ pub use accumulate::{Accumulated, GradAccumulator};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
-pub use fused::pop_kernels::{PopAdamKernels, PopEntry, PopFactors};
+pub use fused::pop_kernels::{PopAdamKernels, PopDecide, PopEntry, PopFactors};
 #[cfg(feature = "cuda")]
 pub use fused::{FusedAdamConfig, FusedStats, FusedStep};
 pub use grad_scaler::{GradScaler, GradScalerConfig, GradScalerState, GRAD_SCALER_METADATA_KEY};

@@ -1,13 +1,17 @@
-//! Device test: the population optimiser kernels against `fused_ref::pop_sumsq_reference` /
+//! Device tests: the population optimiser kernels against `fused_ref::pop_sumsq_reference` /
 //! `pop_adam_reference` on fresh random tensors (more than one launch table, a member that
-//! skips, a member with an infinite gradient, slices of one to several chunks). Returns
-//! early without a GPU (fails with `FX_REQUIRE_GPU=1`).
+//! skips, a member with an infinite gradient, slices of one to several chunks), and the
+//! decisions kernel against `pop_decide_reference` (non-finite losses and norms, clipped and
+//! unclipped members, step counts at and past the bias tables' ends, dry and real launches).
+//! Return early without a GPU (fail with `FX_REQUIRE_GPU=1`).
 
 use candle_core::{DType, Tensor};
 
 use super::kernels::MT_MAX;
-use super::pop_kernels::{PopAdamKernels, PopEntry, PopFactors};
-use crate::fused_ref::{pop_adam_reference, pop_sumsq_reference, PopRefFactors, PopRefTensor};
+use super::pop_kernels::{PopAdamKernels, PopDecide, PopEntry, PopFactors};
+use crate::fused_ref::{
+    pop_adam_reference, pop_decide_reference, pop_sumsq_reference, PopRefFactors, PopRefMember, PopRefTensor,
+};
 use fx_hw::test_gpu as gpu;
 use fx_kernels::cuda::address;
 use fx_kernels::rng;
@@ -122,5 +126,107 @@ fn pop_kernels_match_reference() {
         let per = pers[i];
         let got: Vec<f32> = dp[i].to_vec1().unwrap();
         assert!(got[per..2 * per] == before[i][per..2 * per], "member 1 of tensor {i} moved");
+    }
+}
+
+#[test]
+fn pop_decide_matches_reference() {
+    let Some(dev) = gpu("pop_decide_matches_reference") else { return };
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
+    eprintln!("pop_decide_matches_reference: seed {seed}");
+    // More members than one block of threads; a short second table so that step counts reach
+    // its end.
+    let (members, cols) = (300usize, 37usize);
+    let r = |stream: u64, k: usize, j: usize| rng::draw(seed, stream, k as u64, j as u64);
+    let mut partials: Vec<f32> = (0..members * cols).map(|i| (r(1, i / cols, i % cols) * 0.02) as f32).collect();
+    let table = |beta: f64, len: usize| -> Vec<f64> { (0..len).map(|t| 1.0 - beta.powf(t as f64)).collect() };
+    let (bc1, bc2) = (table(0.9, 400), table(0.999, 50));
+    let mut m: Vec<PopRefMember> = (0..members)
+        .map(|k| PopRefMember {
+            loss: ((r(2, k, 0) - 0.5) * 4.0) as f32,
+            lr: 1e-5 + r(3, k, 0) * 1e-2,
+            // Half the members clip (a norm of ~0.1–0.9 against a clip of ~0.05–0.3).
+            max_norm: if k % 2 == 0 { 0.05 + 0.25 * r(4, k, 0) } else { 10.0 + r(4, k, 0) },
+            steps: (r(5, k, 0) * 500.0) as u32,
+            skipped_loss: (r(6, k, 0) * 5.0) as u32,
+            skipped_grad: (r(7, k, 0) * 5.0) as u32,
+        })
+        .collect();
+    // Non-finite cases: a NaN and an infinite loss, a NaN and an infinite partial, both at once,
+    // an all-zero gradient.
+    m[5].loss = f32::NAN;
+    m[6].loss = f32::INFINITY;
+    partials[7 * cols + 3] = f32::NAN;
+    partials[8 * cols] = f32::INFINITY;
+    m[9].loss = f32::NEG_INFINITY;
+    partials[9 * cols + 1] = f32::NAN;
+    partials[10 * cols..11 * cols].fill(0.0);
+    m[11].steps = 0;
+    m[12].steps = bc2.len() as u32 - 2;
+    let up32 = |x: &[f32]| Tensor::from_slice(x, x.len(), &dev).unwrap();
+    let up64 = |x: &[f64]| Tensor::from_slice(x, x.len(), &dev).unwrap();
+    let upu = |x: &[u32]| Tensor::from_slice(x, x.len(), &dev).unwrap();
+    let d_partials = Tensor::from_slice(&partials, (members, cols), &dev).unwrap();
+    let d_loss = up32(&m.iter().map(|m| m.loss).collect::<Vec<_>>());
+    let d_lr = up64(&m.iter().map(|m| m.lr).collect::<Vec<_>>());
+    let d_max = up64(&m.iter().map(|m| m.max_norm).collect::<Vec<_>>());
+    let (d_bc1, d_bc2) = (up64(&bc1), up64(&bc2));
+    let d_steps = upu(&m.iter().map(|m| m.steps).collect::<Vec<_>>());
+    let d_sl = upu(&m.iter().map(|m| m.skipped_loss).collect::<Vec<_>>());
+    let d_sg = upu(&m.iter().map(|m| m.skipped_grad).collect::<Vec<_>>());
+    let d_last = Tensor::zeros((3, members), DType::F64, &dev).unwrap();
+    let outs: Vec<Tensor> = (0..4).map(|_| Tensor::zeros(members, DType::F32, &dev).unwrap()).collect();
+    let a32 = |t: &Tensor| address::<f32>(t, "f32").unwrap();
+    let a64 = |t: &Tensor| address::<f64>(t, "f64").unwrap();
+    let au = |t: &Tensor| address::<u32>(t, "u32").unwrap();
+    let d = PopDecide {
+        partials: a32(&d_partials),
+        loss: a32(&d_loss),
+        lr: a64(&d_lr),
+        max_norm: a64(&d_max),
+        bc1: a64(&d_bc1),
+        bc2: a64(&d_bc2),
+        steps: au(&d_steps),
+        skipped_loss: au(&d_sl),
+        skipped_grad: au(&d_sg),
+        last: a64(&d_last),
+        ok: a32(&outs[0]),
+        coef: a32(&outs[1]),
+        step_size: a32(&outs[2]),
+        inv_bc2_sqrt: a32(&outs[3]),
+        bc1_last: bc1.len() as u32 - 1,
+        bc2_last: bc2.len() as u32 - 1,
+        members: members as u32,
+        cols: cols as u32,
+    };
+    let kernels = PopAdamKernels::load(&dev).unwrap();
+    for dry in [true, false] {
+        unsafe { kernels.decide(&d, dry).unwrap() };
+        let got: Vec<Vec<f32>> = outs.iter().map(|t| t.to_vec1().unwrap()).collect();
+        let last: Vec<Vec<f64>> = d_last.to_vec2().unwrap();
+        let (steps, sl, sg): (Vec<u32>, Vec<u32>, Vec<u32>) =
+            (d_steps.to_vec1().unwrap(), d_sl.to_vec1().unwrap(), d_sg.to_vec1().unwrap());
+        let (mut clipped, mut skipped) = (0, 0);
+        for k in 0..members {
+            let want = pop_decide_reference(&partials[k * cols..(k + 1) * cols], &mut m[k], &bc1, &bc2, dry);
+            let ctx = format!("member {k}, dry {dry}, seed {seed}");
+            let bits = [got[0][k], got[1][k], got[2][k], got[3][k]].map(f32::to_bits);
+            let want_bits = [want.ok, want.coef, want.step_size, want.inv_bc2_sqrt].map(f32::to_bits);
+            assert_eq!(bits, want_bits, "factors of {ctx}");
+            assert!(got[1][k].is_finite() && got[2][k].is_finite() && got[3][k].is_finite(), "{ctx}: factors finite");
+            assert_eq!(
+                (steps[k], sl[k], sg[k]),
+                (m[k].steps, m[k].skipped_loss, m[k].skipped_grad),
+                "counters of {ctx}"
+            );
+            if !dry {
+                let l = [last[0][k], last[1][k], last[2][k]];
+                // NaN == NaN by bits: the report carries a NaN loss or norm as it is.
+                assert_eq!(l.map(f64::to_bits), want.last.map(f64::to_bits), "last report of {ctx}");
+            }
+            clipped += usize::from(want.coef < 1.0);
+            skipped += usize::from(want.ok == 0.0);
+        }
+        assert!(clipped > members / 4 && skipped == 5, "clipped {clipped}, skipped {skipped}: cases not covered");
     }
 }

@@ -1,10 +1,13 @@
 //! Launch wrappers of `kernels/train/pop_optim.cu`: the optimiser tail of a population's
-//! update (N members of one architecture, every tensor stacked `[N, per]`) as two launches
-//! per table of up to [`MT_MAX`] tensors: per-member partial sums of the squared gradient,
-//! then AdamW with member k's factors (skipped where member k is not ok) and the soft target
-//! update. Everything is read from and written to device memory, so a CUDA graph captures
-//! it and serves any mix of members' hyperparameters. [`crate::fused_ref::pop_adam_reference`]
-//! and [`crate::fused_ref::pop_sumsq_reference`] define what they compute.
+//! update (N members of one architecture, every tensor stacked `[N, per]`): per-member
+//! partial sums of the squared gradient (a launch per table of up to [`MT_MAX`] tensors),
+//! each member's decisions from them (the guard, clip factor, step count, bias corrections
+//! and counters: one launch), then AdamW with member k's factors (skipped where member k is
+//! not ok) and the soft target update (a launch per table). Everything is read from and
+//! written to device memory, so a CUDA graph captures it and serves any mix of members'
+//! hyperparameters. [`crate::fused_ref::pop_sumsq_reference`],
+//! [`crate::fused_ref::pop_decide_reference`] and [`crate::fused_ref::pop_adam_reference`]
+//! define what they compute.
 
 use candle_core::CudaDevice;
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -73,10 +76,46 @@ pub struct PopFactors {
 // SAFETY: plain old data with the C layout of `PopFactors` in kernels/train/pop_optim.cu.
 unsafe impl DeviceRepr for PopFactors {}
 
-/// The two loaded kernels.
+/// Device addresses of a step's decisions (`struct PopDecide`): member k at index k of
+/// every `[members]` array.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PopDecide {
+    /// F32 `[members, cols]`: [`PopAdamKernels::sumsq`]'s partials.
+    pub partials: u64,
+    /// F32: each member's loss.
+    pub loss: u64,
+    /// F64: learning rate and gradient-norm clip.
+    pub lr: u64,
+    pub max_norm: u64,
+    /// F64 tables `1 − β₁ᵗ`, `1 − β₂ᵗ` for t = 0..=`bc1_last` / `bc2_last`.
+    pub bc1: u64,
+    pub bc2: u64,
+    /// U32, read and written: steps applied, skips for a non-finite loss / gradient.
+    pub steps: u64,
+    pub skipped_loss: u64,
+    pub skipped_grad: u64,
+    /// F64 `[3, members]`, written: loss, gradient norm before clipping, 1 where skipped.
+    pub last: u64,
+    /// F32, written: [`PopFactors`]' `ok`, `coef`, `step_size` and `inv_bc2_sqrt`.
+    pub ok: u64,
+    pub coef: u64,
+    pub step_size: u64,
+    pub inv_bc2_sqrt: u64,
+    pub bc1_last: u32,
+    pub bc2_last: u32,
+    pub members: u32,
+    pub cols: u32,
+}
+
+// SAFETY: plain old data with the C layout of `PopDecide` in kernels/train/pop_optim.cu.
+unsafe impl DeviceRepr for PopDecide {}
+
+/// The three loaded kernels.
 #[derive(Debug, Clone)]
 pub struct PopAdamKernels {
     sumsq: CudaFunction,
+    decide: CudaFunction,
     adam: CudaFunction,
     dev: CudaDevice,
 }
@@ -89,7 +128,7 @@ impl PopAdamKernels {
         let get = |name: &str| -> Result<CudaFunction> {
             Ok(dev.get_or_load_custom_func(name, "fx_pop_optim", PTX_POP_OPTIM).ctx(CTX)?.into_cuda_function())
         };
-        Ok(Self { sumsq: get("fx_pop_sumsq")?, adam: get("fx_pop_adam")?, dev })
+        Ok(Self { sumsq: get("fx_pop_sumsq")?, decide: get("fx_pop_decide")?, adam: get("fx_pop_adam")?, dev })
     }
 
     /// Partials per member (the columns of the `[members, cols]` partials buffer) for
@@ -170,6 +209,27 @@ impl PopAdamKernels {
             b.arg(t).arg(&partials);
             b.launch(cfg).map_err(driver(CTX))?;
         }
+        Ok(())
+    }
+
+    /// Queues each member's decisions from the partials of [`Self::sumsq`] (one thread a
+    /// member): the four factor arrays always, the step and skip counters and the last
+    /// report unless `dry`.
+    ///
+    /// # Safety
+    /// As [`Self::sumsq`], for every array of `d` at the length and dtype its field states.
+    pub unsafe fn decide(&self, d: &PopDecide, dry: bool) -> Result<()> {
+        const CTX: &str = "PopAdamKernels::decide";
+        if d.members == 0 || d.cols == 0 {
+            return Err(Error::Config { context: CTX, message: "no members or no partials to decide from".into() });
+        }
+        let cfg =
+            LaunchConfig { grid_dim: (d.members.div_ceil(BLOCK), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let dry = dry as u32;
+        let stream = self.dev.cuda_stream();
+        let mut b = stream.launch_builder(&self.decide);
+        b.arg(d).arg(&dry);
+        b.launch(cfg).map_err(driver(CTX))?;
         Ok(())
     }
 
