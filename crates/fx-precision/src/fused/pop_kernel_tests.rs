@@ -16,11 +16,17 @@ use fx_hw::test_gpu as gpu;
 use fx_kernels::cuda::address;
 use fx_kernels::rng;
 
+/// A seed from the clock, printed so that a failure can be replayed.
+fn fresh_seed(test: &str) -> u64 {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
+    eprintln!("{test}: seed {seed}");
+    seed
+}
+
 #[test]
 fn pop_kernels_match_reference() {
     let Some(dev) = gpu("pop_kernels_match_reference") else { return };
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
-    eprintln!("pop_kernels_match_reference: seed {seed}");
+    let seed = fresh_seed("pop_kernels_match_reference");
     let members = 5;
     let n_tensors = MT_MAX + 3;
     let pers: Vec<usize> =
@@ -132,8 +138,7 @@ fn pop_kernels_match_reference() {
 #[test]
 fn pop_decide_matches_reference() {
     let Some(dev) = gpu("pop_decide_matches_reference") else { return };
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
-    eprintln!("pop_decide_matches_reference: seed {seed}");
+    let seed = fresh_seed("pop_decide_matches_reference");
     // More members than one block of threads; a short second table so that step counts reach
     // its end.
     let (members, cols) = (300usize, 37usize);
