@@ -760,7 +760,8 @@ fn damaged_checkpoints_are_skipped_with_a_warning_and_kept() {
 }
 
 /// A run folder whose every checkpoint is damaged is not trained again from step 0: the
-/// resume (and eval) fail in one line naming them, and every file stays.
+/// resume (and eval) fail in one line naming them, and every file stays; `--restart` then
+/// starts it over explicitly, keeping the damaged files.
 #[test]
 fn a_resume_with_every_checkpoint_damaged_fails_and_keeps_them() {
     let dir = tempfile::tempdir().unwrap();
@@ -790,6 +791,20 @@ fn a_resume_with_every_checkpoint_damaged_fails_and_keeps_them() {
     before.sort();
     after.sort();
     assert_eq!(before, after);
+    // Starting over is explicit: --restart (only with --resume) trains from step 0 under
+    // the saved config, the damaged files kept in damaged/.
+    let e = err_line(&fx_train().args(["train", "--restart", "--quiet", "--out"]).arg(&run).output().unwrap());
+    assert!(e.contains("--resume"), "{e}");
+    let out = fx_train().args(["train", "--resume", "--restart", "--quiet", "--out"]).arg(&run).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("--restart starts the run over from step 0") && err.contains("damaged"), "{err}");
+    assert!(checkpoint(&run, 30).exists(), "the restarted run did not train to its end");
+    for p in &states {
+        let kept = run.join("damaged").join(p.file_name().unwrap());
+        assert_eq!(std::fs::read(&kept).unwrap(), b"damaged", "{}", kept.display());
+    }
+    assert!(run.join("report.json").exists());
 }
 
 #[test]

@@ -332,3 +332,66 @@ fn quantize_and_eval_int8_for_mamba2() {
     let e = err_line(&fx_train().args(["quantize", "--method", "minmax", "--checkpoint"]).arg(&run).output().unwrap());
     assert!(e.contains("dynamic") && e.contains("mamba2"), "{e}");
 }
+
+/// Whether process `pid` catches `signal` (its `SigCgt` mask in /proc): a signal sent
+/// before the handler is installed would kill the process whatever the handler does.
+fn catches(pid: u32, signal: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:")).map(str::trim).unwrap_or("0");
+    u64::from_str_radix(mask, 16).is_ok_and(|m| m & (1 << (signal - 1)) != 0)
+}
+
+/// `quantize` under SIGTERM (what a scheduler sends) stops like the trainer: exit 130 with
+/// the INT8 file written whole or not at all and no temporary left beside it. Signalled at
+/// several points of its work, each once its handler is in place.
+#[test]
+fn quantize_stops_on_sigterm_with_the_whole_file_or_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = short_run(dir.path(), "dqn");
+    let listing = |run: &Path| -> Vec<String> {
+        let mut names: Vec<String> =
+            std::fs::read_dir(run).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
+    };
+    let before = listing(&run);
+    let (mut stopped_before, mut stopped_after) = (0, 0);
+    for delay_ms in [0u64, 20, 60, 150, 400] {
+        let child = fx_train()
+            .args(["quantize", "--checkpoint"])
+            .arg(&run)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = std::time::Instant::now();
+        while !catches(child.id(), 15) {
+            assert!(t.elapsed() < std::time::Duration::from_secs(20), "quantize never installed its handler");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        // 0 only when the signal came after the command's last check (its work was done).
+        assert!(matches!(out.status.code(), Some(130) | Some(0)), "delay {delay_ms} ms: {:?} {stderr}", out.status);
+        let after = listing(&run);
+        let new: Vec<&String> = after.iter().filter(|n| !before.contains(n)).collect();
+        if stdout.contains("nothing was written") {
+            assert_eq!(out.status.code(), Some(130));
+            assert!(new.is_empty(), "delay {delay_ms} ms: an interrupted quantize left {new:?}");
+            stopped_before += 1;
+        } else {
+            // Written whole: the loader's checks (its own SHA-256 included) pass.
+            assert!(new.iter().all(|n| n.ends_with(".int8.safetensors") || n == &"quant_report.json"), "{new:?}");
+            ok(&fx_train().args(["eval", "--int8", "--checkpoint"]).arg(&run).output().unwrap());
+            stopped_after += 1;
+            for n in new {
+                std::fs::remove_file(run.join(n)).unwrap();
+            }
+        }
+    }
+    // The earliest signal always lands before the file is written (calibration takes longer
+    // than the handler's installation); later ones may land either side.
+    assert!(stopped_before >= 1, "no signal stopped quantize before its write ({stopped_after} after)");
+}

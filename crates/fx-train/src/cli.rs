@@ -139,6 +139,11 @@ pub struct TrainArgs {
     /// Continue the run (or study) in --out from its latest checkpoint.
     #[arg(long)]
     pub resume: bool,
+    /// With --resume: where a run's checkpoints all fail to verify, start it over from step 0
+    /// under its saved config (the damaged files moved into damaged/) instead of refusing;
+    /// a run with a checkpoint that verifies continues from it as usual.
+    #[arg(long, requires = "resume")]
+    pub restart: bool,
     /// No progress bar (also when stdout is not a terminal).
     #[arg(long)]
     pub quiet: bool,

@@ -441,6 +441,40 @@ impl RunConfig {
     /// state and observations; for TFT / MAMBA-2 one batch's activations over its windows.
     /// Estimates on the generous side.
     pub fn host_memory_needs(&self) -> Vec<(String, u64)> {
+        self.memory_needs(self.activations_on_host())
+    }
+
+    /// What a run on a GPU holds in device memory, by key (bytes): the same buffers as
+    /// [`Self::host_memory_needs`] (parameters and optimiser state, replay or rollout, the
+    /// accounts and a DQN / PPO minibatch's activations all live on the device there),
+    /// except a forecaster's batch activations, which the budget's batch sizing bounds (and
+    /// an out-of-memory at start-up retries a tier down).
+    pub fn device_memory_needs(&self) -> Vec<(String, u64)> {
+        self.memory_needs(false)
+    }
+
+    /// Refuses a GPU run whose [`Self::device_memory_needs`] exceed the device's free memory
+    /// (`free` bytes on `device`, as the driver reports them once it is open): one line
+    /// naming the key that needs most, before any of it is allocated.
+    pub fn check_device_memory(&self, free: u64, device: &str) -> Result<()> {
+        let needs = self.device_memory_needs();
+        let total: u64 = needs.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
+        let Some((key, most)) = needs.iter().max_by_key(|(_, b)| *b) else { return Ok(()) };
+        if total > free {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            bail!(
+                "{key} needs {:.1} GiB of device memory ({:.1} GiB for the run in all), more than {device} has free ({:.1} GiB)",
+                gib(*most),
+                gib(total),
+                gib(free)
+            );
+        }
+        Ok(())
+    }
+
+    /// [`Self::host_memory_needs`]; `seq_activations`: whether a forecaster's batch
+    /// activations count.
+    fn memory_needs(&self, seq_activations: bool) -> Vec<(String, u64)> {
         let count = |specs: Vec<fx_models::ParamSpec>| -> u64 {
             specs
                 .iter()
@@ -492,7 +526,7 @@ impl RunConfig {
                 needs.push((format!("tft.d {} (about {p} parameters)", t.d), f32s(p, 6)));
                 let steps = (t.l_enc as u64).saturating_add(t.h as u64);
                 let per = steps.saturating_mul(d).saturating_mul(vars.saturating_mul(12).saturating_add(40));
-                if self.activations_on_host() {
+                if seq_activations {
                     let acts = (self.seq.batch_size as u64).saturating_mul(per);
                     let key = format!("seq.batch_size {} x tft.l_enc + tft.h {steps}", self.seq.batch_size);
                     needs.push((key, f32s(acts, 1)));
@@ -516,7 +550,7 @@ impl RunConfig {
                 let per = (self.mamba2_seq_len as u64)
                     .saturating_mul(layers)
                     .saturating_mul(inner.saturating_mul(12).saturating_add(gn.saturating_mul(4)));
-                if self.activations_on_host() {
+                if seq_activations {
                     let acts = (self.seq.batch_size as u64).saturating_mul(per);
                     let key =
                         format!("seq.batch_size {} x mamba2_seq_len {}", self.seq.batch_size, self.mamba2_seq_len);
@@ -742,6 +776,23 @@ mod tests {
         assert!(RunConfig::default().resolve().is_ok());
         let needs = RunConfig::default().host_memory_needs();
         assert!(needs.iter().any(|(k, b)| k.starts_with("dqn.replay_capacity") && *b > 0), "{needs:?}");
+        // On a GPU the same buffers are checked against the device's free memory: the plain
+        // runs fit a 4 GiB laptop card; a replay beyond a 80 GiB card is refused naming it.
+        const GIB: u64 = 1 << 30;
+        for model in [ModelChoice::Dqn, ModelChoice::Ppo, ModelChoice::Tft, ModelChoice::Mamba2] {
+            let plain = RunConfig { model, device: "cuda".into(), ..RunConfig::default() };
+            plain.check_device_memory(4 * GIB, "cuda:0").unwrap();
+        }
+        let mut big = RunConfig { device: "cuda".into(), ..RunConfig::default() };
+        big.dqn.replay_capacity = 250_000_000;
+        let e = format!("{:#}", big.check_device_memory(80 * GIB, "cuda:0 (H100)").unwrap_err());
+        assert!(
+            e.contains("dqn.replay_capacity 250000000")
+                && e.contains("cuda:0 (H100) has free (80.0 GiB)")
+                && !e.contains('\n'),
+            "{e}"
+        );
+        big.check_device_memory(u64::MAX, "cuda:0").unwrap();
         // The forecasters: a width, a depth or a batch beyond the machine names its key; the
         // plain configs pass.
         for (model, edit, key) in [

@@ -36,6 +36,9 @@ pub const EXIT_INTERRUPTED: u8 = 130;
 
 pub struct TrainOptions {
     pub resume: bool,
+    /// `--restart` (with `resume`): a run whose checkpoints all fail to verify starts over
+    /// from step 0 ([`crate::run_dir::RunDir::restart_checkpoint`]) instead of failing.
+    pub restart: bool,
     pub quiet: bool,
     /// `--steps` when given on the command line: on `--resume` it replaces the saved run's
     /// step count (to extend a run); otherwise the saved config is used unchanged.
@@ -461,7 +464,7 @@ mod tests {
     }
 
     fn opts() -> TrainOptions {
-        TrainOptions { resume: false, quiet: true, steps: None, pause_at: None, inner: false }
+        TrainOptions { resume: false, restart: false, quiet: true, steps: None, pause_at: None, inner: false }
     }
 
     fn first_metrics(run: &Path) -> Value {

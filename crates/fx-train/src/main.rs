@@ -48,23 +48,27 @@ fn main() -> ExitCode {
         // Only a sweep pauses its trials, and it goes on after each.
         Ok(lifecycle::Outcome::Paused) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line with the whole cause chain: what failed and where (the crates' errors
-            // are one line each; anything multi-line from a library is folded here too).
-            // A cause whose text its context already quotes (an error type that prints its
-            // source and also returns it) is said once.
-            let mut parts: Vec<String> = Vec::new();
-            for cause in e.chain() {
-                let s = cause.to_string();
-                if !parts.last().is_some_and(|p| p.contains(&s)) {
-                    parts.push(s);
-                }
-            }
-            let text = parts.join(": ");
-            let line: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
-            eprintln!("error: {}", line.join(" "));
+            eprintln!("error: {}", error_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// One line with the whole cause chain: what failed and where (the crates' errors are one
+/// line each; anything multi-line from a library is folded here too). A cause whose text
+/// its context already quotes (an error type that prints its source and also returns it)
+/// is said once.
+fn error_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if !parts.last().is_some_and(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+    }
+    let text = parts.join(": ");
+    let line: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    line.join(" ")
 }
 
 fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
@@ -79,7 +83,14 @@ fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
             set_cpu_threads(cfg.model, cfg.threads)?;
             lifecycle::run(
                 cfg,
-                lifecycle::TrainOptions { resume: false, quiet: false, steps: None, pause_at: None, inner: false },
+                lifecycle::TrainOptions {
+                    resume: false,
+                    restart: false,
+                    quiet: false,
+                    steps: None,
+                    pause_at: None,
+                    inner: false,
+                },
             )
         }
         Some(cli::Command::Train(args)) => {
@@ -88,6 +99,7 @@ fn run(cli: cli::Cli) -> anyhow::Result<lifecycle::Outcome> {
             let cfg = args.to_config()?;
             let opts = lifecycle::TrainOptions {
                 resume: args.resume,
+                restart: args.restart,
                 quiet: args.quiet,
                 steps: args.steps,
                 pause_at: None,
@@ -134,7 +146,11 @@ fn flag_error(e: clap::Error) -> ExitCode {
         e.exit();
     }
     let text = e.render().to_string();
-    let first = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("invalid command line");
+    // clap's first paragraph is the error (a list of missing arguments continues it on
+    // indented lines); usage and tips follow after a blank line.
+    let first: Vec<&str> =
+        text.lines().map(str::trim).skip_while(|l| l.is_empty()).take_while(|l| !l.is_empty()).collect();
+    let first = if first.is_empty() { "invalid command line".to_string() } else { first.join(" ") };
     eprintln!("{} (fx-train --help for usage)", first.trim_end_matches('.'));
     ExitCode::from(2)
 }
@@ -197,4 +213,39 @@ fn features(args: &cli::FeaturesArgs) -> anyhow::Result<()> {
         s.last_timestamp
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_line;
+
+    /// An error that prints its source in its own text and also returns it as its source,
+    /// as some libraries' do.
+    #[derive(Debug)]
+    struct Quoting(std::io::Error);
+
+    impl std::fmt::Display for Quoting {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "write failed: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Quoting {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_repeated_cause_is_said_once_on_one_line() {
+        let io = std::io::Error::from_raw_os_error(27);
+        let cause = io.to_string();
+        let e = anyhow::Error::new(Quoting(io)).context("writing /runs/a/checkpoint-0000000040.safetensors");
+        let line = error_line(&e);
+        assert_eq!(line.matches(&cause).count(), 1, "{line}");
+        assert!(line.starts_with("writing /runs/a/checkpoint-0000000040.safetensors: write failed: "), "{line}");
+        // Distinct causes all stay, in order, and a multi-line one is folded into the line.
+        let e = anyhow::anyhow!("line one\n  line two").context("parsing x.toml").context("starting the run");
+        assert_eq!(error_line(&e), "starting the run: parsing x.toml: line one line two");
+    }
 }

@@ -284,6 +284,21 @@ impl Drop for CheckpointWriter {
     }
 }
 
+/// A folder's checkpoints exist and none verifies (newest first); what `--restart` acts on.
+#[derive(Debug)]
+struct NoneVerifies {
+    steps: Vec<u64>,
+    message: String,
+}
+
+impl std::fmt::Display for NoneVerifies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for NoneVerifies {}
+
 impl RunDir {
     /// Opens `root` for a new run (refusing to touch a folder that already holds a run)
     /// or for `--resume` (requiring one), taking the folder's lock; see the module docs.
@@ -391,6 +406,33 @@ impl RunDir {
         Ok(found)
     }
 
+    /// `--resume --restart`: as [`Self::resume_checkpoint`], except that a folder whose
+    /// checkpoints all fail to verify starts over instead of failing: they are moved into
+    /// `damaged/` (kept, named in a warning) and `None` is returned, so the run trains from
+    /// step 0 under its saved config. A folder with a checkpoint that verifies resumes from it.
+    pub fn restart_checkpoint(&self) -> Result<Option<Checkpoint>> {
+        match self.newest_verified(true) {
+            Err(e) => match e.downcast::<NoneVerifies>() {
+                Ok(none) => {
+                    let mut moved = String::new();
+                    for &s in &none.steps {
+                        moved = self.set_aside(s)?;
+                    }
+                    let listed: Vec<String> = none.steps.iter().map(u64::to_string).collect();
+                    eprintln!(
+                        "warning: no checkpoint in {} verifies (steps {}); --restart starts the run over from step 0, \
+                         the damaged files{moved}",
+                        self.root.display(),
+                        listed.join(", ")
+                    );
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            },
+            found => found,
+        }
+    }
+
     /// [`Self::newest_verified`] without printing: the checkpoint and the newer ones it
     /// skipped (step, why, and where it was moved for a resume).
     ///
@@ -477,14 +519,17 @@ impl RunDir {
                 return Ok((Some(c), skipped));
             }
             let Some((_, why)) = damaged.first() else { return Ok((None, Vec::new())) };
-            let listed: Vec<String> = damaged.iter().rev().map(|(s, _)| s.to_string()).collect();
-            bail!(
+            let steps: Vec<u64> = damaged.iter().rev().map(|(s, _)| *s).collect();
+            let listed: Vec<String> = steps.iter().map(u64::to_string).collect();
+            let message = format!(
                 "none of the {} checkpoint(s) in {} verifies (steps {}; the newest: {why}); nothing was changed: \
-                 move them away or train into another --out",
+                 move them away, train into another --out, or add --restart to --resume to start over here \
+                 (moving them into damaged/)",
                 damaged.len(),
                 self.root.display(),
                 listed.join(", ")
-            )
+            );
+            return Err(NoneVerifies { steps, message }.into());
         }
     }
 
@@ -507,7 +552,13 @@ impl RunDir {
         std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
         for p in [self.run_state_path(step), self.trainer_path(step)] {
             if p.exists() {
-                let dest = to.join(p.file_name().expect("a checkpoint file name"));
+                // Never over an earlier damaged file of the same step (a restarted run
+                // passes its steps again): the first free `NAME`, `NAME.1`, `NAME.2`, ...
+                let name = p.file_name().expect("a checkpoint file name").to_string_lossy().into_owned();
+                let dest = (0..)
+                    .map(|i| to.join(if i == 0 { name.clone() } else { format!("{name}.{i}") }))
+                    .find(|d| !d.exists())
+                    .expect("an unused name");
                 std::fs::rename(&p, &dest).with_context(|| format!("moving {} to {}", p.display(), dest.display()))?;
             }
         }
@@ -590,8 +641,19 @@ impl RunDir {
         write_atomic(&self.run_state_path(run.env_steps), serde_json::to_string_pretty(&run)?.as_bytes())?;
         let steps = self.checkpoint_steps()?;
         for &old in steps.iter().take(steps.len().saturating_sub(keep)) {
-            let _ = std::fs::remove_file(self.run_state_path(old));
-            let _ = std::fs::remove_file(self.trainer_path(old));
+            // Only a checkpoint that verifies is deleted: one that does not (changed on disk
+            // since it was written, or an older run's that a resume kept) is evidence a user
+            // may want, so it is set aside in damaged/ instead.
+            match self.verified(old) {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(self.run_state_path(old));
+                    let _ = std::fs::remove_file(self.trainer_path(old));
+                }
+                Err(why) => {
+                    let moved = self.set_aside(old)?;
+                    eprintln!("warning: not pruning checkpoint {old}, which does not verify ({why:#}){moved}");
+                }
+            }
         }
         self.remove_orphans(run.env_steps)?;
         Ok(trainer)
@@ -735,6 +797,63 @@ mod tests {
         assert!(!run.trainer_path(10).exists() && !run.run_state_path(10).exists());
         assert_eq!(run.checkpoint_steps().unwrap(), vec![20, 30]);
         assert_eq!(run.latest_checkpoint().unwrap().unwrap().run.env_steps, 30);
+    }
+
+    /// Pruning deletes only checkpoints that verify: one changed on disk since it was
+    /// written is moved into `damaged/` (twice over the same step: both kept), and a later
+    /// `--restart` of a folder with none that verifies sets them all aside and starts at 0.
+    #[test]
+    fn pruning_keeps_what_does_not_verify_and_restart_sets_it_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::open(dir.path(), false).unwrap();
+        let state = |step| RunState {
+            version: RUN_STATE_VERSION,
+            model: ModelChoice::Dqn,
+            env_steps: step,
+            env: None,
+            norm_mean: vec![0.0],
+            norm_std: vec![1.0],
+            data_source: "test".into(),
+            train_seconds: 0.0,
+            trainer_sha256: None,
+        };
+        let weights = |step: u64| format!("weights {step}").into_bytes();
+        for step in [10, 20] {
+            run.write_checkpoint(&state(step), 2, |p| write_atomic(p, &weights(step))).unwrap();
+        }
+        std::fs::write(run.trainer_path(10), b"changed").unwrap();
+        run.write_checkpoint(&state(30), 2, |p| write_atomic(p, &weights(30))).unwrap();
+        let aside = dir.path().join("damaged");
+        assert_eq!(std::fs::read(aside.join("checkpoint-0000000010.safetensors")).unwrap(), b"changed");
+        assert!(aside.join("checkpoint-0000000010.json").exists());
+        // A healthy one is pruned as before.
+        run.write_checkpoint(&state(40), 2, |p| write_atomic(p, &weights(40))).unwrap();
+        assert!(!run.trainer_path(20).exists() && !aside.join("checkpoint-0000000020.safetensors").exists());
+        assert_eq!(run.checkpoint_steps().unwrap(), vec![30, 40]);
+
+        // Every checkpoint damaged: --resume refuses and changes nothing; --restart sets
+        // them aside (beside the earlier damaged files, none overwritten) and starts over.
+        for step in [30, 40] {
+            std::fs::write(run.trainer_path(step), b"broken").unwrap();
+        }
+        let e = format!("{:#}", run.resume_checkpoint().err().expect("none verifies"));
+        assert!(e.contains("steps 30, 40") && e.contains("--restart") && !e.contains('\n'), "{e}");
+        assert_eq!(run.checkpoint_steps().unwrap(), vec![30, 40]);
+        assert!(run.restart_checkpoint().unwrap().is_none());
+        assert!(run.checkpoint_candidates().unwrap().is_empty());
+        for step in [30, 40] {
+            let f = aside.join(format!("checkpoint-{step:010}.safetensors"));
+            assert_eq!(std::fs::read(&f).unwrap(), b"broken", "{}", f.display());
+        }
+        // The same step damaged again later: the first file stays, the second gets `.1`.
+        run.write_checkpoint(&state(10), 2, |p| write_atomic(p, b"again")).unwrap();
+        std::fs::write(run.trainer_path(10), b"broken again").unwrap();
+        assert!(run.restart_checkpoint().unwrap().is_none());
+        assert_eq!(std::fs::read(aside.join("checkpoint-0000000010.safetensors")).unwrap(), b"changed");
+        assert_eq!(std::fs::read(aside.join("checkpoint-0000000010.safetensors.1")).unwrap(), b"broken again");
+        // A folder with one that verifies resumes from it, --restart or not.
+        run.write_checkpoint(&state(50), 2, |p| write_atomic(p, &weights(50))).unwrap();
+        assert_eq!(run.restart_checkpoint().unwrap().unwrap().run.env_steps, 50);
     }
 
     /// `eval` beside a running `train`: a writer keeps one checkpoint (pruning the previous

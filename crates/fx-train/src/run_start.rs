@@ -34,6 +34,17 @@ pub fn device_for(cfg: &RunConfig) -> Result<Device> {
     }
 }
 
+/// [`RunConfig::check_device_memory`] against the free memory of the run's GPU, as its
+/// driver reports it now (nothing to check on the CPU).
+fn check_device_memory(cfg: &RunConfig, device: &Device) -> Result<()> {
+    let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else { return Ok(()) };
+    let overrides = fx_hw::Overrides::default().with_device(&format!("cuda:{gpu_id}"));
+    match fx_hw::HardwareBudget::detect_with(&overrides).gpu {
+        Some(g) => cfg.check_device_memory(g.free_memory_bytes, &format!("cuda:{gpu_id} ({})", g.name)),
+        None => Ok(()),
+    }
+}
+
 /// CUDA device `n` through `fx_hw::open_cuda` (its own stream, pooled); in a build without
 /// the `cuda` feature, the error saying so.
 #[cfg(feature = "cuda")]
@@ -74,7 +85,12 @@ impl RunStart {
         };
         let cfg = cfg.resolve()?;
         let device = device_for(&cfg)?;
-        let checkpoint = if opts.resume { dir.resume_checkpoint()? } else { None };
+        check_device_memory(&cfg, &device)?;
+        let checkpoint = match (opts.resume, opts.restart) {
+            (true, false) => dir.resume_checkpoint()?,
+            (true, true) => dir.restart_checkpoint()?,
+            (false, _) => None,
+        };
         if let Some(c) = &checkpoint {
             c.check_model(cfg.model, "the config asks for")?;
         }
@@ -106,6 +122,7 @@ impl RunStart {
         let device = &self.device;
         let batch = crate::batch::resolve(&mut cfg, |c| crate::batch::budget_batch(c, device), train_windows);
         self.cfg = cfg.resolve()?;
+        check_device_memory(&self.cfg, device)?;
         println!("{}", batch.describe(self.cfg.model));
         self.batch = Some(batch.clone());
         Ok(batch)

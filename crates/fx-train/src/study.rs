@@ -202,7 +202,14 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
             );
             let outcome = crate::lifecycle::run(
                 sub,
-                TrainOptions { resume, quiet: true, steps: opts.steps, pause_at: None, inner: true },
+                TrainOptions {
+                    resume,
+                    restart: opts.restart && resume,
+                    quiet: true,
+                    steps: opts.steps,
+                    pause_at: None,
+                    inner: true,
+                },
             )?;
             if outcome == Outcome::Interrupted {
                 println!("study interrupted; continue with `fx-train train --resume --out {}`", dir.root().display());

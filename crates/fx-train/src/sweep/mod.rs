@@ -783,7 +783,14 @@ fn finish(
             println!("training trial {trial} (rank {}) as an ordinary run in {}", rank + 1, cfg.out.display());
             let outcome = crate::lifecycle::run(
                 cfg.clone(),
-                crate::lifecycle::TrainOptions { resume, quiet: true, steps: None, pause_at: None, inner: true },
+                crate::lifecycle::TrainOptions {
+                    resume,
+                    restart: false,
+                    quiet: true,
+                    steps: None,
+                    pause_at: None,
+                    inner: true,
+                },
             )?;
             crate::run_dir::write_atomic(&marker, trial.to_string().as_bytes())?;
             if matches!(outcome, Outcome::Interrupted) {
@@ -1196,6 +1203,7 @@ fn train_seq_trial(cfg: &RunConfig, t: usize, pause_at: Option<usize>) -> Result
     );
     let opts = crate::lifecycle::TrainOptions {
         resume: started,
+        restart: false,
         quiet: true,
         steps: None,
         pause_at: pause_at.map(|e| e as u64),
