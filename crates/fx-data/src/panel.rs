@@ -240,9 +240,19 @@ impl Panel {
                 .map_err(|e| Error::format(path, format!("tensor {n}: {e}")))
         })
         .collect::<Result<_, _>>()?;
-        let bytes =
-            safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| Error::format(path, e.to_string()))?;
-        crate::files::write_atomic(path, &bytes).map_err(|e| Error::io(path, e))
+        // Streamed from the tensors to the file (no second copy of the panel in memory):
+        // safetensors writes the temporary sibling through a temporary of its own (private
+        // permissions, not synced), so it gets the umask's permissions and is synced here
+        // before the rename over `path`.
+        crate::files::write_atomic_with(path, |tmp| {
+            safetensors::tensor::serialize_to_file(views, Some(metadata), tmp).map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(e) => e,
+                e => std::io::Error::other(e.to_string()),
+            })?;
+            crate::files::set_default_permissions(tmp)?;
+            std::fs::File::open(tmp)?.sync_all()
+        })
+        .map_err(|e| Error::io(path, e))
     }
 
     /// Reads a panel file into memory, checking its schema, tensors, shapes, dtypes, mask,
@@ -424,9 +434,23 @@ mod tests {
             }
             assert_eq!(r, t.rows(), "{inst}: every row placed once");
         }
-        let path = dir.path().join("panel.safetensors");
+        let out = tempfile::tempdir().unwrap();
+        let path = out.path().join("panel.safetensors");
         p.write(&path).unwrap();
         assert_eq!(Panel::read(&path).unwrap(), p);
+        // Streamed to the file through two temporaries: only the file is left in the folder,
+        // with the permissions of any file fx writes (File::create's), not a temporary's 0600.
+        assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 1);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let plain = out.path().join("plain");
+            std::fs::File::create(&plain).unwrap();
+            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&path), mode(&plain));
+        }
+        let e = p.write(&out.path().join("nope").join("p.safetensors")).unwrap_err().to_string();
+        assert!(e.contains("folder") && e.contains("nope") && e.contains("does not exist"), "{e}");
     }
 
     /// An instrument taken out of a panel is its own single-instrument table, and `load`
