@@ -145,16 +145,34 @@ impl Panel {
     }
 
     /// Features per instrument of bars read from `path` (each bar's line, or row), then the panel.
+    /// Instruments are independent, so their features are computed on every core the process
+    /// may use (a command's work, never a decision path's), in chunks of consecutive
+    /// instruments; the tables keep the instruments' order and an error is the first failing
+    /// instrument's in that order, as one after another would give.
     fn from_instrument_bars(path: &Path, instruments: Vec<(String, crate::Bars, Vec<u64>)>) -> Result<Self, Error> {
-        let mut tables = Vec::new();
-        for (name, bars, lines) in instruments {
-            let source = format!("{}:{name}", path.file_name().map(|s| s.to_string_lossy()).unwrap_or_default());
-            let t = FeatureTable::from_bars_at_lines(&bars, &lines, path, &source).map_err(|e| match e {
+        let file = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let one = |(name, bars, lines): &(String, crate::Bars, Vec<u64>)| -> Result<(String, FeatureTable), Error> {
+            let source = format!("{file}:{name}");
+            let t = FeatureTable::from_bars_at_lines(bars, lines, path, &source).map_err(|e| match e {
                 Error::Input { path, line, rule } => Error::Input { path, line, rule: format!("{name}: {rule}") },
                 other => other,
             })?;
-            tables.push((name, t));
+            Ok((name.clone(), t))
+        };
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, instruments.len().max(1));
+        let chunk = instruments.len().div_ceil(workers).max(1);
+        let parts: Vec<Result<Vec<(String, FeatureTable)>, Error>> = std::thread::scope(|s| {
+            let one = &one;
+            let handles: Vec<_> =
+                instruments.chunks(chunk).map(|c| s.spawn(move || c.iter().map(one).collect())).collect();
+            // A worker's panic (none is expected) surfaces as the caller's, as without threads.
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        let mut tables = Vec::with_capacity(instruments.len());
+        for part in parts {
+            tables.extend(part?);
         }
+        drop(instruments);
         Self::from_tables(tables)
     }
 
