@@ -778,9 +778,10 @@ fn a_resume_with_every_checkpoint_damaged_fails_and_keeps_them() {
         &fx_train().args(["train", "--resume", "--quiet", "--steps", "60", "--out"]).arg(&run).output().unwrap(),
     );
     assert!(e.contains("checkpoint(s) in") && e.contains("verifies") && e.contains("nothing was changed"), "{e}");
+    assert!(e.contains("add --restart to --resume"), "{e}");
     assert!(e.contains("steps 10, 20, 30") || states.len() < 3, "{e}");
     let e = err_line(&fx_train().args(["eval", "--checkpoint"]).arg(&run).output().unwrap());
-    assert!(e.contains("verifies"), "{e}");
+    assert!(e.contains("verifies") && !e.contains("--restart"), "eval has no --restart: {e}");
     // Nothing pruned, moved or overwritten, and no training happened.
     for p in &states {
         assert_eq!(std::fs::read(p).unwrap(), b"damaged", "{}", p.display());
@@ -804,7 +805,9 @@ fn a_resume_with_every_checkpoint_damaged_fails_and_keeps_them() {
         let kept = run.join("damaged").join(p.file_name().unwrap());
         assert_eq!(std::fs::read(&kept).unwrap(), b"damaged", "{}", kept.display());
     }
-    assert!(run.join("report.json").exists());
+    // The first run's report went aside with its checkpoints; the one here is the new run's.
+    assert!(run.join("damaged").join("report.json").exists());
+    assert!(run.join("report.json").exists(), "the restarted run wrote no report");
 }
 
 #[test]

@@ -386,7 +386,8 @@ fn quantize_stops_on_sigterm_with_the_whole_file_or_none() {
             assert!(new.iter().all(|n| n.ends_with(".int8.safetensors") || n == &"quant_report.json"), "{new:?}");
             ok(&fx_train().args(["eval", "--int8", "--checkpoint"]).arg(&run).output().unwrap());
             stopped_after += 1;
-            for n in new {
+            // Back to the folder as it was (the eval's report included) for the next signal.
+            for n in listing(&run).iter().filter(|n| !before.contains(n)) {
                 std::fs::remove_file(run.join(n)).unwrap();
             }
         }

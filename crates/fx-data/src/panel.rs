@@ -145,10 +145,11 @@ impl Panel {
     }
 
     /// Features per instrument of bars read from `path` (each bar's line, or row), then the panel.
-    /// Instruments are independent, so their features are computed on every core the process
-    /// may use (a command's work, never a decision path's), in chunks of consecutive
-    /// instruments; the tables keep the instruments' order and an error is the first failing
-    /// instrument's in that order, as one after another would give.
+    /// Instruments are independent, so their features are computed on the threads the process
+    /// was given ([`fx_hw::work_threads`]: a run's thread setting, else every usable CPU; data
+    /// preparation, never a decision path), in chunks of consecutive instruments; the tables
+    /// keep the instruments' order and an error is the first failing instrument's in that
+    /// order, as one after another would give.
     fn from_instrument_bars(path: &Path, instruments: Vec<(String, crate::Bars, Vec<u64>)>) -> Result<Self, Error> {
         let file = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let one = |(name, bars, lines): &(String, crate::Bars, Vec<u64>)| -> Result<(String, FeatureTable), Error> {
@@ -159,7 +160,7 @@ impl Panel {
             })?;
             Ok((name.clone(), t))
         };
-        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, instruments.len().max(1));
+        let workers = fx_hw::work_threads().clamp(1, instruments.len().max(1));
         let chunk = instruments.len().div_ceil(workers).max(1);
         let parts: Vec<Result<Vec<(String, FeatureTable)>, Error>> = std::thread::scope(|s| {
             let one = &one;

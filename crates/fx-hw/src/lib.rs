@@ -42,4 +42,4 @@ pub use overrides::{DeviceRequest, Overrides, Source, Sourced};
 pub use precision::Precision;
 #[cfg(feature = "cuda")]
 pub use probe::probe_bytes_per_sample;
-pub use threads::{apply_cpu_threads, cpu_threads, usable_cpus};
+pub use threads::{apply_cpu_threads, cpu_threads, usable_cpus, work_threads};

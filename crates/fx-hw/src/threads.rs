@@ -45,6 +45,17 @@ pub fn apply_cpu_threads(n: usize) {
     std::env::set_var("RAYON_NUM_THREADS", &n);
 }
 
+/// Threads for this process's own parallel work (e.g. a panel's features): the count
+/// [`apply_cpu_threads`] set, so a run stays inside what it was given, else every usable CPU.
+pub fn work_threads() -> usize {
+    work_threads_from(std::env::var("RAYON_NUM_THREADS").ok().as_deref())
+}
+
+/// [`work_threads`] from the variable's value (`None`: unset).
+fn work_threads_from(applied: Option<&str>) -> usize {
+    applied.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or_else(usable_cpus)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -58,6 +69,15 @@ mod tests {
             let big = cpu_threads(None, false).unwrap();
             assert_eq!(big.value, usable_cpus());
             assert!(big.value >= 1);
+        }
+    }
+
+    #[test]
+    fn work_threads_are_the_applied_count_else_every_usable_cpu() {
+        assert_eq!(work_threads_from(Some("3")), 3);
+        assert_eq!(work_threads_from(Some(" 1\n")), 1);
+        for unusable in [None, Some(""), Some("0"), Some("many")] {
+            assert_eq!(work_threads_from(unusable), usable_cpus(), "{unusable:?}");
         }
     }
 }

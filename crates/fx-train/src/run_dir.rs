@@ -284,7 +284,8 @@ impl Drop for CheckpointWriter {
     }
 }
 
-/// A folder's checkpoints exist and none verifies (newest first); what `--restart` acts on.
+/// A folder's checkpoints exist and none verifies (their steps oldest first); what
+/// `--restart` acts on.
 #[derive(Debug)]
 struct NoneVerifies {
     steps: Vec<u64>,
@@ -298,6 +299,16 @@ impl std::fmt::Display for NoneVerifies {
 }
 
 impl std::error::Error for NoneVerifies {}
+
+/// `--resume`'s error when no checkpoint verifies, with the way to start over (only a
+/// resume has `--restart`; `eval` and the rest get the plain error).
+pub(crate) fn with_restart_hint(e: anyhow::Error) -> anyhow::Error {
+    if e.is::<NoneVerifies>() {
+        anyhow::anyhow!("{e}, or add --restart to --resume to start over here (moving them into damaged/)")
+    } else {
+        e
+    }
+}
 
 impl RunDir {
     /// Opens `root` for a new run (refusing to touch a folder that already holds a run)
@@ -418,6 +429,9 @@ impl RunDir {
                     for &s in &none.steps {
                         moved = self.set_aside(s)?;
                     }
+                    // A finished run's report describes the run being started over: kept
+                    // beside its checkpoints, not left as if it were the new run's.
+                    self.set_aside_files(&[self.path("report.json")])?;
                     let listed: Vec<String> = none.steps.iter().map(u64::to_string).collect();
                     eprintln!(
                         "warning: no checkpoint in {} verifies (steps {}); --restart starts the run over from step 0, \
@@ -523,8 +537,7 @@ impl RunDir {
             let listed: Vec<String> = steps.iter().map(u64::to_string).collect();
             let message = format!(
                 "none of the {} checkpoint(s) in {} verifies (steps {}; the newest: {why}); nothing was changed: \
-                 move them away, train into another --out, or add --restart to --resume to start over here \
-                 (moving them into damaged/)",
+                 move them away or train into another --out",
                 damaged.len(),
                 self.root.display(),
                 listed.join(", ")
@@ -548,19 +561,27 @@ impl RunDir {
 
     /// Moves checkpoint `step`'s files (whichever exist) into `damaged/`; the warning's tail.
     fn set_aside(&self, step: u64) -> Result<String> {
+        self.set_aside_files(&[self.run_state_path(step), self.trainer_path(step)])
+    }
+
+    /// Moves whichever of `files` exist into `damaged/`, never over an earlier file there (a
+    /// restarted run passes its steps again): all under the first suffix free for every one
+    /// of them (`NAME`, `NAME.1`, ...), so the halves of a checkpoint keep matching names.
+    fn set_aside_files(&self, files: &[PathBuf]) -> Result<String> {
         let to = self.root.join("damaged");
+        let present: Vec<&PathBuf> = files.iter().filter(|p| p.exists()).collect();
+        if present.is_empty() {
+            return Ok(String::new());
+        }
         std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
-        for p in [self.run_state_path(step), self.trainer_path(step)] {
-            if p.exists() {
-                // Never over an earlier damaged file of the same step (a restarted run
-                // passes its steps again): the first free `NAME`, `NAME.1`, `NAME.2`, ...
-                let name = p.file_name().expect("a checkpoint file name").to_string_lossy().into_owned();
-                let dest = (0..)
-                    .map(|i| to.join(if i == 0 { name.clone() } else { format!("{name}.{i}") }))
-                    .find(|d| !d.exists())
-                    .expect("an unused name");
-                std::fs::rename(&p, &dest).with_context(|| format!("moving {} to {}", p.display(), dest.display()))?;
-            }
+        let dest = |p: &Path, i: usize| {
+            let name = p.file_name().expect("a file name").to_string_lossy().into_owned();
+            to.join(if i == 0 { name } else { format!("{name}.{i}") })
+        };
+        let i = (0..).find(|&i| files.iter().all(|p| !dest(p, i).exists())).expect("an unused suffix");
+        for p in present {
+            let d = dest(p, i);
+            std::fs::rename(p, &d).with_context(|| format!("moving {} to {}", p.display(), d.display()))?;
         }
         Ok(format!(" (moved to {})", to.display()))
     }
@@ -650,7 +671,9 @@ impl RunDir {
                     let _ = std::fs::remove_file(self.trainer_path(old));
                 }
                 Err(why) => {
-                    let moved = self.set_aside(old)?;
+                    // The new checkpoint is written; failing to move an old one must not
+                    // fail it: the damaged files then stay where they are.
+                    let moved = self.set_aside(old).unwrap_or_else(|e| format!(" (left in place: {e:#})"));
                     eprintln!("warning: not pruning checkpoint {old}, which does not verify ({why:#}){moved}");
                 }
             }
@@ -836,8 +859,13 @@ mod tests {
         for step in [30, 40] {
             std::fs::write(run.trainer_path(step), b"broken").unwrap();
         }
-        let e = format!("{:#}", run.resume_checkpoint().err().expect("none verifies"));
-        assert!(e.contains("steps 30, 40") && e.contains("--restart") && !e.contains('\n'), "{e}");
+        let e = run.resume_checkpoint().err().expect("none verifies");
+        let plain = format!("{e:#}");
+        assert!(plain.contains("steps 30, 40") && !plain.contains("--restart") && !plain.contains('\n'), "{plain}");
+        let hinted = format!("{:#}", with_restart_hint(e));
+        assert!(hinted.starts_with(&plain) && hinted.contains("add --restart to --resume"), "{hinted}");
+        let other = format!("{:#}", with_restart_hint(anyhow::anyhow!("disk on fire")));
+        assert_eq!(other, "disk on fire");
         assert_eq!(run.checkpoint_steps().unwrap(), vec![30, 40]);
         assert!(run.restart_checkpoint().unwrap().is_none());
         assert!(run.checkpoint_candidates().unwrap().is_empty());
@@ -851,6 +879,7 @@ mod tests {
         assert!(run.restart_checkpoint().unwrap().is_none());
         assert_eq!(std::fs::read(aside.join("checkpoint-0000000010.safetensors")).unwrap(), b"changed");
         assert_eq!(std::fs::read(aside.join("checkpoint-0000000010.safetensors.1")).unwrap(), b"broken again");
+        assert!(aside.join("checkpoint-0000000010.json.1").exists(), "the halves' names no longer match");
         // A folder with one that verifies resumes from it, --restart or not.
         run.write_checkpoint(&state(50), 2, |p| write_atomic(p, &weights(50))).unwrap();
         assert_eq!(run.restart_checkpoint().unwrap().unwrap().run.env_steps, 50);

@@ -35,7 +35,10 @@ pub fn device_for(cfg: &RunConfig) -> Result<Device> {
 }
 
 /// [`RunConfig::check_device_memory`] against the free memory of the run's GPU, as its
-/// driver reports it now (nothing to check on the CPU).
+/// driver reports it now (nothing to check on the CPU). Once, when the device is open and
+/// before anything of the run is on it (a check after the model is built would count its
+/// parameters twice), with the config's batch: a budget batch settles later, and a DQN / PPO
+/// minibatch's activations are small beside the replay or rollout.
 fn check_device_memory(cfg: &RunConfig, device: &Device) -> Result<()> {
     let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else { return Ok(()) };
     let overrides = fx_hw::Overrides::default().with_device(&format!("cuda:{gpu_id}"));
@@ -87,7 +90,7 @@ impl RunStart {
         let device = device_for(&cfg)?;
         check_device_memory(&cfg, &device)?;
         let checkpoint = match (opts.resume, opts.restart) {
-            (true, false) => dir.resume_checkpoint()?,
+            (true, false) => dir.resume_checkpoint().map_err(crate::run_dir::with_restart_hint)?,
             (true, true) => dir.restart_checkpoint()?,
             (false, _) => None,
         };
@@ -122,7 +125,6 @@ impl RunStart {
         let device = &self.device;
         let batch = crate::batch::resolve(&mut cfg, |c| crate::batch::budget_batch(c, device), train_windows);
         self.cfg = cfg.resolve()?;
-        check_device_memory(&self.cfg, device)?;
         println!("{}", batch.describe(self.cfg.model));
         self.batch = Some(batch.clone());
         Ok(batch)
