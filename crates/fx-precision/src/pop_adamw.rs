@@ -94,9 +94,32 @@ pub struct PopAdamW {
     skipped_grad: Var,
     /// The last step's loss, gradient norm and skip flag per member (F64 `[3, N]`).
     last: Var,
-    /// On a CUDA device: the member-batched kernels and their `[N, cols]` F32 partials.
+    /// On a CUDA device: the member-batched kernels and their buffers.
     #[cfg(feature = "cuda")]
-    fused: Option<(crate::PopAdamKernels, Tensor)>,
+    fused: Option<Fused>,
+}
+
+/// The kernels of the CUDA path and what they pass each other.
+#[cfg(feature = "cuda")]
+struct Fused {
+    kernels: crate::PopAdamKernels,
+    /// `[N, cols]` F32 partial sums of squares.
+    partials: Tensor,
+    /// The decisions: ok, clip factor, step size and `1 / √(1 − β₂ᵗ)` (F32 `[N]` each).
+    factors: [Tensor; 4],
+}
+
+#[cfg(feature = "cuda")]
+impl Fused {
+    fn new(
+        kernels: crate::PopAdamKernels,
+        n: usize,
+        cols: usize,
+        dev: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        let z = || Tensor::zeros(n, DType::F32, dev);
+        Ok(Self { kernels, partials: Tensor::zeros((n, cols), DType::F32, dev)?, factors: [z()?, z()?, z()?, z()?] })
+    }
 }
 
 impl std::fmt::Debug for PopAdamW {
@@ -212,7 +235,7 @@ impl PopAdamW {
             let cols = crate::PopAdamKernels::partial_cols(&pers);
             let kernels = crate::PopAdamKernels::load(dev)
                 .map_err(|e| Error::Cuda { context: "PopAdamW::new", message: e.to_string() })?;
-            Some((kernels, Tensor::zeros((n, cols), DType::F32, dev).ctx(CTX)?))
+            Some(Fused::new(kernels, n, cols, dev).ctx(CTX)?)
         } else {
             None
         };
@@ -317,8 +340,8 @@ impl PopAdamW {
             self.skipped_grad = var(self.skipped_grad.as_tensor(), 0)?;
             self.last = var(self.last.as_tensor(), 1)?;
             #[cfg(feature = "cuda")]
-            if let Some((_, partials)) = &mut self.fused {
-                *partials = Tensor::zeros((n, partials.dim(1)?), DType::F32, &dev)?;
+            if let Some(f) = &mut self.fused {
+                *f = Fused::new(f.kernels.clone(), n, f.partials.dim(1)?, &dev)?;
             }
             Ok(())
         })()
@@ -406,8 +429,8 @@ impl PopAdamW {
             return Err(bad(format!("loss has {} values for {n} members", loss.elem_count())));
         }
         #[cfg(feature = "cuda")]
-        if let Some((kernels, partials)) = &self.fused {
-            return self.step_fused(kernels, partials, params, targets, loss, grads, dry);
+        if let Some(fused) = &self.fused {
+            return self.step_fused(fused, params, targets, loss, grads, dry);
         }
         self.step_candle(params, targets, loss, grads, dry)
     }
@@ -493,16 +516,15 @@ impl PopAdamW {
         .ctx(CTX)
     }
 
-    /// The step on a CUDA device: the per-member sums of squares and AdamW with the soft
-    /// target update as member-batched kernels over the stacked tensors (two launches per
-    /// table), the decisions between them as in the candle path. The kernels round as the
-    /// candle ops do; only the sums of squares add in another order.
+    /// The step on a CUDA device: the per-member sums of squares, the decisions (guard,
+    /// clip factor, step count, bias corrections, counters) and AdamW with the soft target
+    /// update as member-batched kernels over the stacked tensors: a launch per table, one,
+    /// then a launch per table. They round as the candle path does on the device; only the
+    /// sums of squares add in another order.
     #[cfg(feature = "cuda")]
-    #[allow(clippy::too_many_arguments)]
     fn step_fused(
         &self,
-        kernels: &crate::PopAdamKernels,
-        partials: &Tensor,
+        fused: &Fused,
         params: &[Var],
         targets: &[Var],
         loss: &Tensor,
@@ -513,6 +535,8 @@ impl PopAdamW {
         let n = self.members;
         let launch = |e: fx_kernels::Error| Error::Cuda { context: "PopAdamW::step", message: e.to_string() };
         let addr = |t: &Tensor, what: &'static str| address::<f32>(t, what).map_err(launch);
+        let addr64 = |t: &Tensor, what: &'static str| address::<f64>(t, what).map_err(launch);
+        let addr32 = |t: &Tensor, what: &'static str| address::<u32>(t, what).map_err(launch);
         let g: Vec<Tensor> =
             g.iter().map(|g| g.to_dtype(DType::F32)?.contiguous()).collect::<candle_core::Result<_>>().ctx(CTX)?;
         let entries: Vec<crate::PopEntry> = params
@@ -532,32 +556,48 @@ impl PopAdamW {
                 })
             })
             .collect::<Result<_>>()?;
+        let (kernels, partials) = (&fused.kernels, &fused.partials);
         // SAFETY: every address is of a live contiguous F32 tensor of `n × per` elements on
         // this device (the partials `[n, cols]`), all kept alive past the launches.
         unsafe { kernels.sumsq(&entries, n, addr(partials, "partials")?) }.map_err(launch)?;
-        let (d, okf) = (|| -> candle_core::Result<_> {
-            let d = self.decide(&loss.detach().flatten_all()?.to_dtype(DType::F32)?, &partials.sum(1)?)?;
-            let okf = d.ok.to_dtype(DType::F32)?;
-            Ok((d, okf))
-        })()
-        .ctx(CTX)?;
+        let loss = loss.detach().flatten_all().and_then(|l| l.to_dtype(DType::F32)?.contiguous()).ctx(CTX)?;
+        let [ok, coef, step_size, inv_bc2_sqrt] = &fused.factors;
+        let d = crate::PopDecide {
+            partials: addr(partials, "partials")?,
+            loss: addr(&loss, "loss")?,
+            lr: addr64(self.lr.as_tensor(), "lr")?,
+            max_norm: addr64(self.max_norm.as_tensor(), "max_norm")?,
+            bc1: addr64(&self.bc1, "bias table")?,
+            bc2: addr64(&self.bc2, "bias table")?,
+            steps: addr32(self.steps.as_tensor(), "steps")?,
+            skipped_loss: addr32(self.skipped_loss.as_tensor(), "skips")?,
+            skipped_grad: addr32(self.skipped_grad.as_tensor(), "skips")?,
+            last: addr64(self.last.as_tensor(), "last step")?,
+            ok: addr(ok, "ok")?,
+            coef: addr(coef, "clip factor")?,
+            step_size: addr(step_size, "step size")?,
+            inv_bc2_sqrt: addr(inv_bc2_sqrt, "bias correction")?,
+            bc1_last: (self.bc1.elem_count() - 1) as u32,
+            bc2_last: (self.bc2.elem_count() - 1) as u32,
+            members: n as u32,
+            cols: partials.dim(1).ctx(CTX)? as u32,
+        };
+        // SAFETY: each address is of a live contiguous tensor of the dtype and length its
+        // field states (the tables of their own lengths), kept alive past the launch.
+        unsafe { kernels.decide(&d, dry) }.map_err(launch)?;
         // Without targets the kernels never read τ; any `[N]` F32 tensor's address serves.
         let tau = self.tau.as_ref().unwrap_or(&self.decay);
         let f = crate::PopFactors {
-            ok: addr(&okf, "ok")?,
-            coef: addr(&d.factor, "clip factor")?,
+            ok: d.ok,
+            coef: d.coef,
             decay: addr(&self.decay, "decay")?,
-            step_size: addr(&d.step_size, "step size")?,
-            inv_bc2_sqrt: addr(&d.inv_bc2_sqrt, "bias correction")?,
+            step_size: d.step_size,
+            inv_bc2_sqrt: d.inv_bc2_sqrt,
             tau: addr(tau, "tau")?,
         };
         let (b1, b2) = self.betas;
         // SAFETY: as above; the factor arrays are `[n]` F32 tensors alive past the launch.
-        unsafe { kernels.adam(&entries, n, &f, (b1, b2, self.eps), dry) }.map_err(launch)?;
-        if dry {
-            return Ok(());
-        }
-        self.record(&d).ctx(CTX)
+        unsafe { kernels.adam(&entries, n, &f, (b1, b2, self.eps), dry) }.map_err(launch)
     }
 }
 
