@@ -31,6 +31,7 @@ mod overrides;
 mod precision;
 #[cfg(feature = "cuda")]
 mod probe;
+mod seeds;
 mod threads;
 
 pub use budget::{batch_size, population_size, CostModel, ModelKind, BATCH_MAX, BATCH_MIN};
@@ -42,4 +43,5 @@ pub use overrides::{DeviceRequest, Overrides, Source, Sourced};
 pub use precision::Precision;
 #[cfg(feature = "cuda")]
 pub use probe::probe_bytes_per_sample;
+pub use seeds::test_seed;
 pub use threads::{apply_cpu_threads, cpu_threads, usable_cpus, work_threads};

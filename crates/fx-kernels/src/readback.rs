@@ -230,7 +230,7 @@ mod tests {
     #[test]
     fn many_tensors_read_as_to_device_does() {
         let Some(dev) = gpu("readback::many_tensors_read_as_to_device_does") else { return };
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let seed = fx_hw::test_seed(concat!(module_path!(), ":", line!()));
         let r = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
         let flat = r(&[10_000]);
         let mut ts = vec![

@@ -20,9 +20,7 @@ use fx_precision::{CapturedGraph, Precision};
 use fx_hw::test_gpu as gpu;
 
 fn fresh_seed(test: &str) -> u64 {
-    let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-    eprintln!("{test}: seed {s}");
-    s
+    fx_hw::test_seed(test)
 }
 
 fn host(t: &Tensor) -> Vec<f64> {

@@ -624,9 +624,7 @@ mod tests {
                 tau: 0.0,
             })
             .collect();
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        eprintln!("members_are_solo_adamw_steps_on_cpu: seed {seed}");
+        let seed = fx_hw::test_seed("members_are_solo_adamw_steps_on_cpu");
         let draw = |len: usize, stream: u64, step: u64| -> Vec<f32> {
             (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, stream, step, i) * 2.0 - 1.0) as f32).collect()
         };

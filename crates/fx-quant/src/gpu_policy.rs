@@ -95,9 +95,7 @@ mod tests {
     use crate::CalibMethod;
 
     fn seed() -> u64 {
-        std::env::var("FX_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(17, |d| d.as_nanos() as u64)
-        })
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     fn cuda() -> Device {

@@ -77,7 +77,7 @@ mod tests {
     use fx_models::{Mamba2, Mamba2Config};
 
     fn seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(17, |d| d.as_nanos() as u64)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     fn uniform(n: usize, seed: u64, stream: u64, scale: f64) -> Vec<f32> {

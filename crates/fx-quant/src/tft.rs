@@ -760,10 +760,7 @@ pub(crate) mod tests {
 
     /// A fresh seed per run (printed by the tests), or `FX_TEST_SEED` to replay one.
     pub(crate) fn seed() -> u64 {
-        if let Some(s) = std::env::var("FX_TEST_SEED").ok().and_then(|v| v.parse().ok()) {
-            return s;
-        }
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(23, |d| d.as_nanos() as u64)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     fn rand(shape: &[usize], seed: u64, stream: u64, scale: f64) -> Tensor {

@@ -273,7 +273,7 @@ mod tests {
     }
 
     fn clock_seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     const OHLCV: &str = "optional double open; optional double high; optional double low; optional double close; optional double volume;";

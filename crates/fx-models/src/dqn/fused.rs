@@ -266,7 +266,7 @@ pub(crate) mod test_support {
 
     /// A fresh seed per run (printed by the tests), so each run checks new inputs.
     pub(crate) fn fresh_seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     /// Uniform values in [-1, 1).

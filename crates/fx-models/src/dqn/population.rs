@@ -1140,9 +1140,7 @@ pub(crate) mod tests {
     #[test]
     fn gpu_population_trains_as_the_cpu_one() {
         let Some(dev) = fx_hw::test_gpu("dqn::population::gpu_population_trains_as_the_cpu_one") else { return };
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        eprintln!("gpu_population_trains_as_the_cpu_one: seed {seed}");
+        let seed = fx_hw::test_seed("gpu_population_trains_as_the_cpu_one");
         let n = 5;
         let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
         let mut cpu = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
@@ -1201,9 +1199,7 @@ pub(crate) mod tests {
     #[test]
     fn pbt_moves_reach_the_captured_update() {
         let Some(dev) = fx_hw::test_gpu("dqn::population::pbt_moves_reach_the_captured_update") else { return };
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        eprintln!("pbt_moves_reach_the_captured_update: seed {seed}");
+        let seed = fx_hw::test_seed("pbt_moves_reach_the_captured_update");
         let n = 4;
         let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
         let mut cpu = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
@@ -1335,9 +1331,7 @@ pub(crate) mod tests {
         let Some(dev) = fx_hw::test_gpu("dqn::population::retained_members_go_on_through_the_captured_update") else {
             return;
         };
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        eprintln!("retained_members_go_on_through_the_captured_update: seed {seed}");
+        let seed = fx_hw::test_seed("retained_members_go_on_through_the_captured_update");
         let keep = [1usize, 3];
         let idx = Tensor::new(&[1u32, 3], &Device::Cpu).unwrap();
         let pick = |b: &PopBatch| {

@@ -401,9 +401,7 @@ pub(crate) mod testing {
 
     /// A seed from the clock, printed with the test's name.
     pub(crate) fn fresh_seed(test: &str) -> u64 {
-        let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        eprintln!("{test}: seed {s}");
-        s
+        fx_hw::test_seed(test)
     }
 
     /// `n` F32-representable values in `[lo, hi)` (as f64), from stream `stream` of `seed`.

@@ -14,9 +14,7 @@ use fx_kernels::cuda::address;
 use fx_kernels::rng;
 
 fn fresh_seed(test: &str) -> u64 {
-    let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-    eprintln!("{test}: seed {s}");
-    s
+    fx_hw::test_seed(test)
 }
 
 /// Uniform values in [lo, hi).

@@ -575,8 +575,7 @@ mod tests {
     /// of both heads and odd widths.
     #[test]
     fn batches_give_the_single_decisions_bits() {
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(5, |d| d.as_nanos() as u64);
+        let seed = fx_hw::test_seed(concat!(module_path!(), ":", line!()));
         for (case, (widths, dueling, act)) in [
             (vec![56usize, 256, 256, 128], true, Activation::Relu),
             (vec![56, 256, 256], false, Activation::Tanh),
@@ -620,8 +619,7 @@ mod tests {
     /// actions except where the two best scores are closer than that.
     #[test]
     fn matches_the_f64_reference() {
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(3, |d| d.as_nanos() as u64);
+        let seed = fx_hw::test_seed(concat!(module_path!(), ":", line!()));
         for (case, (widths, dueling, act)) in [
             (vec![56usize, 256, 256, 128], true, Activation::Relu),
             (vec![56, 256, 256], false, Activation::Tanh),
@@ -661,8 +659,7 @@ mod tests {
     /// block size (128, 64, 32 and the 8-wide tail), for each activation.
     #[test]
     fn every_layer_kernel_equals_the_portable_one() {
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(5, |d| d.as_nanos() as u64);
+        let seed = fx_hw::test_seed(concat!(module_path!(), ":", line!()));
         for (case, (inputs, outputs)) in
             [(56usize, 256usize), (256, 128), (17, 300), (3, 8), (64, 45)].into_iter().enumerate()
         {

@@ -113,7 +113,7 @@ mod tests {
     use crate::tft::TftConfig;
 
     fn fresh_seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(11, |d| d.as_nanos() as u64)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     fn rand(shape: &[usize], seed: u64, stream: u64, scale: f64) -> Tensor {
@@ -196,8 +196,7 @@ mod gpu_tests {
     fn cuda_forecasts_match_candle_inference() {
         let Some(dev) = fx_hw::test_gpu("cuda_forecasts_match_candle_inference") else { return };
         let cfg = TftConfig::default();
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(3, |d| d.as_nanos() as u64);
+        let seed = fx_hw::test_seed(concat!(module_path!(), ":", line!()));
         let m = Tft::new(cfg.clone(), &dev, seed % 1000).unwrap();
         let f = m.cuda_forecaster(16, Precision::F32).unwrap();
         let c = Ctx::inference(Precision::F32);

@@ -1463,8 +1463,7 @@ mod gpu_tests {
     #[test]
     fn fused_step_on_the_gpu_matches_candle_autograd() {
         let Some(dev) = gpu() else { return };
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        eprintln!("seed {seed}");
+        let seed = fx_hw::test_seed(concat!(module_path!(), ":", line!()));
         let cfg = TftConfig::default();
         let b = 24;
         let m = Tft::new(cfg.clone(), &dev, seed % 1000).unwrap();

@@ -512,10 +512,7 @@ mod tests {
 
     /// A fresh seed, or `FX_TEST_SEED` to replay a failure's.
     fn seed() -> u64 {
-        if let Some(s) = std::env::var("FX_TEST_SEED").ok().and_then(|s| s.parse().ok()) {
-            return s;
-        }
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     #[test]

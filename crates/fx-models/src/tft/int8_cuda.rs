@@ -218,7 +218,7 @@ mod gpu_tests {
     }
 
     fn seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(11)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     /// The kernel against the reference on fresh random inputs: the encoder's shape (55

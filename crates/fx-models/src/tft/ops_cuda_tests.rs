@@ -147,7 +147,7 @@ fn bf16_casts_round_like_the_reference() {
 }
 
 fn seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
+    fx_hw::test_seed(concat!(module_path!(), ":", line!()))
 }
 
 #[test]

@@ -320,7 +320,7 @@ fn quantiles_outside_the_unit_interval_or_unsorted_are_refused() {
 /// different forecasts; and a missing or misshapen instrument input is refused.
 #[test]
 fn panel_static_context_has_true_gradients_and_separates_instruments() {
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(5, |d| d.as_nanos() as u64);
+    let seed = fx_hw::test_seed(concat!(module_path!(), ":", line!()));
     let n = 3;
     let cfg = TftConfig {
         d: 8,

@@ -17,8 +17,7 @@ fn host(t: &Tensor) -> Vec<f32> {
 #[test]
 fn fused_step_matches_reference() {
     let Some(dev) = gpu("fused_step_matches_reference") else { return };
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
-    eprintln!("fused_step_matches_reference: seed {seed}");
+    let seed = fx_hw::test_seed("fused_step_matches_reference");
     let n_tensors = MT_MAX + 5;
     let lens: Vec<usize> = (0..n_tensors)
         .map(|i| 1 + (rng::draw(seed, 1, i as u64, 0) * [70_000.0, 3000.0, 17.0][i % 3]) as usize)

@@ -18,9 +18,7 @@ use fx_kernels::rng;
 
 /// A seed from the clock, printed so that a failure can be replayed.
 fn fresh_seed(test: &str) -> u64 {
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
-    eprintln!("{test}: seed {seed}");
-    seed
+    fx_hw::test_seed(test)
 }
 
 #[test]

@@ -753,7 +753,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(11, |d| d.as_nanos() as u64)
+        fx_hw::test_seed(concat!(module_path!(), ":", line!()))
     }
 
     proptest! {
