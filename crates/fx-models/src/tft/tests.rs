@@ -386,7 +386,11 @@ fn panel_static_context_has_true_gradients_and_separates_instruments() {
         }
         l
     };
-    let eps = 1e-2;
+    // The quantile loss is piecewise linear: a central difference whose step crosses a kink
+    // differs from the gradient (at 1e-2, 4 of 150 seeds were off by more than 5 %, e.g.
+    // seed 1796651545068725781 by 13 %; at 1e-3 none of them). F32 rounding of the loss
+    // stays near 1e-3 of the derivative at this step.
+    let eps = 1e-3;
     let fd = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
     let analytic = norm2.sqrt();
     assert!((fd - analytic).abs() <= 0.05 * analytic, "directional derivative {fd} vs |g| {analytic} (seed {seed})");
