@@ -45,15 +45,32 @@ pub fn apply_cpu_threads(n: usize) {
     std::env::set_var("RAYON_NUM_THREADS", &n);
 }
 
-/// Threads for this process's own parallel work (e.g. a panel's features): the count
-/// [`apply_cpu_threads`] set, so a run stays inside what it was given, else every usable CPU.
-pub fn work_threads() -> usize {
-    work_threads_from(std::env::var("RAYON_NUM_THREADS").ok().as_deref())
+/// The cap a user set on the process's threads (`--threads`, a config's `threads`,
+/// `FX_THREADS`); 0 while none is set.
+static WORK_CAP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Makes [`work_threads`] stay within `threads` when the user set it (source `Config` or
+/// `Env`); a count derived from the work (one thread for a small network's matmuls) sizes
+/// candle's pool only and caps nothing else.
+pub fn cap_work_threads(threads: &Sourced<usize>) {
+    if matches!(threads.source, Source::Config | Source::Env(_)) {
+        WORK_CAP.store(threads.value.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
-/// [`work_threads`] from the variable's value (`None`: unset).
-fn work_threads_from(applied: Option<&str>) -> usize {
-    applied.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or_else(usable_cpus)
+/// Threads for this process's own parallel work (e.g. a panel's features): every usable
+/// CPU, within the user's cap ([`cap_work_threads`]).
+pub fn work_threads() -> usize {
+    work_threads_within(WORK_CAP.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// [`work_threads`] under `cap` (0: none).
+fn work_threads_within(cap: usize) -> usize {
+    if cap > 0 {
+        cap
+    } else {
+        usable_cpus()
+    }
 }
 
 #[cfg(test)]
@@ -73,11 +90,12 @@ mod tests {
     }
 
     #[test]
-    fn work_threads_are_the_applied_count_else_every_usable_cpu() {
-        assert_eq!(work_threads_from(Some("3")), 3);
-        assert_eq!(work_threads_from(Some(" 1\n")), 1);
-        for unusable in [None, Some(""), Some("0"), Some("many")] {
-            assert_eq!(work_threads_from(unusable), usable_cpus(), "{unusable:?}");
-        }
+    fn work_threads_are_the_users_cap_else_every_usable_cpu() {
+        assert_eq!(work_threads_within(3), 3);
+        assert_eq!(work_threads_within(1), 1);
+        assert_eq!(work_threads_within(0), usable_cpus());
+        // A derived count (a small network's one thread) caps nothing: left at no cap.
+        cap_work_threads(&Sourced { value: 1, source: Source::Derived });
+        assert_eq!(WORK_CAP.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 }

@@ -159,6 +159,7 @@ fn flag_error(e: clap::Error) -> ExitCode {
 fn set_cpu_threads(model: config::ModelChoice, threads: Option<usize>) -> anyhow::Result<()> {
     let n = fx_hw::cpu_threads(threads, !model.is_sequence())?;
     fx_hw::apply_cpu_threads(n.value);
+    fx_hw::cap_work_threads(&n);
     Ok(())
 }
 
