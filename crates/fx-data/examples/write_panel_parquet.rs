@@ -18,27 +18,6 @@ use parquet::data_type::{ByteArray, ByteArrayType, DoubleType, Int64Type};
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 
-/// splitmix64: a seeded stream without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// A standard normal (Box–Muller).
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform().max(1e-300), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
-    }
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(out) = args.first() else {
@@ -48,7 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(args.get(i).map(|s| s.parse::<u64>()).transpose()?.unwrap_or(default))
     };
     let (n_inst, n_days, seed) = (arg(1, 500)? as usize, arg(2, 5040)? as usize, arg(3, 1)?);
-    let mut rng = Rng(seed);
+    let mut rng = fx_data::Rng::new(seed);
     let symbols: Vec<String> = (0..n_inst).map(|i| format!("SYM{i:04}")).collect();
     let first_day: Vec<usize> =
         (0..n_inst).map(|i| if i % 10 == 9 { (rng.uniform() * n_days as f64 / 2.0) as usize } else { 0 }).collect();

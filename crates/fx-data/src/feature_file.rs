@@ -623,14 +623,7 @@ mod tests {
         // Only the final file is left in the folder.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         // The permissions of any file fx writes (File::create's), not the temporary's 0600.
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let plain = dir.path().join("plain");
-            std::fs::File::create(&plain).unwrap();
-            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-            assert_eq!(mode(&out), mode(&plain));
-        }
+        crate::files::assert_default_permissions(&out);
         // A missing folder is named, not the temporary file.
         let (nope, target) = (dir.path().join("nope"), dir.path().join("nope").join("f.safetensors"));
         let e = small_table().write(&target).unwrap_err().to_string();

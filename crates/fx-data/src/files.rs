@@ -196,6 +196,22 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Asserts that `path` has the permissions of a file `File::create` makes beside it (the
+/// umask's), as every file fx writes must, not a private temporary's 0600.
+#[cfg(test)]
+pub(crate) fn assert_default_permissions(path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let plain = path.with_extension("plain-permissions");
+        File::create(&plain).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let (got, want) = (mode(path), mode(&plain));
+        std::fs::remove_file(&plain).unwrap();
+        assert_eq!(got, want, "{} has mode {got:o}, not File::create's {want:o}", path.display());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

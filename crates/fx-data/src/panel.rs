@@ -145,9 +145,9 @@ impl Panel {
     }
 
     /// Features per instrument of bars read from `path` (each bar's line, or row), then the panel.
-    /// Instruments are independent, so their features are computed on the threads the process
-    /// was given ([`fx_hw::work_threads`]: a run's thread setting, else every usable CPU; data
-    /// preparation, never a decision path), in chunks of consecutive instruments; the tables
+    /// Instruments are independent, so their features are computed on every usable CPU within
+    /// the user's thread cap ([`fx_hw::work_threads`]; data preparation, never a decision
+    /// path), in chunks of consecutive instruments; the tables
     /// keep the instruments' order and an error is the first failing instrument's in that
     /// order, as one after another would give.
     fn from_instrument_bars(path: &Path, instruments: Vec<(String, crate::Bars, Vec<u64>)>) -> Result<Self, Error> {
@@ -460,14 +460,7 @@ mod tests {
         // Streamed to the file through two temporaries: only the file is left in the folder,
         // with the permissions of any file fx writes (File::create's), not a temporary's 0600.
         assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 1);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let plain = out.path().join("plain");
-            std::fs::File::create(&plain).unwrap();
-            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-            assert_eq!(mode(&path), mode(&plain));
-        }
+        crate::files::assert_default_permissions(&path);
         let e = p.write(&out.path().join("nope").join("p.safetensors")).unwrap_err().to_string();
         assert!(e.contains("folder") && e.contains("nope") && e.contains("does not exist"), "{e}");
     }

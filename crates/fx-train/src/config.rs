@@ -457,19 +457,12 @@ impl RunConfig {
     /// (`free` bytes on `device`, as the driver reports them once it is open): one line
     /// naming the key that needs most, before any of it is allocated.
     pub fn check_device_memory(&self, free: u64, device: &str) -> Result<()> {
-        let needs = self.device_memory_needs();
-        let total: u64 = needs.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
-        let Some((key, most)) = needs.iter().max_by_key(|(_, b)| *b) else { return Ok(()) };
-        if total > free {
-            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-            bail!(
-                "{key} needs {:.1} GiB of device memory ({:.1} GiB for the run in all), more than {device} has free ({:.1} GiB)",
-                gib(*most),
-                gib(total),
-                gib(free)
-            );
-        }
-        Ok(())
+        refuse_beyond(&self.device_memory_needs(), free, |key, most, total, free| {
+            format!(
+                "{key} needs {most:.1} GiB of device memory ({total:.1} GiB for the run in all), \
+                 more than {device} has free ({free:.1} GiB)"
+            )
+        })
     }
 
     /// [`Self::host_memory_needs`]; `seq_activations`: whether a forecaster's batch
@@ -573,21 +566,24 @@ impl RunConfig {
     /// `ulimit -v`): one line naming the key that needs most, before anything is allocated
     /// (an allocation that large would abort the process instead).
     fn check_host_memory(&self) -> Result<()> {
-        let needs = self.host_memory_needs();
-        let total: u64 = needs.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
-        let Some((key, most)) = needs.iter().max_by_key(|(_, b)| *b) else { return Ok(()) };
         let Some((limit, what)) = fx_hw::HostInfo::detect().memory_limit() else { return Ok(()) };
-        if total > limit / 2 {
-            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-            bail!(
-                "{key} needs {:.1} GiB ({:.1} GiB for the run in all), more than half of {what} ({:.1} GiB)",
-                gib(*most),
-                gib(total),
-                gib(limit)
-            );
-        }
-        Ok(())
+        refuse_beyond(&self.host_memory_needs(), limit / 2, |key, most, total, _| {
+            let limit = limit as f64 / (1u64 << 30) as f64;
+            format!("{key} needs {most:.1} GiB ({total:.1} GiB for the run in all), more than half of {what} ({limit:.1} GiB)")
+        })
     }
+}
+
+/// The one rule of both memory checks: `needs` (bytes by key) in all above `budget` is
+/// refused, in one line from `say(key that needs most, its GiB, all GiB, budget GiB)`.
+fn refuse_beyond(needs: &[(String, u64)], budget: u64, say: impl Fn(&str, f64, f64, f64) -> String) -> Result<()> {
+    let total: u64 = needs.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
+    let Some((key, most)) = needs.iter().max_by_key(|(_, b)| *b) else { return Ok(()) };
+    if total > budget {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!("{}", say(key, gib(*most), gib(total), gib(budget)));
+    }
+    Ok(())
 }
 
 /// A TOML error as one line, `line L, column C: what`: the toml crate's own message is a

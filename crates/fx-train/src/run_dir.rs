@@ -796,13 +796,9 @@ mod tests {
         assert!(t.elapsed() < std::time::Duration::from_secs(5), "the log blocked");
     }
 
-    #[test]
-    fn checkpoints_keep_the_newest_and_drop_orphans() {
-        let dir = tempfile::tempdir().unwrap();
-        let run = RunDir::open(dir.path(), false).unwrap();
-        // A trainer file whose run state was never written (a crash between the writes).
-        write_atomic(&run.trainer_path(5), b"orphan").unwrap();
-        let state = |step| RunState {
+    /// A DQN run's state at `step` (the trainer's hash filled in when it is written).
+    fn state(step: u64) -> RunState {
+        RunState {
             version: RUN_STATE_VERSION,
             model: ModelChoice::Dqn,
             env_steps: step,
@@ -812,7 +808,15 @@ mod tests {
             data_source: "test".into(),
             train_seconds: 0.0,
             trainer_sha256: None,
-        };
+        }
+    }
+
+    #[test]
+    fn checkpoints_keep_the_newest_and_drop_orphans() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::open(dir.path(), false).unwrap();
+        // A trainer file whose run state was never written (a crash between the writes).
+        write_atomic(&run.trainer_path(5), b"orphan").unwrap();
         for step in [10, 20, 30] {
             run.write_checkpoint(&state(step), 2, |p| write_atomic(p, b"weights")).unwrap();
         }
@@ -829,17 +833,6 @@ mod tests {
     fn pruning_keeps_what_does_not_verify_and_restart_sets_it_aside() {
         let dir = tempfile::tempdir().unwrap();
         let run = RunDir::open(dir.path(), false).unwrap();
-        let state = |step| RunState {
-            version: RUN_STATE_VERSION,
-            model: ModelChoice::Dqn,
-            env_steps: step,
-            env: None,
-            norm_mean: vec![0.0],
-            norm_std: vec![1.0],
-            data_source: "test".into(),
-            train_seconds: 0.0,
-            trainer_sha256: None,
-        };
         let weights = |step: u64| format!("weights {step}").into_bytes();
         for step in [10, 20] {
             run.write_checkpoint(&state(step), 2, |p| write_atomic(p, &weights(step))).unwrap();
@@ -893,17 +886,6 @@ mod tests {
     fn lookups_beside_a_pruning_writer_find_a_checkpoint_and_report_no_damage() {
         let dir = tempfile::tempdir().unwrap();
         let run = RunDir::open(dir.path(), false).unwrap();
-        let state = |step| RunState {
-            version: RUN_STATE_VERSION,
-            model: ModelChoice::Dqn,
-            env_steps: step,
-            env: None,
-            norm_mean: vec![0.0],
-            norm_std: vec![1.0],
-            data_source: "test".into(),
-            train_seconds: 0.0,
-            trainer_sha256: None,
-        };
         let payload = vec![7u8; 256 * 1024];
         run.write_checkpoint(&state(1), 1, |p| write_atomic(p, &payload)).unwrap();
         let files = run.checkpoint_files();
