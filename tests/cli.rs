@@ -1760,6 +1760,7 @@ fn a_population_study_is_the_study_of_its_runs() {
         let want =
             if model == "dqn" { "population of 4 runs on cpu in waves of at most 3" } else { "in waves of at most 4" };
         assert!(text.contains(want), "{text}");
+        assert!(text.contains("the 2 folds' training series: views of one copy of"), "{text}");
         assert_eq!(study_stats(&pop), study_stats(&one), "{model}");
         for run in ["fold0-seed0", "fold0-seed1", "fold1-seed0", "fold1-seed1"] {
             let bt = |d: &Path| std::fs::read(d.join(run).join("backtest.csv")).unwrap();

@@ -7,7 +7,8 @@
 
 #define FX_ENV_ARGS                                                                               \
     const float *__restrict__ market, const double *__restrict__ close, fx_u32 T, fx_u32 L,        \
-        const fx_u32 *__restrict__ seg, fx_u32 n_seg, double cost, fx_u64 seed, fx_u64 env_offset, \
+        const fx_u32 *__restrict__ seg, fx_u32 n_seg, const float *__restrict__ norm, float clip,   \
+        double cost, fx_u64 seed, fx_u64 env_offset,                                                \
         fx_u32 E, fx_u32 *st_t, int *st_pos, double *st_entry, fx_u32 *st_sip, fx_u32 *st_ep,       \
         fx_u64 *st_counter
 #define FX_ENV_MAKE                                                                              \
@@ -18,6 +19,8 @@
     env.L = L;                                                                                   \
     env.seg = seg;                                                                               \
     env.n_seg = n_seg;                                                                           \
+    env.norm = norm;                                                                             \
+    env.clip = clip;                                                                             \
     env.cost = cost;                                                                             \
     env.seed = seed;                                                                             \
     env.env_offset = env_offset;                                                                 \
@@ -34,7 +37,7 @@ extern "C" __global__ void fx_env_observe(FX_ENV_ARGS, float* __restrict__ obs) 
     FX_WARP_LOOP(e, valid, E) {
         FxRow cur = {0u, 0.0f, 0.0f, 0.0f};
         if (valid) cur = fx_current(env, e);
-        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, market);
+        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, env);
     }
 }
 
@@ -52,8 +55,8 @@ extern "C" __global__ void fx_env_step(FX_ENV_ARGS, const fx_u32* __restrict__ a
             reward[e] = (float)r;
             done[e] = d ? 1.0f : 0.0f;
         }
-        if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, market);
-        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, market);
+        if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, env);
+        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, env);
     }
 }
 
@@ -120,10 +123,10 @@ __device__ __forceinline__ void fx_dqn_experience_account(const FxEnv& env, fx_u
         if (reward_out) reward_out[e] = (float)r;
         if (done_out) done_out[e] = d ? 1.0f : 0.0f;
     }
-    fx_warp_write_rows(rb.s + slot * FX_OBS_DIM, valid, s, env.market);
-    fx_warp_write_rows(rb.s2 + slot * FX_OBS_DIM, valid, next, env.market);
-    if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, env.market);
-    fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, env.market);
+    fx_warp_write_rows(rb.s + slot * FX_OBS_DIM, valid, s, env);
+    fx_warp_write_rows(rb.s2 + slot * FX_OBS_DIM, valid, next, env);
+    if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, env);
+    fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, env);
 }
 
 // DQN experience: fx_dqn_experience_account for every account (the host guarantees
@@ -166,7 +169,7 @@ extern "C" __global__ void fx_pop_observe(const FxPopMember* __restrict__ member
     FX_WARP_LOOP(e, valid, E) {
         FxRow cur = {0u, 0.0f, 0.0f, 0.0f};
         if (valid) cur = fx_current(env, e);
-        fx_warp_write_rows(o + (size_t)e * FX_OBS_DIM, valid, cur, env.market);
+        fx_warp_write_rows(o + (size_t)e * FX_OBS_DIM, valid, cur, env);
     }
 }
 

@@ -54,45 +54,6 @@ __device__ __forceinline__ FxRow fx_row(const double* __restrict__ close, fx_u32
     return r;
 }
 
-// Writes the observation rows of the 32 accounts of a warp cooperatively: lane i owns row
-// `dst` (any address; rows of consecutive lanes are usually consecutive) and its values
-// `row`; rows with valid == false are skipped. The warp walks the 32 rows together, each
-// lane storing columns `lane` and `lane + 32` of the current row, so every store and every
-// market-row load is coalesced (instead of each lane striding through its own 224-byte
-// row), and the unrolled row loop keeps many loads in flight. Must be called by all 32
-// lanes of the warp (warp-uniform control flow).
-__device__ __forceinline__ void fx_warp_write_rows(float* dst, bool valid, FxRow row,
-                                                   const float* __restrict__ market) {
-    const unsigned full = 0xffffffffu;
-    const unsigned lane = threadIdx.x & 31u;
-    const unsigned vmask = __ballot_sync(full, valid);
-    if (vmask == 0u) return;
-    const unsigned long long my_dst = (unsigned long long)dst;
-    const unsigned c2 = lane + 32u;
-#pragma unroll 8
-    for (unsigned r = 0; r < 32u; ++r) {
-        const unsigned long long d = __shfl_sync(full, my_dst, r);
-        const fx_u32 t = __shfl_sync(full, row.t, r);
-        const float p = __shfl_sync(full, row.p, r);
-        const float u = __shfl_sync(full, row.upnl, r);
-        const float q = __shfl_sync(full, row.tip, r);
-        if ((vmask >> r) & 1u) {
-            const float* m = market + (size_t)t * FX_N_MARKET;
-            float* o = (float*)d;
-            o[lane] = __ldg(m + lane);  // columns 0..31 are all market features
-            if (c2 < FX_OBS_DIM) {
-                float v;
-                if (c2 < FX_N_MARKET) v = __ldg(m + c2);
-                else if (c2 == FX_N_MARKET) v = p;
-                else if (c2 == FX_N_MARKET + 1) v = u;
-                else if (c2 == FX_N_MARKET + 2) v = q;
-                else v = 0.0f;
-                o[c2] = v;
-            }
-        }
-    }
-}
-
 // Argmax of a row of Q-values, ties to the lowest index.
 __device__ __forceinline__ fx_u32 fx_argmax(const float* q) {
     fx_u32 best = 0;
@@ -151,9 +112,13 @@ struct FxEnv {
     const float* __restrict__ market;  // [T, 51]
     const double* __restrict__ close;  // [T]
     fx_u32 T, L;
-    // Segment boundaries (a panel's instruments): seg[k]..seg[k+1] for k < n_seg.
+    // Segments (a panel's instruments): seg[2k]..seg[2k+1] for k < n_seg, sorted, disjoint.
     const fx_u32* __restrict__ seg;
     fx_u32 n_seg;
+    // Per-segment normalisers [n_seg, 2, 51] (means, then stds) applied as rows are
+    // written, clipped to +-clip; null: the rows are written as they are.
+    const float* __restrict__ norm;
+    float clip;
     double cost;
     fx_u64 seed, env_offset;
     fx_u32* t;
@@ -165,12 +130,13 @@ struct FxEnv {
 };
 
 // One member's row of a population's device table (PopMemberArgs in
-// crates/fx-kernels/src/cuda/pop_collect.rs, field for field: 184 bytes, no padding): its
+// crates/fx-kernels/src/cuda/pop_collect.rs, field for field: 200 bytes, no padding): its
 // env's series, parameters and state, its replay ring and its ε ramp.
 struct FxPopMember {
     const float* market;
     const double* close;
     const fx_u32* seg;
+    const float* norm;
     fx_u32* t;
     int* pos;
     double* entry;
@@ -189,9 +155,10 @@ struct FxPopMember {
     // The member's replay-sampling seed: its trainer's, not its env's (the solo trainer
     // samples with DqnConfig::seed, the env draws with EnvConfig::seed).
     fx_u64 sample_seed;
-    fx_u32 T, L, n_seg, pad;
+    fx_u32 T, L, n_seg;
+    float clip;
 };
-static_assert(sizeof(FxPopMember) == 192, "FxPopMember must match fx-kernels' PopMemberArgs");
+static_assert(sizeof(FxPopMember) == 200, "FxPopMember must match fx-kernels' PopMemberArgs");
 
 __device__ __forceinline__ FxEnv fx_pop_env(const FxPopMember& m) {
     FxEnv env;
@@ -201,6 +168,8 @@ __device__ __forceinline__ FxEnv fx_pop_env(const FxPopMember& m) {
     env.L = m.L;
     env.seg = m.seg;
     env.n_seg = m.n_seg;
+    env.norm = m.norm;
+    env.clip = m.clip;
     env.cost = m.cost;
     env.seed = m.seed;
     env.env_offset = m.env_offset;
@@ -220,13 +189,79 @@ __device__ __forceinline__ fx_u32 fx_reset_start_in(const FxEnv& env, fx_u64 env
     double uk = fx_draw(env.seed, FX_STREAM_INSTRUMENT, env_id, counter);
     fx_u32 k = (fx_u32)floor(__dmul_rn(uk, (double)env.n_seg));
     if (k >= env.n_seg) k = env.n_seg - 1u;
-    fx_u32 s0 = env.seg[k];
-    return s0 + fx_reset_start(env.seed, env_id, counter, env.seg[k + 1u] - s0, env.L);
+    fx_u32 s0 = env.seg[2u * k];
+    return s0 + fx_reset_start(env.seed, env_id, counter, env.seg[2u * k + 1u] - s0, env.L);
 }
 
 // The observation values of account e's current state.
 __device__ __forceinline__ FxRow fx_current(const FxEnv& env, fx_u32 e) {
     return fx_row(env.close, env.L, env.t[e], env.pos[e], env.entry[e], env.sip[e]);
+}
+
+// The segment holding row t (EnvData::segment_of): the last whose start is <= t.
+__device__ __forceinline__ fx_u32 fx_segment_of(const FxEnv& env, fx_u32 t) {
+    fx_u32 lo = 0u, hi = env.n_seg;  // the answer lies in [lo, hi)
+    while (hi - lo > 1u) {
+        const fx_u32 mid = (lo + hi) >> 1;
+        if (env.seg[2u * mid] <= t) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// One observed market value: raw, or ((x - mean) / std) clipped to +-clip in F32 with
+// round-to-nearest operations (fx_data::Normalizer::apply_in_place; f32::clamp equals
+// fminf/fmaxf on the finite values EnvData admits).
+__device__ __forceinline__ float fx_observed(float x, const float* nrm, unsigned c, float clip) {
+    if (!nrm) return x;
+    const float v = __fdiv_rn(__fsub_rn(x, __ldg(nrm + c)), __ldg(nrm + FX_N_MARKET + c));
+    return fminf(fmaxf(v, -clip), clip);
+}
+
+// Writes the observation rows of the 32 accounts of a warp cooperatively: lane i owns row
+// `dst` (any address; rows of consecutive lanes are usually consecutive) and its values
+// `row`; rows with valid == false are skipped. The warp walks the 32 rows together, each
+// lane storing columns `lane` and `lane + 32` of the current row, so every store and every
+// market-row load is coalesced (instead of each lane striding through its own 224-byte
+// row), and the unrolled row loop keeps many loads in flight. A view's rows are normalised
+// on the way (each lane finds its own row's segment first). Must be called by all 32 lanes
+// of the warp (warp-uniform control flow).
+__device__ __forceinline__ void fx_warp_write_rows(float* dst, bool valid, FxRow row, const FxEnv& env) {
+    const unsigned full = 0xffffffffu;
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned vmask = __ballot_sync(full, valid);
+    if (vmask == 0u) return;
+    const float* __restrict__ market = env.market;
+    const float clip = env.clip;
+    const unsigned long long my_dst = (unsigned long long)dst;
+    const unsigned long long my_norm =
+        (env.norm && valid) ? (unsigned long long)(env.norm + (size_t)fx_segment_of(env, row.t) * 2u * FX_N_MARKET)
+                            : 0ull;
+    const unsigned c2 = lane + 32u;
+#pragma unroll 8
+    for (unsigned r = 0; r < 32u; ++r) {
+        const unsigned long long d = __shfl_sync(full, my_dst, r);
+        const unsigned long long nq = __shfl_sync(full, my_norm, r);
+        const fx_u32 t = __shfl_sync(full, row.t, r);
+        const float p = __shfl_sync(full, row.p, r);
+        const float u = __shfl_sync(full, row.upnl, r);
+        const float q = __shfl_sync(full, row.tip, r);
+        if ((vmask >> r) & 1u) {
+            const float* m = market + (size_t)t * FX_N_MARKET;
+            const float* nrm = (const float*)nq;
+            float* o = (float*)d;
+            o[lane] = fx_observed(__ldg(m + lane), nrm, lane, clip);  // columns 0..31: market features
+            if (c2 < FX_OBS_DIM) {
+                float v;
+                if (c2 < FX_N_MARKET) v = fx_observed(__ldg(m + c2), nrm, c2, clip);
+                else if (c2 == FX_N_MARKET) v = p;
+                else if (c2 == FX_N_MARKET + 1) v = u;
+                else if (c2 == FX_N_MARKET + 2) v = q;
+                else v = 0.0f;
+                o[c2] = v;
+            }
+        }
+    }
 }
 
 // Steps account e with action a (invalid actions are treated as flat and flagged): returns

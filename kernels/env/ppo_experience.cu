@@ -6,7 +6,7 @@
 
 extern "C" __global__ void fx_ppo_experience(
     const float* __restrict__ market, const double* __restrict__ close, fx_u32 T, fx_u32 L,
-    const fx_u32* __restrict__ seg, fx_u32 n_seg, double cost,
+    const fx_u32* __restrict__ seg, fx_u32 n_seg, const float* __restrict__ norm, float clip, double cost,
     fx_u64 seed, fx_u64 env_offset, fx_u32 E, fx_u32* st_t, int* st_pos, double* st_entry, fx_u32* st_sip,
     fx_u32* st_ep, fx_u64* st_counter, const float* __restrict__ logits, const float* __restrict__ values,
     fx_u32 row, float* __restrict__ ro_s, fx_u32* __restrict__ ro_a, float* __restrict__ ro_logp,
@@ -19,6 +19,8 @@ extern "C" __global__ void fx_ppo_experience(
     env.L = L;
     env.seg = seg;
     env.n_seg = n_seg;
+    env.norm = norm;
+    env.clip = clip;
     env.cost = cost;
     env.seed = seed;
     env.env_offset = env_offset;
@@ -45,8 +47,8 @@ extern "C" __global__ void fx_ppo_experience(
             ro_r[k] = (float)r;
             ro_d[k] = d ? 1.0f : 0.0f;
         }
-        fx_warp_write_rows(ro_s + k * FX_OBS_DIM, valid, s, market);
-        if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, market);
-        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, market);
+        fx_warp_write_rows(ro_s + k * FX_OBS_DIM, valid, s, env);
+        if (next_obs) fx_warp_write_rows(next_obs + (size_t)e * FX_OBS_DIM, valid, next, env);
+        fx_warp_write_rows(obs + (size_t)e * FX_OBS_DIM, valid, cur, env);
     }
 }

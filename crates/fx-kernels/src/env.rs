@@ -84,44 +84,21 @@ impl EnvConfig {
     }
 }
 
-/// The series the accounts trade: `market` row-major `[T, 51]` (normalised features) and
-/// `close` `[T]` (prices, f64), made of one or more **segments** (a panel's instruments,
-/// one after another). An episode never leaves the segment its reset chose: with one
-/// segment the reset is the reference's `floor(u · (T − L))`; with several it first draws
-/// the segment, `k = floor(u_k · S)` from [`rng::STREAM_INSTRUMENT`], then the start inside
-/// it, `segment.start + floor(u · (len_k − L))` from the reset stream. Validated on
-/// construction: finite values, positive prices, every segment at least 2 rows.
+/// Raw rows of one or more instruments: market features row-major `[R, 51]` and close
+/// prices `[R]` (f64), checked finite (prices positive). Several [`EnvData`] views share one
+/// `Arc<SeriesRows>` (a walk-forward study's folds: each fold's training spans and
+/// normalisers over the same rows), and the GPU holds one copy of it for all of them.
 #[derive(Clone, Debug)]
-pub struct EnvData {
+pub struct SeriesRows {
     market: Vec<f32>,
     close: Vec<f64>,
-    segments: Vec<std::ops::Range<usize>>,
 }
 
-impl EnvData {
-    /// Builds the series, checking `market.len() == 51 · close.len()`, finite market
-    /// values and finite positive prices.
+impl SeriesRows {
+    /// Checks `market.len() == 51 · close.len()`, at least 2 rows, finite market values and
+    /// finite positive prices.
     pub fn new(market: Vec<f32>, close: Vec<f64>) -> Result<Self> {
-        let n = close.len();
-        Self::from_segments(market, close, &[n])
-    }
-
-    /// Segments of `lens` rows one after another (an instrument each; their sum is `T`),
-    /// checked as [`new`](Self::new) checks one series.
-    pub fn from_segments(market: Vec<f32>, close: Vec<f64>, lens: &[usize]) -> Result<Self> {
         let ctx = "EnvData::new";
-        if lens.is_empty() || lens.iter().sum::<usize>() != close.len() {
-            return Err(Error::Config {
-                context: ctx,
-                message: format!("segments of {lens:?} rows do not add up to the {} rows of the series", close.len()),
-            });
-        }
-        if let Some((k, n)) = lens.iter().enumerate().find(|(_, &n)| n < 2) {
-            return Err(Error::Config {
-                context: ctx,
-                message: format!("segment {k} has {n} rows; a series needs at least 2"),
-            });
-        }
         if market.len() != close.len() * N_MARKET {
             return Err(Error::shape(
                 "market",
@@ -142,6 +119,91 @@ impl EnvData {
         if let Some((index, v)) = close.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
             return Err(Error::NonFinite { what: "close (must be finite and > 0)", index, value: *v, context: ctx });
         }
+        Ok(Self { market, close })
+    }
+
+    /// Number of rows `R`.
+    pub fn len(&self) -> usize {
+        self.close.len()
+    }
+
+    /// Always false (at least two rows).
+    pub fn is_empty(&self) -> bool {
+        self.close.is_empty()
+    }
+
+    /// The raw market features, row-major `[R, 51]`.
+    pub fn market(&self) -> &[f32] {
+        &self.market
+    }
+
+    /// The close prices `[R]`.
+    pub fn close(&self) -> &[f64] {
+        &self.close
+    }
+}
+
+/// Per-segment normalisation applied as a row is observed:
+/// `((x − mean[k][c]) / std[k][c]).clamp(−clip, clip)` for a row of segment `k`, in F32,
+/// the arithmetic of [`fx_data::Normalizer::apply_in_place`] (so a view observes the bits a
+/// host-normalised copy would hold).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SegmentNorms {
+    /// `[S, 2, 51]`: segment k's means, then its standard deviations.
+    table: Vec<f32>,
+    clip: f32,
+}
+
+impl SegmentNorms {
+    /// The table `[S, 2, 51]` (means then standard deviations of each segment).
+    pub fn table(&self) -> &[f32] {
+        &self.table
+    }
+
+    /// The clip bound (±).
+    pub fn clip(&self) -> f32 {
+        self.clip
+    }
+}
+
+/// The series the accounts trade: rows of [`SeriesRows`] (market features `[T, 51]`,
+/// prices `[T]`) made of one or more **segments** (a panel's instruments). An episode never
+/// leaves the segment its reset chose: with one segment the reset is the reference's
+/// `floor(u · (T − L))`; with several it first draws the segment, `k = floor(u_k · S)` from
+/// [`rng::STREAM_INSTRUMENT`], then the start inside it, `segment.start + floor(u · (len_k −
+/// L))` from the reset stream. Validated on construction: finite values, positive prices,
+/// every segment at least 2 rows.
+///
+/// Built by [`new`](Self::new) / [`from_segments`](Self::from_segments) the rows are the
+/// observed features and the segments cover them. A [`view`](Self::view) takes sorted,
+/// disjoint segments of shared raw rows with a normaliser per segment, applied as rows are
+/// observed (CPU and GPU alike), so views of one `Arc<SeriesRows>` share its memory.
+#[derive(Clone, Debug)]
+pub struct EnvData {
+    rows: Arc<SeriesRows>,
+    segments: Vec<std::ops::Range<usize>>,
+    norms: Option<SegmentNorms>,
+}
+
+impl EnvData {
+    /// Builds the series, checking `market.len() == 51 · close.len()`, finite market
+    /// values and finite positive prices.
+    pub fn new(market: Vec<f32>, close: Vec<f64>) -> Result<Self> {
+        let n = close.len();
+        Self::from_segments(market, close, &[n])
+    }
+
+    /// Segments of `lens` rows one after another (an instrument each; their sum is `T`),
+    /// checked as [`new`](Self::new) checks one series.
+    pub fn from_segments(market: Vec<f32>, close: Vec<f64>, lens: &[usize]) -> Result<Self> {
+        let ctx = "EnvData::new";
+        if lens.is_empty() || lens.iter().sum::<usize>() != close.len() {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!("segments of {lens:?} rows do not add up to the {} rows of the series", close.len()),
+            });
+        }
+        let rows = Arc::new(SeriesRows::new(market, close)?);
         let mut start = 0;
         let segments = lens
             .iter()
@@ -150,10 +212,79 @@ impl EnvData {
                 start - n..start
             })
             .collect();
-        Ok(Self { market, close, segments })
+        Self::checked(rows, segments, None)
     }
 
-    /// The segments (row ranges, in order, covering `0..T`).
+    /// Segments `segments` of the shared `rows` (sorted, disjoint, each at least 2 rows),
+    /// each observed through its own normaliser (`norms[k]` for segment k, 51 features; all
+    /// with one clip bound).
+    pub fn view(
+        rows: Arc<SeriesRows>,
+        segments: Vec<std::ops::Range<usize>>,
+        norms: &[fx_data::Normalizer],
+    ) -> Result<Self> {
+        let ctx = "EnvData::view";
+        if norms.len() != segments.len() {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!("{} normalisers for {} segments", norms.len(), segments.len()),
+            });
+        }
+        let clip = norms.first().map_or(fx_data::normalize::CLIP, |n| n.clip);
+        let mut table = Vec::with_capacity(norms.len() * 2 * N_MARKET);
+        for (k, n) in norms.iter().enumerate() {
+            let bad = n.width() != N_MARKET
+                || n.clip != clip
+                || clip.is_nan()
+                || clip <= 0.0
+                || n.mean.iter().any(|m| !m.is_finite())
+                || n.std.iter().any(|s| !(s.is_finite() && *s > 0.0));
+            if bad {
+                return Err(Error::Config {
+                    context: ctx,
+                    message: format!(
+                        "normaliser {k}: needs {N_MARKET} finite means, finite positive stds and the clip {clip}"
+                    ),
+                });
+            }
+            table.extend_from_slice(&n.mean);
+            table.extend_from_slice(&n.std);
+        }
+        Self::checked(rows, segments, Some(SegmentNorms { table, clip }))
+    }
+
+    fn checked(
+        rows: Arc<SeriesRows>,
+        segments: Vec<std::ops::Range<usize>>,
+        norms: Option<SegmentNorms>,
+    ) -> Result<Self> {
+        let ctx = "EnvData::new";
+        if segments.is_empty() {
+            return Err(Error::Config { context: ctx, message: "a series needs at least one segment".into() });
+        }
+        for (k, s) in segments.iter().enumerate() {
+            if s.len() < 2 {
+                return Err(Error::Config {
+                    context: ctx,
+                    message: format!("segment {k} has {} rows; a series needs at least 2", s.len()),
+                });
+            }
+            if s.end > rows.len() || (k > 0 && s.start < segments[k - 1].end) {
+                return Err(Error::Config {
+                    context: ctx,
+                    message: format!(
+                        "segment {k} ({s:?}) must lie within the {} rows, after segment {}",
+                        rows.len(),
+                        k.saturating_sub(1)
+                    ),
+                });
+            }
+        }
+        Ok(Self { rows, segments, norms })
+    }
+
+    /// The segments (row ranges, in order; from [`new`](Self::new) and
+    /// [`from_segments`](Self::from_segments) they cover `0..T`).
     pub fn segments(&self) -> &[std::ops::Range<usize>] {
         &self.segments
     }
@@ -163,24 +294,51 @@ impl EnvData {
         self.segments.iter().map(|s| s.len()).min().unwrap_or(0)
     }
 
-    /// Number of rows `T`.
+    /// Number of rows `T` (of the shared rows, for a view).
     pub fn len(&self) -> usize {
-        self.close.len()
+        self.rows.len()
     }
 
     /// Always false (a series has at least two rows).
     pub fn is_empty(&self) -> bool {
-        self.close.is_empty()
+        self.rows.is_empty()
     }
 
-    /// The market features, row-major `[T, 51]`.
-    pub fn market(&self) -> &[f32] {
-        &self.market
+    /// The rows the segments index (shared between views).
+    pub fn rows(&self) -> &Arc<SeriesRows> {
+        &self.rows
+    }
+
+    /// The per-segment normalisers of a [`view`](Self::view) (`None`: rows observed as
+    /// they are).
+    pub fn norms(&self) -> Option<&SegmentNorms> {
+        self.norms.as_ref()
     }
 
     /// The close prices `[T]`.
     pub fn close(&self) -> &[f64] {
-        &self.close
+        self.rows.close()
+    }
+
+    /// The segment holding row `t` (`t` inside some segment).
+    fn segment_of(&self, t: usize) -> usize {
+        self.segments.partition_point(|s| s.start <= t).saturating_sub(1)
+    }
+
+    /// The 51 market values observed at row `t` (normalised for a view) into `out`.
+    #[inline]
+    pub fn market_row(&self, t: usize, out: &mut [f32]) {
+        let raw = &self.rows.market[t * N_MARKET..(t + 1) * N_MARKET];
+        match &self.norms {
+            None => out[..N_MARKET].copy_from_slice(raw),
+            Some(n) => {
+                let k = self.segment_of(t);
+                let (mean, std) = n.table[k * 2 * N_MARKET..(k + 1) * 2 * N_MARKET].split_at(N_MARKET);
+                for (((o, &x), &m), &s) in out[..N_MARKET].iter_mut().zip(raw).zip(mean).zip(std) {
+                    *o = ((x - m) / s).clamp(-n.clip, n.clip);
+                }
+            }
+        }
     }
 }
 
@@ -241,8 +399,8 @@ pub(crate) fn reset_start_in(
 /// Writes one observation row.
 #[inline]
 fn write_obs(data: &EnvData, episode_len: usize, t: usize, pos: i8, entry: f64, sip: u64, out: &mut [f32]) {
-    out[..N_MARKET].copy_from_slice(&data.market[t * N_MARKET..(t + 1) * N_MARKET]);
-    let upnl = if pos != 0 { pos as f64 * (data.close[t] / entry).ln() } else { 0.0 };
+    data.market_row(t, out);
+    let upnl = if pos != 0 { pos as f64 * (data.close()[t] / entry).ln() } else { 0.0 };
     out[N_MARKET] = pos as f32;
     out[N_MARKET + 1] = upnl as f32;
     out[N_MARKET + 2] = (sip as f64 / episode_len as f64) as f32;
@@ -277,7 +435,7 @@ impl CpuTradingEnv {
         let t0 = reset_start_in(self.data.segments(), self.cfg.episode_len, self.cfg.seed, env_id, self.counter[i]);
         self.t[i] = t0;
         self.pos[i] = 0;
-        self.entry[i] = self.data.close[t0];
+        self.entry[i] = self.data.close()[t0];
         self.steps_in_pos[i] = 0;
         self.ep_step[i] = 0;
     }
@@ -356,8 +514,8 @@ impl CpuTradingEnv {
             let t = self.t[i];
             let p_old = self.pos[i];
             let p_new = actions[i] as i8 - 1;
-            let c_t = self.data.close[t];
-            let c_t1 = self.data.close[t + 1];
+            let c_t = self.data.close()[t];
+            let c_t1 = self.data.close()[t + 1];
             let reward = p_new as f64 * (c_t1 / c_t).ln() - self.cfg.cost * (p_new - p_old).unsigned_abs() as f64;
             if p_new != p_old {
                 self.entry[i] = c_t;
@@ -472,7 +630,7 @@ fn host_matrix(x: &Tensor, e: usize, what: &'static str, ctx: &'static str) -> R
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::fixtures::Fixture;
 
@@ -590,7 +748,9 @@ mod tests {
     fn one_segment_is_the_reference_reset() {
         // `new` is one segment, and a segmented series of one segment resets as it does.
         let data = random_walk(40, 3);
-        let one = Arc::new(EnvData::from_segments(data.market().to_vec(), data.close().to_vec(), &[40]).expect("data"));
+        let one = Arc::new(
+            EnvData::from_segments(data.rows().market().to_vec(), data.close().to_vec(), &[40]).expect("data"),
+        );
         let cfg = EnvConfig { num_envs: 64, episode_len: 7, seed: 11, ..EnvConfig::default() };
         let a = CpuTradingEnv::new(data, cfg.clone()).expect("env");
         let b = CpuTradingEnv::new(one, cfg).expect("env");
@@ -600,7 +760,7 @@ mod tests {
     #[test]
     fn resets_draw_every_segment() {
         let parts: Vec<Arc<EnvData>> = [30, 50, 20].iter().map(|&n| random_walk(n, n as u64)).collect();
-        let market = parts.iter().flat_map(|p| p.market().to_vec()).collect();
+        let market = parts.iter().flat_map(|p| p.rows().market().to_vec()).collect();
         let close = parts.iter().flat_map(|p| p.close().to_vec()).collect();
         let data = Arc::new(EnvData::from_segments(market, close, &[30, 50, 20]).expect("data"));
         let cfg = EnvConfig { num_envs: 300, episode_len: 8, seed: 5, ..EnvConfig::default() };
@@ -633,6 +793,103 @@ mod tests {
         assert!(CpuTradingEnv::new(data.clone(), cfg).is_err());
         let cfg = EnvConfig { num_envs: 2, episode_len: 2, ..EnvConfig::default() };
         assert!(CpuTradingEnv::new(data, cfg).is_ok());
+    }
+
+    /// Raw rows of `lens` instruments one after another (market features on a wide scale,
+    /// so normalising changes them and some values clip), and per instrument a sub-range of
+    /// its rows with a normaliser fitted on that sub-range's first half.
+    pub(crate) fn shared_rows(
+        lens: &[usize],
+        seed: u64,
+    ) -> (Arc<SeriesRows>, Vec<std::ops::Range<usize>>, Vec<fx_data::Normalizer>) {
+        let (mut market, mut close, mut segments, mut norms) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut start = 0;
+        for (k, &n) in lens.iter().enumerate() {
+            let part = random_walk(n, seed ^ (k as u64 + 1));
+            let scale = 1.0 + 40.0 * rng::draw(seed, 12, k as u64, 0) as f32;
+            let raw: Vec<f32> =
+                part.rows().market().iter().enumerate().map(|(i, &v)| v * scale + (i % 7) as f32).collect();
+            // Every instrument's view skips a few of its first and last rows.
+            let (a, b) = (n / 8, n - n / 8);
+            norms.push(fx_data::Normalizer::fit_rows(&raw, N_MARKET, a..a + (b - a) / 2).expect("fit"));
+            segments.push(start + a..start + b);
+            market.extend(raw);
+            close.extend_from_slice(part.close());
+            start += n;
+        }
+        (Arc::new(SeriesRows::new(market, close).expect("rows")), segments, norms)
+    }
+
+    /// The host-normalised copy of a view: each segment's rows normalised and laid one
+    /// after another, as runs built their series before views.
+    fn normalised_copy(
+        rows: &SeriesRows,
+        segments: &[std::ops::Range<usize>],
+        norms: &[fx_data::Normalizer],
+    ) -> EnvData {
+        let (mut market, mut close) = (Vec::new(), Vec::new());
+        for (s, n) in segments.iter().zip(norms) {
+            let mut m = rows.market()[s.start * N_MARKET..s.end * N_MARKET].to_vec();
+            n.apply_in_place(&mut m);
+            market.extend(m);
+            close.extend_from_slice(&rows.close()[s.clone()]);
+        }
+        let lens: Vec<usize> = segments.iter().map(|s| s.len()).collect();
+        EnvData::from_segments(market, close, &lens).expect("copy")
+    }
+
+    #[test]
+    fn rejects_bad_views() {
+        let (rows, segments, norms) = shared_rows(&[20, 30], 4);
+        assert!(EnvData::view(rows.clone(), segments.clone(), &norms).is_ok());
+        let err = |segs: Vec<std::ops::Range<usize>>, norms: &[fx_data::Normalizer]| {
+            EnvData::view(rows.clone(), segs, norms).expect_err("refused").to_string()
+        };
+        assert!(err(segments.clone(), &norms[..1]).contains("1 normalisers for 2 segments"));
+        assert!(err(vec![25..40, 3..18], &norms).contains("segment 1"));
+        assert!(err(vec![3..18, 10..40], &norms).contains("segment 1"));
+        assert!(err(vec![3..18, 40..51], &norms).contains("within the 50 rows"));
+        assert!(err(vec![3..4, 20..40], &norms).contains("segment 0 has 1 rows"));
+        assert!(err(vec![], &[]).contains("at least one segment"));
+        let mut zero_std = norms.clone();
+        zero_std[1].std[7] = 0.0;
+        assert!(err(segments.clone(), &zero_std).contains("normaliser 1"));
+        let mut other_clip = norms.clone();
+        other_clip[1].clip = 3.0;
+        assert!(err(segments, &other_clip).contains("normaliser 1"));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(16))]
+        /// A view of shared raw rows, normalised as rows are observed, runs exactly as the
+        /// host-normalised copy of its segments: the same observations, rewards and dones
+        /// bit for bit, and the same times up to each segment's offset.
+        #[test]
+        fn a_view_runs_as_its_normalised_copy(seed: u64, e in 1usize..9, ep_len in 1usize..12,
+                                              lens in proptest::collection::vec(0usize..40, 1..4)) {
+            let lens: Vec<usize> = lens.iter().map(|n| n + 2 * ep_len + 8).collect();
+            let (rows, segments, norms) = shared_rows(&lens, seed);
+            let view = Arc::new(EnvData::view(rows.clone(), segments.clone(), &norms).expect("view"));
+            let copy = Arc::new(normalised_copy(&rows, &segments, &norms));
+            let cfg = EnvConfig { num_envs: e, episode_len: ep_len, cost: 1e-4, seed, env_offset: 3 };
+            let mut a = CpuTradingEnv::new(view, cfg.clone()).expect("view env");
+            let mut b = CpuTradingEnv::new(copy.clone(), cfg).expect("copy env");
+            let shift = |t: usize| {
+                let k = copy.segments().iter().position(|s| s.contains(&t)).expect("segment");
+                t - copy.segments()[k].start + segments[k].start
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(bits(&a.observe_host()), bits(&b.observe_host()));
+            for k in 0..3 * ep_len as u32 {
+                proptest::prop_assert_eq!(a.times().to_vec(), b.times().iter().map(|&t| shift(t)).collect::<Vec<_>>());
+                let acts: Vec<u32> = (0..e as u32).map(|i| (k * 7 + i * 5 + seed as u32) % 3).collect();
+                let (sa, sb) = (a.step_host(&acts).expect("step"), b.step_host(&acts).expect("step"));
+                proptest::prop_assert_eq!(bits(&sa.next_obs), bits(&sb.next_obs));
+                proptest::prop_assert_eq!(bits(&sa.obs), bits(&sb.obs));
+                proptest::prop_assert_eq!(bits(&sa.reward), bits(&sb.reward));
+                proptest::prop_assert_eq!(&sa.done, &sb.done);
+            }
+        }
     }
 
     proptest::proptest! {
@@ -679,7 +936,7 @@ mod tests {
                                           lens in proptest::collection::vec(0usize..30, 1..5)) {
             let lens: Vec<usize> = lens.iter().map(|n| n + ep_len + 1).collect();
             let parts: Vec<Arc<EnvData>> = lens.iter().enumerate().map(|(k, &n)| random_walk(n, seed ^ k as u64)).collect();
-            let market = parts.iter().flat_map(|p| p.market().to_vec()).collect();
+            let market = parts.iter().flat_map(|p| p.rows().market().to_vec()).collect();
             let close = parts.iter().flat_map(|p| p.close().to_vec()).collect();
             let data = Arc::new(EnvData::from_segments(market, close, &lens).expect("data"));
             let cfg = EnvConfig { num_envs: e, episode_len: ep_len, cost: 1e-4, seed, env_offset: 0 };
@@ -694,7 +951,7 @@ mod tests {
                     proptest::prop_assert!(range.contains(&before[i]) && range.contains(&(before[i] + 1)));
                     let t_next = before[i] + 1;
                     proptest::prop_assert_eq!(&s.next_obs[i * OBS_DIM..i * OBS_DIM + N_MARKET],
-                        &data.market()[t_next * N_MARKET..(t_next + 1) * N_MARKET]);
+                        &data.rows().market()[t_next * N_MARKET..(t_next + 1) * N_MARKET]);
                     if s.done[i] == 1.0 {
                         seg[i] = segment_of(&data, env.times()[i]);
                     }

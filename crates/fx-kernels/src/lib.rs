@@ -60,7 +60,10 @@ mod fixtures;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{GpuEnvOptions, GpuTradingEnv};
-pub use env::{write_observation, CpuTradingEnv, EnvConfig, EnvData, EnvState, N_ACTIONS, N_MARKET, OBS_DIM};
+pub use env::{
+    write_observation, CpuTradingEnv, EnvConfig, EnvData, EnvState, SegmentNorms, SeriesRows, N_ACTIONS, N_MARKET,
+    OBS_DIM,
+};
 pub use error::{CandleContext, Error, Result};
 pub use gae::{gae, GaeConfig};
 pub use replay::{ReplayBatch, ReplayBuffer};

@@ -349,7 +349,13 @@ pub(crate) fn run_cases(ctx: &mut Ctx, plan: &Plan) -> Vec<Record> {
     if let Some(e) = plan.env_e {
         for what in [EnvWhat::Step, EnvWhat::DqnCollect] {
             for &mode in what.modes(ctx.device.is_cuda()) {
-                let rec = base(ctx, format!("{}_E{e}", what.case_prefix()), "env", "env", mode, e);
+                // A view is its own (fx-only) case, so the best mode of bench.py's case
+                // stays the plain series'.
+                let (view, plain) = match mode.strip_suffix("_view") {
+                    Some(m) => ("_view", m),
+                    None => ("", mode),
+                };
+                let rec = base(ctx, format!("{}{view}_E{e}", what.case_prefix()), "env", "env", plain, e);
                 out.push(guarded(ctx, t0, rec, |ctx, r| env_step::env_case(ctx, what, mode, e, r)));
             }
         }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use fx_data::{FeatureStore, Normalizer, Panel, Splits};
-use fx_kernels::{EnvData, N_MARKET};
+use fx_kernels::{EnvData, SeriesRows, N_MARKET};
 
 use crate::config::RunConfig;
 
@@ -203,6 +203,70 @@ impl Dataset {
     }
 }
 
+/// The raw rows of every instrument of several datasets of one source (a walk-forward
+/// study's folds) inside the span their training spans cover, each instrument once, for
+/// [`Dataset::env_view`]: the folds' training series are views of these rows, so a GPU
+/// holds the data once for all folds (and one fold's rows are exactly what its own copy
+/// held).
+pub struct SharedRows {
+    pub rows: Arc<SeriesRows>,
+    /// By instrument name: its first row in `rows` and the own row that is.
+    starts: std::collections::HashMap<String, (usize, usize)>,
+}
+
+impl SharedRows {
+    /// The instruments of `datasets` (by name: an instrument one fold leaves out may be in
+    /// another), in order of first appearance, each with its own rows from the first
+    /// dataset's training start to the last training end (calendar rows).
+    pub fn of(datasets: &[&Dataset]) -> Result<Self> {
+        let span = datasets.iter().map(|d| d.splits.train.start).min().unwrap_or(0)
+            ..datasets.iter().map(|d| d.splits.train.end).max().unwrap_or(0);
+        let (mut market, mut close) = (Vec::new(), Vec::new());
+        let mut starts = std::collections::HashMap::new();
+        for d in datasets {
+            for inst in &d.instruments {
+                if starts.contains_key(&inst.name) {
+                    continue;
+                }
+                let own = own_rows(&inst.calendar_rows, &span);
+                starts.insert(inst.name.clone(), (close.len(), own.start));
+                market.extend_from_slice(inst.store.market_rows(own.clone()));
+                close.extend_from_slice(&inst.store.close()[own]);
+            }
+        }
+        let source = datasets.first().map_or("", |d| d.source.as_str());
+        let rows = SeriesRows::new(market, close).with_context(|| format!("the training rows of {source}"))?;
+        Ok(Self { rows: Arc::new(rows), starts })
+    }
+}
+
+impl Dataset {
+    /// [`Self::env_data`] as a view of `shared` (which holds this dataset's instruments): the
+    /// same segments, observed through this dataset's normalisers, without a copy of the
+    /// rows.
+    pub fn env_view(&self, shared: &SharedRows, rows: Range<usize>, min_rows: usize) -> Result<Arc<EnvData>> {
+        let (mut segments, mut norms) = (Vec::new(), Vec::new());
+        for inst in &self.instruments {
+            let own = own_rows(&inst.calendar_rows, &rows);
+            if own.len() < min_rows.max(2) {
+                continue;
+            }
+            let Some(&(start, first)) = shared.starts.get(&inst.name) else {
+                bail!("{}: instrument {} is not in the shared rows", self.source, inst.name);
+            };
+            if own.start < first {
+                bail!("{}: instrument {}'s rows {own:?} start before the shared rows", self.source, inst.name);
+            }
+            segments.push(start + own.start - first..start + own.end - first);
+            norms.push(inst.normalizer.clone());
+        }
+        if segments.is_empty() {
+            bail!("{}: no instrument has {} rows in calendar rows {rows:?}", self.source, min_rows.max(2));
+        }
+        Ok(Arc::new(EnvData::view(shared.rows.clone(), segments, &norms).with_context(|| self.source.clone())?))
+    }
+}
+
 impl Instrument {
     /// Normalised market features and close prices of its own rows `own`.
     fn series(&self, own: Range<usize>) -> (Vec<f32>, Vec<f64>) {
@@ -328,6 +392,70 @@ mod tests {
         let ppy = median_periods_per_year(&[&a, &b]).unwrap();
         assert!((ppy - 365.25).abs() < 1.0, "{ppy}");
         assert_eq!(median_periods_per_year(&[]), None);
+    }
+
+    /// Two synthetic instruments on one calendar (the second starts later and skips every
+    /// seventh day), split with training rows `0..train`.
+    fn two_instruments(train: usize, seed: u64) -> Dataset {
+        let mut instruments = Vec::new();
+        for (k, rows) in
+            [(0..600).collect::<Vec<usize>>(), (80..600).filter(|r| r % 7 != 3).collect()].into_iter().enumerate()
+        {
+            let cfg = fx_data::synthetic::SyntheticConfig {
+                seed: seed + k as u64,
+                bars: rows.len() + 80,
+                ..Default::default()
+            };
+            let store = FeatureStore::from_table(fx_data::synthetic::feature_table(&cfg).unwrap()).unwrap();
+            let store_rows = store.rows();
+            let calendar_rows: Vec<usize> = rows.into_iter().take(store_rows).collect();
+            let own = own_rows(&calendar_rows, &(0..train));
+            let normalizer = Normalizer::fit(&store, own).unwrap();
+            instruments.push(Instrument { name: format!("i{k}"), store, calendar_rows, normalizer });
+        }
+        let splits = Splits { train: 0..train, valid: train..train + 50, test: train + 50..600 };
+        Dataset {
+            instruments,
+            calendar: (0..600).collect(),
+            splits,
+            source: "test".into(),
+            periods_per_year: 252.0,
+            excluded: Vec::new(),
+        }
+    }
+
+    /// Two folds' training series as views of one copy of the rows observe what their own
+    /// normalised copies hold, bit for bit, row by row, and share that copy.
+    #[test]
+    fn fold_views_observe_their_normalised_copies() {
+        let seed = fx_hw::test_seed("fold_views_observe_their_normalised_copies");
+        let folds = [two_instruments(250, seed), two_instruments(400, seed)];
+        let shared = SharedRows::of(&folds.iter().collect::<Vec<_>>()).unwrap();
+        let mut views = Vec::new();
+        for d in &folds {
+            let copy = d.env_data(d.splits.train.clone(), 30).unwrap();
+            let view = d.env_view(&shared, d.splits.train.clone(), 30).unwrap();
+            let lens = |e: &EnvData| e.segments().iter().map(|s| s.len()).collect::<Vec<_>>();
+            assert_eq!(lens(&copy), lens(&view));
+            let (mut a, mut b) = ([0f32; N_MARKET], [0f32; N_MARKET]);
+            for (sc, sv) in copy.segments().iter().zip(view.segments()) {
+                for (tc, tv) in sc.clone().zip(sv.clone()) {
+                    copy.market_row(tc, &mut a);
+                    view.market_row(tv, &mut b);
+                    assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "seed {seed}: rows {tc} / {tv}");
+                    assert_eq!(copy.close()[tc].to_bits(), view.close()[tv].to_bits());
+                }
+            }
+            views.push(view);
+        }
+        assert!(Arc::ptr_eq(views[0].rows(), views[1].rows()), "one copy of the rows for both folds");
+        // The rows of the longer training span, once (what its own copy held).
+        assert_eq!(shared.rows.len(), folds[1].env_data(folds[1].splits.train.clone(), 30).unwrap().len());
+        // A dataset with an instrument the shared rows lack is refused in one line.
+        let mut other = two_instruments(250, seed);
+        other.instruments[1].name = "i9".into();
+        let e = other.env_view(&shared, other.splits.train.clone(), 30).err().map(|e| format!("{e:#}"));
+        assert!(e.as_deref().is_some_and(|e| e.contains("instrument i9 is not in the shared rows")), "{e:?}");
     }
 
     #[test]

@@ -50,7 +50,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::config::{ModelChoice, RunConfig};
-use crate::dataset::Dataset;
+use crate::dataset::{Dataset, SharedRows};
 use crate::lifecycle::{Outcome, TrainOptions};
 use crate::run_dir::{write_atomic, RunDir};
 
@@ -260,16 +260,36 @@ fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> R
     }
     let Some((first, _)) = runs.first() else { return Ok(Outcome::Finished) };
     let device = crate::run_start::device_for(first)?;
-    // One dataset per fold (its spans and normalisers, fitted on its training rows) and one
-    // training series, shared by the fold's members.
-    let mut data: Vec<Option<(Dataset, std::sync::Arc<fx_kernels::EnvData>)>> = folds.iter().map(|_| None).collect();
+    // One dataset per fold (its spans and normalisers, fitted on its training rows); the
+    // folds' training series are views of one copy of the rows (normalised as they are
+    // observed), shared by every member: a GPU holds the data once, not once per fold.
+    let mut loaded: Vec<Option<(Dataset, usize)>> = folds.iter().map(|_| None).collect();
     for (c, f) in &runs {
-        if data[*f].is_none() {
-            let d = Dataset::load(c, None)?;
-            let rows = d.env_data(d.splits.train.clone(), c.env.episode_len + 1)?;
-            data[*f] = Some((d, rows));
+        if loaded[*f].is_none() {
+            loaded[*f] = Some((Dataset::load(c, None)?, c.env.episode_len + 1));
         }
     }
+    let shared = SharedRows::of(&loaded.iter().flatten().map(|(d, _)| d).collect::<Vec<_>>())?;
+    let mut data: Vec<Option<(Dataset, std::sync::Arc<fx_kernels::EnvData>)>> = Vec::with_capacity(folds.len());
+    for fold in loaded {
+        data.push(match fold {
+            Some((d, min_rows)) => {
+                let view = d.env_view(&shared, d.splits.train.clone(), min_rows)?;
+                Some((d, view))
+            }
+            None => None,
+        });
+    }
+    // What the folds' own copies held: their segments' rows.
+    let per_fold: usize = data.iter().flatten().map(|(_, v)| v.segments().iter().map(|s| s.len()).sum::<usize>()).sum();
+    let mib = |rows: usize| (rows * (fx_kernels::N_MARKET * 4 + 8)) as f64 / (1 << 20) as f64;
+    println!(
+        "the {} folds' training series: views of one copy of {} rows ({:.1} MiB; a copy per fold: {per_fold} rows, {:.1} MiB), each fold normalised as its rows are observed",
+        data.iter().flatten().count(),
+        shared.rows.len(),
+        mib(shared.rows.len()),
+        mib(per_fold)
+    );
     let size = crate::population::wave_size(first, None, runs.len())?;
     println!(
         "population of {} runs on {} in waves of at most {} ({}): every unfinished (fold, seed) trained together",

@@ -74,6 +74,8 @@ struct EnvArgs {
     ep_len: u32,
     seg: u64,
     n_seg: u32,
+    norm: u64,
+    clip: f32,
     cost: f64,
     seed: u64,
     offset: u64,
@@ -89,7 +91,7 @@ struct EnvArgs {
 impl EnvArgs {
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         b.arg(&self.market).arg(&self.close).arg(&self.t_len).arg(&self.ep_len);
-        b.arg(&self.seg).arg(&self.n_seg).arg(&self.cost);
+        b.arg(&self.seg).arg(&self.n_seg).arg(&self.norm).arg(&self.clip).arg(&self.cost);
         b.arg(&self.seed).arg(&self.offset).arg(&self.e);
         b.arg(&self.t).arg(&self.pos).arg(&self.entry).arg(&self.sip).arg(&self.ep).arg(&self.counter);
     }
@@ -187,6 +189,8 @@ impl GpuTradingEnv {
             ep_len: cfg.episode_len as u32,
             seg: series.seg,
             n_seg: data.segments().len() as u32,
+            norm: series.norm,
+            clip: series.clip,
             cost: cfg.cost,
             seed: cfg.seed,
             offset: cfg.env_offset,
@@ -230,9 +234,10 @@ impl GpuTradingEnv {
         &self.cfg
     }
 
-    /// Device address of the series' market rows. Envs built from one `Arc<EnvData>` on
-    /// one device share one device copy of the series (the kernels only read it), so their
-    /// addresses are equal; envs of different data, or on different devices, have their own.
+    /// Device address of the series' market rows. Envs built from one `Arc<EnvData>`, or
+    /// from views of one `Arc<SeriesRows>`, on one device share one device copy of the rows
+    /// (the kernels only read them), so their addresses are equal; envs of different rows,
+    /// or on different devices, have their own.
     pub fn series_address(&self) -> u64 {
         self.series.market
     }
@@ -487,6 +492,7 @@ impl GpuTradingEnv {
             market: a.market,
             close: a.close,
             seg: a.seg,
+            norm: a.norm,
             t: a.t,
             pos: a.pos,
             entry: a.entry,
@@ -500,6 +506,7 @@ impl GpuTradingEnv {
             t_len: a.t_len,
             ep_len: a.ep_len,
             n_seg: a.n_seg,
+            clip: a.clip,
             ..bytemuck::Zeroable::zeroed()
         }
     }

@@ -32,7 +32,7 @@ use crate::vec_env::VecEnv;
 const SAMPLE_BLOCK: u32 = 256;
 
 /// One member's row of the device table: `FxPopMember` in `kernels/env/fx_env.cuh`, field for
-/// field (pointers as u64; 192 bytes, no padding: `Pod` refuses any, and both sides assert
+/// field (pointers as u64; 200 bytes, no padding: `Pod` refuses any, and both sides assert
 /// the size).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -40,6 +40,7 @@ pub(crate) struct PopMemberArgs {
     pub market: u64,
     pub close: u64,
     pub seg: u64,
+    pub norm: u64,
     pub t: u64,
     pub pos: u64,
     pub entry: u64,
@@ -62,10 +63,10 @@ pub(crate) struct PopMemberArgs {
     pub t_len: u32,
     pub ep_len: u32,
     pub n_seg: u32,
-    pub pad: u32,
+    pub clip: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<PopMemberArgs>() == 192);
+const _: () = assert!(std::mem::size_of::<PopMemberArgs>() == 200);
 
 /// See the module docs.
 pub struct PopDqnCollect {

@@ -84,7 +84,7 @@ fn trajectories_match_cpu_reference() {
 fn segmented_series(lens: &[usize], seed: u64) -> Arc<EnvData> {
     let parts: Vec<EnvData> =
         lens.iter().enumerate().map(|(k, &n)| synthetic_series(n, seed + k as u64).expect("data")).collect();
-    let market = parts.iter().flat_map(|p| p.market().to_vec()).collect();
+    let market = parts.iter().flat_map(|p| p.rows().market().to_vec()).collect();
     let close = parts.iter().flat_map(|p| p.close().to_vec()).collect();
     Arc::new(EnvData::from_segments(market, close, lens).expect("segments"))
 }
@@ -136,8 +136,9 @@ fn segmented_trajectories_match_cpu_reference() {
 fn envs_of_one_series_share_its_device_copy() {
     let Some(dev) = gpu("envs_of_one_series_share_its_device_copy") else { return };
     let data = segmented_series(&[700, 300], 5);
-    let twin =
-        Arc::new(EnvData::from_segments(data.market().to_vec(), data.close().to_vec(), &[700, 300]).expect("twin"));
+    let twin = Arc::new(
+        EnvData::from_segments(data.rows().market().to_vec(), data.close().to_vec(), &[700, 300]).expect("twin"),
+    );
     let cfg = |seed: u64| EnvConfig { num_envs: 33, episode_len: 24, cost: 1e-4, seed, env_offset: 0 };
     let (mut c1, mut g1) = pair(&dev, &data, &cfg(1));
     let (mut c2, mut g2) = pair(&dev, &data, &cfg(2));
@@ -170,6 +171,103 @@ fn envs_of_one_series_share_its_device_copy() {
         step(&mut c5, &mut g5, k, "env 5");
     }
     for g in [&mut g2, &mut g3, &mut g5] {
+        g.check_errors().expect("no flagged actions");
+    }
+}
+
+/// Walk-forward folds as views of one raw series: each fold its own segments and
+/// normalisers, all reading one device copy of the rows. Every kernel that writes
+/// observations (observe, step, the DQN experience into a replay, PPO's experience into a
+/// rollout, the population's observe and collection) normalises them as the CPU env does,
+/// bit for bit, on fresh random rows.
+#[test]
+fn fold_views_share_one_copy_and_match_the_cpu() {
+    let Some(dev) = gpu("fold_views_share_one_copy_and_match_the_cpu") else { return };
+    let seed = fx_hw::test_seed("fold_views_share_one_copy_and_match_the_cpu");
+    let (rows, segs, norms) = crate::env::tests::shared_rows(&[300, 420, 260, 90], seed);
+    // Fold 0 as drawn; fold 1 a later, shorter span of three instruments with its own fits.
+    let fold1: Vec<std::ops::Range<usize>> = segs[1..].iter().map(|s| s.start + 20..s.end).collect();
+    let norms1: Vec<fx_data::Normalizer> = fold1
+        .iter()
+        .map(|s| fx_data::Normalizer::fit_rows(rows.market(), crate::N_MARKET, s.start..s.start + 30).expect("fit"))
+        .collect();
+    let views = [
+        Arc::new(EnvData::view(rows.clone(), segs.clone(), &norms).expect("fold 0")),
+        Arc::new(EnvData::view(rows.clone(), fold1, &norms1).expect("fold 1")),
+    ];
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let e = 45;
+    let cfg = |k: u64| EnvConfig { num_envs: e, episode_len: 12, cost: 1e-4, seed: seed ^ k, env_offset: k };
+    let (mut c0, mut g0) = pair(&dev, &views[0], &cfg(0));
+    let (mut c1, mut g1) = pair(&dev, &views[1], &cfg(1));
+    assert_eq!(g0.series_address(), g1.series_address(), "two folds of one rows: one device copy");
+    let (mut rc, mut rg) = (ReplayBuffer::new(200, &Device::Cpu).expect("r"), ReplayBuffer::new(200, &dev).expect("r"));
+    for k in 0..30u64 {
+        let what = format!("seed {seed} step {k}");
+        assert_eq!(bits(host_f32(&g0.observe().expect("obs"))), bits(c0.observe_host()), "{what}: fold 0 observe");
+        let a = random_actions(e, k, seed);
+        let g = g0.step(&Tensor::from_vec(a.clone(), e, &dev).expect("a")).expect("gpu step");
+        let c = c0.step_host(&a).expect("cpu step");
+        assert_eq!(bits(host_f32(&g.next_obs)), bits(c.next_obs), "{what}: fold 0 next_obs");
+        assert_eq!(bits(host_f32(&g.obs)), bits(c.obs), "{what}: fold 0 obs");
+        assert_same_state(&c0, &g0, &what);
+        let q: Vec<f32> = (0..e * N_ACTIONS).map(|i| rng::draw(seed, 7, i as u64, k) as f32).collect();
+        let qc = Tensor::from_vec(q, (e, N_ACTIONS), &Device::Cpu).expect("q");
+        let ac = c1.epsilon_greedy(&qc, 0.4).expect("eg");
+        let c = c1.step_into_replay(&ac, &mut rc).expect("cpu");
+        let (ag, obs) = g1.collect_dqn(&qc.to_device(&dev).expect("q"), 0.4, &mut rg).expect("gpu");
+        assert_eq!(host_u32(&ag), host_u32(&ac), "{what}: fold 1 actions");
+        assert_eq!(bits(host_f32(&obs)), bits(host_f32(&c.obs)), "{what}: fold 1 obs");
+        assert_same_state(&c1, &g1, &what);
+    }
+    let (sc, sg) = (rc.stored().expect("stored"), rg.stored().expect("stored"));
+    assert_eq!(bits(host_f32(&sg.states)), bits(host_f32(&sc.states)), "fold 1 replay s");
+    assert_eq!(bits(host_f32(&sg.next_states)), bits(host_f32(&sc.next_states)), "fold 1 replay s2");
+    // PPO's experience kernel.
+    let (mut cp, mut gp) = pair(&dev, &views[1], &cfg(2));
+    let mut roc = Rollout::new(16, e, &Device::Cpu).expect("rollout");
+    let mut rog = Rollout::new(16, e, &dev).expect("rollout");
+    for k in 0..16u64 {
+        let l: Vec<f32> = (0..e * N_ACTIONS).map(|i| 4.0 * rng::draw(seed, 1, i as u64, k) as f32 - 2.0).collect();
+        let lc = Tensor::from_vec(l, (e, N_ACTIONS), &Device::Cpu).expect("l");
+        let vc = Tensor::zeros(e, DType::F32, &Device::Cpu).expect("v");
+        cp.step_into_rollout(&lc, &vc, &mut roc).expect("cpu");
+        gp.step_into_rollout(&lc.to_device(&dev).expect("l"), &vc.to_device(&dev).expect("v"), &mut rog).expect("gpu");
+    }
+    assert_eq!(bits(host_f32(rog.states())), bits(host_f32(roc.states())), "ppo rollout states");
+    // The population's kernels: one member per fold.
+    let pop: Vec<GpuTradingEnv> = (0..2)
+        .map(|k| GpuTradingEnv::new(views[k].clone(), cfg(10 + k as u64), &dev, GpuEnvOptions::default()).expect("env"))
+        .collect();
+    let mut cpu: Vec<CpuTradingEnv> =
+        (0..2).map(|k| CpuTradingEnv::new(views[k].clone(), cfg(10 + k as u64)).expect("env")).collect();
+    let refs: Vec<&GpuTradingEnv> = pop.iter().collect();
+    let mut rp: Vec<ReplayBuffer> = (0..2).map(|_| ReplayBuffer::new(100, &dev).expect("replay")).collect();
+    let mut rcpu: Vec<ReplayBuffer> = (0..2).map(|_| ReplayBuffer::new(100, &Device::Cpu).expect("replay")).collect();
+    let eps = vec![crate::LinearSchedule { start: 0.5, end: 0.5, steps: 1 }; 2];
+    let col = super::PopDqnCollect::new(&refs, &rp, &eps, &[1, 2]).expect("collector");
+    let obs = Tensor::zeros((2, e, OBS_DIM), DType::F32, &dev).expect("obs");
+    col.observe(&refs, &rp, &obs).expect("observe");
+    for step in 0..8u64 {
+        for k in 0..2 {
+            let what = format!("seed {seed} member {k} step {step}");
+            assert_eq!(bits(host_f32(&obs.get(k).expect("row"))), bits(cpu[k].observe_host()), "{what}: pop obs");
+        }
+        let q: Vec<f32> = (0..2 * e * N_ACTIONS).map(|i| rng::draw(seed, 9, i as u64, step) as f32).collect();
+        let q = Tensor::from_vec(q, (2, e, N_ACTIONS), &Device::Cpu).expect("q");
+        col.collect(&refs, &mut rp, &q.to_device(&dev).expect("q"), step, &obs, None, None).expect("collect");
+        for k in 0..2 {
+            let a = cpu[k].epsilon_greedy(&q.get(k).expect("q"), 0.5).expect("eg");
+            cpu[k].step_into_replay(&a, &mut rcpu[k]).expect("cpu");
+        }
+    }
+    for k in 0..2 {
+        let (want, got) = (rcpu[k].stored().expect("stored"), rp[k].stored().expect("stored"));
+        assert_eq!(bits(host_f32(&got.states)), bits(host_f32(&want.states)), "member {k}: pop replay s");
+        assert_eq!(bits(host_f32(&got.next_states)), bits(host_f32(&want.next_states)), "member {k}: pop replay s2");
+        assert_eq!(host_u32(&got.actions), host_u32(&want.actions), "member {k}: pop replay a");
+    }
+    for g in [&mut g0, &mut g1, &mut gp] {
         g.check_errors().expect("no flagged actions");
     }
 }

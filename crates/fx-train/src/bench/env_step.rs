@@ -46,9 +46,13 @@ impl EnvWhat {
     /// trait's ε-greedy and replay step), and for the DQN collection on CUDA also `fused`
     /// (`fx_models::DqnQForward`, 7 launches, then `GpuTradingEnv::collect_dqn`: ε-greedy,
     /// step and replay write in one kernel).
+    /// On CUDA each also runs `*_view`: the same over a view of the series (four segments,
+    /// each normalised as its rows are observed, as a walk-forward fold's series is), which
+    /// prices the kernels' in-place normalisation.
     pub(crate) fn modes(self, cuda: bool) -> &'static [&'static str] {
         match (self, cuda) {
-            (EnvWhat::DqnCollect, true) => &["eager", "fused"],
+            (EnvWhat::DqnCollect, true) => &["eager", "fused", "fused_view"],
+            (EnvWhat::Step, true) => &["eager", "eager_view"],
             _ => &["eager"],
         }
     }
@@ -99,12 +103,26 @@ impl AnyEnv {
     }
 }
 
+/// `data`'s rows as a view of four segments (a row's gap between them), each with a
+/// normaliser fitted on its first half.
+fn quarters_view(data: fx_kernels::EnvData) -> Result<fx_kernels::EnvData> {
+    let rows = data.rows().clone();
+    let q = rows.len() / 4;
+    let segments: Vec<std::ops::Range<usize>> = (0..4).map(|k| k * q..(k + 1) * q - 1).collect();
+    let norms = segments
+        .iter()
+        .map(|s| fx_data::Normalizer::fit_rows(rows.market(), fx_kernels::N_MARKET, s.start..s.start + q / 2))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(fx_kernels::EnvData::view(rows, segments, &norms)?)
+}
+
 /// One environment case with `e` accounts (episode_len 256, cost 1 bp, seed 7) in `mode`
 /// (see [`EnvWhat::modes`]).
 pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, mode: &str, e: usize, rec: &mut Record) -> Result<()> {
     ctx.mem.start(&ctx.device)?;
     let dev = ctx.device.clone();
-    let data = Arc::new(series(ctx.env_series)?);
+    let data = series(ctx.env_series)?;
+    let data = Arc::new(if mode.ends_with("_view") { quarters_view(data)? } else { data });
     let cfg = EnvConfig { num_envs: e, episode_len: 256, cost: 1e-4, seed: 7, env_offset: 0 };
     let mut env = AnyEnv::new(&dev, data, cfg)?;
     rec.insert("backend".into(), json!(env.backend()));
@@ -124,7 +142,7 @@ pub(crate) fn env_case(ctx: &mut Ctx, what: EnvWhat, mode: &str, e: usize, rec: 
             })
         }
         #[cfg(feature = "cuda")]
-        EnvWhat::DqnCollect if mode == "fused" => {
+        EnvWhat::DqnCollect if mode.starts_with("fused") => {
             let net = DuelingDqn::new(DqnNetConfig::default(), &dev, 0)?;
             let fwd = fx_models::DqnQForward::new(&net, e)?;
             let mut replay = ReplayBuffer::new(e * 4, &dev)?;
