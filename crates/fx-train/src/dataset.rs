@@ -23,8 +23,8 @@ use crate::config::RunConfig;
 /// One instrument of the run's data.
 pub struct Instrument {
     pub name: String,
-    /// Its own feature rows, in time order.
-    pub store: FeatureStore,
+    /// Its own feature rows, in time order (shared by the datasets of one [`Source`]).
+    pub store: Arc<FeatureStore>,
     /// The calendar row of each of its rows (strictly increasing).
     pub calendar_rows: Vec<usize>,
     /// Fitted on its rows inside the training span.
@@ -53,11 +53,19 @@ pub struct InstrumentSpan {
     pub steps: Vec<usize>,
 }
 
-impl Dataset {
-    /// Loads the data a config names and fits the normalisers on the training rows. Saved
-    /// normalisers (from a checkpoint) replace the fitted ones, so a resumed or evaluated
-    /// run sees exactly the inputs it was trained on.
-    pub fn load(cfg: &RunConfig, saved: Option<Vec<Normalizer>>) -> Result<Self> {
+/// The data a config names, opened once (read and checked, features computed from bars):
+/// each instrument's feature store, its calendar rows, the calendar and the source's name.
+/// The datasets of a study's folds are made from one `Source` ([`Dataset::of_source`]), so
+/// the data is read once and every fold's dataset shares its features.
+pub struct Source {
+    tables: Vec<(String, Arc<FeatureStore>, Vec<usize>)>,
+    calendar: Vec<i64>,
+    source: String,
+}
+
+impl Source {
+    /// Opens `cfg.data` (or the synthetic market) and checks its feature schema.
+    pub fn open(cfg: &RunConfig) -> Result<Self> {
         let (tables, calendar, source) = match &cfg.data {
             None => {
                 let table = fx_data::synthetic::feature_table(&cfg.synthetic)?;
@@ -73,6 +81,24 @@ impl Dataset {
             let what = if panel { format!("{source} ({name})") } else { source.clone() };
             check_schema(store, &what)?;
         }
+        let tables = tables.into_iter().map(|(n, s, r)| (n, Arc::new(s), r)).collect();
+        Ok(Self { tables, calendar, source })
+    }
+}
+
+impl Dataset {
+    /// Loads the data a config names and fits the normalisers on the training rows. Saved
+    /// normalisers (from a checkpoint) replace the fitted ones, so a resumed or evaluated
+    /// run sees exactly the inputs it was trained on.
+    pub fn load(cfg: &RunConfig, saved: Option<Vec<Normalizer>>) -> Result<Self> {
+        Self::of_source(cfg, &Source::open(cfg)?, saved)
+    }
+
+    /// [`Self::load`] over an opened [`Source`] (the one `cfg` names): the spans and
+    /// normalisers of `cfg` without reading the data again, the features shared.
+    pub fn of_source(cfg: &RunConfig, src: &Source, saved: Option<Vec<Normalizer>>) -> Result<Self> {
+        let (tables, calendar, source) = (&src.tables, &src.calendar, &src.source);
+        let panel = tables.len() > 1;
         let rows = calendar.len();
         let splits = match &cfg.rows {
             Some(r) => check_rows(r, rows).with_context(|| format!("the run's rows of {source}"))?,
@@ -81,12 +107,13 @@ impl Dataset {
         let mut instruments = Vec::with_capacity(tables.len());
         let mut excluded = Vec::new();
         for (name, store, calendar_rows) in tables {
-            let own = own_rows(&calendar_rows, &splits.train);
+            let own = own_rows(calendar_rows, &splits.train);
             if panel && own.len() < 2 {
-                excluded.push(name);
+                excluded.push(name.clone());
                 continue;
             }
-            let normalizer = Normalizer::fit(&store, own).with_context(|| format!("normalising {source}"))?;
+            let normalizer = Normalizer::fit(store, own).with_context(|| format!("normalising {source}"))?;
+            let (name, store, calendar_rows) = (name.clone(), store.clone(), calendar_rows.clone());
             instruments.push(Instrument { name, store, calendar_rows, normalizer });
         }
         if instruments.is_empty() {
@@ -115,8 +142,9 @@ impl Dataset {
         // dates: instruments listed one after another would look sparse), the median of them.
         let periods_per_year = cfg.periods_per_year.unwrap_or_else(|| {
             let own: Vec<&[i64]> = instruments.iter().map(|i| i.store.timestamps()).collect();
-            median_periods_per_year(&own).unwrap_or_else(|| infer_periods_per_year(&calendar))
+            median_periods_per_year(&own).unwrap_or_else(|| infer_periods_per_year(calendar))
         });
+        let (calendar, source) = (calendar.clone(), source.clone());
         let data = Dataset { instruments, calendar, splits, source, periods_per_year, excluded };
         // Sequence models check their windows against the splits themselves.
         let min_rows = cfg.env.episode_len + 1;
@@ -406,7 +434,7 @@ mod tests {
                 bars: rows.len() + 80,
                 ..Default::default()
             };
-            let store = FeatureStore::from_table(fx_data::synthetic::feature_table(&cfg).unwrap()).unwrap();
+            let store = Arc::new(FeatureStore::from_table(fx_data::synthetic::feature_table(&cfg).unwrap()).unwrap());
             let store_rows = store.rows();
             let calendar_rows: Vec<usize> = rows.into_iter().take(store_rows).collect();
             let own = own_rows(&calendar_rows, &(0..train));
@@ -456,6 +484,29 @@ mod tests {
         other.instruments[1].name = "i9".into();
         let e = other.env_view(&shared, other.splits.train.clone(), 30).err().map(|e| format!("{e:#}"));
         assert!(e.as_deref().is_some_and(|e| e.contains("instrument i9 is not in the shared rows")), "{e:?}");
+    }
+
+    /// Two folds' datasets of one opened source share its features (no second read, no
+    /// copy) and fit their own normalisers on their own training spans.
+    #[test]
+    fn folds_of_one_source_share_its_features() {
+        let cfg = RunConfig::default();
+        let src = Source::open(&cfg).unwrap();
+        let n = src.calendar.len();
+        let fold = |train_end: usize| RunConfig {
+            rows: Some(Splits { train: 0..train_end, valid: train_end..train_end + 50, test: train_end + 50..n }),
+            ..cfg.clone()
+        };
+        let (a, b) = (
+            Dataset::of_source(&fold(n / 3), &src, None).unwrap(),
+            Dataset::of_source(&fold(n / 2), &src, None).unwrap(),
+        );
+        assert!(Arc::ptr_eq(&a.instruments[0].store, &b.instruments[0].store));
+        assert!(Arc::ptr_eq(&a.instruments[0].store, &src.tables[0].1));
+        assert_ne!(a.instruments[0].normalizer, b.instruments[0].normalizer);
+        let alone = Dataset::load(&fold(n / 2), None).unwrap();
+        assert_eq!(alone.instruments[0].normalizer, b.instruments[0].normalizer);
+        assert_eq!(alone.splits, b.splits);
     }
 
     #[test]

@@ -38,7 +38,10 @@
 //! member's folder holds what the statistics read (`config.toml`, `report.json`,
 //! `backtest.csv`, the plots) and its final network (`weights.safetensors`, which `eval`
 //! rescores), not a checkpoint: the populations train in waves the device holds, and a stopped wave is
-//! trained again from its start on `--resume`.
+//! trained again from its start on `--resume`. The data is read once ([`Source`]), and the
+//! folds' training series are views of one copy of its rows (`fx_kernels::EnvData::view`,
+//! [`SharedRows`]), each normalised as its rows are observed: a GPU holds the data once
+//! for every fold and member.
 
 use std::path::{Path, PathBuf};
 
@@ -50,7 +53,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::config::{ModelChoice, RunConfig};
-use crate::dataset::{Dataset, SharedRows};
+use crate::dataset::{Dataset, SharedRows, Source};
 use crate::lifecycle::{Outcome, TrainOptions};
 use crate::run_dir::{write_atomic, RunDir};
 
@@ -131,7 +134,8 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
     }
     // Everything that can refuse the study does so before its folder exists.
     let resolved = cfg.clone().resolve()?;
-    let data = Dataset::load(&resolved, None)?;
+    let src = Source::open(&resolved)?;
+    let data = Dataset::of_source(&resolved, &src, None)?;
     let rows = data.rows();
     let folds: Vec<Fold> = match &cfg.walk_forward {
         Some(wf) => wf
@@ -170,7 +174,7 @@ pub fn run(cfg: RunConfig, opts: TrainOptions) -> Result<Outcome> {
         cfg.model.as_str(),
         data.source
     );
-    if cfg.population && train_as_population(&cfg, &folds, opts.steps)? == Outcome::Interrupted {
+    if cfg.population && train_as_population(&cfg, &src, &folds, opts.steps)? == Outcome::Interrupted {
         println!("study interrupted; continue with `fx-train train --resume --out {}`", dir.root().display());
         return Ok(Outcome::Interrupted);
     }
@@ -245,7 +249,7 @@ pub const MEMBER_WEIGHTS: &str = "weights.safetensors";
 /// from a member's estimated memory, or `FX_POPULATION`), and writes each member's run
 /// folder as its wave ends. A signal stops the wave in flight between env steps (DQN) or
 /// iterations (PPO); the finished waves' runs are kept.
-fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> Result<Outcome> {
+fn train_as_population(cfg: &RunConfig, src: &Source, folds: &[Fold], steps: Option<u64>) -> Result<Outcome> {
     let mut runs: Vec<(RunConfig, usize)> = Vec::new();
     for (f, fold) in folds.iter().enumerate() {
         for s in 0..cfg.seeds {
@@ -263,10 +267,12 @@ fn train_as_population(cfg: &RunConfig, folds: &[Fold], steps: Option<u64>) -> R
     // One dataset per fold (its spans and normalisers, fitted on its training rows); the
     // folds' training series are views of one copy of the rows (normalised as they are
     // observed), shared by every member: a GPU holds the data once, not once per fold.
+    // The data is read once: every fold's dataset is made from the study's opened source
+    // (its runs name the same data).
     let mut loaded: Vec<Option<(Dataset, usize)>> = folds.iter().map(|_| None).collect();
     for (c, f) in &runs {
         if loaded[*f].is_none() {
-            loaded[*f] = Some((Dataset::load(c, None)?, c.env.episode_len + 1));
+            loaded[*f] = Some((Dataset::of_source(c, src, None)?, c.env.episode_len + 1));
         }
     }
     let shared = SharedRows::of(&loaded.iter().flatten().map(|(d, _)| d).collect::<Vec<_>>())?;
