@@ -43,6 +43,8 @@ pub struct Dataset {
     pub periods_per_year: f64,
     /// Panel instruments left out: too few rows in the training span.
     pub excluded: Vec<String>,
+    /// The opened data (kept so that datasets loaded meanwhile share it).
+    _source: Arc<Source>,
 }
 
 /// An instrument's part of a span: its environment series and the span's index of the
@@ -56,16 +58,40 @@ pub struct InstrumentSpan {
 /// The data a config names, opened once (read and checked, features computed from bars):
 /// each instrument's feature store, its calendar rows, the calendar and the source's name.
 /// The datasets of a study's folds are made from one `Source` ([`Dataset::of_source`]), so
-/// the data is read once and every fold's dataset shares its features.
+/// the data is read once and every fold's dataset shares its features; [`Source::open`]
+/// hands out the one a live dataset holds.
 pub struct Source {
     tables: Vec<(String, Arc<FeatureStore>, Vec<usize>)>,
     calendar: Vec<i64>,
     source: String,
 }
 
+/// The sources some dataset still holds, by what they were opened from.
+static OPEN: std::sync::Mutex<Vec<(String, std::sync::Weak<Source>)>> = std::sync::Mutex::new(Vec::new());
+
 impl Source {
-    /// Opens `cfg.data` (or the synthetic market) and checks its feature schema.
-    pub fn open(cfg: &RunConfig) -> Result<Self> {
+    /// The source `cfg` names: the one a live dataset of this process already holds (a
+    /// study holds its source while its runs train, so they read the data once between
+    /// them), else [`Self::read`]'s.
+    pub fn open(cfg: &RunConfig) -> Result<Arc<Self>> {
+        let key = match &cfg.data {
+            Some(p) => format!("data {}", p.canonicalize().unwrap_or_else(|_| p.clone()).display()),
+            None => format!("synthetic {:?}", cfg.synthetic),
+        };
+        // A panic elsewhere while holding the lock leaves the list consistent (pushes and
+        // retains only), so a poisoned lock is taken as is.
+        let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|(_, s)| s.strong_count() > 0);
+        if let Some(s) = open.iter().filter(|(k, _)| *k == key).find_map(|(_, s)| s.upgrade()) {
+            return Ok(s);
+        }
+        let s = Arc::new(Self::read(cfg)?);
+        open.push((key, Arc::downgrade(&s)));
+        Ok(s)
+    }
+
+    /// Reads `cfg.data` (or makes the synthetic market) and checks its feature schema.
+    pub fn read(cfg: &RunConfig) -> Result<Self> {
         let (tables, calendar, source) = match &cfg.data {
             None => {
                 let table = fx_data::synthetic::feature_table(&cfg.synthetic)?;
@@ -96,7 +122,7 @@ impl Dataset {
 
     /// [`Self::load`] over an opened [`Source`] (the one `cfg` names): the spans and
     /// normalisers of `cfg` without reading the data again, the features shared.
-    pub fn of_source(cfg: &RunConfig, src: &Source, saved: Option<Vec<Normalizer>>) -> Result<Self> {
+    pub fn of_source(cfg: &RunConfig, src: &Arc<Source>, saved: Option<Vec<Normalizer>>) -> Result<Self> {
         let (tables, calendar, source) = (&src.tables, &src.calendar, &src.source);
         let panel = tables.len() > 1;
         let rows = calendar.len();
@@ -145,7 +171,7 @@ impl Dataset {
             median_periods_per_year(&own).unwrap_or_else(|| infer_periods_per_year(calendar))
         });
         let (calendar, source) = (calendar.clone(), source.clone());
-        let data = Dataset { instruments, calendar, splits, source, periods_per_year, excluded };
+        let data = Dataset { instruments, calendar, splits, source, periods_per_year, excluded, _source: src.clone() };
         // Sequence models check their windows against the splits themselves.
         let min_rows = cfg.env.episode_len + 1;
         if !cfg.model.is_sequence() && data.longest_in(&data.splits.train) < min_rows {
@@ -449,6 +475,7 @@ mod tests {
             source: "test".into(),
             periods_per_year: 252.0,
             excluded: Vec::new(),
+            _source: Arc::new(Source { tables: Vec::new(), calendar: Vec::new(), source: "test".into() }),
         }
     }
 
@@ -504,9 +531,18 @@ mod tests {
         assert!(Arc::ptr_eq(&a.instruments[0].store, &b.instruments[0].store));
         assert!(Arc::ptr_eq(&a.instruments[0].store, &src.tables[0].1));
         assert_ne!(a.instruments[0].normalizer, b.instruments[0].normalizer);
+        // A dataset loaded while the source is held shares it, and is what it would be alone.
         let alone = Dataset::load(&fold(n / 2), None).unwrap();
+        assert!(Arc::ptr_eq(&alone.instruments[0].store, &src.tables[0].1));
         assert_eq!(alone.instruments[0].normalizer, b.instruments[0].normalizer);
         assert_eq!(alone.splits, b.splits);
+        drop((a, b, alone, src));
+        let again = Source::open(&cfg).unwrap();
+        let other = RunConfig {
+            synthetic: fx_data::synthetic::SyntheticConfig { seed: 99, ..cfg.synthetic.clone() },
+            ..cfg.clone()
+        };
+        assert!(!Arc::ptr_eq(&Source::open(&other).unwrap(), &again), "another source is opened on its own");
     }
 
     #[test]

@@ -249,7 +249,12 @@ pub const MEMBER_WEIGHTS: &str = "weights.safetensors";
 /// from a member's estimated memory, or `FX_POPULATION`), and writes each member's run
 /// folder as its wave ends. A signal stops the wave in flight between env steps (DQN) or
 /// iterations (PPO); the finished waves' runs are kept.
-fn train_as_population(cfg: &RunConfig, src: &Source, folds: &[Fold], steps: Option<u64>) -> Result<Outcome> {
+fn train_as_population(
+    cfg: &RunConfig,
+    src: &std::sync::Arc<Source>,
+    folds: &[Fold],
+    steps: Option<u64>,
+) -> Result<Outcome> {
     let mut runs: Vec<(RunConfig, usize)> = Vec::new();
     for (f, fold) in folds.iter().enumerate() {
         for s in 0..cfg.seeds {
