@@ -146,7 +146,7 @@ impl Panel {
 
     /// Features per instrument of bars read from `path` (each bar's line, or row), then the panel.
     /// Instruments are independent, so their features are computed on every usable CPU within
-    /// the user's thread cap ([`fx_hw::work_threads`]; data preparation, never a decision
+    /// the user's thread cap ([`fx_hw::par_map`]; data preparation, never a decision
     /// path), in chunks of consecutive instruments; the tables
     /// keep the instruments' order and an error is the first failing instrument's in that
     /// order, as one after another would give.
@@ -160,19 +160,9 @@ impl Panel {
             })?;
             Ok((name.clone(), t))
         };
-        let workers = fx_hw::work_threads().clamp(1, instruments.len().max(1));
-        let chunk = instruments.len().div_ceil(workers).max(1);
-        let parts: Vec<Result<Vec<(String, FeatureTable)>, Error>> = std::thread::scope(|s| {
-            let one = &one;
-            let handles: Vec<_> =
-                instruments.chunks(chunk).map(|c| s.spawn(move || c.iter().map(one).collect())).collect();
-            // A worker's panic (none is expected) surfaces as the caller's, as without threads.
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-        });
-        let mut tables = Vec::with_capacity(instruments.len());
-        for part in parts {
-            tables.extend(part?);
-        }
+        let parts = fx_hw::par_map(&instruments, one)
+            .map_err(|e| Error::Format { path: path.to_path_buf(), msg: format!("computing features: {e}") })?;
+        let tables = parts.into_iter().collect::<Result<Vec<_>, Error>>()?;
         drop(instruments);
         Self::from_tables(tables)
     }

@@ -12,4 +12,7 @@ pub enum Error {
     /// A memory probe did not produce a usable measurement.
     #[error("memory probe failed: {0}")]
     Probe(String),
+    /// A worker thread of [`crate::par_map`] panicked (a bug: its message).
+    #[error("a worker thread panicked: {0}")]
+    WorkerPanicked(String),
 }

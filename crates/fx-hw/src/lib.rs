@@ -44,4 +44,4 @@ pub use precision::Precision;
 #[cfg(feature = "cuda")]
 pub use probe::probe_bytes_per_sample;
 pub use seeds::test_seed;
-pub use threads::{apply_cpu_threads, cap_work_threads, cpu_threads, usable_cpus, work_threads};
+pub use threads::{apply_cpu_threads, cap_work_threads, cpu_threads, par_map, usable_cpus, work_threads};

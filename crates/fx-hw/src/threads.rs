@@ -64,6 +64,34 @@ pub fn work_threads() -> usize {
     work_threads_within(WORK_CAP.load(std::sync::atomic::Ordering::Relaxed))
 }
 
+/// `f` of every item, on up to [`work_threads`] scoped threads (chunks of consecutive
+/// items, one a thread), the results in the items' order: what one after another would
+/// give, as fast as the host allows. A worker's panic (a bug) is an error with its message,
+/// once every worker has ended, never a panic of the caller.
+pub fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Result<Vec<R>, crate::Error> {
+    let workers = work_threads().clamp(1, items.len().max(1));
+    let chunk = items.len().div_ceil(workers).max(1);
+    let joined: Vec<std::thread::Result<Vec<R>>> = std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> =
+            items.chunks(chunk).map(|c| s.spawn(move || c.iter().map(f).collect::<Vec<R>>())).collect();
+        // Every handle joined, so a panicked worker never makes the scope panic.
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    let mut out = Vec::with_capacity(items.len());
+    for part in joined {
+        out.extend(part.map_err(|p| {
+            let message = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            crate::Error::WorkerPanicked(message)
+        })?);
+    }
+    Ok(out)
+}
+
 /// [`work_threads`] under `cap` (0: none).
 fn work_threads_within(cap: usize) -> usize {
     if cap > 0 {
@@ -87,6 +115,23 @@ mod tests {
             assert_eq!(big.value, usable_cpus());
             assert!(big.value >= 1);
         }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+        /// The results are one after another's, in order, whatever the item count.
+        #[test]
+        fn par_map_is_map_in_order(items in proptest::collection::vec(proptest::num::u32::ANY, 0..300)) {
+            let got = par_map(&items, |&x| u64::from(x) * 3 + 1).unwrap();
+            proptest::prop_assert_eq!(got, items.iter().map(|&x| u64::from(x) * 3 + 1).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn a_worker_panic_is_an_error() {
+        let items: Vec<u32> = (0..64).collect();
+        let e = par_map(&items, |&x| if x == 40 { panic!("item {x} is bad") } else { x }).unwrap_err();
+        assert!(e.to_string().contains("a worker thread panicked: item 40 is bad"), "{e}");
     }
 
     #[test]

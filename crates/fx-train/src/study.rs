@@ -380,29 +380,16 @@ fn train_wave(
     // Scoring is host work, each member's own (its saved network on the CPU, its backtests,
     // its folder): spread over the host's cores, or it outlasts the population's training.
     let jobs: Vec<_> = runs.iter().zip(&dirs).collect();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, jobs.len());
-    std::thread::scope(|scope| -> Result<()> {
-        let parts: Vec<_> = jobs
-            .chunks(jobs.len().div_ceil(threads))
-            .map(|part| {
-                scope.spawn(move || -> Result<()> {
-                    for ((c, f), dir) in part {
-                        let d = &fold_data(*f)?.0;
-                        // The saved network's greedy actions: what `eval` of the member scores too.
-                        let greedy = crate::population::saved_member_greedy(c, &dir.path(MEMBER_WEIGHTS))?;
-                        let rep = crate::report::evaluate_policy(c, d, env_steps, |obs| greedy(obs))?;
-                        // Last: a run with a report is finished.
-                        crate::report::write(dir, "report.json", c, d, &rep, None, true)?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        for part in parts {
-            part.join().map_err(|_| anyhow::anyhow!("scoring a study member panicked"))??;
-        }
-        Ok(())
-    })?;
+    let scored = fx_hw::par_map(&jobs, |((c, f), dir)| -> Result<()> {
+        let d = &fold_data(*f)?.0;
+        // The saved network's greedy actions: what `eval` of the member scores too.
+        let greedy = crate::population::saved_member_greedy(c, &dir.path(MEMBER_WEIGHTS))?;
+        let rep = crate::report::evaluate_policy(c, d, env_steps, |obs| greedy(obs))?;
+        // Last: a run with a report is finished.
+        crate::report::write(dir, "report.json", c, d, &rep, None, true)
+    })
+    .context("scoring the study's members")?;
+    scored.into_iter().collect::<Result<Vec<()>>>()?;
     Ok(Outcome::Finished)
 }
 
