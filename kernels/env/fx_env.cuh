@@ -185,7 +185,9 @@ __device__ __forceinline__ FxEnv fx_pop_env(const FxPopMember& m) {
 // Start index of a reset in env's series (EnvData's reset_start_in): one segment is the
 // reference's reset; several draw the segment first, floor(u_k * S), then the start in it.
 __device__ __forceinline__ fx_u32 fx_reset_start_in(const FxEnv& env, fx_u64 env_id, fx_u64 counter) {
-    if (env.n_seg <= 1u) return fx_reset_start(env.seed, env_id, counter, env.T, env.L);
+    // One segment: no instrument draw, the reset inside it (a view's segment need not
+    // cover the rows).
+    if (env.n_seg <= 1u) return env.seg[0] + fx_reset_start(env.seed, env_id, counter, env.seg[1] - env.seg[0], env.L);
     double uk = fx_draw(env.seed, FX_STREAM_INSTRUMENT, env_id, counter);
     fx_u32 k = (fx_u32)floor(__dmul_rn(uk, (double)env.n_seg));
     if (k >= env.n_seg) k = env.n_seg - 1u;

@@ -168,8 +168,9 @@ impl SegmentNorms {
 
 /// The series the accounts trade: rows of [`SeriesRows`] (market features `[T, 51]`,
 /// prices `[T]`) made of one or more **segments** (a panel's instruments). An episode never
-/// leaves the segment its reset chose: with one segment the reset is the reference's
-/// `floor(u · (T − L))`; with several it first draws the segment, `k = floor(u_k · S)` from
+/// leaves the segment its reset chose: with one segment the reset is `segment.start +
+/// floor(u · (len − L))` (the reference's `floor(u · (T − L))` when the segment is the whole
+/// series); with several it first draws the segment, `k = floor(u_k · S)` from
 /// [`rng::STREAM_INSTRUMENT`], then the start inside it, `segment.start + floor(u · (len_k −
 /// L))` from the reset stream. Validated on construction: finite values, positive prices,
 /// every segment at least 2 rows.

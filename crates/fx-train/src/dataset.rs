@@ -23,6 +23,8 @@ use crate::config::RunConfig;
 /// One instrument of the run's data.
 pub struct Instrument {
     pub name: String,
+    /// Its place in the source's instruments (a fold may leave some out).
+    pub position: usize,
     /// Its own feature rows, in time order (shared by the datasets of one [`Source`]).
     pub store: Arc<FeatureStore>,
     /// The calendar row of each of its rows (strictly increasing).
@@ -132,7 +134,7 @@ impl Dataset {
         };
         let mut instruments = Vec::with_capacity(tables.len());
         let mut excluded = Vec::new();
-        for (name, store, calendar_rows) in tables {
+        for (position, (name, store, calendar_rows)) in tables.iter().enumerate() {
             let own = own_rows(calendar_rows, &splits.train);
             if panel && own.len() < 2 {
                 excluded.push(name.clone());
@@ -140,7 +142,7 @@ impl Dataset {
             }
             let normalizer = Normalizer::fit(store, own).with_context(|| format!("normalising {source}"))?;
             let (name, store, calendar_rows) = (name.clone(), store.clone(), calendar_rows.clone());
-            instruments.push(Instrument { name, store, calendar_rows, normalizer });
+            instruments.push(Instrument { name, position, store, calendar_rows, normalizer });
         }
         if instruments.is_empty() {
             bail!("{source}: no instrument has two rows in the training span {:?}", splits.train);
@@ -264,29 +266,28 @@ impl Dataset {
 /// held).
 pub struct SharedRows {
     pub rows: Arc<SeriesRows>,
-    /// By instrument name: its first row in `rows` and the own row that is.
-    starts: std::collections::HashMap<String, (usize, usize)>,
+    /// By instrument name: its first row in `rows` and the own rows held there.
+    starts: std::collections::HashMap<String, (usize, Range<usize>)>,
 }
 
 impl SharedRows {
     /// The instruments of `datasets` (by name: an instrument one fold leaves out may be in
-    /// another), in order of first appearance, each with its own rows from the first
-    /// dataset's training start to the last training end (calendar rows).
+    /// another), in the source's order (so every fold's segments lie in order, as its own
+    /// copy's do), each with its own rows over the span from the earliest training start to
+    /// the latest training end (calendar rows).
     pub fn of(datasets: &[&Dataset]) -> Result<Self> {
         let span = datasets.iter().map(|d| d.splits.train.start).min().unwrap_or(0)
             ..datasets.iter().map(|d| d.splits.train.end).max().unwrap_or(0);
+        let mut all: Vec<&Instrument> = datasets.iter().flat_map(|d| &d.instruments).collect();
+        all.sort_by_key(|i| i.position);
+        all.dedup_by(|a, b| a.name == b.name);
         let (mut market, mut close) = (Vec::new(), Vec::new());
         let mut starts = std::collections::HashMap::new();
-        for d in datasets {
-            for inst in &d.instruments {
-                if starts.contains_key(&inst.name) {
-                    continue;
-                }
-                let own = own_rows(&inst.calendar_rows, &span);
-                starts.insert(inst.name.clone(), (close.len(), own.start));
-                market.extend_from_slice(inst.store.market_rows(own.clone()));
-                close.extend_from_slice(&inst.store.close()[own]);
-            }
+        for inst in all {
+            let own = own_rows(&inst.calendar_rows, &span);
+            starts.insert(inst.name.clone(), (close.len(), own.clone()));
+            market.extend_from_slice(inst.store.market_rows(own.clone()));
+            close.extend_from_slice(&inst.store.close()[own]);
         }
         let source = datasets.first().map_or("", |d| d.source.as_str());
         let rows = SeriesRows::new(market, close).with_context(|| format!("the training rows of {source}"))?;
@@ -305,13 +306,17 @@ impl Dataset {
             if own.len() < min_rows.max(2) {
                 continue;
             }
-            let Some(&(start, first)) = shared.starts.get(&inst.name) else {
+            let Some((start, held)) = shared.starts.get(&inst.name) else {
                 bail!("{}: instrument {} is not in the shared rows", self.source, inst.name);
             };
-            if own.start < first {
-                bail!("{}: instrument {}'s rows {own:?} start before the shared rows", self.source, inst.name);
+            if own.start < held.start || own.end > held.end {
+                bail!(
+                    "{}: instrument {}'s rows {own:?} are not within the shared rows {held:?}",
+                    self.source,
+                    inst.name
+                );
             }
-            segments.push(start + own.start - first..start + own.end - first);
+            segments.push(start + own.start - held.start..start + own.end - held.start);
             norms.push(inst.normalizer.clone());
         }
         if segments.is_empty() {
@@ -465,7 +470,7 @@ mod tests {
             let calendar_rows: Vec<usize> = rows.into_iter().take(store_rows).collect();
             let own = own_rows(&calendar_rows, &(0..train));
             let normalizer = Normalizer::fit(&store, own).unwrap();
-            instruments.push(Instrument { name: format!("i{k}"), store, calendar_rows, normalizer });
+            instruments.push(Instrument { name: format!("i{k}"), position: k, store, calendar_rows, normalizer });
         }
         let splits = Splits { train: 0..train, valid: train..train + 50, test: train + 50..600 };
         Dataset {
@@ -480,11 +485,15 @@ mod tests {
     }
 
     /// Two folds' training series as views of one copy of the rows observe what their own
-    /// normalised copies hold, bit for bit, row by row, and share that copy.
+    /// normalised copies hold, bit for bit, row by row, and share that copy; a span beyond
+    /// the shared rows is refused.
     #[test]
     fn fold_views_observe_their_normalised_copies() {
         let seed = fx_hw::test_seed("fold_views_observe_their_normalised_copies");
-        let folds = [two_instruments(250, seed), two_instruments(400, seed)];
+        let mut folds = [two_instruments(250, seed), two_instruments(400, seed)];
+        // The first fold leaves out the source's first instrument (as a fold without two of
+        // its rows in the training span does): the later fold's segments still lie in order.
+        folds[0].instruments.remove(0);
         let shared = SharedRows::of(&folds.iter().collect::<Vec<_>>()).unwrap();
         let mut views = Vec::new();
         for d in &folds {
@@ -507,6 +516,8 @@ mod tests {
         // The rows of the longer training span, once (what its own copy held).
         assert_eq!(shared.rows.len(), folds[1].env_data(folds[1].splits.train.clone(), 30).unwrap().len());
         // A dataset with an instrument the shared rows lack is refused in one line.
+        let e = folds[1].env_view(&shared, 0..500, 30).err().map(|e| format!("{e:#}"));
+        assert!(e.as_deref().is_some_and(|e| e.contains("not within the shared rows")), "{e:?}");
         let mut other = two_instruments(250, seed);
         other.instruments[1].name = "i9".into();
         let e = other.env_view(&shared, other.splits.train.clone(), 30).err().map(|e| format!("{e:#}"));

@@ -220,6 +220,18 @@ fn fold_views_share_one_copy_and_match_the_cpu() {
         assert_eq!(bits(host_f32(&obs)), bits(host_f32(&c.obs)), "{what}: fold 1 obs");
         assert_same_state(&c1, &g1, &what);
     }
+    // A view of one segment inside the rows resets inside it (no instrument draw).
+    let one = Arc::new(EnvData::view(rows.clone(), vec![segs[1].clone()], &norms[1..2]).expect("one segment"));
+    let (mut c2, mut g2) = pair(&dev, &one, &cfg(3));
+    for k in 0..40u64 {
+        let what = format!("seed {seed} one-segment step {k}");
+        let a = random_actions(e, k, seed ^ 3);
+        let g = g2.step(&Tensor::from_vec(a.clone(), e, &dev).expect("a")).expect("gpu step");
+        let c = c2.step_host(&a).expect("cpu step");
+        assert_eq!(bits(host_f32(&g.obs)), bits(c.obs), "{what}: obs");
+        assert_same_state(&c2, &g2, &what);
+        assert!(c2.times().iter().all(|t| segs[1].contains(t)), "{what}: left the segment");
+    }
     let (sc, sg) = (rc.stored().expect("stored"), rg.stored().expect("stored"));
     assert_eq!(bits(host_f32(&sg.states)), bits(host_f32(&sc.states)), "fold 1 replay s");
     assert_eq!(bits(host_f32(&sg.next_states)), bits(host_f32(&sc.next_states)), "fold 1 replay s2");
@@ -267,7 +279,7 @@ fn fold_views_share_one_copy_and_match_the_cpu() {
         assert_eq!(bits(host_f32(&got.next_states)), bits(host_f32(&want.next_states)), "member {k}: pop replay s2");
         assert_eq!(host_u32(&got.actions), host_u32(&want.actions), "member {k}: pop replay a");
     }
-    for g in [&mut g0, &mut g1, &mut gp] {
+    for g in [&mut g0, &mut g1, &mut gp, &mut g2] {
         g.check_errors().expect("no flagged actions");
     }
 }
