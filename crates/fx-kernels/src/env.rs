@@ -234,13 +234,8 @@ impl EnvData {
         let clip = norms.first().map_or(fx_data::normalize::CLIP, |n| n.clip);
         let mut table = Vec::with_capacity(norms.len() * 2 * N_MARKET);
         for (k, n) in norms.iter().enumerate() {
-            let bad = n.width() != N_MARKET
-                || n.clip != clip
-                || clip.is_nan()
-                || clip <= 0.0
-                || n.mean.iter().any(|m| !m.is_finite())
-                || n.std.iter().any(|s| !(s.is_finite() && *s > 0.0));
-            if bad {
+            // `Normalizer::check`: finite means, finite positive stds, a positive clip.
+            if n.width() != N_MARKET || n.clip != clip || n.check().is_err() {
                 return Err(Error::Config {
                     context: ctx,
                     message: format!(
