@@ -33,6 +33,17 @@ impl StateSnapshot {
         Ok(Self { tensors: names.into_iter().zip(host).collect(), metadata })
     }
 
+    /// Adds a caller's metadata entry (e.g. a sweep's progress beside a population's
+    /// state), read back with `fx_precision::read_metadata`; a trainer's own keys are not
+    /// to be replaced (an error says so).
+    pub fn with_metadata(mut self, key: &str, value: String) -> Result<Self> {
+        if self.metadata.contains_key(key) {
+            return Err(crate::error::Error::config("StateSnapshot::with_metadata", format!("key `{key}` is taken")));
+        }
+        self.metadata.insert(key.to_string(), value);
+        Ok(self)
+    }
+
     /// Writes the state file atomically (temporary file, then rename); refuses a state
     /// holding a NaN or infinity, naming the tensor.
     pub fn write(&self, path: &Path) -> Result<()> {

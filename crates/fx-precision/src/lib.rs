@@ -90,4 +90,4 @@ pub use optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer};
 pub use pop_adamw::{check_kept_members, PopAdamW, PopMember, PopStepReport};
 pub use precision::{allow_tf32_matmul, to_f32, Linear, Precision, PrecisionExt};
 pub use recompute::{RecomputeTape, Recomputed, Segment};
-pub use tensor_file::{load_tensors, save_tensors_atomic, varmap_tensors, NamedTensors};
+pub use tensor_file::{load_tensors, read_metadata, save_tensors_atomic, varmap_tensors, NamedTensors};

@@ -350,6 +350,47 @@ impl PopAdamW {
         Ok(())
     }
 
+    /// Adds the optimiser's state to `out` under `prefix`: both moments of every tensor
+    /// (`exp_avg.{i}`, `exp_avg_sq.{i}`, `[N, ...]` in parameter order), each member's
+    /// step count and skip counters (U32 `[N]`). The hyperparameters are not in it: they
+    /// come from the members' configs when the optimiser is built again; nor is the last
+    /// step's report (a skipped member's loss there may be NaN, which a state file refuses).
+    pub fn save_state(&self, out: &mut std::collections::HashMap<String, Tensor>, prefix: &str) {
+        for (i, (m, v)) in self.exp_avg.iter().zip(&self.exp_avg_sq).enumerate() {
+            out.insert(format!("{prefix}exp_avg.{i}"), m.as_tensor().clone());
+            out.insert(format!("{prefix}exp_avg_sq.{i}"), v.as_tensor().clone());
+        }
+        out.insert(format!("{prefix}steps"), self.steps.as_tensor().clone());
+        out.insert(format!("{prefix}skipped_loss"), self.skipped_loss.as_tensor().clone());
+        out.insert(format!("{prefix}skipped_grad"), self.skipped_grad.as_tensor().clone());
+    }
+
+    /// Restores [`Self::save_state`]'s tensors from `from` in place (the variables keep
+    /// their addresses), taking them out of it; a missing or mis-shaped tensor is an error
+    /// naming it, and then nothing has changed.
+    pub fn load_state(&self, from: &mut crate::NamedTensors, prefix: &str) -> Result<()> {
+        let dev = self.lr.device();
+        let mut wanted: Vec<(String, &Var, DType)> = Vec::with_capacity(2 * self.exp_avg.len() + 3);
+        for (i, (m, v)) in self.exp_avg.iter().zip(&self.exp_avg_sq).enumerate() {
+            wanted.push((format!("{prefix}exp_avg.{i}"), m, DType::F32));
+            wanted.push((format!("{prefix}exp_avg_sq.{i}"), v, DType::F32));
+        }
+        for (name, var) in
+            [("steps", &self.steps), ("skipped_loss", &self.skipped_loss), ("skipped_grad", &self.skipped_grad)]
+        {
+            wanted.push((format!("{prefix}{name}"), var, DType::U32));
+        }
+        let mut staged = Vec::with_capacity(wanted.len());
+        for (name, var, dtype) in wanted {
+            let t = from.take(&name, var.dims())?;
+            staged.push((var, t.to_dtype(dtype).and_then(|t| t.to_device(dev)).ctx(CTX)?));
+        }
+        for (var, t) in staged {
+            var.set(&t).ctx(CTX)?;
+        }
+        Ok(())
+    }
+
     /// Member `k`'s moments `(exp_avg, exp_avg_sq)` in parameter order (copies).
     pub fn moments(&self, k: usize) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
         let take = |vs: &[Var]| -> Result<Vec<Tensor>> {
@@ -764,5 +805,56 @@ mod tests {
         assert_ne!(flat(&before[0]), flat(&before[2]));
         assert!(a.copy_member(0, 3).is_err());
         assert_eq!(a.counters().unwrap(), (vec![29, 30, 29], vec![0, 0, 1]), "the step count moves, skips stay");
+    }
+
+    /// A saved and restored optimiser goes on as the one that never stopped, bit for bit:
+    /// moments, step counts (member 1 skipped a step) and skip counters all travel; a
+    /// missing tensor is refused by name and changes nothing.
+    #[test]
+    fn saved_state_resumes_bit_for_bit() {
+        let dev = Device::Cpu;
+        let n = 3;
+        let members: Vec<PopMember> = (0..n)
+            .map(|k| PopMember { lr: 1e-2 * (1.0 + k as f64), weight_decay: 0.01, max_grad_norm: 1.0, tau: 0.1 })
+            .collect();
+        let seed = fx_hw::test_seed("saved_state_resumes_bit_for_bit");
+        let draw = |len: usize, stream: u64, step: u64| -> Vec<f32> {
+            (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, stream, step, i) * 2.0 - 1.0) as f32).collect()
+        };
+        let vars = |v: Vec<f32>| Var::from_tensor(&Tensor::from_vec(v, (n, 4), &dev).unwrap()).unwrap();
+        let (p, t) = (vec![vars(draw(n * 4, 0, 0))], vec![vars(draw(n * 4, 1, 0))]);
+        let a = PopAdamW::new(&p, &members, (0.9, 0.999), 1e-8, true).unwrap();
+        let step = |o: &PopAdamW, p: &[Var], t: &[Var], k: u64| {
+            let mut g = draw(n * 4, 2, k);
+            if k == 3 {
+                g[4] = f32::NAN;
+            }
+            let loss = Tensor::from_vec(vec![1f32; n], n, &dev).unwrap();
+            o.step(p, t, &loss, &[Tensor::from_vec(g, (n, 4), &dev).unwrap()], false).unwrap();
+        };
+        for k in 1..=5 {
+            step(&a, &p, &t, k);
+        }
+        let mut saved = std::collections::HashMap::new();
+        a.save_state(&mut saved, "opt.");
+        let copy = |v: &[Var]| vec![vars(v[0].as_tensor().flatten_all().unwrap().to_vec1().unwrap())];
+        let (pb, tb) = (copy(&p), copy(&t));
+        let b = PopAdamW::new(&pb, &members, (0.9, 0.999), 1e-8, true).unwrap();
+        let mut partial = crate::NamedTensors::new("test", saved.clone());
+        partial.take("opt.steps", &[n]).unwrap();
+        assert!(b.load_state(&mut partial, "opt.").unwrap_err().to_string().contains("opt.steps"));
+        assert_eq!(b.counters().unwrap(), (vec![0; n], vec![0; n]), "a refused state changes nothing");
+        let mut file = crate::NamedTensors::new("test", saved);
+        b.load_state(&mut file, "opt.").unwrap();
+        file.finish().unwrap();
+        assert_eq!(b.counters().unwrap(), (vec![5, 4, 5], vec![0, 1, 0]));
+        for k in 6..=9 {
+            step(&a, &p, &t, k);
+            step(&b, &pb, &tb, k);
+        }
+        let rows = |v: &[Var]| -> Vec<Vec<f32>> { v[0].as_tensor().to_vec2().unwrap() };
+        assert_eq!(rows(&p), rows(&pb));
+        assert_eq!(rows(&t), rows(&tb));
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
     }
 }

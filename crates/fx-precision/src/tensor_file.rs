@@ -170,6 +170,29 @@ pub fn load_tensors(path: impl AsRef<Path>, device: &Device) -> Result<NamedTens
     Ok(NamedTensors { source: path.display().to_string(), tensors, metadata })
 }
 
+/// The metadata of a safetensors file, read from its header alone (the tensors are not
+/// read: a large state file's identity can be checked cheaply before it is loaded).
+pub fn read_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
+    use std::io::Read;
+    let path = path.as_ref();
+    let io = |source| Error::Io { op: "reading", path: path.to_path_buf(), source };
+    let st_err = |message: String| Error::Safetensors { path: path.to_path_buf(), message };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(io)?;
+    // safetensors' own bound on a header.
+    let n = u64::from_le_bytes(len);
+    if n > 100_000_000 {
+        return Err(st_err(format!("a header of {n} bytes (at most 100000000)")));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(io)?;
+    let doc: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| st_err(one_line(&format!("header: {e}"))))?;
+    let Some(meta) = doc.get("__metadata__") else { return Ok(HashMap::new()) };
+    serde_json::from_value(meta.clone()).map_err(|e| st_err(one_line(&format!("header metadata: {e}"))))
+}
+
 /// `text` with its control characters (line ends, tabs, NUL, ...) escaped as `\n`, `\r`,
 /// `\u{0}`.
 fn one_line(text: &str) -> String {
@@ -182,6 +205,23 @@ mod fuzz_tests;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The header's metadata reads back without the tensors; a file that is not
+    /// safetensors is refused naming it.
+    #[test]
+    fn metadata_reads_from_the_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let t = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let meta = HashMap::from([("k".to_string(), "{\"a\": 1}".to_string())]);
+        save_tensors_atomic(&path, &HashMap::from([("w".to_string(), t)]), &meta).unwrap();
+        assert_eq!(read_metadata(&path).unwrap(), meta);
+        std::fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\xffjunk").unwrap();
+        let e = read_metadata(&path).unwrap_err().to_string();
+        assert!(e.contains("m.safetensors") && !e.contains('\n'), "{e}");
+        std::fs::write(&path, b"\x04\x00\x00\x00\x00\x00\x00\x00{no}").unwrap();
+        assert!(read_metadata(&path).unwrap_err().to_string().contains("header"));
+    }
 
     #[test]
     fn a_non_finite_tensor_is_never_written() {

@@ -96,6 +96,27 @@ impl PopBatch {
     }
 }
 
+/// Metadata key and layout version of a population's state file.
+const POP_STATE_KEY: &str = "fx.dqn_population";
+const POP_STATE_VERSION: u32 = 1;
+
+/// Counters and configs saved with a population's state (JSON in its metadata).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PopCounters {
+    version: u32,
+    env_steps: u64,
+    sampled: u64,
+    /// Each member's replay length and ring position.
+    replays: Vec<(usize, usize)>,
+    members: Vec<DqnConfig>,
+}
+
+impl crate::state_meta::Versioned for PopCounters {
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
 /// N DQN runs trained as one; see the module docs.
 pub struct DqnPopulation {
     members: Vec<DqnConfig>,
@@ -443,6 +464,69 @@ impl DqnPopulation {
             }
         }
         Ok(())
+    }
+
+    /// Everything a resume that goes on as if never stopped needs, copied to host memory:
+    /// online and target weights, AdamW moments, step counts and skip counters, every
+    /// member's replay transitions and ring position, the members' configs (a PBT explore's
+    /// settings included) and the step and sampling counters. Write it with
+    /// [`crate::StateSnapshot::write`]; [`Self::load_state`] reads it. Like a trainer's
+    /// state, the environments' own state is not in it (the caller owns them).
+    pub fn snapshot(&self) -> Result<crate::StateSnapshot> {
+        const CTX: &str = "DqnPopulation::snapshot";
+        let mut t = fx_precision::varmap_tensors(&self.online.varmap()?, "online.");
+        t.extend(fx_precision::varmap_tensors(&self.target.varmap()?, "target."));
+        self.opt.save_state(&mut t, "opt.");
+        let mut replays = Vec::with_capacity(self.len());
+        for (k, r) in self.replays.iter().enumerate() {
+            crate::dqn::trainer::replay_tensors(r, &mut t, &format!("replay.{k}.")).ctx(CTX)?;
+            replays.push((r.len(), r.position()));
+        }
+        let c = PopCounters {
+            version: POP_STATE_VERSION,
+            env_steps: self.env_steps,
+            sampled: self.sampled,
+            replays,
+            members: self.members.clone(),
+        };
+        let mut meta = std::collections::HashMap::new();
+        crate::state_meta::write(&mut meta, POP_STATE_KEY, &c, CTX)?;
+        crate::StateSnapshot::new(t, meta, CTX)
+    }
+
+    /// A population restored from [`Self::snapshot`]'s file onto `device`: its next step is
+    /// the one the saved population would have taken (on the CPU bit for bit; on CUDA the
+    /// batched kernels and the captured update are built again at the first step). Missing,
+    /// unknown or mis-shaped tensors are errors naming the tensor and file.
+    pub fn load_state(path: &std::path::Path, device: &Device) -> Result<Self> {
+        const CTX: &str = "DqnPopulation::load_state";
+        let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
+        let c: PopCounters =
+            crate::state_meta::read(&nt, path, POP_STATE_KEY, "a DQN population state", POP_STATE_VERSION, CTX)?;
+        let Some(first) = c.members.first() else {
+            return Err(Error::config(CTX, format!("{}: a population state of no member", path.display())));
+        };
+        if c.replays.len() != c.members.len() {
+            return Err(Error::config(
+                CTX,
+                format!("{}: {} replays for {} members", path.display(), c.replays.len(), c.members.len()),
+            ));
+        }
+        let (cap, n) = (first.replay_capacity, c.members.len());
+        let per = (2 * fx_kernels::OBS_DIM as u64 + 3) * 4;
+        crate::state_meta::check_buffer(path, &format!("{n} replay buffers of {cap}"), &[n, cap], per, CTX)?;
+        let mut me = Self::new(c.members, device)
+            .map_err(|e| Error::config(CTX, format!("{}: saved state: {e}", path.display())))?;
+        nt.restore_varmap(&me.online.varmap()?, "online.").ctx(CTX)?;
+        nt.restore_varmap(&me.target.varmap()?, "target.").ctx(CTX)?;
+        me.opt.load_state(&mut nt, "opt.").ctx(CTX)?;
+        for (k, (r, &at)) in me.replays.iter_mut().zip(&c.replays).enumerate() {
+            crate::dqn::trainer::restore_replay(r, &mut nt, &format!("replay.{k}."), at, path, CTX)?;
+        }
+        nt.finish().ctx(CTX)?;
+        me.env_steps = c.env_steps;
+        me.sampled = c.sampled;
+        Ok(me)
     }
 
     /// Each member's ε for the next environment step.
@@ -864,6 +948,61 @@ pub(crate) mod tests {
         }
         assert!(applied.iter().all(|&a| a >= 200), "every member trained: {applied:?}");
         assert!(clipped > 100, "member 3 must be clipped on most steps, was on {clipped}");
+    }
+
+    /// A population saved mid-run (replays wrapped, a PBT explore applied) and restored with its environments' states goes on as the one that
+    /// never stopped, bit for bit on the CPU: every step's statistics, then the weights,
+    /// moments, counters and replays. A solo trainer's file is refused as not a population's.
+    #[test]
+    fn a_restored_population_goes_on_as_the_uninterrupted_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 3;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let mut a = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let mut envs: Vec<_> = (0..n).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
+        let step = |p: &mut DqnPopulation, e: &mut Vec<fx_kernels::CpuTradingEnv>| {
+            let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
+            p.step(&mut refs, true).unwrap()
+        };
+        for t in 0..30 {
+            if t == 10 {
+                a.set_member(1, DqnConfig { gamma: 0.9, ..cfgs[1].clone() }).unwrap();
+            }
+            step(&mut a, &mut envs);
+        }
+        assert!(a.replay(0).unwrap().len() == 50 && a.replay(0).unwrap().position() > 0, "the replay wrapped");
+        let path = dir.path().join("pop.safetensors");
+        a.snapshot().unwrap().write(&path).unwrap();
+        let mut b = DqnPopulation::load_state(&path, &Device::Cpu).unwrap();
+        assert_eq!(b.members()[1].gamma, 0.9, "the explored settings travel");
+        let mut envs_b: Vec<_> = (0..n).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
+        for (eb, ea) in envs_b.iter_mut().zip(&envs) {
+            eb.restore(&ea.state()).unwrap();
+        }
+        for _ in 0..30 {
+            assert_eq!(step(&mut a, &mut envs), step(&mut b, &mut envs_b));
+        }
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        for k in 0..n {
+            for (x, y) in a.online().member(k).unwrap().vars().iter().zip(b.online().member(k).unwrap().vars()) {
+                same(x.as_tensor(), y.as_tensor(), &format!("member {k} online"));
+            }
+            for (x, y) in a.target().member(k).unwrap().vars().iter().zip(b.target().member(k).unwrap().vars()) {
+                same(x.as_tensor(), y.as_tensor(), &format!("member {k} target"));
+            }
+            let ((ma, va), (mb, vb)) = (a.moments(k).unwrap(), b.moments(k).unwrap());
+            for (x, y) in ma.iter().chain(&va).zip(mb.iter().chain(&vb)) {
+                same(x, y, &format!("member {k} moments"));
+            }
+            let (ra, rb) = (a.replay(k).unwrap().stored().unwrap(), b.replay(k).unwrap().stored().unwrap());
+            same(&ra.states, &rb.states, &format!("member {k} replay"));
+            same(&ra.dones, &rb.dones, &format!("member {k} replay dones"));
+            assert_eq!(a.replay(k).unwrap().position(), b.replay(k).unwrap().position());
+        }
+        let solo = dir.path().join("solo.safetensors");
+        DqnTrainer::new(cfgs[0].clone(), &Device::Cpu).unwrap().save_state(&solo).unwrap();
+        let e = DqnPopulation::load_state(&solo, &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("solo.safetensors") && e.contains("not a DQN population state"), "{e}");
     }
 
     /// PBT's two moves on the CPU: `set_member` before training gives the population made

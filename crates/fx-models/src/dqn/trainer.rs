@@ -798,16 +798,7 @@ impl DqnTrainer {
             self.step.save_state(&mut t, &mut meta, "opt.").ctx(CTX)?;
         }
         let n = self.replay.len();
-        if n > 0 {
-            // Views of the stored rows in physical order (the snapshot copies them to the
-            // host at once, so no device copy is needed first).
-            let rows = self.replay.stored().ctx(CTX)?;
-            t.insert("replay.states".into(), rows.states);
-            t.insert("replay.actions".into(), rows.actions);
-            t.insert("replay.rewards".into(), rows.rewards);
-            t.insert("replay.next_states".into(), rows.next_states);
-            t.insert("replay.dones".into(), rows.dones);
-        }
+        replay_tensors(&self.replay, &mut t, "replay.").ctx(CTX)?;
         // The captured update's counters live on the device (quiet steps leave the host's
         // copies behind): save the device's.
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
@@ -849,37 +840,7 @@ impl DqnTrainer {
         nt.restore_varmap(&me.online.params().varmap()?, "online.").ctx(CTX)?;
         nt.restore_varmap(&me.target.params().varmap()?, "target.").ctx(CTX)?;
         me.step.load_state(&mut nt, "opt.").ctx(CTX)?;
-        let n = c.replay_len;
-        if n > me.replay.capacity() || c.replay_position >= me.replay.capacity() {
-            return Err(Error::config(CTX, format!("{}: replay length/position out of range", path.display())));
-        }
-        if n > 0 {
-            let obs_dim = me.cfg.net.state_dim;
-            let s = nt.take("replay.states", &[n, obs_dim]).ctx(CTX)?;
-            let a = nt.take("replay.actions", &[n]).ctx(CTX)?;
-            let r = nt.take("replay.rewards", &[n]).ctx(CTX)?;
-            let s2 = nt.take("replay.next_states", &[n, obs_dim]).ctx(CTX)?;
-            let d = nt.take("replay.dones", &[n]).ctx(CTX)?;
-            // Rows are stored in physical order; pushing them from position 0 rebuilds the
-            // same layout. A full ring whose position is not 0 is then advanced by
-            // re-pushing its first `position` rows (same values, same slots).
-            me.replay.push_batch(&s, &a, &r, &s2, &d).ctx(CTX)?;
-            if n == me.replay.capacity() && c.replay_position > 0 {
-                let k = c.replay_position;
-                let head = |t: &Tensor| t.narrow(0, 0, k).ctx(CTX);
-                me.replay.push_batch(&head(&s)?, &head(&a)?, &head(&r)?, &head(&s2)?, &head(&d)?).ctx(CTX)?;
-            }
-            if me.replay.position() != c.replay_position {
-                return Err(Error::config(
-                    CTX,
-                    format!(
-                        "{}: replay position {} with length {n} is inconsistent",
-                        path.display(),
-                        c.replay_position
-                    ),
-                ));
-            }
-        }
+        restore_replay(&mut me.replay, &mut nt, "replay.", (c.replay_len, c.replay_position), path, CTX)?;
         nt.finish().ctx(CTX)?;
         me.env_steps = c.env_steps;
         me.updates = c.updates;
@@ -906,6 +867,67 @@ impl DqnTrainer {
         nt.restore_varmap(&self.online.params().varmap()?, "online.").ctx(CTX)?;
         nt.restore_varmap(&self.target.params().varmap()?, "target.").ctx(CTX)
     }
+}
+
+/// Adds `replay`'s stored transitions to `out` under `prefix` (`states`, `actions`,
+/// `rewards`, `next_states`, `dones`, rows in physical order; nothing when it is empty).
+pub(crate) fn replay_tensors(
+    replay: &ReplayBuffer,
+    out: &mut HashMap<String, Tensor>,
+    prefix: &str,
+) -> fx_kernels::Result<()> {
+    if replay.len() > 0 {
+        // Views of the stored rows in physical order (a snapshot copies them to the host at
+        // once, so no device copy is needed first).
+        let rows = replay.stored()?;
+        out.insert(format!("{prefix}states"), rows.states);
+        out.insert(format!("{prefix}actions"), rows.actions);
+        out.insert(format!("{prefix}rewards"), rows.rewards);
+        out.insert(format!("{prefix}next_states"), rows.next_states);
+        out.insert(format!("{prefix}dones"), rows.dones);
+    }
+    Ok(())
+}
+
+/// Refills an empty `replay` from [`replay_tensors`]' rows in `nt`, `(len, position)` as
+/// saved: the same rows in the same slots, the ring at the same position. A length or
+/// position that does not fit is refused, naming `path`.
+pub(crate) fn restore_replay(
+    replay: &mut ReplayBuffer,
+    nt: &mut fx_precision::NamedTensors,
+    prefix: &str,
+    (n, position): (usize, usize),
+    path: &Path,
+    ctx: &'static str,
+) -> Result<()> {
+    if n > replay.capacity() || position >= replay.capacity() {
+        return Err(Error::config(ctx, format!("{}: {prefix} length/position out of range", path.display())));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let obs_dim = fx_kernels::OBS_DIM;
+    let mut take = |name: &str, dims: &[usize]| nt.take(&format!("{prefix}{name}"), dims).ctx(ctx);
+    let s = take("states", &[n, obs_dim])?;
+    let a = take("actions", &[n])?;
+    let r = take("rewards", &[n])?;
+    let s2 = take("next_states", &[n, obs_dim])?;
+    let d = take("dones", &[n])?;
+    // Rows are stored in physical order; pushing them from position 0 rebuilds the same
+    // layout. A full ring whose position is not 0 is then advanced by re-pushing its first
+    // `position` rows (same values, same slots).
+    replay.push_batch(&s, &a, &r, &s2, &d).ctx(ctx)?;
+    if n == replay.capacity() && position > 0 {
+        let head = |t: &Tensor| t.narrow(0, 0, position).ctx(ctx);
+        replay.push_batch(&head(&s)?, &head(&a)?, &head(&r)?, &head(&s2)?, &head(&d)?).ctx(ctx)?;
+    }
+    if replay.position() != position {
+        return Err(Error::config(
+            ctx,
+            format!("{}: {prefix} position {position} with length {n} is inconsistent", path.display()),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -100,6 +100,27 @@ fn fused_for(members: &[PpoConfig], device: &Device) -> Result<Option<crate::ppo
     Ok(Some(crate::ppo::pop_fused::PpoPopFused::new(&first.net, &c, b, eps, p, device)?))
 }
 
+/// Metadata key and layout version of a population's state file.
+const POP_STATE_KEY: &str = "fx.ppo_population";
+const POP_STATE_VERSION: u32 = 1;
+
+/// Counters and configs saved with a population's state (JSON in its metadata).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct PopCounters {
+    version: u32,
+    num_envs: usize,
+    env_steps: u64,
+    epochs_done: u64,
+    iterations: u64,
+    members: Vec<PpoConfig>,
+}
+
+impl crate::state_meta::Versioned for PopCounters {
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
 /// N PPO learners updated as one; see the module docs.
 pub struct PpoPopulation {
     members: Vec<PpoConfig>,
@@ -388,6 +409,53 @@ impl PpoPopulation {
             self.fused = fused_for(&self.members, &device)?;
         }
         Ok(())
+    }
+
+    /// Everything a resume that goes on as if never stopped needs, between iterations,
+    /// copied to host memory: the stacked weights, Adam moments, step counts and skip
+    /// counters, the members' configs (a PBT explore's settings included), the accounts per
+    /// member and the env-step, epoch and iteration counters (the rollouts are empty then).
+    /// [`Self::load_state`] reads it; the environments' own state is the caller's.
+    pub fn snapshot(&self) -> Result<crate::StateSnapshot> {
+        const CTX: &str = "PpoPopulation::snapshot";
+        let mut t = fx_precision::varmap_tensors(&self.params.varmap()?, "params.");
+        self.opt.save_state(&mut t, "opt.");
+        let c = PopCounters {
+            version: POP_STATE_VERSION,
+            num_envs: self.num_envs,
+            env_steps: self.env_steps,
+            epochs_done: self.epochs_done,
+            iterations: self.iterations,
+            members: self.members.clone(),
+        };
+        let mut meta = std::collections::HashMap::new();
+        crate::state_meta::write(&mut meta, POP_STATE_KEY, &c, CTX)?;
+        crate::StateSnapshot::new(t, meta, CTX)
+    }
+
+    /// A population restored from [`Self::snapshot`]'s file onto `device`: its next
+    /// iteration is the one the saved population would have run (on the CPU bit for bit).
+    /// Missing, unknown or mis-shaped tensors are errors naming the tensor and file.
+    pub fn load_state(path: &std::path::Path, device: &Device) -> Result<Self> {
+        const CTX: &str = "PpoPopulation::load_state";
+        let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
+        let c: PopCounters =
+            crate::state_meta::read(&nt, path, POP_STATE_KEY, "a PPO population state", POP_STATE_VERSION, CTX)?;
+        let Some(first) = c.members.first() else {
+            return Err(Error::config(CTX, format!("{}: a population state of no member", path.display())));
+        };
+        let (t, e, n) = (first.num_steps, c.num_envs, c.members.len());
+        let per = (fx_kernels::OBS_DIM as u64 + 5) * 4;
+        crate::state_meta::check_buffer(path, &format!("{n} rollouts of {t} x {e}"), &[n, t, e], per, CTX)?;
+        let mut me = Self::new(c.members, c.num_envs, device)
+            .map_err(|e| Error::config(CTX, format!("{}: saved state: {e}", path.display())))?;
+        nt.restore_varmap(&me.params.varmap()?, "params.").ctx(CTX)?;
+        me.opt.load_state(&mut nt, "opt.").ctx(CTX)?;
+        nt.finish().ctx(CTX)?;
+        me.env_steps = c.env_steps;
+        me.epochs_done = c.epochs_done;
+        me.iterations = c.iterations;
+        Ok(me)
     }
 
     /// The stacked actor-critics (`[N, ...]` per parameter, actor then critic).
@@ -812,6 +880,59 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A population saved between iterations (a PBT explore applied) and restored with its
+    /// environments' states goes on as the one that never stopped, bit for bit on the CPU:
+    /// iteration statistics, weights, moments and counters. A solo learner's file is refused.
+    #[test]
+    fn a_restored_population_goes_on_as_the_uninterrupted_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfgs: Vec<PpoConfig> = (0..3)
+            .map(|k| {
+                let mut c = member(k);
+                (c.num_steps, c.epochs, c.minibatch_size) = (8, 2, 12);
+                c
+            })
+            .collect();
+        let env = |k: usize| crate::synthetic::ar1_env(4, 16, 300, 30 + k as u64);
+        let run = |pop: &mut PpoPopulation, envs: &mut [fx_kernels::CpuTradingEnv]| {
+            let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            pop.iterate(&mut refs).unwrap()
+        };
+        let mut a = PpoPopulation::new(cfgs.clone(), 4, &Device::Cpu).unwrap();
+        let mut a_envs: Vec<_> = (0..3).map(env).collect();
+        run(&mut a, &mut a_envs);
+        let mut explored = cfgs[2].clone();
+        explored.loss.ent_coef = 0.05;
+        a.set_member(2, explored).unwrap();
+        run(&mut a, &mut a_envs);
+        let path = dir.path().join("pop.safetensors");
+        a.snapshot().unwrap().write(&path).unwrap();
+        let mut b = PpoPopulation::load_state(&path, &Device::Cpu).unwrap();
+        assert_eq!(b.members()[2].loss.ent_coef, 0.05, "the explored settings travel");
+        let mut b_envs: Vec<_> = (0..3).map(env).collect();
+        for (eb, ea) in b_envs.iter_mut().zip(&a_envs) {
+            eb.restore(&ea.state()).unwrap();
+        }
+        for _ in 0..2 {
+            assert_eq!(run(&mut a, &mut a_envs), run(&mut b, &mut b_envs));
+        }
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (x, y) in a.params().vars().iter().zip(b.params().vars()) {
+            assert_eq!(flat(x.as_tensor()), flat(y.as_tensor()));
+        }
+        for k in 0..3 {
+            let ((ma, va), (mb, vb)) = (a.moments(k).unwrap(), b.moments(k).unwrap());
+            for (x, y) in ma.iter().chain(&va).zip(mb.iter().chain(&vb)) {
+                assert_eq!(flat(x), flat(y), "member {k} moments");
+            }
+        }
+        let solo = dir.path().join("solo.safetensors");
+        PpoTrainer::new(cfgs[0].clone(), 4, &Device::Cpu).unwrap().save_state(&solo).unwrap();
+        let e = PpoPopulation::load_state(&solo, &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("solo.safetensors") && e.contains("not a PPO population state"), "{e}");
     }
 
     /// Whole iterations: members 0 and 2 of a population of 3 (seeds, learning rates, clip
