@@ -914,10 +914,10 @@ fn ppo_sweep_ranks_trials_and_reruns_the_best() {
     sweep_of("ppo", "ppo.loss.ent_coef", "model.", 12, 64);
 }
 
-/// A 3-trial sweep of `model` over `key` and the seed, its best trial run again.
-fn sweep_of(model: &str, key: &str, prefix: &str, n_tensors: usize, steps: u64) {
-    let dir = tempfile::tempdir().unwrap();
-    let run = std::fs::read_to_string(tiny_config(dir.path(), model, steps, "")).unwrap();
+/// A 3-trial sweep file of `model` (the tiny run config of `steps` under `[run]`) over `key`
+/// and the seed, its `best` trials run again.
+fn sweep_file(dir: &Path, model: &str, key: &str, steps: u64, best: usize) -> PathBuf {
+    let run = std::fs::read_to_string(tiny_config(dir, model, steps, "")).unwrap();
     // The run config under [run]: every table header gains the prefix.
     let run: String = run
         .lines()
@@ -926,14 +926,57 @@ fn sweep_of(model: &str, key: &str, prefix: &str, n_tensors: usize, steps: u64) 
             None => format!("{l}\n"),
         })
         .collect();
-    let sweep = dir.path().join("sweep.toml");
+    let sweep = dir.join("sweep.toml");
     std::fs::write(
         &sweep,
         format!(
-            "trials = 3\nseed = 5\nsampler = \"random\"\nbest = 1\n[space]\n\"{key}\" = {{ log_uniform = [1e-3, 1e-2] }}\nseed = {{ int = [0, 99] }}\n[run]\n{run}"
+            "trials = 3\nseed = 5\nsampler = \"random\"\nbest = {best}\n[space]\n\"{key}\" = {{ log_uniform = [1e-3, 1e-2] }}\nseed = {{ int = [0, 99] }}\n[run]\n{run}"
         ),
     )
     .unwrap();
+    sweep
+}
+
+/// A sweep stopped by SIGTERM inside its wave (a scheduler's preemption) exits 130 with the
+/// wave checkpointed, and the same command goes on from that env step to the uninterrupted
+/// sweep's rows.
+#[test]
+fn a_sweep_stopped_by_sigterm_inside_its_wave_resumes_to_the_same_rows() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = sweep_file(dir.path(), "dqn", "dqn.optimizer.lr", 3000, 0);
+    let cmd = |out: &Path| {
+        let mut c = fx_train();
+        c.arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(out);
+        c
+    };
+    let straight = dir.path().join("straight");
+    ok(&cmd(&straight).output().unwrap());
+    let want = std::fs::read_to_string(straight.join("trials.jsonl")).unwrap();
+
+    let stopped = dir.path().join("stopped");
+    let mut child = cmd(&stopped).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    // Past learning_starts (64), so the checkpoint holds trained members and full replays.
+    let seen = lines.by_ref().map_while(|l| l.ok()).find(|l| l.contains("env step 100/3000"));
+    assert!(seen.is_some(), "the sweep never logged env step 100");
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    assert_eq!(child.wait().unwrap().code(), Some(130), "{rest:?}");
+    assert!(rest.iter().any(|l| l.contains("checkpointed at env step")), "{rest:?}");
+    assert!(stopped.join("waves/wave-0.safetensors").exists());
+    assert!(!stopped.join("sweep.json").exists(), "the sweep stopped before its end; make it longer");
+    let text = ok(&cmd(&stopped).output().unwrap());
+    assert!(text.contains("go on from env step"), "{text}");
+    assert_eq!(std::fs::read_to_string(stopped.join("trials.jsonl")).unwrap(), want);
+    assert!(!stopped.join("waves/wave-0.safetensors").exists(), "a finished wave's checkpoint is removed");
+}
+
+/// A 3-trial sweep of `model` over `key` and the seed, its best trial run again.
+fn sweep_of(model: &str, key: &str, prefix: &str, n_tensors: usize, steps: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = sweep_file(dir.path(), model, key, steps, 1);
     let out = dir.path().join("sw");
     let text = ok(&fx_train().arg("sweep").arg("--config").arg(&sweep).arg("--out").arg(&out).output().unwrap());
     assert!(text.contains("3 trials tried"), "{text}");

@@ -62,14 +62,16 @@
 //! online network) and `best-{rank}/` run folders (on the CPU a best run ends with its
 //! trial's weights exactly). The folder is locked while the sweep runs. Rows are written
 //! after each wave: a sweep stopped by a signal (or killed) keeps its finished waves and the
-//! same command goes on with the rest (a wave in flight starts again: populations have no
-//! mid-training checkpoint yet); a sweep whose rows are complete is not trained again, and
-//! running it again prints its leaderboard and finishes any best-trial run that did not end.
+//! same command goes on with the rest; the DQN / PPO wave in flight goes on from its
+//! checkpoint (`waves/`, [`wave_state`]: written when stopped and every `checkpoint_minutes`);
+//! a sweep whose rows are complete is not trained again, and running it again prints its
+//! leaderboard and finishes any best-trial run that did not end.
 
 mod halving;
 mod pbt;
 mod space;
 mod tpe;
+mod wave_state;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -92,6 +94,7 @@ pub use halving::HalvingConfig;
 pub use pbt::{PbtConfig, PbtEvent};
 pub use space::{Dim, Sampler};
 pub use tpe::TpeConfig;
+use wave_state::WaveProgress;
 
 /// Flags of `fx-train sweep`.
 #[derive(Debug, Clone, Args)]
@@ -172,6 +175,10 @@ pub struct SweepConfig {
     /// the end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub halving: Option<HalvingConfig>,
+    /// Minutes of a DQN / PPO wave's training between its checkpoints (default 10; 0: only
+    /// when the sweep is stopped). A stopped sweep always checkpoints the wave in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_minutes: Option<f64>,
 }
 
 fn one() -> usize {
@@ -246,6 +253,16 @@ mod nan_as_null {
 }
 
 impl SweepConfig {
+    /// The time between a wave's checkpoints (`checkpoint_minutes`, default 10; 0: none
+    /// but the one when stopped).
+    fn checkpoint_every(&self) -> Result<Option<std::time::Duration>> {
+        match self.checkpoint_minutes.unwrap_or(10.0) {
+            m if m == 0.0 => Ok(None),
+            m if m.is_finite() && m > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(60.0 * m))),
+            m => bail!("checkpoint_minutes = {m}: minutes between a wave's checkpoints are a number >= 0"),
+        }
+    }
+
     fn from_file(path: &Path) -> Result<Self> {
         let text = fx_data::files::read_regular_to_string(path, fx_data::files::MAX_TEXT_BYTES)
             .with_context(|| format!("reading sweep file {}", path.display()))?;
@@ -343,6 +360,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     if spec.members == Some(0) {
         bail!("sweep file {}: members must be at least 1", config.display());
     }
+    spec.checkpoint_every().with_context(|| format!("sweep file {}", config.display()))?;
     let space: Vec<(String, Dim)> = spec.space.clone().into_iter().collect();
     if spec.tpe.is_some() && spec.sampler != Sampler::Tpe {
         bail!("sweep file {}: a [tpe] section needs sampler = \"tpe\"", config.display());
@@ -485,8 +503,9 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     };
     for wave in todo {
         let trials: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
+        let dir = WaveDir { out, checkpoint_every: spec.checkpoint_every()? };
         let Some((rows, mut summary)) =
-            train_population(&base, &cfgs, &trials, &params, out, plan.as_ref(), spec.halving.as_ref(), stop)?
+            train_population(&base, &cfgs, &trials, &params, &dir, plan.as_ref(), spec.halving.as_ref(), stop)?
         else {
             println!(
                 "sweep interrupted: {} of {} trials done (finished waves are kept); run the same command to go on",
@@ -500,6 +519,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         }
         let rows: Vec<TrialRow> = done.values().cloned().collect();
         write_rows(out, &rows)?;
+        wave_state::remove(out, &trials)?;
         summary["trials"] = json!(trials);
         summary["members_source"] = json!(wave.source);
         pop_doc.push(summary);
@@ -623,7 +643,8 @@ fn run_tpe(
             if todo.is_empty() {
                 continue;
             }
-            let Some((rows, mut summary)) = train_population(base, &cfgs, &todo, &params, out, None, None, stop)?
+            let dir = WaveDir { out, checkpoint_every: spec.checkpoint_every()? };
+            let Some((rows, mut summary)) = train_population(base, &cfgs, &todo, &params, &dir, None, None, stop)?
             else {
                 println!(
                     "sweep interrupted: {} of {total} trials done (finished waves are kept); run the same command to go on",
@@ -635,6 +656,7 @@ fn run_tpe(
                 done.insert(row.trial, row);
             }
             write_rows(out, &done.values().cloned().collect::<Vec<_>>())?;
+            wave_state::remove(out, &todo)?;
             summary["trials"] = json!(todo);
             summary["members_source"] = json!(wave.source);
             summary["tpe_round"] = json!(r);
@@ -719,11 +741,12 @@ fn write_tensorboard(cfgs: &[RunConfig], rows: &[TrialRow], out: &Path) -> Resul
 }
 
 /// What makes two sweep files one sweep: everything but `trials` (more trials extend it),
-/// `members` (how many trained at once changes no trial) and `run.device`.
+/// `members` (how many trained at once changes no trial), `checkpoint_minutes` and
+/// `run.device`.
 fn sweep_identity(spec: &SweepConfig) -> Result<String> {
     let mut run = spec.run.clone();
     run.remove("device");
-    Ok(toml::to_string(&SweepConfig { trials: None, members: None, run, ..spec.clone() })?)
+    Ok(toml::to_string(&SweepConfig { trials: None, members: None, checkpoint_minutes: None, run, ..spec.clone() })?)
 }
 
 /// Refuses to go on in `out` with another sweep than the one it was started with (an
@@ -1026,6 +1049,20 @@ struct PbtPlan<'a> {
     points: &'a [space::Point],
 }
 
+/// Where a DQN / PPO wave writes (the sweep's folder) and how often it checkpoints while
+/// it trains (none: only when stopped; see [`wave_state`]).
+struct WaveDir<'a> {
+    out: &'a Path,
+    checkpoint_every: Option<std::time::Duration>,
+}
+
+impl WaveDir<'_> {
+    /// Whether a periodic checkpoint is due, the last one (or the wave's start) at `since`.
+    fn checkpoint_due(&self, since: Instant) -> bool {
+        self.checkpoint_every.is_some_and(|every| since.elapsed() >= every)
+    }
+}
+
 /// Trains `trials` as one population on the base config's training split (with `pbt`, its
 /// rounds every `pbt.every` env steps; with `halving`, its rungs), then scores each
 /// member's greedy policy on the validation split. `None` when `stop` asked to stop.
@@ -1035,20 +1072,33 @@ fn train_population(
     cfgs: &[RunConfig],
     trials: &[usize],
     params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
-    out: &Path,
+    dir: &WaveDir<'_>,
     pbt: Option<&PbtPlan<'_>>,
     halving: Option<&HalvingConfig>,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     if base.model == ModelChoice::Ppo {
-        return train_ppo_population(base, cfgs, trials, params, out, pbt, halving, stop);
+        return train_ppo_population(base, cfgs, trials, params, dir, pbt, halving, stop);
     }
     if base.model.is_sequence() {
-        return train_seq_trials(cfgs, trials, params, out);
+        return train_seq_trials(cfgs, trials, params, dir.out);
     }
-    let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
-    let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
-    let mut pop = DqnPopulation::new(members, &device).context("building the sweep's population")?;
+    let out = dir.out;
+    let (device, data, envs) = population_inputs(base, cfgs, trials)?;
+    let ckpt = wave_state::path(out, trials);
+    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps)? {
+        Some(w) => {
+            let pop = DqnPopulation::load_state(&ckpt, &device).context("resuming the sweep's population")?;
+            (pop, wave_state::restore_envs(envs, &w)?, w)
+        }
+        None => {
+            let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
+            let pop = DqnPopulation::new(members, &device).context("building the sweep's population")?;
+            let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
+            let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
+            (pop, envs, WaveProgress::start(trials, base.steps, points, halve))
+        }
+    };
     let n = trials.len();
     println!(
         "sweep: trials {:?} as one population of {n} on {}, {} env steps x {} accounts each",
@@ -1059,21 +1109,24 @@ fn train_population(
     );
     let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
-    let (mut samples, mut pbt_s, mut rounds) = (0u64, 0f64, 0u64);
-    let mut points: Vec<space::Point> =
-        pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
-    let mut events: Vec<Vec<PbtEvent>> = vec![Vec::new(); n];
-    let mut halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
-    for step in 1..=base.steps {
-        if stop() {
-            return Ok(None);
+    let mut saved = Instant::now();
+    let prior_s = w.train_seconds;
+    for step in w.env_steps + 1..=base.steps {
+        let stopping = stop();
+        if stopping || dir.checkpoint_due(saved) {
+            w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
+            wave_state::write(&ckpt, &pop, &envs, &mut w, &device)?;
+            if stopping {
+                return Ok(None);
+            }
+            saved = Instant::now();
         }
         let read = step % base.log_every == 0 || step == base.steps;
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.step(&mut refs, read)?;
         let members = pop.len() as u64;
-        samples += (st.updates.len() as u64 + u64::from(st.updates_queued)) * members * base.dqn.batch_size as u64;
-        if let Some(h) = halve.as_mut().filter(|h| h.due(step)) {
+        w.samples += (st.updates.len() as u64 + u64::from(st.updates_queued)) * members * base.dqn.batch_size as u64;
+        if let Some(h) = w.halving.as_mut().filter(|h| h.due(step)) {
             h.rung(base, &data, &mut pop, &mut envs, params, out, step)?;
         }
         if read {
@@ -1084,31 +1137,50 @@ fn train_population(
         // No round after the last step: the final scoring ranks what the last round made.
         if let Some(plan) = pbt.filter(|p| step % p.cfg.every == 0 && step < base.steps) {
             let t = Instant::now();
-            pbt_round(plan, base, &data, &mut pop, trials, &mut points, &mut events, step)?;
-            pbt_s += t.elapsed().as_secs_f64();
-            rounds += 1;
+            pbt_round(plan, base, &data, &mut pop, trials, &mut w.points, &mut w.events, step)?;
+            w.pbt_seconds += t.elapsed().as_secs_f64();
+            w.rounds += 1;
         }
+        w.env_steps = step;
     }
     device.synchronize()?;
-    let train_s = t0.elapsed().as_secs_f64();
-    let mut summary = wave_summary(n, &device, base.steps, train_s, samples, &mut busy);
+    let train_s = prior_s + t0.elapsed().as_secs_f64();
+    let summary = wave_summary(n, &device, base.steps, train_s, w.samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, dqn_member_policy(&pop, k)?));
-    let alive = halve.as_ref().map_or(trials, |h| &h.alive[..]);
-    let mut rows = score_members(base, &data, alive, params, out, &applied, &skipped, &member)?;
-    for (row, ev) in rows.iter_mut().zip(events) {
+    end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
+}
+
+/// A wave's rows and summary once it has trained: each member's greedy policy scored on
+/// the validation split ([`score_members`]), its PBT copies, successive halving's stopped
+/// rows and cuts, PBT's rounds and time.
+#[allow(clippy::too_many_arguments)]
+fn end_wave(
+    base: &RunConfig,
+    data: &Dataset,
+    w: WaveProgress,
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+    out: &Path,
+    applied: &[u64],
+    skipped: &[u64],
+    member: &Member<'_>,
+    pbt: bool,
+    mut summary: serde_json::Value,
+) -> Result<(Vec<TrialRow>, serde_json::Value)> {
+    let mut rows = score_members(base, data, w.alive(), params, out, applied, skipped, member)?;
+    for (row, ev) in rows.iter_mut().zip(w.events) {
         row.pbt = ev;
     }
-    if let Some(h) = halve {
+    if let Some(h) = w.halving {
         rows = h.finish(rows, &mut summary);
     }
-    if pbt.is_some() {
+    if pbt {
         // The rounds' scoring (validation backtests on the CPU) is inside train_seconds
         // (and counts as idle time in the GPU busy fraction).
-        summary["pbt_rounds"] = json!(rounds);
-        summary["pbt_seconds"] = json!(pbt_s);
+        summary["pbt_rounds"] = json!(w.rounds);
+        summary["pbt_seconds"] = json!(w.pbt_seconds);
     }
-    Ok(Some((rows, summary)))
+    Ok((rows, summary))
 }
 
 /// Forecaster trials (TFT, MAMBA-2), one after another: each an ordinary run in
@@ -1431,6 +1503,8 @@ trait PopMembers {
     fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()>;
     /// Only the members `keep` go on.
     fn retain(&mut self, keep: &[usize]) -> Result<()>;
+    /// The population's state, for a wave's checkpoint ([`wave_state`]).
+    fn snapshot(&self) -> Result<fx_models::StateSnapshot>;
 }
 
 impl PopMembers for DqnPopulation {
@@ -1454,6 +1528,9 @@ impl PopMembers for DqnPopulation {
     }
     fn retain(&mut self, keep: &[usize]) -> Result<()> {
         Ok(self.retain_members(keep)?)
+    }
+    fn snapshot(&self) -> Result<fx_models::StateSnapshot> {
+        Ok(DqnPopulation::snapshot(self)?)
     }
 }
 
@@ -1479,11 +1556,15 @@ impl PopMembers for PpoPopulation {
     fn retain(&mut self, keep: &[usize]) -> Result<()> {
         Ok(self.retain_members(keep)?)
     }
+    fn snapshot(&self) -> Result<fx_models::StateSnapshot> {
+        Ok(PpoPopulation::snapshot(self)?)
+    }
 }
 
 /// Successive halving of one DQN / PPO population ([`halving`]): the rungs before the end,
 /// the next one, the trials still in (`alive[k]` is member `k`'s trial), the rows of the
 /// trials stopped so far, every trial's rung scores and the rungs' decisions.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct PopHalving {
     eta: usize,
     rungs: Vec<u64>,
@@ -1678,17 +1759,30 @@ fn train_ppo_population(
     cfgs: &[RunConfig],
     trials: &[usize],
     params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
-    out: &Path,
+    dir: &WaveDir<'_>,
     pbt: Option<&PbtPlan<'_>>,
     halving: Option<&HalvingConfig>,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
-    let (device, data, mut envs) = population_inputs(base, cfgs, trials)?;
-    let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
+    let out = dir.out;
+    let (device, data, envs) = population_inputs(base, cfgs, trials)?;
     // The group's own shape (trials are grouped by it), not the base config's.
     let first = &cfgs[trials[0]];
     let num_envs = first.env.num_envs;
-    let mut pop = PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")?;
+    let ckpt = wave_state::path(out, trials);
+    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps)? {
+        Some(w) => {
+            let pop = PpoPopulation::load_state(&ckpt, &device).context("resuming the sweep's population")?;
+            (pop, wave_state::restore_envs(envs, &w)?, w)
+        }
+        None => {
+            let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
+            let pop = PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")?;
+            let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
+            let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
+            (pop, envs, WaveProgress::start(trials, base.steps, points, halve))
+        }
+    };
     let n = trials.len();
     println!(
         "sweep: trials {:?} as one PPO population of {n} on {}, {} env steps x {num_envs} accounts each",
@@ -1698,55 +1792,47 @@ fn train_ppo_population(
     );
     let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
-    let (mut env_steps, mut samples, mut pbt_s, mut rounds, mut last_round) = (0u64, 0u64, 0f64, 0u64, 0u64);
-    let mut points: Vec<space::Point> =
-        pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
-    let mut events: Vec<Vec<PbtEvent>> = vec![Vec::new(); n];
-    let mut halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
-    while env_steps < base.steps {
-        if stop() {
-            return Ok(None);
+    let mut saved = Instant::now();
+    let prior_s = w.train_seconds;
+    while w.env_steps < base.steps {
+        let stopping = stop();
+        if stopping || dir.checkpoint_due(saved) {
+            w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
+            wave_state::write(&ckpt, &pop, &envs, &mut w, &device)?;
+            if stopping {
+                return Ok(None);
+            }
+            saved = Instant::now();
         }
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.iterate(&mut refs)?;
-        env_steps = st[0].env_steps;
+        let env_steps = st[0].env_steps;
         let rows = (first.ppo.num_steps * num_envs) as u64;
-        samples += rows * first.ppo.epochs as u64 * st.len() as u64;
+        w.samples += rows * first.ppo.epochs as u64 * st.len() as u64;
         let mean = st.iter().map(|s| s.mean_reward).sum::<f64>() / st.len() as f64;
         println!("sweep: env step {env_steps}/{}: mean reward over trials {mean:.3e}", base.steps);
         // A rung at the first iteration boundary at or past it, none after the last
         // iteration (each rung passed is a cut of its own).
-        while let Some(h) = halve.as_mut().filter(|h| h.due(env_steps) && env_steps < base.steps) {
+        while let Some(h) = w.halving.as_mut().filter(|h| h.due(env_steps) && env_steps < base.steps) {
             h.rung(base, &data, &mut pop, &mut envs, params, out, env_steps)?;
         }
         // A round at the first iteration boundary at or past each multiple of `every` (an
         // iteration is num_steps env steps), none after the last iteration.
-        if let Some(plan) = pbt.filter(|p| env_steps / p.cfg.every > last_round && env_steps < base.steps) {
+        if let Some(plan) = pbt.filter(|p| env_steps / p.cfg.every > w.last_round && env_steps < base.steps) {
             let t = Instant::now();
-            last_round = env_steps / plan.cfg.every;
-            pbt_round(plan, base, &data, &mut pop, trials, &mut points, &mut events, env_steps)?;
-            pbt_s += t.elapsed().as_secs_f64();
-            rounds += 1;
+            w.last_round = env_steps / plan.cfg.every;
+            pbt_round(plan, base, &data, &mut pop, trials, &mut w.points, &mut w.events, env_steps)?;
+            w.pbt_seconds += t.elapsed().as_secs_f64();
+            w.rounds += 1;
         }
+        w.env_steps = env_steps;
     }
     device.synchronize()?;
-    let train_s = t0.elapsed().as_secs_f64();
-    let mut summary = wave_summary(n, &device, env_steps, train_s, samples, &mut busy);
+    let train_s = prior_s + t0.elapsed().as_secs_f64();
+    let summary = wave_summary(n, &device, w.env_steps, train_s, w.samples, &mut busy);
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.params().member(k)?, ppo_member_policy(&pop, k)?));
-    let alive = halve.as_ref().map_or(trials, |h| &h.alive[..]);
-    let mut rows = score_members(base, &data, alive, params, out, &applied, &skipped, &member)?;
-    for (row, ev) in rows.iter_mut().zip(events) {
-        row.pbt = ev;
-    }
-    if let Some(h) = halve {
-        rows = h.finish(rows, &mut summary);
-    }
-    if pbt.is_some() {
-        summary["pbt_rounds"] = json!(rounds);
-        summary["pbt_seconds"] = json!(pbt_s);
-    }
-    Ok(Some((rows, summary)))
+    end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
 }
 
 /// A population wave's figures for `population.json`, and its printed line: members,
@@ -1926,6 +2012,7 @@ mod tests {
             pbt: None,
             tpe: None,
             halving: None,
+            checkpoint_minutes: None,
         };
         let cfgs = trial_configs(&spec, &[vec![("dqn.gama".into(), toml::Value::Float(0.9))]]);
         let e = format!("{:#}", cfgs.unwrap_err());
@@ -2022,13 +2109,41 @@ n_actions = 3
         }
 
         let waves = tiny_sweep(dir.path(), 2);
-        // Stop at the first env step of the second wave (24 steps a wave).
-        stop_at_check(&waves, 25);
-        let half = std::fs::read_to_string(waves.out.as_ref().unwrap().join("trials.jsonl")).unwrap();
+        let w_out = waves.out.clone().unwrap();
+        // Stop at env step 12 of the second wave (24 steps a wave): 11 steps done.
+        stop_at_check(&waves, 36);
+        let half = std::fs::read_to_string(w_out.join("trials.jsonl")).unwrap();
         assert_eq!(half.lines().count(), 2, "the first wave's rows are kept");
-        assert!(!waves.out.as_ref().unwrap().join("sweep.json").exists());
-        assert_eq!(finish_counting_checks(&waves), 24, "only the second wave trains again");
-        assert_eq!(std::fs::read_to_string(waves.out.as_ref().unwrap().join("trials.jsonl")).unwrap(), want);
+        assert!(!w_out.join("sweep.json").exists());
+        assert!(w_out.join("waves/wave-2.safetensors").exists(), "the wave in flight is checkpointed");
+        assert!(!w_out.join("waves/wave-0.safetensors").exists(), "a finished wave's checkpoint is removed");
+        // Stopped again at its first step (nothing trained in between), then to the end.
+        stop_at_check(&waves, 1);
+        assert_eq!(finish_counting_checks(&waves), 13, "the second wave goes on from env step 12");
+        assert_eq!(std::fs::read_to_string(w_out.join("trials.jsonl")).unwrap(), want);
+        assert!(!w_out.join("waves/wave-2.safetensors").exists());
+        // Checkpoints every step (the periodic path) change nothing; a checkpoint of another
+        // wave (here 2 trials where the wave is now 4) is not resumed: that wave starts again.
+        let every = tiny_sweep_with(dir.path(), 2, "", "every.toml");
+        let text = std::fs::read_to_string(every.config.as_ref().unwrap()).unwrap();
+        std::fs::write(
+            every.config.as_ref().unwrap(),
+            text.replace("best = 0\n", "best = 0\ncheckpoint_minutes = 1e-9\n"),
+        )
+        .unwrap();
+        let every = SweepArgs { out: Some(dir.path().join("every")), ..every };
+        stop_at_check(&every, 10);
+        let wider = SweepArgs { members: Some(4), ..every.clone() };
+        assert_eq!(finish_counting_checks(&wider), 24, "the 4-member wave trains from its start");
+        assert_eq!(std::fs::read_to_string(dir.path().join("every/trials.jsonl")).unwrap(), want);
+        let bad = SweepArgs { out: Some(dir.path().join("bad-ckpt")), ..every.clone() };
+        std::fs::write(
+            every.config.as_ref().unwrap(),
+            text.replace("best = 0\n", "best = 0\ncheckpoint_minutes = -1\n"),
+        )
+        .unwrap();
+        let e = format!("{:#}", run_with(&bad, &mut || false).unwrap_err());
+        assert!(e.contains("checkpoint_minutes = -1") && e.contains("every.toml"), "{e}");
         let pop: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(waves.out.as_ref().unwrap().join("population.json")).unwrap(),
         )
@@ -2234,7 +2349,9 @@ n_actions = 3
         let spec_best =
             std::fs::read_to_string(again.config.as_ref().unwrap()).unwrap().replace("best = 0", "best = 1");
         std::fs::write(again.config.as_ref().unwrap(), spec_best).unwrap();
-        run_with(&again, &mut || false).unwrap();
+        // Stopped after the first round (env step 8) and resumed: the same schedule.
+        stop_at_check(&again, 12);
+        assert_eq!(finish_counting_checks(&again), 13, "it goes on from env step 12");
         let b = again.out.clone().unwrap();
         assert_eq!(read_rows(&b.join("trials.jsonl")).unwrap().unwrap(), rows, "the same file gives the same schedule");
         let doc: serde_json::Value =
@@ -2275,7 +2392,9 @@ n_actions = 3
             serde_json::from_str(&std::fs::read_to_string(p_out.join("population.json")).unwrap()).unwrap();
         assert_eq!(pop["waves"][0]["pbt_rounds"], 2);
         let again = dir.path().join("pbt-p2");
-        run_with(&SweepArgs { out: Some(again.clone()), ..ppo }, &mut || false).unwrap();
+        // Stopped after its first round (two iterations of 4 env steps) and resumed.
+        stop_at_check(&SweepArgs { out: Some(again.clone()), ..ppo.clone() }, 3);
+        assert_eq!(finish_counting_checks(&SweepArgs { out: Some(again.clone()), ..ppo }), 4, "four iterations left");
         assert_eq!(read_rows(&again.join("trials.jsonl")).unwrap().unwrap(), rows, "the same PPO schedule");
     }
 
@@ -2307,6 +2426,21 @@ n_actions = 3
             let halved = mk("halved", halving);
             run_with(&halved, &mut || false).unwrap();
             let rows = read_rows(&halved.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap();
+            // Stopped after the first rung and again after the second (DQN: a check per env
+            // step; PPO: per iteration of 4), the resumed sweep ends with the same rows and
+            // every trial's weights.
+            let resumed = mk("resumed", halving);
+            let (first, second, rest) = if model == "dqn" { (12, 7, 7) } else { (3, 2, 3) };
+            stop_at_check(&resumed, first);
+            stop_at_check(&resumed, second);
+            assert_eq!(finish_counting_checks(&resumed), rest, "{model}: only what was left trains");
+            let r_out = resumed.out.clone().unwrap();
+            assert_eq!(read_rows(&r_out.join("trials.jsonl")).unwrap().unwrap(), rows, "{model}: resumed");
+            for t in 0..6 {
+                let f = format!("weights/trial-{t}.safetensors");
+                let h = halved.out.as_ref().unwrap();
+                assert_eq!(std::fs::read(r_out.join(&f)).unwrap(), std::fs::read(h.join(&f)).unwrap(), "{model} {t}");
+            }
             let plain = |steps: u64| {
                 let a = SweepArgs {
                     steps: Some(steps),

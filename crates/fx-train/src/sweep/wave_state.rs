@@ -1,0 +1,170 @@
+//! A DQN / PPO wave's checkpoint, so a sweep stopped inside a wave goes on from where it
+//! stopped, not from the wave's start: `waves/wave-{first trial}.safetensors` is the
+//! population's state file (`DqnPopulation::snapshot` / `PpoPopulation::snapshot`) with the
+//! wave's own progress ([`WaveProgress`]: its trials, env steps, throughput counters, PBT
+//! points and events, successive halving's rungs and stopped rows, every member's
+//! environment state) as JSON under one metadata key. One file, written atomically, so a
+//! kill at any moment leaves the previous checkpoint or the new one.
+//!
+//! Written when the sweep is stopped (SIGTERM / SIGINT: the exact point it stopped) and
+//! every `checkpoint_minutes` of a wave's training (a kill loses at most that much);
+//! removed once the wave's rows are in `trials.jsonl`. A checkpoint of other trials or
+//! another run length (`--trials`, `--steps` or a device with room for another wave size)
+//! is not resumed: the wave trains from its start, and says so.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use fx_kernels::EnvState;
+use serde::{Deserialize, Serialize};
+
+use super::{space, PbtEvent, PopHalving, PopMembers};
+use crate::train_env::TrainEnv;
+
+/// The metadata key of the wave's progress in its population's state file.
+const KEY: &str = "fx.sweep_wave";
+
+/// Where a wave stands (everything of a wave's loop that is not the population's state).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct WaveProgress {
+    /// The wave's trials (member `k` started as trial `trials[k]`).
+    pub trials: Vec<usize>,
+    /// The run length every member trains to (`run.steps`).
+    pub steps: u64,
+    /// Env steps every member has taken.
+    pub env_steps: u64,
+    /// Update samples so far (the wave's throughput).
+    pub samples: u64,
+    /// Training seconds before this start (a resumed wave's time adds up).
+    pub train_seconds: f64,
+    /// PBT: seconds in rounds, rounds taken, the last round's index (PPO rounds at
+    /// iteration boundaries), each member's current point and its copies so far.
+    pub pbt_seconds: f64,
+    pub rounds: u64,
+    pub last_round: u64,
+    pub points: Vec<space::Point>,
+    pub events: Vec<Vec<PbtEvent>>,
+    /// Successive halving's state: rungs taken, trials still in, stopped rows and scores.
+    pub halving: Option<PopHalving>,
+    /// Each current member's environment state (filled when saved).
+    pub envs: Vec<EnvState>,
+}
+
+impl WaveProgress {
+    /// A wave at its start.
+    pub fn start(trials: &[usize], steps: u64, points: Vec<space::Point>, halving: Option<PopHalving>) -> Self {
+        Self {
+            trials: trials.to_vec(),
+            steps,
+            env_steps: 0,
+            samples: 0,
+            train_seconds: 0.0,
+            pbt_seconds: 0.0,
+            rounds: 0,
+            last_round: 0,
+            points,
+            events: vec![Vec::new(); trials.len()],
+            halving,
+            envs: Vec::new(),
+        }
+    }
+
+    /// The trials whose members are still in the population (all but those halving
+    /// stopped), in member order.
+    pub fn alive(&self) -> &[usize] {
+        self.halving.as_ref().map_or(&self.trials[..], |h| &h.alive[..])
+    }
+}
+
+/// The checkpoint file of the wave that starts with trial `trials[0]` (waves' trials are
+/// disjoint, so the first names the wave across a sweep's waves and TPE rounds).
+pub(super) fn path(out: &Path, trials: &[usize]) -> PathBuf {
+    out.join("waves").join(format!("wave-{}.safetensors", trials.first().copied().unwrap_or(0)))
+}
+
+/// The saved progress of this wave (`trials` training to `steps`), if its checkpoint is
+/// there and is this wave's; None when there is none or it is another wave's (printed).
+pub(super) fn read(path: &Path, trials: &[usize], steps: u64) -> Result<Option<WaveProgress>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let meta = fx_precision::read_metadata(path)?;
+    let Some(json) = meta.get(KEY) else {
+        bail!("{}: not a sweep wave's checkpoint (no `{KEY}` metadata); move it away to go on", path.display())
+    };
+    let p: WaveProgress = serde_json::from_str(json)
+        .with_context(|| format!("{}: the `{KEY}` metadata is not a wave's progress", path.display()))?;
+    if p.trials != trials || p.steps != steps {
+        println!(
+            "sweep: {} holds trials {:?} of {} env steps, not this wave's {:?} of {steps}: the wave trains from its start",
+            path.display(),
+            p.trials,
+            p.steps,
+            trials
+        );
+        return Ok(None);
+    }
+    if p.envs.len() != p.alive().len() || p.env_steps > steps {
+        bail!(
+            "{}: {} environment states for {} members at env step {} of {steps}: a damaged checkpoint; move it away to go on",
+            path.display(),
+            p.envs.len(),
+            p.alive().len(),
+            p.env_steps
+        );
+    }
+    println!("sweep: trials {trials:?} go on from env step {} ({})", p.env_steps, path.display());
+    Ok(Some(p))
+}
+
+/// Writes the wave's checkpoint: the device's queued work waited for, every member's
+/// environment state taken into `progress` (whose other fields the caller keeps current),
+/// the population's state and the progress in one file, atomically.
+pub(super) fn write(
+    path: &Path,
+    pop: &dyn PopMembers,
+    envs: &[TrainEnv],
+    progress: &mut WaveProgress,
+    device: &Device,
+) -> Result<()> {
+    device.synchronize()?;
+    progress.envs = envs.iter().map(|e| e.state()).collect::<Result<_>>()?;
+    let dir = path.parent().context("a wave checkpoint's path has a folder")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let json = serde_json::to_string(progress)?;
+    pop.snapshot()?.with_metadata(KEY, json)?.write(path)?;
+    println!(
+        "sweep: trials {:?} checkpointed at env step {} ({})",
+        progress.trials,
+        progress.env_steps,
+        path.display()
+    );
+    Ok(())
+}
+
+/// The environments of a resumed wave: `envs` (built for every trial of the wave) cut
+/// down to the members still in and set to their saved states.
+pub(super) fn restore_envs(mut envs: Vec<TrainEnv>, progress: &WaveProgress) -> Result<Vec<TrainEnv>> {
+    let keep: Vec<usize> = progress
+        .alive()
+        .iter()
+        .map(|t| progress.trials.iter().position(|x| x == t).context("a halving survivor is not of its wave"))
+        .collect::<Result<_>>()?;
+    let mut all: Vec<Option<TrainEnv>> = envs.drain(..).map(Some).collect();
+    let mut kept: Vec<TrainEnv> = keep.iter().filter_map(|&k| all[k].take()).collect();
+    for (k, (env, state)) in kept.iter_mut().zip(&progress.envs).enumerate() {
+        env.restore(state).with_context(|| format!("restoring member {k}'s environment"))?;
+    }
+    Ok(kept)
+}
+
+/// Removes a finished wave's checkpoint (its rows are in `trials.jsonl`).
+pub(super) fn remove(out: &Path, trials: &[usize]) -> Result<()> {
+    let p = path(out, trials);
+    match std::fs::remove_file(&p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("removing {}", p.display())),
+    }
+}
