@@ -1458,6 +1458,70 @@ pub(crate) mod tests {
         }
     }
 
+    /// On CUDA (GPU envs, the batched collection, the captured update), a population saved
+    /// mid-run and restored with its environments' states goes on as the one that never
+    /// stopped: the same rewards, episodes, replays and counters at every step, and weights
+    /// within 1e-6 relative (the restored one captures its update again: the same kernels on
+    /// the same minibatches; the bound only allows for a reduction that sums in another order).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_restored_population_goes_on_on_the_gpu() {
+        let Some(dev) = fx_hw::test_gpu("dqn::population::a_restored_population_goes_on_on_the_gpu") else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let n = 4;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
+            (0..n)
+                .map(|k| {
+                    let c = ar1_env(4, 32, 400, 3 + k as u64);
+                    let opts = fx_kernels::GpuEnvOptions::default();
+                    fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
+                })
+                .collect()
+        };
+        let step = |p: &mut DqnPopulation, e: &mut Vec<fx_kernels::GpuTradingEnv>, read: bool| {
+            let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
+            p.step(&mut refs, read).unwrap()
+        };
+        let mut a_envs = gpu_envs();
+        let mut a = DqnPopulation::new(cfgs, &dev).unwrap();
+        for t in 0..60 {
+            step(&mut a, &mut a_envs, t % 10 == 0);
+        }
+        assert!(a.update_captured() && a.collect.is_some(), "the fast paths ran before the save");
+        let path = dir.path().join("pop.safetensors");
+        a.snapshot().unwrap().write(&path).unwrap();
+        let mut b = DqnPopulation::load_state(&path, &dev).unwrap();
+        let mut b_envs = gpu_envs();
+        for (eb, ea) in b_envs.iter_mut().zip(&a_envs) {
+            eb.restore(&ea.state().unwrap()).unwrap();
+        }
+        for t in 0..60 {
+            let (x, y) = (step(&mut a, &mut a_envs, true), step(&mut b, &mut b_envs, true));
+            assert_eq!(x.mean_reward, y.mean_reward, "step {t}: rewards");
+            assert_eq!(x.episodes_done, y.episodes_done, "step {t}: episodes");
+            assert_eq!(x.replay_len, y.replay_len);
+            for (u, v) in x.updates.iter().zip(&y.updates) {
+                assert_eq!(u.skipped, v.skipped, "step {t}: skips");
+            }
+        }
+        assert!(b.update_captured() && b.collect.is_some(), "the restored one takes the fast paths");
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        for k in 0..n {
+            assert_eq!(a_envs[k].state().unwrap(), b_envs[k].state().unwrap(), "member {k} env state");
+            let (x, y) = (a.replay(k).unwrap().stored().unwrap(), b.replay(k).unwrap().stored().unwrap());
+            same(&x.states, &y.states, &format!("member {k} replay states"));
+            same(&x.actions, &y.actions, &format!("member {k} replay actions"));
+        }
+        for (i, (x, y)) in a.online().vars().iter().zip(b.online().vars()).enumerate() {
+            let e = rel_err(x.as_tensor(), y.as_tensor());
+            eprintln!("restored vs uninterrupted online {i}: rel err {e:.2e}");
+            assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
+        }
+    }
+
     /// On CUDA, successive halving's cut through the captured update and the batched
     /// collection. Updates on fixed random batches: members 1 and 3 of 4, kept after 20
     /// captured updates and updated 20 more (captured again at the new size), track the

@@ -876,7 +876,7 @@ pub(crate) fn replay_tensors(
     out: &mut HashMap<String, Tensor>,
     prefix: &str,
 ) -> fx_kernels::Result<()> {
-    if replay.len() > 0 {
+    if !replay.is_empty() {
         // Views of the stored rows in physical order (a snapshot copies them to the host at
         // once, so no device copy is needed first).
         let rows = replay.stored()?;

@@ -935,6 +935,73 @@ mod tests {
         assert!(e.contains("solo.safetensors") && e.contains("not a PPO population state"), "{e}");
     }
 
+    /// On CUDA with GPU envs, a population saved between iterations and restored with its
+    /// environments' states goes on as the one that never stopped: the same iteration
+    /// rewards, episodes and skips, counters and env states, and weights within 1e-6
+    /// relative (the same kernels; the bound allows for a reduction in another order).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_restored_population_goes_on_on_the_gpu() {
+        let Some(dev) = fx_hw::test_gpu("ppo::population::a_restored_population_goes_on_on_the_gpu") else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let cfgs: Vec<PpoConfig> = (0..3)
+            .map(|k| {
+                let mut c = member(k);
+                (c.num_steps, c.epochs, c.minibatch_size) = (8, 2, 16);
+                c
+            })
+            .collect();
+        let envs = || -> Vec<fx_kernels::GpuTradingEnv> {
+            (0..3)
+                .map(|k| {
+                    let c = crate::synthetic::ar1_env(4, 16, 300, 30 + k as u64);
+                    let opts = fx_kernels::GpuEnvOptions::default();
+                    fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
+                })
+                .collect()
+        };
+        let run = |pop: &mut PpoPopulation, envs: &mut [fx_kernels::GpuTradingEnv]| {
+            let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            pop.iterate(&mut refs).unwrap()
+        };
+        let mut a = PpoPopulation::new(cfgs, 4, &dev).unwrap();
+        let mut a_envs = envs();
+        for _ in 0..3 {
+            run(&mut a, &mut a_envs);
+        }
+        let path = dir.path().join("pop.safetensors");
+        a.snapshot().unwrap().write(&path).unwrap();
+        let mut b = PpoPopulation::load_state(&path, &dev).unwrap();
+        let mut b_envs = envs();
+        for (eb, ea) in b_envs.iter_mut().zip(&a_envs) {
+            eb.restore(&ea.state().unwrap()).unwrap();
+        }
+        for i in 0..3 {
+            let (x, y) = (run(&mut a, &mut a_envs), run(&mut b, &mut b_envs));
+            for (k, (u, v)) in x.iter().zip(&y).enumerate() {
+                assert_eq!((u.env_steps, u.iteration, u.skipped), (v.env_steps, v.iteration, v.skipped));
+                assert_eq!(
+                    (u.mean_reward, u.episodes_done),
+                    (v.mean_reward, v.episodes_done),
+                    "iteration {i} member {k}"
+                );
+            }
+        }
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap());
+        for k in 0..3 {
+            assert_eq!(a_envs[k].state().unwrap(), b_envs[k].state().unwrap(), "member {k} env state");
+        }
+        for (i, (x, y)) in a.params().vars().iter().zip(b.params().vars()).enumerate() {
+            let d = (x.as_tensor() - y.as_tensor()).unwrap().sqr().unwrap().sum_all().unwrap().sqrt().unwrap();
+            let n = x.as_tensor().sqr().unwrap().sum_all().unwrap().sqrt().unwrap();
+            let e = d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap().max(1e-30);
+            eprintln!("restored vs uninterrupted tensor {i}: rel err {e:.2e}");
+            assert!(e <= 1e-6, "tensor {i}: rel err {e}");
+        }
+    }
+
     /// Whole iterations: members 0 and 2 of a population of 3 (seeds, learning rates, clip
     /// ranges, loss weights, GAE γ and λ all different) are their solo learners'
     /// `iterate` over 3 iterations on the CPU: the same weights after each, the same

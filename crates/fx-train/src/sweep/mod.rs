@@ -256,10 +256,13 @@ impl SweepConfig {
     /// The time between a wave's checkpoints (`checkpoint_minutes`, default 10; 0: none
     /// but the one when stopped).
     fn checkpoint_every(&self) -> Result<Option<std::time::Duration>> {
-        match self.checkpoint_minutes.unwrap_or(10.0) {
-            m if m == 0.0 => Ok(None),
-            m if m.is_finite() && m > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(60.0 * m))),
-            m => bail!("checkpoint_minutes = {m}: minutes between a wave's checkpoints are a number >= 0"),
+        let m = self.checkpoint_minutes.unwrap_or(10.0);
+        if m == 0.0 {
+            Ok(None)
+        } else if let Some(d) = (m > 0.0).then(|| std::time::Duration::try_from_secs_f64(60.0 * m).ok()).flatten() {
+            Ok(Some(d))
+        } else {
+            bail!("checkpoint_minutes = {m}: minutes between a wave's checkpoints are a number >= 0 (and below 1e17)")
         }
     }
 
