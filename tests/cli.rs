@@ -1770,6 +1770,43 @@ fn forecasters_train_on_a_panel_and_report_each_instrument() {
     assert_eq!(doc["per_fold"].as_array().unwrap().len(), 2);
 }
 
+/// A population study stopped by SIGTERM inside its wave exits 130 with the wave
+/// checkpointed in `waves/`, and `--resume` goes on from that env step to the study of the
+/// uninterrupted population (on the CPU the same `study.json`).
+#[test]
+fn a_population_study_stopped_by_sigterm_resumes_inside_its_wave() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(dir.path(), "dqn", 3000, "");
+    let flags = ["--quiet", "--folds", "2", "--seeds", "2", "--population"];
+    let straight = dir.path().join("straight");
+    ok(&train(&cfg, &straight, &flags));
+    let stopped = dir.path().join("stopped");
+    let mut child = fx_train()
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&stopped)
+        .args(flags)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let seen = lines.by_ref().map_while(|l| l.ok()).find(|l| l.contains("population of 4 runs"));
+    assert!(seen.is_some(), "the study never started its population");
+    // Into the wave (3000 env steps of 4 members take seconds here).
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    assert_eq!(child.wait().unwrap().code(), Some(130), "{rest:?}");
+    assert!(rest.iter().any(|l| l.contains("population: checkpointed at env step")), "{rest:?}");
+    assert!(!stopped.join("fold1-seed1/report.json").exists(), "the wave ended before the signal; make it longer");
+    let text = ok(&resume(&stopped));
+    assert!(text.contains("population: goes on from env step"), "{text}");
+    assert_eq!(study_stats(&stopped), study_stats(&straight));
+    assert!(std::fs::read_dir(stopped.join("waves")).unwrap().next().is_none(), "the wave's checkpoint is removed");
+}
+
 /// A study trained as one population (`--population`, a member per fold and seed; DQN in
 /// waves of 3 and 1) is the study of runs one after another: on the CPU the same
 /// `study.json` and every run's `backtest.csv`, for DQN (on a panel of the three stocks)

@@ -1,6 +1,8 @@
 //! Population members as what a backtest replays: member `k`'s weights loaded into a solo
 //! network on the CPU and its greedy [`CpuPolicy`] (a sweep scores its trials with them, a
-//! population study backtests its runs with them).
+//! population study backtests its runs with them); how many members a wave holds; and a
+//! wave's checkpoint file ([`write_wave`], [`read_wave`]), which a sweep's and a study's
+//! waves resume from.
 
 use anyhow::Result;
 use candle_core::Device;
@@ -92,4 +94,89 @@ fn on_cpu(store: fx_models::ParamStore) -> Result<std::collections::HashMap<Stri
         map.insert(name, t.to_device(&Device::Cpu)?);
     }
     Ok(map)
+}
+
+/// Metadata keys of a wave's checkpoint: the caller's progress and the members' envs.
+const WAVE_PROGRESS_KEY: &str = "fx.wave_progress";
+const WAVE_ENVS_KEY: &str = "fx.wave_envs";
+
+/// Writes a population wave's checkpoint to `path` atomically, as one file: the
+/// population's state (`snapshot`, e.g. `DqnPopulation::snapshot`), each member's
+/// environment state (`envs[k]` is member `k`'s) and the caller's `progress` (its loop's
+/// counters and whatever identifies the wave) in the metadata. The device's queued work is
+/// waited for first.
+pub(crate) fn write_wave<P: serde::Serialize>(
+    path: &std::path::Path,
+    device: &Device,
+    snapshot: fx_models::StateSnapshot,
+    envs: &[crate::train_env::TrainEnv],
+    progress: &P,
+) -> Result<()> {
+    use anyhow::Context;
+    device.synchronize()?;
+    let states = envs.iter().map(|e| e.state()).collect::<Result<Vec<_>>>()?;
+    let dir = path.parent().context("a wave checkpoint's path has a folder")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    snapshot
+        .with_metadata(WAVE_ENVS_KEY, serde_json::to_string(&states)?)?
+        .with_metadata(WAVE_PROGRESS_KEY, serde_json::to_string(progress)?)?
+        .write(path)?;
+    Ok(())
+}
+
+/// A wave checkpoint's progress and environment states, read from its header alone (None:
+/// no file at `path`). A file without them is refused, naming it.
+pub(crate) fn read_wave<P: serde::de::DeserializeOwned>(
+    path: &std::path::Path,
+) -> Result<Option<(P, Vec<fx_kernels::EnvState>)>> {
+    use anyhow::Context;
+    if !path.exists() {
+        return Ok(None);
+    }
+    let meta = fx_precision::read_metadata(path)?;
+    let field = |key: &str| {
+        meta.get(key).with_context(|| {
+            format!(
+                "{}: not a population wave's checkpoint (no `{key}` metadata); move it away to go on",
+                path.display()
+            )
+        })
+    };
+    let progress = serde_json::from_str(field(WAVE_PROGRESS_KEY)?)
+        .with_context(|| format!("{}: the wave's progress does not parse", path.display()))?;
+    let envs = serde_json::from_str(field(WAVE_ENVS_KEY)?)
+        .with_context(|| format!("{}: the wave's environment states do not parse", path.display()))?;
+    Ok(Some((progress, envs)))
+}
+
+/// The environments of a resumed wave: `envs` (one per member the wave started with) cut
+/// down to the members `keep` (indices into them, in member order) and set to `states`.
+pub(crate) fn restore_wave_envs(
+    envs: Vec<crate::train_env::TrainEnv>,
+    keep: &[usize],
+    states: &[fx_kernels::EnvState],
+) -> Result<Vec<crate::train_env::TrainEnv>> {
+    use anyhow::Context;
+    if keep.len() != states.len() {
+        anyhow::bail!("a wave checkpoint of {} environment states for {} members", states.len(), keep.len());
+    }
+    let mut all: Vec<Option<crate::train_env::TrainEnv>> = envs.into_iter().map(Some).collect();
+    let mut kept = Vec::with_capacity(keep.len());
+    for (k, (&i, state)) in keep.iter().zip(states).enumerate() {
+        let mut env = all.get_mut(i).and_then(Option::take).context("a wave member without its environment")?;
+        env.restore(state).with_context(|| format!("restoring member {k}'s environment"))?;
+        kept.push(env);
+    }
+    Ok(kept)
+}
+
+/// Removes a finished wave's checkpoint, if there is one.
+pub(crate) fn remove_wave(path: &std::path::Path) -> Result<()> {
+    use anyhow::Context;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", path.display()))
+        }
+        _ => Ok(()),
+    }
 }

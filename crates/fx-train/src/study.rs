@@ -37,8 +37,10 @@
 //! alone (on the CPU the same weights and backtests), so `study.json` is the same. A
 //! member's folder holds what the statistics read (`config.toml`, `report.json`,
 //! `backtest.csv`, the plots) and its final network (`weights.safetensors`, which `eval`
-//! rescores), not a checkpoint: the populations train in waves the device holds, and a stopped wave is
-//! trained again from its start on `--resume`. The data is read once ([`Source`]), and the
+//! rescores), not a checkpoint of its own: the populations train in waves the device holds,
+//! and the wave in flight is checkpointed in `waves/` (the population's state, every
+//! member's environments and the env steps taken) when a signal stops it and every 10
+//! minutes, so `--resume` goes on from there. The data is read once ([`Source`]), and the
 //! folds' training series are views of one copy of its rows (`fx_kernels::EnvData::view`,
 //! [`SharedRows`]), each normalised as its rows are observed: a GPU holds the data once
 //! for every fold and member.
@@ -311,26 +313,71 @@ fn train_as_population(
     );
     crate::lifecycle::install_signal_handler();
     for wave in runs.chunks(size.value) {
-        if train_wave(cfg.model, wave, &data, &device)? == Outcome::Interrupted {
+        if train_wave(cfg.model, wave, &data, &device, &cfg.out)? == Outcome::Interrupted {
             return Ok(Outcome::Interrupted);
         }
     }
     Ok(Outcome::Finished)
 }
 
+/// Where a study's population wave stands (its checkpoint's progress): the wave's runs,
+/// their length and the env steps taken.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct StudyWave {
+    runs: Vec<PathBuf>,
+    steps: u64,
+    env_steps: u64,
+}
+
+/// Minutes of a study wave's training between its checkpoints (and one when stopped).
+const WAVE_CHECKPOINT_MINUTES: u64 = 10;
+
 /// One wave of [`train_as_population`]: its runs `(config, fold)` as one population over
-/// `data[fold]`, then each run's folder.
+/// `data[fold]`, then each run's folder. Stopped by a signal, the wave is checkpointed in
+/// `root/waves/` (and every [`WAVE_CHECKPOINT_MINUTES`] while it trains), and `--resume`
+/// goes on from there; the checkpoint is removed once the runs' folders are written.
 fn train_wave(
     model: ModelChoice,
     runs: &[(RunConfig, usize)],
     data: &[Option<(Dataset, std::sync::Arc<fx_kernels::EnvData>)>],
     device: &candle_core::Device,
+    root: &Path,
 ) -> Result<Outcome> {
     let fold_data = |f: usize| data[f].as_ref().context("a fold's data");
     let mut envs = Vec::with_capacity(runs.len());
     for (c, f) in runs {
         envs.push(crate::train_env::TrainEnv::new(fold_data(*f)?.1.clone(), c.env.clone(), device)?);
     }
+    let first_name = runs[0].0.out.file_name().map_or("wave".into(), |n| n.to_string_lossy().into_owned());
+    let ckpt = root.join("waves").join(format!("wave-{first_name}.safetensors"));
+    let mut w =
+        StudyWave { runs: runs.iter().map(|(c, _)| c.out.clone()).collect(), steps: runs[0].0.steps, env_steps: 0 };
+    let resumed = match crate::population::read_wave::<StudyWave>(&ckpt)? {
+        Some((saved, states)) if saved.runs == w.runs && saved.steps == w.steps => {
+            println!("population: goes on from env step {} ({})", saved.env_steps, ckpt.display());
+            let keep: Vec<usize> = (0..runs.len()).collect();
+            envs = crate::population::restore_wave_envs(envs, &keep, &states)?;
+            w = saved;
+            true
+        }
+        Some(_) => {
+            println!("population: {} is another wave's checkpoint: this wave trains from its start", ckpt.display());
+            false
+        }
+        None => false,
+    };
+    let every = std::time::Duration::from_secs(60 * WAVE_CHECKPOINT_MINUTES);
+    let mut saved_at = std::time::Instant::now();
+    // Whether to checkpoint before the next step (stopped, or the minutes are up), and
+    // whether to stop after it.
+    let mut due = || -> (bool, bool) {
+        let stop = crate::lifecycle::interrupted();
+        let now = stop || saved_at.elapsed() >= every;
+        if now {
+            saved_at = std::time::Instant::now();
+        }
+        (now, stop)
+    };
     // The members' folders first (a folder a stopped population left holds its config).
     let mut dirs = Vec::with_capacity(runs.len());
     for (c, _) in runs {
@@ -344,13 +391,22 @@ fn train_wave(
     // Each member's final network into its folder (spec names), as `eval` reads it back.
     let env_steps = match model {
         ModelChoice::Dqn => {
-            let members = runs.iter().map(|(c, _)| c.dqn.clone()).collect();
-            let mut pop = fx_models::DqnPopulation::new(members, device).context("building the study's population")?;
-            for step in 1..=first.steps {
-                if crate::lifecycle::interrupted() {
-                    return Ok(Outcome::Interrupted);
+            let mut pop = if resumed {
+                fx_models::DqnPopulation::load_state(&ckpt, device).context("resuming the study's population")?
+            } else {
+                let members = runs.iter().map(|(c, _)| c.dqn.clone()).collect();
+                fx_models::DqnPopulation::new(members, device).context("building the study's population")?
+            };
+            for step in w.env_steps + 1..=first.steps {
+                if let (true, stop) = due() {
+                    crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w)?;
+                    println!("population: checkpointed at env step {} ({})", w.env_steps, ckpt.display());
+                    if stop {
+                        return Ok(Outcome::Interrupted);
+                    }
                 }
                 pop.step(&mut refs(&mut envs), step == first.steps)?;
+                w.env_steps = step;
             }
             for (k, dir) in dirs.iter().enumerate() {
                 crate::population::dqn_member_net(&pop, k)?.params().save(&dir.path(MEMBER_WEIGHTS))?;
@@ -358,16 +414,24 @@ fn train_wave(
             first.steps
         }
         ModelChoice::Ppo => {
-            let members = runs.iter().map(|(c, _)| c.ppo.clone()).collect();
-            let mut pop = fx_models::PpoPopulation::new(members, first.env.num_envs, device)
-                .context("building the study's population")?;
-            let mut env_steps = 0;
-            while env_steps < first.steps {
-                if crate::lifecycle::interrupted() {
-                    return Ok(Outcome::Interrupted);
+            let mut pop = if resumed {
+                fx_models::PpoPopulation::load_state(&ckpt, device).context("resuming the study's population")?
+            } else {
+                let members = runs.iter().map(|(c, _)| c.ppo.clone()).collect();
+                fx_models::PpoPopulation::new(members, first.env.num_envs, device)
+                    .context("building the study's population")?
+            };
+            while w.env_steps < first.steps {
+                if let (true, stop) = due() {
+                    crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w)?;
+                    println!("population: checkpointed at env step {} ({})", w.env_steps, ckpt.display());
+                    if stop {
+                        return Ok(Outcome::Interrupted);
+                    }
                 }
-                env_steps = pop.iterate(&mut refs(&mut envs))?[0].env_steps;
+                w.env_steps = pop.iterate(&mut refs(&mut envs))?[0].env_steps;
             }
+            let env_steps = w.env_steps;
             for (k, dir) in dirs.iter().enumerate() {
                 crate::population::ppo_member_net(&pop, k)?.params().save(&dir.path(MEMBER_WEIGHTS))?;
             }
@@ -390,6 +454,7 @@ fn train_wave(
     })
     .context("scoring the study's members")?;
     scored.into_iter().collect::<Result<Vec<()>>>()?;
+    crate::population::remove_wave(&ckpt)?;
     Ok(Outcome::Finished)
 }
 

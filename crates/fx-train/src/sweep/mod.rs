@@ -1090,9 +1090,9 @@ fn train_population(
     let (device, data, envs) = population_inputs(base, cfgs, trials)?;
     let ckpt = wave_state::path(out, trials);
     let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps)? {
-        Some(w) => {
+        Some((w, states)) => {
             let pop = DqnPopulation::load_state(&ckpt, &device).context("resuming the sweep's population")?;
-            (pop, wave_state::restore_envs(envs, &w)?, w)
+            (pop, wave_state::restore_envs(envs, &w, &states)?, w)
         }
         None => {
             let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
@@ -1118,7 +1118,7 @@ fn train_population(
         let stopping = stop();
         if stopping || dir.checkpoint_due(saved) {
             w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
-            wave_state::write(&ckpt, &pop, &envs, &mut w, &device)?;
+            wave_state::write(&ckpt, &pop, &envs, &w, &device)?;
             if stopping {
                 return Ok(None);
             }
@@ -1774,9 +1774,9 @@ fn train_ppo_population(
     let num_envs = first.env.num_envs;
     let ckpt = wave_state::path(out, trials);
     let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps)? {
-        Some(w) => {
+        Some((w, states)) => {
             let pop = PpoPopulation::load_state(&ckpt, &device).context("resuming the sweep's population")?;
-            (pop, wave_state::restore_envs(envs, &w)?, w)
+            (pop, wave_state::restore_envs(envs, &w, &states)?, w)
         }
         None => {
             let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
@@ -1801,7 +1801,7 @@ fn train_ppo_population(
         let stopping = stop();
         if stopping || dir.checkpoint_due(saved) {
             w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
-            wave_state::write(&ckpt, &pop, &envs, &mut w, &device)?;
+            wave_state::write(&ckpt, &pop, &envs, &w, &device)?;
             if stopping {
                 return Ok(None);
             }

@@ -1,10 +1,10 @@
 //! A DQN / PPO wave's checkpoint, so a sweep stopped inside a wave goes on from where it
 //! stopped, not from the wave's start: `waves/wave-{first trial}.safetensors` is the
-//! population's state file (`DqnPopulation::snapshot` / `PpoPopulation::snapshot`) with the
-//! wave's own progress ([`WaveProgress`]: its trials, env steps, throughput counters, PBT
-//! points and events, successive halving's rungs and stopped rows, every member's
-//! environment state) as JSON under one metadata key. One file, written atomically, so a
-//! kill at any moment leaves the previous checkpoint or the new one.
+//! population's state file (`DqnPopulation::snapshot` / `PpoPopulation::snapshot`) with
+//! every member's environment state and the wave's own progress ([`WaveProgress`]: its
+//! trials, env steps, throughput counters, PBT points and events, successive halving's rungs
+//! and stopped rows) in its metadata (`crate::population::write_wave`). One file, written
+//! atomically, so a kill at any moment leaves the previous checkpoint or the new one.
 //!
 //! Written when the sweep is stopped (SIGTERM / SIGINT: the exact point it stopped) and
 //! every `checkpoint_minutes` of a wave's training (a kill loses at most that much);
@@ -21,9 +21,6 @@ use serde::{Deserialize, Serialize};
 
 use super::{space, PbtEvent, PopHalving, PopMembers};
 use crate::train_env::TrainEnv;
-
-/// The metadata key of the wave's progress in its population's state file.
-const KEY: &str = "fx.sweep_wave";
 
 /// Where a wave stands (everything of a wave's loop that is not the population's state).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -47,8 +44,6 @@ pub(super) struct WaveProgress {
     pub events: Vec<Vec<PbtEvent>>,
     /// Successive halving's state: rungs taken, trials still in, stopped rows and scores.
     pub halving: Option<PopHalving>,
-    /// Each current member's environment state (filled when saved).
-    pub envs: Vec<EnvState>,
 }
 
 impl WaveProgress {
@@ -66,7 +61,6 @@ impl WaveProgress {
             points,
             events: vec![Vec::new(); trials.len()],
             halving,
-            envs: Vec::new(),
         }
     }
 
@@ -83,18 +77,11 @@ pub(super) fn path(out: &Path, trials: &[usize]) -> PathBuf {
     out.join("waves").join(format!("wave-{}.safetensors", trials.first().copied().unwrap_or(0)))
 }
 
-/// The saved progress of this wave (`trials` training to `steps`), if its checkpoint is
-/// there and is this wave's; None when there is none or it is another wave's (printed).
-pub(super) fn read(path: &Path, trials: &[usize], steps: u64) -> Result<Option<WaveProgress>> {
-    if !path.exists() {
-        return Ok(None);
-    }
-    let meta = fx_precision::read_metadata(path)?;
-    let Some(json) = meta.get(KEY) else {
-        bail!("{}: not a sweep wave's checkpoint (no `{KEY}` metadata); move it away to go on", path.display())
-    };
-    let p: WaveProgress = serde_json::from_str(json)
-        .with_context(|| format!("{}: the `{KEY}` metadata is not a wave's progress", path.display()))?;
+/// The saved progress of this wave (`trials` training to `steps`) and its members'
+/// environment states, if its checkpoint is there and is this wave's; None when there is
+/// none or it is another wave's (printed).
+pub(super) fn read(path: &Path, trials: &[usize], steps: u64) -> Result<Option<(WaveProgress, Vec<EnvState>)>> {
+    let Some((p, envs)) = crate::population::read_wave::<WaveProgress>(path)? else { return Ok(None) };
     if p.trials != trials || p.steps != steps {
         println!(
             "sweep: {} holds trials {:?} of {} env steps, not this wave's {:?} of {steps}: the wave trains from its start",
@@ -105,35 +92,29 @@ pub(super) fn read(path: &Path, trials: &[usize], steps: u64) -> Result<Option<W
         );
         return Ok(None);
     }
-    if p.envs.len() != p.alive().len() || p.env_steps > steps {
+    if envs.len() != p.alive().len() || p.env_steps > steps {
         bail!(
             "{}: {} environment states for {} members at env step {} of {steps}: a damaged checkpoint; move it away to go on",
             path.display(),
-            p.envs.len(),
+            envs.len(),
             p.alive().len(),
             p.env_steps
         );
     }
     println!("sweep: trials {trials:?} go on from env step {} ({})", p.env_steps, path.display());
-    Ok(Some(p))
+    Ok(Some((p, envs)))
 }
 
-/// Writes the wave's checkpoint: the device's queued work waited for, every member's
-/// environment state taken into `progress` (whose other fields the caller keeps current),
-/// the population's state and the progress in one file, atomically.
+/// Writes the wave's checkpoint ([`crate::population::write_wave`]): the population's
+/// state, every member's environment state and `progress` (kept current by the caller).
 pub(super) fn write(
     path: &Path,
     pop: &dyn PopMembers,
     envs: &[TrainEnv],
-    progress: &mut WaveProgress,
+    progress: &WaveProgress,
     device: &Device,
 ) -> Result<()> {
-    device.synchronize()?;
-    progress.envs = envs.iter().map(|e| e.state()).collect::<Result<_>>()?;
-    let dir = path.parent().context("a wave checkpoint's path has a folder")?;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let json = serde_json::to_string(progress)?;
-    pop.snapshot()?.with_metadata(KEY, json)?.write(path)?;
+    crate::population::write_wave(path, device, pop.snapshot()?, envs, progress)?;
     println!(
         "sweep: trials {:?} checkpointed at env step {} ({})",
         progress.trials,
@@ -144,27 +125,17 @@ pub(super) fn write(
 }
 
 /// The environments of a resumed wave: `envs` (built for every trial of the wave) cut
-/// down to the members still in and set to their saved states.
-pub(super) fn restore_envs(mut envs: Vec<TrainEnv>, progress: &WaveProgress) -> Result<Vec<TrainEnv>> {
+/// down to the members still in and set to their saved `states`.
+pub(super) fn restore_envs(envs: Vec<TrainEnv>, progress: &WaveProgress, states: &[EnvState]) -> Result<Vec<TrainEnv>> {
     let keep: Vec<usize> = progress
         .alive()
         .iter()
         .map(|t| progress.trials.iter().position(|x| x == t).context("a halving survivor is not of its wave"))
         .collect::<Result<_>>()?;
-    let mut all: Vec<Option<TrainEnv>> = envs.drain(..).map(Some).collect();
-    let mut kept: Vec<TrainEnv> = keep.iter().filter_map(|&k| all[k].take()).collect();
-    for (k, (env, state)) in kept.iter_mut().zip(&progress.envs).enumerate() {
-        env.restore(state).with_context(|| format!("restoring member {k}'s environment"))?;
-    }
-    Ok(kept)
+    crate::population::restore_wave_envs(envs, &keep, states)
 }
 
 /// Removes a finished wave's checkpoint (its rows are in `trials.jsonl`).
 pub(super) fn remove(out: &Path, trials: &[usize]) -> Result<()> {
-    let p = path(out, trials);
-    match std::fs::remove_file(&p) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("removing {}", p.display())),
-    }
+    crate::population::remove_wave(&path(out, trials))
 }
