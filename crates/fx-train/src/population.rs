@@ -104,14 +104,16 @@ const WAVE_ENVS_KEY: &str = "fx.wave_envs";
 /// population's state (`snapshot`, e.g. `DqnPopulation::snapshot`), each member's
 /// environment state (`envs[k]` is member `k`'s) and the caller's `progress` (its loop's
 /// counters and whatever identifies the wave) in the metadata. The device's queued work is
-/// waited for first.
+/// waited for first. Returns what was written, as a line's end: the path, MiB and seconds
+/// (from `started`, before the snapshot was taken).
 pub(crate) fn write_wave<P: serde::Serialize>(
     path: &std::path::Path,
     device: &Device,
     snapshot: fx_models::StateSnapshot,
     envs: &[crate::train_env::TrainEnv],
     progress: &P,
-) -> Result<()> {
+    started: std::time::Instant,
+) -> Result<String> {
     use anyhow::Context;
     device.synchronize()?;
     let states = envs.iter().map(|e| e.state()).collect::<Result<Vec<_>>>()?;
@@ -121,7 +123,8 @@ pub(crate) fn write_wave<P: serde::Serialize>(
         .with_metadata(WAVE_ENVS_KEY, serde_json::to_string(&states)?)?
         .with_metadata(WAVE_PROGRESS_KEY, serde_json::to_string(progress)?)?
         .write(path)?;
-    Ok(())
+    let mib = std::fs::metadata(path).map_or(0.0, |m| m.len() as f64 / (1u64 << 20) as f64);
+    Ok(format!("{}, {mib:.1} MiB in {:.2} s", path.display(), started.elapsed().as_secs_f64()))
 }
 
 /// A wave checkpoint's progress and environment states, read from its header alone (None:

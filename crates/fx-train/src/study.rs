@@ -399,8 +399,9 @@ fn train_wave(
             };
             for step in w.env_steps + 1..=first.steps {
                 if let (true, stop) = due() {
-                    crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w)?;
-                    println!("population: checkpointed at env step {} ({})", w.env_steps, ckpt.display());
+                    let t = std::time::Instant::now();
+                    let written = crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w, t)?;
+                    println!("population: checkpointed at env step {} ({written})", w.env_steps);
                     if stop {
                         return Ok(Outcome::Interrupted);
                     }
@@ -423,8 +424,9 @@ fn train_wave(
             };
             while w.env_steps < first.steps {
                 if let (true, stop) = due() {
-                    crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w)?;
-                    println!("population: checkpointed at env step {} ({})", w.env_steps, ckpt.display());
+                    let t = std::time::Instant::now();
+                    let written = crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w, t)?;
+                    println!("population: checkpointed at env step {} ({written})", w.env_steps);
                     if stop {
                         return Ok(Outcome::Interrupted);
                     }

@@ -1382,8 +1382,13 @@ pub(crate) mod tests {
             {
                 let (a, b) = (store.member(k).unwrap(), want.member(k).unwrap());
                 let e = rel_err(&flat(&a), &flat(&b));
-                let worst = a.vars().iter().zip(b.vars()).map(|(x, y)| rel_err(x.as_tensor(), y.as_tensor()));
-                eprintln!("member {k} {what}: rel err {e:.2e} (worst tensor {:.2e})", worst.fold(0.0, f64::max));
+                let worst = a
+                    .vars()
+                    .iter()
+                    .zip(b.vars())
+                    .map(|(x, y)| rel_err(x.as_tensor(), y.as_tensor()))
+                    .fold(0.0, f64::max);
+                eprintln!("member {k} {what}: rel err {e:.2e} (worst tensor {worst:.2e})");
                 assert!(e <= 1e-5, "member {k} {what}: rel err {e} (seed {seed})");
             }
         }

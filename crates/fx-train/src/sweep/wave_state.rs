@@ -114,13 +114,9 @@ pub(super) fn write(
     progress: &WaveProgress,
     device: &Device,
 ) -> Result<()> {
-    crate::population::write_wave(path, device, pop.snapshot()?, envs, progress)?;
-    println!(
-        "sweep: trials {:?} checkpointed at env step {} ({})",
-        progress.trials,
-        progress.env_steps,
-        path.display()
-    );
+    let t = std::time::Instant::now();
+    let written = crate::population::write_wave(path, device, pop.snapshot()?, envs, progress, t)?;
+    println!("sweep: trials {:?} checkpointed at env step {} ({written})", progress.trials, progress.env_steps);
     Ok(())
 }
 
