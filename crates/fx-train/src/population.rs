@@ -183,3 +183,16 @@ pub(crate) fn remove_wave(path: &std::path::Path) -> Result<()> {
         _ => Ok(()),
     }
 }
+
+/// Removes `folder`'s `waves/` once nothing in it is left to train (a wave's checkpoint
+/// whose rows or runs were written just before a kill would otherwise stay).
+pub(crate) fn remove_waves(folder: &std::path::Path) -> Result<()> {
+    use anyhow::Context;
+    let dir = folder.join("waves");
+    match std::fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", dir.display()))
+        }
+        _ => Ok(()),
+    }
+}

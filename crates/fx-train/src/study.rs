@@ -269,7 +269,10 @@ fn train_as_population(
             }
         }
     }
-    let Some((first, _)) = runs.first() else { return Ok(Outcome::Finished) };
+    let Some((first, _)) = runs.first() else {
+        crate::population::remove_waves(&cfg.out)?;
+        return Ok(Outcome::Finished);
+    };
     let device = crate::run_start::device_for(first)?;
     // One dataset per fold (its spans and normalisers, fitted on its training rows); the
     // folds' training series are views of one copy of the rows (normalised as they are
@@ -317,6 +320,7 @@ fn train_as_population(
             return Ok(Outcome::Interrupted);
         }
     }
+    crate::population::remove_waves(&cfg.out)?;
     Ok(Outcome::Finished)
 }
 
@@ -327,6 +331,19 @@ struct StudyWave {
     runs: Vec<PathBuf>,
     steps: u64,
     env_steps: u64,
+}
+
+/// The line of a study wave's checkpoint; when `stopping` its failure is the study's error,
+/// otherwise a warning (training goes on).
+fn checkpointed(written: Result<String>, w: &StudyWave, stopping: bool) -> Result<()> {
+    match written {
+        Ok(line) => println!("population: checkpointed at env step {} ({line})", w.env_steps),
+        Err(e) if !stopping => {
+            eprintln!("warning: the wave's checkpoint at env step {} failed, training goes on: {e:#}", w.env_steps)
+        }
+        Err(e) => return Err(e.context("checkpointing the study's wave")),
+    }
+    Ok(())
 }
 
 /// Minutes of a study wave's training between its checkpoints (and one when stopped).
@@ -392,7 +409,12 @@ fn train_wave(
     let env_steps = match model {
         ModelChoice::Dqn => {
             let mut pop = if resumed {
-                fx_models::DqnPopulation::load_state(&ckpt, device).context("resuming the study's population")?
+                fx_models::DqnPopulation::load_state(&ckpt, device).with_context(|| {
+                    format!(
+                        "resuming the study's population from {} (move it away to train the wave again)",
+                        ckpt.display()
+                    )
+                })?
             } else {
                 let members = runs.iter().map(|(c, _)| c.dqn.clone()).collect();
                 fx_models::DqnPopulation::new(members, device).context("building the study's population")?
@@ -400,8 +422,12 @@ fn train_wave(
             for step in w.env_steps + 1..=first.steps {
                 if let (true, stop) = due() {
                     let t = std::time::Instant::now();
-                    let written = crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w, t)?;
-                    println!("population: checkpointed at env step {} ({written})", w.env_steps);
+                    let s = pop.snapshot().map_err(anyhow::Error::from);
+                    checkpointed(
+                        s.and_then(|s| crate::population::write_wave(&ckpt, device, s, &envs, &w, t)),
+                        &w,
+                        stop,
+                    )?;
                     if stop {
                         return Ok(Outcome::Interrupted);
                     }
@@ -416,7 +442,12 @@ fn train_wave(
         }
         ModelChoice::Ppo => {
             let mut pop = if resumed {
-                fx_models::PpoPopulation::load_state(&ckpt, device).context("resuming the study's population")?
+                fx_models::PpoPopulation::load_state(&ckpt, device).with_context(|| {
+                    format!(
+                        "resuming the study's population from {} (move it away to train the wave again)",
+                        ckpt.display()
+                    )
+                })?
             } else {
                 let members = runs.iter().map(|(c, _)| c.ppo.clone()).collect();
                 fx_models::PpoPopulation::new(members, first.env.num_envs, device)
@@ -425,8 +456,12 @@ fn train_wave(
             while w.env_steps < first.steps {
                 if let (true, stop) = due() {
                     let t = std::time::Instant::now();
-                    let written = crate::population::write_wave(&ckpt, device, pop.snapshot()?, &envs, &w, t)?;
-                    println!("population: checkpointed at env step {} ({written})", w.env_steps);
+                    let s = pop.snapshot().map_err(anyhow::Error::from);
+                    checkpointed(
+                        s.and_then(|s| crate::population::write_wave(&ckpt, device, s, &envs, &w, t)),
+                        &w,
+                        stop,
+                    )?;
                     if stop {
                         return Ok(Outcome::Interrupted);
                     }

@@ -500,7 +500,9 @@ impl DqnPopulation {
     /// unknown or mis-shaped tensors are errors naming the tensor and file.
     pub fn load_state(path: &std::path::Path, device: &Device) -> Result<Self> {
         const CTX: &str = "DqnPopulation::load_state";
-        let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
+        // Read to the host: each tensor moves to `device` as it is restored, so the device
+        // never holds the saved replays beside the rings they refill.
+        let mut nt = fx_precision::load_tensors(path, &Device::Cpu).ctx(CTX)?;
         let c: PopCounters =
             crate::state_meta::read(&nt, path, POP_STATE_KEY, "a DQN population state", POP_STATE_VERSION, CTX)?;
         let Some(first) = c.members.first() else {

@@ -907,7 +907,12 @@ pub(crate) fn restore_replay(
         return Ok(());
     }
     let obs_dim = fx_kernels::OBS_DIM;
-    let mut take = |name: &str, dims: &[usize]| nt.take(&format!("{prefix}{name}"), dims).ctx(ctx);
+    // The rows go to the replay's device here (a population's file is read to the host, so
+    // a GPU does not hold every member's saved rows beside the rings they fill).
+    let dev = replay.device().clone();
+    let mut take = |name: &str, dims: &[usize]| -> Result<Tensor> {
+        nt.take(&format!("{prefix}{name}"), dims).ctx(ctx)?.to_device(&dev).ctx(ctx)
+    };
     let s = take("states", &[n, obs_dim])?;
     let a = take("actions", &[n])?;
     let r = take("rewards", &[n])?;

@@ -438,7 +438,8 @@ impl PpoPopulation {
     /// Missing, unknown or mis-shaped tensors are errors naming the tensor and file.
     pub fn load_state(path: &std::path::Path, device: &Device) -> Result<Self> {
         const CTX: &str = "PpoPopulation::load_state";
-        let mut nt = fx_precision::load_tensors(path, device).ctx(CTX)?;
+        // Read to the host; each tensor moves to `device` as it is restored.
+        let mut nt = fx_precision::load_tensors(path, &Device::Cpu).ctx(CTX)?;
         let c: PopCounters =
             crate::state_meta::read(&nt, path, POP_STATE_KEY, "a PPO population state", POP_STATE_VERSION, CTX)?;
         let Some(first) = c.members.first() else {

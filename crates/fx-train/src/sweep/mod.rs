@@ -529,6 +529,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
         let doc = json!({"waves": pop_doc});
         crate::run_dir::write_atomic(&pop_path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
     }
+    crate::population::remove_waves(out)?;
     let rows: Vec<TrialRow> = done.into_values().collect();
     let populations: Vec<usize> = waves.iter().map(|w| w.trials.len()).collect();
     // A shard's best trials are its own; the sweep's come from the merged report.
@@ -668,6 +669,7 @@ fn run_tpe(
             crate::run_dir::write_atomic(&pop_path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
         }
     }
+    crate::population::remove_waves(out)?;
     let rows: Vec<TrialRow> = done.into_values().collect();
     let extra = json!({
         "populations": populations,
@@ -1089,9 +1091,22 @@ fn train_population(
     let out = dir.out;
     let (device, data, envs) = population_inputs(base, cfgs, trials)?;
     let ckpt = wave_state::path(out, trials);
-    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps)? {
+    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps, params)? {
         Some((w, states)) => {
-            let pop = DqnPopulation::load_state(&ckpt, &device).context("resuming the sweep's population")?;
+            let pop = DqnPopulation::load_state(&ckpt, &device).with_context(|| {
+                format!(
+                    "resuming the sweep's population from {} (move it away to train the wave again)",
+                    ckpt.display()
+                )
+            })?;
+            if pop.len() != w.alive().len() {
+                bail!(
+                    "{}: a population of {} for {} trials still in: a damaged checkpoint; move it away to go on",
+                    ckpt.display(),
+                    pop.len(),
+                    w.alive().len()
+                );
+            }
             (pop, wave_state::restore_envs(envs, &w, &states)?, w)
         }
         None => {
@@ -1099,7 +1114,7 @@ fn train_population(
             let pop = DqnPopulation::new(members, &device).context("building the sweep's population")?;
             let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
             let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
-            (pop, envs, WaveProgress::start(trials, base.steps, points, halve))
+            (pop, envs, WaveProgress::start(trials, base.steps, points, halve, params))
         }
     };
     let n = trials.len();
@@ -1118,7 +1133,7 @@ fn train_population(
         let stopping = stop();
         if stopping || dir.checkpoint_due(saved) {
             w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
-            wave_state::write(&ckpt, &pop, &envs, &w, &device)?;
+            wave_state::write(&ckpt, &pop, &envs, &w, &device, stopping)?;
             if stopping {
                 return Ok(None);
             }
@@ -1773,9 +1788,22 @@ fn train_ppo_population(
     let first = &cfgs[trials[0]];
     let num_envs = first.env.num_envs;
     let ckpt = wave_state::path(out, trials);
-    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps)? {
+    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps, params)? {
         Some((w, states)) => {
-            let pop = PpoPopulation::load_state(&ckpt, &device).context("resuming the sweep's population")?;
+            let pop = PpoPopulation::load_state(&ckpt, &device).with_context(|| {
+                format!(
+                    "resuming the sweep's population from {} (move it away to train the wave again)",
+                    ckpt.display()
+                )
+            })?;
+            if pop.len() != w.alive().len() {
+                bail!(
+                    "{}: a population of {} for {} trials still in: a damaged checkpoint; move it away to go on",
+                    ckpt.display(),
+                    pop.len(),
+                    w.alive().len()
+                );
+            }
             (pop, wave_state::restore_envs(envs, &w, &states)?, w)
         }
         None => {
@@ -1783,7 +1811,7 @@ fn train_ppo_population(
             let pop = PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")?;
             let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
             let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
-            (pop, envs, WaveProgress::start(trials, base.steps, points, halve))
+            (pop, envs, WaveProgress::start(trials, base.steps, points, halve, params))
         }
     };
     let n = trials.len();
@@ -1801,7 +1829,7 @@ fn train_ppo_population(
         let stopping = stop();
         if stopping || dir.checkpoint_due(saved) {
             w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
-            wave_state::write(&ckpt, &pop, &envs, &w, &device)?;
+            wave_state::write(&ckpt, &pop, &envs, &w, &device, stopping)?;
             if stopping {
                 return Ok(None);
             }
@@ -2113,8 +2141,9 @@ n_actions = 3
 
         let waves = tiny_sweep(dir.path(), 2);
         let w_out = waves.out.clone().unwrap();
-        // Stop at env step 12 of the second wave (24 steps a wave): 11 steps done.
-        stop_at_check(&waves, 36);
+        // Stop at env step 20 of the second wave (24 steps a wave): 19 steps done, the
+        // updates under way since step 16 (32 transitions of 2 accounts).
+        stop_at_check(&waves, 44);
         let half = std::fs::read_to_string(w_out.join("trials.jsonl")).unwrap();
         assert_eq!(half.lines().count(), 2, "the first wave's rows are kept");
         assert!(!w_out.join("sweep.json").exists());
@@ -2122,7 +2151,7 @@ n_actions = 3
         assert!(!w_out.join("waves/wave-0.safetensors").exists(), "a finished wave's checkpoint is removed");
         // Stopped again at its first step (nothing trained in between), then to the end.
         stop_at_check(&waves, 1);
-        assert_eq!(finish_counting_checks(&waves), 13, "the second wave goes on from env step 12");
+        assert_eq!(finish_counting_checks(&waves), 5, "the second wave goes on from env step 20");
         assert_eq!(std::fs::read_to_string(w_out.join("trials.jsonl")).unwrap(), want);
         assert!(!w_out.join("waves/wave-2.safetensors").exists());
         // Checkpoints every step (the periodic path) change nothing; a checkpoint of another
@@ -2135,7 +2164,15 @@ n_actions = 3
         )
         .unwrap();
         let every = SweepArgs { out: Some(dir.path().join("every")), ..every };
-        stop_at_check(&every, 10);
+        let periodic = dir.path().join("every/waves/wave-0.safetensors");
+        let mut calls = 0;
+        let mut stop = || {
+            calls += 1;
+            // Written before the earlier steps, not by a stop.
+            assert!(calls < 3 || periodic.exists(), "no periodic checkpoint by check {calls}");
+            calls == 20
+        };
+        assert!(matches!(run_with(&every, &mut stop).unwrap(), Outcome::Interrupted));
         let wider = SweepArgs { members: Some(4), ..every.clone() };
         assert_eq!(finish_counting_checks(&wider), 24, "the 4-member wave trains from its start");
         assert_eq!(std::fs::read_to_string(dir.path().join("every/trials.jsonl")).unwrap(), want);
@@ -2352,9 +2389,10 @@ n_actions = 3
         let spec_best =
             std::fs::read_to_string(again.config.as_ref().unwrap()).unwrap().replace("best = 0", "best = 1");
         std::fs::write(again.config.as_ref().unwrap(), spec_best).unwrap();
-        // Stopped after the first round (env step 8) and resumed: the same schedule.
-        stop_at_check(&again, 12);
-        assert_eq!(finish_counting_checks(&again), 13, "it goes on from env step 12");
+        // Stopped after the first round (env step 8) and the first updates (step 16),
+        // and resumed: the same schedule.
+        stop_at_check(&again, 20);
+        assert_eq!(finish_counting_checks(&again), 5, "it goes on from env step 20");
         let b = again.out.clone().unwrap();
         assert_eq!(read_rows(&b.join("trials.jsonl")).unwrap().unwrap(), rows, "the same file gives the same schedule");
         let doc: serde_json::Value =

@@ -7,11 +7,14 @@
 //! atomically, so a kill at any moment leaves the previous checkpoint or the new one.
 //!
 //! Written when the sweep is stopped (SIGTERM / SIGINT: the exact point it stopped) and
-//! every `checkpoint_minutes` of a wave's training (a kill loses at most that much);
-//! removed once the wave's rows are in `trials.jsonl`. A checkpoint of other trials or
-//! another run length (`--trials`, `--steps` or a device with room for another wave size)
-//! is not resumed: the wave trains from its start, and says so.
+//! every `checkpoint_minutes` of a wave's training (a kill loses at most that much; a
+//! periodic checkpoint that fails is a warning, not the sweep's end); removed once the
+//! wave's rows are in `trials.jsonl` (and `waves/` once every trial is done). A checkpoint
+//! of other trials or of the same trials at other points (another `--members`, `--trials`
+//! under TPE, or a device with room for another wave size) is not resumed: the wave trains
+//! from its start, and says so (another `--steps` is refused earlier, as another sweep).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -44,12 +47,22 @@ pub(super) struct WaveProgress {
     pub events: Vec<Vec<PbtEvent>>,
     /// Successive halving's state: rungs taken, trials still in, stopped rows and scores.
     pub halving: Option<PopHalving>,
+    /// Each trial's starting point (a checkpoint resumes only the same trials at the same
+    /// points: a TPE sweep's later proposals depend on `--trials`).
+    pub start: Vec<BTreeMap<String, serde_json::Value>>,
 }
 
 impl WaveProgress {
     /// A wave at its start.
-    pub fn start(trials: &[usize], steps: u64, points: Vec<space::Point>, halving: Option<PopHalving>) -> Self {
+    pub fn start(
+        trials: &[usize],
+        steps: u64,
+        points: Vec<space::Point>,
+        halving: Option<PopHalving>,
+        params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+    ) -> Self {
         Self {
+            start: trials.iter().map(|&t| params(t)).collect(),
             trials: trials.to_vec(),
             steps,
             env_steps: 0,
@@ -80,11 +93,17 @@ pub(super) fn path(out: &Path, trials: &[usize]) -> PathBuf {
 /// The saved progress of this wave (`trials` training to `steps`) and its members'
 /// environment states, if its checkpoint is there and is this wave's; None when there is
 /// none or it is another wave's (printed).
-pub(super) fn read(path: &Path, trials: &[usize], steps: u64) -> Result<Option<(WaveProgress, Vec<EnvState>)>> {
+pub(super) fn read(
+    path: &Path,
+    trials: &[usize],
+    steps: u64,
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+) -> Result<Option<(WaveProgress, Vec<EnvState>)>> {
     let Some((p, envs)) = crate::population::read_wave::<WaveProgress>(path)? else { return Ok(None) };
-    if p.trials != trials || p.steps != steps {
+    let start: Vec<_> = trials.iter().map(|&t| params(t)).collect();
+    if p.trials != trials || p.steps != steps || p.start != start {
         println!(
-            "sweep: {} holds trials {:?} of {} env steps, not this wave's {:?} of {steps}: the wave trains from its start",
+            "sweep: {} holds trials {:?} of {} env steps, not this wave's {:?} of {steps} at their points: the wave trains from its start",
             path.display(),
             p.trials,
             p.steps,
@@ -92,12 +111,20 @@ pub(super) fn read(path: &Path, trials: &[usize], steps: u64) -> Result<Option<(
         );
         return Ok(None);
     }
-    if envs.len() != p.alive().len() || p.env_steps > steps {
+    let n = trials.len();
+    let consistent = envs.len() == p.alive().len()
+        && p.env_steps < steps
+        && p.events.len() == n
+        && (p.points.is_empty() || p.points.len() == n)
+        && p.alive().iter().all(|t| trials.contains(t));
+    if !consistent {
         bail!(
-            "{}: {} environment states for {} members at env step {} of {steps}: a damaged checkpoint; move it away to go on",
+            "{}: {} environment states, {} members in, {} event lists and {} points for {n} trials at env step {} of {steps}: a damaged checkpoint; move it away to go on",
             path.display(),
             envs.len(),
             p.alive().len(),
+            p.events.len(),
+            p.points.len(),
             p.env_steps
         );
     }
@@ -107,16 +134,26 @@ pub(super) fn read(path: &Path, trials: &[usize], steps: u64) -> Result<Option<(
 
 /// Writes the wave's checkpoint ([`crate::population::write_wave`]): the population's
 /// state, every member's environment state and `progress` (kept current by the caller).
+/// When `stopping`, a failure is the sweep's error (the wave's progress would be lost
+/// unsaid); a periodic checkpoint that fails (a full disk) is a warning and training goes on.
 pub(super) fn write(
     path: &Path,
     pop: &dyn PopMembers,
     envs: &[TrainEnv],
     progress: &WaveProgress,
     device: &Device,
+    stopping: bool,
 ) -> Result<()> {
     let t = std::time::Instant::now();
-    let written = crate::population::write_wave(path, device, pop.snapshot()?, envs, progress, t)?;
-    println!("sweep: trials {:?} checkpointed at env step {} ({written})", progress.trials, progress.env_steps);
+    let written = pop.snapshot().and_then(|s| crate::population::write_wave(path, device, s, envs, progress, t));
+    match written {
+        Ok(w) => println!("sweep: trials {:?} checkpointed at env step {} ({w})", progress.trials, progress.env_steps),
+        Err(e) if !stopping => eprintln!(
+            "warning: the checkpoint of trials {:?} at env step {} failed, training goes on: {e:#}",
+            progress.trials, progress.env_steps
+        ),
+        Err(e) => return Err(e.context(format!("checkpointing trials {:?}", progress.trials))),
+    }
     Ok(())
 }
 
