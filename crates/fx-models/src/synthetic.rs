@@ -15,6 +15,20 @@ pub(crate) const PHI: f64 = 0.8;
 /// Stationary standard deviation of the returns.
 pub(crate) const SIGMA_R: f64 = 0.01;
 
+/// [`ar1_env`]'s series and config as a GPU env on `dev` (default options).
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn ar1_gpu_env(
+    num_envs: usize,
+    episode_len: usize,
+    t_len: usize,
+    seed: u64,
+    dev: &candle_core::Device,
+) -> fx_kernels::GpuTradingEnv {
+    let c = ar1_env(num_envs, episode_len, t_len, seed);
+    let opts = fx_kernels::GpuEnvOptions::default();
+    fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), dev, opts).unwrap()
+}
+
 /// `E` accounts over `t_len` bars whose log-returns follow `r_t = φ r_{t−1} + σ ε_t`; the
 /// only non-zero market feature is the last return, normalised (`r_t / σ_r`). The
 /// oracle (position = sign of the last return) earns ≈ φ·E|r| ≈ 6.4e-3 per step.

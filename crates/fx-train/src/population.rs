@@ -127,6 +127,54 @@ pub(crate) fn write_wave<P: serde::Serialize>(
     Ok(format!("{}, {mib:.1} MiB in {:.2} s", path.display(), started.elapsed().as_secs_f64()))
 }
 
+/// When and where a population wave checkpoints ([`write_wave`]): before a step, if the
+/// caller is stopping or `every` has passed since the last checkpoint (or the wave's start).
+/// A checkpoint on stopping that fails is the caller's error (the wave's progress would be
+/// lost unsaid); a periodic one that fails (a full disk) is a warning and training goes on.
+pub(crate) struct WaveCheckpoint {
+    pub path: std::path::PathBuf,
+    every: Option<std::time::Duration>,
+    saved: std::time::Instant,
+    /// The printed lines' start, e.g. `sweep: trials [0, 1]`.
+    who: String,
+}
+
+impl WaveCheckpoint {
+    pub(crate) fn new(path: std::path::PathBuf, every: Option<std::time::Duration>, who: String) -> Self {
+        Self { path, every, saved: std::time::Instant::now(), who }
+    }
+
+    /// Checkpoints the wave at `env_steps` when `stopping` or due (the population's state
+    /// from `snapshot`, `envs`, `progress`); returns `stopping`.
+    pub(crate) fn before_step<P: serde::Serialize>(
+        &mut self,
+        stopping: bool,
+        env_steps: u64,
+        device: &Device,
+        snapshot: impl FnOnce() -> fx_models::Result<fx_models::StateSnapshot>,
+        envs: &[crate::train_env::TrainEnv],
+        progress: &P,
+    ) -> Result<bool> {
+        let due = self.every.is_some_and(|e| self.saved.elapsed() >= e);
+        if !stopping && !due {
+            return Ok(false);
+        }
+        let t = std::time::Instant::now();
+        let written =
+            snapshot().map_err(anyhow::Error::from).and_then(|s| write_wave(&self.path, device, s, envs, progress, t));
+        match written {
+            Ok(line) => println!("{}: checkpointed at env step {env_steps} ({line})", self.who),
+            Err(e) if !stopping => eprintln!(
+                "warning: {}: the checkpoint at env step {env_steps} failed, training goes on: {e:#}",
+                self.who
+            ),
+            Err(e) => return Err(e.context(format!("{}: checkpointing the wave", self.who))),
+        }
+        self.saved = std::time::Instant::now();
+        Ok(stopping)
+    }
+}
+
 /// A wave checkpoint's progress and environment states, read from its header alone (None:
 /// no file at `path`). A file without them is refused, naming it.
 pub(crate) fn read_wave<P: serde::de::DeserializeOwned>(

@@ -333,19 +333,6 @@ struct StudyWave {
     env_steps: u64,
 }
 
-/// The line of a study wave's checkpoint; when `stopping` its failure is the study's error,
-/// otherwise a warning (training goes on).
-fn checkpointed(written: Result<String>, w: &StudyWave, stopping: bool) -> Result<()> {
-    match written {
-        Ok(line) => println!("population: checkpointed at env step {} ({line})", w.env_steps),
-        Err(e) if !stopping => {
-            eprintln!("warning: the wave's checkpoint at env step {} failed, training goes on: {e:#}", w.env_steps)
-        }
-        Err(e) => return Err(e.context("checkpointing the study's wave")),
-    }
-    Ok(())
-}
-
 /// Minutes of a study wave's training between its checkpoints (and one when stopped).
 const WAVE_CHECKPOINT_MINUTES: u64 = 10;
 
@@ -384,17 +371,7 @@ fn train_wave(
         None => false,
     };
     let every = std::time::Duration::from_secs(60 * WAVE_CHECKPOINT_MINUTES);
-    let mut saved_at = std::time::Instant::now();
-    // Whether to checkpoint before the next step (stopped, or the minutes are up), and
-    // whether to stop after it.
-    let mut due = || -> (bool, bool) {
-        let stop = crate::lifecycle::interrupted();
-        let now = stop || saved_at.elapsed() >= every;
-        if now {
-            saved_at = std::time::Instant::now();
-        }
-        (now, stop)
-    };
+    let mut ck = crate::population::WaveCheckpoint::new(ckpt.clone(), Some(every), "population".into());
     // The members' folders first (a folder a stopped population left holds its config).
     let mut dirs = Vec::with_capacity(runs.len());
     for (c, _) in runs {
@@ -420,17 +397,9 @@ fn train_wave(
                 fx_models::DqnPopulation::new(members, device).context("building the study's population")?
             };
             for step in w.env_steps + 1..=first.steps {
-                if let (true, stop) = due() {
-                    let t = std::time::Instant::now();
-                    let s = pop.snapshot().map_err(anyhow::Error::from);
-                    checkpointed(
-                        s.and_then(|s| crate::population::write_wave(&ckpt, device, s, &envs, &w, t)),
-                        &w,
-                        stop,
-                    )?;
-                    if stop {
-                        return Ok(Outcome::Interrupted);
-                    }
+                let stopping = crate::lifecycle::interrupted();
+                if ck.before_step(stopping, w.env_steps, device, || pop.snapshot(), &envs, &w)? {
+                    return Ok(Outcome::Interrupted);
                 }
                 pop.step(&mut refs(&mut envs), step == first.steps)?;
                 w.env_steps = step;
@@ -454,17 +423,9 @@ fn train_wave(
                     .context("building the study's population")?
             };
             while w.env_steps < first.steps {
-                if let (true, stop) = due() {
-                    let t = std::time::Instant::now();
-                    let s = pop.snapshot().map_err(anyhow::Error::from);
-                    checkpointed(
-                        s.and_then(|s| crate::population::write_wave(&ckpt, device, s, &envs, &w, t)),
-                        &w,
-                        stop,
-                    )?;
-                    if stop {
-                        return Ok(Outcome::Interrupted);
-                    }
+                let stopping = crate::lifecycle::interrupted();
+                if ck.before_step(stopping, w.env_steps, device, || pop.snapshot(), &envs, &w)? {
+                    return Ok(Outcome::Interrupted);
                 }
                 w.env_steps = pop.iterate(&mut refs(&mut envs))?[0].env_steps;
             }

@@ -1421,13 +1421,7 @@ pub(crate) mod tests {
         let n = 5;
         let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
         let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
-            (0..n)
-                .map(|k| {
-                    let c = ar1_env(4, 32, 400, 3 + k as u64);
-                    let opts = fx_kernels::GpuEnvOptions::default();
-                    fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
-                })
-                .collect()
+            (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev)).collect()
         };
         let (mut fast_envs, mut slow_envs) = (gpu_envs(), gpu_envs());
         let mut fast = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
@@ -1487,13 +1481,7 @@ pub(crate) mod tests {
         let n = 4;
         let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
         let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
-            (0..n)
-                .map(|k| {
-                    let c = ar1_env(4, 32, 400, 3 + k as u64);
-                    let opts = fx_kernels::GpuEnvOptions::default();
-                    fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
-                })
-                .collect()
+            (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev)).collect()
         };
         let step = |p: &mut DqnPopulation, e: &mut Vec<fx_kernels::GpuTradingEnv>, read: bool| {
             let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
@@ -1590,11 +1578,7 @@ pub(crate) mod tests {
             assert!(e <= 1e-5, "tensor {i}: rel err {e} (seed {seed})");
         }
         // Whole steps: the fast paths before and after a cut.
-        let env = |k: usize| {
-            let c = ar1_env(4, 32, 400, 3 + k as u64);
-            let opts = fx_kernels::GpuEnvOptions::default();
-            fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
-        };
+        let env = |k: usize| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev);
         let run = |pop: &mut DqnPopulation, envs: &mut [fx_kernels::GpuTradingEnv], steps: usize| {
             for _ in 0..steps {
                 let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();

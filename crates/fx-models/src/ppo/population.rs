@@ -955,13 +955,7 @@ mod tests {
             })
             .collect();
         let envs = || -> Vec<fx_kernels::GpuTradingEnv> {
-            (0..3)
-                .map(|k| {
-                    let c = crate::synthetic::ar1_env(4, 16, 300, 30 + k as u64);
-                    let opts = fx_kernels::GpuEnvOptions::default();
-                    fx_kernels::GpuTradingEnv::new(c.data().clone(), c.config().clone(), &dev, opts).unwrap()
-                })
-                .collect()
+            (0..3).map(|k| crate::synthetic::ar1_gpu_env(4, 16, 300, 30 + k as u64, &dev)).collect()
         };
         let run = |pop: &mut PpoPopulation, envs: &mut [fx_kernels::GpuTradingEnv]| {
             let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();

@@ -1062,9 +1062,10 @@ struct WaveDir<'a> {
 }
 
 impl WaveDir<'_> {
-    /// Whether a periodic checkpoint is due, the last one (or the wave's start) at `since`.
-    fn checkpoint_due(&self, since: Instant) -> bool {
-        self.checkpoint_every.is_some_and(|every| since.elapsed() >= every)
+    /// The checkpoint of the wave of `trials` (see [`wave_state`]).
+    fn checkpoint(&self, trials: &[usize]) -> crate::population::WaveCheckpoint {
+        let path = wave_state::path(self.out, trials);
+        crate::population::WaveCheckpoint::new(path, self.checkpoint_every, format!("sweep: trials {trials:?}"))
     }
 }
 
@@ -1090,33 +1091,13 @@ fn train_population(
     }
     let out = dir.out;
     let (device, data, envs) = population_inputs(base, cfgs, trials)?;
-    let ckpt = wave_state::path(out, trials);
-    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps, params)? {
-        Some((w, states)) => {
-            let pop = DqnPopulation::load_state(&ckpt, &device).with_context(|| {
-                format!(
-                    "resuming the sweep's population from {} (move it away to train the wave again)",
-                    ckpt.display()
-                )
-            })?;
-            if pop.len() != w.alive().len() {
-                bail!(
-                    "{}: a population of {} for {} trials still in: a damaged checkpoint; move it away to go on",
-                    ckpt.display(),
-                    pop.len(),
-                    w.alive().len()
-                );
-            }
-            (pop, wave_state::restore_envs(envs, &w, &states)?, w)
-        }
-        None => {
-            let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
-            let pop = DqnPopulation::new(members, &device).context("building the sweep's population")?;
-            let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
-            let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
-            (pop, envs, WaveProgress::start(trials, base.steps, points, halve, params))
-        }
+    let mut ck = dir.checkpoint(trials);
+    let fresh = || {
+        let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
+        DqnPopulation::new(members, &device).context("building the sweep's population")
     };
+    let load = |p: &Path| DqnPopulation::load_state(p, &device);
+    let (mut pop, mut envs, mut w) = wave_state::open(&ck, trials, base, params, pbt, halving, envs, load, fresh)?;
     let n = trials.len();
     println!(
         "sweep: trials {:?} as one population of {n} on {}, {} env steps x {} accounts each",
@@ -1127,17 +1108,11 @@ fn train_population(
     );
     let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
-    let mut saved = Instant::now();
     let prior_s = w.train_seconds;
     for step in w.env_steps + 1..=base.steps {
-        let stopping = stop();
-        if stopping || dir.checkpoint_due(saved) {
-            w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
-            wave_state::write(&ckpt, &pop, &envs, &w, &device, stopping)?;
-            if stopping {
-                return Ok(None);
-            }
-            saved = Instant::now();
+        w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
+        if ck.before_step(stop(), w.env_steps, &device, || pop.snapshot(), &envs, &w)? {
+            return Ok(None);
         }
         let read = step % base.log_every == 0 || step == base.steps;
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
@@ -1521,8 +1496,6 @@ trait PopMembers {
     fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()>;
     /// Only the members `keep` go on.
     fn retain(&mut self, keep: &[usize]) -> Result<()>;
-    /// The population's state, for a wave's checkpoint ([`wave_state`]).
-    fn snapshot(&self) -> Result<fx_models::StateSnapshot>;
 }
 
 impl PopMembers for DqnPopulation {
@@ -1547,9 +1520,6 @@ impl PopMembers for DqnPopulation {
     fn retain(&mut self, keep: &[usize]) -> Result<()> {
         Ok(self.retain_members(keep)?)
     }
-    fn snapshot(&self) -> Result<fx_models::StateSnapshot> {
-        Ok(DqnPopulation::snapshot(self)?)
-    }
 }
 
 impl PopMembers for PpoPopulation {
@@ -1573,9 +1543,6 @@ impl PopMembers for PpoPopulation {
     }
     fn retain(&mut self, keep: &[usize]) -> Result<()> {
         Ok(self.retain_members(keep)?)
-    }
-    fn snapshot(&self) -> Result<fx_models::StateSnapshot> {
-        Ok(PpoPopulation::snapshot(self)?)
     }
 }
 
@@ -1787,33 +1754,13 @@ fn train_ppo_population(
     // The group's own shape (trials are grouped by it), not the base config's.
     let first = &cfgs[trials[0]];
     let num_envs = first.env.num_envs;
-    let ckpt = wave_state::path(out, trials);
-    let (mut pop, mut envs, mut w) = match wave_state::read(&ckpt, trials, base.steps, params)? {
-        Some((w, states)) => {
-            let pop = PpoPopulation::load_state(&ckpt, &device).with_context(|| {
-                format!(
-                    "resuming the sweep's population from {} (move it away to train the wave again)",
-                    ckpt.display()
-                )
-            })?;
-            if pop.len() != w.alive().len() {
-                bail!(
-                    "{}: a population of {} for {} trials still in: a damaged checkpoint; move it away to go on",
-                    ckpt.display(),
-                    pop.len(),
-                    w.alive().len()
-                );
-            }
-            (pop, wave_state::restore_envs(envs, &w, &states)?, w)
-        }
-        None => {
-            let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
-            let pop = PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")?;
-            let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
-            let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
-            (pop, envs, WaveProgress::start(trials, base.steps, points, halve, params))
-        }
+    let mut ck = dir.checkpoint(trials);
+    let fresh = || {
+        let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
+        PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")
     };
+    let load = |p: &Path| PpoPopulation::load_state(p, &device);
+    let (mut pop, mut envs, mut w) = wave_state::open(&ck, trials, base, params, pbt, halving, envs, load, fresh)?;
     let n = trials.len();
     println!(
         "sweep: trials {:?} as one PPO population of {n} on {}, {} env steps x {num_envs} accounts each",
@@ -1823,17 +1770,11 @@ fn train_ppo_population(
     );
     let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
-    let mut saved = Instant::now();
     let prior_s = w.train_seconds;
     while w.env_steps < base.steps {
-        let stopping = stop();
-        if stopping || dir.checkpoint_due(saved) {
-            w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
-            wave_state::write(&ckpt, &pop, &envs, &w, &device, stopping)?;
-            if stopping {
-                return Ok(None);
-            }
-            saved = Instant::now();
+        w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
+        if ck.before_step(stop(), w.env_steps, &device, || pop.snapshot(), &envs, &w)? {
+            return Ok(None);
         }
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.iterate(&mut refs)?;

@@ -18,11 +18,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
 use fx_kernels::EnvState;
 use serde::{Deserialize, Serialize};
 
-use super::{space, PbtEvent, PopHalving, PopMembers};
+use super::{space, HalvingConfig, PbtEvent, PbtPlan, PopHalving, PopMembers};
+use crate::config::RunConfig;
+use crate::population::WaveCheckpoint;
 use crate::train_env::TrainEnv;
 
 /// Where a wave stands (everything of a wave's loop that is not the population's state).
@@ -132,29 +133,39 @@ pub(super) fn read(
     Ok(Some((p, envs)))
 }
 
-/// Writes the wave's checkpoint ([`crate::population::write_wave`]): the population's
-/// state, every member's environment state and `progress` (kept current by the caller).
-/// When `stopping`, a failure is the sweep's error (the wave's progress would be lost
-/// unsaid); a periodic checkpoint that fails (a full disk) is a warning and training goes on.
-pub(super) fn write(
-    path: &Path,
-    pop: &dyn PopMembers,
-    envs: &[TrainEnv],
-    progress: &WaveProgress,
-    device: &Device,
-    stopping: bool,
-) -> Result<()> {
-    let t = std::time::Instant::now();
-    let written = pop.snapshot().and_then(|s| crate::population::write_wave(path, device, s, envs, progress, t));
-    match written {
-        Ok(w) => println!("sweep: trials {:?} checkpointed at env step {} ({w})", progress.trials, progress.env_steps),
-        Err(e) if !stopping => eprintln!(
-            "warning: the checkpoint of trials {:?} at env step {} failed, training goes on: {e:#}",
-            progress.trials, progress.env_steps
-        ),
-        Err(e) => return Err(e.context(format!("checkpointing trials {:?}", progress.trials))),
+/// The wave's population, environments and progress: resumed from its checkpoint
+/// (`load`) when that is this wave's ([`read`]), otherwise `fresh()` at the wave's start.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn open<P: PopMembers>(
+    ck: &WaveCheckpoint,
+    trials: &[usize],
+    base: &RunConfig,
+    params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+    pbt: Option<&PbtPlan<'_>>,
+    halving: Option<&HalvingConfig>,
+    envs: Vec<TrainEnv>,
+    load: impl FnOnce(&Path) -> fx_models::Result<P>,
+    fresh: impl FnOnce() -> Result<P>,
+) -> Result<(P, Vec<TrainEnv>, WaveProgress)> {
+    let path = &ck.path;
+    let Some((w, states)) = read(path, trials, base.steps, params)? else {
+        let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
+        let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
+        return Ok((fresh()?, envs, WaveProgress::start(trials, base.steps, points, halve, params)));
+    };
+    let pop = load(path).with_context(|| {
+        format!("resuming the sweep's population from {} (move it away to train the wave again)", path.display())
+    })?;
+    if pop.len() != w.alive().len() {
+        bail!(
+            "{}: a population of {} for {} trials still in: a damaged checkpoint; move it away to go on",
+            path.display(),
+            pop.len(),
+            w.alive().len()
+        );
     }
-    Ok(())
+    let envs = restore_envs(envs, &w, &states)?;
+    Ok((pop, envs, w))
 }
 
 /// The environments of a resumed wave: `envs` (built for every trial of the wave) cut
