@@ -56,15 +56,19 @@ extern "C" __global__ void fx_cast_bf16(CastTable t) {
 // dh *= act'(h) in place, where h is the layer's output after the activation; `dh16` (may
 // be 0) receives a BF16 copy. Member m: dh (and dh16) [m][rows, cols], h at m·h_stride
 // (a member's h may hold more rows than its gradient: the DQN's online rows on s and s').
+// With `h16` set, h is read from that BF16 copy instead (`h` unused): a ReLU's mask is the
+// same on it (rounding keeps the sign; only an F32 subnormal can round to 0), and a GEMM
+// epilogue that writes only the BF16 activation leaves no F32 one.
 extern "C" __global__ void fx_act_bwd(float* __restrict__ dh, const float* __restrict__ h, unsigned int rows,
                                       unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ dh16,
-                                      unsigned long long h_stride) {
+                                      unsigned long long h_stride, const __nv_bfloat16* __restrict__ h16) {
     size_t n = (size_t)rows * cols;
     dh += blockIdx.y * n;
-    h += blockIdx.y * h_stride;
+    if (h16) h16 += blockIdx.y * h_stride;
+    else h += blockIdx.y * h_stride;
     if (dh16) dh16 += blockIdx.y * n;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float y = h[i];
+        float y = h16 ? __bfloat162float(h16[i]) : h[i];
         float g = dh[i];
         if (act == ACT_RELU) g = y > 0.0f ? g : 0.0f;
         else if (act == ACT_TANH) g = g * (1.0f - y * y);

@@ -1,16 +1,19 @@
 //! cuBLAS through cudarc on candle's stream, on raw device addresses ([`Blas`]): row-major
-//! GEMMs (single or strided-batched, F32 or BF16 inputs with F32 accumulation and output)
-//! and column sums. The fused training steps (DQN, PPO, TFT, MAMBA-2) build on it; nothing
-//! here reads to the host, so a CUDA graph can capture every call.
+//! GEMMs (single or strided-batched, F32 or BF16 inputs with F32 accumulation) and column
+//! sums. A GEMM with an epilogue (bias, ReLU) or a BF16 output runs through cuBLASLt
+//! ([`super::blas_lt`]), which folds them into the GEMM's own write instead of a pass over
+//! the output. The fused training steps (DQN, PPO, TFT, MAMBA-2) build on it; nothing here
+//! reads to the host, so a CUDA graph can capture every call.
 
 use std::sync::Arc;
 
 use candle_core::Device;
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 
+use super::blas_lt::LtHandle;
 use super::cuda_device;
 use crate::error::{Error, Result};
-pub use crate::gemm::{Gemm, GemmInputs};
+pub use crate::gemm::{Gemm, GemmInputs, GemmOutput};
 
 fn blas_err(context: &'static str) -> impl Fn(cudarc::cublas::result::CublasError) -> Error {
     move |e| Error::Cuda { context, message: format!("{e:?}") }
@@ -25,6 +28,7 @@ fn blas_err(context: &'static str) -> impl Fn(cudarc::cublas::result::CublasErro
 /// never tears them down); a device is used by one thread at a time, like the handle.
 pub struct Blas {
     blas: Arc<CudaBlas>,
+    device: candle_core::cuda::CudaDevice,
 }
 
 impl std::fmt::Debug for Blas {
@@ -37,7 +41,17 @@ impl Blas {
     /// `device`'s handle (candle's stream); makes nothing, so it cannot fail on the driver.
     pub fn new(device: &Device) -> Result<Self> {
         let dev = cuda_device(device, "device", "Blas::new")?;
-        Ok(Self { blas: dev.cublas_handle() })
+        Ok(Self { blas: dev.cublas_handle(), device: dev.clone() })
+    }
+
+    /// Whether cuBLASLt has an algorithm for `g` (always true without an epilogue or a BF16
+    /// output, which cuBLAS runs). Asks once per shape and caches the answer; a caller picks
+    /// its unfused path when this says no.
+    pub fn supports(&self, g: &Gemm) -> Result<bool> {
+        if !g.has_epilogue() {
+            return Ok(true);
+        }
+        LtHandle::of(&self.device)?.supports(g)
     }
 
     /// Row-major `C[m, n] = alpha · op(A) · op(B) + beta · C`, `op(A)` `[m, k]`, `op(B)` `[k, n]`;
@@ -170,9 +184,13 @@ impl Blas {
     ///
     /// # Safety
     /// Every matrix `g` describes (each batch entry at its stride) must lie in live device
-    /// memory of this device holding the element type `g.inputs` names (F32 for `c`) until
-    /// the GEMM ran.
+    /// memory of this device holding the element types `g.inputs` and `g.output` name (and
+    /// the F32 bias when set) until the GEMM ran. A GEMM with an epilogue cuBLASLt has no
+    /// algorithm for is an error ([`Blas::supports`] asks first).
     pub unsafe fn run(&self, g: &Gemm) -> Result<()> {
+        if g.has_epilogue() {
+            return LtHandle::of(&self.device)?.run(g, &self.device);
+        }
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
         use blas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
         const CTX: &str = "Blas::run";

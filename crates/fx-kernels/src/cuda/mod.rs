@@ -10,6 +10,7 @@
 //! stream sync), so a tensor dropped right after a launch is freed after the kernel.
 
 pub mod blas;
+mod blas_lt;
 pub(crate) mod dqn_loop;
 mod gpu_env;
 mod gpu_series;

@@ -8,6 +8,9 @@
 //! population captures it in its update graph. F32, or BF16 compute as the solo update: BF16
 //! GEMM inputs with F32 accumulation, F32 activations, gradients and master weights.
 //!
+//! Under BF16 the trunk's forward is the solo update's epilogue GEMMs
+//! ([`Bf16Shadows::trunk_gemms`]) batched over members.
+//!
 //! The reference is the population's candle loss on the CPU ([`super::population`]'s
 //! `loss_and_grads`), which the device test compares member by member.
 
@@ -52,6 +55,8 @@ pub(crate) struct DqnPopFused {
     grads: Vec<Tensor>,
     delta: f32,
     bf16: Option<Bf16Shadows>,
+    /// The BF16 forward's bias + ReLU run as GEMM epilogues (see the module's text).
+    epilogue: bool,
 }
 
 impl DqnPopFused {
@@ -94,7 +99,7 @@ impl DqnPopFused {
             }
             _ => None,
         };
-        Ok(Self {
+        let mut me = Self {
             blas: Blas::new(dev).ctx(CTX)?,
             k: MlpTrainKernels::load(dev).ctx(CTX)?,
             members: n,
@@ -111,7 +116,27 @@ impl DqnPopFused {
             grads,
             delta: huber_delta as f32,
             bf16,
-        })
+            epilogue: false,
+        };
+        if let Some(b16) = &me.bf16 {
+            // The bias addresses only matter by their alignment here: the weights' own are
+            // allocations of their own (256-byte aligned), as the loss buffer is.
+            let fake = [a(&me.loss)?; 3];
+            me.epilogue = b16.epilogue_serves(&me.blas, me.dims, n, b, &me.h, &me.t, fake, fake)?;
+        }
+        Ok(me)
+    }
+
+    /// Whether the BF16 forward runs its bias + ReLU as GEMM epilogues.
+    #[cfg(test)]
+    pub(crate) fn uses_epilogue(&self) -> bool {
+        self.epilogue
+    }
+
+    /// The same engine with the unfused forward (F32 GEMM outputs, then bias + ReLU).
+    #[cfg(test)]
+    pub(crate) fn without_epilogue(self) -> Self {
+        Self { epilogue: false, ..self }
     }
 
     /// Each member's mean Huber loss `[N]` of the last [`Self::run`].
@@ -185,21 +210,32 @@ impl DqnPopFused {
                 k.cast_bf16(&items).ctx(CTX)?;
             }
             // Online trunk on [s; s'] (2B rows a member), target trunk on s' (B rows).
-            for l in 0..3 {
-                let (i, w) = widths[l];
-                let (x_on, x_on16) = if l == 0 { (x2, x16) } else { (hs[l - 1], h16(l - 1)) };
-                let g =
-                    Gemm::new(false, true, 2 * b, w, i, x_on, o[2 * l], hs[l]).batched(n, 2 * b * i, w * i, 2 * b * w);
-                gemm(g, x_on16, w16(l))?;
-                k.bias_act_members(hs[l], o[2 * l + 1], n, 2 * b, w, Act::Relu, h16(l)).ctx(CTX)?;
-                let (x_tg, x_tg16, stride) = if l == 0 {
-                    (x2 + (b * s * 4) as u64, if x16 == 0 { 0 } else { x16 + (b * s * 2) as u64 }, 2 * b * s)
-                } else {
-                    (ts[l - 1], t16(l - 1), b * i)
-                };
-                let g = Gemm::new(false, true, b, w, i, x_tg, t[2 * l], ts[l]).batched(n, stride, w * i, b * w);
-                gemm(g, x_tg16, w16(3 + l))?;
-                k.bias_act_members(ts[l], t[2 * l + 1], n, b, w, Act::Relu, t16(l)).ctx(CTX)?;
+            if self.epilogue {
+                let b16 = self.bf16.as_ref().ok_or_else(|| Error::config(CTX, "epilogue without BF16 shadows"))?;
+                for g in b16.trunk_gemms(self.dims, n, b, &self.h, &self.t, [o[1], o[3], o[5]], [t[1], t[3], t[5]])? {
+                    blas.run(&g).ctx(CTX)?;
+                }
+            } else {
+                for l in 0..3 {
+                    let (i, w) = widths[l];
+                    let (x_on, x_on16) = if l == 0 { (x2, x16) } else { (hs[l - 1], h16(l - 1)) };
+                    let g = Gemm::new(false, true, 2 * b, w, i, x_on, o[2 * l], hs[l]).batched(
+                        n,
+                        2 * b * i,
+                        w * i,
+                        2 * b * w,
+                    );
+                    gemm(g, x_on16, w16(l))?;
+                    k.bias_act_members(hs[l], o[2 * l + 1], n, 2 * b, w, Act::Relu, h16(l)).ctx(CTX)?;
+                    let (x_tg, x_tg16, stride) = if l == 0 {
+                        (x2 + (b * s * 4) as u64, if x16 == 0 { 0 } else { x16 + (b * s * 2) as u64 }, 2 * b * s)
+                    } else {
+                        (ts[l - 1], t16(l - 1), b * i)
+                    };
+                    let g = Gemm::new(false, true, b, w, i, x_tg, t[2 * l], ts[l]).batched(n, stride, w * i, b * w);
+                    gemm(g, x_tg16, w16(3 + l))?;
+                    k.bias_act_members(ts[l], t[2 * l + 1], n, b, w, Act::Relu, t16(l)).ctx(CTX)?;
+                }
             }
             let d_out = a(&self.d_out)?;
             k.dqn_head_loss(&DqnHeadArgs {
@@ -252,7 +288,10 @@ impl DqnPopFused {
                     let gx =
                         Gemm::new(false, false, b, i, w, dz[l], o[2 * l], dz[l - 1]).batched(n, b * w, w * i, b * i);
                     gemm(gx, dz16(l), w16(l))?;
-                    k.act_bwd_members(dz[l - 1], hs[l - 1], n, (2 * b * i) as u64, b, i, Act::Relu, dz16(l - 1))
+                    // Under the epilogue the mask comes from the BF16 activations (no F32 ones).
+                    let h_mask16 = if self.epilogue { h16(l - 1) } else { 0 };
+                    let stride = (2 * b * i) as u64;
+                    k.act_bwd_members(dz[l - 1], hs[l - 1], n, stride, b, i, Act::Relu, dz16(l - 1), h_mask16)
                         .ctx(CTX)?;
                 }
             }
@@ -324,6 +363,27 @@ mod tests {
                     }
                 }
                 eprintln!("dqn_pop_fused {precision} n {n} b {b} h {hidden}: every member within {tol:.0e}");
+                if precision == Precision::Bf16 {
+                    // The epilogue forward against the unfused one on the same BF16 inputs:
+                    // the activations differ by at most a BF16 rounding where the two GEMMs'
+                    // F32 sums straddle one, so a wrong member's bias or stride (a change of
+                    // several per cent) fails here though the F32 reference's BF16 bound
+                    // above would miss it.
+                    assert!(engine.uses_epilogue(), "n {n} b {b} h {hidden}: cuBLASLt took no epilogue GEMM");
+                    let plain = DqnPopFused::new(&net, n, b, 1.0, precision, &dev).unwrap().without_epilogue();
+                    plain.run(&gw, &gtw, &gamma, &gbatch).unwrap();
+                    let mut worst = 0f64;
+                    for m in 0..n {
+                        worst = worst.max(rel(&engine.loss().get(m).unwrap(), &plain.loss().get(m).unwrap()));
+                        for (fused, unfused) in engine.grads().iter().zip(plain.grads()) {
+                            worst = worst.max(rel(&fused.get(m).unwrap(), &unfused.get(m).unwrap()));
+                        }
+                    }
+                    assert!(worst <= 2e-2, "n {n} b {b} h {hidden}: epilogue vs unfused rel err {worst}");
+                    eprintln!(
+                        "dqn_pop_fused epilogue vs unfused n {n} b {b} h {hidden}: worst member rel err {worst:.2e}"
+                    );
+                }
             }
         }
     }

@@ -200,12 +200,13 @@ impl MlpTrainKernels {
     /// # Safety
     /// As [`MlpTrainKernels::bias_act`].
     pub unsafe fn act_bwd(&self, dh: u64, h: u64, rows: usize, cols: usize, act: Act, dh16: u64) -> Result<()> {
-        self.act_bwd_members(dh, h, 1, (rows * cols) as u64, rows, cols, act, dh16)
+        self.act_bwd_members(dh, h, 1, (rows * cols) as u64, rows, cols, act, dh16, 0)
     }
 
     /// [`Self::act_bwd`] for `members` members in one launch: member `m`'s `dh` (and `dh16`)
     /// is block `m` of `rows·cols` values, its `h` starts `m·h_stride` values in (a member's
-    /// `h` may hold more rows than its gradient).
+    /// `h` may hold more rows than its gradient). With `h16` set (ReLU only), `h` is read
+    /// from that BF16 copy instead, at the same offsets, and `h` is not read.
     ///
     /// # Safety
     /// As [`Self::act_bwd`], for `members` blocks.
@@ -220,11 +221,18 @@ impl MlpTrainKernels {
         cols: usize,
         act: Act,
         dh16: u64,
+        h16: u64,
     ) -> Result<()> {
+        if h16 != 0 && act != Act::Relu {
+            return Err(Error::Config {
+                context: "MlpTrainKernels::act_bwd",
+                message: "a BF16 activation serves only ReLU's backward (tanh's needs F32)".into(),
+            });
+        }
         let (r, c, a) = (rows as u32, cols as u32, act as u32);
         let cfg = self.members_cfg(members, rows * cols)?;
         let mut l = self.stream.launch_builder(&self.act_bwd);
-        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a).arg(&dh16).arg(&h_stride);
+        l.arg(&dh).arg(&h).arg(&r).arg(&c).arg(&a).arg(&dh16).arg(&h_stride).arg(&h16);
         l.launch(cfg).map_err(driver("MlpTrainKernels::act_bwd"))?;
         Ok(())
     }

@@ -267,7 +267,7 @@ impl PpoPopFused {
                         let gx = Gemm::new(false, false, b, i, wd, dz[net][l], p[pw], dz[net][l - 1]);
                         gemm(gx.batched(n, b * wd, wd * i, b * i), dz16(net, l), w16(net, l))?;
                         let d16 = dz16(net, l - 1);
-                        k.act_bwd_members(dz[net][l - 1], x[net][l - 1], n, (b * i) as u64, b, i, acts[l - 1], d16)
+                        k.act_bwd_members(dz[net][l - 1], x[net][l - 1], n, (b * i) as u64, b, i, acts[l - 1], d16, 0)
                             .ctx(CTX)?;
                     }
                 }
@@ -373,9 +373,12 @@ mod tests {
                 members.iter().map(|m| [m.loss.clip as f32, m.loss.vf_coef as f32, m.loss.ent_coef as f32]).collect();
             let adv: Vec<Vec<f32>> = batch.advantages.to_vec2().unwrap();
             // F32: as the solo fused test. BF16 against the F32 reference: its GEMM inputs carry
-            // 8 bits, so the means within 2e-2 of themselves plus 2e-2 of mean |A| and the
-            // gradients within 1e-1 (the DQN's BF16 bound, 2e-1, halved: tanh saturates no
-            // gates as ReLU's do).
+            // 8 bits, so the means within 2e-2 of themselves plus 2e-2 of mean |A|, and each
+            // member's actor and critic gradients, each network as one vector, within 1e-1 (the
+            // DQN's BF16 bound, 2e-1, halved: tanh saturates no gates as ReLU's do). A single
+            // BF16 tensor is held to the DQN's 2e-1: a small one (a head's bias, 1 to A sums
+            // over the B rows that cancel) reached 0.185 on an H100 (seed 1796648650758566212)
+            // with its network far inside 1e-1.
             for (precision, (mean_rel, mean_abs, grad_tol)) in
                 [(Precision::F32, (1e-5, 1e-6, 1e-5)), (Precision::Bf16, (2e-2, 2e-2, 1e-1))]
             {
@@ -400,19 +403,41 @@ mod tests {
                             "{precision} n {n} b {b}: member {m} mean {j}: {g} vs {w} (tol {tol:e})"
                         );
                     }
+                    let member = |gs: &[Tensor], net: usize| {
+                        let parts: Vec<Tensor> =
+                            gs[6 * net..6 * net + 6].iter().map(|g| g.get(m).unwrap().flatten_all().unwrap()).collect();
+                        Tensor::cat(&parts, 0).unwrap()
+                    };
+                    for net in 0..2 {
+                        let e = rel(&member(engine.grads(), net), &member(&grads, net).to_device(&dev).unwrap());
+                        worst = worst.max(e);
+                        let name = ["actor", "critic"][net];
+                        assert!(
+                            e <= grad_tol,
+                            "{precision} n {n} b {b} h {hidden}: member {m} {name} gradient rel err {e}"
+                        );
+                    }
                     for (p, (fused, want)) in engine.grads().iter().zip(&grads).enumerate() {
                         let e = rel(&fused.get(m).unwrap(), &want.get(m).unwrap());
-                        worst = worst.max(e);
                         // The heads' bias gradients (tensors 5 and 11) are single sums over
                         // the B rows that cancel (vf·(V − R)/B for the critic's): F32 adds
                         // them in another order on the GPU, and the critic's reached 1.04e-5
                         // on the H200 (seed 1796420054418435552), so they get 3× the F32 bound.
                         let f32_head_bias = precision == Precision::F32 && (p == 5 || p == 11);
-                        let tol = if f32_head_bias { 3.0 * grad_tol } else { grad_tol };
+                        let tol = match precision {
+                            Precision::F32 if f32_head_bias => 3.0 * grad_tol,
+                            Precision::F32 => grad_tol,
+                            _ => 2.0 * grad_tol,
+                        };
+                        if e > grad_tol {
+                            eprintln!("ppo_pop_fused {precision} n {n} b {b}: member {m} tensor {p} rel err {e:.3e}");
+                        }
                         assert!(e <= tol, "{precision} n {n} b {b} h {hidden}: member {m} gradient {p} rel err {e}");
                     }
                 }
-                eprintln!("ppo_pop_fused {precision} n {n} b {b} h {hidden}: worst gradient rel err {worst:.2e}");
+                eprintln!(
+                    "ppo_pop_fused {precision} n {n} b {b} h {hidden}: worst network gradient rel err {worst:.2e}"
+                );
             }
         }
     }
