@@ -41,8 +41,6 @@ pub(crate) struct DqnFused {
     delta: f32,
     /// BF16 compute: shadows of the GEMM inputs (None under F32).
     bf16: Option<Bf16Shadows>,
-    /// The BF16 forward's bias + ReLU run as GEMM epilogues ([`Bf16Shadows::trunk_gemms`]).
-    epilogue: bool,
 }
 
 /// BF16 copies of what the GEMMs read under BF16 compute (also the population's, stacked
@@ -54,6 +52,8 @@ pub(crate) struct Bf16Shadows {
     pub(crate) dz: [Tensor; 3],
     /// Online then target trunk weights.
     pub(crate) w: [Tensor; 6],
+    /// The forward runs as [`Self::trunk_gemms`] (set by [`Self::probe_epilogue`]).
+    pub(crate) epilogue: bool,
 }
 
 impl Bf16Shadows {
@@ -104,31 +104,22 @@ impl Bf16Shadows {
         Ok(out)
     }
 
-    /// Whether [`Self::trunk_gemms`] serves: `FX_GEMM_EPILOGUE=1` is set and cuBLASLt has
-    /// an algorithm for each of them (the biases' addresses matter only by their alignment).
+    /// Sets [`Self::epilogue`] when `FX_GEMM_EPILOGUE=1` and cuBLASLt has an algorithm for
+    /// each of `gemms` (the trunk's, whose biases' addresses matter only by their alignment).
     /// Opt-in until a device run has checked it against the unfused forward (F32 GEMM
     /// outputs, then a bias + ReLU kernel writing both copies), which stays the default.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn epilogue_serves(
-        &self,
-        blas: &Blas,
-        dims: [usize; 4],
-        members: usize,
-        batch: usize,
-        h: &[Tensor; 3],
-        t: &[Tensor; 3],
-        online_bias: [u64; 3],
-        target_bias: [u64; 3],
-    ) -> Result<bool> {
+    pub(crate) fn probe_epilogue(&mut self, blas: &Blas, gemms: &[Gemm]) -> Result<()> {
+        self.epilogue = false;
         if !std::env::var("FX_GEMM_EPILOGUE").is_ok_and(|v| v == "1") {
-            return Ok(false);
+            return Ok(());
         }
-        for g in self.trunk_gemms(dims, members, batch, h, t, online_bias, target_bias)? {
-            if !blas.supports(&g).ctx(CTX)? {
-                return Ok(false);
+        for g in gemms {
+            if !blas.supports(g).ctx(CTX)? {
+                return Ok(());
             }
         }
-        Ok(true)
+        self.epilogue = true;
+        Ok(())
     }
 }
 
@@ -182,6 +173,7 @@ impl DqnFused {
                     t: [z16(&[batch, h])?, z16(&[batch, h])?, z16(&[batch, h2])?],
                     dz: [z16(&[batch, h])?, z16(&[batch, h])?, z16(&[batch, h2])?],
                     w: [w(online, 0)?, w(online, 1)?, w(online, 2)?, w(target, 0)?, w(target, 1)?, w(target, 2)?],
+                    epilogue: false,
                 })
             }
             _ => None,
@@ -206,11 +198,11 @@ impl DqnFused {
             _flat: flat,
             gamma: gamma as f32,
             delta: delta as f32,
-            epilogue: false,
         };
-        if let Some(b16) = &me.bf16 {
-            let (ob, tb) = (me.trunk_biases(&me.online)?, me.trunk_biases(&me.target)?);
-            me.epilogue = b16.epilogue_serves(&me.blas, me.dims, 1, batch, &me.h, &me.t, ob, tb)?;
+        let (ob, tb) = (me.trunk_biases(&me.online)?, me.trunk_biases(&me.target)?);
+        if let Some(b16) = me.bf16.as_mut() {
+            let gemms = b16.trunk_gemms(me.dims, 1, batch, &me.h, &me.t, ob, tb)?;
+            b16.probe_epilogue(&me.blas, &gemms)?;
         }
         Ok(me)
     }
@@ -218,18 +210,6 @@ impl DqnFused {
     /// The trunk layers' bias addresses of a network's parameters.
     fn trunk_biases(&self, p: &[Tensor]) -> Result<[u64; 3]> {
         Ok([a(&p[1])?, a(&p[3])?, a(&p[5])?])
-    }
-
-    /// Whether the BF16 forward runs its bias + ReLU as GEMM epilogues.
-    #[cfg(test)]
-    pub(crate) fn uses_epilogue(&self) -> bool {
-        self.epilogue
-    }
-
-    /// The same engine with the unfused forward (F32 GEMM outputs, then bias + ReLU).
-    #[cfg(test)]
-    pub(crate) fn without_epilogue(self) -> Self {
-        Self { epilogue: false, ..self }
     }
 
     /// The batch size the buffers were made for.
@@ -291,8 +271,9 @@ impl DqnFused {
                     blas.gemm(false, true, rows, w, i, 1.0, x, i, wt, i, 0.0, y, w).ctx(CTX)
                 }
             };
-            match &self.bf16 {
-                Some(b16) if self.epilogue => {
+            let epilogue = self.bf16.as_ref().filter(|b16| b16.epilogue);
+            match epilogue {
+                Some(b16) => {
                     let (ob, tb) = (self.trunk_biases(o)?, self.trunk_biases(t)?);
                     for g in b16.trunk_gemms(self.dims, 1, b, &self.h, &self.t, ob, tb)? {
                         blas.run(&g).ctx(CTX)?;
@@ -361,7 +342,7 @@ impl DqnFused {
                     }
                     .ctx(CTX)?;
                     // Under the epilogue the mask comes from the BF16 activations (no F32 ones).
-                    let mask16 = if self.epilogue { h16(l - 1) } else { 0 };
+                    let mask16 = if epilogue.is_some() { h16(l - 1) } else { 0 };
                     let stride = (2 * b * i) as u64;
                     k.act_bwd_members(dz[l - 1], hs[l - 1], 1, stride, b, i, Act::Relu, dz16(l - 1), mask16)
                         .ctx(CTX)?;
@@ -474,8 +455,9 @@ mod tests {
                     // activations differ by at most one BF16 rounding where the two GEMMs'
                     // F32 sums straddle one, so a wrong bias or stride (several per cent)
                     // fails here though the BF16 bound against F32 above could miss it.
-                    assert!(engine.uses_epilogue(), "b {b} h {hidden}: cuBLASLt took no epilogue GEMM");
-                    let plain = DqnFused::new(&online, &target, b, 0.99, 1.0, precision).unwrap().without_epilogue();
+                    assert!(engine.bf16.as_ref().unwrap().epilogue, "b {b} h {hidden}: cuBLASLt took no epilogue GEMM");
+                    let mut plain = DqnFused::new(&online, &target, b, 0.99, 1.0, precision).unwrap();
+                    plain.bf16.as_mut().unwrap().epilogue = false;
                     plain.step(&fused, &inputs, true).unwrap();
                     let mut worst = rel(&engine.loss, &plain.loss);
                     for (g, p) in engine.grads.iter().zip(&plain.grads) {

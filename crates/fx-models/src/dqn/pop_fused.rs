@@ -55,8 +55,6 @@ pub(crate) struct DqnPopFused {
     grads: Vec<Tensor>,
     delta: f32,
     bf16: Option<Bf16Shadows>,
-    /// The BF16 forward's bias + ReLU run as GEMM epilogues (see the module's text).
-    epilogue: bool,
 }
 
 impl DqnPopFused {
@@ -95,6 +93,7 @@ impl DqnPopFused {
                     t: [z16(&[n, b, h])?, z16(&[n, b, h])?, z16(&[n, b, h2])?],
                     dz: [z16(&[n, b, h])?, z16(&[n, b, h])?, z16(&[n, b, h2])?],
                     w: [w(0)?, w(1)?, w(2)?, w(0)?, w(1)?, w(2)?],
+                    epilogue: false,
                 })
             }
             _ => None,
@@ -116,27 +115,15 @@ impl DqnPopFused {
             grads,
             delta: huber_delta as f32,
             bf16,
-            epilogue: false,
         };
-        if let Some(b16) = &me.bf16 {
-            // The bias addresses only matter by their alignment here: the weights' own are
-            // allocations of their own (256-byte aligned), as the loss buffer is.
-            let fake = [a(&me.loss)?; 3];
-            me.epilogue = b16.epilogue_serves(&me.blas, me.dims, n, b, &me.h, &me.t, fake, fake)?;
+        // The bias addresses only matter by their alignment here: the weights' own are
+        // allocations of their own (256-byte aligned), as the loss buffer is.
+        let fake = [a(&me.loss)?; 3];
+        if let Some(b16) = me.bf16.as_mut() {
+            let gemms = b16.trunk_gemms(me.dims, n, b, &me.h, &me.t, fake, fake)?;
+            b16.probe_epilogue(&me.blas, &gemms)?;
         }
         Ok(me)
-    }
-
-    /// Whether the BF16 forward runs its bias + ReLU as GEMM epilogues.
-    #[cfg(test)]
-    pub(crate) fn uses_epilogue(&self) -> bool {
-        self.epilogue
-    }
-
-    /// The same engine with the unfused forward (F32 GEMM outputs, then bias + ReLU).
-    #[cfg(test)]
-    pub(crate) fn without_epilogue(self) -> Self {
-        Self { epilogue: false, ..self }
     }
 
     /// Each member's mean Huber loss `[N]` of the last [`Self::run`].
@@ -210,8 +197,8 @@ impl DqnPopFused {
                 k.cast_bf16(&items).ctx(CTX)?;
             }
             // Online trunk on [s; s'] (2B rows a member), target trunk on s' (B rows).
-            if self.epilogue {
-                let b16 = self.bf16.as_ref().ok_or_else(|| Error::config(CTX, "epilogue without BF16 shadows"))?;
+            let epilogue = self.bf16.as_ref().filter(|b16| b16.epilogue);
+            if let Some(b16) = epilogue {
                 for g in b16.trunk_gemms(self.dims, n, b, &self.h, &self.t, [o[1], o[3], o[5]], [t[1], t[3], t[5]])? {
                     blas.run(&g).ctx(CTX)?;
                 }
@@ -289,7 +276,7 @@ impl DqnPopFused {
                         Gemm::new(false, false, b, i, w, dz[l], o[2 * l], dz[l - 1]).batched(n, b * w, w * i, b * i);
                     gemm(gx, dz16(l), w16(l))?;
                     // Under the epilogue the mask comes from the BF16 activations (no F32 ones).
-                    let h_mask16 = if self.epilogue { h16(l - 1) } else { 0 };
+                    let h_mask16 = if epilogue.is_some() { h16(l - 1) } else { 0 };
                     let stride = (2 * b * i) as u64;
                     k.act_bwd_members(dz[l - 1], hs[l - 1], n, stride, b, i, Act::Relu, dz16(l - 1), h_mask16)
                         .ctx(CTX)?;
@@ -369,8 +356,12 @@ mod tests {
                     // F32 sums straddle one, so a wrong member's bias or stride (a change of
                     // several per cent) fails here though the F32 reference's BF16 bound
                     // above would miss it.
-                    assert!(engine.uses_epilogue(), "n {n} b {b} h {hidden}: cuBLASLt took no epilogue GEMM");
-                    let plain = DqnPopFused::new(&net, n, b, 1.0, precision, &dev).unwrap().without_epilogue();
+                    assert!(
+                        engine.bf16.as_ref().unwrap().epilogue,
+                        "n {n} b {b} h {hidden}: cuBLASLt took no epilogue GEMM"
+                    );
+                    let mut plain = DqnPopFused::new(&net, n, b, 1.0, precision, &dev).unwrap();
+                    plain.bf16.as_mut().unwrap().epilogue = false;
                     plain.run(&gw, &gtw, &gamma, &gbatch).unwrap();
                     let mut worst = 0f64;
                     for m in 0..n {
