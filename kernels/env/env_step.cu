@@ -174,7 +174,7 @@ extern "C" __global__ void fx_pop_observe(const FxPopMember* __restrict__ member
 }
 
 // One epsilon-greedy DQN experience step of every member from q [N, E, 3]: member k's eps is
-// its ramp at env_step, its transitions go to its own ring at ring_pos (every member's ring
+// its ramp at its own step env_step - clock0, its transitions go to its own ring at ring_pos (every member's ring
 // is at the same position and has the same capacity, E <= capacity). obs [N, E, 56] gets the
 // post-reset states; reward_out and done_out ([N, E]) may be null.
 extern "C" __global__ void fx_pop_dqn_experience(const FxPopMember* __restrict__ members, fx_u32 E,
@@ -183,7 +183,7 @@ extern "C" __global__ void fx_pop_dqn_experience(const FxPopMember* __restrict__
                                                  float* __restrict__ reward_out, float* __restrict__ done_out) {
     const FxPopMember& m = members[blockIdx.y];
     const FxEnv env = fx_pop_env(m);
-    const double eps = fx_linear_ramp(m.eps_start, m.eps_end, m.eps_steps, env_step);
+    const double eps = fx_linear_ramp(m.eps_start, m.eps_end, m.eps_steps, env_step - m.clock0);
     const FxRing rb = {m.rb_s, m.rb_a, m.rb_r, m.rb_s2, m.rb_d, capacity};
     const size_t off = (size_t)blockIdx.y * E;
     float* r_out = reward_out ? reward_out + off : nullptr;

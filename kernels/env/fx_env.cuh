@@ -155,10 +155,15 @@ struct FxPopMember {
     // The member's replay-sampling seed: its trainer's, not its env's (the solo trainer
     // samples with DqnConfig::seed, the env draws with EnvConfig::seed).
     fx_u64 sample_seed;
+    // The member's own clocks (a trial that took a freed slot mid-run): the env step it began
+    // at (its eps ramp runs from there), the ring slot of its first transition and the draws
+    // taken before its first (its draw keys count from there). All 0 for a member from the
+    // start.
+    fx_u64 clock0, ring_start, key0;
     fx_u32 T, L, n_seg;
     float clip;
 };
-static_assert(sizeof(FxPopMember) == 200, "FxPopMember must match fx-kernels' PopMemberArgs");
+static_assert(sizeof(FxPopMember) == 224, "FxPopMember must match fx-kernels' PopMemberArgs");
 
 __device__ __forceinline__ FxEnv fx_pop_env(const FxPopMember& m) {
     FxEnv env;

@@ -17,9 +17,11 @@
 
 // Minibatch rows of `B` from `len` stored transitions into s, a, r, s2, d: row i is index
 // floor(u * len) (clamped to len - 1) with u = fx_draw(seed, stream, key, i), as
-// ReplayBuffer::sample_keyed on the CPU. One thread per (row, column) of the [B, 56] states
-// (grid-stride over blockIdx.x), so the copies coalesce; column 0 copies the scalars too.
-__device__ __forceinline__ void fx_replay_gather(fx_u64 len, fx_u64 key, fx_u64 seed, fx_u64 stream, fx_u32 B,
+// ReplayBuffer::sample_keyed on the CPU, at slot (start + index) mod capacity (a window of
+// the ring, ReplayBuffer::sample_keyed_window). One thread per (row, column) of the [B, 56]
+// states (grid-stride over blockIdx.x), so the copies coalesce; column 0 copies the scalars.
+__device__ __forceinline__ void fx_replay_gather_window(fx_u64 len, fx_u64 start, fx_u64 capacity, fx_u64 key,
+                                                        fx_u64 seed, fx_u64 stream, fx_u32 B,
                                                  const float* __restrict__ rb_s, const fx_u32* __restrict__ rb_a,
                                                  const float* __restrict__ rb_r, const float* __restrict__ rb_s2,
                                                  const float* __restrict__ rb_d, float* __restrict__ s,
@@ -31,6 +33,8 @@ __device__ __forceinline__ void fx_replay_gather(fx_u64 len, fx_u64 key, fx_u64 
         double u = fx_draw(seed, stream, key, i);
         fx_u64 j = (fx_u64)__dmul_rn(u, (double)len);
         if (j + 1 > len) j = len > 0 ? len - 1 : 0;
+        j += start;  // start < capacity and j < len <= capacity
+        if (j >= capacity) j -= capacity;
         s[k] = rb_s[j * FX_OBS_DIM + c];
         s2[k] = rb_s2[j * FX_OBS_DIM + c];
         if (c == 0) {
@@ -39,6 +43,16 @@ __device__ __forceinline__ void fx_replay_gather(fx_u64 len, fx_u64 key, fx_u64 
             d[i] = rb_d[j];
         }
     }
+}
+
+// The whole ring (slot j is draw j's).
+__device__ __forceinline__ void fx_replay_gather(fx_u64 len, fx_u64 key, fx_u64 seed, fx_u64 stream, fx_u32 B,
+                                                 const float* __restrict__ rb_s, const fx_u32* __restrict__ rb_a,
+                                                 const float* __restrict__ rb_r, const float* __restrict__ rb_s2,
+                                                 const float* __restrict__ rb_d, float* __restrict__ s,
+                                                 fx_u32* __restrict__ a, float* __restrict__ r,
+                                                 float* __restrict__ s2, float* __restrict__ d) {
+    fx_replay_gather_window(len, 0, len > 0 ? len : 1, key, seed, stream, B, rb_s, rb_a, rb_r, rb_s2, rb_d, s, a, r, s2, d);
 }
 
 // fx_replay_gather from one ring. With `loop` not null, len = loop[LEN] and
@@ -60,15 +74,20 @@ extern "C" __global__ void fx_replay_sample(const fx_u64* __restrict__ loop, fx_
 
 // One minibatch of B rows per member of a population (member k = blockIdx.y of the table,
 // FxPopMember in fx_env.cuh): member k's rows k*B .. (k+1)*B of the outputs are drawn from its
-// ring with its seed at `key`, as fx_replay_sample on its own ring (every ring holds `len`).
-extern "C" __global__ void fx_pop_replay_sample(const FxPopMember* __restrict__ members, fx_u64 len, fx_u64 key,
+// window of its ring with its seed at its own key `key - key0`, as fx_replay_sample on a ring
+// of its own: its transitions are those written since its env step clock0 (E a step, at most
+// the ring's `len`), from slot ring_start on.
+extern "C" __global__ void fx_pop_replay_sample(const FxPopMember* __restrict__ members, fx_u64 len,
+                                                fx_u64 env_step, fx_u64 E, fx_u64 capacity, fx_u64 key,
                                                 fx_u64 stream, fx_u32 B, float* __restrict__ s,
                                                 fx_u32* __restrict__ a, float* __restrict__ r,
                                                 float* __restrict__ s2, float* __restrict__ d) {
     const FxPopMember& m = members[blockIdx.y];
     const size_t off = (size_t)blockIdx.y * B;
-    fx_replay_gather(len, key, m.sample_seed, stream, B, m.rb_s, m.rb_a, m.rb_r, m.rb_s2, m.rb_d, s + off * FX_OBS_DIM,
-                     a + off, r + off, s2 + off * FX_OBS_DIM, d + off);
+    const fx_u64 own = (env_step - m.clock0) * E;
+    fx_replay_gather_window(own < len ? own : len, m.ring_start, capacity, key - m.key0, m.sample_seed, stream, B,
+                            m.rb_s, m.rb_a, m.rb_r, m.rb_s2, m.rb_d, s + off * FX_OBS_DIM, a + off, r + off,
+                            s2 + off * FX_OBS_DIM, d + off);
 }
 
 // After an environment step of E accounts into a ring of `capacity` slots, and before

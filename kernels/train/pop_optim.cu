@@ -59,6 +59,8 @@ struct PopDecide {
     unsigned long long skipped_loss;  // U32 [members], in and out
     unsigned long long skipped_grad;  // U32 [members], in and out
     unsigned long long last;          // F64 [3, members] out: loss, gradient norm, skipped
+    unsigned long long active;        // F32 [members]: 0 where the member is not learning yet
+                                      //   (it steps nothing and counts no skip)
     unsigned long long ok;            // F32 [members] out: PopFactors' ok, coef, step_size,
     unsigned long long coef;          //   inv_bc2_sqrt
     unsigned long long step_size;
@@ -120,7 +122,8 @@ extern "C" __global__ void fx_pop_decide(PopDecide d, unsigned int dry) {
     // x - x is 0 exactly for finite x and NaN otherwise.
     bool ok_loss = __fsub_rn(loss, loss) == 0.0f;
     bool ok_grad = __fsub_rn(sumsq, sumsq) == 0.0f;
-    bool ok = ok_loss && ok_grad;
+    const bool active = ((const float*)d.active)[k] != 0.0f;
+    bool ok = active && ok_loss && ok_grad;
     double norm = (double)__fsqrt_rn(sumsq);
     double q = __ddiv_rn(((const double*)d.max_norm)[k], __dadd_rn(norm, 1e-6));
     float coef = q < 1.0 ? __double2float_rn(q) : 1.0f;
@@ -134,8 +137,8 @@ extern "C" __global__ void fx_pop_decide(PopDecide d, unsigned int dry) {
     ((float*)d.inv_bc2_sqrt)[k] = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(((const double*)d.bc2)[i2])));
     if (dry) return;
     steps[k] = t;
-    ((unsigned int*)d.skipped_loss)[k] += ok_loss ? 0u : 1u;
-    ((unsigned int*)d.skipped_grad)[k] += (ok_loss && !ok_grad) ? 1u : 0u;
+    ((unsigned int*)d.skipped_loss)[k] += (active && !ok_loss) ? 1u : 0u;
+    ((unsigned int*)d.skipped_grad)[k] += (active && ok_loss && !ok_grad) ? 1u : 0u;
     double* last = (double*)d.last;
     last[k] = (double)loss;
     last[d.members + k] = norm;

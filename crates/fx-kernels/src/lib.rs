@@ -66,7 +66,7 @@ pub use env::{
 };
 pub use error::{CandleContext, Error, Result};
 pub use gae::{gae, GaeConfig};
-pub use replay::{ReplayBatch, ReplayBuffer};
+pub use replay::{MemberClock, ReplayBatch, ReplayBuffer, RingWindow};
 pub use rollout::Rollout;
 pub use schedule::LinearSchedule;
 pub use select::{epsilon_greedy, sample_from_probs};

@@ -48,6 +48,31 @@ impl ReplayBatch {
     }
 }
 
+/// The part of a [`ReplayBuffer`] one run owns: its `len` transitions from slot `start` on,
+/// wrapping at the capacity ([`ReplayBuffer::sample_keyed_window`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RingWindow {
+    /// Slot of the run's first transition (while it has not wrapped).
+    pub start: usize,
+    /// Transitions the run has written, at most the capacity.
+    pub len: usize,
+}
+
+/// A member's own clocks in a population whose other members began earlier (a trial that
+/// took a freed slot mid-run; all zero for a member from the start): the env step it began
+/// at (its ε ramp and its share of the ring count from there), the ring slot of its first
+/// transition and the draws taken before its first. The population collector's kernels
+/// read them (`cuda::PopDqnCollect::set_members`), and its CPU path the same way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemberClock {
+    /// Environment steps the population had taken when the member began.
+    pub env_step: u64,
+    /// Ring slot of the member's first transition.
+    pub ring_start: u64,
+    /// Minibatch draws taken before the member's first.
+    pub key: u64,
+}
+
 /// Ring buffer of `(s, a, r, s', done)` with uniform sampling with replacement.
 #[derive(Debug)]
 pub struct ReplayBuffer {
@@ -171,6 +196,43 @@ impl ReplayBuffer {
         let idx = keyed_indices(self.len, batch, seed, key);
         let idx = Tensor::from_vec(idx, batch, &self.device).ctx(ctx)?;
         self.select(&idx, ctx)
+    }
+
+    /// [`Self::sample_keyed`] of the window `w` of the ring, one run's part of it: the run's
+    /// transition `i < w.len` sits in slot `(w.start + i) % capacity`, so draw `i` is its
+    /// `floor(u · w.len)`-th transition, the row its own buffer would give at the same draw.
+    /// (A population member that took a freed slot mid-run owns the transitions written
+    /// since, from the ring position it began at.) The whole buffer's window draws as
+    /// [`Self::sample_keyed`]; others draw their indices on the host. A window of no
+    /// transition or past what the ring holds is refused.
+    pub fn sample_keyed_window(&self, batch: usize, seed: u64, key: u64, w: RingWindow) -> Result<ReplayBatch> {
+        let ctx = "ReplayBuffer::sample_keyed_window";
+        if w.len == 0 {
+            return Err(Error::Empty { what: "replay window", context: ctx });
+        }
+        if w.len > self.len || w.start >= self.capacity {
+            return Err(Error::Config {
+                context: ctx,
+                message: format!(
+                    "window of {} transitions from slot {} in a ring of {} holding {}",
+                    w.len, w.start, self.capacity, self.len
+                ),
+            });
+        }
+        if w == self.window() {
+            return self.sample_keyed(batch, seed, key);
+        }
+        let idx: Vec<u32> = keyed_indices(w.len, batch, seed, key)
+            .into_iter()
+            .map(|j| ((w.start + j as usize) % self.capacity) as u32)
+            .collect();
+        let idx = Tensor::from_vec(idx, batch, &self.device).ctx(ctx)?;
+        self.select(&idx, ctx)
+    }
+
+    /// The window of everything the ring holds (`start` 0, `len` [`Self::len`]).
+    pub fn window(&self) -> RingWindow {
+        RingWindow { start: 0, len: self.len }
     }
 
     /// [`Self::sample_keyed`] written into `out` (tensors of `batch` transitions in the
@@ -355,6 +417,34 @@ mod tests {
         assert_eq!(a, want);
         for len in [1usize, 2, 37, 1 << 20, u32::MAX as usize] {
             assert!(keyed_indices(len, 200, 5, len as u64).iter().all(|&i| (i as usize) < len), "len {len}");
+        }
+    }
+
+    /// A run that began at slot 7 of a shared ring (after 7 rows of another run) draws from
+    /// its window the transitions its own buffer would give at the same draws, before the
+    /// ring wraps and after (its window then covers every slot); bad windows are refused.
+    #[test]
+    fn a_window_draws_what_the_runs_own_buffer_draws() {
+        let (cap, start) = (16usize, 7usize);
+        let mut shared = ReplayBuffer::new(cap, &Device::Cpu).expect("shared");
+        push(&mut shared, 500, start);
+        let mut own = ReplayBuffer::new(cap, &Device::Cpu).expect("own");
+        let mut written = 0;
+        for (key, n) in [(0u64, 3usize), (1, 4), (2, 6), (3, 9), (4, 1), (5, 20)] {
+            push(&mut shared, written, n);
+            push(&mut own, written, n);
+            written += n;
+            let w = RingWindow { start, len: written.min(cap) };
+            let got = ids(&shared.sample_keyed_window(40, 9, key, w).expect("window"));
+            assert_eq!(got, ids(&own.sample_keyed(40, 9, key).expect("own")), "after {written} rows");
+        }
+        assert_eq!(
+            ids(&shared.sample_keyed_window(40, 9, 3, shared.window()).expect("whole")),
+            ids(&shared.sample_keyed(40, 9, 3).expect("plain"))
+        );
+        for bad in [RingWindow { start, len: 0 }, RingWindow { start, len: cap + 1 }, RingWindow { start: cap, len: 1 }]
+        {
+            assert!(shared.sample_keyed_window(4, 9, 0, bad).is_err(), "{bad:?}");
         }
     }
 

@@ -253,6 +253,8 @@ pub struct PopRefMember {
     pub steps: u32,
     pub skipped_loss: u32,
     pub skipped_grad: u32,
+    /// False while the member is not learning yet: it steps nothing and counts no skip.
+    pub active: bool,
 }
 
 /// One member's outputs of `fx_pop_decide`: its `PopFactors` entries and its last report.
@@ -279,7 +281,7 @@ pub fn pop_decide_reference(
     let sumsq = partials.iter().fold(0.0f32, |a, &x| a + x);
     // The kernel's x - x == 0 is exactly is_finite.
     let (ok_loss, ok_grad) = (m.loss.is_finite(), sumsq.is_finite());
-    let ok = ok_loss && ok_grad;
+    let ok = m.active && ok_loss && ok_grad;
     let norm = f64::from(sumsq.sqrt());
     let q = m.max_norm / (norm + 1e-6);
     let coef = if q < 1.0 { q as f32 } else { 1.0 };
@@ -295,8 +297,8 @@ pub fn pop_decide_reference(
     };
     if !dry {
         m.steps = t;
-        m.skipped_loss += u32::from(!ok_loss);
-        m.skipped_grad += u32::from(ok_loss && !ok_grad);
+        m.skipped_loss += u32::from(m.active && !ok_loss);
+        m.skipped_grad += u32::from(m.active && ok_loss && !ok_grad);
     }
     d
 }
@@ -343,8 +345,15 @@ mod tests {
     fn pop_decide_reference_clips_guards_and_counts() {
         let bc1: Vec<f64> = (0..4).map(|t| 1.0 - 0.9f64.powi(t)).collect();
         let bc2: Vec<f64> = (0..3).map(|t| 1.0 - 0.999f64.powi(t)).collect();
-        let member =
-            |loss: f32| PopRefMember { loss, lr: 0.01, max_norm: 1.0, steps: 0, skipped_loss: 0, skipped_grad: 0 };
+        let member = |loss: f32| PopRefMember {
+            loss,
+            lr: 0.01,
+            max_norm: 1.0,
+            steps: 0,
+            skipped_loss: 0,
+            skipped_grad: 0,
+            active: true,
+        };
         // Norm 2 against a clip of 1: factor 1 / (2 + 1e-6); first step's bias corrections.
         let mut m = member(0.5);
         let d = pop_decide_reference(&[3.0, 1.0], &mut m, &bc1, &bc2, false);
@@ -369,6 +378,12 @@ mod tests {
         let d = pop_decide_reference(&[f32::NAN], &mut m, &bc1, &bc2, false);
         assert_eq!((d.ok, d.coef, m.steps, m.skipped_grad), (0.0, 1.0, 0, 2));
         assert!(d.last[1].is_nan());
+        // A member not learning yet steps nothing and counts no skip, finite or not.
+        for loss in [0.5, f32::NAN] {
+            let mut m = PopRefMember { active: false, ..member(loss) };
+            let d = pop_decide_reference(&[1.0], &mut m, &bc1, &bc2, false);
+            assert_eq!((d.ok, m.steps, m.skipped_loss, m.skipped_grad, d.last[2]), (0.0, 0, 0, 0, 1.0));
+        }
     }
 
     /// Adam's first step moves every weight by about lr against its gradient's sign, and

@@ -45,7 +45,8 @@ pub struct PopStepReport {
     pub loss: Vec<f64>,
     /// Each member's global gradient norm before clipping.
     pub grad_norm: Vec<f64>,
-    /// Members whose non-finite loss or gradient made them skip the step.
+    /// Members that skipped the step: a non-finite loss or gradient, or not learning yet
+    /// ([`PopAdamW::set_active`]).
     pub skipped: Vec<bool>,
 }
 
@@ -94,6 +95,9 @@ pub struct PopAdamW {
     skipped_grad: Var,
     /// The last step's loss, gradient norm and skip flag per member (F64 `[3, N]`).
     last: Var,
+    /// 1 where a member learns, 0 where it does not yet (F32 `[N]`; [`Self::set_active`]):
+    /// such a member steps nothing and counts no skip, as a solo run before its first update.
+    active: Var,
     /// On a CUDA device: the member-batched kernels and their buffers.
     #[cfg(feature = "cuda")]
     fused: Option<Fused>,
@@ -257,6 +261,7 @@ impl PopAdamW {
             skipped_loss: u32_zeros()?,
             skipped_grad: u32_zeros()?,
             last: Tensor::zeros((3, n), DType::F64, dev).and_then(|t| Var::from_tensor(&t)).ctx(CTX)?,
+            active: f32s(vec![1.0; n])?,
             #[cfg(feature = "cuda")]
             fused,
         })
@@ -286,6 +291,39 @@ impl PopAdamW {
             put(&self.max_norm, Tensor::new(&[m.max_grad_norm], dev)?)?;
             if let Some(tau) = &self.tau {
                 put(tau, Tensor::new(&[m.tau as f32], dev)?)?;
+            }
+            Ok(())
+        })()
+        .ctx(CTX)
+    }
+
+    /// Whether member `k` learns (the default) or not yet, in place (a captured step reads
+    /// the flag): a member that does not steps nothing, its moments, step count, skip
+    /// counters and target untouched, as a solo run before its first update.
+    pub fn set_active(&self, k: usize, active: bool) -> Result<()> {
+        if k >= self.members {
+            return Err(Error::Config {
+                what: "PopAdamW::set_active",
+                message: format!("no member {k} of {}", self.members),
+            });
+        }
+        let flag = Tensor::new(&[f32::from(u8::from(active))], self.lr.device()).ctx(CTX)?;
+        self.active.as_tensor().slice_set(&flag, 0, k).ctx(CTX)
+    }
+
+    /// Member `k` starts over as a new optimiser with the settings `m`, in place: both
+    /// moments of every tensor zero, step count and skip counters zero (a new trial in a
+    /// freed slot). Whether it learns is [`Self::set_active`]'s.
+    pub fn reset_member(&self, k: usize, m: &PopMember) -> Result<()> {
+        self.set_member(k, m)?;
+        (|| -> candle_core::Result<()> {
+            for v in self.exp_avg.iter().chain(&self.exp_avg_sq) {
+                let t = v.as_tensor();
+                t.slice_set(&t.narrow(0, k, 1)?.zeros_like()?, 0, k)?;
+            }
+            for v in [&self.steps, &self.skipped_loss, &self.skipped_grad] {
+                let t = v.as_tensor();
+                t.slice_set(&t.narrow(0, k, 1)?.zeros_like()?, 0, k)?;
             }
             Ok(())
         })()
@@ -339,6 +377,7 @@ impl PopAdamW {
             self.skipped_loss = var(self.skipped_loss.as_tensor(), 0)?;
             self.skipped_grad = var(self.skipped_grad.as_tensor(), 0)?;
             self.last = var(self.last.as_tensor(), 1)?;
+            self.active = var(self.active.as_tensor(), 0)?;
             #[cfg(feature = "cuda")]
             if let Some(f) = &mut self.fused {
                 *f = Fused::new(f.kernels.clone(), n, f.partials.dim(1)?, &dev)?;
@@ -480,9 +519,10 @@ impl PopAdamW {
     /// accumulation dtype): the guard, the clip factor, the step count and the bias
     /// corrections, as the solo optimiser takes them.
     fn decide(&self, loss_v: &Tensor, sumsq: &Tensor) -> candle_core::Result<Decisions> {
+        let active = self.active.as_tensor().ne(&self.active.as_tensor().zeros_like()?)?;
         let ok_loss = finite(loss_v)?;
         let ok_grad = finite(sumsq)?;
-        let ok = ok_loss.mul(&ok_grad)?;
+        let ok = ok_loss.mul(&ok_grad)?.mul(&active)?;
         let norm = sumsq.sqrt()?.to_dtype(DType::F64)?;
         let coef = self.max_norm.div(&norm.affine(1.0, 1e-6)?)?;
         let one = coef.ones_like()?;
@@ -494,8 +534,8 @@ impl PopAdamW {
         let inv_bc2_sqrt = self.bc2.index_select(&i2, 0)?.sqrt()?.recip()?.to_dtype(DType::F32)?;
         let last =
             Tensor::stack(&[loss_v.to_dtype(DType::F64)?, norm, ok.ones_like()?.sub(&ok)?.to_dtype(DType::F64)?], 0)?;
-        let bad_loss = ok_loss.ones_like()?.sub(&ok_loss)?.to_dtype(DType::U32)?;
-        let bad_grad = ok_loss.mul(&ok_grad.ones_like()?.sub(&ok_grad)?)?.to_dtype(DType::U32)?;
+        let bad_loss = active.mul(&ok_loss.ones_like()?.sub(&ok_loss)?)?.to_dtype(DType::U32)?;
+        let bad_grad = active.mul(&ok_loss)?.mul(&ok_grad.ones_like()?.sub(&ok_grad)?)?.to_dtype(DType::U32)?;
         Ok(Decisions { ok, factor, steps, step_size, inv_bc2_sqrt, last, bad_loss, bad_grad })
     }
 
@@ -614,6 +654,7 @@ impl PopAdamW {
             skipped_loss: addr32(self.skipped_loss.as_tensor(), "skips")?,
             skipped_grad: addr32(self.skipped_grad.as_tensor(), "skips")?,
             last: addr64(self.last.as_tensor(), "last step")?,
+            active: addr(self.active.as_tensor(), "active")?,
             ok: addr(ok, "ok")?,
             coef: addr(coef, "clip factor")?,
             step_size: addr(step_size, "step size")?,

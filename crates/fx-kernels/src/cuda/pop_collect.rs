@@ -24,7 +24,7 @@ use super::{cuda_device, dev_ptr, driver, GpuTradingEnv, LaunchPlan, PTX_ENV_STE
 use crate::checks::expect_tensor;
 use crate::env::{N_ACTIONS, OBS_DIM};
 use crate::error::{CandleContext, Error, Result};
-use crate::replay::{ReplayBatch, ReplayBuffer};
+use crate::replay::{MemberClock, ReplayBatch, ReplayBuffer};
 use crate::schedule::LinearSchedule;
 use crate::vec_env::VecEnv;
 
@@ -32,7 +32,7 @@ use crate::vec_env::VecEnv;
 const SAMPLE_BLOCK: u32 = 256;
 
 /// One member's row of the device table: `FxPopMember` in `kernels/env/fx_env.cuh`, field for
-/// field (pointers as u64; 200 bytes, no padding: `Pod` refuses any, and both sides assert
+/// field (pointers as u64; 224 bytes, no padding: `Pod` refuses any, and both sides assert
 /// the size).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -60,13 +60,16 @@ pub(crate) struct PopMemberArgs {
     pub eps_end: f64,
     pub eps_steps: u64,
     pub sample_seed: u64,
+    pub clock0: u64,
+    pub ring_start: u64,
+    pub key0: u64,
     pub t_len: u32,
     pub ep_len: u32,
     pub n_seg: u32,
     pub clip: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<PopMemberArgs>() == 200);
+const _: () = assert!(std::mem::size_of::<PopMemberArgs>() == 224);
 
 /// See the module docs.
 pub struct PopDqnCollect {
@@ -216,21 +219,23 @@ impl PopDqnCollect {
         })
     }
 
-    /// Puts each member's ε ramp in the table where it changed (a PBT move or new settings).
-    pub fn set_epsilon(&mut self, epsilon: &[LinearSchedule]) -> Result<()> {
-        const CTX: &str = "PopDqnCollect::set_epsilon";
-        if epsilon.len() != self.rows.len() {
+    /// Puts each member's ε ramp and clocks in the table where they changed (a PBT move, new
+    /// settings, a trial in a freed slot).
+    pub fn set_members(&mut self, epsilon: &[LinearSchedule], clocks: &[MemberClock]) -> Result<()> {
+        const CTX: &str = "PopDqnCollect::set_members";
+        if epsilon.len() != self.rows.len() || clocks.len() != self.rows.len() {
             return Err(Error::shape(
-                "epsilon",
+                "epsilon and clocks",
                 CTX,
-                format!("{} schedules", self.rows.len()),
-                epsilon.len().to_string(),
+                format!("{} of each", self.rows.len()),
+                format!("{} and {}", epsilon.len(), clocks.len()),
             ));
         }
         let mut changed = false;
-        for (row, e) in self.rows.iter_mut().zip(epsilon) {
-            if (row.eps_start, row.eps_end, row.eps_steps) != (e.start, e.end, e.steps) {
-                (row.eps_start, row.eps_end, row.eps_steps) = (e.start, e.end, e.steps);
+        for ((row, e), c) in self.rows.iter_mut().zip(epsilon).zip(clocks) {
+            let want = (e.start, e.end, e.steps, c.env_step, c.ring_start, c.key);
+            if (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0) != want {
+                (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0) = want;
                 changed = true;
             }
         }
@@ -332,8 +337,11 @@ impl PopDqnCollect {
 
     /// One minibatch of `B` rows per member into `out` (`N·B` rows: member `k`'s are rows
     /// `k·B..(k+1)·B`), member `k`'s drawn from its replay with its seed at `key`, as
-    /// [`ReplayBuffer::sample_keyed`]`(B, seed_k, key)` draws them.
-    pub fn sample(&self, replays: &[ReplayBuffer], key: u64, out: &ReplayBatch) -> Result<()> {
+    /// [`ReplayBuffer::sample_keyed`]`(B, seed_k, key)` draws them; a member with a clock
+    /// ([`Self::set_members`]) draws at its own key `key − clock.key` from its window of its
+    /// ring (the transitions written since its env step, `env_step` being the population's),
+    /// as [`ReplayBuffer::sample_keyed_window`] does.
+    pub fn sample(&self, replays: &[ReplayBuffer], env_step: u64, key: u64, out: &ReplayBatch) -> Result<()> {
         const CTX: &str = "PopDqnCollect::sample";
         if replays.len() != self.replays.len() || replays.iter().zip(&self.replays).any(|(r, &id)| r.states.id() != id)
         {
@@ -349,10 +357,19 @@ impl PopDqnCollect {
         if len == 0 {
             return Err(Error::Empty { what: "member replays", context: CTX });
         }
-        self.launch_sample(len, key, out, CTX)
+        if let Some(r) = self.rows.iter().find(|r| r.clock0 > env_step || r.key0 > key) {
+            return Err(Error::Config {
+                context: CTX,
+                message: format!(
+                    "a member began at env step {} and draw {}, after env step {env_step} and draw {key}",
+                    r.clock0, r.key0
+                ),
+            });
+        }
+        self.launch_sample(len, env_step, key, out, CTX)
     }
 
-    fn launch_sample(&self, len: u64, key: u64, out: &ReplayBatch, ctx: &'static str) -> Result<()> {
+    fn launch_sample(&self, len: u64, env_step: u64, key: u64, out: &ReplayBatch, ctx: &'static str) -> Result<()> {
         let n = self.rows.len();
         let rows = out.actions.dims().first().copied().unwrap_or(0);
         let b = rows / n;
@@ -370,8 +387,9 @@ impl PopDqnCollect {
         );
         let oa = dev_ptr::<u32>(&out.actions, s, "actions", ctx)?;
         let (stream_id, b32) = (crate::rng::STREAM_REPLAY, b as u32);
+        let (e, cap) = (self.num_envs as u64, self.capacity as u64);
         let mut l = s.launch_builder(&self.k_sample);
-        l.arg(&self.address).arg(&len).arg(&key).arg(&stream_id).arg(&b32);
+        l.arg(&self.address).arg(&len).arg(&env_step).arg(&e).arg(&cap).arg(&key).arg(&stream_id).arg(&b32);
         l.arg(&os).arg(&oa).arg(&or).arg(&os2).arg(&od);
         let grid = (b * OBS_DIM).div_ceil(SAMPLE_BLOCK as usize).clamp(1, 1024) as u32;
         let cfg = LaunchConfig { grid_dim: (grid, n as u32, 1), block_dim: (SAMPLE_BLOCK, 1, 1), shared_mem_bytes: 0 };

@@ -593,7 +593,9 @@ fn state_round_trips_between_backends() {
 /// own series (one a panel of segments), seeds, offsets, costs and ε ramps (one crossing its
 /// end mid-run), E = 37 accounts (not a multiple of a warp) into rings of 100 that wrap;
 /// observations, rewards, done flags, env states, replay contents and keyed minibatches are
-/// bit-identical, and a collector handed other envs refuses to launch.
+/// bit-identical, and a collector handed other envs refuses to launch. Member 1 starts over
+/// at env step 5 (a trial in a freed slot: its clock): from then on its ε ramp, its window of
+/// the ring and its draws are those of a solo run whose ring began there.
 #[test]
 fn pop_collection_equals_the_solo_kernels() {
     let Some(dev) = gpu("pop_collection_equals_the_solo_kernels") else { return };
@@ -634,18 +636,41 @@ fn pop_collection_equals_the_solo_kernels() {
     for k in 0..n {
         assert_eq!(host_f32(&obs.get(k).expect("row")), host_f32(&solo[k].observe().expect("obs")), "initial obs {k}");
     }
+    let (restarted, restart) = (1usize, 5u64);
+    let mut clocks = vec![crate::MemberClock::default(); n];
+    let mut fresh = ReplayBuffer::new(cap, &dev).expect("member 1's own ring");
     for step in 0..12u64 {
         if step == 7 {
             // a PBT explore between steps
             eps[2] = crate::LinearSchedule { start: 0.8, end: 0.2, steps: 20 };
-            col.set_epsilon(&eps).expect("set_epsilon");
+            col.set_members(&eps, &clocks).expect("set_members");
         }
+        if step == restart {
+            let ring_start = rp[restarted].position() as u64;
+            clocks[restarted] = crate::MemberClock { env_step: restart, ring_start, key: 40 + restart };
+            col.set_members(&eps, &clocks).expect("set_members");
+        }
+        let own = |k: usize| k == restarted && step >= restart;
         let q: Vec<f32> = (0..n * e * N_ACTIONS).map(|i| rng::draw(3, 9, i as u64, step) as f32).collect();
         let q = Tensor::from_vec(q, (n, e, N_ACTIONS), &dev).expect("q");
         col.collect(&pop_refs, &mut rp, &q, step, &obs, Some(&rew), Some(&done)).expect("collect");
         for k in 0..n {
-            let (_, o) = solo[k].collect_dqn(&q.get(k).expect("q"), eps[k].value(step), &mut rs[k]).expect("solo");
             let what = format!("member {k} step {step}");
+            let qk = q.get(k).expect("q");
+            if own(k) {
+                let (_, o) = solo[k].collect_dqn(&qk, eps[k].value(step - restart), &mut fresh).expect("solo");
+                assert_eq!(host_f32(&obs.get(k).expect("row")), host_f32(&o), "{what}: obs");
+                // Its window of the shared ring holds its own ring's rows.
+                let start = clocks[k].ring_start as usize;
+                let slots: Vec<u32> = (0..fresh.len()).map(|i| ((start + i) % cap) as u32).collect();
+                let window = rp[k].gather(&Tensor::from_vec(slots, fresh.len(), &dev).expect("idx")).expect("gather");
+                let mine = fresh.stored().expect("stored");
+                assert_eq!(host_f32(&window.states), host_f32(&mine.states), "{what}: window s");
+                assert_eq!(host_f32(&window.rewards), host_f32(&mine.rewards), "{what}: window r");
+                assert_eq!(host_u32(&window.actions), host_u32(&mine.actions), "{what}: window a");
+                continue;
+            }
+            let (_, o) = solo[k].collect_dqn(&qk, eps[k].value(step), &mut rs[k]).expect("solo");
             assert_eq!(host_f32(&obs.get(k).expect("row")), host_f32(&o), "{what}: obs");
             assert_eq!(solo[k].state().expect("state"), pop[k].state().expect("state"), "{what}: env state");
             let stored = rs[k].stored().expect("stored");
@@ -659,7 +684,7 @@ fn pop_collection_equals_the_solo_kernels() {
         }
         // the rewards and done flags are those the replay got at this step's slots
         let slot = (step as usize * e) % cap;
-        for k in 0..n {
+        for k in (0..n).filter(|&k| !own(k)) {
             let idx = Tensor::from_vec((0..e).map(|i| ((slot + i) % cap) as u32).collect(), e, &dev).expect("idx");
             let b = rs[k].gather(&idx).expect("gather");
             assert_eq!(host_f32(&rew.get(k).expect("row")), host_f32(&b.rewards), "member {k} step {step}: reward");
@@ -667,9 +692,13 @@ fn pop_collection_equals_the_solo_kernels() {
         }
         let b = 64;
         let out = crate::ReplayBatch::alloc(n * b, &dev, "test").expect("batch");
-        col.sample(&rp, 40 + step, &out).expect("sample");
+        col.sample(&rp, step + 1, 40 + step, &out).expect("sample");
         for k in 0..n {
-            let want = rs[k].sample_keyed(b, sample_seeds[k], 40 + step).expect("solo sample");
+            let want = if own(k) {
+                fresh.sample_keyed(b, sample_seeds[k], step - restart).expect("own sample")
+            } else {
+                rs[k].sample_keyed(b, sample_seeds[k], 40 + step).expect("solo sample")
+            };
             let rows = |t: &Tensor| host_f32(&t.narrow(0, k * b, b).expect("rows"));
             let what = format!("member {k} step {step} sample");
             assert_eq!(rows(&out.states), host_f32(&want.states), "{what}: s");

@@ -32,7 +32,7 @@
 //! precision, Adam's betas and eps, Huber δ) must agree.
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use fx_kernels::{ReplayBuffer, VecEnv};
+use fx_kernels::{MemberClock, ReplayBuffer, RingWindow, VecEnv};
 use fx_precision::{PopAdamW, PopMember, Precision};
 use serde::{Deserialize, Serialize};
 
@@ -109,6 +109,14 @@ struct PopCounters {
     /// Each member's replay length and ring position.
     replays: Vec<(usize, usize)>,
     members: Vec<DqnConfig>,
+    /// Each member's clock, transitions of its own and whether it learns (absent in states
+    /// written before members could start over: every member from the start).
+    #[serde(default)]
+    clocks: Vec<MemberClock>,
+    #[serde(default)]
+    own: Vec<usize>,
+    #[serde(default)]
+    learning: Vec<bool>,
 }
 
 impl crate::state_meta::Versioned for PopCounters {
@@ -129,8 +137,18 @@ pub struct DqnPopulation {
     opt: PopAdamW,
     replays: Vec<ReplayBuffer>,
     env_steps: u64,
-    /// Minibatches drawn (the sampling key; members draw at the same keys with their seeds).
+    /// Minibatches drawn (the sampling key; members draw at the same keys with their seeds,
+    /// less their clock's draws).
     sampled: u64,
+    /// Each member's clock: zero for a member from the start, the population's counters at
+    /// its start for one that took a freed slot ([`Self::replace_member`]).
+    clocks: Vec<MemberClock>,
+    /// Transitions each member wrote since it began (at most the capacity): with its clock's
+    /// ring slot, its window of its ring.
+    own: Vec<usize>,
+    /// Whether each member learns yet (its own transitions reached `learning_starts`); the
+    /// optimiser's active flags mirror it.
+    learning: Vec<bool>,
     #[cfg(feature = "cuda")]
     graph: Option<CapturedUpdate>,
     /// `step` tried to capture the update already (and, under `graph = auto`, ran eagerly
@@ -313,6 +331,9 @@ impl DqnPopulation {
             replays,
             env_steps: 0,
             sampled: 0,
+            clocks: vec![MemberClock::default(); n],
+            own: vec![0; n],
+            learning: vec![true; n],
             #[cfg(feature = "cuda")]
             graph: None,
             #[cfg(feature = "cuda")]
@@ -451,6 +472,9 @@ impl DqnPopulation {
         let mut replays = std::mem::take(&mut self.replays).into_iter().map(Some).collect::<Vec<_>>();
         self.replays = keep.iter().filter_map(|&k| replays[k].take()).collect();
         self.members = keep.iter().map(|&k| self.members[k].clone()).collect();
+        self.clocks = keep.iter().map(|&k| self.clocks[k]).collect();
+        self.own = keep.iter().map(|&k| self.own[k]).collect();
+        self.learning = keep.iter().map(|&k| self.learning[k]).collect();
         #[cfg(feature = "cuda")]
         {
             self.graph = None;
@@ -488,6 +512,9 @@ impl DqnPopulation {
             sampled: self.sampled,
             replays,
             members: self.members.clone(),
+            clocks: self.clocks.clone(),
+            own: self.own.clone(),
+            learning: self.learning.clone(),
         };
         let mut meta = std::collections::HashMap::new();
         crate::state_meta::write(&mut meta, POP_STATE_KEY, &c, CTX)?;
@@ -528,12 +555,115 @@ impl DqnPopulation {
         nt.finish().ctx(CTX)?;
         me.env_steps = c.env_steps;
         me.sampled = c.sampled;
+        if c.clocks.is_empty() && c.own.is_empty() && c.learning.is_empty() {
+            me.own = me.replays.iter().map(ReplayBuffer::len).collect();
+        } else if c.clocks.len() != n || c.own.len() != n || c.learning.len() != n {
+            return Err(Error::config(
+                CTX,
+                format!(
+                    "{}: {} clocks, {} own counts and {} learning flags for {n} members",
+                    path.display(),
+                    c.clocks.len(),
+                    c.own.len(),
+                    c.learning.len()
+                ),
+            ));
+        } else {
+            (me.clocks, me.own, me.learning) = (c.clocks, c.own, c.learning);
+        }
+        for (k, &l) in me.learning.iter().enumerate().filter(|(_, &l)| !l) {
+            me.opt.set_active(k, l).map_err(|e| Error::config(CTX, e.to_string()))?;
+        }
         Ok(me)
     }
 
-    /// Each member's ε for the next environment step.
+    /// Each member's ε for the next environment step (its schedule at its own step).
     pub fn epsilon(&self) -> Vec<f64> {
-        self.members.iter().map(|m| m.epsilon.value(self.env_steps)).collect()
+        self.members.iter().zip(&self.clocks).map(|(m, c)| m.epsilon.value(self.env_steps - c.env_step)).collect()
+    }
+
+    /// Members that learn yet (those that started over learn once their own transitions
+    /// reach `learning_starts`): the members an update round steps.
+    pub fn learning_members(&self) -> usize {
+        self.learning.iter().filter(|&&l| l).count()
+    }
+
+    /// Environment steps member `k` has taken since it began (the population's for a member
+    /// from the start).
+    pub fn member_env_steps(&self, k: usize) -> Option<u64> {
+        self.clocks.get(k).map(|c| self.env_steps - c.env_step)
+    }
+
+    /// Member `k` starts over as a new run of `cfg` between steps (a trial in the slot of
+    /// one that successive halving stopped): online and target weights drawn from its seed,
+    /// AdamW moments, step count and skip counters zero, its settings, and clocks from this
+    /// step, so that from here it is the solo run of `cfg` (its ε ramp, its update schedule,
+    /// its draws and its share of the ring count from now; it learns once its own
+    /// transitions reach `learning_starts`). The caller hands it a new environment from the
+    /// next step on. Every shared key must equal the population's (an error names them), and
+    /// the population's steps must be a multiple of `train_every` (so the member's update
+    /// schedule is the solo one). The other members do not notice.
+    pub fn replace_member(&mut self, k: usize, cfg: DqnConfig) -> Result<()> {
+        if k >= self.len() {
+            return Err(Error::config(CTX, format!("no member {k} of {}", self.len())));
+        }
+        cfg.validate().map_err(|e| Error::config(CTX, format!("member {k}: {e}")))?;
+        if shared_keys(&cfg) != shared_keys(&self.members[k]) {
+            return Err(Error::config(
+                CTX,
+                format!("member {k}: a new run must share the population's keys ({})", shared_keys(&self.members[k])),
+            ));
+        }
+        let every = self.members[0].train_every;
+        if !self.env_steps.is_multiple_of(every) {
+            return Err(Error::config(
+                CTX,
+                format!(
+                    "member {k} can start over at env step {}: not a multiple of train_every = {every}",
+                    self.env_steps
+                ),
+            ));
+        }
+        let fresh =
+            ParamStore::linear_init_population("dqn", cfg.net.param_specs(), self.online.device(), &[cfg.seed])?
+                .member(0)?;
+        self.online.set_member(k, &fresh)?;
+        self.target.set_member(k, &fresh)?;
+        let opt_err = |e: fx_precision::Error| Error::config(CTX, e.to_string());
+        self.opt.reset_member(k, &pop_member(&cfg)).map_err(opt_err)?;
+        self.opt.set_active(k, false).map_err(opt_err)?;
+        let g = Tensor::new(&[[cfg.gamma as f32]], self.gamma.device()).ctx(CTX)?;
+        self.gamma.as_tensor().slice_set(&g, 0, k).ctx(CTX)?;
+        self.clocks[k] =
+            MemberClock { env_step: self.env_steps, ring_start: self.replays[k].position() as u64, key: self.sampled };
+        self.own[k] = 0;
+        self.learning[k] = false;
+        self.members[k] = cfg;
+        // The collector's table holds the members' sampling seeds: built again at the next step.
+        #[cfg(feature = "cuda")]
+        {
+            self.collect = None;
+        }
+        Ok(())
+    }
+
+    /// Before an update round: members whose own transitions reached `learning_starts`
+    /// begin learning (their first draw is the next one). Whether any member learns.
+    fn start_learning(&mut self) -> Result<bool> {
+        let starts = self.members[0].learning_starts.max(1);
+        for k in 0..self.len() {
+            if !self.learning[k] && self.own[k] >= starts {
+                self.learning[k] = true;
+                self.clocks[k].key = self.sampled;
+                self.opt.set_active(k, true).map_err(|e| Error::config(CTX, e.to_string()))?;
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(bc) = self.collect.as_mut() {
+            let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
+            bc.col.set_members(&schedules, &self.clocks).ctx(CTX)?;
+        }
+        Ok(self.learning.iter().zip(&self.own).any(|(&l, &o)| l && o >= starts))
     }
 
     /// One environment step of every member (`envs[k]` is member `k`'s), ε-greedy on its own
@@ -546,6 +676,10 @@ impl DqnPopulation {
         let eps = self.epsilon();
         let (rewards, dones) = self.collect_step(envs, &eps, read)?;
         self.env_steps += 1;
+        let cap = self.members[0].replay_capacity;
+        for (o, env) in self.own.iter_mut().zip(envs.iter()) {
+            *o = (*o + env.num_envs()).min(cap);
+        }
         let (mut mean_reward, mut episodes_done) = (None, None);
         if let (Some(r), Some(d)) = (rewards, dones) {
             let e = r.dim(1).ctx(CTX)?.max(1) as f64;
@@ -560,8 +694,9 @@ impl DqnPopulation {
         let first = &self.members[0];
         let len = self.replays[0].len();
         let (mut updates, mut updates_queued) = (Vec::new(), 0);
-        if len >= first.learning_starts.max(1) && self.env_steps.is_multiple_of(first.train_every) {
-            for _ in 0..first.gradient_steps {
+        let gradient_steps = first.gradient_steps;
+        if self.env_steps.is_multiple_of(first.train_every) && self.start_learning()? {
+            for _ in 0..gradient_steps {
                 self.sample_and_update()?;
                 if read {
                     updates.push(self.last_update()?);
@@ -645,7 +780,7 @@ impl DqnPopulation {
             });
         }
         let Some(bc) = self.collect.as_mut() else { return Ok(None) };
-        bc.col.set_epsilon(&schedules).ctx(CTX)?;
+        bc.col.set_members(&schedules, &self.clocks).ctx(CTX)?;
         bc.col.observe(&genvs, &self.replays, &bc.obs).ctx(CTX)?;
         let w: Vec<Tensor> = self.online.vars().iter().map(|v| v.as_tensor().detach()).collect();
         let q = forward(&w, &bc.obs, self.members[0].precision)
@@ -678,7 +813,7 @@ impl DqnPopulation {
                 next_states: flat(&i.next_obs, fx_kernels::OBS_DIM).ctx(CTX)?,
                 dones: flat(&i.dones, 1).ctx(CTX)?,
             };
-            bc.col.sample(&self.replays, self.sampled, &view).ctx(CTX)?;
+            bc.col.sample(&self.replays, self.env_steps, self.sampled, &view).ctx(CTX)?;
             self.sampled += 1;
             return g.graph.replay().ctx(CTX);
         }
@@ -702,7 +837,7 @@ impl DqnPopulation {
         if let Some(bc) = &self.collect {
             let (n, s) = (self.len(), self.members[0].net.state_dim);
             let out = fx_kernels::ReplayBatch::alloc(n * b, self.online.device(), CTX).ctx(CTX)?;
-            bc.col.sample(&self.replays, self.sampled, &out).ctx(CTX)?;
+            bc.col.sample(&self.replays, self.env_steps, self.sampled, &out).ctx(CTX)?;
             self.sampled += 1;
             return Ok(PopBatch {
                 obs: out.states.reshape((n, b, s)).ctx(CTX)?,
@@ -713,8 +848,16 @@ impl DqnPopulation {
             });
         }
         let mut parts: [Vec<Tensor>; 5] = Default::default();
-        for (m, replay) in self.members.iter().zip(&self.replays) {
-            let s = replay.sample_keyed(b, m.seed, self.sampled).ctx(CTX)?;
+        for (k, (m, replay)) in self.members.iter().zip(&self.replays).enumerate() {
+            // A member not learning yet draws from the whole ring: rows its masked update
+            // never applies.
+            let c = &self.clocks[k];
+            let s = if self.learning[k] {
+                let w = RingWindow { start: c.ring_start as usize, len: self.own[k] };
+                replay.sample_keyed_window(b, m.seed, self.sampled - c.key, w).ctx(CTX)?
+            } else {
+                replay.sample_keyed(b, m.seed, self.sampled).ctx(CTX)?
+            };
             for (p, t) in parts.iter_mut().zip([s.states, s.actions, s.rewards, s.next_states, s.dones]) {
                 p.push(t);
             }
@@ -916,40 +1059,136 @@ pub(crate) mod tests {
                 }
             }
         }
-        let (applied, skipped) = pop.counters().unwrap();
         for (j, &k) in watched.iter().enumerate() {
-            let solo = &solos[j];
-            assert_eq!((applied[k], skipped[k]), (solo.updates(), solo.skipped_updates()), "member {k} counters");
-            let (on, tg) = (pop.online().member(k).unwrap(), pop.target().member(k).unwrap());
-            for (spec, (a, b)) in on.specs().iter().zip(on.vars().iter().zip(solo.online().params().vars())) {
-                same(a.as_tensor(), b.as_tensor(), &format!("member {k} online {}", spec.name));
-            }
-            for (spec, (a, b)) in tg.specs().iter().zip(tg.vars().iter().zip(solo.target().params().vars())) {
-                same(a.as_tensor(), b.as_tensor(), &format!("member {k} target {}", spec.name));
-            }
-            let opt = solo.optimizer_state();
-            let (m, v) = pop.moments(k).unwrap();
-            for (i, spec) in on.specs().iter().enumerate() {
-                same(&m[i], &opt[&format!("{}.exp_avg", spec.name)], &format!("member {k} exp_avg {}", spec.name));
-                same(
-                    &v[i],
-                    &opt[&format!("{}.exp_avg_sq", spec.name)],
-                    &format!("member {k} exp_avg_sq {}", spec.name),
-                );
-            }
-            let (a, b) = (pop.replay(k).unwrap().stored().unwrap(), solo.replay().stored().unwrap());
-            for (what, x, y) in [
-                ("states", &a.states, &b.states),
-                ("actions", &a.actions, &b.actions),
-                ("rewards", &a.rewards, &b.rewards),
-                ("next_states", &a.next_states, &b.next_states),
-                ("dones", &a.dones, &b.dones),
-            ] {
-                same(x, y, &format!("member {k} replay {what}"));
-            }
+            assert_member_is_solo(&pop, k, &solos[j]);
         }
+        let applied = pop.counters().unwrap().0;
         assert!(applied.iter().all(|&a| a >= 200), "every member trained: {applied:?}");
         assert!(clipped > 100, "member 3 must be clipped on most steps, was on {clipped}");
+    }
+
+    /// Member `k`'s weights, target, moments, counters and replay (its window of the ring)
+    /// are the solo trainer's, bit for bit.
+    fn assert_member_is_solo(pop: &DqnPopulation, k: usize, solo: &DqnTrainer) {
+        let (applied, skipped) = pop.counters().unwrap();
+        assert_eq!((applied[k], skipped[k]), (solo.updates(), solo.skipped_updates()), "member {k} counters");
+        let (on, tg) = (pop.online().member(k).unwrap(), pop.target().member(k).unwrap());
+        for (spec, (a, b)) in on.specs().iter().zip(on.vars().iter().zip(solo.online().params().vars())) {
+            same(a.as_tensor(), b.as_tensor(), &format!("member {k} online {}", spec.name));
+        }
+        for (spec, (a, b)) in tg.specs().iter().zip(tg.vars().iter().zip(solo.target().params().vars())) {
+            same(a.as_tensor(), b.as_tensor(), &format!("member {k} target {}", spec.name));
+        }
+        let opt = solo.optimizer_state();
+        let (m, v) = pop.moments(k).unwrap();
+        for (i, spec) in on.specs().iter().enumerate() {
+            same(&m[i], &opt[&format!("{}.exp_avg", spec.name)], &format!("member {k} exp_avg {}", spec.name));
+            same(&v[i], &opt[&format!("{}.exp_avg_sq", spec.name)], &format!("member {k} exp_avg_sq {}", spec.name));
+        }
+        let ring = pop.replay(k).unwrap();
+        let (start, own) = (pop.clocks[k].ring_start as usize, pop.own[k]);
+        let slots: Vec<u32> = (0..own).map(|i| ((start + i) % ring.capacity()) as u32).collect();
+        let a = ring.gather(&Tensor::from_vec(slots, own, &Device::Cpu).unwrap()).unwrap();
+        let b = solo.replay().stored().unwrap();
+        for (what, x, y) in [
+            ("states", &a.states, &b.states),
+            ("actions", &a.actions, &b.actions),
+            ("rewards", &a.rewards, &b.rewards),
+            ("next_states", &a.next_states, &b.next_states),
+            ("dones", &a.dones, &b.dones),
+        ] {
+            same(x, y, &format!("member {k} replay {what}"));
+        }
+    }
+
+    /// A member that starts over mid-run (a new trial in a freed slot, after the ring has
+    /// wrapped, with another seed, γ, τ, learning rate, clip and ε ramp) is from then on the
+    /// solo run of its config, bit for bit on the CPU over 120 env steps: its ε, rewards,
+    /// losses and gradient norms step by step, no update before its own `learning_starts`,
+    /// then its weights, target, moments, counters and replay; the other members are the
+    /// population's that never replaced one. A replacement off the `train_every` grid or
+    /// with another shape is refused.
+    #[test]
+    fn a_member_that_starts_over_is_the_solo_run_of_its_config() {
+        let n = 3;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let mut a = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let mut b = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
+        let mk = || (0..n).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect::<Vec<_>>();
+        let (mut ea, mut eb) = (mk(), mk());
+        let step = |p: &mut DqnPopulation, e: &mut [fx_kernels::CpuTradingEnv]| {
+            let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
+            p.step(&mut refs, true).unwrap()
+        };
+        for _ in 0..37 {
+            assert_eq!(step(&mut a, &mut ea), step(&mut b, &mut eb));
+        }
+        assert!(a.replay(1).unwrap().position() > 0 && a.counters().unwrap().0[1] > 0, "mid-run, ring wrapped");
+        let new = DqnConfig { seed: 1234, ..tiny(4) };
+        assert!(a.replace_member(1, DqnConfig { batch_size: 8, ..new.clone() }).is_err(), "a shared key");
+        assert!(a.replace_member(3, new.clone()).is_err());
+        let mut every =
+            DqnPopulation::new(cfgs.iter().map(|c| DqnConfig { train_every: 2, ..c.clone() }).collect(), &Device::Cpu)
+                .unwrap();
+        let mut e2 = mk();
+        step(&mut every, &mut e2);
+        let err = every.replace_member(0, DqnConfig { train_every: 2, ..new.clone() }).unwrap_err().to_string();
+        assert!(err.contains("train_every"), "{err}");
+        a.replace_member(1, new.clone()).unwrap();
+        assert_eq!(a.member_env_steps(1), Some(0));
+        ea[1] = ar1_env(4, 32, 400, 77);
+        let mut solo = DqnTrainer::new(new.clone(), &Device::Cpu).unwrap();
+        let mut solo_env = ar1_env(4, 32, 400, 77);
+        let (mut solo_updates, mut masked) = (0, 0);
+        for t in 0..120 {
+            let (p, q) = (step(&mut a, &mut ea), step(&mut b, &mut eb));
+            let s = solo.step(&mut solo_env).unwrap();
+            assert_eq!(s.epsilon, p.epsilon[1], "ε at its step {t}");
+            assert_eq!(s.mean_reward.unwrap(), p.mean_reward.as_ref().unwrap()[1], "reward at its step {t}");
+            assert_eq!(s.episodes_done.unwrap(), p.episodes_done.as_ref().unwrap()[1]);
+            if s.updates.is_empty() {
+                // Rounds of the others: it takes no step there and counts no skip.
+                masked += p.updates.len();
+                assert!(p.updates.iter().all(|u| u.skipped[1]), "it steps nothing before learning_starts");
+            } else {
+                assert_eq!(s.updates.len(), p.updates.len());
+                solo_updates += s.updates.len();
+                for (su, pu) in s.updates.iter().zip(&p.updates) {
+                    assert_eq!(
+                        (su.loss, su.grad_norm, su.skipped),
+                        (pu.loss[1], pu.grad_norm[1], pu.skipped[1]),
+                        "{t}"
+                    );
+                }
+            }
+            for k in [0, 2] {
+                assert_eq!(
+                    (p.epsilon[k], &p.mean_reward.as_ref().unwrap()[k]),
+                    (q.epsilon[k], &q.mean_reward.as_ref().unwrap()[k])
+                );
+                for (x, y) in p.updates.iter().zip(&q.updates) {
+                    assert_eq!((x.loss[k], x.grad_norm[k], x.skipped[k]), (y.loss[k], y.grad_norm[k], y.skipped[k]));
+                }
+            }
+        }
+        assert!(masked >= 4 && solo_updates > 90, "masked rounds {masked}, its updates {solo_updates}");
+        assert_member_is_solo(&a, 1, &solo);
+        for k in [0, 2] {
+            for (x, y) in a.online().member(k).unwrap().vars().iter().zip(b.online().member(k).unwrap().vars()) {
+                same(x.as_tensor(), y.as_tensor(), &format!("member {k} online"));
+            }
+        }
+        let (ca, cb) = (a.counters().unwrap(), b.counters().unwrap());
+        assert_eq!((ca.0[0], ca.0[2], ca.1[0], ca.1[2]), (cb.0[0], cb.0[2], cb.1[0], cb.1[2]));
+        // Its clock travels with a saved state.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pop.safetensors");
+        a.snapshot().unwrap().write(&path).unwrap();
+        let c = DqnPopulation::load_state(&path, &Device::Cpu).unwrap();
+        assert_eq!(
+            (c.clocks.clone(), c.own.clone(), c.learning.clone()),
+            (a.clocks.clone(), a.own.clone(), a.learning.clone())
+        );
     }
 
     /// A population saved mid-run (replays wrapped, a PBT explore applied) and restored with its environments' states goes on as the one that
@@ -1462,6 +1701,73 @@ pub(crate) mod tests {
         for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
             let e = rel_err(a.as_tensor(), b.as_tensor());
             eprintln!("batched vs per-member online {i}: rel err {e:.2e}");
+            assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
+        }
+    }
+
+    /// On CUDA with GPU envs, a member that starts over mid-run (a new trial in a freed
+    /// slot): the batched collection and sampling (its clock in the collector's table, its
+    /// masked rounds in the captured update) train the population as the per-member path
+    /// (its window drawn on the host) does over 120 more env steps: bit-identical env
+    /// states, replays, rewards and skips, the same counters, weights within 1e-6 relative;
+    /// and the new member took as many optimiser steps as its solo trainer.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_member_that_starts_over_trains_alike_on_both_gpu_paths() {
+        let Some(dev) = fx_hw::test_gpu("dqn::population::a_member_that_starts_over_trains_alike_on_both_gpu_paths")
+        else {
+            return;
+        };
+        let n = 3;
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
+            (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev)).collect()
+        };
+        let (mut fast_envs, mut slow_envs) = (gpu_envs(), gpu_envs());
+        let mut fast = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
+        let mut slow = DqnPopulation::new(cfgs, &dev).unwrap();
+        slow.batched = false;
+        let new = DqnConfig { seed: 1234, ..tiny(4) };
+        let mut solo = DqnTrainer::new(new.clone(), &dev).unwrap();
+        let mut solo_env = crate::synthetic::ar1_gpu_env(4, 32, 400, 77, &dev);
+        for step in 0..157 {
+            if step == 37 {
+                for (pop, envs) in [(&mut fast, &mut fast_envs), (&mut slow, &mut slow_envs)] {
+                    pop.replace_member(1, new.clone()).unwrap();
+                    envs[1] = crate::synthetic::ar1_gpu_env(4, 32, 400, 77, &dev);
+                }
+            }
+            let read = step % 10 == 0;
+            let mut fr: Vec<&mut dyn VecEnv> = fast_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let f = fast.step(&mut fr, read).unwrap();
+            let mut sr: Vec<&mut dyn VecEnv> = slow_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let s = slow.step(&mut sr, read).unwrap();
+            if step >= 37 {
+                let t = solo.step_with(&mut solo_env, read).unwrap();
+                assert_eq!(t.epsilon, f.epsilon[1], "step {step}: the new member's ε");
+            }
+            assert!(fast.collect.is_some() && slow.collect.is_none(), "step {step}: the paths taken");
+            assert_eq!((&f.mean_reward, &f.episodes_done), (&s.mean_reward, &s.episodes_done), "step {step}");
+            for (a, b) in f.updates.iter().zip(&s.updates) {
+                assert_eq!(a.skipped, b.skipped, "step {step}: skips");
+            }
+        }
+        assert!(fast.update_captured() && slow.update_captured());
+        assert_eq!(fast.counters().unwrap(), slow.counters().unwrap());
+        solo.sync_counters().unwrap();
+        let applied = fast.counters().unwrap().0;
+        assert_eq!(applied[1], solo.updates(), "the new member's optimiser steps");
+        assert!(applied[1] > 50 && applied[0] > applied[1], "{applied:?}");
+        for k in 0..n {
+            assert_eq!(fast_envs[k].state().unwrap(), slow_envs[k].state().unwrap(), "member {k} env state");
+            let (a, b) = (fast.replay(k).unwrap().stored().unwrap(), slow.replay(k).unwrap().stored().unwrap());
+            same(&a.states, &b.states, &format!("member {k} replay states"));
+            same(&a.actions, &b.actions, &format!("member {k} replay actions"));
+            same(&a.rewards, &b.rewards, &format!("member {k} replay rewards"));
+        }
+        for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
+            let e = rel_err(a.as_tensor(), b.as_tensor());
+            eprintln!("start over, batched vs per-member online {i}: rel err {e:.2e}");
             assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
         }
     }

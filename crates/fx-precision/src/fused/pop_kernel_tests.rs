@@ -153,6 +153,7 @@ fn pop_decide_matches_reference() {
             steps: (r(5, k, 0) * 500.0) as u32,
             skipped_loss: (r(6, k, 0) * 5.0) as u32,
             skipped_grad: (r(7, k, 0) * 5.0) as u32,
+            active: true,
         })
         .collect();
     // Non-finite cases: a NaN and an infinite loss, a NaN and an infinite partial, both at once,
@@ -166,6 +167,10 @@ fn pop_decide_matches_reference() {
     partials[10 * cols..11 * cols].fill(0.0);
     m[11].steps = 0;
     m[12].steps = bc2.len() as u32 - 2;
+    // Members not learning yet, one of them with a NaN loss: nothing steps, no skip counts.
+    m[13].active = false;
+    m[14].active = false;
+    m[14].loss = f32::NAN;
     let up32 = |x: &[f32]| Tensor::from_slice(x, x.len(), &dev).unwrap();
     let up64 = |x: &[f64]| Tensor::from_slice(x, x.len(), &dev).unwrap();
     let upu = |x: &[u32]| Tensor::from_slice(x, x.len(), &dev).unwrap();
@@ -178,6 +183,7 @@ fn pop_decide_matches_reference() {
     let d_sl = upu(&m.iter().map(|m| m.skipped_loss).collect::<Vec<_>>());
     let d_sg = upu(&m.iter().map(|m| m.skipped_grad).collect::<Vec<_>>());
     let d_last = Tensor::zeros((3, members), DType::F64, &dev).unwrap();
+    let d_active = up32(&m.iter().map(|m| f32::from(u8::from(m.active))).collect::<Vec<_>>());
     let outs: Vec<Tensor> = (0..4).map(|_| Tensor::zeros(members, DType::F32, &dev).unwrap()).collect();
     let a32 = |t: &Tensor| address::<f32>(t, "f32").unwrap();
     let a64 = |t: &Tensor| address::<f64>(t, "f64").unwrap();
@@ -193,6 +199,7 @@ fn pop_decide_matches_reference() {
         skipped_loss: au(&d_sl),
         skipped_grad: au(&d_sg),
         last: a64(&d_last),
+        active: a32(&d_active),
         ok: a32(&outs[0]),
         coef: a32(&outs[1]),
         step_size: a32(&outs[2]),
@@ -237,6 +244,6 @@ fn pop_decide_matches_reference() {
             clipped += usize::from(want.coef < 1.0);
             skipped += usize::from(want.ok == 0.0);
         }
-        assert!(clipped > members / 4 && skipped == 5, "clipped {clipped}, skipped {skipped}: cases not covered");
+        assert!(clipped > members / 4 && skipped == 7, "clipped {clipped}, skipped {skipped}: cases not covered");
     }
 }

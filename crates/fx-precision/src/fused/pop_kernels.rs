@@ -97,6 +97,8 @@ pub struct PopDecide {
     pub skipped_grad: u64,
     /// F64 `[3, members]`, written: loss, gradient norm before clipping, 1 where skipped.
     pub last: u64,
+    /// F32: 0 where a member is not learning yet (it steps nothing and counts no skip).
+    pub active: u64,
     /// F32, written: [`PopFactors`]' `ok`, `coef`, `step_size` and `inv_bc2_sqrt`.
     pub ok: u64,
     pub coef: u64,

@@ -75,6 +75,7 @@ mod wave_state;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -408,7 +409,25 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
             bail!("sweep file {}: [halving] ranks every trial of a population at each rung; it is not for shards or [pbt]", config.display());
         }
         if !base.model.is_sequence() {
-            h.step_rungs(base.steps).with_context(|| format!("sweep file {}", config.display()))?;
+            let rungs = h.step_rungs(base.steps).with_context(|| format!("sweep file {}", config.display()))?;
+            // A DQN trial that takes a freed slot starts on its own update schedule only at a
+            // multiple of train_every (`DqnPopulation::replace_member`).
+            let every = base.dqn.train_every;
+            if base.model != ModelChoice::Ppo && rungs.iter().any(|r| r % every != 0) {
+                bail!(
+                    "sweep file {}: [halving] rungs {rungs:?} must be multiples of dqn.train_every = {every} (a stopped trial's slot takes the next trial there); set min_steps and steps to multiples",
+                    config.display()
+                );
+            }
+            if let Some((t, c)) =
+                cfgs.iter().enumerate().find(|(_, c)| c.dqn.train_every != every && base.model != ModelChoice::Ppo)
+            {
+                bail!(
+                    "sweep file {}: [halving] needs one dqn.train_every for every trial; trial {t} has {}, [run] {every}",
+                    config.display(),
+                    c.dqn.train_every
+                );
+            }
             if let Some((t, c)) = cfgs.iter().enumerate().find(|(_, c)| c.steps != base.steps) {
                 bail!(
                     "sweep file {}: [halving] needs one steps for every trial (the rungs); trial {t} has {}, [run] {}",
@@ -484,7 +503,8 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
             "halving": {"min_epochs": h.min_epochs.unwrap_or(1), "eta": h.eta, "rungs": h.rungs(base.seq.epochs)?}});
         return finish(&spec, &cfgs, &rows, out, spec.best, extra);
     }
-    let waves = plan_waves(&base, &cfgs, &selected, spec.members)?;
+    let refill = spec.halving.is_some() && !base.model.is_sequence() && base.model != ModelChoice::Ppo;
+    let waves = plan_waves(&base, &cfgs, &selected, spec.members, refill)?;
     let todo: Vec<&Wave> = waves.iter().filter(|w| w.trials.iter().any(|t| !done.contains_key(t))).collect();
     if !rows_path.exists() {
         // A shard with no trial of its own (more shards than trials) still leaves its rows,
@@ -506,9 +526,10 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     };
     for wave in todo {
         let trials: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
+        let slots = wave.slots.min(trials.len());
         let dir = WaveDir { out, checkpoint_every: spec.checkpoint_every()? };
         let Some((rows, mut summary)) =
-            train_population(&base, &cfgs, &trials, &params, &dir, plan.as_ref(), spec.halving.as_ref(), stop)?
+            train_population(&base, &cfgs, &trials, &params, &dir, plan.as_ref(), spec.halving.as_ref(), slots, stop)?
         else {
             println!(
                 "sweep interrupted: {} of {} trials done (finished waves are kept); run the same command to go on",
@@ -531,7 +552,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
     }
     crate::population::remove_waves(out)?;
     let rows: Vec<TrialRow> = done.into_values().collect();
-    let populations: Vec<usize> = waves.iter().map(|w| w.trials.len()).collect();
+    let populations: Vec<usize> = waves.iter().map(|w| w.slots).collect();
     // A shard's best trials are its own; the sweep's come from the merged report.
     let best = if shard.is_some() { 0 } else { spec.best };
     let mut extra = json!({"populations": populations, "shard": shard.map(|(i, n)| format!("{i}/{n}"))});
@@ -640,7 +661,7 @@ fn run_tpe(
             }
         }
         let trials: Vec<usize> = range.clone().collect();
-        let waves = plan_waves(base, &cfgs, &trials, spec.members)?;
+        let waves = plan_waves(base, &cfgs, &trials, spec.members, false)?;
         populations.extend(waves.iter().map(|w| w.trials.len()));
         for wave in &waves {
             let todo: Vec<usize> = wave.trials.iter().copied().filter(|t| !done.contains_key(t)).collect();
@@ -648,7 +669,8 @@ fn run_tpe(
                 continue;
             }
             let dir = WaveDir { out, checkpoint_every: spec.checkpoint_every()? };
-            let Some((rows, mut summary)) = train_population(base, &cfgs, &todo, &params, &dir, None, None, stop)?
+            let Some((rows, mut summary)) =
+                train_population(base, &cfgs, &todo, &params, &dir, None, None, todo.len(), stop)?
             else {
                 println!(
                     "sweep interrupted: {} of {total} trials done (finished waves are kept); run the same command to go on",
@@ -1000,17 +1022,31 @@ const SEQUENTIAL: &str = "sequential (forecaster trials train one after another)
 #[derive(Debug, Clone, PartialEq)]
 struct Wave {
     trials: Vec<usize>,
+    /// Members trained at once: all of `trials`, or fewer when a freed slot takes the next
+    /// trial (DQN with `[halving]`).
+    slots: usize,
     /// Where the population size came from (`config`, `env FX_POPULATION`, `derived`).
     source: String,
 }
 
 /// Trials grouped by shape (one population per [`DqnPopulation::shape_key`], in the order of
 /// their first trial), each group cut into waves as large as the device holds
-/// (`fx_hw::HardwareBudget::population_size`, or `members` / `FX_POPULATION`).
-fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], selected: &[usize], members: Option<usize>) -> Result<Vec<Wave>> {
+/// (`fx_hw::HardwareBudget::population_size`, or `members` / `FX_POPULATION`); with `refill`
+/// (DQN under `[halving]`) each group is one wave of that many slots, a freed slot taking the
+/// group's next trial.
+fn plan_waves(
+    base: &RunConfig,
+    cfgs: &[RunConfig],
+    selected: &[usize],
+    members: Option<usize>,
+    refill: bool,
+) -> Result<Vec<Wave>> {
     if base.model.is_sequence() {
         println!("sweep: {} {} trial(s), one after another (see the module docs)", selected.len(), base.model.as_str());
-        return Ok(selected.iter().map(|&t| Wave { trials: vec![t], source: SEQUENTIAL.to_string() }).collect());
+        return Ok(selected
+            .iter()
+            .map(|&t| Wave { trials: vec![t], slots: 1, source: SEQUENTIAL.to_string() })
+            .collect());
     }
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for &i in selected {
@@ -1036,8 +1072,12 @@ fn plan_waves(base: &RunConfig, cfgs: &[RunConfig], selected: &[usize], members:
             size.value,
             size.source
         );
+        if refill {
+            waves.push(Wave { trials: g.clone(), slots: size.value.min(g.len()), source: size.source.to_string() });
+            continue;
+        }
         for chunk in g.chunks(size.value) {
-            waves.push(Wave { trials: chunk.to_vec(), source: size.source.to_string() });
+            waves.push(Wave { trials: chunk.to_vec(), slots: chunk.len(), source: size.source.to_string() });
         }
     }
     Ok(waves)
@@ -1081,6 +1121,7 @@ fn train_population(
     dir: &WaveDir<'_>,
     pbt: Option<&PbtPlan<'_>>,
     halving: Option<&HalvingConfig>,
+    slots: usize,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     if base.model == ModelChoice::Ppo {
@@ -1090,26 +1131,41 @@ fn train_population(
         return train_seq_trials(cfgs, trials, params, dir.out);
     }
     let out = dir.out;
-    let (device, data, envs) = population_inputs(base, cfgs, trials)?;
+    let (device, data, rows) = population_inputs(base)?;
+    let make_envs = |ts: &[usize]| trial_envs(&rows, cfgs, ts, &device);
     let mut ck = dir.checkpoint(trials);
+    let first = slots.clamp(1, trials.len());
     let fresh = || {
-        let members: Vec<DqnConfig> = trials.iter().map(|&t| cfgs[t].dqn.clone()).collect();
+        let members: Vec<DqnConfig> = trials[..first].iter().map(|&t| cfgs[t].dqn.clone()).collect();
         DqnPopulation::new(members, &device).context("building the sweep's population")
     };
     let load = |p: &Path| DqnPopulation::load_state(p, &device);
-    let (mut pop, mut envs, mut w) = wave_state::open(&ck, trials, base, params, pbt, halving, envs, load, fresh)?;
-    let n = trials.len();
+    let (mut pop, mut envs, mut w) =
+        wave_state::open(&ck, trials, slots, base, params, pbt, halving, &make_envs, load, fresh)?;
+    let n = pop.len();
     println!(
-        "sweep: trials {:?} as one population of {n} on {}, {} env steps x {} accounts each",
+        "sweep: trials {:?} as one population of {n} on {}, {} env steps x {} accounts each{}",
         trials,
         if device.is_cuda() { "cuda" } else { "cpu" },
         base.steps,
-        envs[0].num_envs()
+        envs[0].num_envs(),
+        if trials.len() > n {
+            format!(" (a freed slot takes the next of the {} trials)", trials.len())
+        } else {
+            String::new()
+        }
     );
     let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
     let prior_s = w.train_seconds;
-    for step in w.env_steps + 1..=base.steps {
+    // With halving, members keep their own clocks (a freed slot's new trial starts at 0), so
+    // the population trains until its last member is done; otherwise to the run's steps.
+    let mut step = w.env_steps;
+    loop {
+        if w.halving.as_ref().map_or(step >= base.steps, |h| h.alive.is_empty()) {
+            break;
+        }
+        step += 1;
         w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
         if ck.before_step(stop(), w.env_steps, &device, || pop.snapshot(), &envs, &w)? {
             return Ok(None);
@@ -1117,15 +1173,41 @@ fn train_population(
         let read = step % base.log_every == 0 || step == base.steps;
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.step(&mut refs, read)?;
-        let members = pop.len() as u64;
+        // Members not learning yet (new in a freed slot) take no step in a round.
+        let members = pop.learning_members() as u64;
         w.samples += (st.updates.len() as u64 + u64::from(st.updates_queued)) * members * base.dqn.batch_size as u64;
-        if let Some(h) = w.halving.as_mut().filter(|h| h.due(step)) {
-            h.rung(base, &data, &mut pop, &mut envs, params, out, step)?;
-        }
         if read {
             let r = st.mean_reward.as_deref().unwrap_or_default();
             let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
             println!("sweep: env step {step}/{}: mean reward over trials {mean:.3e}", base.steps);
+        }
+        if let Some(h) = w.halving.as_mut() {
+            let local: Vec<u64> = (0..pop.len()).map(|k| pop.member_env_steps(k).unwrap_or(0)).collect();
+            let mut freed = h.rung(base, &data, &pop, params, out, step, &local)?;
+            let done: Vec<usize> = (0..pop.len()).filter(|&k| local[k] >= base.steps && !freed.contains(&k)).collect();
+            if !done.is_empty() {
+                let (applied, skipped) = pop.counters()?;
+                for &k in &done {
+                    h.finish_member(base, &data, &pop, params, out, k, applied[k], skipped[k])?;
+                }
+                freed.extend(done);
+                freed.sort_unstable();
+            }
+            let mut dropped = Vec::new();
+            for k in freed {
+                match h.refill(k) {
+                    Some(t) => {
+                        pop.replace_member(k, cfgs[t].dqn.clone())
+                            .with_context(|| format!("trial {t} taking trial slot {k} at env step {step}"))?;
+                        envs[k] = make_envs(&[t])?.remove(0);
+                    }
+                    None => dropped.push(k),
+                }
+            }
+            if !h.drop_slots(&mut pop, &mut envs, &dropped)? {
+                w.env_steps = step;
+                break;
+            }
         }
         // No round after the last step: the final scoring ranks what the last round made.
         if let Some(plan) = pbt.filter(|p| step % p.cfg.every == 0 && step < base.steps) {
@@ -1138,7 +1220,13 @@ fn train_population(
     }
     device.synchronize()?;
     let train_s = prior_s + t0.elapsed().as_secs_f64();
-    let summary = wave_summary(n, &device, base.steps, train_s, w.samples, &mut busy);
+    let summary = wave_summary(trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
+    if w.halving.as_ref().is_some_and(|h| h.alive.is_empty()) {
+        // Every member was scored as it finished or stopped.
+        let mut summary = summary;
+        let rows = w.halving.take().map(|h| h.finish(Vec::new(), &mut summary)).unwrap_or_default();
+        return Ok(Some((rows, summary)));
+    }
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, dqn_member_policy(&pop, k)?));
     end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
@@ -1546,100 +1634,219 @@ impl PopMembers for PpoPopulation {
     }
 }
 
-/// Successive halving of one DQN / PPO population ([`halving`]): the rungs before the end,
-/// the next one, the trials still in (`alive[k]` is member `k`'s trial), the rows of the
-/// trials stopped so far, every trial's rung scores and the rungs' decisions.
+/// Successive halving of one DQN / PPO population ([`halving`]), asynchronous (ASHA's rule):
+/// each member meets the rungs at its own env steps; the members that reach a rung together
+/// are ranked with every trial that reached it before, and those among the best `1/eta` of
+/// all of them go on, the others stop. A slot freed by a stopped or finished DQN member takes
+/// the next waiting trial at step 0 (`queue`), so the population stays full while trials
+/// wait; a freed slot with none left is dropped. Members that all start together (no queue,
+/// or PPO) meet each rung together, which is the synchronous rule. Deterministic: the
+/// arrivals at a step are ranked in trial order, so a restarted sweep decides the same.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct PopHalving {
     eta: usize,
+    /// The rungs before the end, in env steps of a member's own clock.
     rungs: Vec<u64>,
+    /// The next rung of every member (states written before members had their own clocks
+    /// hold one for all of them).
     next: usize,
+    #[serde(default)]
+    next_rung: Vec<usize>,
+    /// Member `k`'s trial.
     alive: Vec<usize>,
+    /// Trials waiting for a slot, in order.
+    #[serde(default)]
+    queue: Vec<usize>,
+    /// Per rung, every trial that reached it so far and its validation Sharpe there.
+    #[serde(default)]
+    reached: Vec<Vec<(usize, f64)>>,
     stopped: Vec<TrialRow>,
+    /// DQN trials that trained to the end while other members went on.
+    #[serde(default)]
+    finished: Vec<TrialRow>,
     scores: BTreeMap<usize, Vec<RungScore>>,
     log: Vec<serde_json::Value>,
 }
 
 impl PopHalving {
-    fn new(h: &HalvingConfig, steps: u64, trials: &[usize]) -> Result<Self> {
+    /// Halving of `trials`, the first `slots` of which train first (the others wait).
+    fn new(h: &HalvingConfig, steps: u64, trials: &[usize], slots: usize) -> Result<Self> {
         let mut rungs = h.step_rungs(steps)?;
         rungs.pop();
+        let slots = slots.clamp(1, trials.len().max(1));
         Ok(Self {
             eta: h.eta,
+            reached: vec![Vec::new(); rungs.len()],
             rungs,
             next: 0,
-            alive: trials.to_vec(),
+            next_rung: vec![0; slots.min(trials.len())],
+            alive: trials[..slots.min(trials.len())].to_vec(),
+            queue: trials[slots.min(trials.len())..].to_vec(),
             stopped: Vec::new(),
+            finished: Vec::new(),
             scores: BTreeMap::new(),
             log: Vec::new(),
         })
     }
 
-    /// Whether a rung is due at `env_step` (the first at or past it not taken yet).
-    fn due(&self, env_step: u64) -> bool {
-        self.rungs.get(self.next).is_some_and(|&r| env_step >= r)
+    /// A state read from a checkpoint of an older layout: one next rung for every member.
+    fn upgrade(&mut self) {
+        if self.next_rung.len() != self.alive.len() {
+            self.next_rung = vec![self.next; self.alive.len()];
+        }
+        self.reached.resize(self.rungs.len(), Vec::new());
     }
 
-    /// The rung at `env_step`: every member's greedy policy scored on the validation split,
-    /// the best `1/eta` kept (`halving::keep`, ranked by Sharpe), the others' rows made
-    /// (`stopped`, their weights saved as a finished trial's are) and dropped from `pop`
-    /// and `envs`.
+    /// The members due at a rung, by rung (lowest first): member `k` at its own env step
+    /// `local[k]` is due at its next rung once it is at or past it.
+    fn arrivals(&self, local: &[u64]) -> Vec<(usize, Vec<usize>)> {
+        let mut by: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (k, (&r, &at)) in self.next_rung.iter().zip(local).enumerate() {
+            if self.rungs.get(r).is_some_and(|&step| at >= step) {
+                by.entry(r).or_default().push(k);
+            }
+        }
+        by.into_iter().collect()
+    }
+
+    /// Of the trials `arrived` at rung `r` with their Sharpes there, those that go on: the
+    /// ones among the best `ceil(n / eta)` of all `n` trials that reached `r` so far
+    /// ([`halving::keep`]); the arrivals join the rung's record.
+    fn decide(&mut self, r: usize, arrived: &[(usize, f64)]) -> Vec<usize> {
+        self.reached[r].extend_from_slice(arrived);
+        let trials: Vec<usize> = self.reached[r].iter().map(|&(t, _)| t).collect();
+        let neg: Vec<f64> = self.reached[r].iter().map(|&(_, s)| -s).collect();
+        let best = halving::keep(&trials, &neg, self.eta);
+        arrived.iter().map(|&(t, _)| t).filter(|t| best.contains(t)).collect()
+    }
+
+    /// The rungs due at the population's env step `env_step` (member `k` at its own step
+    /// `local[k]`): each due member's greedy policy scored on the validation split, the
+    /// decision ([`Self::decide`]), the stopped members' rows made (`stopped`, their weights
+    /// saved as a finished trial's are). Returns the stopped members' slots (ascending);
+    /// the caller refills or drops them ([`Self::refill`], [`Self::drop_slots`]).
     #[allow(clippy::too_many_arguments)]
     fn rung(
         &mut self,
         base: &RunConfig,
         data: &Dataset,
-        pop: &mut dyn PopMembers,
-        envs: &mut Vec<TrainEnv>,
+        pop: &dyn PopMembers,
         params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
         out: &Path,
         env_step: u64,
-    ) -> Result<()> {
-        self.next += 1;
-        let stats = (0..pop.len())
-            .map(|k| policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?))
-            .collect::<Result<Vec<_>>>()?;
-        for (&t, s) in self.alive.iter().zip(&stats) {
-            self.scores.entry(t).or_default().push(RungScore { env_step, val_sharpe: s.sharpe });
+        local: &[u64],
+    ) -> Result<Vec<usize>> {
+        let mut freed = Vec::new();
+        for (r, slots) in self.arrivals(local) {
+            let rung_step = self.rungs[r];
+            let stats = slots
+                .iter()
+                .map(|&k| policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?))
+                .collect::<Result<Vec<_>>>()?;
+            let arrived: Vec<(usize, f64)> =
+                slots.iter().zip(&stats).map(|(&k, s)| (self.alive[k], s.sharpe)).collect();
+            for &(t, sharpe) in &arrived {
+                self.scores.entry(t).or_default().push(RungScore { env_step: rung_step, val_sharpe: sharpe });
+            }
+            let kept = self.decide(r, &arrived);
+            let (applied, skipped) = pop.counters()?;
+            let weights = out.join("weights");
+            std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
+            let mut stopped = Vec::new();
+            for (&k, s) in slots.iter().zip(&stats) {
+                let t = self.alive[k];
+                if kept.contains(&t) {
+                    self.next_rung[k] += 1;
+                    continue;
+                }
+                pop.weights(k)?.save(&weights.join(format!("trial-{t}.safetensors")))?;
+                let mut row = member_row(t, params(t), s, applied[k], skipped[k]);
+                if row.status == "ok" {
+                    row.status = "stopped".into();
+                }
+                row.env_steps = Some(rung_step);
+                self.stopped.push(row);
+                stopped.push(t);
+                freed.push(k);
+            }
+            println!(
+                "sweep: halving at env step {rung_step} (population step {env_step}): {} of {} trials go on ({kept:?}); {} reached it so far",
+                kept.len(),
+                slots.len(),
+                self.reached[r].len()
+            );
+            self.log.push(json!({"env_step": rung_step, "at": env_step, "kept": kept, "stopped": stopped}));
         }
-        let neg: Vec<f64> = stats.iter().map(|s| -s.sharpe).collect();
-        let kept = halving::keep(&self.alive, &neg, self.eta);
-        let (applied, skipped) = pop.counters()?;
+        self.next = self.next_rung.iter().copied().min().unwrap_or(self.rungs.len());
+        freed.sort_unstable();
+        Ok(freed)
+    }
+
+    /// Member `k` trained to the end while others go on (a DQN population with a queue):
+    /// its row, scored on the validation split (its weights saved), joins `finished`.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_member(
+        &mut self,
+        base: &RunConfig,
+        data: &Dataset,
+        pop: &dyn PopMembers,
+        params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+        out: &Path,
+        k: usize,
+        applied: u64,
+        skipped: u64,
+    ) -> Result<()> {
+        let t = self.alive[k];
         let weights = out.join("weights");
         std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
-        let mut positions = Vec::with_capacity(kept.len());
-        let mut stopped = Vec::new();
-        for (k, &t) in self.alive.iter().enumerate() {
-            if kept.contains(&t) {
-                positions.push(k);
-                continue;
-            }
-            pop.weights(k)?.save(&weights.join(format!("trial-{t}.safetensors")))?;
-            let mut row = member_row(t, params(t), &stats[k], applied[k], skipped[k]);
-            if row.status == "ok" {
-                row.status = "stopped".into();
-            }
-            row.env_steps = Some(env_step);
-            self.stopped.push(row);
-            stopped.push(t);
-        }
-        println!(
-            "sweep: halving at env step {env_step}: {} of {} trials go on ({kept:?})",
-            kept.len(),
-            self.alive.len()
-        );
-        self.log.push(json!({"env_step": env_step, "kept": kept, "stopped": stopped}));
-        pop.retain(&positions)?;
-        let mut old = std::mem::take(envs).into_iter().map(Some).collect::<Vec<_>>();
-        *envs = positions.iter().filter_map(|&k| old[k].take()).collect();
-        self.alive = kept;
+        pop.weights(k)?.save(&weights.join(format!("trial-{t}.safetensors")))?;
+        let s = policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?)?;
+        self.finished.push(member_row(t, params(t), &s, applied, skipped));
         Ok(())
     }
 
-    /// The wave's rows in trial order: the finished members' (with their rung scores) and
-    /// the stopped ones'; the rungs' decisions go into the wave's summary.
+    /// The next waiting trial for freed slot `k` (None: none waits); the slot's clocks start
+    /// again at its first rung.
+    fn refill(&mut self, k: usize) -> Option<usize> {
+        if self.queue.is_empty() {
+            return None;
+        }
+        let t = self.queue.remove(0);
+        self.alive[k] = t;
+        self.next_rung[k] = 0;
+        self.next = 0;
+        Some(t)
+    }
+
+    /// Slots freed with no trial waiting dropped from the population and the environments;
+    /// false (nothing dropped) when that would leave no member, which ends the wave.
+    fn drop_slots(&mut self, pop: &mut dyn PopMembers, envs: &mut Vec<TrainEnv>, slots: &[usize]) -> Result<bool> {
+        if slots.is_empty() {
+            return Ok(true);
+        }
+        let keep: Vec<usize> = (0..self.alive.len()).filter(|k| !slots.contains(k)).collect();
+        if keep.is_empty() {
+            self.alive.clear();
+            self.next_rung.clear();
+            return Ok(false);
+        }
+        pop.retain(&keep)?;
+        let mut old = std::mem::take(envs).into_iter().map(Some).collect::<Vec<_>>();
+        *envs = keep.iter().filter_map(|&k| old[k].take()).collect();
+        self.alive = keep.iter().map(|&k| self.alive[k]).collect();
+        self.next_rung = keep.iter().map(|&k| self.next_rung[k]).collect();
+        Ok(true)
+    }
+
+    /// The wave's rows in trial order: those finished at the end (`finished`, with the ones
+    /// that finished earlier), the stopped ones, each with its rung scores; the rungs'
+    /// decisions go into the wave's summary.
     fn finish(mut self, finished: Vec<TrialRow>, summary: &mut serde_json::Value) -> Vec<TrialRow> {
-        let mut rows: Vec<TrialRow> = finished.into_iter().chain(std::mem::take(&mut self.stopped)).collect();
+        let mut rows: Vec<TrialRow> = finished
+            .into_iter()
+            .chain(std::mem::take(&mut self.finished))
+            .chain(std::mem::take(&mut self.stopped))
+            .collect();
         for r in &mut rows {
             r.rungs = self.scores.remove(&r.trial).unwrap_or_default();
         }
@@ -1649,21 +1856,23 @@ impl PopHalving {
     }
 }
 
-/// What a population of `trials` trains on: the device, the base config's data, and each
-/// trial's training environments (its own seed) over the training split.
-fn population_inputs(
-    base: &RunConfig,
-    cfgs: &[RunConfig],
-    trials: &[usize],
-) -> Result<(Device, Dataset, Vec<TrainEnv>)> {
+/// What a population trains on: the device, the base config's data and its training
+/// split's rows for the environments ([`trial_envs`]).
+fn population_inputs(base: &RunConfig) -> Result<(Device, Dataset, Arc<fx_kernels::EnvData>)> {
     let device = crate::run_start::device_for(base)?;
     let data = Dataset::load(base, None)?;
     let train_rows = data.env_data(data.splits.train.clone(), base.env.episode_len + 1)?;
-    let envs = trials
-        .iter()
-        .map(|&t| TrainEnv::new(train_rows.clone(), cfgs[t].env.clone(), &device))
-        .collect::<Result<_>>()?;
-    Ok((device, data, envs))
+    Ok((device, data, train_rows))
+}
+
+/// Each trial's training environments (its own seed) over the training rows.
+fn trial_envs(
+    rows: &Arc<fx_kernels::EnvData>,
+    cfgs: &[RunConfig],
+    trials: &[usize],
+    device: &Device,
+) -> Result<Vec<TrainEnv>> {
+    trials.iter().map(|&t| TrainEnv::new(rows.clone(), cfgs[t].env.clone(), device)).collect()
 }
 
 /// What scoring needs of a trained member `k`: its final weights (spec names, as a run's
@@ -1750,7 +1959,8 @@ fn train_ppo_population(
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     let out = dir.out;
-    let (device, data, envs) = population_inputs(base, cfgs, trials)?;
+    let (device, data, rows) = population_inputs(base)?;
+    let make_envs = |ts: &[usize]| trial_envs(&rows, cfgs, ts, &device);
     // The group's own shape (trials are grouped by it), not the base config's.
     let first = &cfgs[trials[0]];
     let num_envs = first.env.num_envs;
@@ -1760,7 +1970,8 @@ fn train_ppo_population(
         PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")
     };
     let load = |p: &Path| PpoPopulation::load_state(p, &device);
-    let (mut pop, mut envs, mut w) = wave_state::open(&ck, trials, base, params, pbt, halving, envs, load, fresh)?;
+    let (mut pop, mut envs, mut w) =
+        wave_state::open(&ck, trials, trials.len(), base, params, pbt, halving, &make_envs, load, fresh)?;
     let n = trials.len();
     println!(
         "sweep: trials {:?} as one PPO population of {n} on {}, {} env steps x {num_envs} accounts each",
@@ -1785,8 +1996,14 @@ fn train_ppo_population(
         println!("sweep: env step {env_steps}/{}: mean reward over trials {mean:.3e}", base.steps);
         // A rung at the first iteration boundary at or past it, none after the last
         // iteration (each rung passed is a cut of its own).
-        while let Some(h) = w.halving.as_mut().filter(|h| h.due(env_steps) && env_steps < base.steps) {
-            h.rung(base, &data, &mut pop, &mut envs, params, out, env_steps)?;
+        if let Some(h) = w.halving.as_mut().filter(|_| env_steps < base.steps) {
+            // Every member at the population's step: each rung passed is a cut of its own.
+            while !h.arrivals(&vec![env_steps; pop.len()]).is_empty() {
+                let freed = h.rung(base, &data, &pop, params, out, env_steps, &vec![env_steps; pop.len()])?;
+                if !h.drop_slots(&mut pop, &mut envs, &freed)? {
+                    bail!("halving stopped every PPO trial at env step {env_steps}: it keeps at least one");
+                }
+            }
         }
         // A round at the first iteration boundary at or past each multiple of `every` (an
         // iteration is num_steps env steps), none after the last iteration.
@@ -2274,7 +2491,7 @@ n_actions = 3
         let cfgs = trial_configs(&spec, &points).unwrap();
         let base = cfgs[0].clone();
         let all: Vec<usize> = (0..cfgs.len()).collect();
-        let waves = plan_waves(&base, &cfgs, &all, Some(8)).unwrap();
+        let waves = plan_waves(&base, &cfgs, &all, Some(8), false).unwrap();
         let mut all: Vec<usize> = waves.iter().flat_map(|w| w.trials.clone()).collect();
         all.sort_unstable();
         assert_eq!(all, [0, 1, 2, 3]);
@@ -2284,7 +2501,7 @@ n_actions = 3
         }
         let widths: std::collections::BTreeSet<usize> = cfgs.iter().map(|c| c.dqn.net.hidden).collect();
         assert_eq!(waves.len(), widths.len(), "{waves:?}");
-        let small = plan_waves(&base, &cfgs, &all, Some(1)).unwrap();
+        let small = plan_waves(&base, &cfgs, &all, Some(1), false).unwrap();
         assert_eq!(small.len(), 4);
     }
 
@@ -2505,6 +2722,166 @@ n_actions = 3
         let mut sharded = tiny_sweep_with(dir.path(), 4, "[halving]\nmin_steps = 8\n", "sh.toml");
         (sharded.out, sharded.shard) = (Some(dir.path().join("sh")), Some("0/2".into()));
         assert!(run_with(&sharded, &mut || false).unwrap_err().to_string().contains("shards"));
+    }
+
+    /// ASHA's rule on a hand-computed schedule (eta 2; higher Sharpe is better): the first
+    /// arrivals at a rung are ranked among themselves, later ones among everyone that reached
+    /// it, ties by trial index.
+    #[test]
+    fn asynchronous_rungs_rank_arrivals_against_everyone_before() {
+        let h = HalvingConfig { min_epochs: None, min_steps: Some(2), eta: 2 };
+        let mut p = PopHalving::new(&h, 8, &[0, 1, 2, 3, 4], 2).unwrap();
+        assert_eq!((p.rungs.clone(), p.alive.clone(), p.queue.clone()), (vec![2, 4], vec![0, 1], vec![2, 3, 4]));
+        // Trials 0 and 1 reach rung 0 together: the best ceil(2/2) = 1 goes on.
+        assert_eq!(p.decide(0, &[(0, 0.5), (1, 0.9)]), [1]);
+        // Trial 2 alone at 0.7: 3 reached, best ceil(3/2) = 2 are {1, 2}: it goes on.
+        assert_eq!(p.decide(0, &[(2, 0.7)]), [2]);
+        // Trial 3 at 0.6: best 2 of 4 are {1, 2}: it stops; trial 4 at 0.7 ties with 2: best
+        // ceil(5/2) = 3 of {0.5, 0.9, 0.7, 0.6, 0.7} are 1, 2, 4.
+        assert_eq!(p.decide(0, &[(3, 0.6)]), Vec::<usize>::new());
+        assert_eq!(p.decide(0, &[(4, 0.7)]), [4]);
+        // A NaN ranks last.
+        assert_eq!(p.decide(1, &[(1, f64::NAN), (2, 0.1)]), [2]);
+        // Arrivals by rung, at or past it; a refill starts its slot's rungs again.
+        p.next_rung = vec![1, 0];
+        assert_eq!(p.arrivals(&[4, 1]), vec![(1, vec![0])]);
+        assert_eq!(p.arrivals(&[4, 2]), vec![(0, vec![1]), (1, vec![0])]);
+        assert_eq!(p.refill(0), Some(2));
+        assert_eq!((p.alive.clone(), p.next_rung.clone(), p.queue.clone()), (vec![2, 1], vec![0, 0], vec![3, 4]));
+        p.queue.clear();
+        assert_eq!(p.refill(1), None);
+    }
+
+    /// A DQN sweep with successive halving and fewer slots than trials (6 trials, 2 slots,
+    /// eta 2, rungs at 8 and 16 of 24): a stopped or finished trial's slot takes the next
+    /// trial at step 0, so every trial is its solo run from its own start. Its score at a rung
+    /// is its score in a plain sweep of that length, the decisions are ASHA's on those scores
+    /// (simulated here slot by slot), every trial's row and weights are the plain sweep's of
+    /// the length it reached, the population never has more than 2 members, and a sweep
+    /// stopped twice and resumed ends with the same rows.
+    #[test]
+    fn a_freed_slot_takes_the_next_trial_and_each_trial_is_its_solo_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let mk = |name: &str, extra: &str, members: usize| {
+            let args = tiny_sweep_with(dir.path(), members, extra, &format!("{name}.toml"));
+            let text = std::fs::read_to_string(args.config.as_ref().unwrap())
+                .unwrap()
+                .replace("trials = 4", "trials = 6")
+                .replace("learning_starts = 32", "learning_starts = 4");
+            std::fs::write(args.config.as_ref().unwrap(), text).unwrap();
+            SweepArgs { out: Some(dir.path().join(name)), ..args }
+        };
+        let halving = "[halving]\nmin_steps = 8\neta = 2\n";
+        let asha = mk("asha", halving, 2);
+        run_with(&asha, &mut || false).unwrap();
+        let a_out = asha.out.clone().unwrap();
+        let rows = read_rows(&a_out.join("trials.jsonl")).unwrap().unwrap();
+        assert_eq!(rows.len(), 6);
+        let plain = |steps: u64| {
+            let a = SweepArgs { steps: Some(steps), ..mk(&format!("p{steps}"), "", 6) };
+            run_with(&a, &mut || false).unwrap();
+            (read_rows(&a.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap(), a.out.unwrap())
+        };
+        let (p8, d8) = plain(8);
+        let (p16, d16) = plain(16);
+        let (p24, d24) = plain(24);
+        // The reference: two slots with their own clocks, ASHA's rule on the plain scores.
+        let score = |t: usize, r: usize| if r == 0 { p8[t].val_sharpe } else { p16[t].val_sharpe };
+        let (mut slots, mut queue) = (vec![(0usize, 0u64, 0usize), (1, 0, 0)], vec![2usize, 3, 4, 5]);
+        let mut reached: Vec<Vec<(usize, f64)>> = vec![Vec::new(); 2];
+        let mut reached_len = BTreeMap::new();
+        while !slots.is_empty() {
+            for s in slots.iter_mut() {
+                s.1 += 1;
+            }
+            let mut freed = Vec::new();
+            for r in 0..2 {
+                let arrived: Vec<usize> =
+                    (0..slots.len()).filter(|&i| slots[i].2 == r && slots[i].1 == [8, 16][r]).collect();
+                if arrived.is_empty() {
+                    continue;
+                }
+                reached[r].extend(arrived.iter().map(|&i| (slots[i].0, score(slots[i].0, r))));
+                let mut all = reached[r].clone();
+                all.sort_by(|x, y| {
+                    let k = |v: f64| if v.is_finite() { -v } else { f64::INFINITY };
+                    k(x.1).total_cmp(&k(y.1)).then(x.0.cmp(&y.0))
+                });
+                all.truncate(reached[r].len().div_ceil(2));
+                for i in arrived {
+                    if all.iter().any(|&(t, _)| t == slots[i].0) {
+                        slots[i].2 += 1;
+                    } else {
+                        reached_len.insert(slots[i].0, [8u64, 16][r]);
+                        freed.push(i);
+                    }
+                }
+            }
+            for (i, &(t, clock, _)) in slots.iter().enumerate() {
+                if clock == 24 {
+                    reached_len.insert(t, 24);
+                    freed.push(i);
+                }
+            }
+            freed.sort_unstable();
+            for &i in freed.iter().rev() {
+                if queue.is_empty() {
+                    slots.remove(i);
+                } else {
+                    slots[i] = (queue.remove(0), 0, 0);
+                }
+            }
+        }
+        let w = |d: &Path, t: usize| std::fs::read(d.join(format!("weights/trial-{t}.safetensors"))).unwrap();
+        let mut finished = 0;
+        for r in &rows {
+            let t = r.trial;
+            let len = reached_len[&t];
+            let (want, d) = match len {
+                8 => (&p8[t], &d8),
+                16 => (&p16[t], &d16),
+                _ => (&p24[t], &d24),
+            };
+            let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
+            assert!(same(r.val_sharpe, want.val_sharpe), "trial {t} at {len}: {} vs {}", r.val_sharpe, want.val_sharpe);
+            assert_eq!((r.updates, r.skipped_updates), (want.updates, want.skipped_updates), "trial {t} at {len}");
+            assert_eq!(w(&a_out, t), w(d, t), "trial {t}'s weights at {len}");
+            if len == 24 {
+                finished += 1;
+                assert_eq!(TrialRow { rungs: Vec::new(), ..r.clone() }, *want, "trial {t} finished");
+            } else {
+                assert_eq!(r.env_steps, Some(len), "trial {t}");
+            }
+            let scores: Vec<u64> = r.rungs.iter().map(|s| s.env_step).collect();
+            assert_eq!(
+                scores,
+                [8u64, 16].iter().copied().filter(|&x| x <= len.min(16)).collect::<Vec<_>>(),
+                "trial {t}"
+            );
+        }
+        assert!(finished >= 1 && reached_len.values().filter(|&&l| l == 8).count() >= 2, "{reached_len:?}");
+        let pop: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(a_out.join("population.json")).unwrap()).unwrap();
+        assert_eq!(pop["waves"].as_array().unwrap().len(), 1, "one population fed by the queue");
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(a_out.join("sweep.json")).unwrap()).unwrap();
+        assert_eq!(doc["populations"], json!([2]));
+        // Stopped twice (one check per population step) and resumed: the same rows.
+        let resumed = mk("asha-resumed", halving, 2);
+        stop_at_check(&resumed, 13);
+        stop_at_check(&resumed, 20);
+        finish_counting_checks(&resumed);
+        assert_eq!(read_rows(&resumed.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap(), rows);
+        // Rungs off the train_every grid are refused.
+        let odd = mk("odd", "[halving]\nmin_steps = 7\neta = 2\n[run.dqn]\ntrain_every = 2\n", 2);
+        let text = std::fs::read_to_string(odd.config.as_ref().unwrap()).unwrap();
+        let text = text.replacen("[run.dqn]\nbatch_size", "[run.dqn]\ntrain_every = 2\nbatch_size", 1).replace(
+            "[halving]\nmin_steps = 7\neta = 2\n[run.dqn]\ntrain_every = 2\n",
+            "[halving]\nmin_steps = 7\neta = 2\n",
+        );
+        std::fs::write(odd.config.as_ref().unwrap(), text).unwrap();
+        let e = format!("{:#}", run_with(&odd, &mut || false).unwrap_err());
+        assert!(e.contains("train_every"), "{e}");
     }
 
     #[test]

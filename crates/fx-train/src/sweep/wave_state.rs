@@ -113,8 +113,10 @@ pub(super) fn read(
         return Ok(None);
     }
     let n = trials.len();
+    // Under halving a freed slot's new trial starts at 0, so the population's own step may
+    // pass the run's.
     let consistent = envs.len() == p.alive().len()
-        && p.env_steps < steps
+        && (p.env_steps < steps || p.halving.is_some())
         && p.events.len() == n
         && (p.points.is_empty() || p.points.len() == n)
         && p.alive().iter().all(|t| trials.contains(t));
@@ -135,24 +137,32 @@ pub(super) fn read(
 
 /// The wave's population, environments and progress: resumed from its checkpoint
 /// (`load`) when that is this wave's ([`read`]), otherwise `fresh()` at the wave's start.
+/// The population starts with the first `slots` trials (the others wait for a freed slot);
+/// `make_envs` builds the training environments of the trials it is given.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn open<P: PopMembers>(
     ck: &WaveCheckpoint,
     trials: &[usize],
+    slots: usize,
     base: &RunConfig,
     params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
     pbt: Option<&PbtPlan<'_>>,
     halving: Option<&HalvingConfig>,
-    envs: Vec<TrainEnv>,
+    make_envs: &dyn Fn(&[usize]) -> Result<Vec<TrainEnv>>,
     load: impl FnOnce(&Path) -> fx_models::Result<P>,
     fresh: impl FnOnce() -> Result<P>,
 ) -> Result<(P, Vec<TrainEnv>, WaveProgress)> {
     let path = &ck.path;
-    let Some((w, states)) = read(path, trials, base.steps, params)? else {
+    let Some((mut w, states)) = read(path, trials, base.steps, params)? else {
         let points = pbt.map(|p| trials.iter().map(|&t| p.points[t].clone()).collect()).unwrap_or_default();
-        let halve = halving.map(|h| PopHalving::new(h, base.steps, trials)).transpose()?;
+        let halve = halving.map(|h| PopHalving::new(h, base.steps, trials, slots)).transpose()?;
+        let first = slots.clamp(1, trials.len().max(1)).min(trials.len());
+        let envs = make_envs(&trials[..first])?;
         return Ok((fresh()?, envs, WaveProgress::start(trials, base.steps, points, halve, params)));
     };
+    if let Some(h) = w.halving.as_mut() {
+        h.upgrade();
+    }
     let pop = load(path).with_context(|| {
         format!("resuming the sweep's population from {} (move it away to train the wave again)", path.display())
     })?;
@@ -164,19 +174,10 @@ pub(super) fn open<P: PopMembers>(
             w.alive().len()
         );
     }
-    let envs = restore_envs(envs, &w, &states)?;
+    let envs = make_envs(w.alive())?;
+    let keep: Vec<usize> = (0..envs.len()).collect();
+    let envs = crate::population::restore_wave_envs(envs, &keep, &states)?;
     Ok((pop, envs, w))
-}
-
-/// The environments of a resumed wave: `envs` (built for every trial of the wave) cut
-/// down to the members still in and set to their saved `states`.
-pub(super) fn restore_envs(envs: Vec<TrainEnv>, progress: &WaveProgress, states: &[EnvState]) -> Result<Vec<TrainEnv>> {
-    let keep: Vec<usize> = progress
-        .alive()
-        .iter()
-        .map(|t| progress.trials.iter().position(|x| x == t).context("a halving survivor is not of its wave"))
-        .collect::<Result<_>>()?;
-    crate::population::restore_wave_envs(envs, &keep, states)
 }
 
 /// Removes a finished wave's checkpoint (its rows are in `trials.jsonl`).
