@@ -30,6 +30,14 @@
 //! values (the tests compare them over 200 updates). What members may differ in is
 //! [`DqnPopulation::new`]'s list; shape keys (network, batch, replay, schedule of updates,
 //! precision, Adam's betas and eps, Huber δ) must agree.
+//!
+//! A member may start over as a new run between steps ([`DqnPopulation::replace_member`]: a
+//! sweep's freed slot taking the next trial). It keeps its own clocks
+//! ([`fx_kernels::MemberClock`]: the env step, ring slot and draw count it began at), so its
+//! ε ramp, its window of its replay ring, its draws and its update schedule are the solo
+//! run's from its start, and the optimiser leaves it out of the update rounds (its active
+//! flag) until its own transitions reach `learning_starts`; members from the start have zero
+//! clocks, which is the plain population.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use fx_kernels::{MemberClock, ReplayBuffer, RingWindow, VecEnv};

@@ -20,6 +20,10 @@
 //! batched over members (`pop_fused`; BF16 compute as the DQN's fused update takes it).
 //! Whole iterations are member k's solo `PpoTrainer::iterate` too (tested on the CPU); the
 //! collection still steps each member's environments in launches of their own.
+//!
+//! A member may start over as a new learner between iterations
+//! ([`PpoPopulation::replace_member`]: a sweep's freed slot taking the next trial); its
+//! shuffling key and counters count from the population's counters at its start.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use fx_kernels::{Rollout, VecEnv};
@@ -113,6 +117,19 @@ struct PopCounters {
     epochs_done: u64,
     iterations: u64,
     members: Vec<PpoConfig>,
+    /// Each member's clock (absent in states written before members could start over).
+    #[serde(default)]
+    clocks: Vec<PpoClock>,
+}
+
+/// The population's counters when a member began (zero for a member from the start;
+/// [`PpoPopulation::replace_member`]): its own env steps, epochs (its shuffling key) and
+/// iterations count from there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct PpoClock {
+    env_steps: u64,
+    epochs: u64,
+    iterations: u64,
 }
 
 impl crate::state_meta::Versioned for PopCounters {
@@ -136,6 +153,8 @@ pub struct PpoPopulation {
     env_steps: u64,
     epochs_done: u64,
     iterations: u64,
+    /// Each member's clock (see [`PpoClock`]).
+    clocks: Vec<PpoClock>,
     #[cfg(feature = "cuda")]
     graph: Option<CapturedUpdate>,
     /// On a CUDA device, for networks its kernels cover: the member-batched loss and
@@ -294,6 +313,7 @@ impl PpoPopulation {
             env_steps: 0,
             epochs_done: 0,
             iterations: 0,
+            clocks: vec![PpoClock::default(); n],
             #[cfg(feature = "cuda")]
             graph: None,
             #[cfg(feature = "cuda")]
@@ -357,6 +377,12 @@ impl PpoPopulation {
         }
         let member = PopMember { lr: cfg.optimizer.lr, weight_decay: 0.0, max_grad_norm: cfg.max_grad_norm, tau: 0.0 };
         self.opt.set_member(k, &member).map_err(|e| Error::config(CTX, e.to_string()))?;
+        self.write_coefs(k, cfg)
+    }
+
+    /// Member `k`'s loss weights and clip range written in place (a captured update reads
+    /// them), and its config recorded.
+    fn write_coefs(&mut self, k: usize, cfg: PpoConfig) -> Result<()> {
         let c = &self.coefs;
         let l = &cfg.loss;
         let put = |t: &Tensor, v: f64, col: bool| -> Result<()> {
@@ -374,6 +400,46 @@ impl PpoPopulation {
         }
         self.members[k] = cfg;
         Ok(())
+    }
+
+    /// Member `k` starts over as a new learner of `cfg` between iterations (a trial in the
+    /// slot of one that successive halving stopped): actor-critic weights drawn from its
+    /// seed, Adam moments, step count and skip counters zero, its settings, and clocks from
+    /// this iteration, so that from here it is the solo learner of `cfg` (its shuffling and
+    /// its counters count from now). The caller hands it new environments for the next
+    /// iteration. Every shared key must equal the population's (an error names them).
+    pub fn replace_member(&mut self, k: usize, cfg: PpoConfig) -> Result<()> {
+        if k >= self.len() {
+            return Err(Error::config(CTX, format!("no member {k} of {}", self.len())));
+        }
+        cfg.validate(self.num_envs).map_err(|e| Error::config(CTX, format!("member {k}: {e}")))?;
+        if shared_keys(&cfg) != shared_keys(&self.members[k]) || cfg.optimizer.weight_decay != 0.0 {
+            return Err(Error::config(
+                CTX,
+                format!(
+                    "member {k}: a new learner must share the population's keys ({}) and take no weight decay",
+                    shared_keys(&self.members[k])
+                ),
+            ));
+        }
+        let fresh =
+            ParamStore::linear_init_population("ppo", cfg.net.param_specs(), self.params.device(), &[cfg.seed])?
+                .member(0)?;
+        self.params.set_member(k, &fresh)?;
+        let member = PopMember { lr: cfg.optimizer.lr, weight_decay: 0.0, max_grad_norm: cfg.max_grad_norm, tau: 0.0 };
+        self.opt.reset_member(k, &member).map_err(|e| Error::config(CTX, e.to_string()))?;
+        self.clocks[k] = PpoClock { env_steps: self.env_steps, epochs: self.epochs_done, iterations: self.iterations };
+        self.write_coefs(k, cfg)
+    }
+
+    /// Environment steps the population has taken (its members' from the start).
+    pub fn env_steps(&self) -> u64 {
+        self.env_steps
+    }
+
+    /// Environment steps member `k` has taken since it began.
+    pub fn member_env_steps(&self, k: usize) -> Option<u64> {
+        self.clocks.get(k).map(|c| self.env_steps - c.env_steps)
     }
 
     /// Member `dst` continues from member `src`'s state (a PBT exploit): actor-critic weights,
@@ -402,6 +468,7 @@ impl PpoPopulation {
         let mut rollouts = std::mem::take(&mut self.rollouts).into_iter().map(Some).collect::<Vec<_>>();
         self.rollouts = keep.iter().filter_map(|&k| rollouts[k].take()).collect();
         self.members = keep.iter().map(|&k| self.members[k].clone()).collect();
+        self.clocks = keep.iter().map(|&k| self.clocks[k]).collect();
         self.coefs = Coefs::of(&self.members, &device)?;
         #[cfg(feature = "cuda")]
         {
@@ -427,6 +494,7 @@ impl PpoPopulation {
             epochs_done: self.epochs_done,
             iterations: self.iterations,
             members: self.members.clone(),
+            clocks: self.clocks.clone(),
         };
         let mut meta = std::collections::HashMap::new();
         crate::state_meta::write(&mut meta, POP_STATE_KEY, &c, CTX)?;
@@ -456,6 +524,15 @@ impl PpoPopulation {
         me.env_steps = c.env_steps;
         me.epochs_done = c.epochs_done;
         me.iterations = c.iterations;
+        if !c.clocks.is_empty() {
+            if c.clocks.len() != n {
+                return Err(Error::config(
+                    CTX,
+                    format!("{}: {} clocks for {n} members", path.display(), c.clocks.len()),
+                ));
+            }
+            me.clocks = c.clocks;
+        }
         Ok(me)
     }
 
@@ -565,7 +642,11 @@ impl PpoPopulation {
             let perms: Vec<Tensor> = self
                 .members
                 .iter()
-                .map(|m| Tensor::from_vec(permutation(n, m.seed, self.epochs_done), n, self.params.device()).ctx(CTX))
+                .zip(&self.clocks)
+                .map(|(m, c)| {
+                    let key = self.epochs_done - c.epochs;
+                    Tensor::from_vec(permutation(n, m.seed, key), n, self.params.device()).ctx(CTX)
+                })
                 .collect::<Result<_>>()?;
             self.epochs_done += 1;
             for start in (0..n).step_by(mb) {
@@ -616,9 +697,10 @@ impl PpoPopulation {
             let vec =
                 |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>());
             let ev = explained_variance_of(&vec(r.values()).ctx(CTX)?, &vec(&rets[k]).ctx(CTX)?);
+            let c = &self.clocks[k];
             out.push(PpoIterStats {
-                iteration: self.iterations,
-                env_steps: self.env_steps,
+                iteration: self.iterations - c.iterations,
+                env_steps: self.env_steps - c.env_steps,
                 mean_reward: sums_dev[0] / n as f64,
                 episodes_done: sums_dev[1] as u32,
                 mean: sums[k].scaled(1.0 / counts[k].max(1) as f64),
@@ -1035,6 +1117,67 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A member that starts over after 2 iterations (a new trial in a freed slot: another
+    /// seed, learning rate, clip, loss weights and GAE) is from then on the solo learner of
+    /// its config, bit for bit on the CPU over 3 iterations: the same statistics (its own
+    /// iteration and env-step counts), weights and moments; the others are the population's
+    /// that never replaced one; its clock travels with a saved state; a changed shared key
+    /// is refused.
+    #[test]
+    fn a_member_that_starts_over_is_the_solo_learner_of_its_config() {
+        let n = 3;
+        let cfg = |k: usize| {
+            let mut c = member(k);
+            (c.num_steps, c.epochs, c.minibatch_size) = (8, 2, 12);
+            c.gae.gamma = 0.9 + 0.015 * k as f64;
+            c
+        };
+        let cfgs: Vec<PpoConfig> = (0..n).map(cfg).collect();
+        let envs = || (0..n).map(|k| crate::synthetic::ar1_env(4, 16, 300, 30 + k as u64)).collect::<Vec<_>>();
+        let mut a = PpoPopulation::new(cfgs.clone(), 4, &Device::Cpu).unwrap();
+        let mut b = PpoPopulation::new(cfgs.clone(), 4, &Device::Cpu).unwrap();
+        let (mut ea, mut eb) = (envs(), envs());
+        let it = |p: &mut PpoPopulation, e: &mut [fx_kernels::CpuTradingEnv]| {
+            let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
+            p.iterate(&mut refs).unwrap()
+        };
+        for _ in 0..2 {
+            assert_eq!(it(&mut a, &mut ea), it(&mut b, &mut eb));
+        }
+        let new = PpoConfig { seed: 4321, ..cfg(5) };
+        assert!(a.replace_member(1, PpoConfig { epochs: 3, ..new.clone() }).is_err(), "a shared key");
+        a.replace_member(1, new.clone()).unwrap();
+        assert_eq!(a.member_env_steps(1), Some(0));
+        ea[1] = crate::synthetic::ar1_env(4, 16, 300, 99);
+        let mut solo = PpoTrainer::new(new, 4, &Device::Cpu).unwrap();
+        let mut solo_env = crate::synthetic::ar1_env(4, 16, 300, 99);
+        for i in 0..3 {
+            let (x, y) = (it(&mut a, &mut ea), it(&mut b, &mut eb));
+            assert_eq!(x[1], solo.iterate(&mut solo_env).unwrap(), "the new member at its iteration {i}");
+            assert_eq!((&x[0], &x[2]), (&y[0], &y[2]), "the others at iteration {i}");
+        }
+        for (i, (s, p)) in solo.model().params().vars().iter().zip(a.params().vars()).enumerate() {
+            assert_eq!(
+                s.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                p.as_tensor().get(1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                "the new member's tensor {i}"
+            );
+        }
+        for k in [0, 2] {
+            for (x, y) in a.params().vars().iter().zip(b.params().vars()) {
+                assert_eq!(
+                    x.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    y.as_tensor().get(k).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    "member {k}"
+                );
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pop.safetensors");
+        a.snapshot().unwrap().write(&path).unwrap();
+        assert_eq!(PpoPopulation::load_state(&path, &Device::Cpu).unwrap().clocks, a.clocks);
     }
 
     /// PBT's moves: `set_member` before training gives the population that was built with

@@ -1,22 +1,24 @@
 //! Successive halving (`[halving]`): every trial trains to the first rung; the best `1/eta`
 //! of them by the validation metric go on to `eta` times as long, and so on, until the run's
-//! length; the others stop where they are. This is the synchronous form of ASHA (Li et al.,
-//! 2020): its asynchrony keeps parallel workers busy, and here there is no idle worker to
-//! fill (forecaster trials run one after another; DQN and PPO trials train as one
-//! population, whose members share one step counter, so a stopped member's slot cannot take
-//! a new trial at step 0 while the others go on: the population shrinks instead and its
-//! steps get cheaper). The synchronous rule's decisions (each rung ranks every trial that
-//! reached it) are the ones kept. Deterministic: a rung's decision depends on the trials'
-//! metrics at that rung alone, so a restarted sweep makes the same decisions.
+//! length; the others stop where they are. This module holds the rungs and the ranking;
+//! the population's schedule is `PopHalving` (in the sweep), the forecasters' `halve`.
 //!
 //! - Forecasters (TFT, MAMBA-2): rungs of epochs from `min_epochs` (default 1), ranked by
 //!   the best validation loss so far; each trial keeps the run's full schedule (its learning
 //!   rate decays over `seq.epochs`): stopping at a rung pauses it, it is not a shorter run.
+//!   Synchronous: trials run one after another, so there is no idle worker for ASHA's
+//!   asynchrony to fill.
 //! - DQN and PPO: rungs of env steps from `min_steps` (default the run's steps / eta², at
-//!   least 1), ranked by each member's greedy validation Sharpe at the rung; the kept members
-//!   go on exactly as they were (`DqnPopulation::retain_members`), so a member that reaches
-//!   the end is its solo run. Within each population: a sweep with more trials than one
-//!   population holds halves each wave among itself.
+//!   least 1), ranked by each member's greedy validation Sharpe at the rung, by ASHA's rule
+//!   (Li et al., 2020): the trials that reach a rung together go on if they are among the
+//!   best `1/eta` of every trial that has reached it so far. A population's freed slot
+//!   takes the next waiting trial at step 0 (`replace_member`: DQN at any step on the
+//!   `train_every` grid, PPO between iterations), so the population stays full while trials
+//!   wait; members that start together meet each rung together (the synchronous case). A
+//!   kept member goes on exactly as it was, so a
+//!   member that reaches the end is its solo run. Deterministic: a rung's decision depends
+//!   on the scores recorded at it, taken in a fixed order, so a restarted sweep decides the
+//!   same.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};

@@ -29,8 +29,10 @@
 //! `[halving]` ([`halving`]) stops the worse trials at rungs: forecaster trials at rungs of
 //! epochs (each paused with its full schedule, [`halve`]; a trial whose training goes
 //! non-finite is recorded as diverged and the sweep goes on), DQN and PPO trials at rungs of
-//! env steps, where the population drops its stopped members and goes on smaller
-//! ([`PopHalving`]; within each wave).
+//! their own env steps by ASHA's rule ([`PopHalving`]). A group of one shape is then one
+//! population of `members` slots whose freed slots take the next waiting trial at step 0
+//! (`DqnPopulation::replace_member`, `PpoPopulation::replace_member`: between iterations),
+//! dropped once none waits.
 //!
 //! `sampler = "tpe"` with `[tpe]` (`startup`, default 16; `batch`, default `startup`;
 //! `explore`, default 0.2) runs the trials in rounds ([`tpe`]): the first `startup` on Sobol
@@ -503,7 +505,7 @@ fn run_with(args: &SweepArgs, stop: &mut dyn FnMut() -> bool) -> Result<Outcome>
             "halving": {"min_epochs": h.min_epochs.unwrap_or(1), "eta": h.eta, "rungs": h.rungs(base.seq.epochs)?}});
         return finish(&spec, &cfgs, &rows, out, spec.best, extra);
     }
-    let refill = spec.halving.is_some() && !base.model.is_sequence() && base.model != ModelChoice::Ppo;
+    let refill = spec.halving.is_some() && !base.model.is_sequence();
     let waves = plan_waves(&base, &cfgs, &selected, spec.members, refill)?;
     let todo: Vec<&Wave> = waves.iter().filter(|w| w.trials.iter().any(|t| !done.contains_key(t))).collect();
     if !rows_path.exists() {
@@ -1125,7 +1127,7 @@ fn train_population(
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     if base.model == ModelChoice::Ppo {
-        return train_ppo_population(base, cfgs, trials, params, dir, pbt, halving, stop);
+        return train_ppo_population(base, cfgs, trials, params, dir, pbt, halving, slots, stop);
     }
     if base.model.is_sequence() {
         return train_seq_trials(cfgs, trials, params, dir.out);
@@ -1182,29 +1184,7 @@ fn train_population(
             println!("sweep: env step {step}/{}: mean reward over trials {mean:.3e}", base.steps);
         }
         if let Some(h) = w.halving.as_mut() {
-            let local: Vec<u64> = (0..pop.len()).map(|k| pop.member_env_steps(k).unwrap_or(0)).collect();
-            let mut freed = h.rung(base, &data, &pop, params, out, step, &local)?;
-            let done: Vec<usize> = (0..pop.len()).filter(|&k| local[k] >= base.steps && !freed.contains(&k)).collect();
-            if !done.is_empty() {
-                let (applied, skipped) = pop.counters()?;
-                for &k in &done {
-                    h.finish_member(base, &data, &pop, params, out, k, applied[k], skipped[k])?;
-                }
-                freed.extend(done);
-                freed.sort_unstable();
-            }
-            let mut dropped = Vec::new();
-            for k in freed {
-                match h.refill(k) {
-                    Some(t) => {
-                        pop.replace_member(k, cfgs[t].dqn.clone())
-                            .with_context(|| format!("trial {t} taking trial slot {k} at env step {step}"))?;
-                        envs[k] = make_envs(&[t])?.remove(0);
-                    }
-                    None => dropped.push(k),
-                }
-            }
-            if !h.drop_slots(&mut pop, &mut envs, &dropped)? {
+            if !h.after_step(base, &data, &mut pop, &mut envs, params, out, step, cfgs, &make_envs)? {
                 w.env_steps = step;
                 break;
             }
@@ -1220,12 +1200,10 @@ fn train_population(
     }
     device.synchronize()?;
     let train_s = prior_s + t0.elapsed().as_secs_f64();
-    let summary = wave_summary(trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
-    if w.halving.as_ref().is_some_and(|h| h.alive.is_empty()) {
+    let mut summary = wave_summary(trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
+    if let Some(h) = w.halving.take_if(|h| h.alive.is_empty()) {
         // Every member was scored as it finished or stopped.
-        let mut summary = summary;
-        let rows = w.halving.take().map(|h| h.finish(Vec::new(), &mut summary)).unwrap_or_default();
-        return Ok(Some((rows, summary)));
+        return Ok(Some((h.finish(Vec::new(), &mut summary), summary)));
     }
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, dqn_member_policy(&pop, k)?));
@@ -1584,6 +1562,10 @@ trait PopMembers {
     fn set(&mut self, k: usize, cfg: &RunConfig) -> Result<()>;
     /// Only the members `keep` go on.
     fn retain(&mut self, keep: &[usize]) -> Result<()>;
+    /// Member `k` starts over as a new run of `cfg` (a freed slot's next trial).
+    fn replace(&mut self, k: usize, cfg: &RunConfig) -> Result<()>;
+    /// Env steps member `k` has taken since it began.
+    fn member_env_steps(&self, k: usize) -> Result<u64>;
 }
 
 impl PopMembers for DqnPopulation {
@@ -1607,6 +1589,12 @@ impl PopMembers for DqnPopulation {
     }
     fn retain(&mut self, keep: &[usize]) -> Result<()> {
         Ok(self.retain_members(keep)?)
+    }
+    fn replace(&mut self, k: usize, cfg: &RunConfig) -> Result<()> {
+        Ok(self.replace_member(k, cfg.dqn.clone())?)
+    }
+    fn member_env_steps(&self, k: usize) -> Result<u64> {
+        DqnPopulation::member_env_steps(self, k).with_context(|| format!("no member {k}"))
     }
 }
 
@@ -1632,15 +1620,21 @@ impl PopMembers for PpoPopulation {
     fn retain(&mut self, keep: &[usize]) -> Result<()> {
         Ok(self.retain_members(keep)?)
     }
+    fn replace(&mut self, k: usize, cfg: &RunConfig) -> Result<()> {
+        Ok(self.replace_member(k, cfg.ppo.clone())?)
+    }
+    fn member_env_steps(&self, k: usize) -> Result<u64> {
+        PpoPopulation::member_env_steps(self, k).with_context(|| format!("no member {k}"))
+    }
 }
 
 /// Successive halving of one DQN / PPO population ([`halving`]), asynchronous (ASHA's rule):
 /// each member meets the rungs at its own env steps; the members that reach a rung together
 /// are ranked with every trial that reached it before, and those among the best `1/eta` of
-/// all of them go on, the others stop. A slot freed by a stopped or finished DQN member takes
-/// the next waiting trial at step 0 (`queue`), so the population stays full while trials
-/// wait; a freed slot with none left is dropped. Members that all start together (no queue,
-/// or PPO) meet each rung together, which is the synchronous rule. Deterministic: the
+/// all of them go on, the others stop. A slot freed by a stopped or finished member takes the
+/// next waiting trial at step 0 (`queue`), so the population stays full while trials wait;
+/// a freed slot with none left is dropped. Members that all start together (no queue) meet
+/// each rung together, which is the synchronous rule. Deterministic: the
 /// arrivals at a step are ranked in trial order, so a restarted sweep decides the same.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct PopHalving {
@@ -1661,7 +1655,7 @@ struct PopHalving {
     #[serde(default)]
     reached: Vec<Vec<(usize, f64)>>,
     stopped: Vec<TrialRow>,
-    /// DQN trials that trained to the end while other members went on.
+    /// Trials that trained to the end while other members went on.
     #[serde(default)]
     finished: Vec<TrialRow>,
     scores: BTreeMap<usize, Vec<RungScore>>,
@@ -1782,7 +1776,60 @@ impl PopHalving {
         Ok(freed)
     }
 
-    /// Member `k` trained to the end while others go on (a DQN population with a queue):
+    /// What the rungs, ends and freed slots do after a population step (its step
+    /// `env_step`; each member at its own): members at a rung are decided ([`Self::rung`]),
+    /// members at the run's end are scored ([`Self::finish_member`]); each freed slot takes
+    /// the next waiting trial (`PopMembers::replace`, new environments) or is dropped. False
+    /// once no member is left (every trial is done).
+    #[allow(clippy::too_many_arguments)]
+    fn after_step(
+        &mut self,
+        base: &RunConfig,
+        data: &Dataset,
+        pop: &mut dyn PopMembers,
+        envs: &mut Vec<TrainEnv>,
+        params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
+        out: &Path,
+        env_step: u64,
+        cfgs: &[RunConfig],
+        make_envs: &dyn Fn(&[usize]) -> Result<Vec<TrainEnv>>,
+    ) -> Result<bool> {
+        let local: Vec<u64> = (0..pop.len()).map(|k| pop.member_env_steps(k)).collect::<Result<_>>()?;
+        // A member at or past the end takes no rung (PPO: none after its last iteration).
+        let mut racing: Vec<u64> = local.iter().map(|&l| if l >= base.steps { 0 } else { l }).collect();
+        let mut freed = Vec::new();
+        // PPO may pass several rungs in one iteration: each is a cut of its own, and a
+        // stopped member meets no later one.
+        while !self.arrivals(&racing).is_empty() {
+            for k in self.rung(base, data, &*pop, params, out, env_step, &racing)? {
+                racing[k] = 0;
+                freed.push(k);
+            }
+        }
+        let done: Vec<usize> = (0..pop.len()).filter(|&k| local[k] >= base.steps && !freed.contains(&k)).collect();
+        if !done.is_empty() {
+            let (applied, skipped) = pop.counters()?;
+            for &k in &done {
+                self.finish_member(base, data, &*pop, params, out, k, applied[k], skipped[k])?;
+            }
+            freed.extend(done);
+        }
+        freed.sort_unstable();
+        let mut dropped = Vec::new();
+        for k in freed {
+            match self.refill(k) {
+                Some(t) => {
+                    pop.replace(k, &cfgs[t])
+                        .with_context(|| format!("trial {t} taking trial slot {k} at env step {env_step}"))?;
+                    envs[k] = make_envs(&[t])?.remove(0);
+                }
+                None => dropped.push(k),
+            }
+        }
+        self.drop_slots(pop, envs, &dropped)
+    }
+
+    /// Member `k` trained to the end while others go on (members with their own clocks):
     /// its row, scored on the validation split (its weights saved), joins `finished`.
     #[allow(clippy::too_many_arguments)]
     fn finish_member(
@@ -1956,6 +2003,7 @@ fn train_ppo_population(
     dir: &WaveDir<'_>,
     pbt: Option<&PbtPlan<'_>>,
     halving: Option<&HalvingConfig>,
+    slots: usize,
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<Option<(Vec<TrialRow>, serde_json::Value)>> {
     let out = dir.out;
@@ -1965,44 +2013,48 @@ fn train_ppo_population(
     let first = &cfgs[trials[0]];
     let num_envs = first.env.num_envs;
     let mut ck = dir.checkpoint(trials);
+    let start = slots.clamp(1, trials.len());
     let fresh = || {
-        let members: Vec<PpoConfig> = trials.iter().map(|&t| cfgs[t].ppo.clone()).collect();
+        let members: Vec<PpoConfig> = trials[..start].iter().map(|&t| cfgs[t].ppo.clone()).collect();
         PpoPopulation::new(members, num_envs, &device).context("building the sweep's population")
     };
     let load = |p: &Path| PpoPopulation::load_state(p, &device);
     let (mut pop, mut envs, mut w) =
-        wave_state::open(&ck, trials, trials.len(), base, params, pbt, halving, &make_envs, load, fresh)?;
-    let n = trials.len();
+        wave_state::open(&ck, trials, slots, base, params, pbt, halving, &make_envs, load, fresh)?;
+    let n = pop.len();
     println!(
-        "sweep: trials {:?} as one PPO population of {n} on {}, {} env steps x {num_envs} accounts each",
+        "sweep: trials {:?} as one PPO population of {n} on {}, {} env steps x {num_envs} accounts each{}",
         trials,
         if device.is_cuda() { "cuda" } else { "cpu" },
-        base.steps
+        base.steps,
+        if trials.len() > n {
+            format!(" (a freed slot takes the next of the {} trials)", trials.len())
+        } else {
+            String::new()
+        }
     );
     let mut busy = crate::gpu_busy::GpuBusy::for_device(&device);
     let t0 = Instant::now();
     let prior_s = w.train_seconds;
-    while w.env_steps < base.steps {
+    // With halving, members keep their own clocks (see the DQN loop).
+    while w.halving.as_ref().map_or(w.env_steps < base.steps, |h| !h.alive.is_empty()) {
         w.train_seconds = prior_s + t0.elapsed().as_secs_f64();
         if ck.before_step(stop(), w.env_steps, &device, || pop.snapshot(), &envs, &w)? {
             return Ok(None);
         }
         let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e.as_vec_env()).collect();
         let st = pop.iterate(&mut refs)?;
-        let env_steps = st[0].env_steps;
+        let env_steps = pop.env_steps();
         let rows = (first.ppo.num_steps * num_envs) as u64;
         w.samples += rows * first.ppo.epochs as u64 * st.len() as u64;
         let mean = st.iter().map(|s| s.mean_reward).sum::<f64>() / st.len() as f64;
         println!("sweep: env step {env_steps}/{}: mean reward over trials {mean:.3e}", base.steps);
-        // A rung at the first iteration boundary at or past it, none after the last
+        // A rung at the first iteration boundary at or past it, none after a member's last
         // iteration (each rung passed is a cut of its own).
-        if let Some(h) = w.halving.as_mut().filter(|_| env_steps < base.steps) {
-            // Every member at the population's step: each rung passed is a cut of its own.
-            while !h.arrivals(&vec![env_steps; pop.len()]).is_empty() {
-                let freed = h.rung(base, &data, &pop, params, out, env_steps, &vec![env_steps; pop.len()])?;
-                if !h.drop_slots(&mut pop, &mut envs, &freed)? {
-                    bail!("halving stopped every PPO trial at env step {env_steps}: it keeps at least one");
-                }
+        if let Some(h) = w.halving.as_mut() {
+            if !h.after_step(base, &data, &mut pop, &mut envs, params, out, env_steps, cfgs, &make_envs)? {
+                w.env_steps = env_steps;
+                break;
             }
         }
         // A round at the first iteration boundary at or past each multiple of `every` (an
@@ -2018,7 +2070,11 @@ fn train_ppo_population(
     }
     device.synchronize()?;
     let train_s = prior_s + t0.elapsed().as_secs_f64();
-    let summary = wave_summary(n, &device, w.env_steps, train_s, w.samples, &mut busy);
+    let mut summary = wave_summary(trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
+    if let Some(h) = w.halving.take_if(|h| h.alive.is_empty()) {
+        // Every member was scored as it finished or stopped.
+        return Ok(Some((h.finish(Vec::new(), &mut summary), summary)));
+    }
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.params().member(k)?, ppo_member_policy(&pop, k)?));
     end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
@@ -2752,8 +2808,9 @@ n_actions = 3
         assert_eq!(p.refill(1), None);
     }
 
-    /// A DQN sweep with successive halving and fewer slots than trials (6 trials, 2 slots,
-    /// eta 2, rungs at 8 and 16 of 24): a stopped or finished trial's slot takes the next
+    /// DQN and PPO sweeps with successive halving and fewer slots than trials (6 trials, 2
+    /// slots, eta 2, rungs at 8 and 16 of 24; PPO iterations of 4 env steps): a stopped or
+    /// finished trial's slot takes the next
     /// trial at step 0, so every trial is its solo run from its own start. Its score at a rung
     /// is its score in a plain sweep of that length, the decisions are ASHA's on those scores
     /// (simulated here slot by slot), every trial's row and weights are the plain sweep's of
@@ -2762,124 +2819,140 @@ n_actions = 3
     #[test]
     fn a_freed_slot_takes_the_next_trial_and_each_trial_is_its_solo_run() {
         let dir = tempfile::tempdir().unwrap();
-        let mk = |name: &str, extra: &str, members: usize| {
-            let args = tiny_sweep_with(dir.path(), members, extra, &format!("{name}.toml"));
-            let text = std::fs::read_to_string(args.config.as_ref().unwrap())
-                .unwrap()
-                .replace("trials = 4", "trials = 6")
-                .replace("learning_starts = 32", "learning_starts = 4");
-            std::fs::write(args.config.as_ref().unwrap(), text).unwrap();
-            SweepArgs { out: Some(dir.path().join(name)), ..args }
-        };
-        let halving = "[halving]\nmin_steps = 8\neta = 2\n";
-        let asha = mk("asha", halving, 2);
-        run_with(&asha, &mut || false).unwrap();
-        let a_out = asha.out.clone().unwrap();
-        let rows = read_rows(&a_out.join("trials.jsonl")).unwrap().unwrap();
-        assert_eq!(rows.len(), 6);
-        let plain = |steps: u64| {
-            let a = SweepArgs { steps: Some(steps), ..mk(&format!("p{steps}"), "", 6) };
-            run_with(&a, &mut || false).unwrap();
-            (read_rows(&a.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap(), a.out.unwrap())
-        };
-        let (p8, d8) = plain(8);
-        let (p16, d16) = plain(16);
-        let (p24, d24) = plain(24);
-        // The reference: two slots with their own clocks, ASHA's rule on the plain scores.
-        let score = |t: usize, r: usize| if r == 0 { p8[t].val_sharpe } else { p16[t].val_sharpe };
-        let (mut slots, mut queue) = (vec![(0usize, 0u64, 0usize), (1, 0, 0)], vec![2usize, 3, 4, 5]);
-        let mut reached: Vec<Vec<(usize, f64)>> = vec![Vec::new(); 2];
-        let mut reached_len = BTreeMap::new();
-        while !slots.is_empty() {
-            for s in slots.iter_mut() {
-                s.1 += 1;
-            }
-            let mut freed = Vec::new();
-            for r in 0..2 {
-                let arrived: Vec<usize> =
-                    (0..slots.len()).filter(|&i| slots[i].2 == r && slots[i].1 == [8, 16][r]).collect();
-                if arrived.is_empty() {
-                    continue;
+        for model in ["dqn", "ppo"] {
+            let mk = |name: &str, extra: &str, members: usize| {
+                let args = tiny_sweep_with(dir.path(), members, extra, &format!("{model}-{name}.toml"));
+                let mut text = std::fs::read_to_string(args.config.as_ref().unwrap())
+                    .unwrap()
+                    .replace("trials = 4", "trials = 6")
+                    .replace("learning_starts = 32", "learning_starts = 4");
+                if model == "ppo" {
+                    text = text
+                        .replace("model = \"dqn\"", "model = \"ppo\"")
+                        .replace("\"dqn.optimizer.lr\"", "\"ppo.optimizer.lr\"")
+                        + "[run.ppo]\nnum_steps = 4\nepochs = 1\nminibatch_size = 8\n[run.ppo.net]\nhidden = 16\n";
                 }
-                reached[r].extend(arrived.iter().map(|&i| (slots[i].0, score(slots[i].0, r))));
-                let mut all = reached[r].clone();
-                all.sort_by(|x, y| {
-                    let k = |v: f64| if v.is_finite() { -v } else { f64::INFINITY };
-                    k(x.1).total_cmp(&k(y.1)).then(x.0.cmp(&y.0))
-                });
-                all.truncate(reached[r].len().div_ceil(2));
-                for i in arrived {
-                    if all.iter().any(|&(t, _)| t == slots[i].0) {
-                        slots[i].2 += 1;
-                    } else {
-                        reached_len.insert(slots[i].0, [8u64, 16][r]);
+                std::fs::write(args.config.as_ref().unwrap(), text).unwrap();
+                SweepArgs { out: Some(dir.path().join(format!("{model}-{name}"))), ..args }
+            };
+            let halving = "[halving]\nmin_steps = 8\neta = 2\n";
+            let asha = mk("asha", halving, 2);
+            run_with(&asha, &mut || false).unwrap();
+            let a_out = asha.out.clone().unwrap();
+            let rows = read_rows(&a_out.join("trials.jsonl")).unwrap().unwrap();
+            assert_eq!(rows.len(), 6);
+            let plain = |steps: u64| {
+                let a = SweepArgs { steps: Some(steps), ..mk(&format!("p{steps}"), "", 6) };
+                run_with(&a, &mut || false).unwrap();
+                (read_rows(&a.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap(), a.out.unwrap())
+            };
+            let (p8, d8) = plain(8);
+            let (p16, d16) = plain(16);
+            let (p24, d24) = plain(24);
+            // The reference: two slots with their own clocks, ASHA's rule on the plain scores.
+            let score = |t: usize, r: usize| if r == 0 { p8[t].val_sharpe } else { p16[t].val_sharpe };
+            let (mut slots, mut queue) = (vec![(0usize, 0u64, 0usize), (1, 0, 0)], vec![2usize, 3, 4, 5]);
+            let mut reached: Vec<Vec<(usize, f64)>> = vec![Vec::new(); 2];
+            let mut reached_len = BTreeMap::new();
+            while !slots.is_empty() {
+                for s in slots.iter_mut() {
+                    s.1 += 1;
+                }
+                let mut freed = Vec::new();
+                for r in 0..2 {
+                    let arrived: Vec<usize> =
+                        (0..slots.len()).filter(|&i| slots[i].2 == r && slots[i].1 == [8, 16][r]).collect();
+                    if arrived.is_empty() {
+                        continue;
+                    }
+                    reached[r].extend(arrived.iter().map(|&i| (slots[i].0, score(slots[i].0, r))));
+                    let mut all = reached[r].clone();
+                    all.sort_by(|x, y| {
+                        let k = |v: f64| if v.is_finite() { -v } else { f64::INFINITY };
+                        k(x.1).total_cmp(&k(y.1)).then(x.0.cmp(&y.0))
+                    });
+                    all.truncate(reached[r].len().div_ceil(2));
+                    for i in arrived {
+                        if all.iter().any(|&(t, _)| t == slots[i].0) {
+                            slots[i].2 += 1;
+                        } else {
+                            reached_len.insert(slots[i].0, [8u64, 16][r]);
+                            freed.push(i);
+                        }
+                    }
+                }
+                for (i, &(t, clock, _)) in slots.iter().enumerate() {
+                    if clock == 24 {
+                        reached_len.insert(t, 24);
                         freed.push(i);
                     }
                 }
-            }
-            for (i, &(t, clock, _)) in slots.iter().enumerate() {
-                if clock == 24 {
-                    reached_len.insert(t, 24);
-                    freed.push(i);
+                freed.sort_unstable();
+                for &i in freed.iter().rev() {
+                    if queue.is_empty() {
+                        slots.remove(i);
+                    } else {
+                        slots[i] = (queue.remove(0), 0, 0);
+                    }
                 }
             }
-            freed.sort_unstable();
-            for &i in freed.iter().rev() {
-                if queue.is_empty() {
-                    slots.remove(i);
+            let w = |d: &Path, t: usize| std::fs::read(d.join(format!("weights/trial-{t}.safetensors"))).unwrap();
+            let mut finished = 0;
+            for r in &rows {
+                let t = r.trial;
+                let len = reached_len[&t];
+                let (want, d) = match len {
+                    8 => (&p8[t], &d8),
+                    16 => (&p16[t], &d16),
+                    _ => (&p24[t], &d24),
+                };
+                let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
+                assert!(
+                    same(r.val_sharpe, want.val_sharpe),
+                    "{model} trial {t} at {len}: {} vs {}",
+                    r.val_sharpe,
+                    want.val_sharpe
+                );
+                assert_eq!((r.updates, r.skipped_updates), (want.updates, want.skipped_updates), "trial {t} at {len}");
+                assert_eq!(w(&a_out, t), w(d, t), "trial {t}'s weights at {len}");
+                if len == 24 {
+                    finished += 1;
+                    assert_eq!(TrialRow { rungs: Vec::new(), ..r.clone() }, *want, "{model} trial {t} finished");
                 } else {
-                    slots[i] = (queue.remove(0), 0, 0);
+                    assert_eq!(r.env_steps, Some(len), "trial {t}");
                 }
+                let scores: Vec<u64> = r.rungs.iter().map(|s| s.env_step).collect();
+                assert_eq!(
+                    scores,
+                    [8u64, 16].iter().copied().filter(|&x| x <= len.min(16)).collect::<Vec<_>>(),
+                    "trial {t}"
+                );
             }
-        }
-        let w = |d: &Path, t: usize| std::fs::read(d.join(format!("weights/trial-{t}.safetensors"))).unwrap();
-        let mut finished = 0;
-        for r in &rows {
-            let t = r.trial;
-            let len = reached_len[&t];
-            let (want, d) = match len {
-                8 => (&p8[t], &d8),
-                16 => (&p16[t], &d16),
-                _ => (&p24[t], &d24),
-            };
-            let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
-            assert!(same(r.val_sharpe, want.val_sharpe), "trial {t} at {len}: {} vs {}", r.val_sharpe, want.val_sharpe);
-            assert_eq!((r.updates, r.skipped_updates), (want.updates, want.skipped_updates), "trial {t} at {len}");
-            assert_eq!(w(&a_out, t), w(d, t), "trial {t}'s weights at {len}");
-            if len == 24 {
-                finished += 1;
-                assert_eq!(TrialRow { rungs: Vec::new(), ..r.clone() }, *want, "trial {t} finished");
-            } else {
-                assert_eq!(r.env_steps, Some(len), "trial {t}");
-            }
-            let scores: Vec<u64> = r.rungs.iter().map(|s| s.env_step).collect();
+            assert!(finished >= 1 && reached_len.values().filter(|&&l| l == 8).count() >= 2, "{reached_len:?}");
+            let pop: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(a_out.join("population.json")).unwrap()).unwrap();
+            assert_eq!(pop["waves"].as_array().unwrap().len(), 1, "one population fed by the queue");
+            let doc: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(a_out.join("sweep.json")).unwrap()).unwrap();
+            assert_eq!(doc["populations"], json!([2]));
+            // Stopped twice (one check per population step) and resumed: the same rows.
+            let resumed = mk("asha-resumed", halving, 2);
+            let (first, second) = if model == "dqn" { (13, 20) } else { (3, 5) };
+            stop_at_check(&resumed, first);
+            stop_at_check(&resumed, second);
+            finish_counting_checks(&resumed);
             assert_eq!(
-                scores,
-                [8u64, 16].iter().copied().filter(|&x| x <= len.min(16)).collect::<Vec<_>>(),
-                "trial {t}"
+                read_rows(&resumed.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap(),
+                rows,
+                "{model}"
             );
         }
-        assert!(finished >= 1 && reached_len.values().filter(|&&l| l == 8).count() >= 2, "{reached_len:?}");
-        let pop: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(a_out.join("population.json")).unwrap()).unwrap();
-        assert_eq!(pop["waves"].as_array().unwrap().len(), 1, "one population fed by the queue");
-        let doc: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(a_out.join("sweep.json")).unwrap()).unwrap();
-        assert_eq!(doc["populations"], json!([2]));
-        // Stopped twice (one check per population step) and resumed: the same rows.
-        let resumed = mk("asha-resumed", halving, 2);
-        stop_at_check(&resumed, 13);
-        stop_at_check(&resumed, 20);
-        finish_counting_checks(&resumed);
-        assert_eq!(read_rows(&resumed.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap(), rows);
         // Rungs off the train_every grid are refused.
-        let odd = mk("odd", "[halving]\nmin_steps = 7\neta = 2\n[run.dqn]\ntrain_every = 2\n", 2);
+        let odd = tiny_sweep_with(dir.path(), 2, "[halving]\nmin_steps = 7\neta = 2\n", "odd.toml");
         let text = std::fs::read_to_string(odd.config.as_ref().unwrap()).unwrap();
-        let text = text.replacen("[run.dqn]\nbatch_size", "[run.dqn]\ntrain_every = 2\nbatch_size", 1).replace(
-            "[halving]\nmin_steps = 7\neta = 2\n[run.dqn]\ntrain_every = 2\n",
-            "[halving]\nmin_steps = 7\neta = 2\n",
-        );
+        let text = text.replacen("[run.dqn]\nbatch_size", "[run.dqn]\ntrain_every = 2\nbatch_size", 1);
         std::fs::write(odd.config.as_ref().unwrap(), text).unwrap();
+        let odd = SweepArgs { out: Some(dir.path().join("odd")), ..odd };
         let e = format!("{:#}", run_with(&odd, &mut || false).unwrap_err());
         assert!(e.contains("train_every"), "{e}");
     }
