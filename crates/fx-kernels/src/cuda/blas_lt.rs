@@ -297,6 +297,77 @@ mod tests {
         (0..len as u64).map(|i| (rng::draw(seed, salt, 0, i) * 2.0 - 1.0) as f32).collect()
     }
 
+    /// What this cuBLASLt's heuristic offers for a population trunk layer's GEMM (4 entries
+    /// of [512, 256] x [256, 256]ᵀ, BF16 in) and its unbatched form: F32 or BF16 out, no
+    /// epilogue, bias + ReLU with an F32 bias, with a bias of D's type (BF16), and F32 in and
+    /// out. Printed as a table (the choice of epilogue follows it); a plain BF16 GEMM must
+    /// have an algorithm.
+    #[test]
+    fn heuristic_support_of_the_trunk_gemms() {
+        use super::{lt, set_desc, sys, Descriptors, LtHandle, Shape};
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        use sys::cudaDataType_t::CUDA_R_16BF;
+        let Some(dev) = gpu("blas_lt::heuristic_support_of_the_trunk_gemms") else { return };
+        let h = LtHandle::of(super::super::cuda_device(&dev, "device", "test").unwrap()).unwrap();
+        let (nb, m, n, k) = (4usize, 512usize, 256usize, 256usize);
+        let buf = |len: usize, dt: DType| Tensor::zeros(len, dt, &dev).unwrap();
+        let (a16, b16, c16) =
+            (buf(nb * m * k, DType::BF16), buf(nb * n * k, DType::BF16), buf(nb * m * n, DType::BF16));
+        let (a32, b32, c32) = (buf(nb * m * k, DType::F32), buf(nb * n * k, DType::F32), buf(nb * m * n, DType::F32));
+        let bias = buf(nb * n, DType::F32);
+        let bias16 = buf(nb * n, DType::BF16);
+        let p16 = |t: &Tensor| address::<half::bf16>(t, "t").unwrap();
+        let p32 = |t: &Tensor| address::<f32>(t, "t").unwrap();
+        let mut plain_ok = false;
+        for batch in [nb, 1] {
+            for (name, bf_in, bf_out, epi, bias_t) in [
+                ("bf16 in, f32 out, no epilogue", true, false, false, 0u8),
+                ("bf16 in, f32 out, bias+relu f32 bias", true, false, true, 0),
+                ("bf16 in, bf16 out, no epilogue", true, true, false, 0),
+                ("bf16 in, bf16 out, bias+relu f32 bias", true, true, true, 0),
+                ("bf16 in, bf16 out, bias+relu bf16 bias", true, true, true, 1),
+                ("bf16 in, bf16 out, bias+relu default-type bias", true, true, true, 2),
+                ("f32 in, f32 out, bias+relu f32 bias", false, false, true, 0),
+            ] {
+                let (a, b) = if bf_in { (p16(&a16), p16(&b16)) } else { (p32(&a32), p32(&b32)) };
+                let c = if bf_out { p16(&c16) } else { p32(&c32) };
+                let mut g = Gemm::new(false, true, m, n, k, a, b, c);
+                if batch > 1 {
+                    g = g.batched(batch, m * k, n * k, m * n);
+                }
+                if bf_in {
+                    g = g.bf16(a, b);
+                }
+                if bf_out {
+                    g = g.bf16_out(c);
+                }
+                if epi {
+                    g = g.bias_relu(if bias_t == 1 { p16(&bias16) } else { p32(&bias) }, n, true);
+                }
+                let s = Shape::of(&g);
+                // SAFETY: descriptors and a heuristic query touch no device memory.
+                let got = unsafe {
+                    let d = Descriptors::new(&g, &s).unwrap();
+                    if epi && bias_t == 1 {
+                        set_desc(d.desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &CUDA_R_16BF).unwrap();
+                    }
+                    if epi && bias_t == 2 {
+                        set_desc(d.desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &-1i32).unwrap();
+                    }
+                    let [la, lb, lc] = d.layouts;
+                    lt::get_matmul_algo_heuristic(h.handle, d.desc, la, lb, lc, lc, d.pref)
+                };
+                let text = match &got {
+                    Ok(r) => format!("algorithm (workspace {} B)", r.workspaceSize),
+                    Err(e) => format!("none: {e:?}"),
+                };
+                eprintln!("lt support, batch {batch}: {name}: {text}");
+                plain_ok |= name.ends_with("f32 out, no epilogue") && got.is_ok();
+            }
+        }
+        assert!(plain_ok, "cuBLASLt offers no algorithm for a plain BF16 GEMM");
+    }
+
     /// Every epilogue GEMM the fused steps use (bias + ReLU, bias alone; BF16 or F32 out; BF16
     /// or F32 in; strided batches whose every entry has its own bias; a batch starting mid-
     /// buffer at an unaligned row, as a target trunk reads s') equals the f64 reference on
