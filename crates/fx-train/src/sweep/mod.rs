@@ -1517,9 +1517,9 @@ fn pbt_round(
     step: u64,
 ) -> Result<()> {
     let round = step / plan.cfg.every;
-    let scores = (0..trials.len())
-        .map(|k| Ok(policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?)?.sharpe))
-        .collect::<Result<Vec<f64>>>()?;
+    let policies = (0..trials.len()).map(|k| pop.policy(k)).collect::<Result<Vec<_>>>()?;
+    let scores: Vec<f64> =
+        score_policies(base, data, &data.splits.valid, policies)?.into_iter().map(|s| s.sharpe).collect();
     let moves = pbt::exploits(&scores, plan.cfg.quantile, plan.spec.seed, round);
     for m in &moves {
         let (dst, src) = (trials[m.dst], trials[m.src]);
@@ -1733,10 +1733,8 @@ impl PopHalving {
         let mut freed = Vec::new();
         for (r, slots) in self.arrivals(local) {
             let rung_step = self.rungs[r];
-            let stats = slots
-                .iter()
-                .map(|&k| policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?))
-                .collect::<Result<Vec<_>>>()?;
+            let policies = slots.iter().map(|&k| pop.policy(k)).collect::<Result<Vec<_>>>()?;
+            let stats = score_policies(base, data, &data.splits.valid, policies)?;
             let arrived: Vec<(usize, f64)> =
                 slots.iter().zip(&stats).map(|(&k, s)| (self.alive[k], s.sharpe)).collect();
             for &(t, sharpe) in &arrived {
@@ -1944,10 +1942,13 @@ fn score_members(
     let mut rows = Vec::with_capacity(trials.len());
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
+    let mut policies = Vec::with_capacity(trials.len());
     for (k, &trial) in trials.iter().enumerate() {
-        let (store, mut policy) = member(k)?;
+        let (store, policy) = member(k)?;
         store.save(&weights.join(format!("trial-{trial}.safetensors")))?;
-        let s = policy_stats(base, data, &valid, &mut policy)?;
+        policies.push(policy);
+    }
+    for (k, (&trial, s)) in trials.iter().zip(score_policies(base, data, &valid, policies)?).enumerate() {
         rows.push(member_row(trial, params(trial), &s, applied[k], skipped[k]));
     }
     Ok(rows)
@@ -1978,6 +1979,37 @@ fn member_row(
         env_steps: None,
         rungs: Vec::new(),
     }
+}
+
+/// [`policy_stats`] of each of `policies`, on up to the machine's cores (each backtest is
+/// its policy's alone, so the results do not depend on how they are spread). A rung's
+/// scoring would otherwise hold the GPU idle for one backtest after another.
+fn score_policies(
+    cfg: &RunConfig,
+    data: &Dataset,
+    span: &std::ops::Range<usize>,
+    mut policies: Vec<fx_models::mlp::cpu::CpuPolicy>,
+) -> Result<Vec<fx_models::BacktestStats>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(policies.len()).max(1);
+    if threads == 1 {
+        return policies.iter_mut().map(|p| policy_stats(cfg, data, span, p)).collect();
+    }
+    let per = policies.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = policies
+            .chunks_mut(per)
+            .map(|chunk| {
+                scope.spawn(move || {
+                    chunk.iter_mut().map(|p| policy_stats(cfg, data, span, p)).collect::<Result<Vec<_>>>()
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for h in handles {
+            out.extend(h.join().map_err(|_| anyhow::anyhow!("a backtest thread panicked"))??);
+        }
+        Ok(out)
+    })
 }
 
 /// A greedy CPU policy's backtest statistics on `span` (a panel's: its equal-weight
