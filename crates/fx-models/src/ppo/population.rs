@@ -1018,6 +1018,73 @@ mod tests {
         assert!(e.contains("solo.safetensors") && e.contains("not a PPO population state"), "{e}");
     }
 
+    /// On CUDA with GPU envs, a member that starts over after 2 iterations (new settings,
+    /// seed and environments): its counters count from its start and it takes as many steps
+    /// as its solo learner on the GPU, its weights within 1e-4 relative of that learner's
+    /// after 3 iterations (population and solo kernels batch differently); the other members
+    /// are the population's that never replaced one (the same rewards, weights within 1e-6).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_member_that_starts_over_trains_as_its_solo_learner_on_the_gpu() {
+        let Some(dev) =
+            fx_hw::test_gpu("ppo::population::a_member_that_starts_over_trains_as_its_solo_learner_on_the_gpu")
+        else {
+            return;
+        };
+        let cfg = |k: usize| {
+            let mut c = member(k);
+            (c.num_steps, c.epochs, c.minibatch_size) = (8, 2, 16);
+            c
+        };
+        let cfgs: Vec<PpoConfig> = (0..3).map(cfg).collect();
+        let envs = || -> Vec<fx_kernels::GpuTradingEnv> {
+            (0..3).map(|k| crate::synthetic::ar1_gpu_env(4, 16, 300, 30 + k as u64, &dev)).collect()
+        };
+        let run = |pop: &mut PpoPopulation, envs: &mut [fx_kernels::GpuTradingEnv]| {
+            let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            pop.iterate(&mut refs).unwrap()
+        };
+        let (mut a, mut b) =
+            (PpoPopulation::new(cfgs.clone(), 4, &dev).unwrap(), PpoPopulation::new(cfgs, 4, &dev).unwrap());
+        let (mut ea, mut eb) = (envs(), envs());
+        for _ in 0..2 {
+            run(&mut a, &mut ea);
+            run(&mut b, &mut eb);
+        }
+        let new = PpoConfig { seed: 4321, ..cfg(5) };
+        a.replace_member(1, new.clone()).unwrap();
+        ea[1] = crate::synthetic::ar1_gpu_env(4, 16, 300, 99, &dev);
+        let mut solo = PpoTrainer::new(new, 4, &dev).unwrap();
+        let mut solo_env = crate::synthetic::ar1_gpu_env(4, 16, 300, 99, &dev);
+        for i in 0..3 {
+            let (x, y) = (run(&mut a, &mut ea), run(&mut b, &mut eb));
+            let s = solo.iterate(&mut solo_env).unwrap();
+            assert_eq!((x[1].iteration, x[1].env_steps, x[1].skipped), (s.iteration, s.env_steps, s.skipped), "{i}");
+            for k in [0, 2] {
+                assert_eq!((x[k].mean_reward, x[k].episodes_done), (y[k].mean_reward, y[k].episodes_done), "{i} {k}");
+            }
+        }
+        // Its optimiser steps are 3 iterations' worth, the unreplaced member's 5.
+        let (na, nb) = (a.counters().unwrap().0[1], b.counters().unwrap().0[1]);
+        assert!(na > 0 && 5 * na == 3 * nb, "{na} steps against {nb}");
+        let rel = |x: &Tensor, y: &Tensor| -> f64 {
+            let d = (x - y).unwrap().sqr().unwrap().sum_all().unwrap().sqrt().unwrap().to_scalar::<f32>().unwrap();
+            let n = y.sqr().unwrap().sum_all().unwrap().sqrt().unwrap().to_scalar::<f32>().unwrap();
+            f64::from(d) / f64::from(n).max(1e-30)
+        };
+        for (i, (p, s)) in a.params().vars().iter().zip(solo.model().params().vars()).enumerate() {
+            let e = rel(&p.as_tensor().get(1).unwrap(), s.as_tensor());
+            eprintln!("started over vs solo tensor {i}: rel err {e:.2e}");
+            assert!(e <= 1e-4, "the new member's tensor {i}: rel err {e}");
+        }
+        for k in [0, 2] {
+            for (i, (x, y)) in a.params().vars().iter().zip(b.params().vars()).enumerate() {
+                let e = rel(&x.as_tensor().get(k).unwrap(), &y.as_tensor().get(k).unwrap());
+                assert!(e <= 1e-6, "member {k} tensor {i}: rel err {e}");
+            }
+        }
+    }
+
     /// On CUDA with GPU envs, a population saved between iterations and restored with its
     /// environments' states goes on as the one that never stopped: the same iteration
     /// rewards, episodes and skips, counters and env states, and weights within 1e-6
