@@ -32,7 +32,8 @@
 //! their own env steps by ASHA's rule ([`PopHalving`]). A group of one shape is then one
 //! population of `members` slots whose freed slots take the next waiting trial at step 0
 //! (`DqnPopulation::replace_member`, `PpoPopulation::replace_member`: between iterations),
-//! dropped once none waits.
+//! dropped once none waits. Rungs, PBT rounds and a wave's end score the members' greedy
+//! policies on the validation split on the machine's cores ([`score_policies`]).
 //!
 //! `sampler = "tpe"` with `[tpe]` (`startup`, default 16; `batch`, default `startup`;
 //! `explore`, default 0.2) runs the trials in rounds ([`tpe`]): the first `startup` on Sobol
