@@ -577,6 +577,22 @@ impl DqnPopulation {
                 ),
             ));
         } else {
+            let bad = c.clocks.iter().zip(&c.own).position(|(k, &o)| {
+                k.env_step > c.env_steps || k.key > c.sampled || k.ring_start >= cap as u64 || o > cap
+            });
+            if let Some(k) = bad {
+                return Err(Error::config(
+                    CTX,
+                    format!(
+                        "{}: member {k}'s clock {:?} (own transitions {}) lies past the population's env step {}, draw {} or ring of {cap}",
+                        path.display(),
+                        c.clocks[k],
+                        c.own[k],
+                        c.env_steps,
+                        c.sampled
+                    ),
+                ));
+            }
             (me.clocks, me.own, me.learning) = (c.clocks, c.own, c.learning);
         }
         for (k, &l) in me.learning.iter().enumerate().filter(|(_, &l)| !l) {

@@ -531,6 +531,20 @@ impl PpoPopulation {
                     format!("{}: {} clocks for {n} members", path.display(), c.clocks.len()),
                 ));
             }
+            if let Some(k) = c
+                .clocks
+                .iter()
+                .position(|k| k.env_steps > c.env_steps || k.epochs > c.epochs_done || k.iterations > c.iterations)
+            {
+                return Err(Error::config(
+                    CTX,
+                    format!(
+                        "{}: member {k}'s clock {:?} lies past the population's counters",
+                        path.display(),
+                        c.clocks[k]
+                    ),
+                ));
+            }
             me.clocks = c.clocks;
         }
         Ok(me)

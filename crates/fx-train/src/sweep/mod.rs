@@ -1026,7 +1026,7 @@ const SEQUENTIAL: &str = "sequential (forecaster trials train one after another)
 struct Wave {
     trials: Vec<usize>,
     /// Members trained at once: all of `trials`, or fewer when a freed slot takes the next
-    /// trial (DQN with `[halving]`).
+    /// trial (DQN and PPO with `[halving]`).
     slots: usize,
     /// Where the population size came from (`config`, `env FX_POPULATION`, `derived`).
     source: String,
@@ -1035,7 +1035,7 @@ struct Wave {
 /// Trials grouped by shape (one population per [`DqnPopulation::shape_key`], in the order of
 /// their first trial), each group cut into waves as large as the device holds
 /// (`fx_hw::HardwareBudget::population_size`, or `members` / `FX_POPULATION`); with `refill`
-/// (DQN under `[halving]`) each group is one wave of that many slots, a freed slot taking the
+/// (DQN and PPO under `[halving]`) each group is one wave of that many slots, a freed slot taking the
 /// group's next trial.
 fn plan_waves(
     base: &RunConfig,
@@ -1201,7 +1201,8 @@ fn train_population(
     }
     device.synchronize()?;
     let train_s = prior_s + t0.elapsed().as_secs_f64();
-    let mut summary = wave_summary(trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
+    let mut summary =
+        wave_summary(slots.min(trials.len()), trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
     if let Some(h) = w.halving.take_if(|h| h.alive.is_empty()) {
         // Every member was scored as it finished or stopped.
         return Ok(Some((h.finish(Vec::new(), &mut summary), summary)));
@@ -1642,9 +1643,10 @@ struct PopHalving {
     eta: usize,
     /// The rungs before the end, in env steps of a member's own clock.
     rungs: Vec<u64>,
-    /// The next rung of every member (states written before members had their own clocks
-    /// hold one for all of them).
+    /// The lowest next rung of the members: what a state written before members had their
+    /// own clocks holds for all of them ([`Self::upgrade`]).
     next: usize,
+    /// The next rung of every member.
     #[serde(default)]
     next_rung: Vec<usize>,
     /// Member `k`'s trial.
@@ -1654,13 +1656,21 @@ struct PopHalving {
     queue: Vec<usize>,
     /// Per rung, every trial that reached it so far and its validation Sharpe there.
     #[serde(default)]
-    reached: Vec<Vec<(usize, f64)>>,
+    reached: Vec<Vec<Reached>>,
     stopped: Vec<TrialRow>,
     /// Trials that trained to the end while other members went on.
     #[serde(default)]
     finished: Vec<TrialRow>,
     scores: BTreeMap<usize, Vec<RungScore>>,
     log: Vec<serde_json::Value>,
+}
+
+/// A trial's score at a rung (a NaN Sharpe is written as null, as in the rows).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+struct Reached {
+    trial: usize,
+    #[serde(with = "nan_as_null")]
+    val_sharpe: f64,
 }
 
 impl PopHalving {
@@ -1708,9 +1718,9 @@ impl PopHalving {
     /// ones among the best `ceil(n / eta)` of all `n` trials that reached `r` so far
     /// ([`halving::keep`]); the arrivals join the rung's record.
     fn decide(&mut self, r: usize, arrived: &[(usize, f64)]) -> Vec<usize> {
-        self.reached[r].extend_from_slice(arrived);
-        let trials: Vec<usize> = self.reached[r].iter().map(|&(t, _)| t).collect();
-        let neg: Vec<f64> = self.reached[r].iter().map(|&(_, s)| -s).collect();
+        self.reached[r].extend(arrived.iter().map(|&(trial, val_sharpe)| Reached { trial, val_sharpe }));
+        let trials: Vec<usize> = self.reached[r].iter().map(|x| x.trial).collect();
+        let neg: Vec<f64> = self.reached[r].iter().map(|x| -x.val_sharpe).collect();
         let best = halving::keep(&trials, &neg, self.eta);
         arrived.iter().map(|&(t, _)| t).filter(|t| best.contains(t)).collect()
     }
@@ -1738,8 +1748,10 @@ impl PopHalving {
             let stats = score_policies(base, data, &data.splits.valid, policies)?;
             let arrived: Vec<(usize, f64)> =
                 slots.iter().zip(&stats).map(|(&k, s)| (self.alive[k], s.sharpe)).collect();
-            for &(t, sharpe) in &arrived {
-                self.scores.entry(t).or_default().push(RungScore { env_step: rung_step, val_sharpe: sharpe });
+            // A member's own step where it was scored (PPO: the iteration boundary at or past
+            // the rung).
+            for (&k, &(t, sharpe)) in slots.iter().zip(&arrived) {
+                self.scores.entry(t).or_default().push(RungScore { env_step: local[k], val_sharpe: sharpe });
             }
             let kept = self.decide(r, &arrived);
             let (applied, skipped) = pop.counters()?;
@@ -1757,7 +1769,7 @@ impl PopHalving {
                 if row.status == "ok" {
                     row.status = "stopped".into();
                 }
-                row.env_steps = Some(rung_step);
+                row.env_steps = Some(local[k]);
                 self.stopped.push(row);
                 stopped.push(t);
                 freed.push(k);
@@ -1777,7 +1789,7 @@ impl PopHalving {
 
     /// What the rungs, ends and freed slots do after a population step (its step
     /// `env_step`; each member at its own): members at a rung are decided ([`Self::rung`]),
-    /// members at the run's end are scored ([`Self::finish_member`]); each freed slot takes
+    /// members at the run's end are scored ([`Self::finish_members`]); each freed slot takes
     /// the next waiting trial (`PopMembers::replace`, new environments) or is dropped. False
     /// once no member is left (every trial is done).
     #[allow(clippy::too_many_arguments)]
@@ -1807,10 +1819,7 @@ impl PopHalving {
         }
         let done: Vec<usize> = (0..pop.len()).filter(|&k| local[k] >= base.steps && !freed.contains(&k)).collect();
         if !done.is_empty() {
-            let (applied, skipped) = pop.counters()?;
-            for &k in &done {
-                self.finish_member(base, data, &*pop, params, out, k, applied[k], skipped[k])?;
-            }
+            self.finish_members(base, data, &*pop, params, out, &done)?;
             freed.extend(done);
         }
         freed.sort_unstable();
@@ -1828,26 +1837,30 @@ impl PopHalving {
         self.drop_slots(pop, envs, &dropped)
     }
 
-    /// Member `k` trained to the end while others go on (members with their own clocks):
-    /// its row, scored on the validation split (its weights saved), joins `finished`.
+    /// Members `ks` trained to the end while others go on (members with their own clocks):
+    /// their rows, scored on the validation split (their weights saved), join `finished`.
     #[allow(clippy::too_many_arguments)]
-    fn finish_member(
+    fn finish_members(
         &mut self,
         base: &RunConfig,
         data: &Dataset,
         pop: &dyn PopMembers,
         params: &dyn Fn(usize) -> BTreeMap<String, serde_json::Value>,
         out: &Path,
-        k: usize,
-        applied: u64,
-        skipped: u64,
+        ks: &[usize],
     ) -> Result<()> {
-        let t = self.alive[k];
+        let (applied, skipped) = pop.counters()?;
         let weights = out.join("weights");
         std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
-        pop.weights(k)?.save(&weights.join(format!("trial-{t}.safetensors")))?;
-        let s = policy_stats(base, data, &data.splits.valid, &mut pop.policy(k)?)?;
-        self.finished.push(member_row(t, params(t), &s, applied, skipped));
+        let mut policies = Vec::with_capacity(ks.len());
+        for &k in ks {
+            pop.weights(k)?.save(&weights.join(format!("trial-{}.safetensors", self.alive[k])))?;
+            policies.push(pop.policy(k)?);
+        }
+        for (&k, s) in ks.iter().zip(score_policies(base, data, &data.splits.valid, policies)?) {
+            let t = self.alive[k];
+            self.finished.push(member_row(t, params(t), &s, applied[k], skipped[k]));
+        }
         Ok(())
     }
 
@@ -2103,7 +2116,8 @@ fn train_ppo_population(
     }
     device.synchronize()?;
     let train_s = prior_s + t0.elapsed().as_secs_f64();
-    let mut summary = wave_summary(trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
+    let mut summary =
+        wave_summary(slots.min(trials.len()), trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
     if let Some(h) = w.halving.take_if(|h| h.alive.is_empty()) {
         // Every member was scored as it finished or stopped.
         return Ok(Some((h.finish(Vec::new(), &mut summary), summary)));
@@ -2113,12 +2127,13 @@ fn train_ppo_population(
     end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
 }
 
-/// A population wave's figures for `population.json`, and its printed line: members,
-/// device, env steps, training seconds, update samples per second and, on a GPU, the share
+/// A population wave's figures for `population.json`, and its printed line: members (at
+/// once: the slots) and trials, device, env steps, training seconds, update samples per second and, on a GPU, the share
 /// of the training time a kernel ran (`gpu_busy`: the driver's utilisation samples, as for
 /// a run; null on the CPU or without NVML, the reason printed).
 fn wave_summary(
     n: usize,
+    trials: usize,
     device: &Device,
     env_steps: u64,
     train_s: f64,
@@ -2132,7 +2147,8 @@ fn wave_summary(
         (None, Some(why)) => format!("; GPU busy not measured: {why}"),
         (None, None) => String::new(),
     };
-    println!("sweep: trained {n} trials in {train_s:.1} s ({rate:.3e} update samples/s{busy_text})");
+    let at_once = if trials > n { format!(", {n} at once") } else { String::new() };
+    println!("sweep: trained {trials} trials{at_once} in {train_s:.1} s ({rate:.3e} update samples/s{busy_text})");
     json!({
         "members": n,
         "device": if device.is_cuda() { "cuda" } else { "cpu" },
@@ -2831,6 +2847,9 @@ n_actions = 3
         assert_eq!(p.decide(0, &[(4, 0.7)]), [4]);
         // A NaN ranks last.
         assert_eq!(p.decide(1, &[(1, f64::NAN), (2, 0.1)]), [2]);
+        // A NaN score survives a checkpoint's JSON (as null).
+        let back: PopHalving = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert!(back.reached[1][0].val_sharpe.is_nan() && back.reached[1][1] == p.reached[1][1]);
         // Arrivals by rung, at or past it; a refill starts its slot's rungs again.
         p.next_rung = vec![1, 0];
         assert_eq!(p.arrivals(&[4, 1]), vec![(1, vec![0])]);

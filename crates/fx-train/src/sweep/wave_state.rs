@@ -10,9 +10,11 @@
 //! every `checkpoint_minutes` of a wave's training (a kill loses at most that much; a
 //! periodic checkpoint that fails is a warning, not the sweep's end); removed once the
 //! wave's rows are in `trials.jsonl` (and `waves/` once every trial is done). A checkpoint
-//! of other trials or of the same trials at other points (another `--members`, `--trials`
-//! under TPE, or a device with room for another wave size) is not resumed: the wave trains
-//! from its start, and says so (another `--steps` is refused earlier, as another sweep).
+//! of other trials or of the same trials at other points (another `--members` or a device
+//! with room for another wave size where waves are cut by it, `--trials` under TPE) is not
+//! resumed: the wave trains from its start, and says so (another `--steps` is refused
+//! earlier, as another sweep). Under `[halving]` a group's wave holds all its trials, so its
+//! checkpoint resumes with the slots it was saved with.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -33,7 +35,8 @@ pub(super) struct WaveProgress {
     pub trials: Vec<usize>,
     /// The run length every member trains to (`run.steps`).
     pub steps: u64,
-    /// Env steps every member has taken.
+    /// Env steps the population has taken (each member's own count starts at its start
+    /// under `[halving]`).
     pub env_steps: u64,
     /// Update samples so far (the wave's throughput).
     pub samples: u64,
