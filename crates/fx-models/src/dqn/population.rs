@@ -675,18 +675,24 @@ impl DqnPopulation {
     /// begin learning (their first draw is the next one). Whether any member learns.
     fn start_learning(&mut self) -> Result<bool> {
         let starts = self.members[0].learning_starts.max(1);
+        let mut began = false;
         for k in 0..self.len() {
             if !self.learning[k] && self.own[k] >= starts {
                 self.learning[k] = true;
                 self.clocks[k].key = self.sampled;
                 self.opt.set_active(k, true).map_err(|e| Error::config(CTX, e.to_string()))?;
+                began = true;
             }
         }
+        // The collector's table holds the draw keys (this step's draws read the new ones).
         #[cfg(feature = "cuda")]
-        if let Some(bc) = self.collect.as_mut() {
+        if let Some(bc) = self.collect.as_mut().filter(|_| began) {
             let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
             bc.col.set_members(&schedules, &self.clocks).ctx(CTX)?;
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = began;
+        // Members from the start are marked learning from the outset: their own count decides.
         Ok(self.learning.iter().zip(&self.own).any(|(&l, &o)| l && o >= starts))
     }
 
@@ -873,15 +879,12 @@ impl DqnPopulation {
         }
         let mut parts: [Vec<Tensor>; 5] = Default::default();
         for (k, (m, replay)) in self.members.iter().zip(&self.replays).enumerate() {
-            // A member not learning yet draws from the whole ring: rows its masked update
-            // never applies.
+            // Each member draws from its window at its own key, as `fx_pop_replay_sample`
+            // does; one not learning yet (its update masked) may own no transition, and then
+            // draws its window's first slot, as the kernel's clamp does.
             let c = &self.clocks[k];
-            let s = if self.learning[k] {
-                let w = RingWindow { start: c.ring_start as usize, len: self.own[k] };
-                replay.sample_keyed_window(b, m.seed, self.sampled - c.key, w).ctx(CTX)?
-            } else {
-                replay.sample_keyed(b, m.seed, self.sampled).ctx(CTX)?
-            };
+            let w = RingWindow { start: c.ring_start as usize, len: self.own[k].max(1) };
+            let s = replay.sample_keyed_window(b, m.seed, self.sampled - c.key, w).ctx(CTX)?;
             for (p, t) in parts.iter_mut().zip([s.states, s.actions, s.rewards, s.next_states, s.dones]) {
                 p.push(t);
             }
@@ -1113,15 +1116,19 @@ pub(crate) mod tests {
         let (start, own) = (pop.clocks[k].ring_start as usize, pop.own[k]);
         let slots: Vec<u32> = (0..own).map(|i| ((start + i) % ring.capacity()) as u32).collect();
         let a = ring.gather(&Tensor::from_vec(slots, own, &Device::Cpu).unwrap()).unwrap();
-        let b = solo.replay().stored().unwrap();
-        for (what, x, y) in [
+        same_replay(&a, &solo.replay().stored().unwrap(), &format!("member {k} replay"));
+    }
+
+    /// Exact equality of two replays' transitions, field by field.
+    fn same_replay(a: &fx_kernels::ReplayBatch, b: &fx_kernels::ReplayBatch, what: &str) {
+        for (field, x, y) in [
             ("states", &a.states, &b.states),
             ("actions", &a.actions, &b.actions),
             ("rewards", &a.rewards, &b.rewards),
             ("next_states", &a.next_states, &b.next_states),
             ("dones", &a.dones, &b.dones),
         ] {
-            same(x, y, &format!("member {k} replay {what}"));
+            same(x, y, &format!("{what} {field}"));
         }
     }
 
@@ -1669,6 +1676,23 @@ pub(crate) mod tests {
         assert!(far > 1e-3, "member 1's new settings change its training: {far:.2e} (seed {seed})");
     }
 
+    /// Two populations of `n` [`tiny`] members on GPU envs of their own: one taking the
+    /// member-batched collection, one the per-member path.
+    #[cfg(feature = "cuda")]
+    fn batched_and_per_member(
+        n: usize,
+        dev: &Device,
+    ) -> (DqnPopulation, Vec<fx_kernels::GpuTradingEnv>, DqnPopulation, Vec<fx_kernels::GpuTradingEnv>) {
+        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
+        let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
+            (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, dev)).collect()
+        };
+        let fast = DqnPopulation::new(cfgs.clone(), dev).unwrap();
+        let mut slow = DqnPopulation::new(cfgs, dev).unwrap();
+        slow.batched = false;
+        (fast, gpu_envs(), slow, gpu_envs())
+    }
+
     /// On CUDA with GPU envs: the member-batched collection and sampling (one launch per
     /// step for all members, minibatches drawn into the captured update's inputs) train the
     /// population the per-member path trains over 150 env steps: bit-identical env states,
@@ -1682,14 +1706,7 @@ pub(crate) mod tests {
             return;
         };
         let n = 5;
-        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
-        let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
-            (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev)).collect()
-        };
-        let (mut fast_envs, mut slow_envs) = (gpu_envs(), gpu_envs());
-        let mut fast = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
-        let mut slow = DqnPopulation::new(cfgs, &dev).unwrap();
-        slow.batched = false;
+        let (mut fast, mut fast_envs, mut slow, mut slow_envs) = batched_and_per_member(n, &dev);
         let mut updates = 0;
         for step in 0..150 {
             let read = step % 10 == 0;
@@ -1712,15 +1729,7 @@ pub(crate) mod tests {
         for k in 0..n {
             assert_eq!(fast_envs[k].state().unwrap(), slow_envs[k].state().unwrap(), "member {k} env state");
             let (a, b) = (fast.replay(k).unwrap().stored().unwrap(), slow.replay(k).unwrap().stored().unwrap());
-            for (what, x, y) in [
-                ("states", &a.states, &b.states),
-                ("actions", &a.actions, &b.actions),
-                ("rewards", &a.rewards, &b.rewards),
-                ("next_states", &a.next_states, &b.next_states),
-                ("dones", &a.dones, &b.dones),
-            ] {
-                same(x, y, &format!("member {k} replay {what}"));
-            }
+            same_replay(&a, &b, &format!("member {k} replay"));
         }
         for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
             let e = rel_err(a.as_tensor(), b.as_tensor());
@@ -1743,14 +1752,7 @@ pub(crate) mod tests {
             return;
         };
         let n = 3;
-        let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
-        let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
-            (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev)).collect()
-        };
-        let (mut fast_envs, mut slow_envs) = (gpu_envs(), gpu_envs());
-        let mut fast = DqnPopulation::new(cfgs.clone(), &dev).unwrap();
-        let mut slow = DqnPopulation::new(cfgs, &dev).unwrap();
-        slow.batched = false;
+        let (mut fast, mut fast_envs, mut slow, mut slow_envs) = batched_and_per_member(n, &dev);
         let new = DqnConfig { seed: 1234, ..tiny(4) };
         let mut solo = DqnTrainer::new(new.clone(), &dev).unwrap();
         let mut solo_env = crate::synthetic::ar1_gpu_env(4, 32, 400, 77, &dev);
@@ -1785,9 +1787,7 @@ pub(crate) mod tests {
         for k in 0..n {
             assert_eq!(fast_envs[k].state().unwrap(), slow_envs[k].state().unwrap(), "member {k} env state");
             let (a, b) = (fast.replay(k).unwrap().stored().unwrap(), slow.replay(k).unwrap().stored().unwrap());
-            same(&a.states, &b.states, &format!("member {k} replay states"));
-            same(&a.actions, &b.actions, &format!("member {k} replay actions"));
-            same(&a.rewards, &b.rewards, &format!("member {k} replay rewards"));
+            same_replay(&a, &b, &format!("member {k} replay"));
         }
         for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
             let e = rel_err(a.as_tensor(), b.as_tensor());

@@ -1201,12 +1201,10 @@ fn train_population(
     }
     device.synchronize()?;
     let train_s = prior_s + t0.elapsed().as_secs_f64();
-    let mut summary =
+    // Under halving every member may be done already (scored as it finished or stopped):
+    // then no member is left to score here.
+    let summary =
         wave_summary(slots.min(trials.len()), trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
-    if let Some(h) = w.halving.take_if(|h| h.alive.is_empty()) {
-        // Every member was scored as it finished or stopped.
-        return Ok(Some((h.finish(Vec::new(), &mut summary), summary)));
-    }
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, dqn_member_policy(&pop, k)?));
     end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
@@ -1643,8 +1641,9 @@ struct PopHalving {
     eta: usize,
     /// The rungs before the end, in env steps of a member's own clock.
     rungs: Vec<u64>,
-    /// The lowest next rung of the members: what a state written before members had their
-    /// own clocks holds for all of them ([`Self::upgrade`]).
+    /// The next rung of all members in a state written before members had their own clocks
+    /// (read by [`Self::upgrade`] only).
+    #[serde(default, skip_serializing)]
     next: usize,
     /// The next rung of every member.
     #[serde(default)]
@@ -1782,7 +1781,6 @@ impl PopHalving {
             );
             self.log.push(json!({"env_step": rung_step, "at": env_step, "kept": kept, "stopped": stopped}));
         }
-        self.next = self.next_rung.iter().copied().min().unwrap_or(self.rungs.len());
         freed.sort_unstable();
         Ok(freed)
     }
@@ -1849,18 +1847,12 @@ impl PopHalving {
         out: &Path,
         ks: &[usize],
     ) -> Result<()> {
+        let trials: Vec<usize> = ks.iter().map(|&k| self.alive[k]).collect();
         let (applied, skipped) = pop.counters()?;
-        let weights = out.join("weights");
-        std::fs::create_dir_all(&weights).with_context(|| format!("creating {}", weights.display()))?;
-        let mut policies = Vec::with_capacity(ks.len());
-        for &k in ks {
-            pop.weights(k)?.save(&weights.join(format!("trial-{}.safetensors", self.alive[k])))?;
-            policies.push(pop.policy(k)?);
-        }
-        for (&k, s) in ks.iter().zip(score_policies(base, data, &data.splits.valid, policies)?) {
-            let t = self.alive[k];
-            self.finished.push(member_row(t, params(t), &s, applied[k], skipped[k]));
-        }
+        let pick = |v: &[u64]| ks.iter().map(|&k| v[k]).collect::<Vec<u64>>();
+        let member = |i: usize| Ok((pop.weights(ks[i])?, pop.policy(ks[i])?));
+        let rows = score_members(base, data, &trials, params, out, &pick(&applied), &pick(&skipped), &member)?;
+        self.finished.extend(rows);
         Ok(())
     }
 
@@ -1873,7 +1865,6 @@ impl PopHalving {
         let t = self.queue.remove(0);
         self.alive[k] = t;
         self.next_rung[k] = 0;
-        self.next = 0;
         Some(t)
     }
 
@@ -1996,8 +1987,8 @@ fn member_row(
 }
 
 /// [`policy_stats`] of each of `policies`, on up to the machine's cores (each backtest is
-/// its policy's alone, so the results do not depend on how they are spread). A rung's
-/// scoring would otherwise hold the GPU idle for one backtest after another.
+/// its policy's alone, so the results do not depend on how they are spread): the
+/// population waits for its scoring.
 fn score_policies(
     cfg: &RunConfig,
     data: &Dataset,
@@ -2116,12 +2107,10 @@ fn train_ppo_population(
     }
     device.synchronize()?;
     let train_s = prior_s + t0.elapsed().as_secs_f64();
-    let mut summary =
+    // Under halving every member may be done already (scored as it finished or stopped):
+    // then no member is left to score here.
+    let summary =
         wave_summary(slots.min(trials.len()), trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
-    if let Some(h) = w.halving.take_if(|h| h.alive.is_empty()) {
-        // Every member was scored as it finished or stopped.
-        return Ok(Some((h.finish(Vec::new(), &mut summary), summary)));
-    }
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.params().member(k)?, ppo_member_policy(&pop, k)?));
     end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
@@ -2336,6 +2325,24 @@ mod tests {
         };
         assert!(matches!(run_with(args, &mut count).unwrap(), Outcome::Finished));
         calls
+    }
+
+    /// [`tiny_sweep_with`] of 6 trials learning from env step 4, as a `model` (`dqn` or
+    /// `ppo`: PPO iterations of 4 env steps) sweep writing to `dir/{model}-{name}`.
+    fn six_trial_sweep(dir: &Path, model: &str, name: &str, extra: &str, members: usize) -> SweepArgs {
+        let args = tiny_sweep_with(dir, members, extra, &format!("{model}-{name}.toml"));
+        let mut text = std::fs::read_to_string(args.config.as_ref().unwrap())
+            .unwrap()
+            .replace("trials = 4", "trials = 6")
+            .replace("learning_starts = 32", "learning_starts = 4");
+        if model == "ppo" {
+            text = text
+                .replace("model = \"dqn\"", "model = \"ppo\"")
+                .replace("\"dqn.optimizer.lr\"", "\"ppo.optimizer.lr\"")
+                + "[run.ppo]\nnum_steps = 4\nepochs = 1\nminibatch_size = 8\n[run.ppo.net]\nhidden = 16\n";
+        }
+        std::fs::write(args.config.as_ref().unwrap(), text).unwrap();
+        SweepArgs { out: Some(dir.join(format!("{model}-{name}"))), ..args }
     }
 
     /// A tiny CPU sweep file: 4 trials over lr and seed, no best runs.
@@ -2712,21 +2719,7 @@ n_actions = 3
         let dir = tempfile::tempdir().unwrap();
         for model in ["dqn", "ppo"] {
             let halving = "[halving]\nmin_steps = 8\neta = 2\n";
-            let mk = |name: &str, extra: &str| {
-                let args = tiny_sweep_with(dir.path(), 6, extra, &format!("{model}-{name}.toml"));
-                let mut text = std::fs::read_to_string(args.config.as_ref().unwrap())
-                    .unwrap()
-                    .replace("trials = 4", "trials = 6")
-                    .replace("learning_starts = 32", "learning_starts = 4");
-                if model == "ppo" {
-                    text = text
-                        .replace("model = \"dqn\"", "model = \"ppo\"")
-                        .replace("\"dqn.optimizer.lr\"", "\"ppo.optimizer.lr\"")
-                        + "[run.ppo]\nnum_steps = 4\nepochs = 1\nminibatch_size = 8\n[run.ppo.net]\nhidden = 16\n";
-                }
-                std::fs::write(args.config.as_ref().unwrap(), text).unwrap();
-                SweepArgs { out: Some(dir.path().join(format!("{model}-{name}"))), ..args }
-            };
+            let mk = |name: &str, extra: &str| six_trial_sweep(dir.path(), model, name, extra, 6);
             let halved = mk("halved", halving);
             run_with(&halved, &mut || false).unwrap();
             let rows = read_rows(&halved.out.as_ref().unwrap().join("trials.jsonl")).unwrap().unwrap();
@@ -2872,21 +2865,7 @@ n_actions = 3
     fn a_freed_slot_takes_the_next_trial_and_each_trial_is_its_solo_run() {
         let dir = tempfile::tempdir().unwrap();
         for model in ["dqn", "ppo"] {
-            let mk = |name: &str, extra: &str, members: usize| {
-                let args = tiny_sweep_with(dir.path(), members, extra, &format!("{model}-{name}.toml"));
-                let mut text = std::fs::read_to_string(args.config.as_ref().unwrap())
-                    .unwrap()
-                    .replace("trials = 4", "trials = 6")
-                    .replace("learning_starts = 32", "learning_starts = 4");
-                if model == "ppo" {
-                    text = text
-                        .replace("model = \"dqn\"", "model = \"ppo\"")
-                        .replace("\"dqn.optimizer.lr\"", "\"ppo.optimizer.lr\"")
-                        + "[run.ppo]\nnum_steps = 4\nepochs = 1\nminibatch_size = 8\n[run.ppo.net]\nhidden = 16\n";
-                }
-                std::fs::write(args.config.as_ref().unwrap(), text).unwrap();
-                SweepArgs { out: Some(dir.path().join(format!("{model}-{name}"))), ..args }
-            };
+            let mk = |name: &str, extra: &str, members: usize| six_trial_sweep(dir.path(), model, name, extra, members);
             let halving = "[halving]\nmin_steps = 8\neta = 2\n";
             let asha = mk("asha", halving, 2);
             run_with(&asha, &mut || false).unwrap();
