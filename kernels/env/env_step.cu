@@ -177,10 +177,18 @@ extern "C" __global__ void fx_pop_observe(const FxPopMember* __restrict__ member
 // its ramp at its own step env_step - clock0, its transitions go to its own ring at ring_pos (every member's ring
 // is at the same position and has the same capacity, E <= capacity). obs [N, E, 56] gets the
 // post-reset states; reward_out and done_out ([N, E]) may be null.
+// With `loop` (kernels/env/replay.cu's counters, shared by the members: their rings move in
+// step) not null, env_step is loop[0] and ring_pos loop[1], so a captured iteration reads them
+// from the device.
 extern "C" __global__ void fx_pop_dqn_experience(const FxPopMember* __restrict__ members, fx_u32 E,
                                                  fx_u64 capacity, const float* __restrict__ q,
                                                  fx_u64 env_step, fx_u64 ring_pos, float* __restrict__ obs,
-                                                 float* __restrict__ reward_out, float* __restrict__ done_out) {
+                                                 float* __restrict__ reward_out, float* __restrict__ done_out,
+                                                 const fx_u64* __restrict__ loop) {
+    if (loop) {
+        env_step = loop[0];
+        ring_pos = loop[1];
+    }
     const FxPopMember& m = members[blockIdx.y];
     const FxEnv env = fx_pop_env(m);
     const double eps = fx_linear_ramp(m.eps_start, m.eps_end, m.eps_steps, env_step - m.clock0);

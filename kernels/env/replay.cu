@@ -76,12 +76,20 @@ extern "C" __global__ void fx_replay_sample(const fx_u64* __restrict__ loop, fx_
 // FxPopMember in fx_env.cuh): member k's rows k*B .. (k+1)*B of the outputs are drawn from its
 // window of its ring with its seed at its own key `key - key0`, as fx_replay_sample on a ring
 // of its own: its transitions are those written since its env step clock0 (E a step, at most
-// the ring's `len`), from slot ring_start on.
+// the ring's `len`), from slot ring_start on. With `loop` not null (the members' shared loop
+// block, after fx_dqn_loop_advance), len = loop[LEN], env_step = loop[ENV_STEP] and
+// key = loop[BASE] + key_offset (a captured iteration's j-th minibatch).
 extern "C" __global__ void fx_pop_replay_sample(const FxPopMember* __restrict__ members, fx_u64 len,
                                                 fx_u64 env_step, fx_u64 E, fx_u64 capacity, fx_u64 key,
                                                 fx_u64 stream, fx_u32 B, float* __restrict__ s,
                                                 fx_u32* __restrict__ a, float* __restrict__ r,
-                                                float* __restrict__ s2, float* __restrict__ d) {
+                                                float* __restrict__ s2, float* __restrict__ d,
+                                                const fx_u64* __restrict__ loop, fx_u64 key_offset) {
+    if (loop) {
+        len = loop[FX_LOOP_LEN];
+        env_step = loop[FX_LOOP_ENV_STEP];
+        key = loop[FX_LOOP_BASE] + key_offset;
+    }
     const FxPopMember& m = members[blockIdx.y];
     const size_t off = (size_t)blockIdx.y * B;
     const fx_u64 own = (env_step - m.clock0) * E;

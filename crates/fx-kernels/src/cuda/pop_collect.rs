@@ -20,7 +20,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, TensorId};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_device, dev_ptr, driver, GpuTradingEnv, LaunchPlan, PTX_ENV_STEP, PTX_REPLAY};
+use super::{cuda_device, dev_ptr, driver, DqnLoop, GpuTradingEnv, LaunchPlan, PTX_ENV_STEP, PTX_REPLAY};
 use crate::checks::expect_tensor;
 use crate::env::{N_ACTIONS, OBS_DIM};
 use crate::error::{CandleContext, Error, Result};
@@ -209,6 +209,51 @@ impl PopDqnCollect {
             && replays.iter().zip(&self.replays).all(|(r, &id)| r.states.id() == id)
     }
 
+    /// Fits the table to `envs` and `sample_seeds` in place where only some members' envs
+    /// are new (a trial in a freed slot takes a new env and seed): those members' rows are
+    /// rewritten (their ε ramps and clocks kept for [`Self::set_members`]), every member's
+    /// sample seed set, and the table keeps its address, so a captured graph that reads it
+    /// stays valid. False, and nothing changed, when the replays are not the ones the table
+    /// was built on or a new env differs in accounts or device: build a new collector then.
+    pub fn refit(&mut self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], sample_seeds: &[u64]) -> Result<bool> {
+        const CTX: &str = "PopDqnCollect::refit";
+        if envs.len() != self.envs.len()
+            || sample_seeds.len() != self.rows.len()
+            || replays.len() != self.replays.len()
+            || replays.iter().zip(&self.replays).any(|(r, &id)| r.states.id() != id)
+        {
+            return Ok(false);
+        }
+        let fresh: Vec<usize> = (0..envs.len()).filter(|&k| envs[k].instance_id() != self.envs[k]).collect();
+        if fresh
+            .iter()
+            .any(|&k| envs[k].config().num_envs != self.num_envs || !VecEnv::device(envs[k]).same_device(&self.device))
+        {
+            return Ok(false);
+        }
+        let mut rows = self.rows.clone();
+        for &k in &fresh {
+            let old = rows[k];
+            let mut row = envs[k].member_args();
+            (row.rb_s, row.rb_a, row.rb_r, row.rb_s2, row.rb_d) = (old.rb_s, old.rb_a, old.rb_r, old.rb_s2, old.rb_d);
+            (row.eps_start, row.eps_end, row.eps_steps) = (old.eps_start, old.eps_end, old.eps_steps);
+            (row.clock0, row.ring_start, row.key0) = (old.clock0, old.ring_start, old.key0);
+            rows[k] = row;
+        }
+        for (row, &seed) in rows.iter_mut().zip(sample_seeds) {
+            row.sample_seed = seed;
+        }
+        if rows != self.rows {
+            // In place: the table keeps its address (a captured graph may hold it).
+            self.stream.memcpy_htod(bytemuck::cast_slice::<_, u8>(&rows), &mut self.table).map_err(driver(CTX))?;
+            self.rows = rows;
+        }
+        for &k in &fresh {
+            self.envs[k] = envs[k].instance_id();
+        }
+        Ok(true)
+    }
+
     fn check(&self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], ctx: &'static str) -> Result<()> {
         if self.fits(envs, replays) {
             return Ok(());
@@ -302,11 +347,32 @@ impl PopDqnCollect {
         if replays.iter().any(|r| r.position() != pos || r.len() != len) {
             return Err(Error::Config { context: CTX, message: "member replays at different ring positions".into() });
         }
-        self.launch_experience(q, env_step, pos as u64, obs, reward, done, CTX)?;
+        self.launch_experience(q, env_step, pos as u64, None, obs, reward, done, CTX)?;
         for r in replays.iter_mut() {
             r.advance(self.num_envs);
         }
         Ok(())
+    }
+
+    /// The collection step of a captured population iteration: [`Self::collect`] with the
+    /// environment step and ring position read from `lp` (the members' shared loop block:
+    /// their rings move in step) on the device. Nothing on the host moves: the caller
+    /// advances the replays' counters (and `lp`'s, with [`DqnLoop::launch_advance`]) as the
+    /// graph will.
+    #[allow(clippy::too_many_arguments)] // the kernel's buffers, each checked here
+    pub fn collect_looped(
+        &self,
+        envs: &[&GpuTradingEnv],
+        replays: &[ReplayBuffer],
+        q: &Tensor,
+        lp: &DqnLoop,
+        obs: &Tensor,
+        reward: Option<&Tensor>,
+        done: Option<&Tensor>,
+    ) -> Result<()> {
+        const CTX: &str = "PopDqnCollect::collect_looped";
+        self.check(envs, replays, CTX)?;
+        self.launch_experience(q, 0, 0, Some(lp), obs, reward, done, CTX)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -315,6 +381,7 @@ impl PopDqnCollect {
         q: &Tensor,
         env_step: u64,
         ring_pos: u64,
+        lp: Option<&DqnLoop>,
         obs: &Tensor,
         reward: Option<&Tensor>,
         done: Option<&Tensor>,
@@ -327,10 +394,12 @@ impl PopDqnCollect {
         let (e32, cap) = (self.num_envs as u32, self.capacity as u64);
         let mut b = self.stream.launch_builder(&self.k_experience);
         b.arg(&self.address).arg(&e32).arg(&cap).arg(&p_q).arg(&env_step).arg(&ring_pos);
-        b.arg(&p_obs).arg(&p_r).arg(&p_d);
+        let p_loop = lp.map_or(0, |l| l.address());
+        b.arg(&p_obs).arg(&p_r).arg(&p_d).arg(&p_loop);
         // SAFETY: arguments match fx_pop_dqn_experience; the table's rows point at live env
-        // and replay buffers (E accounts, E <= capacity, ring position < capacity); q, obs,
-        // reward and done hold N·E rows of their widths.
+        // and replay buffers (E accounts, E <= capacity, ring position < capacity: the host's,
+        // or the loop block's, which DqnLoop::write and the advance kernel keep below it); q,
+        // obs, reward and done hold N·E rows of their widths.
         unsafe { b.launch(self.config(self.num_envs)) }.map_err(driver(ctx))?;
         Ok(())
     }
@@ -366,10 +435,40 @@ impl PopDqnCollect {
                 ),
             });
         }
-        self.launch_sample(len, env_step, key, out, CTX)
+        self.launch_sample(len, env_step, key, None, out, CTX)
     }
 
-    fn launch_sample(&self, len: u64, env_step: u64, key: u64, out: &ReplayBatch, ctx: &'static str) -> Result<()> {
+    /// The `minibatch`-th draw of a captured population iteration: [`Self::sample`] with the
+    /// ring length, the environment step and the key (the iteration's first + `minibatch`)
+    /// read from `lp` on the device, after [`DqnLoop::launch_advance`]. The caller keeps the
+    /// host's view of the counters (and the members' clocks before them, as `sample` checks).
+    pub fn sample_looped(
+        &self,
+        replays: &[ReplayBuffer],
+        lp: &DqnLoop,
+        minibatch: u32,
+        out: &ReplayBatch,
+    ) -> Result<()> {
+        const CTX: &str = "PopDqnCollect::sample_looped";
+        if replays.len() != self.replays.len() || replays.iter().zip(&self.replays).any(|(r, &id)| r.states.id() != id)
+        {
+            return Err(Error::Config {
+                context: CTX,
+                message: "replays differ from those the collector was built on".into(),
+            });
+        }
+        self.launch_sample(0, 0, 0, Some((lp, u64::from(minibatch))), out, CTX)
+    }
+
+    fn launch_sample(
+        &self,
+        len: u64,
+        env_step: u64,
+        key: u64,
+        looped: Option<(&DqnLoop, u64)>,
+        out: &ReplayBatch,
+        ctx: &'static str,
+    ) -> Result<()> {
         let n = self.rows.len();
         let rows = out.actions.dims().first().copied().unwrap_or(0);
         let b = rows / n;
@@ -390,7 +489,8 @@ impl PopDqnCollect {
         let (e, cap) = (self.num_envs as u64, self.capacity as u64);
         let mut l = s.launch_builder(&self.k_sample);
         l.arg(&self.address).arg(&len).arg(&env_step).arg(&e).arg(&cap).arg(&key).arg(&stream_id).arg(&b32);
-        l.arg(&os).arg(&oa).arg(&or).arg(&os2).arg(&od);
+        let (p_loop, key_offset) = looped.map_or((0, 0), |(l, m)| (l.address(), m));
+        l.arg(&os).arg(&oa).arg(&or).arg(&os2).arg(&od).arg(&p_loop).arg(&key_offset);
         let grid = (b * OBS_DIM).div_ceil(SAMPLE_BLOCK as usize).clamp(1, 1024) as u32;
         let cfg = LaunchConfig { grid_dim: (grid, n as u32, 1), block_dim: (SAMPLE_BLOCK, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: arguments match fx_pop_replay_sample; out was checked to hold N·B rows of

@@ -176,6 +176,11 @@ pub struct DqnPopulation {
     /// the per-member path).
     #[cfg(feature = "cuda")]
     batched: bool,
+    /// Whether `step` may run whole iterations as one graph (`dqn::pop_iteration`; off
+    /// after a failed `auto` capture). Opt-in (`FX_POP_ITERATION_GRAPH=1`, or
+    /// [`Self::set_iteration_graphs`]) until its device test has run on a GPU.
+    #[cfg(feature = "cuda")]
+    iterations: bool,
 }
 
 /// The batched collector and its stacked buffers: observations `[N, E, 56]`, rewards and
@@ -186,6 +191,8 @@ struct BatchedCollect {
     obs: Tensor,
     reward: Tensor,
     done: Tensor,
+    /// The whole-iteration graphs over this collector's buffers (they go with it).
+    iteration: Option<crate::dqn::pop_iteration::PopIteration>,
 }
 
 /// The update captured as one CUDA graph over fixed input tensors.
@@ -286,6 +293,35 @@ pub(crate) fn loss_and_grads(
     Ok((loss, g))
 }
 
+/// Each member's mean reward over its accounts and its finished episodes (None: not read).
+type RewardStats = (Option<Vec<f64>>, Option<Vec<u32>>);
+
+/// [`RewardStats`] from one step's rewards and done flags (`[N, E]`, when read).
+fn reward_stats(rewards: Option<Tensor>, dones: Option<Tensor>) -> Result<RewardStats> {
+    let (Some(r), Some(d)) = (rewards, dones) else { return Ok((None, None)) };
+    let e = r.dim(1).ctx(CTX)?.max(1) as f64;
+    let sums: Vec<Vec<f64>> = Tensor::stack(&[r, d], 0)
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.sum(2))
+        .and_then(|t| t.to_vec2())
+        .ctx(CTX)?;
+    Ok((Some(sums[0].iter().map(|s| s / e).collect()), Some(sums[1].iter().map(|&d| d as u32).collect())))
+}
+
+/// The captured update's inputs (`N` members' `B` rows) as the flat minibatch the sampling
+/// kernel writes.
+#[cfg(feature = "cuda")]
+fn replay_view(i: &PopBatch, n: usize, b: usize) -> Result<fx_kernels::ReplayBatch> {
+    let flat = |t: &Tensor, w: usize| if w == 1 { t.reshape(n * b) } else { t.reshape((n * b, w)) };
+    Ok(fx_kernels::ReplayBatch {
+        states: flat(&i.obs, fx_kernels::OBS_DIM).ctx(CTX)?,
+        actions: flat(&i.actions, 1).ctx(CTX)?,
+        rewards: flat(&i.rewards, 1).ctx(CTX)?,
+        next_states: flat(&i.next_obs, fx_kernels::OBS_DIM).ctx(CTX)?,
+        dones: flat(&i.dones, 1).ctx(CTX)?,
+    })
+}
+
 impl DqnPopulation {
     /// A population of `members.len()` DQN runs, member `k` configured by `members[k]`.
     /// Members may differ in `seed`, `gamma`, `tau`, `optimizer.lr`,
@@ -352,6 +388,8 @@ impl DqnPopulation {
             collect: None,
             #[cfg(feature = "cuda")]
             batched: true,
+            #[cfg(feature = "cuda")]
+            iterations: std::env::var("FX_POP_ITERATION_GRAPH").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -663,9 +701,11 @@ impl DqnPopulation {
         self.own[k] = 0;
         self.learning[k] = false;
         self.members[k] = cfg;
-        // The collector's table holds the members' sampling seeds: built again at the next step.
+        // The collector's table holds the member's sampling seed and env: under iteration
+        // graphs it is refitted in place at the next step (the graphs over it stay), else
+        // built again.
         #[cfg(feature = "cuda")]
-        {
+        if !self.iterations {
             self.collect = None;
         }
         Ok(())
@@ -704,23 +744,17 @@ impl DqnPopulation {
             return Err(Error::config(CTX, format!("{} environments for {} members", envs.len(), self.len())));
         }
         let eps = self.epsilon();
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.iteration_step(envs, &eps, read)? {
+            return Ok(st);
+        }
         let (rewards, dones) = self.collect_step(envs, &eps, read)?;
         self.env_steps += 1;
         let cap = self.members[0].replay_capacity;
         for (o, env) in self.own.iter_mut().zip(envs.iter()) {
             *o = (*o + env.num_envs()).min(cap);
         }
-        let (mut mean_reward, mut episodes_done) = (None, None);
-        if let (Some(r), Some(d)) = (rewards, dones) {
-            let e = r.dim(1).ctx(CTX)?.max(1) as f64;
-            let sums: Vec<Vec<f64>> = Tensor::stack(&[r, d], 0)
-                .and_then(|t| t.to_dtype(DType::F64))
-                .and_then(|t| t.sum(2))
-                .and_then(|t| t.to_vec2())
-                .ctx(CTX)?;
-            mean_reward = Some(sums[0].iter().map(|s| s / e).collect());
-            episodes_done = Some(sums[1].iter().map(|&d| d as u32).collect());
-        }
+        let (mean_reward, episodes_done) = reward_stats(rewards, dones)?;
         let first = &self.members[0];
         let len = self.replays[0].len();
         let (mut updates, mut updates_queued) = (Vec::new(), 0);
@@ -744,6 +778,183 @@ impl DqnPopulation {
             updates,
             updates_queued,
         })
+    }
+
+    /// Whether whole iterations may run as one graph (off by default, on with
+    /// `FX_POP_ITERATION_GRAPH=1`, until the device test comparing it with the stepwise path
+    /// has run on a GPU). Off drops the captured iterations.
+    #[cfg(feature = "cuda")]
+    pub fn set_iteration_graphs(&mut self, on: bool) {
+        self.iterations = on;
+        if let (false, Some(bc)) = (on, self.collect.as_mut()) {
+            bc.iteration = None;
+        }
+    }
+
+    /// Whether a whole-iteration graph is captured (GPU-env steps then run as one).
+    #[cfg(feature = "cuda")]
+    pub fn iteration_graph_active(&self) -> bool {
+        self.collect.as_ref().is_some_and(|bc| bc.iteration.is_some())
+    }
+
+    /// Whether the batched collector exists and fits `genvs` (each member's sample seed its
+    /// own, as its solo trainer samples), under iteration graphs after rewriting the rows of
+    /// members whose env is new in place ([`fx_kernels::cuda::PopDqnCollect::refit`]: a trial
+    /// in a freed slot keeps the collector and the graphs over it). False: build a new one
+    /// (or none).
+    #[cfg(feature = "cuda")]
+    fn refit_collect(&mut self, genvs: &[&fx_kernels::GpuTradingEnv]) -> Result<bool> {
+        let seeds: Vec<u64> = self.members.iter().map(|m| m.seed).collect();
+        let Some(bc) = self.collect.as_mut() else { return Ok(false) };
+        // Without iteration graphs (the path the device tests have run) the collector is
+        // only kept as built.
+        if self.iterations && !bc.col.refit(genvs, &self.replays, &seeds).ctx(CTX)? {
+            return Ok(false);
+        }
+        Ok(bc.col.fits(genvs, &self.replays))
+    }
+
+    /// The counters a whole-iteration graph keeps on the device, as the host has them (the
+    /// members' rings move in step: member 0's position and length are everyone's).
+    #[cfg(feature = "cuda")]
+    fn loop_counters(&self) -> fx_kernels::cuda::DqnLoopCounters {
+        fx_kernels::cuda::DqnLoopCounters {
+            env_steps: self.env_steps,
+            replay_position: self.replays[0].position() as u64,
+            replay_len: self.replays[0].len() as u64,
+            sample_key: self.sampled,
+        }
+    }
+
+    /// One `step` as a whole-iteration graph (`dqn::pop_iteration`) when it can be: CUDA,
+    /// GPU envs and the batched collector built on them (the stepwise path's first step builds
+    /// it), iterations on, and for a step with an update round the update captured (the
+    /// stepwise path's first round captures it). None: take the stepwise path, nothing moved.
+    /// The host's counters, flags and clocks move exactly as the stepwise step moves them.
+    #[cfg(feature = "cuda")]
+    fn iteration_step(&mut self, envs: &[&mut dyn VecEnv], eps: &[f64], read: bool) -> Result<Option<PopStepStats>> {
+        const CTX: &str = "DqnPopulation::step (iteration graph)";
+        let mode = self.members[0].graph;
+        if !self.iterations || !self.batched || mode == fx_precision::GraphMode::Off || !self.online.device().is_cuda()
+        {
+            return Ok(None);
+        }
+        let Some(genvs) = envs.iter().map(|e| e.as_gpu()).collect::<Option<Vec<_>>>() else { return Ok(None) };
+        if !self.refit_collect(&genvs)? {
+            return Ok(None);
+        }
+        let first = &self.members[0];
+        let (cap, starts, every, g) =
+            (first.replay_capacity, first.learning_starts.max(1), first.train_every, first.gradient_steps);
+        let e = genvs[0].config().num_envs;
+        let own_after: Vec<usize> = self.own.iter().map(|&o| (o + e).min(cap)).collect();
+        // The stepwise round's condition (`start_learning`'s answer): a multiple of
+        // train_every, and some member's own transitions at learning_starts.
+        let round = (self.env_steps + 1).is_multiple_of(every);
+        let train = round && own_after.iter().any(|&o| o >= starts);
+        if train && self.graph.is_none() {
+            return Ok(None);
+        }
+        let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
+        let bc = self.collect.as_mut().ok_or_else(|| Error::config(CTX, "no collector"))?;
+        bc.col.set_members(&schedules, &self.clocks).ctx(CTX)?;
+        if !bc.iteration.as_ref().is_some_and(|it| it.has(train)) {
+            let captured = self.capture_iteration(&genvs, train);
+            let what = "DQN population iteration";
+            if crate::graph_update::settle_capture(mode, what, "stepping kernel by kernel", captured)?.is_none() {
+                self.set_iteration_graphs(false);
+                return Ok(None);
+            }
+        }
+        let before = self.loop_counters();
+        // The host's counters move as the replay will move the device's, and the members
+        // that begin learning do so before the round's draws, as in the stepwise step (their
+        // flags and draw keys reach the device ahead of the graph; the collection reads neither).
+        self.env_steps += 1;
+        for r in self.replays.iter_mut() {
+            r.advance(e);
+        }
+        self.own = own_after;
+        if round {
+            let learns = self.start_learning()?;
+            debug_assert_eq!(learns, train, "the iteration's round and start_learning agree");
+        }
+        if train {
+            self.sampled += u64::from(g);
+        }
+        let after = self.loop_counters();
+        let bc = self.collect.as_mut().ok_or_else(|| Error::config(CTX, "no collector"))?;
+        let it = bc.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?;
+        it.sync(before, &self.replays[0])?;
+        it.replay(train, after)?;
+        let (mean_reward, episodes_done) =
+            if read { reward_stats(Some(bc.reward.clone()), Some(bc.done.clone()))? } else { (None, None) };
+        let (mut updates, mut updates_queued) = (Vec::new(), if train { g } else { 0 });
+        if read && train && g > 0 {
+            // The statistics hold the round's last update; the others count as queued.
+            updates.push(self.last_update()?);
+            updates_queued -= 1;
+        }
+        Ok(Some(PopStepStats {
+            env_steps: self.env_steps,
+            epsilon: eps.to_vec(),
+            mean_reward,
+            episodes_done,
+            replay_len: self.replays[0].len(),
+            updates,
+            updates_queued,
+        }))
+    }
+
+    /// Captures the whole iteration (with an update round of `gradient_steps` minibatches
+    /// when `train`) over the batched collector's buffers on `genvs`. The warm-ups run only
+    /// what changes no state (observation, forward, the update dry).
+    #[cfg(feature = "cuda")]
+    fn capture_iteration(&mut self, genvs: &[&fx_kernels::GpuTradingEnv], train: bool) -> Result<()> {
+        const CTX: &str = "DqnPopulation::capture_iteration";
+        let mut bc = self.collect.take().ok_or_else(|| Error::config(CTX, "no collector"))?;
+        let captured = (|| -> Result<()> {
+            let dev = self.online.device().clone();
+            if bc.iteration.is_none() {
+                bc.iteration = Some(crate::dqn::pop_iteration::PopIteration::new(&dev)?);
+            }
+            let first = &self.members[0];
+            let (n, b, p, e) = (self.len(), first.batch_size, first.precision, genvs[0].config().num_envs);
+            let update = if train { self.graph.as_ref() } else { None };
+            let minibatches = update.map_or(0, |_| first.gradient_steps);
+            let w: Vec<Tensor> = self.online.vars().iter().map(|v| v.as_tensor().detach()).collect();
+            let (col, obs, reward, done) = (&bc.col, &bc.obs, &bc.reward, &bc.done);
+            let lp = &bc.iteration.as_ref().ok_or_else(|| Error::config(CTX, "no iteration"))?.lp;
+            let graph = fx_precision::CapturedGraph::capture(&dev, 2, |dry| {
+                let run = || -> Result<()> {
+                    col.observe(genvs, &self.replays, obs).ctx(CTX)?;
+                    let q = forward(&w, obs, p)
+                        .and_then(|q| q.to_dtype(DType::F32))
+                        .and_then(|q| q.contiguous())
+                        .ctx(CTX)?;
+                    if !dry {
+                        col.collect_looped(genvs, &self.replays, &q, lp, obs, Some(reward), Some(done)).ctx(CTX)?;
+                        lp.launch_advance(e, &self.replays[0], minibatches).ctx(CTX)?;
+                    }
+                    if let Some(u) = update {
+                        let view = replay_view(&u.inputs, n, b)?;
+                        for m in 0..minibatches {
+                            if !dry {
+                                col.sample_looped(&self.replays, lp, m, &view).ctx(CTX)?;
+                            }
+                            self.update_body(&u.inputs, dry)?;
+                        }
+                    }
+                    Ok(())
+                };
+                run().map_err(crate::graph_update::capture_error(CTX))
+            })
+            .ctx(CTX)?;
+            bc.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.set(train, graph);
+            Ok(())
+        })();
+        self.collect = Some(bc);
+        captured
     }
 
     /// The collection of one `step`: every member's ε-greedy actions on its own Q values,
@@ -795,7 +1006,7 @@ impl DqnPopulation {
             return Ok(None);
         }
         let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
-        if !self.collect.as_ref().is_some_and(|c| c.col.fits(&genvs, &self.replays)) {
+        if !self.refit_collect(&genvs)? {
             let e = genvs[0].config().num_envs;
             let n = self.len();
             // Each member samples with its own seed, as its solo trainer does (not its env's).
@@ -807,6 +1018,7 @@ impl DqnPopulation {
                 obs: z(&[n, e, fx_kernels::OBS_DIM])?,
                 reward: z(&[n, e])?,
                 done: z(&[n, e])?,
+                iteration: None,
             });
         }
         let Some(bc) = self.collect.as_mut() else { return Ok(None) };
@@ -833,16 +1045,7 @@ impl DqnPopulation {
     fn sample_and_update(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let (Some(bc), Some(g)) = (&self.collect, &self.graph) {
-            let (n, b) = (self.len(), self.members[0].batch_size);
-            let i = &g.inputs;
-            let flat = |t: &Tensor, w: usize| if w == 1 { t.reshape(n * b) } else { t.reshape((n * b, w)) };
-            let view = fx_kernels::ReplayBatch {
-                states: flat(&i.obs, fx_kernels::OBS_DIM).ctx(CTX)?,
-                actions: flat(&i.actions, 1).ctx(CTX)?,
-                rewards: flat(&i.rewards, 1).ctx(CTX)?,
-                next_states: flat(&i.next_obs, fx_kernels::OBS_DIM).ctx(CTX)?,
-                dones: flat(&i.dones, 1).ctx(CTX)?,
-            };
+            let view = replay_view(&g.inputs, self.len(), self.members[0].batch_size)?;
             bc.col.sample(&self.replays, self.env_steps, self.sampled, &view).ctx(CTX)?;
             self.sampled += 1;
             return g.graph.replay().ctx(CTX);
@@ -958,6 +1161,10 @@ impl DqnPopulation {
     pub fn capture_update(&mut self, example: &PopBatch) -> Result<()> {
         self.check_batch(example)?;
         self.graph = None;
+        // Captured iterations hold the old update's inputs.
+        if let Some(bc) = self.collect.as_mut() {
+            bc.iteration = None;
+        }
         let inputs = PopBatch {
             obs: example.obs.copy().ctx(CTX)?,
             actions: example.actions.to_dtype(DType::U32).and_then(|t| t.copy()).ctx(CTX)?,
@@ -1734,6 +1941,75 @@ pub(crate) mod tests {
         for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
             let e = rel_err(a.as_tensor(), b.as_tensor());
             eprintln!("batched vs per-member online {i}: rel err {e:.2e}");
+            assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
+        }
+    }
+
+    /// On CUDA with GPU envs: whole iterations as one graph each (`dqn::pop_iteration`: the
+    /// collection, the loop counters' advance, two minibatch draws and updates a round every
+    /// second step) train the population exactly as the same steps launched kernel by kernel
+    /// on the batched path, over 160 env steps with the rings wrapping, ε ramping, member 1
+    /// starting over at env step 40 (its clock, its masked rounds until its own transitions
+    /// reach `learning_starts`) and reads every 10th step: the same ε, rewards, episodes,
+    /// replay lengths and update counts at every step, bit-identical env states and replays,
+    /// the same counters, and weights within 1e-6 relative (the bound of the other GPU-path
+    /// comparisons here: the same kernels on the same minibatches; it only allows for a
+    /// reduction that sums in another order between runs).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_iteration_graph_trains_as_the_stepwise_population() {
+        let Some(dev) = fx_hw::test_gpu("dqn::population::the_iteration_graph_trains_as_the_stepwise_population")
+        else {
+            return;
+        };
+        let n = 3;
+        let cfg =
+            |k: usize| DqnConfig { train_every: 2, gradient_steps: 2, graph: fx_precision::GraphMode::On, ..tiny(k) };
+        let cfgs: Vec<DqnConfig> = (0..n).map(cfg).collect();
+        let new = DqnConfig { seed: 4321, ..cfg(5) };
+        let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
+            (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev)).collect()
+        };
+        let (mut graph, mut graph_envs) = (DqnPopulation::new(cfgs.clone(), &dev).unwrap(), gpu_envs());
+        let (mut stepwise, mut stepwise_envs) = (DqnPopulation::new(cfgs, &dev).unwrap(), gpu_envs());
+        graph.set_iteration_graphs(true);
+        stepwise.set_iteration_graphs(false);
+        let mut updates = 0;
+        for step in 0..160u64 {
+            if step == 40 {
+                for (pop, envs) in [(&mut graph, &mut graph_envs), (&mut stepwise, &mut stepwise_envs)] {
+                    pop.replace_member(1, new.clone()).unwrap();
+                    envs[1] = crate::synthetic::ar1_gpu_env(4, 32, 400, 77, &dev);
+                }
+            }
+            let read = step % 10 == 0;
+            let mut gr: Vec<&mut dyn VecEnv> = graph_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let g = graph.step(&mut gr, read).unwrap();
+            let mut sr: Vec<&mut dyn VecEnv> = stepwise_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+            let s = stepwise.step(&mut sr, read).unwrap();
+            assert_eq!(g.epsilon, s.epsilon, "step {step}: ε");
+            assert_eq!((&g.mean_reward, &g.episodes_done), (&s.mean_reward, &s.episodes_done), "step {step}");
+            assert_eq!(g.replay_len, s.replay_len, "step {step}: replay length");
+            let count = |x: &PopStepStats| x.updates.len() + x.updates_queued as usize;
+            assert_eq!(count(&g), count(&s), "step {step}: updates");
+            if let (Some(a), Some(b)) = (g.updates.last(), s.updates.last()) {
+                assert_eq!(a.skipped, b.skipped, "step {step}: the round's last update's skips");
+            }
+            updates += count(&g);
+        }
+        assert!(graph.iteration_graph_active() && !stepwise.iteration_graph_active());
+        assert!(updates > 100, "{updates} updates");
+        assert_eq!(graph.counters().unwrap(), stepwise.counters().unwrap());
+        let applied = graph.counters().unwrap().0;
+        assert!(applied[1] > 20 && applied[0] > applied[1], "the new member learns later: {applied:?}");
+        for k in 0..n {
+            assert_eq!(graph_envs[k].state().unwrap(), stepwise_envs[k].state().unwrap(), "member {k} env state");
+            let (a, b) = (graph.replay(k).unwrap().stored().unwrap(), stepwise.replay(k).unwrap().stored().unwrap());
+            same_replay(&a, &b, &format!("member {k} replay"));
+        }
+        for (i, (a, b)) in graph.online().vars().iter().zip(stepwise.online().vars()).enumerate() {
+            let e = rel_err(a.as_tensor(), b.as_tensor());
+            eprintln!("iteration graph vs stepwise online {i}: rel err {e:.2e}");
             assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
         }
     }
