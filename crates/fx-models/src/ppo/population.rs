@@ -205,9 +205,39 @@ fn pop_loss(
     adv_eps: f64,
     p: Precision,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let b = batch.obs.dim(1)?;
     let (logits, value) = forward(w, &batch.obs, p)?;
-    let logp_all = crate::ppo::log_softmax(&logits)?;
+    loss_of_outputs(&logits, &value, batch, c, adv_eps)
+}
+
+/// The forward of the fused update's BF16 compute, in F32 on any device: every GEMM's
+/// inputs (states or hidden activations, weights) rounded to BF16, products, biases and
+/// activations in F32, as `pop_fused` computes them. The gradients flow through the
+/// roundings unchanged (a cast's backward), so only the backward GEMMs' BF16 inputs and the
+/// order of sums differ from the fused update's.
+#[cfg(all(test, feature = "cuda"))]
+fn forward_bf16_inputs(w: &[Tensor], s: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+    let lin = |x: &Tensor, o: usize| -> candle_core::Result<Tensor> {
+        round(x)?.matmul(&round(&w[o])?.transpose(1, 2)?)?.broadcast_add(&w[o + 1].unsqueeze(1)?)
+    };
+    let mlp = |o: usize| -> candle_core::Result<Tensor> {
+        let x = lin(s, o)?.tanh()?;
+        let x = lin(&x, o + 2)?.tanh()?;
+        lin(&x, o + 4)
+    };
+    Ok((mlp(0)?, mlp(6)?.squeeze(2)?))
+}
+
+/// [`pop_loss`] from the networks' outputs (`logits [N, B, A]`, `value [N, B]`, F32).
+fn loss_of_outputs(
+    logits: &Tensor,
+    value: &Tensor,
+    batch: &PpoPopBatch,
+    c: &Coefs,
+    adv_eps: f64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let b = batch.obs.dim(1)?;
+    let logp_all = crate::ppo::log_softmax(logits)?;
     let logp = logp_all.gather(&batch.actions.unsqueeze(2)?, 2)?.squeeze(2)?;
     let entropy = logp_all.exp()?.mul(&logp_all)?.sum(D::Minus1)?.neg()?;
     let adv = batch.advantages.to_dtype(DType::F32)?.detach();
@@ -236,16 +266,25 @@ fn pop_loss(
 }
 
 /// The reference of the fused update: each member's loss `[N]`, diagnostics `[5, N]` and
-/// the gradients of the summed losses in parameter order, with candle's ops.
+/// the gradients of the summed losses in parameter order, with candle's ops; with
+/// `bf16_inputs` its forward rounds every GEMM's inputs to BF16 as the fused BF16 update
+/// does ([`forward_bf16_inputs`]; the population's own precision otherwise).
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) fn reference_loss_and_grads(
     pop: &PpoPopulation,
     batch: &PpoPopBatch,
+    bf16_inputs: bool,
 ) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
     let cfg = &pop.members[0];
     let vars = pop.params.vars();
     let w: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let (loss, diag) = pop_loss(&w, batch, &pop.coefs, cfg.loss.adv_eps, cfg.precision).ctx(CTX)?;
+    let eps = cfg.loss.adv_eps;
+    let (loss, diag) = if bf16_inputs {
+        forward_bf16_inputs(&w, &batch.obs).and_then(|(l, v)| loss_of_outputs(&l, &v, batch, &pop.coefs, eps))
+    } else {
+        pop_loss(&w, batch, &pop.coefs, eps, cfg.precision)
+    }
+    .ctx(CTX)?;
     let grads = loss.sum_all().and_then(|l| l.backward()).ctx(CTX)?;
     let g = w
         .iter()

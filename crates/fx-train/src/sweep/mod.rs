@@ -1986,35 +1986,22 @@ fn member_row(
     }
 }
 
-/// [`policy_stats`] of each of `policies`, on up to the machine's cores (each backtest is
-/// its policy's alone, so the results do not depend on how they are spread): the
-/// population waits for its scoring.
+/// [`policy_stats`] of each of `policies` through [`fx_hw::par_map`] (each backtest is its
+/// policy's alone, so the results do not depend on how they are spread): the population
+/// waits for its scoring.
 fn score_policies(
     cfg: &RunConfig,
     data: &Dataset,
     span: &std::ops::Range<usize>,
-    mut policies: Vec<fx_models::mlp::cpu::CpuPolicy>,
+    policies: Vec<fx_models::mlp::cpu::CpuPolicy>,
 ) -> Result<Vec<fx_models::BacktestStats>> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(policies.len()).max(1);
-    if threads == 1 {
-        return policies.iter_mut().map(|p| policy_stats(cfg, data, span, p)).collect();
-    }
-    let per = policies.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = policies
-            .chunks_mut(per)
-            .map(|chunk| {
-                scope.spawn(move || {
-                    chunk.iter_mut().map(|p| policy_stats(cfg, data, span, p)).collect::<Result<Vec<_>>>()
-                })
-            })
-            .collect();
-        let mut out = Vec::new();
-        for h in handles {
-            out.extend(h.join().map_err(|_| anyhow::anyhow!("a backtest thread panicked"))??);
-        }
-        Ok(out)
-    })
+    // A policy acts through `&mut` (its scratch buffers): each is locked by the one worker
+    // that scores it, never contended.
+    let cells: Vec<std::sync::Mutex<fx_models::mlp::cpu::CpuPolicy>> =
+        policies.into_iter().map(std::sync::Mutex::new).collect();
+    fx_hw::par_map(&cells, |p| policy_stats(cfg, data, span, &mut p.lock().unwrap_or_else(|e| e.into_inner())))?
+        .into_iter()
+        .collect()
 }
 
 /// A greedy CPU policy's backtest statistics on `span` (a panel's: its equal-weight
