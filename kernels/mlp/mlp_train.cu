@@ -12,11 +12,13 @@
 #define ACT_TANH 2
 
 // h = act(h + b) in place; b has `cols` entries. `h16` (may be 0) receives a BF16 copy, the
-// next layer's GEMM input under BF16 compute. Member m: h [m][rows, cols], b [m][cols].
+// next layer's GEMM input under BF16 compute. With h null, h16 is the input and the output
+// (a GEMM's BF16 output: act(x + b) in F32, rounded once more). Member m: h [m][rows, cols],
+// b [m][cols].
 extern "C" __global__ void fx_bias_act(float* __restrict__ h, const float* __restrict__ b, unsigned int rows,
                                        unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ h16) {
     size_t n = (size_t)rows * cols;
-    h += blockIdx.y * n;
+    if (h) h += blockIdx.y * n;
     b += (size_t)blockIdx.y * cols;
     if (h16) h16 += blockIdx.y * n;
     // The column follows the index by additions, not a 64-bit modulo per element (which made
@@ -26,12 +28,12 @@ extern "C" __global__ void fx_bias_act(float* __restrict__ h, const float* __res
     size_t stride = (size_t)gridDim.x * blockDim.x;
     unsigned int col = (unsigned int)(i % cols), step = (unsigned int)(stride % cols);
     for (; i < n; i += stride) {
-        float x = h[i] + b[col];
+        float x = (h ? h[i] : __bfloat162float(h16[i])) + b[col];
         col += step;
         if (col >= cols) col -= cols;
         if (act == ACT_RELU) x = x > 0.0f ? x : 0.0f;
         else if (act == ACT_TANH) x = tanhf(x);
-        h[i] = x;
+        if (h) h[i] = x;
         if (h16) h16[i] = __float2bfloat16_rn(x);
     }
 }

@@ -119,9 +119,10 @@ impl Gemm {
         Self { c: c16, output: GemmOutput::Bf16, ..self }
     }
 
-    /// Whether the GEMM has an epilogue or a BF16 output (on CUDA: a cuBLASLt call).
+    /// Whether the GEMM has an epilogue (bias, ReLU; on CUDA: a cuBLASLt call). A BF16
+    /// output alone is not one: cuBLAS writes it.
     pub fn has_epilogue(&self) -> bool {
-        self.bias != 0 || self.relu || self.output == GemmOutput::Bf16
+        self.bias != 0 || self.relu
     }
 }
 
@@ -243,5 +244,6 @@ mod tests {
         let got: Vec<f32> = c16.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
         assert_eq!(got, vec![1.0, -1.0]);
         assert!(!Gemm::new(false, false, 1, 1, 1, 0, 0, 0).has_epilogue());
+        assert!(!Gemm::new(false, false, 1, 1, 1, 0, 0, 0).bf16_out(0).has_epilogue());
     }
 }

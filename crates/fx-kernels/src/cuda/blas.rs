@@ -1,7 +1,7 @@
 //! cuBLAS through cudarc on candle's stream, on raw device addresses ([`Blas`]): row-major
 //! GEMMs (single or strided-batched, F32 or BF16 inputs with F32 accumulation) and column
-//! sums. A GEMM with an epilogue (bias, ReLU) or a BF16 output runs through cuBLASLt
-//! ([`super::blas_lt`]), which folds them into the GEMM's own write instead of a pass over
+//! sums, writing F32 or BF16. A GEMM with an epilogue (bias, ReLU) runs through cuBLASLt
+//! ([`super::blas_lt`]), which folds it into the GEMM's own write instead of a pass over
 //! the output. The fused training steps (DQN, PPO, TFT, MAMBA-2) build on it; nothing here
 //! reads to the host, so a CUDA graph can capture every call.
 
@@ -44,8 +44,8 @@ impl Blas {
         Ok(Self { blas: dev.cublas_handle(), device: dev.clone() })
     }
 
-    /// Whether cuBLASLt has an algorithm for `g` (always true without an epilogue or a BF16
-    /// output, which cuBLAS runs). Asks once per shape and caches the answer; a caller picks
+    /// Whether cuBLASLt has an algorithm for `g` (always true without an epilogue, which
+    /// cuBLAS runs). Asks once per shape and caches the answer; a caller picks
     /// its unfused path when this says no.
     pub fn supports(&self, g: &Gemm) -> Result<bool> {
         if !g.has_epilogue() {
@@ -205,6 +205,11 @@ impl Blas {
             GemmInputs::F32 => CUDA_R_32F,
             GemmInputs::Bf16 => CUDA_R_16BF,
         };
+        // F32 accumulation either way; a BF16 C is the F32 result rounded once.
+        let out_type = match g.output {
+            GemmOutput::F32 => CUDA_R_32F,
+            GemmOutput::Bf16 => CUDA_R_16BF,
+        };
         // Row-major C = op(A) op(B) is column-major Cᵀ = op(B)ᵀ op(A)ᵀ: B's storage first.
         let r = if g.batch <= 1 {
             blas::gemm_ex(
@@ -223,7 +228,7 @@ impl Blas {
                 lda,
                 (&g.beta as *const f32).cast(),
                 g.c as *mut std::ffi::c_void,
-                CUDA_R_32F,
+                out_type,
                 ldc,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -247,7 +252,7 @@ impl Blas {
                 g.stride_a,
                 (&g.beta as *const f32).cast(),
                 g.c as *mut std::ffi::c_void,
-                CUDA_R_32F,
+                out_type,
                 ldc,
                 g.stride_c,
                 batch,

@@ -371,21 +371,24 @@ mod tests {
     /// Every epilogue GEMM the fused steps use (bias + ReLU, bias alone; BF16 or F32 out; BF16
     /// or F32 in; strided batches whose every entry has its own bias; a batch starting mid-
     /// buffer at an unaligned row, as a target trunk reads s') equals the f64 reference on
-    /// fresh random inputs, every element, within C's rounding.
+    /// fresh random inputs, every element, within C's rounding; so do the BF16-output GEMMs
+    /// without an epilogue (cuBLAS's, the split trunk forward's).
     #[test]
     fn epilogue_gemms_match_the_reference() {
         let Some(dev) = gpu("blas_lt::epilogue_gemms_match_the_reference") else { return };
         let seed = fx_hw::test_seed("blas_lt::epilogue_gemms_match_the_reference");
         let blas = Blas::new(&dev).unwrap();
-        // (batch, m, n, k, ta, tb, row offset of A, bf16 in, bf16 out, relu)
+        // (batch, m, n, k, ta, tb, row offset of A, bf16 in, bf16 out, relu, bias)
         let cases = [
-            (5usize, 37usize, 48usize, 24usize, false, true, 37usize, true, true, true),
-            (4, 512, 256, 256, false, true, 0, true, true, true),
-            (3, 64, 128, 256, false, true, 64, true, false, true),
-            (2, 33, 20, 17, true, false, 0, true, false, false),
-            (3, 40, 24, 16, false, true, 0, false, false, true),
+            (5usize, 37usize, 48usize, 24usize, false, true, 37usize, true, true, true, true),
+            (4, 512, 256, 256, false, true, 0, true, true, true, true),
+            (3, 64, 128, 256, false, true, 64, true, false, true, true),
+            (2, 33, 20, 17, true, false, 0, true, false, false, true),
+            (3, 40, 24, 16, false, true, 0, false, false, true, true),
+            (4, 512, 256, 256, false, true, 0, true, true, false, false),
+            (3, 37, 48, 24, false, true, 37, true, true, false, false),
         ];
-        for (ci, &(nb, m, n, k, ta, tb, off, bf_in, bf_out, relu)) in cases.iter().enumerate() {
+        for (ci, &(nb, m, n, k, ta, tb, off, bf_in, bf_out, relu, with_bias)) in cases.iter().enumerate() {
             let salt = 100 * ci as u64;
             // A entries are `off + m·k` values apart, the product reading from `off·k` on.
             let a_entry = (off + m) * k;
@@ -409,7 +412,7 @@ mod tests {
             let g = |a: u64, b: u64, c: u64, bias: u64| {
                 let mut g = Gemm::new(ta, tb, m, n, k, a + (off * k * es) as u64, b, c)
                     .batched(nb, a_entry, n * k, m * n)
-                    .bias_relu(bias, n, relu);
+                    .bias_relu(if with_bias { bias } else { 0 }, n, relu);
                 if bf_in {
                     g = g.bf16(g.a, g.b);
                 }

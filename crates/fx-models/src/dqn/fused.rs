@@ -54,6 +54,10 @@ pub(crate) struct Bf16Shadows {
     pub(crate) w: [Tensor; 6],
     /// The forward runs as [`Self::trunk_gemms`] (set by [`Self::probe_epilogue`]).
     pub(crate) epilogue: bool,
+    /// ... each as a plain GEMM and the bias + ReLU kernel over its output
+    /// ([`MlpTrainKernels::gemm_then_bias_act`]: layers 0 and 1 then read and write BF16
+    /// only), not cuBLASLt's epilogue.
+    pub(crate) split: bool,
 }
 
 impl Bf16Shadows {
@@ -105,13 +109,20 @@ impl Bf16Shadows {
     }
 
     /// Sets [`Self::epilogue`] when `FX_GEMM_EPILOGUE=1` and cuBLASLt has an algorithm for
-    /// each of `gemms` (the trunk's, whose biases' addresses matter only by their alignment).
-    /// Opt-in until a device run has checked it against the unfused forward (F32 GEMM
-    /// outputs, then a bias + ReLU kernel writing both copies), which stays the default.
+    /// each of `gemms` (the trunk's, whose biases' addresses matter only by their alignment),
+    /// and with [`Self::split`] when `FX_GEMM_EPILOGUE=split` (plain GEMMs, BF16 out, and the
+    /// bias + ReLU kernel: no cuBLASLt). Opt-in until a device run has checked both against
+    /// the unfused forward (F32 GEMM outputs, then a bias + ReLU kernel writing both copies),
+    /// which stays the default.
     pub(crate) fn probe_epilogue(&mut self, blas: &Blas, gemms: &[Gemm]) -> Result<()> {
-        self.epilogue = false;
-        if !std::env::var("FX_GEMM_EPILOGUE").is_ok_and(|v| v == "1") {
-            return Ok(());
+        (self.epilogue, self.split) = (false, false);
+        match std::env::var("FX_GEMM_EPILOGUE").as_deref() {
+            Ok("1") => {}
+            Ok("split") => {
+                (self.epilogue, self.split) = (true, true);
+                return Ok(());
+            }
+            _ => return Ok(()),
         }
         for g in gemms {
             if !blas.supports(g).ctx(CTX)? {
@@ -174,6 +185,7 @@ impl DqnFused {
                     dz: [z16(&[batch, h])?, z16(&[batch, h])?, z16(&[batch, h2])?],
                     w: [w(online, 0)?, w(online, 1)?, w(online, 2)?, w(target, 0)?, w(target, 1)?, w(target, 2)?],
                     epilogue: false,
+                    split: false,
                 })
             }
             _ => None,
@@ -276,7 +288,11 @@ impl DqnFused {
                 Some(b16) => {
                     let (ob, tb) = (self.trunk_biases(o)?, self.trunk_biases(t)?);
                     for g in b16.trunk_gemms(self.dims, 1, b, &self.h, &self.t, ob, tb)? {
-                        blas.run(&g).ctx(CTX)?;
+                        if b16.split {
+                            k.gemm_then_bias_act(blas, &g).ctx(CTX)?;
+                        } else {
+                            blas.run(&g).ctx(CTX)?;
+                        }
                     }
                 }
                 _ => {
@@ -450,7 +466,9 @@ mod tests {
                     let after: Vec<f32> = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
                     assert_eq!(after, before[k], "a dry step changed {}", spec.name);
                 }
-                if precision == Precision::Bf16 && std::env::var("FX_GEMM_EPILOGUE").as_deref() == Ok("1") {
+                if precision == Precision::Bf16
+                    && matches!(std::env::var("FX_GEMM_EPILOGUE").as_deref(), Ok("1" | "split"))
+                {
                     // The epilogue forward against the unfused one on the same BF16 inputs:
                     // activations differ by at most one BF16 rounding where the two GEMMs'
                     // F32 sums straddle one, so a wrong bias or stride (several per cent)

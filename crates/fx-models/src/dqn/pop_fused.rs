@@ -94,6 +94,7 @@ impl DqnPopFused {
                     dz: [z16(&[n, b, h])?, z16(&[n, b, h])?, z16(&[n, b, h2])?],
                     w: [w(0)?, w(1)?, w(2)?, w(0)?, w(1)?, w(2)?],
                     epilogue: false,
+                    split: false,
                 })
             }
             _ => None,
@@ -200,7 +201,11 @@ impl DqnPopFused {
             let epilogue = self.bf16.as_ref().filter(|b16| b16.epilogue);
             if let Some(b16) = epilogue {
                 for g in b16.trunk_gemms(self.dims, n, b, &self.h, &self.t, [o[1], o[3], o[5]], [t[1], t[3], t[5]])? {
-                    blas.run(&g).ctx(CTX)?;
+                    if b16.split {
+                        k.gemm_then_bias_act(blas, &g).ctx(CTX)?;
+                    } else {
+                        blas.run(&g).ctx(CTX)?;
+                    }
                 }
             } else {
                 for l in 0..3 {
@@ -350,7 +355,9 @@ mod tests {
                     }
                 }
                 eprintln!("dqn_pop_fused {precision} n {n} b {b} h {hidden}: every member within {tol:.0e}");
-                if precision == Precision::Bf16 && std::env::var("FX_GEMM_EPILOGUE").as_deref() == Ok("1") {
+                if precision == Precision::Bf16
+                    && matches!(std::env::var("FX_GEMM_EPILOGUE").as_deref(), Ok("1" | "split"))
+                {
                     // The epilogue forward against the unfused one on the same BF16 inputs:
                     // the activations differ by at most a BF16 rounding where the two GEMMs'
                     // F32 sums straddle one, so a wrong member's bias or stride (a change of

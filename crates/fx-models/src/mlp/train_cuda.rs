@@ -161,7 +161,8 @@ impl MlpTrainKernels {
     }
 
     /// `h = act(h + b)` in place on row-major `h[rows, cols]`; `h16` (0: none) receives a
-    /// BF16 copy.
+    /// BF16 copy. With `h` 0, `h16` is the input and the output: `act(x + b)` in F32 of its
+    /// BF16 values, rounded back.
     ///
     /// # Safety
     /// `h` holds `rows·cols` and `b` `cols` F32 values (`h16` `rows·cols` BF16) on this
@@ -192,6 +193,33 @@ impl MlpTrainKernels {
         l.arg(&h).arg(&b).arg(&r).arg(&c).arg(&a).arg(&h16);
         l.launch(cfg).map_err(driver("MlpTrainKernels::bias_act"))?;
         Ok(())
+    }
+
+    /// `g` as a plain GEMM (cuBLAS; its bias and ReLU left out) followed by its bias and
+    /// ReLU as [`Self::bias_act_members`] over what it wrote, in place (a BF16 output read
+    /// and written as BF16): a bias + ReLU epilogue GEMM without cuBLASLt's epilogue. `g`'s
+    /// entries must be packed (`ldc` = n, `stride_c` = m·n, `stride_bias` = n), as the
+    /// trunk's are.
+    ///
+    /// # Safety
+    /// As [`Blas::run`] for `g`.
+    pub unsafe fn gemm_then_bias_act(&self, blas: &Blas, g: &fx_kernels::gemm::Gemm) -> Result<()> {
+        use fx_kernels::gemm::GemmOutput;
+        let members = g.batch.max(1);
+        let packed =
+            g.ldc == g.n && (members == 1 || (g.stride_c == (g.m * g.n) as i64 && g.stride_bias == g.n as i64));
+        if g.bias == 0 || !packed {
+            return Err(Error::Config {
+                context: "MlpTrainKernels::gemm_then_bias_act",
+                message: format!("a packed GEMM with a bias, got {g:?}"),
+            });
+        }
+        blas.run(&fx_kernels::gemm::Gemm { bias: 0, relu: false, ..*g })?;
+        let act = if g.relu { Act::Relu } else { Act::None };
+        match g.output {
+            GemmOutput::Bf16 => self.bias_act_members(0, g.bias, members, g.m, g.n, act, g.c),
+            GemmOutput::F32 => self.bias_act_members(g.c, g.bias, members, g.m, g.n, act, 0),
+        }
     }
 
     /// `dh *= act'(h)` in place, `h` the activation's output; `dh16` (0: none) receives a
@@ -368,5 +396,91 @@ impl MlpTrainKernels {
         let cfg = LaunchConfig { grid_dim: (b.div_ceil(128), members, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         l.launch(cfg).map_err(driver(CTX))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Tensor};
+    use fx_kernels::cuda::address;
+    use fx_kernels::gemm::{gemm_ref, Gemm};
+
+    use super::{Blas, MlpTrainKernels};
+
+    fn random(len: usize, seed: u64, salt: u64) -> Vec<f32> {
+        (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, salt, 0, i) * 2.0 - 1.0) as f32).collect()
+    }
+
+    /// The split epilogue ([`MlpTrainKernels::gemm_then_bias_act`]: a plain GEMM, then the
+    /// bias + ReLU kernel over its output, in place) of strided batches whose members have
+    /// their own biases, BF16 in, BF16 or F32 out, with and without ReLU, equals the host
+    /// reference on fresh random inputs: the f64 product rounded to C's type, then the bias
+    /// and ReLU in F32, rounded again for a BF16 C. Each rounding may land an ulp (at most
+    /// 2^-7 relative) away where the GPU's F32 sum straddles a BF16 boundary, so a BF16
+    /// element is held to 2^-6 of its terms (|result| + |bias|); a wrong bias, member stride
+    /// or a missing ReLU is off by far more.
+    #[test]
+    fn split_epilogue_matches_the_reference() {
+        let Some(dev) = fx_hw::test_gpu("mlp::train_cuda::split_epilogue_matches_the_reference") else { return };
+        let seed = fx_hw::test_seed("mlp::train_cuda::split_epilogue_matches_the_reference");
+        let (blas, k) = (Blas::new(&dev).unwrap(), MlpTrainKernels::load(&dev).unwrap());
+        for (ci, &(nb, m, n, kk, bf_out, relu)) in
+            [(3usize, 37usize, 48usize, 24usize, true, true), (4, 64, 32, 56, false, true), (2, 20, 16, 8, true, false)]
+                .iter()
+                .enumerate()
+        {
+            let salt = 10 * ci as u64;
+            let round = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
+            let (a16, b16) = (round(random(nb * m * kk, seed, salt)), round(random(nb * n * kk, seed, salt + 1)));
+            let bias = random(nb * n, seed, salt + 2);
+            // Host: the plain GEMM into C's type, then bias + ReLU in F32 as the kernel does.
+            let plain = |a: u64, b: u64, c: u64| {
+                let g = Gemm::new(false, true, m, n, kk, a, b, c).batched(nb, m * kk, n * kk, m * n).bf16(a, b);
+                if bf_out {
+                    g.bf16_out(c)
+                } else {
+                    g
+                }
+            };
+            let mut c32 = vec![f32::NAN; nb * m * n];
+            let mut c16 = vec![half::bf16::NAN; nb * m * n];
+            let hc = if bf_out { c16.as_mut_ptr() as u64 } else { c32.as_mut_ptr() as u64 };
+            // SAFETY: host buffers of the sizes the GEMM describes.
+            unsafe { gemm_ref(&plain(a16.as_ptr() as u64, b16.as_ptr() as u64, hc)) };
+            let want: Vec<f32> = (0..nb * m * n)
+                .map(|i| {
+                    let x = if bf_out { c16[i].to_f32() } else { c32[i] } + bias[(i / (m * n)) * n + i % n];
+                    let x = if relu { x.max(0.0) } else { x };
+                    if bf_out {
+                        half::bf16::from_f32(x).to_f32()
+                    } else {
+                        x
+                    }
+                })
+                .collect();
+            let up16 = |v: &[half::bf16]| Tensor::from_vec(v.to_vec(), v.len(), &dev).unwrap();
+            let (da, db) = (up16(&a16), up16(&b16));
+            let dbias = Tensor::from_vec(bias.clone(), bias.len(), &dev).unwrap();
+            let nan = Tensor::full(f32::NAN, nb * m * n, &dev).unwrap();
+            let dc = if bf_out { nan.to_dtype(DType::BF16).unwrap() } else { nan };
+            let p16 = |t: &Tensor| address::<half::bf16>(t, "t").unwrap();
+            let c = if bf_out { p16(&dc) } else { address::<f32>(&dc, "c").unwrap() };
+            let g = plain(p16(&da), p16(&db), c).bias_relu(address::<f32>(&dbias, "bias").unwrap(), n, relu);
+            // SAFETY: device tensors of the sizes the GEMM describes, alive past the sync.
+            unsafe { k.gemm_then_bias_act(&blas, &g).unwrap() };
+            dev.synchronize().unwrap();
+            let got: Vec<f32> = dc.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+            for (i, (&x, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(x.is_finite() && w.is_finite(), "case {ci} [{i}]: gpu {x}, reference {w}");
+                let terms = w.abs() + bias[(i / (m * n)) * n + i % n].abs();
+                let tol = if bf_out { terms / 64.0 } else { 1e-5 * (1.0 + terms) * (kk as f32).sqrt() };
+                assert!((x - w).abs() <= tol, "case {ci} [{i}]: gpu {x} vs reference {w}");
+            }
+            if relu {
+                assert!(got.contains(&0.0) && got.iter().all(|&x| x >= 0.0), "case {ci}: ReLU not exercised");
+            } else {
+                assert!(got.iter().any(|&x| x < 0.0), "case {ci}: no negative output without ReLU");
+            }
+        }
     }
 }
