@@ -55,7 +55,7 @@ pub(crate) struct Bf16Shadows {
     /// The forward runs as [`Self::trunk_gemms`] (set by [`Self::probe_epilogue`]).
     pub(crate) epilogue: bool,
     /// ... each as a plain GEMM and the bias + ReLU kernel over its output
-    /// ([`MlpTrainKernels::gemm_then_bias_act`]: layers 0 and 1 then read and write BF16
+    /// ([`MlpTrainKernels::split_epilogue`]: layers 0 and 1 then read and write BF16
     /// only), not cuBLASLt's epilogue.
     pub(crate) split: bool,
 }
@@ -289,7 +289,7 @@ impl DqnFused {
                     let (ob, tb) = (self.trunk_biases(o)?, self.trunk_biases(t)?);
                     for g in b16.trunk_gemms(self.dims, 1, b, &self.h, &self.t, ob, tb)? {
                         if b16.split {
-                            k.gemm_then_bias_act(blas, &g).ctx(CTX)?;
+                            k.split_epilogue(blas, &g).ctx(CTX)?;
                         } else {
                             blas.run(&g).ctx(CTX)?;
                         }

@@ -202,7 +202,7 @@ impl DqnPopFused {
             if let Some(b16) = epilogue {
                 for g in b16.trunk_gemms(self.dims, n, b, &self.h, &self.t, [o[1], o[3], o[5]], [t[1], t[3], t[5]])? {
                     if b16.split {
-                        k.gemm_then_bias_act(blas, &g).ctx(CTX)?;
+                        k.split_epilogue(blas, &g).ctx(CTX)?;
                     } else {
                         blas.run(&g).ctx(CTX)?;
                     }

@@ -195,31 +195,53 @@ impl MlpTrainKernels {
         Ok(())
     }
 
-    /// `g` as a plain GEMM (cuBLAS; its bias and ReLU left out) followed by its bias and
-    /// ReLU as [`Self::bias_act_members`] over what it wrote, in place (a BF16 output read
-    /// and written as BF16): a bias + ReLU epilogue GEMM without cuBLASLt's epilogue. `g`'s
-    /// entries must be packed (`ldc` = n, `stride_c` = m·n, `stride_bias` = n), as the
-    /// trunk's are.
+    /// The plain GEMM `g` (cuBLAS; no epilogue) followed by `act(C + bias)` as
+    /// [`Self::bias_act_members`] over what it wrote, in place (a BF16 output read and
+    /// written as BF16): an epilogue GEMM without cuBLASLt's epilogue. `bias` holds `n` F32
+    /// values a batch entry; the entries must be packed (`ldc` = n, `stride_c` = m·n), as the
+    /// trunks' are.
+    ///
+    /// # Safety
+    /// As [`Blas::run`] for `g`, and `bias` as [`Self::bias_act_members`].
+    pub unsafe fn gemm_then_bias_act(
+        &self,
+        blas: &Blas,
+        g: &fx_kernels::gemm::Gemm,
+        bias: u64,
+        act: Act,
+    ) -> Result<()> {
+        use fx_kernels::gemm::GemmOutput;
+        let members = g.batch.max(1);
+        let packed = g.ldc == g.n && (members == 1 || g.stride_c == (g.m * g.n) as i64);
+        if g.has_epilogue() || bias == 0 || !packed {
+            return Err(Error::Config {
+                context: "MlpTrainKernels::gemm_then_bias_act",
+                message: format!("a packed GEMM without an epilogue and a bias, got {g:?}"),
+            });
+        }
+        blas.run(g)?;
+        match g.output {
+            GemmOutput::Bf16 => self.bias_act_members(0, bias, members, g.m, g.n, act, g.c),
+            GemmOutput::F32 => self.bias_act_members(g.c, bias, members, g.m, g.n, act, 0),
+        }
+    }
+
+    /// [`Self::gemm_then_bias_act`] of a bias + ReLU epilogue GEMM ([`Gemm::bias_relu`]'s
+    /// bias, `stride_bias` = n): what cuBLASLt's epilogue computes, in two launches.
     ///
     /// # Safety
     /// As [`Blas::run`] for `g`.
-    pub unsafe fn gemm_then_bias_act(&self, blas: &Blas, g: &fx_kernels::gemm::Gemm) -> Result<()> {
-        use fx_kernels::gemm::GemmOutput;
-        let members = g.batch.max(1);
-        let packed =
-            g.ldc == g.n && (members == 1 || (g.stride_c == (g.m * g.n) as i64 && g.stride_bias == g.n as i64));
-        if g.bias == 0 || !packed {
+    ///
+    /// [`Gemm::bias_relu`]: fx_kernels::gemm::Gemm::bias_relu
+    pub unsafe fn split_epilogue(&self, blas: &Blas, g: &fx_kernels::gemm::Gemm) -> Result<()> {
+        if g.batch > 1 && g.stride_bias != g.n as i64 {
             return Err(Error::Config {
-                context: "MlpTrainKernels::gemm_then_bias_act",
-                message: format!("a packed GEMM with a bias, got {g:?}"),
+                context: "MlpTrainKernels::split_epilogue",
+                message: format!("biases {} apart for {} columns", g.stride_bias, g.n),
             });
         }
-        blas.run(&fx_kernels::gemm::Gemm { bias: 0, relu: false, ..*g })?;
         let act = if g.relu { Act::Relu } else { Act::None };
-        match g.output {
-            GemmOutput::Bf16 => self.bias_act_members(0, g.bias, members, g.m, g.n, act, g.c),
-            GemmOutput::F32 => self.bias_act_members(g.c, g.bias, members, g.m, g.n, act, 0),
-        }
+        self.gemm_then_bias_act(blas, &fx_kernels::gemm::Gemm { bias: 0, relu: false, ..*g }, g.bias, act)
     }
 
     /// `dh *= act'(h)` in place, `h` the activation's output; `dh16` (0: none) receives a
@@ -411,7 +433,7 @@ mod tests {
         (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, salt, 0, i) * 2.0 - 1.0) as f32).collect()
     }
 
-    /// The split epilogue ([`MlpTrainKernels::gemm_then_bias_act`]: a plain GEMM, then the
+    /// The split epilogue ([`MlpTrainKernels::split_epilogue`]: a plain GEMM, then the
     /// bias + ReLU kernel over its output, in place) of strided batches whose members have
     /// their own biases, BF16 in, BF16 or F32 out, with and without ReLU, equals the host
     /// reference on fresh random inputs: the f64 product rounded to C's type, then the bias
@@ -467,7 +489,7 @@ mod tests {
             let c = if bf_out { p16(&dc) } else { address::<f32>(&dc, "c").unwrap() };
             let g = plain(p16(&da), p16(&db), c).bias_relu(address::<f32>(&dbias, "bias").unwrap(), n, relu);
             // SAFETY: device tensors of the sizes the GEMM describes, alive past the sync.
-            unsafe { k.gemm_then_bias_act(&blas, &g).unwrap() };
+            unsafe { k.split_epilogue(&blas, &g).unwrap() };
             dev.synchronize().unwrap();
             let got: Vec<f32> = dc.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
             for (i, (&x, &w)) in got.iter().zip(&want).enumerate() {

@@ -38,6 +38,10 @@ struct Bf16Shadows {
     dz: [[Tensor; 3]; 2],
     /// Actor then critic, layers 0..3.
     w: [Tensor; 6],
+    /// The hidden layers' GEMMs write their BF16 activations and the bias + tanh kernel
+    /// works on those in place (`FX_GEMM_EPILOGUE=split`; no F32 hidden activations, the
+    /// tanh backward reads the BF16 ones). Opt-in until a device run has checked it.
+    split: bool,
 }
 
 /// Buffers and kernels of the member-batched update at one member count and minibatch size.
@@ -102,6 +106,7 @@ impl PpoPopFused {
                     x: [hid()?, hid()?],
                     dz: [grad(na)?, grad(1)?],
                     w: [w(0)?, w(2)?, w(4)?, w(6)?, w(8)?, w(10)?],
+                    split: std::env::var("FX_GEMM_EPILOGUE").as_deref() == Ok("split"),
                 })
             }
             _ => None,
@@ -167,6 +172,7 @@ impl PpoPopFused {
         let p: Vec<u64> = w.iter().map(a).collect::<Result<_>>()?;
         let obs = a(&obs_t)?;
         let (blas, k) = (&self.blas, &self.k);
+        let split = self.bf16.as_ref().is_some_and(|b16| b16.split);
         let widths = |out: usize| [(s, h), (h, h), (h, out)];
         let acts = [Act::Tanh, Act::Tanh, Act::None];
         let x = [
@@ -218,8 +224,13 @@ impl PpoPopFused {
                 for (l, (i, wd)) in widths(out).into_iter().enumerate() {
                     let pw = 6 * net + 2 * l;
                     let g = Gemm::new(false, true, b, wd, i, input, p[pw], x[net][l]).batched(n, b * i, wd * i, b * wd);
-                    gemm(g, input16, w16(net, l))?;
-                    k.bias_act_members(x[net][l], p[pw + 1], n, b, wd, acts[l], x16(net, l)).ctx(CTX)?;
+                    if split && x16(net, l) != 0 {
+                        let g = g.bf16(input16, w16(net, l)).bf16_out(x16(net, l));
+                        k.gemm_then_bias_act(blas, &g, p[pw + 1], acts[l]).ctx(CTX)?;
+                    } else {
+                        gemm(g, input16, w16(net, l))?;
+                        k.bias_act_members(x[net][l], p[pw + 1], n, b, wd, acts[l], x16(net, l)).ctx(CTX)?;
+                    }
                     (input, input16) = (x[net][l], x16(net, l));
                 }
             }
@@ -267,8 +278,20 @@ impl PpoPopFused {
                         let gx = Gemm::new(false, false, b, i, wd, dz[net][l], p[pw], dz[net][l - 1]);
                         gemm(gx.batched(n, b * wd, wd * i, b * i), dz16(net, l), w16(net, l))?;
                         let d16 = dz16(net, l - 1);
-                        k.act_bwd_members(dz[net][l - 1], x[net][l - 1], n, (b * i) as u64, b, i, acts[l - 1], d16, 0)
-                            .ctx(CTX)?;
+                        // Under the split forward only the BF16 activations exist.
+                        let y16 = if split { x16(net, l - 1) } else { 0 };
+                        k.act_bwd_members(
+                            dz[net][l - 1],
+                            x[net][l - 1],
+                            n,
+                            (b * i) as u64,
+                            b,
+                            i,
+                            acts[l - 1],
+                            d16,
+                            y16,
+                        )
+                        .ctx(CTX)?;
                     }
                 }
             }
@@ -361,7 +384,9 @@ mod tests {
             };
             // F32 against the F32 reference; BF16 against the reference whose forward rounds
             // the GEMM inputs as the BF16 update does (`reference_loss_and_grads`).
-            let refs = [false, true].map(|bf16| reference_loss_and_grads(&cpu, &batch, bf16).unwrap());
+            // Under FX_GEMM_EPILOGUE=split the BF16 reference rounds the hidden products too.
+            let split = std::env::var("FX_GEMM_EPILOGUE").as_deref() == Ok("split");
+            let refs = [false, true].map(|bf16| reference_loss_and_grads(&cpu, &batch, bf16, split).unwrap());
             let to = |x: &Tensor| x.to_device(&dev).unwrap();
             let w: Vec<Tensor> = cpu.params().vars().iter().map(|v| to(v.as_tensor())).collect();
             let gbatch = PpoPopBatch {

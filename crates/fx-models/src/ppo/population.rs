@@ -213,17 +213,20 @@ fn pop_loss(
 /// inputs (states or hidden activations, weights) rounded to BF16, products, biases and
 /// activations in F32, as `pop_fused` computes them. The gradients flow through the
 /// roundings unchanged (a cast's backward), so only the backward GEMMs' BF16 inputs and the
-/// order of sums differ from the fused update's.
+/// order of sums differ from the fused update's. With `split`, the hidden layers' products
+/// are rounded to BF16 before their bias, as the split forward's GEMMs write them.
 #[cfg(all(test, feature = "cuda"))]
-fn forward_bf16_inputs(w: &[Tensor], s: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+fn forward_bf16_inputs(w: &[Tensor], s: &Tensor, split: bool) -> candle_core::Result<(Tensor, Tensor)> {
     let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
-    let lin = |x: &Tensor, o: usize| -> candle_core::Result<Tensor> {
-        round(x)?.matmul(&round(&w[o])?.transpose(1, 2)?)?.broadcast_add(&w[o + 1].unsqueeze(1)?)
+    let lin = |x: &Tensor, o: usize, hidden: bool| -> candle_core::Result<Tensor> {
+        let p = round(x)?.matmul(&round(&w[o])?.transpose(1, 2)?)?;
+        let p = if split && hidden { round(&p)? } else { p };
+        p.broadcast_add(&w[o + 1].unsqueeze(1)?)
     };
     let mlp = |o: usize| -> candle_core::Result<Tensor> {
-        let x = lin(s, o)?.tanh()?;
-        let x = lin(&x, o + 2)?.tanh()?;
-        lin(&x, o + 4)
+        let x = lin(s, o, true)?.tanh()?;
+        let x = lin(&x, o + 2, true)?.tanh()?;
+        lin(&x, o + 4, false)
     };
     Ok((mlp(0)?, mlp(6)?.squeeze(2)?))
 }
@@ -268,19 +271,21 @@ fn loss_of_outputs(
 /// The reference of the fused update: each member's loss `[N]`, diagnostics `[5, N]` and
 /// the gradients of the summed losses in parameter order, with candle's ops; with
 /// `bf16_inputs` its forward rounds every GEMM's inputs to BF16 as the fused BF16 update
-/// does ([`forward_bf16_inputs`]; the population's own precision otherwise).
+/// does ([`forward_bf16_inputs`], `split` as there; the population's own precision
+/// otherwise).
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) fn reference_loss_and_grads(
     pop: &PpoPopulation,
     batch: &PpoPopBatch,
     bf16_inputs: bool,
+    split: bool,
 ) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
     let cfg = &pop.members[0];
     let vars = pop.params.vars();
     let w: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let eps = cfg.loss.adv_eps;
     let (loss, diag) = if bf16_inputs {
-        forward_bf16_inputs(&w, &batch.obs).and_then(|(l, v)| loss_of_outputs(&l, &v, batch, &pop.coefs, eps))
+        forward_bf16_inputs(&w, &batch.obs, split).and_then(|(l, v)| loss_of_outputs(&l, &v, batch, &pop.coefs, eps))
     } else {
         pop_loss(&w, batch, &pop.coefs, eps, cfg.precision)
     }
