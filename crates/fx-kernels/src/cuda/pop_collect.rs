@@ -265,22 +265,33 @@ impl PopDqnCollect {
     }
 
     /// Puts each member's ε ramp and clocks in the table where they changed (a PBT move, new
-    /// settings, a trial in a freed slot).
-    pub fn set_members(&mut self, epsilon: &[LinearSchedule], clocks: &[MemberClock]) -> Result<()> {
+    /// settings, a trial in a freed slot); with `sample_seeds`, each member's sampling seed
+    /// too (a trial in a freed slot draws with its own).
+    pub fn set_members(
+        &mut self,
+        epsilon: &[LinearSchedule],
+        clocks: &[MemberClock],
+        sample_seeds: Option<&[u64]>,
+    ) -> Result<()> {
         const CTX: &str = "PopDqnCollect::set_members";
-        if epsilon.len() != self.rows.len() || clocks.len() != self.rows.len() {
+        let n = self.rows.len();
+        if epsilon.len() != n || clocks.len() != n || sample_seeds.is_some_and(|s| s.len() != n) {
             return Err(Error::shape(
-                "epsilon and clocks",
+                "epsilon, clocks and sample seeds",
                 CTX,
-                format!("{} of each", self.rows.len()),
-                format!("{} and {}", epsilon.len(), clocks.len()),
+                format!("{n} of each"),
+                format!("{}, {} and {:?}", epsilon.len(), clocks.len(), sample_seeds.map(<[u64]>::len)),
             ));
         }
         let mut changed = false;
-        for ((row, e), c) in self.rows.iter_mut().zip(epsilon).zip(clocks) {
+        for (k, ((row, e), c)) in self.rows.iter_mut().zip(epsilon).zip(clocks).enumerate() {
             let want = (e.start, e.end, e.steps, c.env_step, c.ring_start, c.key);
             if (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0) != want {
                 (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0) = want;
+                changed = true;
+            }
+            if let Some(seed) = sample_seeds.map(|s| s[k]).filter(|&s| s != row.sample_seed) {
+                row.sample_seed = seed;
                 changed = true;
             }
         }
@@ -372,6 +383,10 @@ impl PopDqnCollect {
     ) -> Result<()> {
         const CTX: &str = "PopDqnCollect::collect_looped";
         self.check(envs, replays, CTX)?;
+        let (pos, len) = (replays[0].position(), replays[0].len());
+        if replays.iter().any(|r| r.position() != pos || r.len() != len) {
+            return Err(Error::Config { context: CTX, message: "member replays at different ring positions".into() });
+        }
         self.launch_experience(q, 0, 0, Some(lp), obs, reward, done, CTX)
     }
 

@@ -75,7 +75,8 @@ pub struct PopStepStats {
     pub episodes_done: Option<Vec<u32>>,
     /// Transitions in each member's replay buffer (the same for all).
     pub replay_len: usize,
-    /// The updates of this step whose statistics were read (all of them when reading).
+    /// The updates of this step whose statistics were read: all of them when reading
+    /// stepwise; a whole-iteration graph's round reads its last (the others count as queued).
     pub updates: Vec<PopUpdateStats>,
     /// Updates of this step run without a read.
     pub updates_queued: u32,
@@ -701,12 +702,18 @@ impl DqnPopulation {
         self.own[k] = 0;
         self.learning[k] = false;
         self.members[k] = cfg;
-        // The collector's table holds the member's sampling seed and env: under iteration
-        // graphs it is refitted in place at the next step (the graphs over it stay), else
-        // built again.
+        // The collector's table holds the member's sampling seed, clocks and env: under
+        // iteration graphs the seed and clocks are rewritten in place now (a draw before the
+        // next batched step, `sample` or a step the collector cannot take, reads them) and the
+        // env's row at the next batched step (`refit_collect`; the graphs over the table
+        // stay), else it is built again.
         #[cfg(feature = "cuda")]
         if !self.iterations {
             self.collect = None;
+        } else if let Some(bc) = self.collect.as_mut() {
+            let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
+            let seeds: Vec<u64> = self.members.iter().map(|m| m.seed).collect();
+            bc.col.set_members(&schedules, &self.clocks, Some(&seeds)).ctx(CTX)?;
         }
         Ok(())
     }
@@ -728,7 +735,7 @@ impl DqnPopulation {
         #[cfg(feature = "cuda")]
         if let Some(bc) = self.collect.as_mut().filter(|_| began) {
             let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
-            bc.col.set_members(&schedules, &self.clocks).ctx(CTX)?;
+            bc.col.set_members(&schedules, &self.clocks, None).ctx(CTX)?;
         }
         #[cfg(not(feature = "cuda"))]
         let _ = began;
@@ -857,7 +864,7 @@ impl DqnPopulation {
         }
         let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
         let bc = self.collect.as_mut().ok_or_else(|| Error::config(CTX, "no collector"))?;
-        bc.col.set_members(&schedules, &self.clocks).ctx(CTX)?;
+        bc.col.set_members(&schedules, &self.clocks, None).ctx(CTX)?;
         if !bc.iteration.as_ref().is_some_and(|it| it.has(train)) {
             let captured = self.capture_iteration(&genvs, train);
             let what = "DQN population iteration";
@@ -1022,7 +1029,7 @@ impl DqnPopulation {
             });
         }
         let Some(bc) = self.collect.as_mut() else { return Ok(None) };
-        bc.col.set_members(&schedules, &self.clocks).ctx(CTX)?;
+        bc.col.set_members(&schedules, &self.clocks, None).ctx(CTX)?;
         bc.col.observe(&genvs, &self.replays, &bc.obs).ctx(CTX)?;
         let w: Vec<Tensor> = self.online.vars().iter().map(|v| v.as_tensor().detach()).collect();
         let q = forward(&w, &bc.obs, self.members[0].precision)
@@ -1952,9 +1959,12 @@ pub(crate) mod tests {
     /// starting over at env step 40 (its clock, its masked rounds until its own transitions
     /// reach `learning_starts`) and reads every 10th step: the same ε, rewards, episodes,
     /// replay lengths and update counts at every step, bit-identical env states and replays,
-    /// the same counters, and weights within 1e-6 relative (the bound of the other GPU-path
-    /// comparisons here: the same kernels on the same minibatches; it only allows for a
-    /// reduction that sums in another order between runs).
+    /// the same counters, host clocks and draw count, and weights within 1e-6 relative (the
+    /// bound of the other GPU-path comparisons here: the same kernels on the same minibatches;
+    /// it only allows for a reduction that sums in another order between runs). Both kinds of
+    /// iteration graph (collection only, and with a round) must have been captured. Should
+    /// only the env states differ, suspect the collection's Q forward (candle's cuBLAS
+    /// matmuls, captured on one side and eager on the other) before the loop counters.
     #[cfg(feature = "cuda")]
     #[test]
     fn the_iteration_graph_trains_as_the_stepwise_population() {
@@ -1981,6 +1991,12 @@ pub(crate) mod tests {
                     pop.replace_member(1, new.clone()).unwrap();
                     envs[1] = crate::synthetic::ar1_gpu_env(4, 32, 400, 77, &dev);
                 }
+                // A draw before the next step: the kept collector's table already holds the
+                // new member's seed and clocks (the other population draws per member).
+                let (a, b) = (graph.sample().unwrap(), stepwise.sample().unwrap());
+                for (x, y, what) in [(&a.obs, &b.obs, "obs"), (&a.rewards, &b.rewards, "rewards")] {
+                    same(x, y, &format!("a draw right after the replacement: {what}"));
+                }
             }
             let read = step % 10 == 0;
             let mut gr: Vec<&mut dyn VecEnv> = graph_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
@@ -1998,8 +2014,12 @@ pub(crate) mod tests {
             updates += count(&g);
         }
         assert!(graph.iteration_graph_active() && !stepwise.iteration_graph_active());
+        let it = graph.collect.as_ref().and_then(|bc| bc.iteration.as_ref());
+        assert!(it.is_some_and(|it| it.has(true) && it.has(false)), "both iteration graphs captured");
         assert!(updates > 100, "{updates} updates");
         assert_eq!(graph.counters().unwrap(), stepwise.counters().unwrap());
+        let host = |p: &DqnPopulation| (p.env_steps, p.sampled, p.clocks.clone(), p.own.clone(), p.learning.clone());
+        assert_eq!(host(&graph), host(&stepwise), "host counters, clocks and flags");
         let applied = graph.counters().unwrap().0;
         assert!(applied[1] > 20 && applied[0] > applied[1], "the new member learns later: {applied:?}");
         for k in 0..n {
