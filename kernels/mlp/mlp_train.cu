@@ -60,7 +60,8 @@ extern "C" __global__ void fx_cast_bf16(CastTable t) {
 // (a member's h may hold more rows than its gradient: the DQN's online rows on s and s').
 // With `h16` set, h is read from that BF16 copy instead (`h` unused): a ReLU's mask is the
 // same on it (rounding keeps the sign; only an F32 subnormal can round to 0), and a GEMM
-// epilogue that writes only the BF16 activation leaves no F32 one.
+// epilogue or the split forward, which write only the BF16 activation, leave no F32 one
+// (tanh's 1 - y^2 is then that of the BF16 y).
 extern "C" __global__ void fx_act_bwd(float* __restrict__ dh, const float* __restrict__ h, unsigned int rows,
                                       unsigned int cols, unsigned int act, __nv_bfloat16* __restrict__ dh16,
                                       unsigned long long h_stride, const __nv_bfloat16* __restrict__ h16) {

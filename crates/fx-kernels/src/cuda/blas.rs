@@ -205,10 +205,14 @@ impl Blas {
             GemmInputs::F32 => CUDA_R_32F,
             GemmInputs::Bf16 => CUDA_R_16BF,
         };
-        // F32 accumulation either way; a BF16 C is the F32 result rounded once.
-        let out_type = match g.output {
-            GemmOutput::F32 => CUDA_R_32F,
-            GemmOutput::Bf16 => CUDA_R_16BF,
+        // F32 accumulation either way; a BF16 C is the F32 result rounded once. cuBLAS writes
+        // a BF16 C from BF16 inputs only.
+        let out_type = match (g.inputs, g.output) {
+            (_, GemmOutput::F32) => CUDA_R_32F,
+            (GemmInputs::Bf16, GemmOutput::Bf16) => CUDA_R_16BF,
+            (GemmInputs::F32, GemmOutput::Bf16) => {
+                return Err(Error::Cuda { context: CTX, message: "a BF16 C from F32 inputs (cuBLAS has none)".into() })
+            }
         };
         // Row-major C = op(A) op(B) is column-major Cᵀ = op(B)ᵀ op(A)ᵀ: B's storage first.
         let r = if g.batch <= 1 {

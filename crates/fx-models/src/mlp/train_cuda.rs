@@ -187,6 +187,12 @@ impl MlpTrainKernels {
         act: Act,
         h16: u64,
     ) -> Result<()> {
+        if h == 0 && h16 == 0 {
+            return Err(Error::Config {
+                context: "MlpTrainKernels::bias_act",
+                message: "neither an F32 nor a BF16 activation buffer".into(),
+            });
+        }
         let (r, c, a) = (rows as u32, cols as u32, act as u32);
         let cfg = self.members_cfg(members, rows * cols)?;
         let mut l = self.stream.launch_builder(&self.bias_act);
@@ -255,8 +261,10 @@ impl MlpTrainKernels {
 
     /// [`Self::act_bwd`] for `members` members in one launch: member `m`'s `dh` (and `dh16`)
     /// is block `m` of `rows·cols` values, its `h` starts `m·h_stride` values in (a member's
-    /// `h` may hold more rows than its gradient). With `h16` set (ReLU only), `h` is read
-    /// from that BF16 copy instead, at the same offsets, and `h` is not read.
+    /// `h` may hold more rows than its gradient). With `h16` set, `h` is read from that BF16
+    /// copy instead, at the same offsets, and `h` is not read: ReLU's mask is exact on it;
+    /// tanh's `1 − y²` from BF16 values is the split forward's trade (it has no F32 `y`):
+    /// coarse near saturation, 0 once |y| rounds to 1 (|y| > 0.998), where it is below 0.004.
     ///
     /// # Safety
     /// As [`Self::act_bwd`], for `members` blocks.
@@ -273,10 +281,10 @@ impl MlpTrainKernels {
         dh16: u64,
         h16: u64,
     ) -> Result<()> {
-        if h16 != 0 && act != Act::Relu {
+        if h16 != 0 && act == Act::None {
             return Err(Error::Config {
                 context: "MlpTrainKernels::act_bwd",
-                message: "a BF16 activation serves only ReLU's backward (tanh's needs F32)".into(),
+                message: "a BF16 activation given for a layer without one".into(),
             });
         }
         let (r, c, a) = (rows as u32, cols as u32, act as u32);
@@ -427,15 +435,16 @@ mod tests {
     use fx_kernels::cuda::address;
     use fx_kernels::gemm::{gemm_ref, Gemm};
 
-    use super::{Blas, MlpTrainKernels};
+    use super::{Act, Blas, MlpTrainKernels};
 
     fn random(len: usize, seed: u64, salt: u64) -> Vec<f32> {
         (0..len as u64).map(|i| (fx_kernels::rng::draw(seed, salt, 0, i) * 2.0 - 1.0) as f32).collect()
     }
 
-    /// The split epilogue ([`MlpTrainKernels::split_epilogue`]: a plain GEMM, then the
-    /// bias + ReLU kernel over its output, in place) of strided batches whose members have
-    /// their own biases, BF16 in, BF16 or F32 out, with and without ReLU, equals the host
+    /// The split epilogue ([`MlpTrainKernels::split_epilogue`] for ReLU,
+    /// [`MlpTrainKernels::gemm_then_bias_act`] for tanh and none: a plain GEMM, then the
+    /// bias + activation kernel over its output, in place) of strided batches whose members
+    /// have their own biases and of one matrix, BF16 in, BF16 or F32 out, equals the host
     /// reference on fresh random inputs: the f64 product rounded to C's type, then the bias
     /// and ReLU in F32, rounded again for a BF16 C. Each rounding may land an ulp (at most
     /// 2^-7 relative) away where the GPU's F32 sum straddles a BF16 boundary, so a BF16
@@ -446,11 +455,14 @@ mod tests {
         let Some(dev) = fx_hw::test_gpu("mlp::train_cuda::split_epilogue_matches_the_reference") else { return };
         let seed = fx_hw::test_seed("mlp::train_cuda::split_epilogue_matches_the_reference");
         let (blas, k) = (Blas::new(&dev).unwrap(), MlpTrainKernels::load(&dev).unwrap());
-        for (ci, &(nb, m, n, kk, bf_out, relu)) in
-            [(3usize, 37usize, 48usize, 24usize, true, true), (4, 64, 32, 56, false, true), (2, 20, 16, 8, true, false)]
-                .iter()
-                .enumerate()
-        {
+        let cases = [
+            (3usize, 37usize, 48usize, 24usize, true, Act::Relu),
+            (4, 64, 32, 56, false, Act::Relu),
+            (2, 20, 16, 8, true, Act::None),
+            (3, 33, 40, 32, true, Act::Tanh),
+            (1, 45, 24, 16, true, Act::Tanh),
+        ];
+        for (ci, &(nb, m, n, kk, bf_out, act)) in cases.iter().enumerate() {
             let salt = 10 * ci as u64;
             let round = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
             let (a16, b16) = (round(random(nb * m * kk, seed, salt)), round(random(nb * n * kk, seed, salt + 1)));
@@ -472,7 +484,11 @@ mod tests {
             let want: Vec<f32> = (0..nb * m * n)
                 .map(|i| {
                     let x = if bf_out { c16[i].to_f32() } else { c32[i] } + bias[(i / (m * n)) * n + i % n];
-                    let x = if relu { x.max(0.0) } else { x };
+                    let x = match act {
+                        Act::Relu => x.max(0.0),
+                        Act::Tanh => x.tanh(),
+                        Act::None => x,
+                    };
                     if bf_out {
                         half::bf16::from_f32(x).to_f32()
                     } else {
@@ -487,9 +503,15 @@ mod tests {
             let dc = if bf_out { nan.to_dtype(DType::BF16).unwrap() } else { nan };
             let p16 = |t: &Tensor| address::<half::bf16>(t, "t").unwrap();
             let c = if bf_out { p16(&dc) } else { address::<f32>(&dc, "c").unwrap() };
-            let g = plain(p16(&da), p16(&db), c).bias_relu(address::<f32>(&dbias, "bias").unwrap(), n, relu);
+            let (g, pb) = (plain(p16(&da), p16(&db), c), address::<f32>(&dbias, "bias").unwrap());
             // SAFETY: device tensors of the sizes the GEMM describes, alive past the sync.
-            unsafe { k.split_epilogue(&blas, &g).unwrap() };
+            unsafe {
+                if act == Act::Relu {
+                    k.split_epilogue(&blas, &g.bias_relu(pb, n, true)).unwrap()
+                } else {
+                    k.gemm_then_bias_act(&blas, &g, pb, act).unwrap()
+                }
+            };
             dev.synchronize().unwrap();
             let got: Vec<f32> = dc.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
             for (i, (&x, &w)) in got.iter().zip(&want).enumerate() {
@@ -498,9 +520,14 @@ mod tests {
                 let tol = if bf_out { terms / 64.0 } else { 1e-5 * (1.0 + terms) * (kk as f32).sqrt() };
                 assert!((x - w).abs() <= tol, "case {ci} [{i}]: gpu {x} vs reference {w}");
             }
-            if relu {
-                assert!(got.contains(&0.0) && got.iter().all(|&x| x >= 0.0), "case {ci}: ReLU not exercised");
-            } else {
+            match act {
+                Act::Relu => {
+                    assert!(got.contains(&0.0) && got.iter().all(|&x| x >= 0.0), "case {ci}: ReLU not exercised")
+                }
+                Act::Tanh => assert!(got.iter().all(|&x| x.abs() <= 1.0), "case {ci}: tanh out of range"),
+                Act::None => {}
+            }
+            if act != Act::Relu {
                 assert!(got.iter().any(|&x| x < 0.0), "case {ci}: no negative output without ReLU");
             }
         }

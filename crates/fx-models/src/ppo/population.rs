@@ -214,7 +214,8 @@ fn pop_loss(
 /// activations in F32, as `pop_fused` computes them. The gradients flow through the
 /// roundings unchanged (a cast's backward), so only the backward GEMMs' BF16 inputs and the
 /// order of sums differ from the fused update's. With `split`, the hidden layers' products
-/// are rounded to BF16 before their bias, as the split forward's GEMMs write them.
+/// are rounded to BF16 before their bias, as the split forward's GEMMs write them (its tanh
+/// backward, from BF16 activations, is not modelled: candle's takes the F32 ones).
 #[cfg(all(test, feature = "cuda"))]
 fn forward_bf16_inputs(w: &[Tensor], s: &Tensor, split: bool) -> candle_core::Result<(Tensor, Tensor)> {
     let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
