@@ -182,6 +182,9 @@ pub struct DqnPopulation {
     /// [`Self::set_iteration_graphs`]) until its device test has run on a GPU.
     #[cfg(feature = "cuda")]
     iterations: bool,
+    /// Steps this process ran as a whole-iteration graph.
+    #[cfg(feature = "cuda")]
+    iteration_steps: u64,
 }
 
 /// The batched collector and its stacked buffers: observations `[N, E, 56]`, rewards and
@@ -391,6 +394,8 @@ impl DqnPopulation {
             batched: true,
             #[cfg(feature = "cuda")]
             iterations: std::env::var("FX_POP_ITERATION_GRAPH").is_ok_and(|v| v == "1"),
+            #[cfg(feature = "cuda")]
+            iteration_steps: 0,
         })
     }
 
@@ -804,6 +809,13 @@ impl DqnPopulation {
         self.collect.as_ref().is_some_and(|bc| bc.iteration.is_some())
     }
 
+    /// Steps this population ran as a whole-iteration graph since it was built or loaded
+    /// (not saved in its state).
+    #[cfg(feature = "cuda")]
+    pub fn iteration_graph_steps(&self) -> u64 {
+        self.iteration_steps
+    }
+
     /// Whether the batched collector exists and fits `genvs` (each member's sample seed its
     /// own, as its solo trainer samples), under iteration graphs after rewriting the rows of
     /// members whose env is new in place ([`fx_kernels::cuda::PopDqnCollect::refit`]: a trial
@@ -894,6 +906,7 @@ impl DqnPopulation {
         let it = bc.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?;
         it.sync(before, &self.replays[0])?;
         it.replay(train, after)?;
+        self.iteration_steps += 1;
         let (mean_reward, episodes_done) =
             if read { reward_stats(Some(bc.reward.clone()), Some(bc.done.clone()))? } else { (None, None) };
         let (mut updates, mut updates_queued) = (Vec::new(), if train { g } else { 0 });
@@ -2014,6 +2027,7 @@ pub(crate) mod tests {
             updates += count(&g);
         }
         assert!(graph.iteration_graph_active() && !stepwise.iteration_graph_active());
+        assert!(graph.iteration_graph_steps() > 150 && stepwise.iteration_graph_steps() == 0);
         let it = graph.collect.as_ref().and_then(|bc| bc.iteration.as_ref());
         assert!(it.is_some_and(|it| it.has(true) && it.has(false)), "both iteration graphs captured");
         assert!(updates > 100, "{updates} updates");

@@ -1203,8 +1203,17 @@ fn train_population(
     let train_s = prior_s + t0.elapsed().as_secs_f64();
     // Under halving every member may be done already (scored as it finished or stopped):
     // then no member is left to score here.
-    let summary =
+    #[allow(unused_mut)] // written under `cuda`
+    let mut summary =
         wave_summary(slots.min(trials.len()), trials.len(), &device, w.env_steps, train_s, w.samples, &mut busy);
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        // Which collection path trained (the population's steps as whole-iteration graphs are
+        // opt-in: FX_POP_ITERATION_GRAPH=1).
+        let steps = pop.iteration_graph_steps();
+        println!("sweep: {steps} population steps replayed as whole-iteration graphs (FX_POP_ITERATION_GRAPH=1 turns them on)");
+        summary["iteration_graph_steps"] = json!(steps);
+    }
     let (applied, skipped) = pop.counters()?;
     let member = |k: usize| Ok((pop.online().member(k)?, dqn_member_policy(&pop, k)?));
     end_wave(base, &data, w, params, out, &applied, &skipped, &member, pbt.is_some(), summary).map(Some)
