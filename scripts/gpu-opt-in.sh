@@ -38,7 +38,7 @@ t() { local name=$1 dir=$2 to=$3; shift 3; local s=$(date +%s)
 sw() { local name=$1 cfg=$2; shift 2; local s=$(date +%s.%N)
   timeout 90 $X/fx-train sweep --config "$cfg" --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? wall $(python3 -c "print(round($(date +%s.%N) - $s, 2))") s"
-  grep -iE "busy|trained|rror" "$OUT/$name.log" | head -4
+  grep -iE "busy|trained|whole-iteration|rror" "$OUT/$name.log" | head -4
   rm -rf "$OUT/$name/weights" "$OUT/$name/tensorboard" "$OUT/$name/waves" "$OUT/$name/trials"; }
 case "${1:-checks}" in
   checks)
