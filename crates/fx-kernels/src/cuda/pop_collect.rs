@@ -204,53 +204,48 @@ impl PopDqnCollect {
     /// Whether the table was built on these envs and replays, in this order.
     pub fn fits(&self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer]) -> bool {
         envs.len() == self.envs.len()
-            && replays.len() == self.replays.len()
             && envs.iter().zip(&self.envs).all(|(e, &id)| e.instance_id() == id)
-            && replays.iter().zip(&self.replays).all(|(r, &id)| r.states.id() == id)
+            && self.same_replays(replays)
     }
 
-    /// Fits the table to `envs` and `sample_seeds` in place where only some members' envs
-    /// are new (a trial in a freed slot takes a new env and seed): those members' rows are
-    /// rewritten (their ε ramps and clocks kept for [`Self::set_members`]), every member's
-    /// sample seed set, and the table keeps its address, so a captured graph that reads it
-    /// stays valid. False, and nothing changed, when the replays are not the ones the table
-    /// was built on or a new env differs in accounts or device: build a new collector then.
-    pub fn refit(&mut self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], sample_seeds: &[u64]) -> Result<bool> {
+    /// Whether `replays` are the ones the table was built on, in this order.
+    fn same_replays(&self, replays: &[ReplayBuffer]) -> bool {
+        replays.len() == self.replays.len() && replays.iter().zip(&self.replays).all(|(r, &id)| r.states.id() == id)
+    }
+
+    /// Fits the table to `envs` in place where only some members' envs are new (a trial in
+    /// a freed slot takes a new env): those members' rows are rewritten (their ε ramps,
+    /// clocks and sample seeds kept: [`Self::set_members`] writes those), and the table keeps
+    /// its address, so a captured graph that reads it stays valid. False, and nothing
+    /// changed, when the replays are not the ones the table was built on or a new env
+    /// differs in accounts or device: build a new collector then.
+    pub fn refit(&mut self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer]) -> Result<bool> {
         const CTX: &str = "PopDqnCollect::refit";
-        if envs.len() != self.envs.len()
-            || sample_seeds.len() != self.rows.len()
-            || replays.len() != self.replays.len()
-            || replays.iter().zip(&self.replays).any(|(r, &id)| r.states.id() != id)
-        {
+        if envs.len() != self.envs.len() || !self.same_replays(replays) {
             return Ok(false);
         }
         let fresh: Vec<usize> = (0..envs.len()).filter(|&k| envs[k].instance_id() != self.envs[k]).collect();
+        if fresh.is_empty() {
+            return Ok(true);
+        }
         if fresh
             .iter()
             .any(|&k| envs[k].config().num_envs != self.num_envs || !VecEnv::device(envs[k]).same_device(&self.device))
         {
             return Ok(false);
         }
-        let mut rows = self.rows.clone();
         for &k in &fresh {
-            let old = rows[k];
+            let old = self.rows[k];
             let mut row = envs[k].member_args();
             (row.rb_s, row.rb_a, row.rb_r, row.rb_s2, row.rb_d) = (old.rb_s, old.rb_a, old.rb_r, old.rb_s2, old.rb_d);
             (row.eps_start, row.eps_end, row.eps_steps) = (old.eps_start, old.eps_end, old.eps_steps);
-            (row.clock0, row.ring_start, row.key0) = (old.clock0, old.ring_start, old.key0);
-            rows[k] = row;
-        }
-        for (row, &seed) in rows.iter_mut().zip(sample_seeds) {
-            row.sample_seed = seed;
-        }
-        if rows != self.rows {
-            // In place: the table keeps its address (a captured graph may hold it).
-            self.stream.memcpy_htod(bytemuck::cast_slice::<_, u8>(&rows), &mut self.table).map_err(driver(CTX))?;
-            self.rows = rows;
-        }
-        for &k in &fresh {
+            (row.clock0, row.ring_start, row.key0, row.sample_seed) =
+                (old.clock0, old.ring_start, old.key0, old.sample_seed);
+            self.rows[k] = row;
             self.envs[k] = envs[k].instance_id();
         }
+        // In place: the table keeps its address (a captured graph may hold it).
+        self.stream.memcpy_htod(bytemuck::cast_slice::<_, u8>(&self.rows), &mut self.table).map_err(driver(CTX))?;
         Ok(true)
     }
 
@@ -264,34 +259,50 @@ impl PopDqnCollect {
         })
     }
 
-    /// Puts each member's ε ramp and clocks in the table where they changed (a PBT move, new
-    /// settings, a trial in a freed slot); with `sample_seeds`, each member's sampling seed
-    /// too (a trial in a freed slot draws with its own).
+    /// [`Self::check`], and that the members' rings move in step (one position and length:
+    /// the experience kernel writes every member at one slot).
+    fn check_in_step(&self, envs: &[&GpuTradingEnv], replays: &[ReplayBuffer], ctx: &'static str) -> Result<()> {
+        self.check(envs, replays, ctx)?;
+        let (pos, len) = (replays[0].position(), replays[0].len());
+        if replays.iter().any(|r| r.position() != pos || r.len() != len) {
+            return Err(Error::Config { context: ctx, message: "member replays at different ring positions".into() });
+        }
+        Ok(())
+    }
+
+    fn check_replays(&self, replays: &[ReplayBuffer], ctx: &'static str) -> Result<()> {
+        if self.same_replays(replays) {
+            return Ok(());
+        }
+        Err(Error::Config { context: ctx, message: "replays differ from those the collector was built on".into() })
+    }
+
+    /// Puts each member's ε ramp, clocks and sampling seed in the table where they changed
+    /// (a PBT move, new settings, a trial in a freed slot, which draws with its own seed).
     pub fn set_members(
         &mut self,
         epsilon: &[LinearSchedule],
         clocks: &[MemberClock],
-        sample_seeds: Option<&[u64]>,
+        sample_seeds: &[u64],
     ) -> Result<()> {
         const CTX: &str = "PopDqnCollect::set_members";
         let n = self.rows.len();
-        if epsilon.len() != n || clocks.len() != n || sample_seeds.is_some_and(|s| s.len() != n) {
+        if epsilon.len() != n || clocks.len() != n || sample_seeds.len() != n {
             return Err(Error::shape(
                 "epsilon, clocks and sample seeds",
                 CTX,
                 format!("{n} of each"),
-                format!("{}, {} and {:?}", epsilon.len(), clocks.len(), sample_seeds.map(<[u64]>::len)),
+                format!("{}, {} and {}", epsilon.len(), clocks.len(), sample_seeds.len()),
             ));
         }
         let mut changed = false;
-        for (k, ((row, e), c)) in self.rows.iter_mut().zip(epsilon).zip(clocks).enumerate() {
-            let want = (e.start, e.end, e.steps, c.env_step, c.ring_start, c.key);
-            if (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0) != want {
-                (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0) = want;
-                changed = true;
-            }
-            if let Some(seed) = sample_seeds.map(|s| s[k]).filter(|&s| s != row.sample_seed) {
-                row.sample_seed = seed;
+        for (((row, e), c), &seed) in self.rows.iter_mut().zip(epsilon).zip(clocks).zip(sample_seeds) {
+            let want = (e.start, e.end, e.steps, c.env_step, c.ring_start, c.key, seed);
+            let have =
+                (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0, row.sample_seed);
+            if have != want {
+                (row.eps_start, row.eps_end, row.eps_steps, row.clock0, row.ring_start, row.key0, row.sample_seed) =
+                    want;
                 changed = true;
             }
         }
@@ -353,11 +364,8 @@ impl PopDqnCollect {
         done: Option<&Tensor>,
     ) -> Result<()> {
         const CTX: &str = "PopDqnCollect::collect";
-        self.check(envs, replays, CTX)?;
-        let (pos, len) = (replays[0].position(), replays[0].len());
-        if replays.iter().any(|r| r.position() != pos || r.len() != len) {
-            return Err(Error::Config { context: CTX, message: "member replays at different ring positions".into() });
-        }
+        self.check_in_step(envs, replays, CTX)?;
+        let pos = replays[0].position();
         self.launch_experience(q, env_step, pos as u64, None, obs, reward, done, CTX)?;
         for r in replays.iter_mut() {
             r.advance(self.num_envs);
@@ -382,11 +390,7 @@ impl PopDqnCollect {
         done: Option<&Tensor>,
     ) -> Result<()> {
         const CTX: &str = "PopDqnCollect::collect_looped";
-        self.check(envs, replays, CTX)?;
-        let (pos, len) = (replays[0].position(), replays[0].len());
-        if replays.iter().any(|r| r.position() != pos || r.len() != len) {
-            return Err(Error::Config { context: CTX, message: "member replays at different ring positions".into() });
-        }
+        self.check_in_step(envs, replays, CTX)?;
         self.launch_experience(q, 0, 0, Some(lp), obs, reward, done, CTX)
     }
 
@@ -427,13 +431,7 @@ impl PopDqnCollect {
     /// as [`ReplayBuffer::sample_keyed_window`] does.
     pub fn sample(&self, replays: &[ReplayBuffer], env_step: u64, key: u64, out: &ReplayBatch) -> Result<()> {
         const CTX: &str = "PopDqnCollect::sample";
-        if replays.len() != self.replays.len() || replays.iter().zip(&self.replays).any(|(r, &id)| r.states.id() != id)
-        {
-            return Err(Error::Config {
-                context: CTX,
-                message: "replays differ from those the collector was built on".into(),
-            });
-        }
+        self.check_replays(replays, CTX)?;
         let len = replays[0].len() as u64;
         if replays.iter().any(|r| r.len() as u64 != len) {
             return Err(Error::Config { context: CTX, message: "member replays of different lengths".into() });
@@ -465,13 +463,7 @@ impl PopDqnCollect {
         out: &ReplayBatch,
     ) -> Result<()> {
         const CTX: &str = "PopDqnCollect::sample_looped";
-        if replays.len() != self.replays.len() || replays.iter().zip(&self.replays).any(|(r, &id)| r.states.id() != id)
-        {
-            return Err(Error::Config {
-                context: CTX,
-                message: "replays differ from those the collector was built on".into(),
-            });
-        }
+        self.check_replays(replays, CTX)?;
         self.launch_sample(0, 0, 0, Some((lp, u64::from(minibatch))), out, CTX)
     }
 

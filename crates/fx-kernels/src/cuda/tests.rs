@@ -643,12 +643,12 @@ fn pop_collection_equals_the_solo_kernels() {
         if step == 7 {
             // a PBT explore between steps
             eps[2] = crate::LinearSchedule { start: 0.8, end: 0.2, steps: 20 };
-            col.set_members(&eps, &clocks, None).expect("set_members");
+            col.set_members(&eps, &clocks, &sample_seeds).expect("set_members");
         }
         if step == restart {
             let ring_start = rp[restarted].position() as u64;
             clocks[restarted] = crate::MemberClock { env_step: restart, ring_start, key: 40 + restart };
-            col.set_members(&eps, &clocks, None).expect("set_members");
+            col.set_members(&eps, &clocks, &sample_seeds).expect("set_members");
         }
         let own = |k: usize| k == restarted && step >= restart;
         let q: Vec<f32> = (0..n * e * N_ACTIONS).map(|i| rng::draw(3, 9, i as u64, step) as f32).collect();

@@ -36,43 +36,22 @@ pub(crate) struct IterationParts<'a, 'b> {
     pub update: Option<(u32, &'a FusedStep, &'a mut Body<'b>)>,
 }
 
-/// See the module docs.
-pub(crate) struct DqnIteration {
-    env_instance: u64,
-    lp: DqnLoop,
+/// A DQN loop's counters on the device and the two iteration graphs over them (collection
+/// only, and with an update round), with the host's knowledge of what the device holds:
+/// what a solo [`DqnIteration`] and a population's iteration (`dqn::population`, whose
+/// members' rings move in step, so one block serves them all) both keep.
+pub(crate) struct LoopGraphs {
+    pub(crate) lp: DqnLoop,
     /// The counters the device block holds after everything queued, when the host knows.
     synced: Option<DqnLoopCounters>,
-    obs: Tensor,
-    reward: Tensor,
-    done: Tensor,
-    batch: ReplayBatch,
     collect: Option<CapturedGraph>,
     train: Option<CapturedGraph>,
 }
 
-impl DqnIteration {
-    /// Buffers for `env` and minibatches of `batch` rows; nothing captured yet.
-    pub(crate) fn new(env: &GpuTradingEnv, batch: usize) -> Result<Self> {
-        const CTX: &str = "DqnIteration::new";
-        let dev = env.device();
-        let e = env.num_envs();
-        let z = |shape: &[usize]| Tensor::zeros(shape, candle_core::DType::F32, dev).ctx(CTX);
-        Ok(Self {
-            env_instance: env.instance_id(),
-            lp: DqnLoop::new(dev).ctx(CTX)?,
-            synced: None,
-            obs: z(&[e, fx_kernels::OBS_DIM])?,
-            reward: z(&[e])?,
-            done: z(&[e])?,
-            batch: ReplayBatch::alloc(batch, dev, CTX).ctx(CTX)?,
-            collect: None,
-            train: None,
-        })
-    }
-
-    /// Whether the graphs were (or will be) captured on this env.
-    pub(crate) fn fits(&self, env: &GpuTradingEnv) -> bool {
-        env.instance_id() == self.env_instance
+impl LoopGraphs {
+    /// A zeroed loop block on `dev`; nothing captured yet.
+    pub(crate) fn new(dev: &candle_core::Device) -> Result<Self> {
+        Ok(Self { lp: DqnLoop::new(dev).ctx("LoopGraphs::new")?, synced: None, collect: None, train: None })
     }
 
     /// Whether the iteration of this kind (with an update round or not) is captured.
@@ -84,6 +63,72 @@ impl DqnIteration {
         }
     }
 
+    /// Keeps `graph` as the iteration of its kind.
+    pub(crate) fn set(&mut self, train: bool, graph: CapturedGraph) {
+        if train {
+            self.train = Some(graph);
+        } else {
+            self.collect = Some(graph);
+        }
+    }
+
+    /// Puts the host's counters on the device unless it holds them already (`replay`: the
+    /// loop's ring, any member's for a population, for its capacity).
+    pub(crate) fn sync(&mut self, now: DqnLoopCounters, replay: &ReplayBuffer) -> Result<()> {
+        if self.synced != Some(now) {
+            self.lp.write(now, replay).ctx("LoopGraphs::sync")?;
+            self.synced = Some(now);
+        }
+        Ok(())
+    }
+
+    /// Queues one iteration (with its update round when `train`) and records the host's
+    /// counters after it, `after`, as the device's.
+    pub(crate) fn replay(&mut self, train: bool, after: DqnLoopCounters) -> Result<()> {
+        const CTX: &str = "LoopGraphs::replay";
+        let g = if train { &self.train } else { &self.collect };
+        let g = g.as_ref().ok_or_else(|| crate::error::Error::config(CTX, "iteration not captured"))?;
+        // Until the replay is queued the device holds the old counters; if it fails, nothing
+        // is known.
+        self.synced = None;
+        g.replay().ctx(CTX)?;
+        self.synced = Some(after);
+        Ok(())
+    }
+}
+
+/// See the module docs.
+pub(crate) struct DqnIteration {
+    env_instance: u64,
+    pub(crate) graphs: LoopGraphs,
+    obs: Tensor,
+    reward: Tensor,
+    done: Tensor,
+    batch: ReplayBatch,
+}
+
+impl DqnIteration {
+    /// Buffers for `env` and minibatches of `batch` rows; nothing captured yet.
+    pub(crate) fn new(env: &GpuTradingEnv, batch: usize) -> Result<Self> {
+        const CTX: &str = "DqnIteration::new";
+        let dev = env.device();
+        let e = env.num_envs();
+        let z = |shape: &[usize]| Tensor::zeros(shape, candle_core::DType::F32, dev).ctx(CTX);
+        Ok(Self {
+            env_instance: env.instance_id(),
+            graphs: LoopGraphs::new(dev)?,
+            obs: z(&[e, fx_kernels::OBS_DIM])?,
+            reward: z(&[e])?,
+            done: z(&[e])?,
+            batch: ReplayBatch::alloc(batch, dev, CTX).ctx(CTX)?,
+        })
+    }
+
+    /// Whether the graphs were (or will be) captured on this env.
+    pub(crate) fn fits(&self, env: &GpuTradingEnv) -> bool {
+        env.instance_id() == self.env_instance
+    }
+
     /// Captures the iteration `parts` describe (with an update round when it has one).
     /// The warm-up runs only what changes no state (the forward, the update body dry).
     pub(crate) fn capture(&mut self, parts: IterationParts<'_, '_>) -> Result<()> {
@@ -91,7 +136,7 @@ impl DqnIteration {
         let IterationParts { env, q_forward, online, replay, epsilon, seed, mut update } = parts;
         let train = update.is_some();
         let minibatches = update.as_ref().map_or(0, |u| u.0);
-        let (lp, obs, reward, done) = (&self.lp, &self.obs, &self.reward, &self.done);
+        let (lp, obs, reward, done) = (&self.graphs.lp, &self.obs, &self.reward, &self.done);
         let b = &self.batch;
         let inputs = [b.states.clone(), b.actions.clone(), b.rewards.clone(), b.next_states.clone(), b.dones.clone()];
         let graph = CapturedGraph::capture(env.device(), 1, |dry| {
@@ -115,34 +160,7 @@ impl DqnIteration {
             run().map_err(crate::graph_update::capture_error(CTX))
         })
         .ctx(CTX)?;
-        if train {
-            self.train = Some(graph);
-        } else {
-            self.collect = Some(graph);
-        }
-        Ok(())
-    }
-
-    /// Puts the host's counters on the device unless it holds them already.
-    pub(crate) fn sync(&mut self, now: DqnLoopCounters, replay: &ReplayBuffer) -> Result<()> {
-        if self.synced != Some(now) {
-            self.lp.write(now, replay).ctx("DqnIteration::sync")?;
-            self.synced = Some(now);
-        }
-        Ok(())
-    }
-
-    /// Queues one iteration (with its update round when `train`) and records the host's
-    /// counters after it, `after`, as the device's.
-    pub(crate) fn replay(&mut self, train: bool, after: DqnLoopCounters) -> Result<()> {
-        const CTX: &str = "DqnIteration::replay";
-        let g = if train { &self.train } else { &self.collect };
-        let g = g.as_ref().ok_or_else(|| crate::error::Error::config(CTX, "iteration not captured"))?;
-        // Until the replay is queued the device holds the old counters; if it fails, nothing
-        // is known.
-        self.synced = None;
-        g.replay().ctx(CTX)?;
-        self.synced = Some(after);
+        self.graphs.set(train, graph);
         Ok(())
     }
 

@@ -11,7 +11,7 @@
 //! update over the shared `mlp` training kernels) and `iteration` (a whole collection +
 //! update iteration as one captured graph); [`population`] (N runs trained as one) and,
 //! under `cuda`, `pop_fused` (its loss and gradients: the fused update batched over members)
-//! and `pop_iteration` (a population's whole iteration as one captured graph).
+//! (and its whole iteration as one captured graph, over `iteration`'s `LoopGraphs`).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod fused;
@@ -19,8 +19,6 @@ pub(crate) mod fused;
 mod iteration;
 #[cfg(feature = "cuda")]
 mod pop_fused;
-#[cfg(feature = "cuda")]
-mod pop_iteration;
 pub mod population;
 pub mod trainer;
 

@@ -24,6 +24,16 @@
 //! straight into the captured update's inputs; a launch per member otherwise. The kernels are
 //! the solo ones batched, so the two paths store the same transitions bit for bit.
 //!
+//! Whole iterations (opt-in, `FX_POP_ITERATION_GRAPH=1`): on that path a step may replay one
+//! CUDA graph of the collection, the loop counters' advance and, on steps with an update
+//! round, each minibatch's draw for all members followed by the update. The members' rings
+//! move in step and their draws share one key (each member's clock in the collector's table
+//! makes them its own), so one `DqnLoop` block serves every member (`dqn::iteration`'s
+//! `LoopGraphs`, as the solo trainer's iteration). The host mirrors the counters and uploads
+//! them only when the two could differ; the graph holds the kernels the stepwise path
+//! launches, so both train identically (device test
+//! `the_iteration_graph_trains_as_the_stepwise_population`).
+//!
 //! Member `k` of a population is the solo [`DqnTrainer`](crate::DqnTrainer) run with member
 //! `k`'s config: every operation is the solo one, batched over a leading axis, in the same
 //! order, so on the CPU the weights, moments, replay contents and statistics are the same
@@ -177,7 +187,7 @@ pub struct DqnPopulation {
     /// the per-member path).
     #[cfg(feature = "cuda")]
     batched: bool,
-    /// Whether `step` may run whole iterations as one graph (`dqn::pop_iteration`; off
+    /// Whether `step` may run whole iterations as one graph ([`Self::iteration_step`]; off
     /// after a failed `auto` capture). Opt-in (`FX_POP_ITERATION_GRAPH=1`, or
     /// [`Self::set_iteration_graphs`]) until its device test has run on a GPU.
     #[cfg(feature = "cuda")]
@@ -196,7 +206,7 @@ struct BatchedCollect {
     reward: Tensor,
     done: Tensor,
     /// The whole-iteration graphs over this collector's buffers (they go with it).
-    iteration: Option<crate::dqn::pop_iteration::PopIteration>,
+    iteration: Option<crate::dqn::iteration::LoopGraphs>,
 }
 
 /// The update captured as one CUDA graph over fixed input tensors.
@@ -715,10 +725,8 @@ impl DqnPopulation {
         #[cfg(feature = "cuda")]
         if !self.iterations {
             self.collect = None;
-        } else if let Some(bc) = self.collect.as_mut() {
-            let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
-            let seeds: Vec<u64> = self.members.iter().map(|m| m.seed).collect();
-            bc.col.set_members(&schedules, &self.clocks, Some(&seeds)).ctx(CTX)?;
+        } else {
+            self.put_member_table()?;
         }
         Ok(())
     }
@@ -738,9 +746,8 @@ impl DqnPopulation {
         }
         // The collector's table holds the draw keys (this step's draws read the new ones).
         #[cfg(feature = "cuda")]
-        if let Some(bc) = self.collect.as_mut().filter(|_| began) {
-            let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
-            bc.col.set_members(&schedules, &self.clocks, None).ctx(CTX)?;
+        if began {
+            self.put_member_table()?;
         }
         #[cfg(not(feature = "cuda"))]
         let _ = began;
@@ -755,11 +762,11 @@ impl DqnPopulation {
         if envs.len() != self.len() {
             return Err(Error::config(CTX, format!("{} environments for {} members", envs.len(), self.len())));
         }
-        let eps = self.epsilon();
         #[cfg(feature = "cuda")]
-        if let Some(st) = self.iteration_step(envs, &eps, read)? {
+        if let Some(st) = self.iteration_step(envs, read)? {
             return Ok(st);
         }
+        let eps = self.epsilon();
         let (rewards, dones) = self.collect_step(envs, &eps, read)?;
         self.env_steps += 1;
         let cap = self.members[0].replay_capacity;
@@ -816,21 +823,30 @@ impl DqnPopulation {
         self.iteration_steps
     }
 
-    /// Whether the batched collector exists and fits `genvs` (each member's sample seed its
-    /// own, as its solo trainer samples), under iteration graphs after rewriting the rows of
+    /// Whether the batched collector exists and fits `genvs`, under iteration graphs after
+    /// rewriting the rows of
     /// members whose env is new in place ([`fx_kernels::cuda::PopDqnCollect::refit`]: a trial
     /// in a freed slot keeps the collector and the graphs over it). False: build a new one
     /// (or none).
     #[cfg(feature = "cuda")]
     fn refit_collect(&mut self, genvs: &[&fx_kernels::GpuTradingEnv]) -> Result<bool> {
-        let seeds: Vec<u64> = self.members.iter().map(|m| m.seed).collect();
         let Some(bc) = self.collect.as_mut() else { return Ok(false) };
         // Without iteration graphs (the path the device tests have run) the collector is
         // only kept as built.
-        if self.iterations && !bc.col.refit(genvs, &self.replays, &seeds).ctx(CTX)? {
+        if self.iterations && !bc.col.refit(genvs, &self.replays).ctx(CTX)? {
             return Ok(false);
         }
         Ok(bc.col.fits(genvs, &self.replays))
+    }
+
+    /// Puts every member's ε ramp, clocks and sampling seed (its own, as its solo trainer
+    /// samples) into the batched collector's table where they changed; nothing without one.
+    #[cfg(feature = "cuda")]
+    fn put_member_table(&mut self) -> Result<()> {
+        let Some(bc) = self.collect.as_mut() else { return Ok(()) };
+        let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
+        let seeds: Vec<u64> = self.members.iter().map(|m| m.seed).collect();
+        bc.col.set_members(&schedules, &self.clocks, &seeds).ctx(CTX)
     }
 
     /// The counters a whole-iteration graph keeps on the device, as the host has them (the
@@ -845,13 +861,13 @@ impl DqnPopulation {
         }
     }
 
-    /// One `step` as a whole-iteration graph (`dqn::pop_iteration`) when it can be: CUDA,
+    /// One `step` as a whole-iteration graph when it can be (see the module docs): CUDA,
     /// GPU envs and the batched collector built on them (the stepwise path's first step builds
     /// it), iterations on, and for a step with an update round the update captured (the
     /// stepwise path's first round captures it). None: take the stepwise path, nothing moved.
     /// The host's counters, flags and clocks move exactly as the stepwise step moves them.
     #[cfg(feature = "cuda")]
-    fn iteration_step(&mut self, envs: &[&mut dyn VecEnv], eps: &[f64], read: bool) -> Result<Option<PopStepStats>> {
+    fn iteration_step(&mut self, envs: &[&mut dyn VecEnv], read: bool) -> Result<Option<PopStepStats>> {
         const CTX: &str = "DqnPopulation::step (iteration graph)";
         let mode = self.members[0].graph;
         if !self.iterations || !self.batched || mode == fx_precision::GraphMode::Off || !self.online.device().is_cuda()
@@ -874,9 +890,8 @@ impl DqnPopulation {
         if train && self.graph.is_none() {
             return Ok(None);
         }
-        let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
+        self.put_member_table()?;
         let bc = self.collect.as_mut().ok_or_else(|| Error::config(CTX, "no collector"))?;
-        bc.col.set_members(&schedules, &self.clocks, None).ctx(CTX)?;
         if !bc.iteration.as_ref().is_some_and(|it| it.has(train)) {
             let captured = self.capture_iteration(&genvs, train);
             let what = "DQN population iteration";
@@ -885,6 +900,7 @@ impl DqnPopulation {
                 return Ok(None);
             }
         }
+        let epsilon = self.epsilon();
         let before = self.loop_counters();
         // The host's counters move as the replay will move the device's, and the members
         // that begin learning do so before the round's draws, as in the stepwise step (their
@@ -917,7 +933,7 @@ impl DqnPopulation {
         }
         Ok(Some(PopStepStats {
             env_steps: self.env_steps,
-            epsilon: eps.to_vec(),
+            epsilon,
             mean_reward,
             episodes_done,
             replay_len: self.replays[0].len(),
@@ -936,7 +952,7 @@ impl DqnPopulation {
         let captured = (|| -> Result<()> {
             let dev = self.online.device().clone();
             if bc.iteration.is_none() {
-                bc.iteration = Some(crate::dqn::pop_iteration::PopIteration::new(&dev)?);
+                bc.iteration = Some(crate::dqn::iteration::LoopGraphs::new(&dev)?);
             }
             let first = &self.members[0];
             let (n, b, p, e) = (self.len(), first.batch_size, first.precision, genvs[0].config().num_envs);
@@ -1025,10 +1041,10 @@ impl DqnPopulation {
         if genvs.iter().any(|g| !VecEnv::device(*g).same_device(&dev)) {
             return Ok(None);
         }
-        let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
         if !self.refit_collect(&genvs)? {
             let e = genvs[0].config().num_envs;
             let n = self.len();
+            let schedules: Vec<fx_kernels::LinearSchedule> = self.members.iter().map(|m| m.epsilon).collect();
             // Each member samples with its own seed, as its solo trainer does (not its env's).
             let seeds: Vec<u64> = self.members.iter().map(|m| m.seed).collect();
             let col = fx_kernels::cuda::PopDqnCollect::new(&genvs, &self.replays, &schedules, &seeds).ctx(CTX)?;
@@ -1041,8 +1057,8 @@ impl DqnPopulation {
                 iteration: None,
             });
         }
+        self.put_member_table()?;
         let Some(bc) = self.collect.as_mut() else { return Ok(None) };
-        bc.col.set_members(&schedules, &self.clocks, None).ctx(CTX)?;
         bc.col.observe(&genvs, &self.replays, &bc.obs).ctx(CTX)?;
         let w: Vec<Tensor> = self.online.vars().iter().map(|v| v.as_tensor().detach()).collect();
         let q = forward(&w, &bc.obs, self.members[0].precision)
@@ -1270,6 +1286,12 @@ pub(crate) mod tests {
         }
     }
 
+    /// One step of `p` on `envs` (member `k`'s is `envs[k]`).
+    fn step_on<E: VecEnv>(p: &mut DqnPopulation, envs: &mut [E], read: bool) -> PopStepStats {
+        let mut refs: Vec<&mut dyn VecEnv> = envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
+        p.step(&mut refs, read).unwrap()
+    }
+
     /// Exact equality of two tensors' values (IEEE `==`: ±0 are one value, NaN never passes).
     fn same(a: &Tensor, b: &Tensor, what: &str) {
         let f = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
@@ -1374,10 +1396,7 @@ pub(crate) mod tests {
         let mut b = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
         let mk = || (0..n).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect::<Vec<_>>();
         let (mut ea, mut eb) = (mk(), mk());
-        let step = |p: &mut DqnPopulation, e: &mut [fx_kernels::CpuTradingEnv]| {
-            let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
-            p.step(&mut refs, true).unwrap()
-        };
+        let step = |p: &mut DqnPopulation, e: &mut [fx_kernels::CpuTradingEnv]| step_on(p, e, true);
         for _ in 0..37 {
             assert_eq!(step(&mut a, &mut ea), step(&mut b, &mut eb));
         }
@@ -1459,10 +1478,7 @@ pub(crate) mod tests {
         let cfgs: Vec<DqnConfig> = (0..n).map(tiny).collect();
         let mut a = DqnPopulation::new(cfgs.clone(), &Device::Cpu).unwrap();
         let mut envs: Vec<_> = (0..n).map(|k| ar1_env(4, 32, 400, 3 + k as u64)).collect();
-        let step = |p: &mut DqnPopulation, e: &mut Vec<fx_kernels::CpuTradingEnv>| {
-            let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
-            p.step(&mut refs, true).unwrap()
-        };
+        let step = |p: &mut DqnPopulation, e: &mut [fx_kernels::CpuTradingEnv]| step_on(p, e, true);
         for t in 0..30 {
             if t == 10 {
                 a.set_member(1, DqnConfig { gamma: 0.9, ..cfgs[1].clone() }).unwrap();
@@ -1903,6 +1919,28 @@ pub(crate) mod tests {
         assert!(far > 1e-3, "member 1's new settings change its training: {far:.2e} (seed {seed})");
     }
 
+    /// Two populations trained alike on the GPU: the same counters, env states and replays
+    /// bit for bit, and online weights within 1e-6 relative (the same kernels on the same
+    /// minibatches; the bound only allows for a reduction that sums in another order).
+    #[cfg(feature = "cuda")]
+    fn trained_alike(
+        (a, a_envs): (&DqnPopulation, &[fx_kernels::GpuTradingEnv]),
+        (b, b_envs): (&DqnPopulation, &[fx_kernels::GpuTradingEnv]),
+        what: &str,
+    ) {
+        assert_eq!(a.counters().unwrap(), b.counters().unwrap(), "{what}: counters");
+        for k in 0..a.len() {
+            assert_eq!(a_envs[k].state().unwrap(), b_envs[k].state().unwrap(), "{what}: member {k} env state");
+            let (x, y) = (a.replay(k).unwrap().stored().unwrap(), b.replay(k).unwrap().stored().unwrap());
+            same_replay(&x, &y, &format!("{what}: member {k} replay"));
+        }
+        for (i, (x, y)) in a.online().vars().iter().zip(b.online().vars()).enumerate() {
+            let e = rel_err(x.as_tensor(), y.as_tensor());
+            eprintln!("{what} online {i}: rel err {e:.2e}");
+            assert!(e <= 1e-6, "{what}: online tensor {i}: rel err {e}");
+        }
+    }
+
     /// Two populations of `n` [`tiny`] members on GPU envs of their own: one taking the
     /// member-batched collection, one the per-member path.
     #[cfg(feature = "cuda")]
@@ -1937,10 +1975,8 @@ pub(crate) mod tests {
         let mut updates = 0;
         for step in 0..150 {
             let read = step % 10 == 0;
-            let mut fr: Vec<&mut dyn VecEnv> = fast_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
-            let f = fast.step(&mut fr, read).unwrap();
-            let mut sr: Vec<&mut dyn VecEnv> = slow_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
-            let s = slow.step(&mut sr, read).unwrap();
+            let f = step_on(&mut fast, &mut fast_envs, read);
+            let s = step_on(&mut slow, &mut slow_envs, read);
             assert!(fast.collect.is_some() && slow.collect.is_none(), "step {step}: the paths taken");
             assert_eq!(f.mean_reward, s.mean_reward, "step {step}: rewards");
             assert_eq!(f.episodes_done, s.episodes_done, "step {step}: episodes");
@@ -1952,20 +1988,10 @@ pub(crate) mod tests {
         }
         assert!(updates > 100, "{updates} updates");
         assert!(fast.update_captured() && slow.update_captured());
-        assert_eq!(fast.counters().unwrap(), slow.counters().unwrap());
-        for k in 0..n {
-            assert_eq!(fast_envs[k].state().unwrap(), slow_envs[k].state().unwrap(), "member {k} env state");
-            let (a, b) = (fast.replay(k).unwrap().stored().unwrap(), slow.replay(k).unwrap().stored().unwrap());
-            same_replay(&a, &b, &format!("member {k} replay"));
-        }
-        for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
-            let e = rel_err(a.as_tensor(), b.as_tensor());
-            eprintln!("batched vs per-member online {i}: rel err {e:.2e}");
-            assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
-        }
+        trained_alike((&fast, &fast_envs), (&slow, &slow_envs), "batched vs per-member");
     }
 
-    /// On CUDA with GPU envs: whole iterations as one graph each (`dqn::pop_iteration`: the
+    /// On CUDA with GPU envs: whole iterations as one graph each (`iteration_step`: the
     /// collection, the loop counters' advance, two minibatch draws and updates a round every
     /// second step) train the population exactly as the same steps launched kernel by kernel
     /// on the batched path, over 160 env steps with the rings wrapping, ε ramping, member 1
@@ -2012,10 +2038,8 @@ pub(crate) mod tests {
                 }
             }
             let read = step % 10 == 0;
-            let mut gr: Vec<&mut dyn VecEnv> = graph_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
-            let g = graph.step(&mut gr, read).unwrap();
-            let mut sr: Vec<&mut dyn VecEnv> = stepwise_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
-            let s = stepwise.step(&mut sr, read).unwrap();
+            let g = step_on(&mut graph, &mut graph_envs, read);
+            let s = step_on(&mut stepwise, &mut stepwise_envs, read);
             assert_eq!(g.epsilon, s.epsilon, "step {step}: ε");
             assert_eq!((&g.mean_reward, &g.episodes_done), (&s.mean_reward, &s.episodes_done), "step {step}");
             assert_eq!(g.replay_len, s.replay_len, "step {step}: replay length");
@@ -2031,21 +2055,11 @@ pub(crate) mod tests {
         let it = graph.collect.as_ref().and_then(|bc| bc.iteration.as_ref());
         assert!(it.is_some_and(|it| it.has(true) && it.has(false)), "both iteration graphs captured");
         assert!(updates > 100, "{updates} updates");
-        assert_eq!(graph.counters().unwrap(), stepwise.counters().unwrap());
         let host = |p: &DqnPopulation| (p.env_steps, p.sampled, p.clocks.clone(), p.own.clone(), p.learning.clone());
         assert_eq!(host(&graph), host(&stepwise), "host counters, clocks and flags");
         let applied = graph.counters().unwrap().0;
         assert!(applied[1] > 20 && applied[0] > applied[1], "the new member learns later: {applied:?}");
-        for k in 0..n {
-            assert_eq!(graph_envs[k].state().unwrap(), stepwise_envs[k].state().unwrap(), "member {k} env state");
-            let (a, b) = (graph.replay(k).unwrap().stored().unwrap(), stepwise.replay(k).unwrap().stored().unwrap());
-            same_replay(&a, &b, &format!("member {k} replay"));
-        }
-        for (i, (a, b)) in graph.online().vars().iter().zip(stepwise.online().vars()).enumerate() {
-            let e = rel_err(a.as_tensor(), b.as_tensor());
-            eprintln!("iteration graph vs stepwise online {i}: rel err {e:.2e}");
-            assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
-        }
+        trained_alike((&graph, &graph_envs), (&stepwise, &stepwise_envs), "iteration graph vs stepwise");
     }
 
     /// On CUDA with GPU envs, a member that starts over mid-run (a new trial in a freed
@@ -2074,10 +2088,8 @@ pub(crate) mod tests {
                 }
             }
             let read = step % 10 == 0;
-            let mut fr: Vec<&mut dyn VecEnv> = fast_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
-            let f = fast.step(&mut fr, read).unwrap();
-            let mut sr: Vec<&mut dyn VecEnv> = slow_envs.iter_mut().map(|e| e as &mut dyn VecEnv).collect();
-            let s = slow.step(&mut sr, read).unwrap();
+            let f = step_on(&mut fast, &mut fast_envs, read);
+            let s = step_on(&mut slow, &mut slow_envs, read);
             if step >= 37 {
                 let t = solo.step_with(&mut solo_env, read).unwrap();
                 assert_eq!(t.epsilon, f.epsilon[1], "step {step}: the new member's ε");
@@ -2089,21 +2101,11 @@ pub(crate) mod tests {
             }
         }
         assert!(fast.update_captured() && slow.update_captured());
-        assert_eq!(fast.counters().unwrap(), slow.counters().unwrap());
         solo.sync_counters().unwrap();
         let applied = fast.counters().unwrap().0;
         assert_eq!(applied[1], solo.updates(), "the new member's optimiser steps");
         assert!(applied[1] > 50 && applied[0] > applied[1], "{applied:?}");
-        for k in 0..n {
-            assert_eq!(fast_envs[k].state().unwrap(), slow_envs[k].state().unwrap(), "member {k} env state");
-            let (a, b) = (fast.replay(k).unwrap().stored().unwrap(), slow.replay(k).unwrap().stored().unwrap());
-            same_replay(&a, &b, &format!("member {k} replay"));
-        }
-        for (i, (a, b)) in fast.online().vars().iter().zip(slow.online().vars()).enumerate() {
-            let e = rel_err(a.as_tensor(), b.as_tensor());
-            eprintln!("start over, batched vs per-member online {i}: rel err {e:.2e}");
-            assert!(e <= 1e-6, "online tensor {i}: rel err {e}");
-        }
+        trained_alike((&fast, &fast_envs), (&slow, &slow_envs), "start over, batched vs per-member");
     }
 
     /// On CUDA (GPU envs, the batched collection, the captured update), a population saved
@@ -2123,14 +2125,10 @@ pub(crate) mod tests {
         let gpu_envs = || -> Vec<fx_kernels::GpuTradingEnv> {
             (0..n).map(|k| crate::synthetic::ar1_gpu_env(4, 32, 400, 3 + k as u64, &dev)).collect()
         };
-        let step = |p: &mut DqnPopulation, e: &mut Vec<fx_kernels::GpuTradingEnv>, read: bool| {
-            let mut refs: Vec<&mut dyn VecEnv> = e.iter_mut().map(|x| x as &mut dyn VecEnv).collect();
-            p.step(&mut refs, read).unwrap()
-        };
         let mut a_envs = gpu_envs();
         let mut a = DqnPopulation::new(cfgs, &dev).unwrap();
         for t in 0..60 {
-            step(&mut a, &mut a_envs, t % 10 == 0);
+            step_on(&mut a, &mut a_envs, t % 10 == 0);
         }
         assert!(a.update_captured() && a.collect.is_some(), "the fast paths ran before the save");
         let path = dir.path().join("pop.safetensors");
@@ -2141,7 +2139,7 @@ pub(crate) mod tests {
             eb.restore(&ea.state().unwrap()).unwrap();
         }
         for t in 0..60 {
-            let (x, y) = (step(&mut a, &mut a_envs, true), step(&mut b, &mut b_envs, true));
+            let (x, y) = (step_on(&mut a, &mut a_envs, true), step_on(&mut b, &mut b_envs, true));
             assert_eq!(x.mean_reward, y.mean_reward, "step {t}: rewards");
             assert_eq!(x.episodes_done, y.episodes_done, "step {t}: episodes");
             assert_eq!(x.replay_len, y.replay_len);

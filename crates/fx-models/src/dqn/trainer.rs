@@ -441,7 +441,7 @@ impl DqnTrainer {
         let len_after = (self.replay.len() + e).min(self.replay.capacity());
         let train = self.update_round_due(len_after, self.env_steps + 1);
         let started = std::time::Instant::now();
-        if !self.accel.iteration.as_ref().is_some_and(|it| it.has(train)) {
+        if !self.accel.iteration.as_ref().is_some_and(|it| it.graphs.has(train)) {
             let captured = self.capture_iteration(genv, train);
             let mode = self.cfg.graph;
             if crate::graph_update::settle_capture(mode, "DQN iteration", "stepping kernel by kernel", captured)?
@@ -454,7 +454,12 @@ impl DqnTrainer {
         let eps = self.epsilon();
         let g = self.cfg.gradient_steps;
         let before = self.loop_counters();
-        self.accel.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.sync(before, &self.replay)?;
+        self.accel
+            .iteration
+            .as_mut()
+            .ok_or_else(|| Error::config(CTX, "no iteration"))?
+            .graphs
+            .sync(before, &self.replay)?;
         // The host's counters move as the replay will move the device's.
         self.env_steps += 1;
         self.replay.advance(e);
@@ -462,7 +467,7 @@ impl DqnTrainer {
             self.sampled += u64::from(g);
         }
         let after = self.loop_counters();
-        self.accel.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.replay(train, after)?;
+        self.accel.iteration.as_mut().ok_or_else(|| Error::config(CTX, "no iteration"))?.graphs.replay(train, after)?;
         let (mut mean_reward, mut episodes_done) = (None, None);
         let (mut updates, mut updates_queued) = (Vec::new(), if train { g } else { 0 });
         if read {
